@@ -1,0 +1,28 @@
+"""vmemkv: a KV-cache memory manager on virtual-memory page mapping.
+
+Each request's KV cache is virtually contiguous (attention kernels read it without a block table)
+while physical pages come from a reference-counted pool with prefix caching, copy-on-write and
+preemption. See README.md for the API.
+"""
+
+from .errors import (ConfigError, CudaDriverError, MappingError, MappingLimitError,
+                     OutOfPagesError, PageStateError, RequestTooLongError, VmemkvError)
+from .hashing import CacheKeys, MultimodalItem
+from .layout import KVLayout
+from .manager import (CacheConfig, KVCacheManager, PreemptionEstimate, PrefixCacheBusyError,
+                      UnknownRequestError)
+from .pool import PagePool
+from .slots import NoFreeSlotError
+from .swap import OutOfSwapSpaceError
+
+__version__ = "0.1.0"
+
+_ENGINE_NAMES = {"LLM", "SamplingParams", "EngineConfig"}
+
+
+def __getattr__(name: str):
+    # The engine pulls in transformers; load it only when asked for.
+    if name in _ENGINE_NAMES:
+        from . import engine
+        return getattr(engine, name)
+    raise AttributeError(f"module 'vmemkv' has no attribute {name!r}")

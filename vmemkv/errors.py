@@ -1,0 +1,34 @@
+"""Exceptions of vmemkv. Each message says what was asked, what the limit is, and what to change."""
+
+
+class VmemkvError(Exception):
+    """Base class of every error vmemkv raises on purpose."""
+
+
+class ConfigError(VmemkvError, ValueError):
+    """A size, shape or option that cannot work (for example a page size that is not a multiple
+    of the OS page or of the CUDA allocation granularity)."""
+
+
+class MappingError(VmemkvError):
+    """A map or unmap request that is outside a reservation, or that the OS or driver refused."""
+
+
+class MappingLimitError(MappingError):
+    """Mapping would exceed the OS limit on separate mappings (``vm.max_map_count``)."""
+
+
+class OutOfPagesError(VmemkvError):
+    """The page pool cannot supply the pages asked for; nothing was changed."""
+
+
+class PageStateError(VmemkvError):
+    """A page operation that breaks the pool's rules, such as freeing a page twice."""
+
+
+class RequestTooLongError(VmemkvError, ValueError):
+    """A request needs more tokens than ``max_model_len`` allows."""
+
+
+class CudaDriverError(VmemkvError):
+    """A CUDA driver call failed; the message carries the driver's own error string."""

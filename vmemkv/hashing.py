@@ -1,0 +1,73 @@
+"""Content hashes of full pages for the prefix cache.
+
+``h_0 = H(root, tokens of page 0, keys of page 0)``, ``h_i = H(h_{i-1}, tokens of page i, keys of
+page i)``, where ``root = H(seed, adapter id, cache salt)``. The chain makes a page's hash name its
+whole prefix, so equal hashes mean equal KV. ``seed`` is random per process unless configured, so
+hashes cannot be predicted (or collided on purpose) from outside.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class MultimodalItem:
+    """A multimodal input (an image, say) occupying prompt positions ``[offset, offset + length)``,
+    named by a hash of its content."""
+
+    offset: int
+    length: int
+    content_hash: bytes
+
+
+@dataclass(frozen=True)
+class CacheKeys:
+    """What besides token ids decides whether two prefixes have the same KV."""
+
+    adapter_id: str | int | None = None
+    cache_salt: str | None = None
+    multimodal: tuple[MultimodalItem, ...] = field(default_factory=tuple)
+
+
+class PrefixHasher:
+    def __init__(self, algorithm: str = "sha256", seed: bytes | None = None):
+        if algorithm not in ("sha256", "blake2b"):
+            raise ConfigError(f"hash algorithm must be 'sha256' or 'blake2b', got {algorithm!r}")
+        self.algorithm = algorithm
+        self.seed = os.urandom(32) if seed is None else bytes(seed)
+
+    def _new(self):
+        return hashlib.sha256() if self.algorithm == "sha256" else hashlib.blake2b(digest_size=32)
+
+    def root(self, keys: CacheKeys) -> bytes:
+        h = self._new()
+        h.update(self.seed)
+        h.update(repr((keys.adapter_id, keys.cache_salt)).encode())
+        return h.digest()
+
+    def page_hashes(self, token_ids: Sequence[int], tokens_per_page: int, keys: CacheKeys,
+                    start_page: int = 0, parent: bytes | None = None) -> list[bytes]:
+        """Hashes of the full pages of ``token_ids`` from page ``start_page`` on, continuing the
+        chain from ``parent`` (the hash of page ``start_page - 1``, or the root)."""
+        parent = self.root(keys) if parent is None else parent
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        hashes = []
+        for page in range(start_page, len(tokens) // tokens_per_page):
+            begin = page * tokens_per_page
+            h = self._new()
+            h.update(parent)
+            h.update(tokens[begin:begin + tokens_per_page].tobytes())
+            for item in keys.multimodal:
+                if item.offset < begin + tokens_per_page and begin < item.offset + item.length:
+                    h.update(item.content_hash)
+            parent = h.digest()
+            hashes.append(parent)
+        return hashes
