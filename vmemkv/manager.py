@@ -1,0 +1,556 @@
+"""The scheduler-facing KV cache manager.
+
+Each running request is bound to a slot and owns one reference on each block (logical page) of
+its KV. The manager is mechanism only: it answers "can this fit?" with no side effects, and does
+what it is told (admit, allocate, commit, fork, reorder, free, preempt, swap in). Whom to preempt
+and when is the scheduler's business.
+
+Life of a request::
+
+    cached = manager.admit("r1", prompt_ids)      # binds a slot, maps prefix hits, reserves the rest
+    ... forward pass writes K/V for positions [cached, len(prompt_ids)) through kv_views() ...
+    manager.commit("r1")                          # computed; full pages join the prefix cache
+    manager.allocate("r1", 1, [next_token])       # decode: a new page only at a page boundary
+    ...
+    manager.free("r1")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import numpy as np
+import torch
+
+from .errors import ConfigError, PageStateError, RequestTooLongError, VmemkvError
+from .hashing import CacheKeys, PrefixHasher
+from .layout import KVLayout, LayoutKind, default_page_size
+from .pool import PagePool
+from .slots import NoFreeSlotError, SlotMapper
+from .swap import OutOfSwapSpaceError, SwapSpace
+from .vmm import create_backend
+from .vmm.base import VirtualMemoryBackend
+
+CUDA_GRANULARITY = 2 << 20
+
+
+class PrefixCacheBusyError(VmemkvError):
+    """The prefix cache cannot be reset while requests hold pages."""
+
+
+class UnknownRequestError(VmemkvError, KeyError):
+    """No request with this id is known to the manager (in that state)."""
+
+
+@dataclass
+class CacheConfig:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_blocks: int  # logical pages in the pool
+    max_num_seqs: int  # slots
+    max_model_len: int  # tokens each slot can hold
+    dtype: torch.dtype = torch.float16
+    device: str = "cpu"
+    tokens_per_page: int = 16
+    page_size: int | None = None  # bytes; derived from tokens_per_page when None
+    layout: LayoutKind = "token_major"
+    enable_prefix_caching: bool = True
+    hash_algorithm: str = "sha256"
+    hash_seed: bytes | None = None  # random per process when None
+    swap_space_bytes: int = 0
+    # Rates for the swap-or-recompute estimate; measure them on your machine for better choices.
+    swap_bytes_per_second: float = 10e9
+    prefill_tokens_per_second: float = 10e3
+
+    def make_layout(self) -> KVLayout:
+        granularity = CUDA_GRANULARITY if str(self.device).startswith("cuda") else 4096
+        page_size = self.page_size or default_page_size(
+            self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.tokens_per_page,
+            granularity, self.layout)
+        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, page_size,
+                        self.layout)
+
+
+@dataclass
+class CacheStats:
+    prefix_queried_tokens: int = 0  # prompt tokens looked up at first admission
+    prefix_hit_tokens: int = 0
+    reprefill_queried_tokens: int = 0  # the same, for re-admission after preemption
+    reprefill_hit_tokens: int = 0
+    preemptions_recompute: int = 0
+    preemptions_swap: int = 0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    forks: int = 0
+    pages_copied: int = 0  # copy-on-write copies of partial pages
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
+
+
+@dataclass
+class PreemptionEstimate:
+    """What each way of preempting a request would cost.
+
+    swap: ``2 * swap_bytes / swap_bytes_per_second`` (out now, in later);
+    recompute: ``recompute_tokens / prefill_tokens_per_second``, where ``recompute_tokens`` are the
+    computed tokens not covered by pages that other requests keep alive (those will still hit).
+    Swap is chosen only when it is cheaper and the swap space has room.
+    """
+
+    swap_bytes: int
+    recompute_tokens: int
+    swap_seconds: float
+    recompute_seconds: float
+    swap_fits: bool
+
+    @property
+    def cheaper(self) -> Literal["swap", "recompute"]:
+        return "swap" if self.swap_fits and self.swap_seconds < self.recompute_seconds else "recompute"
+
+
+@dataclass
+class _Request:
+    request_id: str
+    keys: CacheKeys
+    token_ids: list[int]
+    blocks: list[int] = field(default_factory=list)  # one reference held on each
+    num_tokens: int = 0  # positions reserved (written or about to be)
+    num_computed: int = 0  # positions whose K/V is written
+    hashes: list[bytes] = field(default_factory=list)  # chain hashes of full pages known so far
+    num_registered: int = 0  # leading full pages already offered to the prefix cache
+    slot: int | None = None
+    swapped: list[tuple[int, int]] | None = None  # (index in blocks, host block) while swapped
+
+
+class KVCacheManager:
+    def __init__(self, config: CacheConfig, backend: VirtualMemoryBackend | None = None):
+        self.config = config
+        self.layout = config.make_layout()
+        self.tokens_per_page = self.layout.tokens_per_page
+        if config.max_model_len <= 0 or config.max_num_seqs <= 0:
+            raise ConfigError("max_model_len and max_num_seqs must be positive")
+        self.backend = backend or create_backend(
+            config.device, self.layout.page_size, config.num_blocks * self.layout.pages_per_block)
+        self.pool = PagePool(config.num_blocks)
+        self.slots = SlotMapper(self.backend, self.layout, config.max_num_seqs, config.max_model_len)
+        self.hasher = PrefixHasher(config.hash_algorithm, config.hash_seed)
+        self.swap = SwapSpace(config.swap_space_bytes // self.layout.block_bytes,
+                              self.layout.block_bytes,
+                              pin_memory=str(config.device).startswith("cuda"))
+        self.stats = CacheStats()
+        self._requests: dict[str, _Request] = {}
+        self._preempted: set[str] = set()  # recompute-preempted ids, to count their re-prefill
+
+    # --- queries without side effects ----------------------------------------------------------
+    @property
+    def num_free_slots(self) -> int:
+        return self.slots.num_free
+
+    def usage(self) -> float:
+        """Fraction of blocks held by requests."""
+        return self.pool.num_in_use / self.pool.num_pages
+
+    def match_prefix(self, token_ids: Sequence[int], keys: CacheKeys = CacheKeys()) -> tuple[list[int], list[bytes]]:
+        """Cached blocks holding a prefix of ``token_ids`` (whole pages, leaving at least one
+        token to compute) and the hashes of all full pages of ``token_ids``."""
+        if not self.config.enable_prefix_caching:
+            return [], []
+        hashes = self.hasher.page_hashes(token_ids, self.tokens_per_page, keys)
+        hits = []
+        for h in hashes[: (len(token_ids) - 1) // self.tokens_per_page]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, hashes
+
+    def can_admit(self, token_ids: Sequence[int], keys: CacheKeys = CacheKeys()) -> bool:
+        """Whether ``admit`` of all of ``token_ids`` would succeed now."""
+        hits, _ = self.match_prefix(token_ids, keys)
+        return self.slots.num_free > 0 and self._fits_admission(hits, len(token_ids))
+
+    def can_allocate(self, request_id: str, num_new_tokens: int) -> bool:
+        req = self._running(request_id)
+        return self._blocks_needed(req, num_new_tokens) <= self.pool.num_free
+
+    def blocks_needed(self, request_id: str, num_new_tokens: int) -> int:
+        return self._blocks_needed(self._running(request_id), num_new_tokens)
+
+    # --- admission and growth ------------------------------------------------------------------
+    def admit(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int | None = None,
+              keys: CacheKeys = CacheKeys(), token_budget: int | None = None,
+              slot: int | None = None) -> int | None:
+        """Bind a request to a slot (``slot`` when given), map its cached prefix, and reserve
+        positions for ``num_new_tokens`` more tokens (default: the rest of ``token_ids``; at most
+        ``token_budget``, for chunked prefill). Returns how many tokens are already computed, or
+        None, changing nothing, when no slot (or not ``slot``) or not enough blocks are free."""
+        if request_id in self._requests:
+            raise PageStateError(f"request {request_id!r} is already admitted")
+        self._check_length(request_id, len(token_ids))
+        hits, hashes = self.match_prefix(token_ids, keys)
+        cached = len(hits) * self.tokens_per_page
+        new = len(token_ids) - cached if num_new_tokens is None else num_new_tokens
+        if token_budget is not None:
+            new = min(new, token_budget)
+        self._check_length(request_id, cached + new)
+        if not self._slot_available(slot) or not self._fits_admission(hits, cached + new):
+            return None
+        repeat = request_id in self._preempted
+        self._preempted.discard(request_id)
+        if self.config.enable_prefix_caching:
+            if repeat:
+                self.stats.reprefill_queried_tokens += len(token_ids)
+                self.stats.reprefill_hit_tokens += cached
+            else:
+                self.stats.prefix_queried_tokens += len(token_ids)
+                self.stats.prefix_hit_tokens += cached
+        self.pool.acquire(hits)  # first, so making room below cannot evict them
+        req = _Request(request_id, keys, list(token_ids), blocks=list(hits), num_tokens=cached,
+                       num_computed=cached, hashes=hashes, num_registered=len(hits))
+        req.slot = self.slots.bind(hits[0] if hits else None, slot)
+        self._requests[request_id] = req
+        self.slots.map_blocks(req.slot, 0, hits)
+        self._grow(req, new)
+        return cached
+
+    def allocate(self, request_id: str, num_new_tokens: int, new_token_ids: Sequence[int] = ()) -> bool:
+        """Reserve ``num_new_tokens`` more positions (mapping a block only when crossing a page
+        boundary), recording ``new_token_ids`` as the request's next tokens. Returns False,
+        changing nothing, when the blocks are not there."""
+        req = self._running(request_id)
+        self._check_length(request_id, req.num_tokens + num_new_tokens)
+        if self._blocks_needed(req, num_new_tokens) > self.pool.num_free:
+            return False
+        req.token_ids.extend(new_token_ids)
+        self._grow(req, num_new_tokens)
+        return True
+
+    def commit(self, request_id: str, num_computed_tokens: int | None = None) -> None:
+        """Mark positions up to ``num_computed_tokens`` (default: all reserved) as written. Pages
+        that are now full join the prefix cache and are never written again."""
+        req = self._running(request_id)
+        done = req.num_tokens if num_computed_tokens is None else num_computed_tokens
+        if not req.num_computed <= done <= min(req.num_tokens, len(req.token_ids)):
+            raise PageStateError(
+                f"request {request_id!r}: cannot mark {done} tokens computed; it has "
+                f"{req.num_computed} computed, {req.num_tokens} reserved, {len(req.token_ids)} known")
+        req.num_computed = done
+        full = done // self.tokens_per_page
+        if not self.config.enable_prefix_caching or full <= req.num_registered:
+            return
+        if full > len(req.hashes):
+            parent = req.hashes[-1] if req.hashes else None
+            req.hashes += self.hasher.page_hashes(req.token_ids[: full * self.tokens_per_page],
+                                                  self.tokens_per_page, req.keys,
+                                                  start_page=len(req.hashes), parent=parent)
+        for index in range(req.num_registered, full):
+            if self.pool.hash_of[req.blocks[index]] is None:
+                self.pool.register(req.blocks[index], req.hashes[index])
+        req.num_registered = full
+
+    # --- copy-on-write -------------------------------------------------------------------------
+    def fork(self, parent_id: str, child_id: str, slot: int | None = None) -> bool:
+        """Start ``child_id`` as a copy of ``parent_id`` in another slot (``slot`` when given):
+        full pages shared, the partial last page copied. Returns False, changing nothing, without
+        a slot (or not ``slot``) or a block."""
+        parent = self._running(parent_id)
+        if child_id in self._requests:
+            raise PageStateError(f"request {child_id!r} already exists")
+        self._require_committed(parent)
+        partial = parent.num_tokens % self.tokens_per_page != 0
+        if not self._slot_available(slot) or (partial and not self.pool.num_free):
+            return False
+        child = _Request(child_id, parent.keys, list(parent.token_ids), num_tokens=parent.num_tokens,
+                         num_computed=parent.num_computed, hashes=list(parent.hashes),
+                         num_registered=parent.num_registered)
+        child.blocks = self._share(parent.blocks, partial)
+        child.slot = self.slots.bind(child.blocks[0] if child.blocks else None, slot)
+        self._requests[child_id] = child
+        self.slots.map_blocks(child.slot, 0, child.blocks)
+        self.stats.forks += 1
+        return True
+
+    def reorder(self, request_ids: Sequence[str], source_ids: Sequence[str]) -> bool:
+        """Beam-search reorder: request ``request_ids[i]`` becomes a copy of ``source_ids[i]``
+        (as they were before the call). Full pages are remapped, never copied; a partial page is
+        copied only when more than one request takes it. Returns False, changing nothing, when
+        the copies need more free blocks than there are."""
+        rows = [self._running(r) for r in request_ids]
+        sources = [self._running(s) for s in source_ids]
+        for source in sources:
+            self._require_committed(source)
+        # A source's partial page moves (no copy) to the first row that takes it, itself first.
+        owner: dict[str, int] = {}
+        for i, (row, source) in enumerate(zip(rows, sources)):
+            if row is source:
+                owner[source.request_id] = i
+        for i, source in enumerate(sources):
+            owner.setdefault(source.request_id, i)
+        partial = [s.num_tokens % self.tokens_per_page != 0 for s in sources]
+        copies = sum(p and owner[s.request_id] != i for i, (s, p) in enumerate(zip(sources, partial)))
+        if copies > self.pool.num_free:
+            return False
+        snapshots = [(list(s.blocks), list(s.token_ids), s.num_tokens, s.num_computed,
+                      list(s.hashes), s.num_registered) for s in sources]
+        new_blocks = []
+        for i, (source, is_partial) in enumerate(zip(sources, partial)):
+            blocks = snapshots[i][0]
+            if is_partial and owner[source.request_id] == i:
+                self.pool.acquire(blocks)  # the same pages; the old references go below
+                new_blocks.append(list(blocks))
+            else:
+                new_blocks.append(self._share(blocks, is_partial))
+        for row in rows:
+            self.pool.release(reversed(row.blocks))
+        for row, blocks, (_, tokens, num_tokens, num_computed, hashes, registered) in zip(
+                rows, new_blocks, snapshots):
+            row.blocks, row.token_ids, row.num_tokens = blocks, list(tokens), num_tokens
+            row.num_computed, row.hashes, row.num_registered = num_computed, list(hashes), registered
+            self.slots.map_blocks(row.slot, 0, blocks)
+        return True
+
+    # --- freeing and preemption ----------------------------------------------------------------
+    def free(self, request_id: str) -> None:
+        """Release a request (running or swapped). Its blocks go back deepest first, so a shared
+        prefix outlives its tails in the LRU queue; its slot keeps its mappings."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            raise UnknownRequestError(f"no request {request_id!r} to free")
+        self._preempted.discard(request_id)
+        if req.swapped is not None:
+            swapped = {index for index, _ in req.swapped}
+            self.swap.discard([host for _, host in req.swapped])
+            kept = [b for i, b in enumerate(req.blocks) if i not in swapped]
+            self.pool.release(reversed(kept))
+            return
+        self.pool.release(reversed(req.blocks))
+        self.slots.release(req.slot)
+
+    def estimate_preemption(self, request_id: str) -> PreemptionEstimate:
+        req = self._running(request_id)
+        private = [b for b in req.blocks if self.pool.ref[b] == 1]
+        swap_bytes = len(private) * self.layout.block_bytes
+        surviving = 0
+        for block in req.blocks:  # a prefix kept alive by other requests will hit again
+            if self.pool.ref[block] > 1 and self.pool.hash_of[block] is not None:
+                surviving += self.tokens_per_page
+            else:
+                break
+        recompute = max(req.num_computed - surviving, 0)
+        return PreemptionEstimate(
+            swap_bytes, recompute, 2 * swap_bytes / self.config.swap_bytes_per_second,
+            recompute / self.config.prefill_tokens_per_second, len(private) <= self.swap.num_free)
+
+    def preempt(self, request_id: str, mode: Literal["recompute", "swap", "auto"] = "auto") -> str:
+        """Take a running request off the device; returns the mode used.
+
+        recompute: its blocks are released (cached ones may be hit when it is admitted again with
+        all its tokens). swap: its private blocks are copied to host swap space and released;
+        blocks shared with other requests stay referenced; ``swap_in`` brings it back."""
+        req = self._running(request_id)
+        self._require_committed(req)
+        if mode == "auto":
+            mode = self.estimate_preemption(request_id).cheaper
+        if mode == "recompute":
+            self.free(request_id)
+            self._preempted.add(request_id)
+            self.stats.preemptions_recompute += 1
+            return mode
+        if mode != "swap":
+            raise ConfigError(f"preemption mode must be 'recompute', 'swap' or 'auto', got {mode!r}")
+        private = [i for i, b in enumerate(req.blocks) if self.pool.ref[b] == 1]
+        host = self.swap.store(self._block_window(), [req.blocks[i] for i in private])
+        self.pool.release(reversed([req.blocks[i] for i in private]))
+        req.swapped = list(zip(private, host))
+        self.slots.release(req.slot)
+        req.slot = None
+        self.stats.preemptions_swap += 1
+        self.stats.swap_out_bytes += len(private) * self.layout.block_bytes
+        return mode
+
+    def swap_in(self, request_id: str) -> bool:
+        """Bring a swapped request back into any free slot, bit-exact. Returns False, changing
+        nothing, without a free slot or enough blocks."""
+        req = self._requests.get(request_id)
+        if req is None or req.swapped is None:
+            raise UnknownRequestError(f"request {request_id!r} is not swapped out")
+        revive = {}  # swapped full pages still in the prefix cache are taken, not copied back
+        for index, _ in req.swapped:
+            if index < req.num_registered:
+                block = self.pool.lookup(req.hashes[index])
+                if block is not None:
+                    revive[index] = block
+        revived_cached = sum(self.pool.ref[b] == 0 for b in revive.values())
+        needed = len(req.swapped) - len(revive)
+        if not self.slots.num_free or needed > self.pool.num_free - revived_cached:
+            return False
+        self.pool.acquire(revive.values())
+        copy = [(index, host) for index, host in req.swapped if index not in revive]
+        fresh = self.pool.allocate(len(copy))
+        self.swap.load(self._block_window(), [host for _, host in copy], fresh)
+        self.swap.discard([host for index, host in req.swapped if index in revive])
+        for (index, _), block in zip(copy, fresh):
+            req.blocks[index] = block
+        for index, block in revive.items():
+            req.blocks[index] = block
+        for index, block in zip(range(req.num_registered), req.blocks):
+            if self.pool.hash_of[block] is None:
+                self.pool.register(block, req.hashes[index])
+        req.swapped = None
+        req.slot = self.slots.bind(req.blocks[0] if req.blocks else None)
+        self.slots.map_blocks(req.slot, 0, req.blocks)
+        self.stats.swap_in_bytes += len(copy) * self.layout.block_bytes
+        return True
+
+    def reset_prefix_cache(self) -> int:
+        """Forget all cached content. Refused while any request holds blocks (their hashes would
+        go stale mid-flight). Returns how many cached blocks were dropped."""
+        if self.pool.num_in_use:
+            raise PrefixCacheBusyError(
+                f"cannot reset the prefix cache: {self.pool.num_in_use} blocks are held by "
+                f"{len(self._requests)} request(s); free or finish them first")
+        return self.pool.reset_cache()
+
+    # --- what attention and the engine read ---------------------------------------------------
+    def kv_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.slots.kv_views(layer)
+
+    def slot_of(self, request_id: str) -> int:
+        return self._running(request_id).slot
+
+    def num_tokens(self, request_id: str) -> int:
+        return self._running(request_id).num_tokens
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        return self._requests[request_id].num_computed
+
+    def block_table(self, request_id: str) -> list[int]:
+        return list(self._running(request_id).blocks)
+
+    def token_ids(self, request_id: str) -> list[int]:
+        return list(self._requests[request_id].token_ids)
+
+    def is_swapped(self, request_id: str) -> bool:
+        req = self._requests.get(request_id)
+        return req is not None and req.swapped is not None
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def snapshot_stats(self) -> dict:
+        pool = self.pool.counters()
+        slots = self.slots.stats
+        return {
+            **{k: getattr(self.stats, k) for k in self.stats.__dataclass_fields__},
+            "prefix_hit_rate": self.stats.prefix_hit_rate,
+            "usage": self.usage(),
+            "blocks_total": pool.num_pages, "blocks_in_use": pool.in_use,
+            "blocks_cached": pool.cached, "blocks_clean": pool.clean, "evictions": pool.evictions,
+            "map_calls": slots.map_calls, "pages_mapped": slots.pages_mapped,
+            "map_calls_saved": slots.pages_already_mapped, "unmap_calls": slots.unmap_calls,
+            "pages_unmapped": slots.pages_unmapped,
+        }
+
+    # --- invariants ------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Assert DESIGN.md's invariants over the pool, the slots and every request."""
+        self.pool.check()
+        refs = np.zeros(self.pool.num_pages, dtype=np.int64)
+        bound = []
+        writers: dict[int, str] = {}
+        for req in self._requests.values():
+            swapped = {i for i, _ in req.swapped} if req.swapped is not None else set()
+            held = [b for i, b in enumerate(req.blocks) if i not in swapped]
+            np.add.at(refs, np.asarray(held, dtype=np.int64), 1)
+            assert req.num_computed <= req.num_tokens <= len(req.blocks) * self.tokens_per_page
+            assert len(req.blocks) == self.layout.logical_pages_for(req.num_tokens), (
+                f"{req.request_id}: {len(req.blocks)} blocks for {req.num_tokens} tokens")
+            if req.swapped is not None:
+                assert req.slot is None
+                continue
+            bound.append(req.slot)
+            mapped = self.slots.mapped_blocks(req.slot, len(req.blocks))
+            expected = self.layout.physical_pages(np.asarray(req.blocks, dtype=np.int64))
+            assert np.array_equal(mapped, expected[: len(mapped)]), (
+                f"{req.request_id}: slot {req.slot} maps {mapped.tolist()}, owns {req.blocks}")
+            for block in req.blocks[req.num_computed // self.tokens_per_page:]:  # writable pages
+                assert self.pool.hash_of[block] is None, f"{req.request_id} can write hashed block {block}"
+                assert self.pool.ref[block] == 1, f"{req.request_id} can write shared block {block}"
+                assert block not in writers, f"block {block} writable by {writers.get(block)} and {req.request_id}"
+                writers[block] = req.request_id
+        assert np.array_equal(refs, np.asarray(self.pool.ref)), "reference counts differ from references held"
+        assert len(set(bound)) == len(bound), "two requests share a slot"
+        assert not set(bound) & set(self.slots.free_slots()), "a bound slot is also free"
+        assert len(bound) + self.slots.num_free == self.slots.num_slots, "a slot was lost"
+        swapped_host = sum(len(r.swapped) for r in self._requests.values() if r.swapped is not None)
+        assert swapped_host + self.swap.num_free == self.swap.num_blocks, "swap space leaked"
+
+    def close(self) -> None:
+        self.slots.close()
+        self.backend.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- internals --------------------------------------------------------------------------------
+    def _running(self, request_id: str) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None or req.swapped is not None:
+            raise UnknownRequestError(f"no running request {request_id!r}")
+        return req
+
+    def _check_length(self, request_id: str, num_tokens: int) -> None:
+        if num_tokens > self.config.max_model_len:
+            raise RequestTooLongError(
+                f"request {request_id!r} needs {num_tokens} tokens but max_model_len is "
+                f"{self.config.max_model_len}; shorten it or raise max_model_len")
+
+    def _slot_available(self, slot: int | None) -> bool:
+        return self.slots.num_free > 0 if slot is None else self.slots.is_free(slot)
+
+    def _require_committed(self, req: _Request) -> None:
+        if req.num_computed != req.num_tokens:
+            raise PageStateError(
+                f"request {req.request_id!r} has {req.num_tokens - req.num_computed} reserved "
+                "tokens not yet computed; commit() them first")
+
+    def _blocks_needed(self, req: _Request, num_new_tokens: int) -> int:
+        return self.layout.logical_pages_for(req.num_tokens + num_new_tokens) - len(req.blocks)
+
+    def _fits_admission(self, hits: list[int], total: int) -> bool:
+        needed = self.layout.logical_pages_for(total) - len(hits)
+        revived = sum(self.pool.ref[b] == 0 for b in hits)  # taken out of the free queue first
+        return needed <= self.pool.num_free - revived
+
+    def _grow(self, req: _Request, num_new_tokens: int) -> None:
+        needed = self._blocks_needed(req, num_new_tokens)
+        if needed > 0:
+            first = len(req.blocks)
+            new = self.pool.allocate(needed)
+            req.blocks += new
+            self.slots.map_blocks(req.slot, first, new)
+        req.num_tokens += num_new_tokens
+
+    def _share(self, blocks: list[int], partial: bool) -> list[int]:
+        """References on ``blocks``: shared full pages, and a private copy of the last one when
+        ``partial``."""
+        full = blocks[:-1] if partial else blocks
+        self.pool.acquire(full)
+        if not partial:
+            return list(full)
+        (copy,) = self.pool.allocate(1)
+        self.backend.copy_pages(self.layout.physical_pages(np.array([blocks[-1]])).tolist(),
+                                self.layout.physical_pages(np.array([copy])).tolist())
+        self.stats.pages_copied += 1
+        return list(full) + [copy]
+
+    def _block_window(self) -> torch.Tensor:
+        """The pool as ``[num_blocks, block_bytes]`` uint8 rows."""
+        return self.backend.pool_window().view(self.pool.num_pages, self.layout.block_bytes)

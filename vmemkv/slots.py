@@ -1,0 +1,162 @@
+"""Slots: what each slot's virtual addresses point to (mapping state, never ownership).
+
+All ``num_slots`` slots live in one reservation, slot ``s`` at virtual pages
+``[s * slot_pages, (s + 1) * slot_pages)``, so one strided tensor per layer covers every slot
+(``[slot, token, kv_head, dim]``), which is what ``cache_batch_idx``-style kernels want.
+
+Reclamation is deferred: when a request leaves, its slot keeps its mappings, and the next request
+bound there maps only the positions whose block differs. Stale mappings are harmless because a
+request only reads below its length and maps its own block before writing a position. They are
+unmapped only when the OS mapping budget runs short (``reclaim_stale``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import MappingLimitError, VmemkvError
+from .layout import KVLayout
+from .vmm.base import VirtualMemoryBackend
+
+
+class NoFreeSlotError(VmemkvError):
+    """Every slot is bound to a request."""
+
+
+@dataclass
+class SlotStats:
+    map_calls: int = 0  # backend calls after coalescing
+    pages_mapped: int = 0
+    pages_already_mapped: int = 0  # map calls saved by deferred reclamation
+    unmap_calls: int = 0
+    pages_unmapped: int = 0
+
+
+class SlotMapper:
+    def __init__(self, backend: VirtualMemoryBackend, layout: KVLayout, num_slots: int,
+                 max_tokens: int):
+        self.backend = backend
+        self.layout = layout
+        self.num_slots = num_slots
+        self.max_tokens = max_tokens
+        self.slot_pages = layout.slot_pages(max_tokens)
+        self.vrange = backend.reserve(num_slots * self.slot_pages)
+        self.page_table = self.vrange.page_table  # the backend keeps it current
+        self._free = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 is taken first
+        self.stats = SlotStats()
+        self._views = [self._layer_views(layer) for layer in range(layout.num_layers)]
+
+    # --- binding ------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def free_slots(self) -> list[int]:
+        return list(self._free)
+
+    def is_free(self, slot: int) -> bool:
+        return slot in self._free
+
+    def bind(self, first_block: int | None = None, slot: int | None = None) -> int:
+        """Take a free slot: ``slot`` when given (callers that need rows in consecutive slots,
+        such as a batch viewed as one strided tensor), else one whose first page already maps
+        ``first_block`` if there is one (a prefix hit then costs no map call), else the most
+        recently released."""
+        if slot is not None:
+            if slot not in self._free:
+                raise NoFreeSlotError(f"slot {slot} is not free (free: {sorted(self._free)})")
+            self._free.remove(slot)
+            return slot
+        if not self._free:
+            raise NoFreeSlotError(f"all {self.num_slots} slots are bound; free a request first")
+        index = len(self._free) - 1
+        if first_block is not None and len(self._free) > 1:
+            # the first physical page of each free slot's logical page 0
+            virtual = self._virtual(np.asarray(self._free), 0)[:len(self._free)]
+            physical = self.layout.physical_pages(np.array([first_block]))[0]
+            matches = np.flatnonzero(self.page_table[virtual] == physical)
+            if len(matches):
+                index = int(matches[-1])
+        return self._free.pop(index)
+
+    def release(self, slot: int) -> None:
+        """Give a slot back; its mappings stay for the next request."""
+        self._free.append(slot)
+
+    # --- mapping --------------------------------------------------------------------------------
+    def map_blocks(self, slot: int, first_logical: int, blocks: list[int]) -> None:
+        """Make logical pages ``first_logical ..`` of ``slot`` point to ``blocks``, mapping only
+        the pages whose current block differs."""
+        if not blocks:
+            return
+        logical = np.arange(first_logical, first_logical + len(blocks), dtype=np.int64)
+        virtual = self._virtual(np.full(len(blocks), slot, dtype=np.int64), logical)
+        physical = self.layout.physical_pages(np.asarray(blocks, dtype=np.int64))
+        stale = self.page_table[virtual] != physical
+        changed = int(stale.sum())
+        self.stats.pages_already_mapped += len(virtual) - changed
+        if not changed:
+            return
+        virtual, physical = virtual[stale], physical[stale]
+        calls = self.backend.stats.map_calls
+        try:
+            self.backend.map(self.vrange, virtual, physical)
+        except MappingLimitError:
+            self.reclaim_stale()  # the refused call changed nothing; make room and retry once
+            self.backend.map(self.vrange, virtual, physical)
+        self.stats.map_calls += self.backend.stats.map_calls - calls
+        self.stats.pages_mapped += changed
+
+    def reclaim_stale(self, keep: dict[int, int] | None = None) -> None:
+        """Unmap what no request needs: every page of free slots, and, for bound slots given in
+        ``keep`` as ``{slot: logical pages in use}``, the pages past that count."""
+        keep = keep or {}
+        spans = [(slot, 0) for slot in self._free] + list(keep.items())
+        virtual = [self._virtual_span(slot, start) for slot, start in spans]
+        virtual = np.concatenate(virtual) if virtual else np.empty(0, dtype=np.int64)
+        virtual = virtual[self.page_table[virtual] >= 0]
+        if len(virtual):
+            calls = self.backend.stats.unmap_calls
+            self.backend.unmap(self.vrange, virtual)
+            self.stats.unmap_calls += self.backend.stats.unmap_calls - calls
+            self.stats.pages_unmapped += len(virtual)
+
+    def mapped_blocks(self, slot: int, num_logical: int) -> np.ndarray:
+        """The physical pages the first ``num_logical`` logical pages of ``slot`` point to."""
+        logical = np.arange(num_logical, dtype=np.int64)
+        return self.page_table[self._virtual(np.full(num_logical, slot, dtype=np.int64), logical)]
+
+    def _virtual(self, slots: np.ndarray, logical) -> np.ndarray:
+        """Virtual pages of logical page(s) ``logical`` in ``slots`` (pairwise, broadcast)."""
+        logical = np.broadcast_to(np.asarray(logical, dtype=np.int64), np.shape(slots))
+        per_slot = self.layout.virtual_pages(logical, self.max_tokens)
+        bases = np.tile(np.asarray(slots, dtype=np.int64), self.layout.pages_per_block)
+        return per_slot + bases * self.slot_pages
+
+    def _virtual_span(self, slot: int, first_logical: int) -> np.ndarray:
+        count = self.layout.logical_pages_for(self.max_tokens) - first_logical
+        logical = np.arange(first_logical, first_logical + count, dtype=np.int64)
+        return self._virtual(np.full(count, slot, dtype=np.int64), logical)
+
+    # --- views --------------------------------------------------------------------------------
+    def kv_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V over every slot, ``[num_slots, max_tokens, kv_heads, dim]``.
+        Only positions a request has mapped may be touched."""
+        return self._views[layer]
+
+    def _layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        layout = self.layout
+        slot_elems = self.slot_pages * layout.page_size // layout.itemsize
+        shape = (self.num_slots, self.max_tokens, layout.num_kv_heads, layout.head_dim)
+        views = []
+        for kv in (0, 1):
+            strides, offset = layout.slot_view_geometry(layer, kv, self.max_tokens)
+            views.append(self.backend.tensor(self.vrange, layout.dtype, shape,
+                                             (slot_elems, *strides), offset * layout.itemsize))
+        return views[0], views[1]
+
+    def close(self) -> None:
+        self.backend.release(self.vrange)
