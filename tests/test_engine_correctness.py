@@ -1,0 +1,177 @@
+"""The engine's greedy tokens equal Hugging Face ``generate`` on the same weights, token for token,
+under batching, prefix hits, preemption (swap and recompute), chunked prefill and n > 1, on two
+architectures. After every test the cache's invariants hold and no page is held."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from vmemkv.engine import LLMEngine, EngineConfig, SamplingParams
+from vmemkv.engine.llm_engine import run_to_completion
+from vmemkv.engine.models import load_model
+from vmemkv.errors import RequestTooLongError
+
+NEW_TOKENS = 12
+
+
+@functools.cache
+def reference_model(name: str):
+    model, _ = load_model(name, seed=0)
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+@functools.cache
+def hf_greedy(name: str, prompt: tuple[int, ...], new_tokens: int = NEW_TOKENS) -> list[int]:
+    model = reference_model(name)
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def prompts(count: int, lengths=(5, 17, 33, 40, 9, 64, 23, 48), offset: int = 0) -> list[list[int]]:
+    return [[(31 * (i + offset) + 7 * j) % 250 + 1 for j in range(lengths[i % len(lengths)])]
+            for i in range(count)]
+
+
+def make_engine(model: str = "tiny-llama", **overrides) -> LLMEngine:
+    config = dict(model=model, max_num_seqs=8, max_model_len=256, swap_space_bytes=64 << 20)
+    config.update(overrides)
+    return LLMEngine(EngineConfig(**config))
+
+
+def greedy(n: int = 1) -> SamplingParams:
+    return SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, n=n)
+
+
+def run(engine: LLMEngine, token_prompts, params=None) -> list:
+    params = params or greedy()
+    final = run_to_completion(engine, [(str(i), p, params) for i, p in enumerate(token_prompts)])
+    return [final[str(i)] for i in range(len(token_prompts))]
+
+
+def assert_clean(engine: LLMEngine) -> None:
+    engine.manager.check()
+    assert engine.manager.pool.num_in_use == 0, "pages leaked"
+    assert not engine.has_unfinished_requests()
+
+
+def assert_matches_hf(model: str, token_prompts, outputs) -> None:
+    for prompt, output in zip(token_prompts, outputs):
+        expected = hf_greedy(model, tuple(prompt))
+        for completion in output.outputs:
+            assert completion.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
+def test_single_request_matches_hf(model):
+    engine = make_engine(model)
+    batch = prompts(1)
+    assert_matches_hf(model, batch, run(engine, batch))
+    assert_clean(engine)
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
+def test_ragged_batch_matches_hf(model):
+    engine = make_engine(model)
+    batch = prompts(8)
+    assert_matches_hf(model, batch, run(engine, batch))
+    assert_clean(engine)
+
+
+def test_prefix_hits_match_hf():
+    engine = make_engine()
+    system = prompts(1, lengths=(40,), offset=5)[0]
+    batch = [system + tail for tail in prompts(4, lengths=(3, 11, 20, 7))]
+    first = run(engine, batch[:1])
+    rest = run(engine, batch[1:])
+    assert all(output.num_cached_tokens == 32 for output in rest)  # two full 16-token pages
+    assert engine.manager.stats.prefix_hit_tokens >= 3 * 32
+    assert_matches_hf("tiny-llama", batch, first + rest)
+    assert_clean(engine)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_matches_hf(mode):
+    # 12 pages of 16 tokens for 6 sequences that each grow to ~3-4 pages: someone must wait.
+    engine = make_engine(num_blocks=12, preemption_mode=mode, enable_prefix_caching=False,
+                         watermark=0.0)
+    batch = prompts(6, lengths=(30, 35, 40, 28, 33, 38))
+    outputs = run(engine, batch, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    assert engine.scheduler.num_preemptions > 0
+    stats = engine.manager.stats
+    assert (stats.preemptions_swap if mode == "swap" else stats.preemptions_recompute) > 0
+    for prompt, output in zip(batch, outputs):
+        assert output.outputs[0].token_ids == hf_greedy("tiny-llama", tuple(prompt), 20)
+    assert_clean(engine)
+
+
+def test_chunked_prefill_matches_hf():
+    engine = make_engine(max_num_batched_tokens=24)
+    batch = prompts(4, lengths=(64, 50, 9, 33))
+    assert_matches_hf("tiny-llama", batch, run(engine, batch))
+    assert_clean(engine)
+
+
+def test_parallel_sampling_greedy_forks_match_hf():
+    engine = make_engine()
+    batch = prompts(2, lengths=(37, 21))
+    outputs = run(engine, batch, greedy(n=3))
+    assert all(len(output.outputs) == 3 for output in outputs)
+    assert engine.manager.stats.forks == 4  # two requests, two forks each
+    assert_matches_hf("tiny-llama", batch, outputs)
+    assert_clean(engine)
+
+
+def test_seeded_sampling_is_reproducible():
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=1234, ignore_eos=True)
+    batch = prompts(3)
+    first = run(make_engine(), batch, params)
+    engine = make_engine()
+    # Same seeds in a different batch composition must draw the same tokens.
+    second = run(engine, batch[::-1] + prompts(2, offset=9), params)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second[:3][::-1]]
+    assert len({tuple(o.outputs[0].token_ids) for o in first}) > 1
+    assert_clean(engine)
+
+
+def test_too_long_prompt_fails_alone():
+    engine = make_engine(max_model_len=64)
+    with pytest.raises(RequestTooLongError, match="max_model_len"):
+        engine.add_request("long", list(range(1, 65)), greedy())
+    batch = prompts(2, lengths=(10, 20))
+    assert_matches_hf("tiny-llama", batch, run(engine, batch))
+    assert_clean(engine)
+
+
+def test_prompt_larger_than_pool_fails_alone():
+    engine = make_engine(num_blocks=4)
+    with pytest.raises(RequestTooLongError, match="pool"):
+        engine.add_request("huge", list(range(1, 100)), greedy())
+    assert_clean(engine)
+
+
+def test_request_outgrowing_pool_fails_alone_others_finish():
+    # 4 pages hold 64 tokens; asking for 80 tokens after a 20-token prompt cannot fit.
+    engine = make_engine(num_blocks=4, enable_prefix_caching=False, watermark=0.0)
+    engine.add_request("big", prompts(1, lengths=(20,))[0],
+                       SamplingParams(max_tokens=80, temperature=0, ignore_eos=True))
+    final = run_to_completion(engine, [])
+    assert final["big"].outputs[0].finish_reason == "error"
+    assert "pool" in final["big"].error
+    batch = prompts(1, lengths=(10,))
+    assert_matches_hf("tiny-llama", batch, run(engine, batch))
+    assert_clean(engine)
+
+
+def test_abort_frees_pages():
+    engine = make_engine()
+    engine.add_request("a", prompts(1)[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert engine.manager.pool.num_in_use > 0
+    engine.abort_request("a")
+    assert_clean(engine)

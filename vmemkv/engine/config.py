@@ -1,0 +1,46 @@
+"""Engine configuration: one dataclass, shared by the offline API, the CLI and the server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..errors import ConfigError
+
+
+@dataclass
+class EngineConfig:
+    model: str = "tiny-llama"  # a built-in random-weight model name or a local HF directory
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_num_seqs: int = 64  # slots: sequences running at once
+    max_model_len: int = 1024
+    num_blocks: int | None = None  # KV pool size in pages; None: enough for every slot at full length
+    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
+    tokens_per_page: int = 16
+    enable_prefix_caching: bool = True
+    preemption_mode: Literal["auto", "swap", "recompute"] = "auto"
+    swap_space_bytes: int = 1 << 30
+    seed: int = 0
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    watermark: float = 0.01  # fraction of pages kept free at admission to avoid instant preemption
+    layout: Literal["token_major", "per_layer"] = "token_major"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0 or self.max_model_len <= 1 or self.max_num_batched_tokens <= 0:
+            raise ConfigError("max_num_seqs, max_num_batched_tokens must be positive and "
+                              "max_model_len at least 2")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ConfigError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ConfigError(f"policy must be fcfs or priority, got {self.policy!r}")
+        self.torch_dtype  # validates the name
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype = getattr(torch, str(self.dtype).removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ConfigError(f"unknown dtype {self.dtype!r}; use float32, float16 or bfloat16")
+        return dtype

@@ -1,0 +1,43 @@
+"""The offline API: ``LLM(model=...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+
+from tqdm.auto import tqdm
+
+from .config import EngineConfig
+from .llm_engine import LLMEngine, run_to_completion
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    """Offline batch generation on vmemkv. Keyword arguments are ``EngineConfig`` fields.
+
+    >>> llm = LLM(model="tiny-llama")
+    >>> outputs = llm.generate(["Hello", "The sky is"], SamplingParams(max_tokens=8, temperature=0))
+    """
+
+    def __init__(self, model: str = "tiny-llama", *, hf_model=None, tokenizer=None, **config):
+        self.engine = LLMEngine(EngineConfig(model=model, **config), hf_model, tokenizer)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text, or a list of token ids); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = [str(next(self._ids)) for _ in prompts]
+        with tqdm(total=len(prompts), desc="generating", disable=not use_tqdm) as progress:
+            final = run_to_completion(self.engine, list(zip(ids, prompts, params)), progress)
+        return [final[i] for i in ids]
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer

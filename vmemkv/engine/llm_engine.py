@@ -1,0 +1,251 @@
+"""The engine: requests in, one scheduler step and one packed forward at a time, outputs out."""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence as Seq
+
+import torch
+
+from ..attention import ContiguousAttention, SequenceSpan
+from ..errors import RequestTooLongError
+from ..hashing import CacheKeys
+from ..manager import CacheConfig, KVCacheManager
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .metrics import EngineMetrics
+from .model_runner import ModelRunner
+from .models import load_model
+from .outputs import CompletionOutput, RequestOutput
+from .sampler import Sampler, make_generator
+from .sampling_params import SamplingParams
+from .scheduler import ScheduledSeq, Scheduler
+from .sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+def _text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None):
+        self.config = config
+        if model is None:
+            model, tokenizer = load_model(config.model, config.torch_dtype, config.device, config.seed)
+        self.model_name = config.model
+        self.tokenizer = tokenizer
+        self.manager = KVCacheManager(self._cache_config(model))
+        self.runner = ModelRunner(model)
+        self.scheduler = Scheduler(config, self.manager)
+        self.sampler = Sampler()
+        self.metrics = EngineMetrics()
+        self.groups: dict[str, SequenceGroup] = {}
+        eos = _text_config(model).eos_token_id
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.step_seconds = 0.0
+        self.attention_seconds = 0.0
+
+    def _cache_config(self, model) -> CacheConfig:
+        text = _text_config(model)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        config = self.config
+        pages_per_slot = -(-config.max_model_len // config.tokens_per_page)
+        return CacheConfig(
+            num_layers=text.num_hidden_layers,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+            head_dim=head_dim, num_blocks=config.num_blocks or config.max_num_seqs * pages_per_slot,
+            max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+            dtype=next(model.parameters()).dtype, device=config.device,
+            tokens_per_page=config.tokens_per_page, layout=config.layout,
+            enable_prefix_caching=config.enable_prefix_caching,
+            swap_space_bytes=config.swap_space_bytes)
+
+    # --- requests ----------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, keys: CacheKeys | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = list(self.tokenizer.encode(prompt)) if text is not None else list(prompt)
+        self._validate_prompt(request_id, token_ids)
+        group = SequenceGroup(request_id, text, token_ids, params, priority, keys or CacheKeys())
+        group.seqs.append(self._new_sequence(group, 0))
+        self.groups[request_id] = group
+        self.scheduler.add(group.seqs[0])
+        self.metrics.on_request_added(request_id, len(token_ids), time.monotonic())
+
+    def _validate_prompt(self, request_id: str, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt")
+        vocab = _text_config(self.runner.model).vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"request {request_id!r} has token ids outside the vocabulary [0, {vocab})")
+        limit = self.config.max_model_len
+        if len(token_ids) >= limit:
+            raise RequestTooLongError(
+                f"request {request_id!r} has {len(token_ids)} prompt tokens; max_model_len is {limit} "
+                "and at least one token must be generated: shorten the prompt or raise max_model_len")
+        pages = self.manager.layout.logical_pages_for(len(token_ids) + 1)
+        if pages > self.manager.pool.num_pages:
+            raise RequestTooLongError(
+                f"request {request_id!r} needs {pages} KV pages, the pool has "
+                f"{self.manager.pool.num_pages}: shorten the prompt or raise num_blocks")
+
+    def _new_sequence(self, group: SequenceGroup, index: int) -> Sequence:
+        seed = None if group.params.seed is None else group.params.seed + index
+        seq_id = group.request_id if index == 0 else f"{group.request_id}#{index}"
+        return Sequence(seq_id, group, index, list(group.prompt_token_ids),
+                        generator=make_generator(seed, self.runner.device),
+                        detokenizer=IncrementalDetokenizer.from_params(
+                            self.tokenizer, group.prompt_token_ids, group.params))
+
+    def abort_request(self, request_id: str) -> None:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+                seq.finish_reason = "abort"
+        self.metrics.on_request_finished(request_id, "abort", time.monotonic())
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # --- one step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        touched: dict[str, SequenceGroup] = {}
+        for seq, reason in plan.failed:
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
+            seq.group.error = reason
+            touched[seq.group.request_id] = seq.group
+        if plan.scheduled:
+            to_sample = self._execute(plan.scheduled)
+            for seq, token, logprobs in to_sample:
+                self._append_token(seq, token, logprobs)
+                touched[seq.group.request_id] = seq.group
+        self.step_seconds += time.perf_counter() - start
+        self.metrics.on_step(len(self.scheduler.running), len(self.scheduler.waiting),
+                             len(self.scheduler.swapped), self.manager.usage(),
+                             self.manager.stats.prefix_hit_rate, self.scheduler.num_preemptions)
+        return [self._output(group) for group in touched.values()]
+
+    def _execute(self, scheduled: list[ScheduledSeq]) -> list[tuple[Sequence, int, dict | None]]:
+        """Run the forward pass for the scheduled tokens, commit them, and sample next tokens."""
+        spans, input_ids, positions, rows, samplers = [], [], [], [], []
+        for item in scheduled:
+            seq, count = item.seq, item.num_new_tokens
+            begin = len(input_ids)
+            spans.append(SequenceSpan(self.manager.slot_of(seq.seq_id), begin, count, seq.num_computed))
+            input_ids += seq.token_ids[seq.num_computed: seq.num_computed + count]
+            positions += range(seq.num_computed, seq.num_computed + count)
+            if seq.num_computed + count == len(seq.token_ids):  # its next token is due
+                rows.append(begin + count - 1)
+                samplers.append(seq)
+        attention = ContiguousAttention(spans, self.manager.kv_views, self.runner.device)
+        logits = self.runner.forward(input_ids, positions, attention, rows or [len(input_ids) - 1])
+        for item in scheduled:
+            item.seq.num_computed += item.num_new_tokens
+            self.manager.commit(item.seq.seq_id)
+        seqs, logit_rows = [], []
+        for row, seq in enumerate(samplers):
+            for member in self._fork_group(seq):
+                seqs.append(member)
+                logit_rows.append(row)
+        if not seqs:
+            return []
+        tokens, logprobs = self.sampler.sample(
+            logits[logit_rows], [s.group.params for s in seqs], [s.generator for s in seqs])
+        return list(zip(seqs, tokens.tolist(), logprobs))
+
+    def _fork_group(self, seq: Sequence) -> list[Sequence]:
+        """At a group's first sample, create its other n-1 sequences as copy-on-write forks
+        sharing the prompt's pages. A fork that finds no slot or page waits as a new request
+        instead (its prompt will then hit the prefix cache). Returns who samples from this row."""
+        group = seq.group
+        if group.forked:
+            return [seq]
+        group.forked = True
+        members = [seq]
+        for index in range(1, group.params.n):
+            child = self._new_sequence(group, index)
+            group.seqs.append(child)
+            if self.manager.fork(seq.seq_id, child.seq_id):
+                child.num_computed, child.num_manager_tokens = seq.num_computed, seq.num_manager_tokens
+                child.status = SequenceStatus.RUNNING
+                self.scheduler.running.append(child)
+                members.append(child)
+            else:
+                self.scheduler.add(child)
+        return members
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: dict | None) -> None:
+        now = time.monotonic()
+        group, params = seq.group, seq.group.params
+        if not any(s.output_token_ids for s in group.seqs):
+            self.metrics.on_first_token(group.request_id, now)
+        seq.token_ids.append(token)
+        self.metrics.on_tokens(group.request_id, 1, now)
+        if params.logprobs is not None:
+            seq.logprobs.append(logprobs)
+        delta = seq.detokenizer.append(token)
+        reason, stop_reason = None, None
+        if not params.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        elif token in (params.stop_token_ids or ()):
+            reason, stop_reason = "stop", token
+        elif (matched := seq.detokenizer.check_stop(new_chars=len(delta))) is not None:
+            reason, stop_reason = "stop", matched
+        elif len(seq.output_token_ids) >= params.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
+            reason = "length"
+        if reason is not None:
+            if stop_reason is None or isinstance(stop_reason, int):
+                seq.detokenizer.flush()
+            seq.finish_reason, seq.stop_reason = reason, stop_reason
+            self.scheduler.remove(seq)
+
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        finished = group.error is not None or group.is_finished
+        if finished:
+            for seq in group.seqs:
+                if not seq.is_finished:  # the rest of a group whose request failed
+                    self.scheduler.remove(seq)
+                    seq.finish_reason = "error"
+            self.groups.pop(group.request_id, None)
+            reason = "error" if group.error else group.seqs[0].finish_reason
+            self.metrics.on_request_finished(group.request_id, reason, time.monotonic())
+        outputs = [CompletionOutput(
+            index=seq.index, text=seq.detokenizer.output_text(seq.is_finished),
+            token_ids=list(seq.output_token_ids), finish_reason=seq.finish_reason,
+            logprobs=list(seq.logprobs) if group.params.logprobs is not None else None,
+            stop_reason=seq.stop_reason) for seq in group.seqs]
+        return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids), outputs,
+                             finished, group.error, group.num_cached_tokens)
+
+    # --- introspection -------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {**self.manager.snapshot_stats(), "preemptions": self.scheduler.num_preemptions,
+                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "swapped": len(self.scheduler.swapped), "step_seconds": self.step_seconds}
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def run_to_completion(engine: LLMEngine, requests: Seq[tuple[str, str | list[int], SamplingParams]],
+                      progress=None) -> dict[str, RequestOutput]:
+    """Add the requests, step until all finish, return each request's final output."""
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    final: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                final[output.request_id] = output
+                if progress is not None:
+                    progress.update(1)
+    return final

@@ -1,0 +1,57 @@
+"""Runs a Hugging Face causal LM, its own modelling code unmodified, over the vmemkv cache.
+
+vmemkv registers one attention function with transformers' attention interface. The model is
+called on one packed, ragged batch per step (``[1, T]`` tokens, every sequence's new tokens side by
+side, with their absolute positions); our function receives each layer's query, key and value
+after RoPE and hands them to the step's attention object, which writes K/V into the cache and
+attends per sequence. No attention mask is built by transformers: the attention object knows the
+spans.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+ATTENTION_NAME = "vmemkv"
+BATCH_KWARG = "vmemkv_attention"
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    attention = kwargs.get(BATCH_KWARG)
+    if attention is None:
+        raise RuntimeError("the vmemkv attention was called without a batch; run the model "
+                           "through vmemkv's ModelRunner")
+    return attention(module.layer_idx, query, key, value, scaling), None
+
+
+def _no_mask(*args, **kwargs):
+    return None
+
+
+AttentionInterface.register(ATTENTION_NAME, _attention)
+AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.device = next(model.parameters()).device
+        model.set_attn_implementation(ATTENTION_NAME)
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            layer_types = getattr(config, "layer_types", None) or []
+            if any(t != "full_attention" for t in layer_types):
+                raise NotImplementedError("sliding-window attention layers are not supported yet")
+
+    @torch.inference_mode()
+    def forward(self, input_ids: list[int], positions: list[int], attention,
+                logit_rows: list[int]) -> torch.Tensor:
+        """Logits ``[len(logit_rows), vocab]`` (float32) at the given rows of the packed batch."""
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        pos = torch.tensor([positions], dtype=torch.long, device=self.device)
+        keep = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep,
+                         **{BATCH_KWARG: attention})
+        return out.logits[0].float()

@@ -1,0 +1,94 @@
+"""Models the engine runs: a local Hugging Face directory, or a built-in random-weight model.
+
+Built-in models are real transformers architectures with random weights (seeded), so tests and
+benchmarks run anywhere without downloading anything. They come with a byte-level tokenizer built
+in code: every byte is a token, plus ``<s>`` and ``</s>``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig,
+                          PreTrainedTokenizerFast, Qwen2Config)
+
+from ..errors import ConfigError
+
+BYTE_VOCAB = 256 + 2  # bytes, then <s>, </s>
+
+# The tiny models use a larger init scale than the default 0.02 so that random weights give varied
+# greedy tokens (at 0.02 they repeat one or two tokens, which would make equality tests weak).
+BUILTIN_MODELS: dict[str, PretrainedConfig] = {
+    # 4 layers, hidden 256, 8 query heads over 2 KV heads of dim 32: fast CPU tests.
+    "tiny-llama": LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                              num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                              max_position_embeddings=4096, rope_theta=10000.0,
+                              initializer_range=0.1),
+    # A Qwen2-style model with another GQA ratio (4:1) and head_dim (64), and q/k/v biases.
+    "tiny-qwen2": Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512,
+                              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+                              max_position_embeddings=4096, rope_theta=10000.0,
+                              initializer_range=0.1),
+    # The shapes of real models, random weights, for benchmarks.
+    "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                max_position_embeddings=8192, rope_theta=100000.0,
+                                tie_word_embeddings=True),
+    "llama-3-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                              num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                              max_position_embeddings=8192, rope_theta=500000.0),
+}
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A tokenizer whose tokens are single bytes (ids 0..255), with ``<s>`` = 256, ``</s>`` = 257."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=lambda c: _byte_of(c)))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+    fast.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>"})
+    return fast
+
+
+def _byte_of(char: str) -> int:
+    """The byte a ByteLevel alphabet character stands for (GPT-2's bytes_to_unicode inverse)."""
+    code = ord(char)
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    if code in printable:
+        return code
+    others = [b for b in range(256) if b not in printable]
+    return others[code - 256]
+
+
+def model_config(name: str) -> PretrainedConfig:
+    if name in BUILTIN_MODELS:
+        config = copy.deepcopy(BUILTIN_MODELS[name])  # never share a config between models
+        config.bos_token_id, config.eos_token_id = 256, 257
+        return config
+    if os.path.isdir(name):
+        from transformers import AutoConfig
+        return AutoConfig.from_pretrained(name)
+    raise ConfigError(f"unknown model {name!r}: give a local Hugging Face directory or one of "
+                      f"{', '.join(BUILTIN_MODELS)}")
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):
+    """The model (eval mode) and its tokenizer."""
+    if name in BUILTIN_MODELS:
+        config = model_config(name)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        tokenizer = byte_tokenizer()
+    elif os.path.isdir(name):
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    else:
+        model_config(name)  # raises the helpful error
+    return model.to(device).eval(), tokenizer

@@ -1,0 +1,166 @@
+"""Scheduling policy: who runs this step, with how many tokens, and who is preempted.
+
+Continuous batching under a per-step token budget (prefill is chunked to fit it). Each step:
+running sequences first, in priority order; when one cannot grow, the lowest-priority, latest
+sequence is preempted (swap or recompute, as configured) until it can. Then swapped sequences come
+back; then, only if none are left swapped, waiting sequences are admitted while slots, the budget
+and a free-page watermark allow. The KV cache manager does what it is told.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..manager import KVCacheManager
+from .config import EngineConfig
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    preempted: list[Sequence]
+    failed: list[tuple[Sequence, str]]  # sequences that can never fit, with the reason
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, manager: KVCacheManager):
+        self.config = config
+        self.manager = manager
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.num_preemptions = 0
+        self.watermark_blocks = int(config.watermark * manager.pool.num_pages)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and give its pages back (finish or abort)."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        if seq.status in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
+            self.manager.free(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput([], [], [])
+        budget = self.config.max_num_batched_tokens
+        if self.config.policy == "priority":
+            self.waiting.sort(key=Sequence.sort_key)
+        self.running.sort(key=Sequence.sort_key)
+        budget = self._schedule_running(budget, out)
+        budget = self._schedule_swapped(budget, out)
+        if not self.swapped:
+            self._schedule_waiting(budget, out)
+        return out
+
+    # --- the three queues ------------------------------------------------------------------------
+    def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            count = min(seq.num_uncomputed, budget)
+            while not self._allocate(seq, count):
+                victim = self.running[-1]
+                if victim is seq and self._can_never_fit(seq, count):
+                    self.running.remove(seq)
+                    self.manager.free(seq.seq_id)
+                    out.failed.append((seq, self._too_big_message(seq)))
+                    break
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, count))
+                budget -= count
+                index += 1
+        return budget
+
+    def _schedule_swapped(self, budget: int, out: SchedulerOutput) -> int:
+        while self.swapped and budget > 0 and self.manager.num_free_slots:
+            seq = self.swapped[0]
+            if not self.manager.swap_in(seq.seq_id):
+                break
+            self.swapped.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            count = min(seq.num_uncomputed, budget)
+            if self._allocate(seq, count):
+                out.scheduled.append(ScheduledSeq(seq, count))
+                budget -= count
+        return budget
+
+    def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        while self.waiting and budget > 0 and self.manager.num_free_slots:
+            seq = self.waiting[0]
+            needed = self.manager.layout.logical_pages_for(len(seq.token_ids))
+            if self.running and self.manager.pool.num_free - needed < self.watermark_blocks:
+                break
+            if needed > self.manager.pool.num_pages:
+                self.waiting.pop(0)
+                out.failed.append((seq, self._too_big_message(seq)))
+                continue
+            cached = self.manager.admit(seq.seq_id, seq.token_ids, keys=seq.group.keys,
+                                        token_budget=budget)
+            if cached is None:
+                break
+            self.waiting.pop(0)
+            seq.num_computed = cached
+            seq.num_manager_tokens = len(seq.token_ids)
+            seq.group.num_cached_tokens = max(seq.group.num_cached_tokens, cached)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            count = self.manager.num_tokens(seq.seq_id) - cached
+            out.scheduled.append(ScheduledSeq(seq, count))
+            budget -= count
+
+    # --- mechanics -------------------------------------------------------------------------------
+    def _allocate(self, seq: Sequence, count: int) -> bool:
+        """Reserve positions for ``count`` more tokens, telling the manager any new token ids."""
+        reserved = self.manager.num_tokens(seq.seq_id) - seq.num_computed
+        if reserved >= count:  # a chunk reserved at admission
+            return True
+        new_ids = seq.token_ids[seq.num_manager_tokens:]
+        if not self.manager.allocate(seq.seq_id, count - reserved, new_ids):
+            return False
+        seq.num_manager_tokens = len(seq.token_ids)
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        mode = self.config.preemption_mode
+        if mode == "swap" and not self.manager.estimate_preemption(seq.seq_id).swap_fits:
+            mode = "recompute"
+        used = self.manager.preempt(seq.seq_id, mode)
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        if used == "swap":
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+        else:
+            seq.status = SequenceStatus.WAITING
+            seq.num_computed = seq.num_manager_tokens = 0
+            self.waiting.insert(0, seq)
+
+    def _can_never_fit(self, seq: Sequence, count: int) -> bool:
+        held = len(self.manager.block_table(seq.seq_id))
+        return held + self.manager.blocks_needed(seq.seq_id, count) > self.manager.pool.num_pages
+
+    def _too_big_message(self, seq: Sequence) -> str:
+        pages = self.manager.layout.logical_pages_for(len(seq.token_ids) + 1)
+        return (f"request {seq.group.request_id!r} needs {pages} KV pages for "
+                f"{len(seq.token_ids)} tokens but the pool has {self.manager.pool.num_pages}; "
+                "shorten it or give the engine more KV memory (num_blocks)")
