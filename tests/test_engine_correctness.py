@@ -175,3 +175,16 @@ def test_abort_frees_pages():
     assert engine.manager.pool.num_in_use > 0
     engine.abort_request("a")
     assert_clean(engine)
+
+
+@pytest.mark.parametrize("lookahead", [0, 1, 5])
+def test_overlapped_mapping_matches_hf(lookahead):
+    engine = make_engine(lookahead_tokens=lookahead)
+    batch = prompts(4, lengths=(14, 15, 30, 47))  # all cross page boundaries while decoding
+    assert_matches_hf("tiny-llama", batch, run(engine, batch))
+    stats = engine.stats()
+    if lookahead:
+        assert stats["map_background_seconds"] > 0
+    else:
+        assert stats["map_background_seconds"] == 0
+    assert_clean(engine)

@@ -252,6 +252,38 @@ class KVCacheManager:
                 self.pool.register(req.blocks[index], req.hashes[index])
         req.num_registered = full
 
+    # --- overlapped mapping ---------------------------------------------------------------------
+    def allocate_lookahead(self, request_ids: Sequence[str], margin_tokens: int,
+                           keep_free: int = 0) -> list[tuple[int, int, list[int]]]:
+        """Give each request whose reservation ends within ``margin_tokens`` of its last block's
+        end the blocks that cover ``margin_tokens`` more positions now, without mapping them,
+        while more than ``keep_free`` blocks stay free. Returns the map jobs
+        ``(slot, first logical page, blocks)`` for ``map_lookahead``, which may run on another
+        thread while the device computes: it touches only mapping state, and only pages past
+        every reserved position."""
+        jobs = []
+        for request_id in request_ids:
+            req = self._running(request_id)
+            needed = self._blocks_needed(req, margin_tokens)
+            if needed <= 0 or self.pool.num_free - needed < keep_free:
+                continue
+            first = len(req.blocks)
+            new = self.pool.allocate(needed)
+            req.blocks += new
+            jobs.append((req.slot, first, new))
+        return jobs
+
+    def map_lookahead(self, jobs: list[tuple[int, int, list[int]]]) -> None:
+        for slot, first, blocks in jobs:
+            self.slots.map_blocks(slot, first, blocks)
+
+    def _trim_lookahead(self, req: _Request) -> None:
+        """Release blocks past the reservation (given early by allocate_lookahead)."""
+        needed = self.layout.logical_pages_for(req.num_tokens)
+        if len(req.blocks) > needed:
+            self.pool.release(reversed(req.blocks[needed:]))
+            del req.blocks[needed:]
+
     # --- copy-on-write -------------------------------------------------------------------------
     def fork(self, parent_id: str, child_id: str, slot: int | None = None) -> bool:
         """Start ``child_id`` as a copy of ``parent_id`` in another slot (``slot`` when given):
@@ -261,6 +293,7 @@ class KVCacheManager:
         if child_id in self._requests:
             raise PageStateError(f"request {child_id!r} already exists")
         self._require_committed(parent)
+        self._trim_lookahead(parent)
         partial = parent.num_tokens % self.tokens_per_page != 0
         if not self._slot_available(slot) or (partial and not self.pool.num_free):
             return False
@@ -281,34 +314,44 @@ class KVCacheManager:
         the copies need more free blocks than there are."""
         rows = [self._running(r) for r in request_ids]
         sources = [self._running(s) for s in source_ids]
+        if len(rows) != len(sources) or len({id(row) for row in rows}) != len(rows):
+            raise PageStateError(f"reorder needs distinct requests, one source each; got "
+                                 f"{list(request_ids)} from {list(source_ids)}")
         for source in sources:
             self._require_committed(source)
-        # A source's partial page moves (no copy) to the first row that takes it, itself first.
+        for req in rows + sources:
+            self._trim_lookahead(req)
+        # A source's partial page moves (no copy) to the first row that takes it, itself first,
+        # but only when the source is reordered too (its own reference is dropped below): a
+        # source that keeps running keeps writing that page, so whoever takes it gets a copy.
         owner: dict[str, int] = {}
         for i, (row, source) in enumerate(zip(rows, sources)):
             if row is source:
                 owner[source.request_id] = i
+        reordered = {id(row) for row in rows}
         for i, source in enumerate(sources):
-            owner.setdefault(source.request_id, i)
+            if id(source) in reordered:
+                owner.setdefault(source.request_id, i)
         partial = [s.num_tokens % self.tokens_per_page != 0 for s in sources]
-        copies = sum(p and owner[s.request_id] != i for i, (s, p) in enumerate(zip(sources, partial)))
+        copies = sum(p and owner.get(s.request_id) != i for i, (s, p) in enumerate(zip(sources, partial)))
         if copies > self.pool.num_free:
             return False
         snapshots = [(list(s.blocks), list(s.token_ids), s.num_tokens, s.num_computed,
-                      list(s.hashes), s.num_registered) for s in sources]
+                      list(s.hashes), s.num_registered, s.keys) for s in sources]
         new_blocks = []
         for i, (source, is_partial) in enumerate(zip(sources, partial)):
             blocks = snapshots[i][0]
-            if is_partial and owner[source.request_id] == i:
+            if is_partial and owner.get(source.request_id) == i:
                 self.pool.acquire(blocks)  # the same pages; the old references go below
                 new_blocks.append(list(blocks))
             else:
                 new_blocks.append(self._share(blocks, is_partial))
         for row in rows:
             self.pool.release(reversed(row.blocks))
-        for row, blocks, (_, tokens, num_tokens, num_computed, hashes, registered) in zip(
+        for row, blocks, (_, tokens, num_tokens, num_computed, hashes, registered, keys) in zip(
                 rows, new_blocks, snapshots):
-            row.blocks, row.token_ids, row.num_tokens = blocks, list(tokens), num_tokens
+            # the keys travel with the content: later page hashes continue the source's chain
+            row.keys, row.blocks, row.token_ids, row.num_tokens = keys, blocks, list(tokens), num_tokens
             row.num_computed, row.hashes, row.num_registered = num_computed, list(hashes), registered
             self.slots.map_blocks(row.slot, 0, blocks)
         return True
@@ -332,7 +375,8 @@ class KVCacheManager:
 
     def estimate_preemption(self, request_id: str) -> PreemptionEstimate:
         req = self._running(request_id)
-        private = [b for b in req.blocks if self.pool.ref[b] == 1]
+        reserved = req.blocks[: self.layout.logical_pages_for(req.num_tokens)]
+        private = [b for b in reserved if self.pool.ref[b] == 1]
         swap_bytes = len(private) * self.layout.block_bytes
         surviving = 0
         for block in req.blocks:  # a prefix kept alive by other requests will hit again
@@ -353,6 +397,7 @@ class KVCacheManager:
         blocks shared with other requests stay referenced; ``swap_in`` brings it back."""
         req = self._running(request_id)
         self._require_committed(req)
+        self._trim_lookahead(req)
         if mode == "auto":
             mode = self.estimate_preemption(request_id).cheaper
         if mode == "recompute":
@@ -467,8 +512,10 @@ class KVCacheManager:
             held = [b for i, b in enumerate(req.blocks) if i not in swapped]
             np.add.at(refs, np.asarray(held, dtype=np.int64), 1)
             assert req.num_computed <= req.num_tokens <= len(req.blocks) * self.tokens_per_page
-            assert len(req.blocks) == self.layout.logical_pages_for(req.num_tokens), (
+            # Blocks past the reservation are lookahead: mapped early, private, unhashed (below).
+            assert len(req.blocks) >= self.layout.logical_pages_for(req.num_tokens), (
                 f"{req.request_id}: {len(req.blocks)} blocks for {req.num_tokens} tokens")
+            assert req.swapped is None or len(req.blocks) == self.layout.logical_pages_for(req.num_tokens)
             if req.swapped is not None:
                 assert req.slot is None
                 continue

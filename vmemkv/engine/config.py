@@ -27,6 +27,9 @@ class EngineConfig:
     policy: Literal["fcfs", "priority"] = "fcfs"
     watermark: float = 0.01  # fraction of pages kept free at admission to avoid instant preemption
     layout: Literal["token_major", "per_layer"] = "token_major"
+    # Decoding requests get the page their next `lookahead_tokens` tokens need mapped on a
+    # background thread while the current step computes (0: map only when needed, inline).
+    lookahead_tokens: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_model_len <= 1 or self.max_num_batched_tokens <= 0:

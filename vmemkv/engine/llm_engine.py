@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence as Seq
 
 import torch
@@ -44,7 +45,10 @@ class LLMEngine:
         eos = _text_config(model).eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.step_seconds = 0.0
-        self.attention_seconds = 0.0
+        # Overlapped mapping: one worker maps lookahead pages while the forward pass runs.
+        self._mapper = ThreadPoolExecutor(1, thread_name_prefix="vmemkv-map")
+        self.map_background_seconds = 0.0  # mapping done on the worker
+        self.map_wait_seconds = 0.0  # time the step still waited for the worker
 
     def _cache_config(self, model) -> CacheConfig:
         text = _text_config(model)
@@ -147,7 +151,12 @@ class LLMEngine:
                 rows.append(begin + count - 1)
                 samplers.append(seq)
         attention = ContiguousAttention(spans, self.manager.kv_views, self.runner.device)
+        mapping = self._start_lookahead(scheduled)
         logits = self.runner.forward(input_ids, positions, attention, rows or [len(input_ids) - 1])
+        if mapping is not None:
+            waited = time.perf_counter()
+            mapping.result()
+            self.map_wait_seconds += time.perf_counter() - waited
         for item in scheduled:
             item.seq.num_computed += item.num_new_tokens
             self.manager.commit(item.seq.seq_id)
@@ -161,6 +170,23 @@ class LLMEngine:
         tokens, logprobs = self.sampler.sample(
             logits[logit_rows], [s.group.params for s in seqs], [s.generator for s in seqs])
         return list(zip(seqs, tokens.tolist(), logprobs))
+
+    def _start_lookahead(self, scheduled: list[ScheduledSeq]):
+        """Give decoding sequences about to cross a page boundary their next page now, and map
+        it on the worker while the forward pass runs (it touches only positions past every
+        sequence's reservation, which this step's forward never reads)."""
+        margin = self.config.lookahead_tokens
+        decoding = [item.seq.seq_id for item in scheduled
+                    if item.seq.num_computed >= item.seq.num_prompt_tokens]
+        if margin <= 0 or not decoding:
+            return None
+        jobs = self.manager.allocate_lookahead(decoding, margin, self.scheduler.watermark_blocks)
+        return self._mapper.submit(self._map_in_background, jobs) if jobs else None
+
+    def _map_in_background(self, jobs) -> None:
+        start = time.perf_counter()
+        self.manager.map_lookahead(jobs)
+        self.map_background_seconds += time.perf_counter() - start
 
     def _fork_group(self, seq: Sequence) -> list[Sequence]:
         """At a group's first sample, create its other n-1 sequences as copy-on-write forks
@@ -230,9 +256,13 @@ class LLMEngine:
     def stats(self) -> dict:
         return {**self.manager.snapshot_stats(), "preemptions": self.scheduler.num_preemptions,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "swapped": len(self.scheduler.swapped), "step_seconds": self.step_seconds}
+                "swapped": len(self.scheduler.swapped), "step_seconds": self.step_seconds,
+                "map_background_seconds": self.map_background_seconds,
+                "map_wait_seconds": self.map_wait_seconds,
+                "map_hidden_seconds": max(self.map_background_seconds - self.map_wait_seconds, 0.0)}
 
     def close(self) -> None:
+        self._mapper.shutdown(wait=True)
         self.manager.close()
 
 
