@@ -54,16 +54,19 @@ class LLMEngine:
         text = _text_config(model)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         config = self.config
-        pages_per_slot = -(-config.max_model_len // config.tokens_per_page)
-        return CacheConfig(
+        cache = CacheConfig(
             num_layers=text.num_hidden_layers,
             num_kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-            head_dim=head_dim, num_blocks=config.num_blocks or config.max_num_seqs * pages_per_slot,
+            head_dim=head_dim, num_blocks=config.num_blocks or 1,
             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
             dtype=next(model.parameters()).dtype, device=config.device,
             tokens_per_page=config.tokens_per_page, layout=config.layout,
             enable_prefix_caching=config.enable_prefix_caching,
             swap_space_bytes=config.swap_space_bytes)
+        if config.num_blocks is None:  # enough for every slot at full length
+            pages_per_slot = cache.make_layout().logical_pages_for(config.max_model_len)
+            cache.num_blocks = config.max_num_seqs * pages_per_slot
+        return cache
 
     # --- requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
