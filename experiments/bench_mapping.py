@@ -1,0 +1,267 @@
+"""How long mapping, unmapping and remapping a page takes, in µs per page.
+
+For each batch size (pages per ``backend.map`` call) the whole reservation is mapped, remapped to
+other pages, and unmapped, batch by batch. The main numbers use *scattered* physical pages (a
+random permutation: one system call per page, the worst case); *runs* map consecutive pages to
+consecutive pages, which the CPU backend coalesces into one call per batch. On the CPU backend the
+same run also measures the floors: ``map_each`` (a C loop, one plain mmap per page, no
+bookkeeping) and one Python ``ctypes`` mmap per page.
+
+    python experiments/bench_mapping.py                 # readable table
+    python experiments/bench_mapping.py --json          # one JSON object
+    python experiments/bench_mapping.py --out experiments/results   # mapping_cpu.md / .json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import datetime
+import json
+import mmap
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vmemkv import _native
+from vmemkv.vmm import CpuBackend, VirtualMemoryBackend
+
+BATCH_SIZES = (1, 16, 64, 256)
+PHASES = ("map", "remap", "unmap", "runs_map", "runs_unmap")
+
+
+def batches(array: np.ndarray, size: int) -> list[np.ndarray]:
+    """Slices made before timing, so slicing is not measured."""
+    return [np.ascontiguousarray(array[i:i + size]) for i in range(0, len(array), size)]
+
+
+def timed_us_per_page(fn, args_list: list[tuple], num_pages: int) -> float:
+    start = time.perf_counter()
+    for args in args_list:
+        fn(*args)
+    return (time.perf_counter() - start) * 1e6 / num_pages
+
+
+def measure_backend_once(backend: VirtualMemoryBackend, vrange, batch: int, rng: np.random.Generator) -> dict:
+    """One pass of every phase at one batch size; returns µs per page and calls per page."""
+    n = vrange.num_pages
+    virt = batches(np.arange(n, dtype=np.int64), batch)
+    scattered = batches(rng.permutation(n).astype(np.int64), batch)
+    other = batches(rng.permutation(n).astype(np.int64), batch)
+    runs = virt  # virtual page i -> physical page i: consecutive on both sides
+
+    out: dict[str, float] = {}
+    for phase, fn, args in (
+        ("map", backend.map, [(vrange, v, p) for v, p in zip(virt, scattered)]),
+        ("remap", backend.map, [(vrange, v, p) for v, p in zip(virt, other)]),
+        ("unmap", backend.unmap, [(vrange, v) for v in virt]),
+        ("runs_map", backend.map, [(vrange, v, p) for v, p in zip(virt, runs)]),
+        ("runs_unmap", backend.unmap, [(vrange, v) for v in virt]),
+    ):
+        calls_before = backend.stats.map_calls + backend.stats.unmap_calls
+        backend.synchronize()
+        out[f"{phase}_us_per_page"] = timed_us_per_page(fn, args, n)
+        calls = backend.stats.map_calls + backend.stats.unmap_calls - calls_before
+        out[f"{phase}_calls_per_page"] = calls / n
+    return out
+
+
+def measure_floors_once(backend: CpuBackend, vrange, rng: np.random.Generator, ctypes_pages: int) -> dict:
+    """The C loop of plain mmaps, and one ctypes mmap per page, over scattered pages."""
+    n = vrange.num_pages
+    virt = np.arange(n, dtype=np.int64)
+    phys = rng.permutation(n).astype(np.int64)
+    fd, base, ps = backend._fd, vrange.address, backend.page_size
+    out = {
+        "syscall_floor_us_per_page": timed_us_per_page(_native.map_each,
+                                                       [(fd, base, ps, n, n, virt, phys)], n),
+        "syscall_floor_unmap_us_per_page": timed_us_per_page(_native.unmap_each, [(base, ps, n, virt)], n),
+    }
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_long]
+    prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | 0x10  # MAP_FIXED
+    unmap_flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10 | 0x4000  # MAP_FIXED | MAP_NORESERVE
+    pages = [(int(v), int(p)) for v, p in zip(virt[:ctypes_pages], phys[:ctypes_pages])]
+    start = time.perf_counter()
+    for v, p in pages:
+        libc.mmap(base + v * ps, ps, prot, flags, fd, p * ps)
+    out["ctypes_us_per_page"] = (time.perf_counter() - start) * 1e6 / len(pages)
+    start = time.perf_counter()
+    for v, _ in pages:
+        libc.mmap(base + v * ps, ps, 0, unmap_flags, -1, 0)
+    out["ctypes_unmap_us_per_page"] = (time.perf_counter() - start) * 1e6 / len(pages)
+    return out
+
+
+def measure_overhead_once(backend: VirtualMemoryBackend, vrange, calls: int = 2000) -> dict:
+    """µs per ``map`` call that needs no system call (the page is already there): the cost of the
+    Python and C bookkeeping alone."""
+    virt, phys = np.array([0], np.int64), np.array([0], np.int64)
+    backend.map(vrange, virt, phys)
+    start = time.perf_counter()
+    for _ in range(calls):
+        backend.map(vrange, virt, phys)
+    elapsed = time.perf_counter() - start
+    backend.unmap(vrange, virt)
+    return {"noop_map_us_per_call": elapsed * 1e6 / calls}
+
+
+def median_of(samples: list[dict]) -> dict:
+    return {key: statistics.median(s[key] for s in samples) for key in samples[0]}
+
+
+def bench_backend(backend: VirtualMemoryBackend, num_pages: int, reps: int, seed: int,
+                  floors: bool, ctypes_pages: int) -> dict:
+    rng = np.random.default_rng(seed)
+    vrange = backend.reserve(num_pages)
+    results: dict[str, float] = {}
+    try:
+        per_batch = {b: [] for b in BATCH_SIZES}
+        floor_samples = []
+        for _ in range(reps):  # interleaved, so drift on a shared VM hits every number alike
+            for b in BATCH_SIZES:
+                per_batch[b].append(measure_backend_once(backend, vrange, b, rng))
+            if floors:
+                floor_samples.append(measure_floors_once(backend, vrange, rng, ctypes_pages)
+                                     | measure_overhead_once(backend, vrange))
+        for b, samples in per_batch.items():
+            for key, value in median_of(samples).items():
+                results[f"{key}_batch{b}"] = value
+        if floors:
+            results.update(median_of(floor_samples))
+    finally:
+        backend.release(vrange)
+    return results
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def run_cpu(args) -> dict:
+    with CpuBackend(args.page_size, args.num_pages) as backend:
+        results = bench_backend(backend, args.num_pages, args.reps, args.seed, True, args.ctypes_pages)
+    floor = results["syscall_floor_us_per_page"]
+    results["map_batch64_over_floor"] = results["map_us_per_page_batch64"] / floor
+    results["runs_map_batch64_over_floor"] = results["runs_map_us_per_page_batch64"] / floor
+    results["target_met"] = bool(results["map_batch64_over_floor"] <= 1.25
+                                 and results["runs_map_batch64_over_floor"] < 1.0)
+    return results
+
+
+def run_cuda(args) -> dict | None:
+    """The same phases on the CUDA backend when a GPU and ``vmemkv.vmm.cuda`` are there."""
+    if args.no_cuda or not torch.cuda.is_available():
+        return None
+    try:
+        from vmemkv.vmm.cuda import CudaBackend
+    except Exception as e:  # noqa: BLE001 -- the CUDA backend needs cuda-bindings; any failure skips it
+        print(f"CUDA backend not importable, skipped: {e}", file=sys.stderr)
+        return None
+    try:
+        with CudaBackend(args.cuda_page_size, args.cuda_num_pages) as backend:
+            results = bench_backend(backend, args.cuda_num_pages, args.reps, args.seed, False, 0)
+    except Exception as e:  # noqa: BLE001 -- keep the CPU numbers; say what went wrong
+        print(f"CUDA benchmark failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return {"cuda_error": f"{type(e).__name__}: {e}"}
+    return {f"cuda_{k}": v for k, v in results.items()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--page-size", type=int, default=64 * 1024)
+    parser.add_argument("--num-pages", type=int, default=4096, help="pool and reservation size in pages")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ctypes-pages", type=int, default=1024, help="pages timed through ctypes")
+    parser.add_argument("--cuda-page-size", type=int, default=2 * 1024 * 1024)
+    parser.add_argument("--cuda-num-pages", type=int, default=1024)
+    parser.add_argument("--no-cuda", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--out", type=Path, help="write mapping_cpu.md and mapping_cpu.json here")
+    args = parser.parse_args(argv)
+
+    results = {
+        "page_size": args.page_size, "num_pages": args.num_pages, "reps": args.reps,
+        "batch_sizes": list(BATCH_SIZES), "cpu": cpu_model(), "cpus": os.cpu_count(),
+        "kernel": platform.release(), "date": datetime.date.today().isoformat(),
+        "load_average_1min": os.getloadavg()[0],  # other work on the machine slows every mmap
+    }
+    results.update(run_cpu(args))
+    cuda = run_cuda(args)
+    if cuda:
+        results.update(cuda, cuda_page_size=args.cuda_page_size, cuda_num_pages=args.cuda_num_pages)
+
+    table = markdown(results)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "mapping_cpu.json").write_text(json.dumps(results, indent=2) + "\n")
+        (args.out / "mapping_cpu.md").write_text(table)
+    print(json.dumps(results) if args.json else table)
+    return results
+
+
+def markdown(r: dict) -> str:
+    lines = [
+        "# Mapping cost (µs per page)",
+        "",
+        (f"CPU backend: pool and reservation of {r['num_pages']} × {r['page_size'] // 1024} KiB pages, "
+         f"median of {r['reps']} repetitions; {r['cpu']}, {r['cpus']} CPUs, Linux {r['kernel']}, "
+         f"{r['date']}, load average {r['load_average_1min']:.1f}. Scattered = a random permutation of physical pages (one mmap per page); "
+         "runs = consecutive pages (one mmap per batch)."),
+        "",
+    ]
+    lines += backend_table(r, "")
+    lines += [
+        "",
+        "| floor (scattered, one page per call) | map | unmap |",
+        "|---|---:|---:|",
+        (f"| C loop of plain mmap (`map_each`) | {r['syscall_floor_us_per_page']:.2f} | "
+         f"{r['syscall_floor_unmap_us_per_page']:.2f} |"),
+        f"| Python ctypes mmap | {r['ctypes_us_per_page']:.2f} | {r['ctypes_unmap_us_per_page']:.2f} |",
+        "",
+        (f"A `map` call that needs no system call costs {r['noop_map_us_per_call']:.2f} µs "
+         "(Python + C bookkeeping)."),
+        "",
+        (f"Batch 64, scattered: {r['map_batch64_over_floor']:.2f} × the C floor; runs: "
+         f"{r['runs_map_batch64_over_floor']:.3f} × the floor (target ≤ 1.25 and < 1: "
+         f"{'met' if r['target_met'] else 'MISSED'})."),
+    ]
+    if "cuda_error" in r:
+        lines += ["", f"CUDA backend: not measured ({r['cuda_error']})."]
+    if "cuda_map_us_per_page_batch64" in r:
+        pages = f"{r['cuda_num_pages']} × {r['cuda_page_size'] // 2**20} MiB pages"
+        lines += ["", f"## CUDA backend ({pages})", ""]
+        lines += backend_table(r, "cuda_")
+    return "\n".join(lines) + "\n"
+
+
+def backend_table(r: dict, prefix: str) -> list[str]:
+    lines = ["| batch | map | remap | unmap | map, runs | unmap, runs | calls/page (map, runs) |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for b in r["batch_sizes"]:
+        us = {phase: r[f"{prefix}{phase}_us_per_page_batch{b}"] for phase in PHASES}
+        lines.append(f"| {b} | {us['map']:.2f} | {us['remap']:.2f} | {us['unmap']:.2f} | "
+                     f"{us['runs_map']:.3f} | {us['runs_unmap']:.3f} | "
+                     f"{r[f'{prefix}runs_map_calls_per_page_batch{b}']:.3f} |")
+    return lines
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,514 @@
+"""The CPU backend: real virtual memory with memfd pages and mmap.
+
+Physical pages are the ``num_pages`` page-sized pieces of one ``memfd``. A virtual range is a
+``mmap(PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)`` reservation; mapping physical page
+``p`` at virtual page ``v`` is ``mmap(base + v * page_size, MAP_SHARED | MAP_FIXED, memfd,
+p * page_size)``, so one physical page mapped at two addresses shows the same bytes, as with
+``cuMemMap`` on the GPU. The batched mapper is C (``vmemkv._native``): one ``mmap`` costs ~4-5 µs
+even from C, so the Python layer only checks and counts, and runs of consecutive virtual pages
+backed by consecutive physical pages are mapped with one call.
+
+The mapping limit, and why it matters for the page size
+--------------------------------------------------------
+Linux caps the separate mappings (VMAs) of a process at ``vm.max_map_count`` (65,530 by default).
+The kernel merges neighbours that are both reservation or both the memfd at consecutive offsets,
+so a range costs one VMA per *run* of consecutive physical pages plus one per unmapped gap: with R
+runs at most 2R + 1. A slot mapped from its start with scattered pages costs about one VMA per
+page. The backend counts VMAs exactly (the count changes only next to a changed page) and raises
+:class:`MappingLimitError` *before* any system call that would exceed its budget:
+``vm.max_map_count`` minus what the rest of the process already maps, minus a safety margin of
+``max(4096, 10 %)`` for libraries, threads and malloc arenas that map later. That leaves ~58,000
+VMAs here, i.e. ~58,000 scattered pages in use at once across all slots: ~3.6 GiB of KV with 64 KiB
+pages, ~116 GiB with 2 MiB pages. So choose ``page_size >= kv_bytes_in_use / 50_000``, hand out
+consecutive pages where possible (each run is one VMA), or raise ``vm.max_map_count``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vmemkv import _native
+from vmemkv.errors import ConfigError, MappingError, MappingLimitError
+from vmemkv.vmm.base import MapStats, VirtualMemoryBackend, VirtualRange
+
+OS_PAGE_SIZE = mmap.PAGESIZE
+MAX_MAP_COUNT_PATH = "/proc/sys/vm/max_map_count"
+DEFAULT_MAX_MAP_COUNT = 65530
+
+
+def read_max_map_count() -> int:
+    """The kernel's ``vm.max_map_count`` (the default when it cannot be read)."""
+    try:
+        with open(MAX_MAP_COUNT_PATH) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return DEFAULT_MAX_MAP_COUNT
+
+
+def count_process_mappings() -> int:
+    """How many VMAs this process has now (lines of ``/proc/self/maps``)."""
+    with open("/proc/self/maps", "rb") as f:
+        return sum(1 for _ in f)
+
+
+def count_range_mappings(page_table: np.ndarray) -> int:
+    """The VMAs a range with this page table costs: one per run of consecutive physical pages and
+    one per unmapped gap (the same rule the native mapper counts with)."""
+    table = np.asarray(page_table, dtype=np.int64)
+    if table.size == 0:
+        return 0
+    prev, cur = table[:-1], table[1:]
+    same_vma = ((prev < 0) & (cur < 0)) | ((prev >= 0) & (cur == prev + 1))
+    return 1 + int(np.count_nonzero(~same_vma))
+
+
+def huge_page_info() -> tuple[int, int]:
+    """(HugePages_Total, Hugepagesize in bytes) from /proc/meminfo; (0, 0) when unknown."""
+    total = size = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("HugePages_Total:"):
+                    total = int(line.split()[1])
+                elif line.startswith("Hugepagesize:"):
+                    size = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return total, size
+
+
+class ProcessMappingBudget:
+    """The VMAs all CPU backends of this process may hold together.
+
+    Measured once, when the first backend is built: ``vm.max_map_count`` minus the mappings the
+    process already had, minus a margin for what the rest of the process maps later.
+    """
+
+    def __init__(self) -> None:
+        self.max_map_count = read_max_map_count()
+        self.mapped_elsewhere = count_process_mappings()
+        self.margin = max(4096, self.max_map_count // 10)
+        self.limit = max(0, self.max_map_count - self.mapped_elsewhere - self.margin)
+        self.used = 0
+
+    def describe(self) -> str:
+        return (f"vm.max_map_count is {self.max_map_count}; the rest of the process mapped "
+                f"{self.mapped_elsewhere} and {self.margin} are kept as a margin, leaving "
+                f"{self.limit} for vmemkv's CPU backends")
+
+
+_budget: ProcessMappingBudget | None = None
+_budget_lock = threading.Lock()  # guards the budget and serializes map/unmap across threads
+
+
+def process_mapping_budget() -> ProcessMappingBudget:
+    """The process-wide budget (created on first use)."""
+    global _budget
+    with _budget_lock:
+        if _budget is None:
+            _budget = ProcessMappingBudget()
+        return _budget
+
+
+def _index_array(pages: Sequence[int] | np.ndarray, name: str) -> np.ndarray:
+    """A 1-D contiguous int64 array of page indices (no copy when it already is one)."""
+    if type(pages) is np.ndarray and pages.dtype == np.int64 and pages.ndim == 1 \
+            and pages.flags.c_contiguous:
+        return pages
+    if isinstance(pages, torch.Tensor):
+        pages = pages.detach().cpu().numpy()
+    try:
+        array = np.ascontiguousarray(pages, dtype=np.int64)
+    except (TypeError, ValueError) as e:
+        raise MappingError(f"{name} must be a 1-D sequence of page indices: {e}") from None
+    if array.ndim != 1:
+        raise MappingError(f"{name} must be a 1-D sequence of page indices, got shape {array.shape}")
+    return array
+
+
+class _Region:
+    """One span of address space this backend mmap'ed (a reservation or the pool window).
+
+    Tensors over it keep it alive (tensor -> ctypes array -> region), so garbage collection never
+    unmaps memory under a live view: only an explicit ``release``/``close`` does, and after that
+    the views must not be used.
+    """
+
+    def __init__(self, address: int, size: int) -> None:
+        self.address = address
+        self.size = size
+
+    def bytes_tensor(self) -> torch.Tensor:
+        """A uint8 tensor over the whole region; zero copy, touches no memory."""
+        array = (ctypes.c_uint8 * self.size).from_address(self.address)
+        array.region = self  # frombuffer keeps `array` alive, `array` keeps the region
+        return torch.frombuffer(array, dtype=torch.uint8)
+
+    def unmap(self) -> None:
+        if self.address:
+            address, self.address = self.address, 0
+            _native.release(address, self.size)
+
+    def __del__(self) -> None:
+        try:  # at interpreter exit _native may be gone; the OS reclaims the memory then
+            self.unmap()
+        except Exception:  # noqa: BLE001, S110 -- a destructor must not raise
+            pass
+
+
+@dataclass(eq=False)
+class _RangeState:
+    vrange: VirtualRange
+    mappings: int  # VMAs this range costs now
+    region: _Region
+    bytes_view: torch.Tensor  # uint8 over the whole range; tensor() views derive from it
+
+
+class CpuBackend(VirtualMemoryBackend):
+    """Virtual ranges in this process's address space, physical pages in a memfd.
+
+    ``max_mappings`` caps the VMAs this backend may hold (ranges, mapped runs, gaps and the pool
+    window) on top of the process-wide budget; tests use it to reach the limit cheaply.
+    """
+
+    def __init__(self, page_size: int, num_pages: int, huge_pages: bool = False,
+                 max_mappings: int | None = None) -> None:
+        self.page_size = int(page_size)
+        self.num_pages = int(num_pages)
+        self.huge_pages = huge_pages
+        self.device = torch.device("cpu")
+        self.stats = MapStats()
+        self.max_mappings = max_mappings
+        self._alignment = OS_PAGE_SIZE
+        self._fd = -1
+        self._closed = False
+        self._mappings_used = 0
+        self._ranges: dict[int, _RangeState] = {}
+        self._window: torch.Tensor | None = None
+        self._window_region: _Region | None = None
+        self._check_config()
+        self._budget = process_mapping_budget()
+        self._create_pool()
+
+    # ---------------------------------------------------------------- construction
+
+    def _check_config(self) -> None:
+        if self.page_size <= 0 or self.page_size % OS_PAGE_SIZE != 0:
+            raise ConfigError(f"page_size {self.page_size} is not a positive multiple of the OS page "
+                              f"({OS_PAGE_SIZE} bytes); use e.g. {64 * 1024} or {2 * 1024 * 1024}")
+        if self.num_pages <= 0:
+            raise ConfigError(f"num_pages must be positive, got {self.num_pages}")
+        if self.max_mappings is not None and self.max_mappings < 1:
+            raise ConfigError(f"max_mappings must be at least 1 (the pool window), got {self.max_mappings}")
+        if self.huge_pages:
+            self._check_huge_pages()
+
+    def _check_huge_pages(self) -> None:
+        total, huge_size = huge_page_info()
+        if total <= 0 or huge_size <= 0:
+            raise ConfigError("huge_pages=True but the OS has no huge pages reserved (HugePages_Total "
+                              "is 0 in /proc/meminfo); reserve some with `sysctl vm.nr_hugepages=N` "
+                              "or use huge_pages=False")
+        if self.page_size % huge_size != 0:
+            raise ConfigError(f"page_size {self.page_size} is not a multiple of the huge page size "
+                              f"({huge_size} bytes); use a multiple of it or huge_pages=False")
+        if total * huge_size < self.num_pages * self.page_size:
+            raise ConfigError(f"the pool needs {self.num_pages * self.page_size} bytes of huge pages but "
+                              f"the OS reserves {total} x {huge_size} bytes; raise vm.nr_hugepages or "
+                              f"shrink num_pages")
+        self._alignment = huge_size
+
+    def _create_pool(self) -> None:
+        flags = os.MFD_CLOEXEC | (os.MFD_HUGETLB if self.huge_pages else 0)
+        pool_bytes = self.num_pages * self.page_size
+        try:
+            self._fd = os.memfd_create("vmemkv-pool", flags)
+            os.ftruncate(self._fd, pool_bytes)
+        except OSError as e:
+            self.close()
+            raise ConfigError(f"cannot create a memfd pool of {self.num_pages} pages x {self.page_size} "
+                              f"bytes: {e}") from e
+        try:
+            self._charge(1, "map the pool window")
+        except MappingLimitError:
+            self.close()
+            raise
+        try:
+            self._window_region = _Region(_native.map_shared(self._fd, pool_bytes), pool_bytes)
+        except OSError as e:
+            self.close()  # gives the window's charge back with the rest
+            raise MappingError(f"cannot map the pool window ({pool_bytes} bytes): {e}") from e
+        self._window = self._window_region.bytes_tensor().view(self.num_pages, self.page_size)
+
+    # ---------------------------------------------------------------- mapping budget
+
+    @property
+    def mappings_in_use(self) -> int:
+        """VMAs this backend holds now (ranges, runs, gaps, the pool window)."""
+        return self._mappings_used
+
+    def mapping_room(self) -> int:
+        """How many more VMAs this backend may use before map/unmap/reserve is refused."""
+        room = self._budget.limit - self._budget.used
+        if self.max_mappings is not None:
+            room = min(room, self.max_mappings - self._mappings_used)
+        return room
+
+    def _charge(self, count: int, what: str) -> None:
+        with _budget_lock:
+            room = self.mapping_room()
+            if count > room:
+                raise MappingLimitError(self._limit_message(what, count, room))
+            self._account(count)
+
+    def _uncharge(self, count: int) -> None:
+        with _budget_lock:
+            self._account(-count)
+
+    def _account(self, delta: int) -> None:
+        self._mappings_used += delta
+        self._budget.used += delta
+
+    def _limit_message(self, what: str, needed: int, room: int) -> str:
+        if self.max_mappings is not None and self.max_mappings - self._mappings_used == room:
+            limit = f"this backend's max_mappings is {self.max_mappings} and it holds {self._mappings_used}"
+        else:
+            limit = f"{self._budget.describe()}, and {self._budget.used} are in use"
+        return (f"refused to {what}: it needs {needed} more kernel mappings (VMAs) but only {room} are "
+                f"left ({limit}); nothing was changed. Each run of consecutive physical pages and each "
+                f"unmapped gap is one mapping: use a larger page_size, fewer slots or a shorter "
+                f"max_model_len, hand out consecutive pages, or raise vm.max_map_count "
+                f"(sysctl -w vm.max_map_count=...)")
+
+    # ---------------------------------------------------------------- ranges
+
+    def reserve(self, num_pages: int) -> VirtualRange:
+        self._check_open()
+        num_pages = int(num_pages)
+        if num_pages <= 0:
+            raise ConfigError(f"reserve needs a positive number of pages, got {num_pages}")
+        size = num_pages * self.page_size
+        self._charge(1, f"reserve {num_pages} pages")
+        try:
+            address = _native.reserve(size, self._alignment)
+        except OSError as e:
+            self._uncharge(1)
+            raise MappingError(f"cannot reserve {size} bytes of address space: {e}") from e
+        vrange = VirtualRange(address, num_pages, self.page_size, np.full(num_pages, -1, np.int64))
+        region = _Region(address, size)
+        self._ranges[address] = _RangeState(vrange, 1, region, region.bytes_tensor())
+        return vrange
+
+    def release(self, vrange: VirtualRange) -> None:
+        """Give the range back. Tensors viewing it must not be used afterwards (they would fault)."""
+        state = self._state(vrange)
+        del self._ranges[vrange.address]
+        state.region.unmap()
+        self._uncharge(state.mappings)
+        vrange.page_table[:] = -1
+
+    def _live_state(self, vrange: VirtualRange) -> _RangeState:
+        """The bookkeeping of a range this backend reserved and has not released (else MappingError)."""
+        state = self._ranges.get(vrange.address)
+        if state is not None and state.vrange is vrange:
+            return state
+        return self._state(vrange)
+
+    def _state(self, vrange: VirtualRange) -> _RangeState:
+        self._check_open()
+        state = self._ranges.get(vrange.address)
+        if state is None or state.vrange is not vrange:
+            raise MappingError(f"range at {vrange.address:#x} is not reserved by this backend "
+                               f"(released already, or from another backend)")
+        return state
+
+    # ---------------------------------------------------------------- map / unmap
+
+    # The hot path: numpy arrays go to C as they are (C takes 1-D int64 ones without a copy and
+    # raises TypeError for anything else, before changing anything); other inputs are converted
+    # first. Few Python calls per batch: at one page per batch they cost as much as the mmap.
+
+    def map(self, vrange: VirtualRange, virtual_pages: Sequence[int] | np.ndarray,
+            physical_pages: Sequence[int] | np.ndarray) -> None:
+        state = self._ranges.get(vrange.address)
+        if state is None or state.vrange is not vrange:
+            state = self._state(vrange)  # raises MappingError
+        if type(virtual_pages) is not np.ndarray or type(physical_pages) is not np.ndarray:
+            virtual_pages = _index_array(virtual_pages, "virtual_pages")
+            physical_pages = _index_array(physical_pages, "physical_pages")
+        head = (self._fd, vrange.address, self.page_size, self.num_pages, vrange.page_table)
+        try:
+            calls, seconds = self._run_batch(state, "map", _native.map_batch,
+                                             (*head, virtual_pages, physical_pages))
+        except TypeError:  # numpy, but not 1-D contiguous int64: convert and go again
+            virtual_pages = _index_array(virtual_pages, "virtual_pages")
+            physical_pages = _index_array(physical_pages, "physical_pages")
+            calls, seconds = self._run_batch(state, "map", _native.map_batch,
+                                             (*head, virtual_pages, physical_pages))
+        stats = self.stats
+        stats.map_calls += calls
+        stats.map_seconds += seconds
+        stats.pages_mapped += len(virtual_pages)
+
+    def unmap(self, vrange: VirtualRange, virtual_pages: Sequence[int] | np.ndarray) -> None:
+        state = self._ranges.get(vrange.address)
+        if state is None or state.vrange is not vrange:
+            state = self._state(vrange)
+        if type(virtual_pages) is not np.ndarray:
+            virtual_pages = _index_array(virtual_pages, "virtual_pages")
+        head = (vrange.address, self.page_size, vrange.page_table)
+        try:
+            calls, seconds = self._run_batch(state, "unmap", _native.unmap_batch, (*head, virtual_pages))
+        except TypeError:
+            virtual_pages = _index_array(virtual_pages, "virtual_pages")
+            calls, seconds = self._run_batch(state, "unmap", _native.unmap_batch, (*head, virtual_pages))
+        stats = self.stats
+        stats.unmap_calls += calls
+        stats.unmap_seconds += seconds
+        stats.pages_unmapped += len(virtual_pages)
+
+    def _run_batch(self, state: _RangeState, what: str, native_batch, args: tuple) -> tuple[int, float]:
+        """One native batch under the lock: pass it the VMA room left, refuse if it needs more
+        (C has then changed nothing), account the VMAs. Returns (system calls, seconds)."""
+        budget = self._budget
+        _budget_lock.acquire()  # explicit acquire/release: half the cost of `with` on the hot path
+        try:
+            room = self.mapping_room()
+            start = time.perf_counter()
+            try:
+                calls, delta = native_batch(*args, room)
+            except (IndexError, ValueError) as e:
+                raise MappingError(f"{what} refused, nothing changed: {e}") from None
+            except OSError as e:
+                self._resync(state)
+                raise MappingError(f"the OS refused to {what} pages (pages before the failing call are "
+                                   f"done, the failing run is unmapped; page_table is exact): {e}") from e
+            if delta:
+                if delta > 0 and delta > room:  # C refused and changed nothing
+                    hint = " (unmapping inside a run splits it)" if what == "unmap" else ""
+                    message = f"{what} {len(args[-1])} pages{hint}"
+                    raise MappingLimitError(self._limit_message(message, delta, room))
+                self._mappings_used += delta
+                budget.used += delta
+                state.mappings += delta
+            return calls, time.perf_counter() - start
+        finally:
+            _budget_lock.release()
+
+    def _resync(self, state: _RangeState) -> None:
+        """After a failed system call: recount the range's VMAs from its (exact) page table."""
+        actual = count_range_mappings(state.vrange.page_table)
+        self._account(actual - state.mappings)
+        state.mappings = actual
+
+    # ---------------------------------------------------------------- pages and tensors
+
+    def pool_window(self) -> torch.Tensor:
+        self._check_open()
+        return self._window
+
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy page ``src[i]`` onto ``dst[i]``; all sources are read before any page is written."""
+        self._check_open()
+        src_pages = self._pool_indices(src, "src")
+        dst_pages = self._pool_indices(dst, "dst")
+        if len(src_pages) != len(dst_pages):
+            raise MappingError(f"copy_pages got {len(src_pages)} source and {len(dst_pages)} "
+                               f"destination pages; pass one destination per source")
+        if len(np.unique(dst_pages)) != len(dst_pages):
+            raise MappingError("copy_pages got a destination page twice; each page can be written once")
+        if len(src_pages) == 0:
+            return
+        window = self._window
+        dst_index = torch.from_numpy(dst_pages)
+        window.index_copy_(0, dst_index, window.index_select(0, torch.from_numpy(src_pages)))
+
+    def _pool_indices(self, pages: Sequence[int], name: str) -> np.ndarray:
+        array = _index_array(pages, name)
+        bad = (array < 0) | (array >= self.num_pages)
+        if bad.any():
+            raise MappingError(f"{name} page {int(array[bad][0])} is outside the pool of "
+                               f"{self.num_pages} pages")
+        return array
+
+    def tensor(self, vrange: VirtualRange, dtype: torch.dtype, shape: Sequence[int],
+               strides: Sequence[int], offset_bytes: int = 0) -> torch.Tensor:
+        state = self._live_state(vrange)
+        shape, strides = [int(s) for s in shape], [int(s) for s in strides]
+        itemsize = dtype.itemsize
+        _check_view(vrange, itemsize, shape, strides, offset_bytes)
+        elements = state.bytes_view.view(dtype)
+        return elements.as_strided(shape, strides, offset_bytes // itemsize)
+
+    # ---------------------------------------------------------------- lifetime
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise MappingError("this CpuBackend is closed; build a new one")
+
+    def close(self) -> None:
+        """Unmap every range and the pool window and close the memfd. Safe to call twice; views
+        of this backend's memory must not be used afterwards."""
+        self._shut_down(unmap=True)
+
+    def _shut_down(self, unmap: bool) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        for state in self._ranges.values():
+            state.vrange.page_table[:] = -1
+            if unmap:
+                state.region.unmap()
+        self._ranges.clear()
+        if unmap and self._window_region is not None:
+            self._window_region.unmap()
+        self._window = self._window_region = None
+        if self._fd >= 0:  # mappings still alive keep the memfd's pages until they go
+            os.close(self._fd)
+            self._fd = -1
+        if getattr(self, "_budget", None) is not None:
+            with _budget_lock:
+                self._account(-self._mappings_used)
+
+    def __del__(self) -> None:
+        # Garbage collection only drops references: ranges and the window are unmapped when their
+        # last tensor goes, so a view that outlives its backend stays valid.
+        try:
+            self._shut_down(unmap=False)
+        except Exception:  # noqa: BLE001, S110 -- a destructor must not raise
+            pass
+
+    def __repr__(self) -> str:
+        return (f"CpuBackend(page_size={self.page_size}, num_pages={self.num_pages}, "
+                f"ranges={len(self._ranges)}, mappings={self._mappings_used})")
+
+
+def _check_view(vrange: VirtualRange, itemsize: int, shape: list[int], strides: list[int],
+                offset_bytes: int) -> None:
+    """Every element a view can reach must lie inside the range."""
+    if len(shape) != len(strides):
+        raise ConfigError(f"shape {shape} and strides {strides} need the same number of dimensions")
+    if any(s < 0 for s in shape) or any(s < 0 for s in strides):
+        raise ConfigError(f"shape {shape} and strides {strides} must be non-negative")
+    if offset_bytes < 0 or offset_bytes % itemsize != 0:
+        raise ConfigError(f"offset_bytes {offset_bytes} must be a non-negative multiple of the element "
+                          f"size ({itemsize} bytes)")
+    if 0 in shape:
+        last_byte = offset_bytes
+    else:
+        last_element = offset_bytes // itemsize + sum((n - 1) * s for n, s in zip(shape, strides))
+        last_byte = (last_element + 1) * itemsize
+    if last_byte > vrange.size:
+        raise MappingError(f"a view with shape {shape}, strides {strides} at offset {offset_bytes} reaches "
+                           f"byte {last_byte} but the range has {vrange.size} bytes "
+                           f"({vrange.num_pages} pages of {vrange.page_size}); reserve more pages or "
+                           f"shrink the view")
