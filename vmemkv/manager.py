@@ -27,7 +27,7 @@ from .errors import ConfigError, PageStateError, RequestTooLongError, VmemkvErro
 from .hashing import CacheKeys, PrefixHasher
 from .layout import KVLayout, LayoutKind, default_page_size
 from .pool import PagePool
-from .slots import NoFreeSlotError, SlotMapper
+from .slots import NoFreeSlotError, SlotMapper, SlotTable
 from .swap import OutOfSwapSpaceError, SwapSpace
 from .vmm import create_backend
 from .vmm.base import VirtualMemoryBackend
@@ -56,6 +56,7 @@ class CacheConfig:
     tokens_per_page: int = 16
     page_size: int | None = None  # bytes; derived from tokens_per_page when None
     layout: LayoutKind = "token_major"
+    kv_backend: Literal["vmem", "paged"] = "vmem"
     enable_prefix_caching: bool = True
     hash_algorithm: str = "sha256"
     hash_seed: bytes | None = None  # random per process when None
@@ -136,7 +137,12 @@ class KVCacheManager:
         self.backend = backend or create_backend(
             config.device, self.layout.page_size, config.num_blocks * self.layout.pages_per_block)
         self.pool = PagePool(config.num_blocks)
-        self.slots = SlotMapper(self.backend, self.layout, config.max_num_seqs, config.max_model_len)
+        # "vmem": virtually contiguous slots; "paged": the block-table baseline (same pool, same
+        # pages, addressed through each request's block list; nothing is mapped).
+        addressing = {"vmem": SlotMapper, "paged": SlotTable}.get(config.kv_backend)
+        if addressing is None:
+            raise ConfigError(f"kv_backend must be 'vmem' or 'paged', got {config.kv_backend!r}")
+        self.slots = addressing(self.backend, self.layout, config.max_num_seqs, config.max_model_len)
         self.hasher = PrefixHasher(config.hash_algorithm, config.hash_seed)
         self.swap = SwapSpace(config.swap_space_bytes // self.layout.block_bytes,
                               self.layout.block_bytes,
@@ -462,7 +468,14 @@ class KVCacheManager:
 
     # --- what attention and the engine read ---------------------------------------------------
     def kv_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V over every slot, ``[num_slots, max_model_len, kv_heads, dim]``
+        (vmem only). Touch only positions below a request's reservation."""
         return self.slots.kv_views(layer)
+
+    def block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V as block tensors ``[num_blocks, tokens_per_page, kv_heads,
+        dim]``, addressed through ``block_table(request_id)`` (both backends)."""
+        return self.slots.block_views(layer)
 
     def slot_of(self, request_id: str) -> int:
         return self._running(request_id).slot
@@ -520,10 +533,7 @@ class KVCacheManager:
                 assert req.slot is None
                 continue
             bound.append(req.slot)
-            mapped = self.slots.mapped_blocks(req.slot, len(req.blocks))
-            expected = self.layout.physical_pages(np.asarray(req.blocks, dtype=np.int64))
-            assert np.array_equal(mapped, expected[: len(mapped)]), (
-                f"{req.request_id}: slot {req.slot} maps {mapped.tolist()}, owns {req.blocks}")
+            self.slots.check_request(req.slot, req.blocks)
             for block in req.blocks[req.num_computed // self.tokens_per_page:]:  # writable pages
                 assert self.pool.hash_of[block] is None, f"{req.request_id} can write hashed block {block}"
                 assert self.pool.ref[block] == 1, f"{req.request_id} can write shared block {block}"

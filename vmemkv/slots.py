@@ -35,19 +35,22 @@ class SlotStats:
     pages_unmapped: int = 0
 
 
-class SlotMapper:
+class SlotTable:
+    """Which slots (batch rows) are bound, and the pool window addressed as a block table.
+
+    The block-table baseline uses this alone: its requests are addressed through their block
+    lists, so binding a slot maps nothing. ``SlotMapper`` adds the virtual mappings.
+    """
+
     def __init__(self, backend: VirtualMemoryBackend, layout: KVLayout, num_slots: int,
                  max_tokens: int):
         self.backend = backend
         self.layout = layout
         self.num_slots = num_slots
         self.max_tokens = max_tokens
-        self.slot_pages = layout.slot_pages(max_tokens)
-        self.vrange = backend.reserve(num_slots * self.slot_pages)
-        self.page_table = self.vrange.page_table  # the backend keeps it current
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 is taken first
         self.stats = SlotStats()
-        self._views = [self._layer_views(layer) for layer in range(layout.num_layers)]
+        self._block_views = [self._layer_block_views(layer) for layer in range(layout.num_layers)]
 
     # --- binding ------------------------------------------------------------------------------
     @property
@@ -74,17 +77,65 @@ class SlotMapper:
             raise NoFreeSlotError(f"all {self.num_slots} slots are bound; free a request first")
         index = len(self._free) - 1
         if first_block is not None and len(self._free) > 1:
-            # the first physical page of each free slot's logical page 0
-            virtual = self._virtual(np.asarray(self._free), 0)[:len(self._free)]
-            physical = self.layout.physical_pages(np.array([first_block]))[0]
-            matches = np.flatnonzero(self.page_table[virtual] == physical)
-            if len(matches):
-                index = int(matches[-1])
+            index = self._slot_already_mapping(first_block, index)
         return self._free.pop(index)
 
     def release(self, slot: int) -> None:
         """Give a slot back; its mappings stay for the next request."""
         self._free.append(slot)
+
+    # --- addressing: a block table needs no mapping ----------------------------------------------
+    def _slot_already_mapping(self, first_block: int, default: int) -> int:
+        return default
+
+    def map_blocks(self, slot: int, first_logical: int, blocks: list[int]) -> None:
+        """Block tables are the requests' block lists: nothing to map."""
+
+    def reclaim_stale(self, keep: dict[int, int] | None = None) -> None:
+        """Nothing is mapped, so nothing is stale."""
+
+    def check_request(self, slot: int, blocks: list[int]) -> None:
+        """Assert that ``slot`` addresses ``blocks`` (always true of a block table)."""
+
+    def kv_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError("a block-table cache has no slot views; use block_views() "
+                                  "with the requests' block tables")
+
+    def block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V over the whole pool as vLLM-style block tensors
+        ``[num_blocks, tokens_per_page, kv_heads, dim]`` (the backend's pool window)."""
+        return self._block_views[layer]
+
+    def _layer_block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        layout = self.layout
+        window = self.backend.pool_window().view(-1).view(layout.dtype)
+        num_blocks = self.backend.num_pages // layout.pages_per_block
+        shape = (num_blocks, layout.tokens_per_page, layout.num_kv_heads, layout.head_dim)
+        views = []
+        for kv in (0, 1):
+            strides, offset = layout.block_view_geometry(layer, kv)
+            views.append(window.as_strided(shape, strides, offset))
+        return views[0], views[1]
+
+    def close(self) -> None:
+        """Nothing reserved."""
+
+
+class SlotMapper(SlotTable):
+    def __init__(self, backend: VirtualMemoryBackend, layout: KVLayout, num_slots: int,
+                 max_tokens: int):
+        super().__init__(backend, layout, num_slots, max_tokens)
+        self.slot_pages = layout.slot_pages(max_tokens)
+        self.vrange = backend.reserve(num_slots * self.slot_pages)
+        self.page_table = self.vrange.page_table  # the backend keeps it current
+        self._views = [self._layer_views(layer) for layer in range(layout.num_layers)]
+
+    def _slot_already_mapping(self, first_block: int, default: int) -> int:
+        # the first physical page of each free slot's logical page 0
+        virtual = self._virtual(np.asarray(self._free), 0)[:len(self._free)]
+        physical = self.layout.physical_pages(np.array([first_block]))[0]
+        matches = np.flatnonzero(self.page_table[virtual] == physical)
+        return int(matches[-1]) if len(matches) else default
 
     # --- mapping --------------------------------------------------------------------------------
     def map_blocks(self, slot: int, first_logical: int, blocks: list[int]) -> None:
@@ -123,6 +174,12 @@ class SlotMapper:
             self.backend.unmap(self.vrange, virtual)
             self.stats.unmap_calls += self.backend.stats.unmap_calls - calls
             self.stats.pages_unmapped += len(virtual)
+
+    def check_request(self, slot: int, blocks: list[int]) -> None:
+        mapped = self.mapped_blocks(slot, len(blocks))
+        expected = self.layout.physical_pages(np.asarray(blocks, dtype=np.int64))
+        assert np.array_equal(mapped, expected), (
+            f"slot {slot} maps {mapped.tolist()}, its request owns {blocks}")
 
     def mapped_blocks(self, slot: int, num_logical: int) -> np.ndarray:
         """The physical pages the first ``num_logical`` logical pages of ``slot`` point to."""
