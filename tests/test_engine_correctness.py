@@ -75,16 +75,18 @@ def test_single_request_matches_hf(model):
     assert_clean(engine)
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
-def test_ragged_batch_matches_hf(model):
-    engine = make_engine(model)
+@pytest.mark.parametrize("model,kv_backend", [("tiny-llama", "vmem"), ("tiny-qwen2", "vmem"),
+                                              ("tiny-llama", "paged"), ("tiny-qwen2", "paged")])
+def test_ragged_batch_matches_hf(model, kv_backend):
+    engine = make_engine(model, kv_backend=kv_backend)
     batch = prompts(8)
     assert_matches_hf(model, batch, run(engine, batch))
     assert_clean(engine)
 
 
-def test_prefix_hits_match_hf():
-    engine = make_engine()
+@pytest.mark.parametrize("kv_backend", ["vmem", "paged"])
+def test_prefix_hits_match_hf(kv_backend):
+    engine = make_engine(kv_backend=kv_backend)
     system = prompts(1, lengths=(40,), offset=5)[0]
     batch = [system + tail for tail in prompts(4, lengths=(3, 11, 20, 7))]
     first = run(engine, batch[:1])
@@ -95,11 +97,12 @@ def test_prefix_hits_match_hf():
     assert_clean(engine)
 
 
-@pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_preemption_matches_hf(mode):
+@pytest.mark.parametrize("mode,kv_backend", [("swap", "vmem"), ("recompute", "vmem"),
+                                             ("swap", "paged")])
+def test_preemption_matches_hf(mode, kv_backend):
     # 12 pages of 16 tokens for 6 sequences that each grow to ~3-4 pages: someone must wait.
     engine = make_engine(num_blocks=12, preemption_mode=mode, enable_prefix_caching=False,
-                         watermark=0.0)
+                         watermark=0.0, kv_backend=kv_backend)
     batch = prompts(6, lengths=(30, 35, 40, 28, 33, 38))
     outputs = run(engine, batch, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     assert engine.scheduler.num_preemptions > 0
@@ -110,8 +113,9 @@ def test_preemption_matches_hf(mode):
     assert_clean(engine)
 
 
-def test_chunked_prefill_matches_hf():
-    engine = make_engine(max_num_batched_tokens=24)
+@pytest.mark.parametrize("layout", ["token_major", "per_layer"])
+def test_chunked_prefill_matches_hf(layout):
+    engine = make_engine(max_num_batched_tokens=24, layout=layout)
     batch = prompts(4, lengths=(64, 50, 9, 33))
     assert_matches_hf("tiny-llama", batch, run(engine, batch))
     assert_clean(engine)

@@ -1,5 +1,7 @@
-"""Attention over KV caches: virtually contiguous slots (vmem) and, later, block tables (paged)."""
+"""Attention over KV caches: virtually contiguous slots (vmem) and block tables (paged)."""
 
-from .contiguous import ContiguousAttention, SequenceSpan
+from .contiguous import ContiguousAttention
+from .packed import PackedAttention, SequenceSpan
+from .paged import BlockTableAttention
 
-__all__ = ["ContiguousAttention", "SequenceSpan"]
+__all__ = ["BlockTableAttention", "ContiguousAttention", "PackedAttention", "SequenceSpan"]

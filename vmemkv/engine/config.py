@@ -27,6 +27,7 @@ class EngineConfig:
     policy: Literal["fcfs", "priority"] = "fcfs"
     watermark: float = 0.01  # fraction of pages kept free at admission to avoid instant preemption
     layout: Literal["token_major", "per_layer"] = "token_major"
+    kv_backend: Literal["vmem", "paged"] = "vmem"  # virtually contiguous slots, or block tables
     # Decoding requests get the page their next `lookahead_tokens` tokens need mapped on a
     # background thread while the current step computes (0: map only when needed, inline).
     lookahead_tokens: int = 1
@@ -39,6 +40,8 @@ class EngineConfig:
             raise ConfigError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
         if self.policy not in ("fcfs", "priority"):
             raise ConfigError(f"policy must be fcfs or priority, got {self.policy!r}")
+        if self.kv_backend not in ("vmem", "paged"):
+            raise ConfigError(f"kv_backend must be vmem or paged, got {self.kv_backend!r}")
         self.torch_dtype  # validates the name
 
     @property

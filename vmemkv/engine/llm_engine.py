@@ -8,7 +8,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from ..attention import ContiguousAttention, SequenceSpan
+from ..attention import BlockTableAttention, ContiguousAttention, SequenceSpan
 from ..errors import RequestTooLongError
 from ..hashing import CacheKeys
 from ..manager import CacheConfig, KVCacheManager
@@ -45,6 +45,10 @@ class LLMEngine:
         eos = _text_config(model).eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.step_seconds = 0.0
+        self.attention_seconds = 0.0
+        self.num_steps = 0
+        self.peak_blocks_in_use = 0
+        self._fragmentation = [0, 0]  # sums over steps: bytes held past the tokens stored, bytes stored
         # Overlapped mapping: one worker maps lookahead pages while the forward pass runs.
         self._mapper = ThreadPoolExecutor(1, thread_name_prefix="vmemkv-map")
         self.map_background_seconds = 0.0  # mapping done on the worker
@@ -61,7 +65,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
             dtype=next(model.parameters()).dtype, device=config.device,
             tokens_per_page=config.tokens_per_page, layout=config.layout,
-            enable_prefix_caching=config.enable_prefix_caching,
+            kv_backend=config.kv_backend, enable_prefix_caching=config.enable_prefix_caching,
             swap_space_bytes=config.swap_space_bytes)
         if config.num_blocks is None:  # enough for every slot at full length
             pages_per_slot = cache.make_layout().logical_pages_for(config.max_model_len)
@@ -136,6 +140,8 @@ class LLMEngine:
                 self._append_token(seq, token, logprobs)
                 touched[seq.group.request_id] = seq.group
         self.step_seconds += time.perf_counter() - start
+        self.num_steps += 1
+        self._record_memory()
         self.metrics.on_step(len(self.scheduler.running), len(self.scheduler.waiting),
                              len(self.scheduler.swapped), self.manager.usage(),
                              self.manager.stats.prefix_hit_rate, self.scheduler.num_preemptions)
@@ -147,15 +153,16 @@ class LLMEngine:
         for item in scheduled:
             seq, count = item.seq, item.num_new_tokens
             begin = len(input_ids)
-            spans.append(SequenceSpan(self.manager.slot_of(seq.seq_id), begin, count, seq.num_computed))
+            spans.append(self._span(seq, begin, count))
             input_ids += seq.token_ids[seq.num_computed: seq.num_computed + count]
             positions += range(seq.num_computed, seq.num_computed + count)
             if seq.num_computed + count == len(seq.token_ids):  # its next token is due
                 rows.append(begin + count - 1)
                 samplers.append(seq)
-        attention = ContiguousAttention(spans, self.manager.kv_views, self.runner.device)
+        attention = self._attention(spans)
         mapping = self._start_lookahead(scheduled)
         logits = self.runner.forward(input_ids, positions, attention, rows or [len(input_ids) - 1])
+        self.attention_seconds += attention.seconds
         if mapping is not None:
             waited = time.perf_counter()
             mapping.result()
@@ -174,6 +181,17 @@ class LLMEngine:
             logits[logit_rows], [s.group.params for s in seqs], [s.generator for s in seqs])
         return list(zip(seqs, tokens.tolist(), logprobs))
 
+    def _span(self, seq: Sequence, begin: int, count: int) -> SequenceSpan:
+        paged = self.config.kv_backend == "paged"
+        table = tuple(self.manager.block_table(seq.seq_id)) if paged else ()
+        return SequenceSpan(self.manager.slot_of(seq.seq_id), begin, count, seq.num_computed, table)
+
+    def _attention(self, spans: list[SequenceSpan]):
+        if self.config.kv_backend == "paged":
+            return BlockTableAttention(spans, self.manager.block_views,
+                                       self.manager.tokens_per_page, self.runner.device)
+        return ContiguousAttention(spans, self.manager.kv_views, self.runner.device)
+
     def _start_lookahead(self, scheduled: list[ScheduledSeq]):
         """Give decoding sequences about to cross a page boundary their next page now, and map
         it on the worker while the forward pass runs (it touches only positions past every
@@ -181,7 +199,7 @@ class LLMEngine:
         margin = self.config.lookahead_tokens
         decoding = [item.seq.seq_id for item in scheduled
                     if item.seq.num_computed >= item.seq.num_prompt_tokens]
-        if margin <= 0 or not decoding:
+        if margin <= 0 or not decoding or self.config.kv_backend == "paged":  # nothing to map
             return None
         jobs = self.manager.allocate_lookahead(decoding, margin, self.scheduler.watermark_blocks)
         return self._mapper.submit(self._map_in_background, jobs) if jobs else None
@@ -256,8 +274,27 @@ class LLMEngine:
                              finished, group.error, group.num_cached_tokens)
 
     # --- introspection -------------------------------------------------------------------------
+    def _record_memory(self) -> None:
+        """Peak KV pages held, and internal fragmentation: bytes of pages held by running
+        sequences beyond the bytes their tokens fill."""
+        in_use = self.manager.pool.num_in_use
+        self.peak_blocks_in_use = max(self.peak_blocks_in_use, in_use)
+        tokens = sum(self.manager.num_tokens(seq.seq_id) for seq in self.scheduler.running)
+        if tokens:
+            layout = self.manager.layout
+            stored = tokens * layout.token_bytes
+            self._fragmentation[0] += max(in_use * layout.block_bytes - stored, 0)
+            self._fragmentation[1] += stored
+
     def stats(self) -> dict:
+        wasted, stored = self._fragmentation
+        block_bytes = self.manager.layout.block_bytes
         return {**self.manager.snapshot_stats(), "preemptions": self.scheduler.num_preemptions,
+                "num_steps": self.num_steps, "attention_seconds": self.attention_seconds,
+                "peak_kv_bytes": self.peak_blocks_in_use * block_bytes,
+                "internal_fragmentation": wasted / stored if stored else 0.0,
+                "backend_map_seconds": self.manager.backend.stats.map_seconds,
+                "backend_unmap_seconds": self.manager.backend.stats.unmap_seconds,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "swapped": len(self.scheduler.swapped), "step_seconds": self.step_seconds,
                 "map_background_seconds": self.map_background_seconds,
