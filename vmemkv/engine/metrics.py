@@ -1,0 +1,202 @@
+"""Serving metrics: Prometheus counters, gauges and histograms, plus raw samples for summaries.
+
+Each ``EngineMetrics`` has its own ``CollectorRegistry``, so several engines (or tests) in one
+process never clash over metric names. The engine calls the ``on_*`` hooks from its step thread;
+``render()`` and ``summary()`` may be called from any thread (prometheus_client is thread safe,
+and the sample lists are only appended to).
+
+Times are seconds from one monotonic clock: pass ``time.monotonic()`` values, or leave ``now``
+out and the hook reads that clock itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+                          0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_THROUGHPUT_WINDOW_S = 10.0  # the throughput gauge averages over this trailing window
+
+
+@dataclass
+class _RequestTimes:
+    added: float
+    first_token: float | None = None
+    last_token: float | None = None
+    num_generated: int = 0
+
+
+class EngineMetrics:
+    """Counters and latency samples of one engine."""
+
+    def __init__(self, max_samples: int = 100_000) -> None:
+        self.registry = CollectorRegistry()
+        self._define_metrics()
+        self._requests: dict[str, _RequestTimes] = {}
+        # Raw samples for summary(); bounded so a long-lived server does not grow without limit.
+        self.ttft_s: deque[float] = deque(maxlen=max_samples)
+        self.tpot_s: deque[float] = deque(maxlen=max_samples)
+        self.e2e_s: deque[float] = deque(maxlen=max_samples)
+        self._recent_tokens: deque[tuple[float, int]] = deque()  # (time, count) for the gauge
+        self._recent_token_count = 0
+        self._first_added: float | None = None
+        self._last_token: float | None = None
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_finished: dict[str, int] = {}
+        self._preemptions_seen = 0
+
+    def _define_metrics(self) -> None:
+        r = self.registry
+        self.requests_finished = Counter("vmemkv_requests_finished", "Requests finished, by reason",
+                                         ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter("vmemkv_prompt_tokens", "Prompt tokens received", registry=r)
+        self.generation_tokens = Counter("vmemkv_generation_tokens", "Tokens generated", registry=r)
+        self.preemptions = Counter("vmemkv_preemptions", "Requests preempted", registry=r)
+        self.ttft = Histogram("vmemkv_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("vmemkv_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request",
+                              buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
+        self.e2e_latency = Histogram("vmemkv_e2e_request_latency_seconds",
+                                     "Time from arrival to finish", buckets=_LATENCY_BUCKETS,
+                                     registry=r)
+        self.running = Gauge("vmemkv_num_requests_running", "Requests running", registry=r)
+        self.waiting = Gauge("vmemkv_num_requests_waiting", "Requests waiting", registry=r)
+        self.swapped = Gauge("vmemkv_num_requests_swapped", "Requests swapped out", registry=r)
+        self.kv_usage = Gauge("vmemkv_kv_cache_usage_ratio", "Fraction of KV pages in use (0..1)",
+                              registry=r)
+        self.prefix_hit_rate = Gauge("vmemkv_prefix_cache_hit_rate",
+                                     "Fraction of prompt tokens served from the prefix cache",
+                                     registry=r)
+        self.throughput = Gauge("vmemkv_generation_throughput_tokens_per_second",
+                                f"Tokens generated per second over the last "
+                                f"{_THROUGHPUT_WINDOW_S:g} s", registry=r)
+
+    # ---- hooks the engine calls -------------------------------------------------------------
+
+    def on_request_added(self, request_id: str, num_prompt_tokens: int,
+                         now: float | None = None) -> None:
+        now = _now(now)
+        self._requests[request_id] = _RequestTimes(added=now)
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.num_prompt_tokens += num_prompt_tokens
+        if self._first_added is None:
+            self._first_added = now
+
+    def on_first_token(self, request_id: str, now: float | None = None) -> None:
+        """The request's first output token exists (idempotent; ``on_tokens`` implies it)."""
+        times = self._requests.get(request_id)
+        if times is None or times.first_token is not None:
+            return
+        times.first_token = _now(now)
+        self.ttft.observe(times.first_token - times.added)
+        self.ttft_s.append(times.first_token - times.added)
+
+    def on_tokens(self, request_id: str, n: int, now: float | None = None) -> None:
+        """``n`` output tokens were generated for the request in this step (the first included)."""
+        if n <= 0:
+            return
+        now = _now(now)
+        self.generation_tokens.inc(n)
+        self.num_generation_tokens += n
+        self._last_token = now
+        self._recent_tokens.append((now, n))
+        self._recent_token_count += n
+        times = self._requests.get(request_id)
+        if times is None:
+            return
+        self.on_first_token(request_id, now)
+        times.last_token = now
+        times.num_generated += n
+
+    def on_request_finished(self, request_id: str, reason: str, now: float | None = None) -> None:
+        """The request ended: "stop", "length", "abort" or "error"."""
+        now = _now(now)
+        self.requests_finished.labels(finished_reason=reason).inc()
+        self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
+        times = self._requests.pop(request_id, None)
+        if times is None:
+            return
+        self.e2e_latency.observe(now - times.added)
+        self.e2e_s.append(now - times.added)
+        if times.num_generated > 1 and times.first_token is not None and times.last_token is not None:
+            tpot = (times.last_token - times.first_token) / (times.num_generated - 1)
+            self.tpot.observe(tpot)
+            self.tpot_s.append(tpot)
+
+    def on_step(self, num_running: int, num_waiting: int, num_swapped: int, kv_usage: float,
+                prefix_hit_rate: float, num_preemptions_total: int, now: float | None = None) -> None:
+        """Scheduler state after a step; ``num_preemptions_total`` is the engine's running total."""
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.swapped.set(num_swapped)
+        self.kv_usage.set(kv_usage)
+        self.prefix_hit_rate.set(prefix_hit_rate)
+        if num_preemptions_total > self._preemptions_seen:  # a counter only moves forward
+            self.preemptions.inc(num_preemptions_total - self._preemptions_seen)
+            self._preemptions_seen = num_preemptions_total
+        self.throughput.set(self._recent_throughput(_now(now)))
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """All metrics in the Prometheus text exposition format."""
+        return generate_latest(self.registry)
+
+    def summary(self) -> dict:
+        """Means and percentiles of the latency samples, token counts and overall throughput."""
+        elapsed = None
+        if self._first_added is not None and self._last_token is not None:
+            elapsed = self._last_token - self._first_added
+        throughput = self.num_generation_tokens / elapsed if elapsed else 0.0
+        return {
+            "num_requests_finished": dict(self.num_finished),
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generation_tokens": self.num_generation_tokens,
+            "ttft_s": _describe(list(self.ttft_s)),
+            "tpot_s": _describe(list(self.tpot_s)),
+            "e2e_latency_s": _describe(list(self.e2e_s)),
+            "generation_throughput_tokens_per_s": throughput,
+        }
+
+    def _recent_throughput(self, now: float) -> float:
+        while self._recent_tokens and self._recent_tokens[0][0] < now - _THROUGHPUT_WINDOW_S:
+            self._recent_token_count -= self._recent_tokens.popleft()[1]
+        if self._first_added is None:
+            return 0.0
+        # Over the window, or over the time since the first request when that is shorter.
+        span = min(_THROUGHPUT_WINDOW_S, now - self._first_added)
+        return self._recent_token_count / span if span > 0 else 0.0
+
+
+def _now(now: float | None) -> float:
+    return time.monotonic() if now is None else now
+
+
+def _describe(samples: list[float]) -> dict[str, float | int | None]:
+    if not samples:
+        return {"count": 0, "mean": None, "p50": None, "p99": None}
+    samples.sort()
+    return {"count": len(samples), "mean": sum(samples) / len(samples),
+            "p50": percentile(samples, 50), "p99": percentile(samples, 99)}
+
+
+def percentile(sorted_samples: list[float], q: float) -> float:
+    """The q-th percentile (0..100) of sorted samples, linearly interpolated (numpy's default)."""
+    position = (len(sorted_samples) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(sorted_samples) - 1)
+    return sorted_samples[low] + (sorted_samples[high] - sorted_samples[low]) * (position - low)
