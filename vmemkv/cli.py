@@ -35,6 +35,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="how a preempted request gives back its pages")
     group.add_argument("--swap-space-gb", type=float, default=None,
                        help="host memory for swapped-out KV pages, in GiB")
+    group.add_argument("--kv-backend", default=None, choices=["vmem", "paged"],
+                       help="vmem: virtually contiguous slots; paged: the block-table baseline")
+    group.add_argument("--layout", default=None, choices=["token_major", "per_layer"],
+                       help="KV layout in a page: all layers of a token (default) or vAttention's per layer")
+    group.add_argument("--policy", default=None, choices=["fcfs", "priority"], help="scheduling policy")
+    group.add_argument("--lookahead-tokens", type=int, default=None,
+                       help="map the page of a decoding request's next N tokens in the background (0: off)")
     group.add_argument("--seed", type=int, default=None,
                        help="engine seed: makes sampling of unseeded requests reproducible")
 
@@ -60,6 +67,10 @@ def engine_config_from_args(args: argparse.Namespace):
         "preemption_mode": args.preemption_mode,
         "swap_space_bytes": None if args.swap_space_gb is None else int(args.swap_space_gb * 2**30),
         "seed": args.seed,
+        "kv_backend": args.kv_backend,
+        "layout": args.layout,
+        "policy": args.policy,
+        "lookahead_tokens": args.lookahead_tokens,
     }
     # Unset options keep EngineConfig's defaults (num_blocks=None means "derive" there too).
     return EngineConfig(**{name: value for name, value in fields.items() if value is not None})
