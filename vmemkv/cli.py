@@ -159,9 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(subparsers)
     _add_serve_parser(subparsers)
-    # ---- LEAD: register `vmemkv ab` here (the A/B harness), e.g. _add_ab_parser(subparsers),
-    # ---- reusing add_engine_args(parser) and engine_config_from_args(args).
+    _add_ab_parser(subparsers)
     return parser
+
+
+def _add_ab_parser(subparsers) -> None:
+    from vmemkv.ab.cli import add_ab_arguments  # its own model and sizes: no engine options
+
+    add_ab_arguments(subparsers.add_parser(
+        "ab", help="A/B: the same engine and requests on vmem slots vs block tables"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,8 @@
+"""The A/B harness (``vmemkv ab``): the same engine, model and requests with the KV cache either
+virtually contiguous (vmem, token-major or per-layer) or in block tables (paged), side by side."""
+
+from .runner import METRIC_KEYS, VARIANTS, run_experiment, run_once
+from .workloads import WORKLOADS, Workload, make_workload
+
+__all__ = ["METRIC_KEYS", "VARIANTS", "WORKLOADS", "Workload", "make_workload", "run_experiment",
+           "run_once"]

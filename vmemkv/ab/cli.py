@@ -1,0 +1,118 @@
+"""``vmemkv ab``: the same engine, model and requests with the KV cache in vmemkv (virtually
+contiguous) or in block tables, measured side by side.
+
+    vmemkv ab                                   # every workload x variant, 3 repeats
+    vmemkv ab --quick --workloads chat          # smoke run, seconds
+    vmemkv ab --json                            # the JSON on stdout instead of the table
+    python -m vmemkv.ab.cli ...                 # the same without the `vmemkv` entry point
+
+Results go to ``--out`` (default ``experiments/results/ab``): ``ab.md``, ``ab.json`` and PNG plots.
+The exit status is 1 when a check fails (greedy tokens differ between variants, the pressure
+workload never preempts, vmem and paged disagree on the prefix hit rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+
+DEFAULT_OUT = "experiments/results/ab"
+DEFAULT_REPEATS = 3
+
+
+def add_ab_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``vmemkv ab`` options. It brings its own ``--model``: don't combine with
+    ``vmemkv.cli.add_engine_args`` (each workload sets its own engine sizes)."""
+    from .runner import VARIANTS
+    from .workloads import WORKLOADS
+
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"comma-separated, from {', '.join(WORKLOADS)} (default: all)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, from {', '.join(VARIANTS)} (default: all)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help=f"timed runs per variant and workload (default {DEFAULT_REPEATS}; "
+                             "1 with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small workloads and one repeat: a smoke run")
+    parser.add_argument("--json", action="store_true",
+                        help="print the results JSON on stdout instead of the table")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help=f"directory for ab.md, ab.json and plots (default {DEFAULT_OUT})")
+    parser.add_argument("--model", default="tiny-llama",
+                        help="a built-in model name or a local Hugging Face directory")
+    parser.add_argument("--seed", type=int, default=0, help="workload and model seed")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads during the runs (default 1: small ops on a "
+                             "shared 2-core machine are much slower and noisier with 2; "
+                             "0 keeps torch's own setting)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run_ab)
+
+
+def _names(text: str, known, what: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"unknown {what} {', '.join(unknown) or '(none given)'}; "
+                         f"choose from {', '.join(known)}")
+    return list(dict.fromkeys(names))
+
+
+def command_line(args: argparse.Namespace, repeats: int) -> str:
+    """The command that reproduces the run, every option spelled out."""
+    parts = ["vmemkv", "ab", "--workloads", args.workloads, "--variants", args.variants,
+             "--repeats", str(repeats), "--model", args.model, "--seed", str(args.seed),
+             "--threads", str(args.threads), "--out", args.out]
+    if args.quick:
+        parts.append("--quick")
+    return shlex.join(parts)
+
+
+def run_ab(args: argparse.Namespace) -> int:
+    from . import report
+    from .runner import VARIANTS, run_experiment
+    from .workloads import WORKLOADS
+
+    workloads = _names(args.workloads, WORKLOADS, "workload(s)")
+    variants = _names(args.variants, VARIANTS, "variant(s)")
+    repeats = args.repeats if args.repeats is not None else 1 if args.quick else DEFAULT_REPEATS
+    if repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {repeats}")
+    machine_before = report.machine_info()
+    result = run_experiment(workloads, variants, repeats=repeats, quick=args.quick,
+                            model_name=args.model, seed=args.seed, threads=args.threads,
+                            progress=not args.no_progress)
+    machine = report.machine_info()
+    machine["load_average_at_start"] = machine_before["load_average_1_5_15"]
+    result["machine"] = machine
+    result["command"] = command_line(args, repeats)
+    paths = report.write_all(result, args.out) if args.out else []
+    if args.json:
+        print(report.to_json(result))
+    else:
+        print(report.format_table(result))
+        print()
+        print(report.summary(result))
+        print()
+        print(f"runtime {result['runtime_s']:.0f} s; wrote " + ", ".join(str(p) for p in paths))
+    for failure in result["failures"]:
+        print(f"vmemkv ab: check failed: {failure}", file=sys.stderr)
+    return 1 if result["failures"] else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vmemkv ab", description=__doc__.splitlines()[0])
+    add_ab_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_ab(args)
+    except ValueError as exc:
+        print(f"vmemkv ab: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""Formats an A/B result: the table, an honest summary, ``ab.md``, ``ab.json`` and PNG plots."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+from pathlib import Path
+
+# (header, metric key, format of the median, scale)
+COLUMNS = (
+    ("tok/s", "output_tokens_per_s", "{:.0f}", 1.0),
+    ("tok/CPU-s", "output_tokens_per_cpu_s", "{:.0f}", 1.0),
+    ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}", 1.0),
+    ("TPOT p50 ms", "tpot_p50_ms", "{:.1f}", 1.0),
+    ("ITL p99 ms", "itl_p99_ms", "{:.0f}", 1.0),
+    ("peak KV MiB", "peak_kv_mib", "{:.2f}", 1.0),
+    ("frag %", "internal_fragmentation", "{:.1f}", 100.0),
+    ("hit %", "prefix_hit_rate", "{:.1f}", 100.0),
+    ("preempt", "preemptions", "{:.0f}", 1.0),
+    ("map calls", "map_calls", "{:.0f}", 1.0),
+    ("mapping %", "mapping_share", "{:.2f}", 100.0),
+    ("KV mgr %", "kv_manager_share", "{:.1f}", 100.0),
+    ("attn %", "attention_share", "{:.0f}", 100.0),
+)
+# Columns that also show their min-max over repeats.
+WITH_RANGE = {"output_tokens_per_s", "output_tokens_per_cpu_s"}
+COLORS = {"vmem": "#1f77b4", "paged": "#ff7f0e", "vmem-per-layer": "#2ca02c"}
+
+
+# --- machine ---------------------------------------------------------------------------------------
+def machine_info() -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    return {"cpu": cpu, "cores": os.cpu_count(), "load_average_1_5_15": load,
+            "torch": torch.__version__, "python": platform.python_version(),
+            "platform": platform.platform(),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+
+
+# --- text ----------------------------------------------------------------------------------------
+def _cell(spread: dict, fmt: str, scale: float, with_range: bool) -> str:
+    median = spread["median"]
+    if median is None or (isinstance(median, float) and math.isnan(median)):
+        return "-"
+    text = fmt.format(median * scale)
+    if with_range and spread["min"] != spread["max"]:
+        text += f" ({fmt.format(spread['min'] * scale)}-{fmt.format(spread['max'] * scale)})"
+    return text
+
+
+def table_rows(result: dict) -> tuple[list[str], list[list[str]]]:
+    headers = ["workload", "variant"] + [c[0] for c in COLUMNS] + ["same tokens"]
+    rows = []
+    for workload, per_variant in result["results"].items():
+        for variant, data in per_variant.items():
+            cells = [workload, variant]
+            cells += [_cell(data["metrics"][key], fmt, scale, key in WITH_RANGE)
+                      for _, key, fmt, scale in COLUMNS]
+            equal = data["tokens_equal"]
+            cells.append("ref" if variant == "vmem" else "-" if equal is None
+                         else "yes" if equal else "NO")
+            rows.append(cells)
+    return headers, rows
+
+
+def format_table(result: dict) -> str:
+    headers, rows = table_rows(result)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i > 1 else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths)))
+
+    out = [line(headers), "  ".join("-" * w for w in widths)]
+    previous = None
+    for row in rows:
+        if previous is not None and row[0] != previous:
+            out.append("")
+        out.append(line(row))
+        previous = row[0]
+    return "\n".join(out)
+
+
+def markdown_table(result: dict) -> str:
+    headers, rows = table_rows(result)
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join(
+        "---" if i < 2 else "---:" for i in range(len(headers))) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _metric(result: dict, workload: str, variant: str, key: str) -> dict | None:
+    data = result["results"].get(workload, {}).get(variant)
+    return None if data is None else data["metrics"][key]
+
+
+def _compare(a: dict, b: dict) -> tuple[float, str]:
+    """Ratio of medians a/b, and whether the min-max ranges separate them."""
+    ratio = a["median"] / b["median"] if b["median"] else float("nan")
+    if a["min"] > b["max"]:
+        verdict = "higher"
+    elif a["max"] < b["min"]:
+        verdict = "lower"
+    else:
+        verdict = "overlapping"
+    return ratio, verdict
+
+
+def summary(result: dict) -> str:
+    """One paragraph: where each backend wins, with the caveats that apply."""
+    workloads = list(result["results"])
+    variants = result["config"]["variants"]
+    repeats = result["config"]["repeats"]
+    parts = []
+    if "vmem" in variants and "paged" in variants:
+        wins, losses, ties = [], [], []
+        for w in workloads:
+            ratio, verdict = _compare(_metric(result, w, "vmem", "output_tokens_per_cpu_s"),
+                                      _metric(result, w, "paged", "output_tokens_per_cpu_s"))
+            entry = f"{w} {ratio:.2f}x"
+            if repeats < 2:
+                verdict = "overlapping"  # one run each: no noise estimate, no verdict
+            (wins if verdict == "higher" else losses if verdict == "lower" else ties).append(entry)
+        if repeats < 2:
+            text = ("Throughput per CPU-second, vmem over paged (one run each, so no noise "
+                    f"estimate and no verdict): {', '.join(ties)}.")
+        else:
+            text = ("Throughput per CPU-second, vmem over paged (median ratio; a win only where "
+                    f"the min-max ranges of {repeats} repeats do not overlap): ")
+            text += "; ".join(filter(None, [
+                f"vmem wins on {', '.join(wins)}" if wins else "",
+                f"paged wins on {', '.join(losses)}" if losses else "",
+                f"within noise on {', '.join(ties)}" if ties else ""])) + "."
+        parts.append(text)
+        attention = [(w, _metric(result, w, "vmem", "attention_seconds")["median"],
+                      _metric(result, w, "paged", "attention_seconds")["median"]) for w in workloads]
+        faster = [f"{w} {p / v:.2f}x" for w, v, p in attention if v and p]
+        parts.append("Attention time, paged over vmem: " + ", ".join(faster) + " (on CPU the "
+                     "block-table path gathers each sequence's blocks into a contiguous copy "
+                     "before SDPA, every layer and step, while vmem hands SDPA the slot view as "
+                     "is; a fused paged GPU kernel reads blocks in place, so that part of the gap "
+                     "is CPU-specific).")
+        shares = [_metric(result, w, "vmem", "mapping_share")["median"] for w in workloads]
+        managers = [(_metric(result, w, "vmem", "kv_manager_share")["median"],
+                     _metric(result, w, "paged", "kv_manager_share")["median"]) for w in workloads]
+        parts.append(f"What vmem pays for it: mapping on the step's critical path is at most "
+                     f"{100 * max(shares):.2f}% of step time (the lookahead worker maps the rest "
+                     f"while the forward pass runs), and all KV-manager work is "
+                     f"{100 * min(v for v, _ in managers):.1f}-{100 * max(v for v, _ in managers):.1f}% "
+                     f"of step time for vmem against {100 * min(p for _, p in managers):.1f}-"
+                     f"{100 * max(p for _, p in managers):.1f}% for paged.")
+        peaks = [(w, _metric(result, w, "vmem", "peak_kv_bytes")["median"],
+                  _metric(result, w, "paged", "peak_kv_bytes")["median"]) for w in workloads]
+        same_peak = all(v == p for _, v, p in peaks)
+        hits = all(abs(_metric(result, w, "vmem", "prefix_hit_rate")["median"]
+                       - _metric(result, w, "paged", "prefix_hit_rate")["median"]) < 1e-9
+                   for w in workloads)
+        preempt = all(_metric(result, w, "vmem", "preemptions")["median"]
+                      == _metric(result, w, "paged", "preemptions")["median"] for w in workloads)
+        memory = ("Memory is a tie by construction: both hand out the same pool's pages, "
+                  "16 tokens each, so peak KV bytes are "
+                  + ("identical" if same_peak else "within a page or two (vmem's lookahead "
+                     "takes a decoding sequence's next page one step early)")
+                  + ", internal fragmentation differs only by that lookahead page, prefix hit "
+                  "rates are " + ("equal" if hits else "NOT equal") + " and preemption counts "
+                  + ("equal" if preempt else "differ") + ".")
+        parts.append(memory)
+    if "vmem-per-layer" in variants and "vmem" in variants:
+        calls = [(w, _metric(result, w, "vmem", "map_calls")["median"],
+                  _metric(result, w, "vmem-per-layer", "map_calls")["median"]) for w in workloads]
+        ratios = [pl / v for _, v, pl in calls if v]
+        tpc = [_compare(_metric(result, w, "vmem-per-layer", "output_tokens_per_cpu_s"),
+                        _metric(result, w, "vmem", "output_tokens_per_cpu_s")) for w in workloads]
+        faster = [f"{w} {r:.2f}x" for w, (r, verdict) in zip(workloads, tpc)
+                  if verdict == "higher" and repeats > 1]
+        slower = [f"{w} {r:.2f}x" for w, (r, verdict) in zip(workloads, tpc)
+                  if verdict == "lower" and repeats > 1]
+        text = (f"vAttention's per-layer layout makes {min(ratios):.0f}-{max(ratios):.0f}x the map "
+                "calls of the token-major layout (one call per layer and K/V per page, against "
+                "one per page, coalesced) ")
+        text += "but, on CPU, reads contiguous per-layer K/V instead of strided token-major rows"
+        verdicts = []
+        if faster:
+            verdicts.append(f"it is faster per CPU-second on {', '.join(faster)}")
+        if slower:
+            verdicts.append(f"slower on {', '.join(slower)}")
+        if repeats < 2:
+            text += ("; per CPU-second, per-layer over token-major: "
+                     + ", ".join(f"{w} {r:.2f}x" for w, (r, _) in zip(workloads, tpc)))
+        else:
+            text += ("; " + " and ".join(verdicts) if verdicts else
+                     "; the two are within noise of each other everywhere")
+        text += "."
+        parts.append(text)
+    failures = result.get("failures") or []
+    parts.append("Greedy token ids were identical across variants on every greedy workload."
+                 if not failures else "PROBLEMS: " + "; ".join(failures) + ".")
+    load = result.get("machine", {}).get("load_average_1_5_15")
+    if load:
+        parts.append(f"The machine's load average was {load[0]} (1 min) on "
+                     f"{result['machine']['cores']} cores, so wall-clock numbers (tok/s, TTFT, "
+                     "TPOT) carry other processes' noise; tokens per CPU-second is the steadier "
+                     "comparison.")
+    return " ".join(parts)
+
+
+# --- files ---------------------------------------------------------------------------------------
+def markdown(result: dict) -> str:
+    machine = result.get("machine", {})
+    config = result["config"]
+    lines = ["# vmemkv A/B: virtually contiguous KV (vmem) against block tables (paged)", "",
+             ("Same engine, model and requests; one flag changes the KV backend or layout. "
+             "Medians over the repeats; throughput columns show (min-max)."), "",
+             "```bash", result.get("command", ""), "```", "",
+             (f"Model `{config['model']}`, {config['repeats']} repeat(s) per variant (variants "
+             f"alternating, rotated each repeat), seed {config['seed']}, torch threads "
+             f"{config['torch_threads']}{', quick sizes' if config['quick'] else ''}; "
+             f"whole run {result['runtime_s']:.0f} s."), "",
+             "## Results", "", markdown_table(result), "",
+             "## Summary", "", summary(result), "",
+             "## Variants", ""]
+    lines += [f"- `{name}`: kv_backend={v['kv_backend']}, layout={v['layout']} — {v['description']}"
+              for name, v in result["variants"].items()]
+    lines += ["", "## Workloads", ""]
+    for name, w in result["workloads"].items():
+        engine = ", ".join(f"{k}={v}" for k, v in w["engine"].items())
+        lines.append(f"- `{name}`: {w['description']}; {w['num_requests']} requests, "
+                     f"{w['prompt_tokens']} prompt / {w['output_tokens']} output tokens; "
+                     f"engine: {engine}")
+    lines += ["", "## Metrics", "",
+              ("- Every request is added at once (an offline batch); token counts are timestamped "
+              "after each `engine.step()`. TTFT includes queueing behind the batch; TPOT is per "
+              "completion (last - first token) / (tokens - 1); ITL is every gap between a "
+              "completion's consecutive tokens."),
+              ("- tok/CPU-s: output tokens per CPU-second of this process (all threads), steadier "
+              "than wall time when other processes share the cores."),
+              ("- peak KV MiB: the most pool pages held at once x page bytes; frag %: bytes held by "
+              "running sequences past the bytes their tokens fill, over the bytes filled "
+              "(averaged over steps)."),
+              ("- mapping %: backend map/unmap time on the step thread plus time the step waited "
+              "for the lookahead mapping worker, over step time. KV mgr %: all KV-manager calls on "
+              "the step thread (admission, growth, commit, free, fork, preemption, block tables, "
+              "inline mapping) plus that wait, over step time. attn %: attention (K/V write, "
+              "gather for paged, SDPA) over step time."),
+              "", "## Machine", ""]
+    lines += [f"- {key}: {value}" for key, value in machine.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _grouped_bars(ax, result: dict, key: str, scale: float = 1.0, log: bool = False,
+                  label_values: bool = False) -> None:
+    import numpy as np
+
+    workloads = list(result["results"])
+    variants = result["config"]["variants"]
+    width = 0.8 / len(variants)
+    x = np.arange(len(workloads))
+    for i, variant in enumerate(variants):
+        spreads = [_metric(result, w, variant, key) for w in workloads]
+        med = np.array([s["median"] * scale for s in spreads], dtype=float)
+        low = np.array([s["min"] * scale for s in spreads], dtype=float)
+        high = np.array([s["max"] * scale for s in spreads], dtype=float)
+        positions = x + (i - (len(variants) - 1) / 2) * width
+        bars = ax.bar(positions, med, width, label=variant, color=COLORS.get(variant),
+                      yerr=np.vstack([med - low, high - med]), capsize=3,
+                      error_kw={"elinewidth": 1})
+        if label_values:
+            for bar, value in zip(bars, med):
+                text = f"{value:.0f}" if value >= 10 or value == int(value) else f"{value:.2f}"
+                y = bar.get_height() if value > 0 else (1 if log else 0)
+                ax.annotate(text, (bar.get_x() + bar.get_width() / 2, y), ha="center",
+                            va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
+    ax.set_xticks(x, workloads, rotation=15)
+    if log:
+        ax.set_yscale("log")
+        ax.set_ylim(bottom=0.7)  # room for the "0" labels of variants that map nothing
+    ax.grid(axis="y", alpha=0.3)
+
+
+def write_plots(result: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    model = result["config"]["model"]
+    repeats = result["config"]["repeats"]
+    specs = [
+        ("ab_throughput.png", (f"Throughput ({model}; median, error bars: min-max over "
+                              f"{repeats} run{'s' if repeats > 1 else ''})"),
+         [("output tokens / s (wall)", "output_tokens_per_s", 1.0, False, False),
+          ("output tokens / CPU-second", "output_tokens_per_cpu_s", 1.0, False, False)]),
+        ("ab_latency.png", f"Latency ({model}, p50 per run, median and min-max over runs)",
+         [("TTFT p50 (ms)", "ttft_p50_ms", 1.0, False, False),
+          ("TPOT p50 (ms)", "tpot_p50_ms", 1.0, False, False)]),
+        ("ab_memory.png", f"KV memory and mapping ({model})",
+         [("peak KV (MiB)", "peak_kv_mib", 1.0, False, True),
+          ("map calls (log; paged maps nothing)", "map_calls", 1.0, True, True)]),
+    ]
+    paths = []
+    for filename, title, panels in specs:
+        fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2))
+        for ax, (ylabel, key, scale, log, labels) in zip(axes, panels):
+            _grouped_bars(ax, result, key, scale, log, labels)
+            ax.set_ylabel(ylabel)
+        axes[0].legend(fontsize=8)
+        fig.suptitle(title)
+        fig.tight_layout()
+        path = out_dir / filename
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_all(result: dict, out_dir: str | Path) -> list[Path]:
+    """``ab.md``, ``ab.json`` and the PNG plots under ``out_dir``; returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ab.json").write_text(to_json(result) + "\n")
+    (out / "ab.md").write_text(markdown(result))
+    return [out / "ab.md", out / "ab.json", *write_plots(result, out)]
+
+
+def _json_default(value):
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {value!r}")
+
+
+def _finite(value):
+    """NaN (a latency with no samples) becomes null: strict JSON has no NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def to_json(result: dict) -> str:
+    return json.dumps(_finite(result), indent=1, default=_json_default, allow_nan=False)

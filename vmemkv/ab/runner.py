@@ -1,0 +1,356 @@
+"""Runs one workload on one KV variant and measures it; runs the whole A/B (variants alternating).
+
+The engine is driven directly: every request is added at once (an offline batch), then
+``engine.step()`` is called until none is left, and each completion's token count is timestamped
+after every step. Latencies therefore include queueing behind the batch (TTFT of the last
+admitted request is long by design); the same schedule hits every variant alike.
+
+Besides the engine's own ``stats()``, a light probe times, on the step thread, the KV cache
+manager's calls (admission, growth, commit, free, fork, preemption, block tables, ...) and the
+virtual-memory backend's map/unmap calls, split by thread: mapping done on the engine's lookahead
+worker is overlapped with the forward pass, mapping done on the step thread is not.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import itertools
+import math
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.config import EngineConfig
+from ..engine.llm_engine import LLMEngine
+from ..engine.metrics import percentile
+from ..engine.models import load_model
+from ..engine.sampling_params import SamplingParams
+from .workloads import Workload, make_workload
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    kv_backend: str
+    layout: str
+    description: str
+
+    def engine_fields(self) -> dict:
+        return {"kv_backend": self.kv_backend, "layout": self.layout}
+
+
+VARIANTS: dict[str, Variant] = {
+    "vmem": Variant("vmem", "vmem", "token_major",
+                    "virtually contiguous slots, token-major pages (all layers of 16 tokens)"),
+    "paged": Variant("paged", "paged", "token_major",
+                     "block tables over the same pool (blocks gathered for CPU SDPA)"),
+    "vmem-per-layer": Variant("vmem-per-layer", "vmem", "per_layer",
+                              "virtually contiguous, vAttention's per-layer K/V tensors "
+                              "(2 x layers map calls per page)"),
+}
+REFERENCE_VARIANT = "vmem"  # token ids of the other variants are compared with this one's
+
+# Every run's metrics dict has exactly these keys (all numbers).
+METRIC_KEYS = (
+    "wall_s", "cpu_s", "num_requests", "output_tokens", "requests_per_s", "output_tokens_per_s",
+    "output_tokens_per_cpu_s",
+    "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms",
+    "tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms",
+    "itl_mean_ms", "itl_p50_ms", "itl_p99_ms",
+    "peak_kv_bytes", "peak_kv_mib", "internal_fragmentation", "prefix_hit_rate",
+    "preemptions", "preemptions_swap", "preemptions_recompute", "evictions", "forks", "pages_copied",
+    "map_calls", "unmap_calls", "pages_mapped", "map_calls_saved",
+    "backend_map_seconds", "backend_unmap_seconds", "map_background_seconds", "map_wait_seconds",
+    "map_hidden_seconds", "inline_map_seconds", "manager_seconds",
+    "num_steps", "step_seconds", "attention_seconds",
+    "attention_share", "mapping_share", "mapping_share_engine", "kv_manager_share",
+)
+
+# Manager calls the probe times when they run on the step thread (kv_views / block_views are
+# called inside attention and already count as attention time; map_lookahead runs on the worker).
+_MANAGER_CALLS = ("admit", "allocate", "can_allocate", "blocks_needed", "commit", "free", "fork",
+                  "reorder", "preempt", "estimate_preemption", "swap_in", "slot_of", "num_tokens",
+                  "block_table", "allocate_lookahead", "usage")
+
+
+class _Probe:
+    """Times manager calls on the step thread and backend map/unmap calls per thread, by wrapping
+    the methods on the engine's own instances (nothing in the library changes)."""
+
+    def __init__(self, engine: LLMEngine):
+        self.step_thread = threading.get_ident()
+        self.manager_seconds = 0.0
+        self.inline_map_seconds = 0.0  # backend map/unmap on the step thread
+        self.background_map_seconds = 0.0  # backend map/unmap on any other thread
+        self._depth = 0  # manager calls nest (admit -> ...): count the outermost only
+        manager = engine.manager
+        for name in _MANAGER_CALLS:
+            if hasattr(manager, name):
+                setattr(manager, name, self._time_manager(getattr(manager, name)))
+        backend = manager.backend
+        for name in ("map", "unmap"):
+            setattr(backend, name, self._time_backend(getattr(backend, name)))
+
+    def _time_manager(self, method: Callable) -> Callable:
+        @functools.wraps(method)
+        def timed(*args, **kwargs):
+            if self._depth or threading.get_ident() != self.step_thread:
+                return method(*args, **kwargs)
+            self._depth += 1
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.manager_seconds += time.perf_counter() - start
+                self._depth -= 1
+        return timed
+
+    def _time_backend(self, method: Callable) -> Callable:
+        @functools.wraps(method)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                if threading.get_ident() == self.step_thread:
+                    self.inline_map_seconds += elapsed
+                else:
+                    self.background_map_seconds += elapsed
+        return timed
+
+
+@dataclass
+class RunResult:
+    workload: str
+    variant: str
+    repeat: int
+    metrics: dict[str, float]
+    # request id -> token ids of each completion (index order)
+    tokens: dict[str, list[list[int]]]
+
+
+def engine_config(model_name: str, workload: Workload, variant: Variant, seed: int) -> EngineConfig:
+    return EngineConfig(model=model_name, seed=seed, **workload.engine, **variant.engine_fields())
+
+
+def run_once(model, tokenizer, model_name: str, workload: Workload, variant: Variant,
+             seed: int = 0, repeat: int = 0) -> RunResult:
+    """A fresh engine (fresh KV manager and pool) on the shared model, the workload run once."""
+    engine = LLMEngine(engine_config(model_name, workload, variant, seed), model, tokenizer)
+    try:
+        probe = _Probe(engine)
+        gc.collect()
+        token_times: dict[tuple[str, int], list[float]] = {}
+        finished: dict[str, object] = {}
+        start, cpu_start = time.perf_counter(), time.process_time()
+        for request_id, prompt, params in workload.requests:
+            engine.add_request(request_id, list(prompt), params)
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            now = time.perf_counter()
+            for output in outputs:
+                if output.error:
+                    raise RuntimeError(f"{workload.name}/{variant.name}: request "
+                                       f"{output.request_id} failed: {output.error}")
+                for completion in output.outputs:
+                    times = token_times.setdefault((output.request_id, completion.index), [])
+                    times += [now] * (len(completion.token_ids) - len(times))
+                if output.finished:
+                    finished[output.request_id] = output
+        wall = time.perf_counter() - start
+        cpu = time.process_time() - cpu_start
+        stats = engine.stats()
+    finally:
+        engine.close()
+    tokens = {rid: [list(c.token_ids) for c in sorted(out.outputs, key=lambda c: c.index)]
+              for rid, out in finished.items()}
+    metrics = _metrics(workload, stats, probe, token_times, start, wall, cpu)
+    return RunResult(workload.name, variant.name, repeat, metrics, tokens)
+
+
+def _metrics(workload: Workload, stats: dict, probe: _Probe,
+             token_times: dict[tuple[str, int], list[float]], start: float, wall: float,
+             cpu: float) -> dict:
+    first_by_request: dict[str, float] = {}
+    tpot, itl = [], []
+    for (request_id, _), times in token_times.items():
+        if not times:
+            continue
+        first_by_request[request_id] = min(first_by_request.get(request_id, times[0]), times[0])
+        if len(times) > 1:
+            tpot.append((times[-1] - times[0]) / (len(times) - 1))
+            itl += [b - a for a, b in itertools.pairwise(times)]
+    ttft = [t - start for t in first_by_request.values()]
+    output_tokens = sum(len(times) for times in token_times.values())
+    step = stats["step_seconds"] or float("nan")
+    m: dict[str, float] = {
+        "wall_s": wall, "cpu_s": cpu, "num_requests": len(workload.requests),
+        "output_tokens": output_tokens, "requests_per_s": len(workload.requests) / wall,
+        "output_tokens_per_s": output_tokens / wall,
+        # CPU seconds of this process (all its threads): less sensitive than wall time to other
+        # processes competing for the cores
+        "output_tokens_per_cpu_s": output_tokens / cpu if cpu > 0 else float("nan"),
+    }
+    for name, samples in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        m.update(_describe_ms(name, samples))
+    for key in ("peak_kv_bytes", "internal_fragmentation", "prefix_hit_rate", "preemptions",
+                "preemptions_swap", "preemptions_recompute", "evictions", "forks", "pages_copied",
+                "map_calls", "unmap_calls", "pages_mapped", "map_calls_saved",
+                "backend_map_seconds", "backend_unmap_seconds", "map_background_seconds",
+                "map_wait_seconds", "map_hidden_seconds", "num_steps", "step_seconds",
+                "attention_seconds"):
+        m[key] = float(stats.get(key, 0.0))
+    m["peak_kv_mib"] = m["peak_kv_bytes"] / 2**20
+    m["inline_map_seconds"] = probe.inline_map_seconds
+    m["manager_seconds"] = probe.manager_seconds
+    m["attention_share"] = m["attention_seconds"] / step
+    # Mapping the step waited for: backend map/unmap on the step thread, plus waiting for the
+    # lookahead worker at the end of the forward pass.
+    m["mapping_share"] = (probe.inline_map_seconds + m["map_wait_seconds"]) / step
+    # The engine-only estimate (what stats() alone gives): backend mapping not hidden by the
+    # worker. A lower bound: map_hidden_seconds counts the worker's whole job, not just its
+    # backend calls, so it can exceed the backend time (then this reads 0).
+    m["mapping_share_engine"] = max(m["backend_map_seconds"] - m["map_hidden_seconds"], 0.0) / step
+    # All KV-manager time on the step's critical path (inline mapping included).
+    m["kv_manager_share"] = (probe.manager_seconds + m["map_wait_seconds"]) / step
+    assert set(m) == set(METRIC_KEYS), set(m) ^ set(METRIC_KEYS)
+    return m
+
+
+def _describe_ms(name: str, samples: list[float]) -> dict[str, float]:
+    if not samples:
+        nan = float("nan")
+        return {f"{name}_mean_ms": nan, f"{name}_p50_ms": nan, f"{name}_p99_ms": nan}
+    samples = sorted(samples)
+    return {f"{name}_mean_ms": 1e3 * sum(samples) / len(samples),
+            f"{name}_p50_ms": 1e3 * percentile(samples, 50),
+            f"{name}_p99_ms": 1e3 * percentile(samples, 99)}
+
+
+# --- the whole A/B ---------------------------------------------------------------------------------
+def _warmup_workload() -> Workload:
+    requests = [("warmup-0", list(range(1, 40)), SamplingParams(max_tokens=8, temperature=0.0,
+                                                                 ignore_eos=True)),
+                ("warmup-1", list(range(40, 90)), SamplingParams(max_tokens=8, temperature=0.0,
+                                                                  ignore_eos=True))]
+    return Workload("warmup", "two short requests", requests,
+                    {"max_num_seqs": 4, "max_model_len": 256, "num_blocks": 32})
+
+
+def rotated(variants: list[str], repeat: int) -> list[str]:
+    """Repeat r runs the variants in order, rotated left by r (vmem, paged, per-layer; then
+    paged, per-layer, vmem; ...) so no variant always goes first or last."""
+    shift = repeat % len(variants)
+    return variants[shift:] + variants[:shift]
+
+
+def run_experiment(workloads: list[str], variants: list[str], repeats: int = 3, quick: bool = False,
+           model_name: str = "tiny-llama", seed: int = 0, threads: int | None = 1,
+           progress: bool = True) -> dict:
+    """Every workload on every variant, ``repeats`` times, variants alternating; returns the
+    results dict that ``report`` formats (medians with min-max, checks, raw runs)."""
+    from tqdm.auto import tqdm
+
+    for name in variants:
+        if name not in VARIANTS:
+            raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    built = {name: make_workload(name, seed, quick) for name in workloads}
+    previous_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    began = time.perf_counter()
+    try:
+        model, tokenizer = load_model(model_name, seed=seed)
+        warmup = _warmup_workload()
+        total = len(variants) * (1 + len(workloads) * repeats)
+        runs: list[RunResult] = []
+        with tqdm(total=total, desc="vmemkv ab", unit="run", disable=not progress) as bar:
+            for name in variants:  # once per variant: kernels, allocator, native mapper warm
+                bar.set_postfix_str(f"warmup {name}")
+                run_once(model, tokenizer, model_name, warmup, VARIANTS[name], seed)
+                bar.update(1)
+            for workload in built.values():
+                for repeat in range(repeats):
+                    for name in rotated(variants, repeat):
+                        bar.set_postfix_str(f"{workload.name} {name} #{repeat + 1}")
+                        runs.append(run_once(model, tokenizer, model_name, workload,
+                                             VARIANTS[name], seed, repeat))
+                        bar.update(1)
+    finally:
+        torch.set_num_threads(previous_threads)
+    return summarize(built, variants, runs, time.perf_counter() - began,
+                     {"workloads": workloads, "variants": variants, "repeats": repeats,
+                      "quick": quick, "model": model_name, "seed": seed,
+                      "torch_threads": threads or previous_threads})
+
+
+def summarize(workloads: dict[str, Workload], variants: list[str], runs: list[RunResult],
+              runtime_s: float, config: dict) -> dict:
+    results: dict[str, dict] = {}
+    checks: dict[str, dict] = {}
+    for name, workload in workloads.items():
+        per_variant = {}
+        reference = [r for r in runs if r.workload == name and r.variant == REFERENCE_VARIANT]
+        for variant in variants:
+            mine = [r for r in runs if r.workload == name and r.variant == variant]
+            equal = None
+            if reference and variant != REFERENCE_VARIANT:
+                equal = all(a.tokens == b.tokens for a, b in zip(reference, mine))
+            elif reference:  # the reference against itself: the same tokens every repeat
+                equal = all(r.tokens == reference[0].tokens for r in reference)
+            per_variant[variant] = {
+                "metrics": {key: _spread([r.metrics[key] for r in mine]) for key in METRIC_KEYS},
+                "tokens_equal": equal,
+                "runs": [r.metrics for r in mine],
+            }
+        results[name] = per_variant
+        check = {"greedy": workload.greedy}
+        if REFERENCE_VARIANT in per_variant:
+            check["tokens_equal"] = {v: per_variant[v]["tokens_equal"] for v in variants
+                                     if v != REFERENCE_VARIANT}
+        if workload.expect_preemption:
+            check["preemptions_min"] = min(r.metrics["preemptions"] for r in runs if r.workload == name)
+        checks[name] = check
+    return {"config": config, "variants": {v: vars(VARIANTS[v]) for v in variants},
+            "workloads": {name: w.describe() for name, w in workloads.items()},
+            "results": results, "checks": checks, "failures": failures(workloads, results),
+            "runtime_s": runtime_s}
+
+
+def failures(workloads: dict[str, Workload], results: dict) -> list[str]:
+    """What the run must not show: differing greedy tokens, a pressure workload that never
+    preempted, vmem and paged disagreeing on the prefix hit rate."""
+    problems = []
+    for name, workload in workloads.items():
+        per_variant = results[name]
+        if workload.greedy:
+            for variant, result in per_variant.items():
+                if result["tokens_equal"] is False:
+                    problems.append(f"{name}: {variant} gave different greedy tokens from "
+                                    f"{REFERENCE_VARIANT}")
+        if workload.expect_preemption:
+            for variant, result in per_variant.items():
+                if result["metrics"]["preemptions"]["min"] <= 0:
+                    problems.append(f"{name}: {variant} never preempted; shrink num_blocks")
+        if "vmem" in per_variant and "paged" in per_variant:
+            a = per_variant["vmem"]["metrics"]["prefix_hit_rate"]["median"]
+            b = per_variant["paged"]["metrics"]["prefix_hit_rate"]["median"]
+            if abs(a - b) > 1e-9:
+                problems.append(f"{name}: prefix hit rate vmem {a:.4f} != paged {b:.4f}")
+    return problems
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    clean = [v for v in values if not math.isnan(v)]
+    if not clean:
+        nan = float("nan")
+        return {"median": nan, "min": nan, "max": nan}
+    return {"median": statistics.median(clean), "min": min(clean), "max": max(clean)}
