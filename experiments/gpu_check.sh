@@ -29,6 +29,8 @@ GPU_TEST_FILES=(tests/test_vmm_cuda.py)
 # Benchmarks: name|script|arguments. Stdout goes to $OUT_DIR/<name>.json, stderr to the log.
 BENCHMARKS=(
   "bench_mapping|experiments/bench_mapping.py|--json"
+  "bench_kernels|experiments/bench_kernels.py|--json"
+  "ab_quick|-m vmemkv.ab.cli|--quick --device cuda --no-progress --json"
 )
 
 START_S=$SECONDS
@@ -127,9 +129,9 @@ run_step gpu_marked_tests 150 - "$PY" -m pytest -q -rs -p no:cacheprovider -m gp
 
 for entry in "${BENCHMARKS[@]}"; do
   IFS='|' read -r name script args <<<"$entry"
-  if [[ -f "$script" ]]; then
-    # shellcheck disable=SC2086  # args are words on purpose
-    run_step "$name" 150 "$OUT_DIR/$name.json" "$PY" "$script" $args
+  if [[ "$script" == "-m "* || -f "$script" ]]; then  # a file, or "-m module"
+    # shellcheck disable=SC2086  # script and args are words on purpose
+    run_step "$name" 150 "$OUT_DIR/$name.json" "$PY" $script $args
   else
     echo "=== $name: $script is missing (not written yet?)"; record "$name" missing 0
   fi

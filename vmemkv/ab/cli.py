@@ -44,6 +44,7 @@ def add_ab_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny-llama",
                         help="a built-in model name or a local Hugging Face directory")
     parser.add_argument("--seed", type=int, default=0, help="workload and model seed")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for the CUDA VMM backend")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads during the runs (default 1: small ops on a "
                              "shared 2-core machine are much slower and noisier with 2; "
@@ -66,6 +67,8 @@ def command_line(args: argparse.Namespace, repeats: int) -> str:
     parts = ["vmemkv", "ab", "--workloads", args.workloads, "--variants", args.variants,
              "--repeats", str(repeats), "--model", args.model, "--seed", str(args.seed),
              "--threads", str(args.threads), "--out", args.out]
+    if args.device != "cpu":
+        parts += ["--device", args.device]
     if args.quick:
         parts.append("--quick")
     return shlex.join(parts)
@@ -84,7 +87,7 @@ def run_ab(args: argparse.Namespace) -> int:
     machine_before = report.machine_info()
     result = run_experiment(workloads, variants, repeats=repeats, quick=args.quick,
                             model_name=args.model, seed=args.seed, threads=args.threads,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, device=args.device)
     machine = report.machine_info()
     machine["load_average_at_start"] = machine_before["load_average_1_5_15"]
     result["machine"] = machine

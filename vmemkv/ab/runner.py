@@ -135,14 +135,16 @@ class RunResult:
     tokens: dict[str, list[list[int]]]
 
 
-def engine_config(model_name: str, workload: Workload, variant: Variant, seed: int) -> EngineConfig:
-    return EngineConfig(model=model_name, seed=seed, **workload.engine, **variant.engine_fields())
+def engine_config(model_name: str, workload: Workload, variant: Variant, seed: int,
+                  device: str = "cpu") -> EngineConfig:
+    return EngineConfig(model=model_name, seed=seed, device=device, **workload.engine,
+                        **variant.engine_fields())
 
 
 def run_once(model, tokenizer, model_name: str, workload: Workload, variant: Variant,
-             seed: int = 0, repeat: int = 0) -> RunResult:
+             seed: int = 0, repeat: int = 0, device: str = "cpu") -> RunResult:
     """A fresh engine (fresh KV manager and pool) on the shared model, the workload run once."""
-    engine = LLMEngine(engine_config(model_name, workload, variant, seed), model, tokenizer)
+    engine = LLMEngine(engine_config(model_name, workload, variant, seed, device), model, tokenizer)
     try:
         probe = _Probe(engine)
         gc.collect()
@@ -251,8 +253,8 @@ def rotated(variants: list[str], repeat: int) -> list[str]:
 
 
 def run_experiment(workloads: list[str], variants: list[str], repeats: int = 3, quick: bool = False,
-           model_name: str = "tiny-llama", seed: int = 0, threads: int | None = 1,
-           progress: bool = True) -> dict:
+                   model_name: str = "tiny-llama", seed: int = 0, threads: int | None = 1,
+                   progress: bool = True, device: str = "cpu") -> dict:
     """Every workload on every variant, ``repeats`` times, variants alternating; returns the
     results dict that ``report`` formats (medians with min-max, checks, raw runs)."""
     from tqdm.auto import tqdm
@@ -268,27 +270,27 @@ def run_experiment(workloads: list[str], variants: list[str], repeats: int = 3, 
         torch.set_num_threads(threads)
     began = time.perf_counter()
     try:
-        model, tokenizer = load_model(model_name, seed=seed)
+        model, tokenizer = load_model(model_name, seed=seed, device=device)
         warmup = _warmup_workload()
         total = len(variants) * (1 + len(workloads) * repeats)
         runs: list[RunResult] = []
         with tqdm(total=total, desc="vmemkv ab", unit="run", disable=not progress) as bar:
             for name in variants:  # once per variant: kernels, allocator, native mapper warm
                 bar.set_postfix_str(f"warmup {name}")
-                run_once(model, tokenizer, model_name, warmup, VARIANTS[name], seed)
+                run_once(model, tokenizer, model_name, warmup, VARIANTS[name], seed, device=device)
                 bar.update(1)
             for workload in built.values():
                 for repeat in range(repeats):
                     for name in rotated(variants, repeat):
                         bar.set_postfix_str(f"{workload.name} {name} #{repeat + 1}")
                         runs.append(run_once(model, tokenizer, model_name, workload,
-                                             VARIANTS[name], seed, repeat))
+                                             VARIANTS[name], seed, repeat, device))
                         bar.update(1)
     finally:
         torch.set_num_threads(previous_threads)
     return summarize(built, variants, runs, time.perf_counter() - began,
                      {"workloads": workloads, "variants": variants, "repeats": repeats,
-                      "quick": quick, "model": model_name, "seed": seed,
+                      "quick": quick, "model": model_name, "seed": seed, "device": device,
                       "torch_threads": threads or previous_threads})
 
 

@@ -1,0 +1,409 @@
+"""Triton decode attention over the two KV addressings that the A/B compares.
+
+One kernel, one query token per sequence, GQA, online softmax over tiles of ``BLOCK_N`` keys with
+fp32 accumulation, optional split-K (flash-decoding) with a small combine kernel. Only the
+addressing of a key differs, chosen by the ``PAGED`` compile-time flag:
+
+* **vmem (contiguous)**: ``k_cache[slot_ids[b], t]`` of a strided ``[num_slots, max_tokens,
+  kv_heads, head_dim]`` view (a slot view of the token-major layout: huge slot and token strides,
+  last dim contiguous).
+* **paged (block table)**: ``k_blocks[block_tables[b, t // block_size], t % block_size]`` of a
+  ``[num_blocks, block_size, kv_heads, head_dim]`` view.
+
+The kernel reads only positions ``t < seq_lens[b]`` (clamped to what the view can address): every
+K/V load and every block-table load is masked, so an unmapped page past a sequence's end is never
+touched. Offsets are computed in int64, since slot and block strides of the token-major layout
+pass 2^31 elements.
+
+CUDA tensors run compiled kernels. CPU tensors run the same kernels under Triton's interpreter,
+which needs ``TRITON_INTERPRET=1`` in the environment before ``triton`` is first imported (Triton
+decorates its own library functions at import); otherwise CPU tensors raise ``ValueError``. The
+interpreter is for tests: it is slow, in Triton 3.9 it computes ``tl.dot`` on bf16 wrongly, and it
+copies each argument's *whole* storage before a launch and back after it, so on CPU never pass a
+view of a reserved virtual range that has unmapped pages.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+try:
+    import triton  # noqa: F401 - the package must be importable
+    import triton.language as tl
+except ImportError as exc:  # pragma: no cover - exercised only where triton is missing
+    raise ImportError(
+        "vmemkv.attention.triton_decode needs Triton (pip install triton); "
+        "use the SDPA attention (vmemkv.attention.ContiguousAttention) without it") from exc
+
+__all__ = ["decode_attention_contiguous", "decode_attention_paged", "default_num_splits", "triton_interprets"]
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEAD_DIM = 256
+_MAX_SPLITS = 64
+_MIN_TOKENS_PER_SPLIT = 256
+
+
+# --- kernels ----------------------------------------------------------------------------------
+# Plain functions, turned into Triton kernels by _kernels(): compiled for CUDA, interpreted for CPU.
+
+def _decode_kernel(
+    Q, K, V, Out, PartialOut, PartialLse,
+    Index,  # slot_ids [B] (contiguous) or block_tables [B, max_blocks] (paged)
+    SeqLens,
+    scale_log2,  # softmax scale * log2(e): the kernel works in base 2
+    capacity,  # tokens one sequence can address: max_tokens, or max_blocks * block_size
+    stride_qb, stride_qh,
+    stride_k_outer, stride_k_token, stride_k_head,  # outer: slot stride or block stride
+    stride_v_outer, stride_v_token, stride_v_head,
+    stride_ob, stride_oh,
+    stride_index_b,
+    stride_pb, stride_ph, stride_ps,  # partial out [B, Hq, splits, D]
+    stride_lb, stride_lh,  # partial lse [B, Hq, splits], last dim contiguous
+    num_splits,
+    GROUP: tl.constexpr,  # q heads per kv head
+    BLOCK_H: tl.constexpr,  # GROUP padded to a tl.dot-friendly power of two (>= 16)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two (>= 16)
+    BLOCK_N: tl.constexpr,  # keys per tile
+    PAGED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per block (paged only)
+    SPLIT: tl.constexpr,  # write fp32 partials + lse for the combine kernel
+    IEEE: tl.constexpr,  # fp32 inputs: full-precision dots instead of tf32
+):
+    batch = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(SeqLens + batch).to(tl.int32)
+    seq_len = tl.minimum(tl.maximum(seq_len, 0), capacity)
+    per_split = (seq_len + num_splits - 1) // num_splits
+    split_len = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    heads = tl.arange(0, BLOCK_H)
+    head_mask = heads < GROUP
+    q_heads = kv_head * GROUP + heads
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+
+    q_ptrs = Q + batch.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptrs, mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
+
+    if PAGED:
+        k_base = K + kv_head * stride_k_head
+        v_base = V + kv_head * stride_v_head
+        table = Index + batch.to(tl.int64) * stride_index_b
+    else:
+        slot = tl.load(Index + batch).to(tl.int64)
+        k_base = K + slot * stride_k_outer + kv_head * stride_k_head
+        v_base = V + slot * stride_v_outer + kv_head * stride_v_head
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+
+    for tile_start in range(start, end, BLOCK_N):
+        tokens = tile_start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < end
+        if PAGED:
+            block = tl.load(table + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
+            within = (tokens % BLOCK_SIZE).to(tl.int64)
+            k_rows = block * stride_k_outer + within * stride_k_token
+            v_rows = block * stride_v_outer + within * stride_v_token
+        else:
+            k_rows = tokens.to(tl.int64) * stride_k_token
+            v_rows = tokens.to(tl.int64) * stride_v_token
+        kv_mask = token_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_base + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = scores * scale_log2
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # a sequence (or split) with no keys gives 0
+    out_mask = head_mask[:, None] & dim_mask[None, :]
+    if SPLIT:
+        p_ptrs = (PartialOut + batch.to(tl.int64) * stride_pb + q_heads[:, None] * stride_ph
+                  + split * stride_ps + dims[None, :])
+        tl.store(p_ptrs, out, mask=out_mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        lse_ptrs = PartialLse + batch.to(tl.int64) * stride_lb + q_heads * stride_lh + split
+        tl.store(lse_ptrs, lse, mask=head_mask)
+    else:
+        o_ptrs = Out + batch.to(tl.int64) * stride_ob + q_heads[:, None] * stride_oh + dims[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=out_mask)
+
+
+def _combine_kernel(
+    PartialOut, PartialLse, Out,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    stride_ob, stride_oh,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    batch = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    split_mask = splits < num_splits
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+
+    row = batch.to(tl.int64) * stride_pb + head * stride_ph
+    lse = tl.load(PartialLse + batch.to(tl.int64) * stride_lb + head * stride_lh + splits, mask=split_mask,
+                  other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m > float("-inf"), m, 0.0)  # no split saw a key: every weight is exp2(-inf) = 0
+    weights = tl.exp2(lse - m)
+    total = tl.sum(weights, axis=0)
+    parts = tl.load(PartialOut + row + splits[:, None] * stride_ps + dims[None, :],
+                    mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
+    out = tl.sum(parts * weights[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(Out + batch.to(tl.int64) * stride_ob + head * stride_oh + dims, out.to(Out.dtype.element_ty),
+             mask=dim_mask)
+
+
+def triton_interprets() -> bool:
+    """Whether Triton runs in interpreter mode in this process: it does when ``TRITON_INTERPRET=1``
+    was set before ``triton`` was first imported (its own library functions are decorated then)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    if isinstance(tl.sum, (InterpretedFunction, JITFunction)):
+        return isinstance(tl.sum, InterpretedFunction)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"  # a Triton whose tl.sum is not jitted
+
+
+@functools.cache
+def _kernels():
+    """(decode, combine) kernels in the mode Triton's own library was built in: interpreted or
+    compiled. Built on first use, so importing this module needs no GPU."""
+    if triton_interprets():
+        from triton.runtime.interpreter import InterpretedFunction
+        return InterpretedFunction(_decode_kernel), InterpretedFunction(_combine_kernel)
+    from triton.runtime.jit import JITFunction
+    return JITFunction(_decode_kernel), JITFunction(_combine_kernel)
+
+
+# --- launch -------------------------------------------------------------------------------------
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Splits of the key range per (sequence, kv head): enough programs to fill the GPU about twice,
+    at least ``_MIN_TOKENS_PER_SPLIT`` keys each, at most ``_MAX_SPLITS``. 1 on CPU."""
+    if device.type != "cuda":
+        return 1
+    programs = max(1, batch * num_kv_heads)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    wanted = -(-2 * _num_sms(index) // programs)
+    by_length = max(1, -(-max_seq_len // _MIN_TOKENS_PER_SPLIT))
+    return max(1, min(wanted, by_length, _MAX_SPLITS))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _check_common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
+                  names: tuple[str, str], out: torch.Tensor | None) -> None:
+    k_name, v_name = names
+    if q.dim() != 3:
+        raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {tuple(q.shape)}")
+    if k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"{k_name} and {v_name} must be 4-D [outer, tokens, kv_heads, head_dim], got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"{k_name} {tuple(k.shape)} and {v_name} {tuple(v.shape)} must have the same shape")
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"q dtype {q.dtype} is not supported; use one of {_SUPPORTED_DTYPES}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, {k_name} and {v_name} must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    if k.shape[3] != head_dim:
+        raise ValueError(f"q head_dim {head_dim} differs from {k_name} head_dim {k.shape[3]}")
+    if not 1 <= head_dim <= _MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} is not supported; it must be between 1 and {_MAX_HEAD_DIM}")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if k.stride(3) != 1 or v.stride(3) != 1:
+        raise ValueError(f"the last dim of {k_name} and {v_name} must be contiguous (stride 1), got strides "
+                         f"{k.stride()} and {v.stride()}")
+    if seq_lens.shape != (batch,):
+        raise ValueError(f"seq_lens must be [batch] = [{batch}], got {tuple(seq_lens.shape)}")
+    if seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"seq_lens must be int32 or int64, got {seq_lens.dtype}")
+    tensors = {"q": q, k_name: k, v_name: v, "seq_lens": seq_lens}
+    if out is not None:
+        if out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+            raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim, got "
+                             f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
+        tensors["out"] = out
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) != 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+    if q.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device {q.device} is not supported: CUDA runs compiled, CPU interpreted")
+
+
+def _launch(q, k, v, index, stride_index_b, seq_lens, scale, capacity, outer_strides, *, paged: bool,
+            block_size: int, out, num_splits, max_seq_len, block_n, num_warps, num_stages):
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_q_heads // num_kv_heads
+    if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if batch == 0:
+        return out
+    interpret = triton_interprets()
+    if q.device.type == "cpu" and not interpret:
+        raise ValueError("CPU tensors run only under Triton's interpreter, and triton was imported without "
+                         "TRITON_INTERPRET=1: set it in the environment before triton is first imported, "
+                         "or pass CUDA tensors")
+    if num_splits is None:
+        num_splits = default_num_splits(batch, num_kv_heads, capacity if max_seq_len is None else max_seq_len,
+                                        q.device)
+    num_splits = max(1, min(int(num_splits), max(1, capacity)))
+    if block_n is None:  # 32 under the interpreter (fewer wasted lanes); on GPU, 64 up to 256-byte rows
+        block_n = 32 if interpret or head_dim * q.element_size() > 256 else 64
+    block_h = max(16, _next_pow2(group))
+    block_d = max(16, _next_pow2(head_dim))
+    decode, combine = _kernels()
+    split = num_splits > 1
+    if split:
+        partial = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        partial = lse = out  # unused
+    scale_log2 = float(scale) * math.log2(math.e)
+    decode[(batch, num_kv_heads, num_splits)](
+        q, k, v, out, partial, lse, index, seq_lens, scale_log2, capacity,
+        q.stride(0), q.stride(1),
+        outer_strides[0], k.stride(1), k.stride(2),
+        outer_strides[1], v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1),
+        stride_index_b,
+        partial.stride(0) if split else 0, partial.stride(1) if split else 0, partial.stride(2) if split else 0,
+        lse.stride(0) if split else 0, lse.stride(1) if split else 0,
+        num_splits,
+        GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
+        PAGED=paged, BLOCK_SIZE=block_size, SPLIT=split, IEEE=q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        combine[(batch, num_q_heads)](
+            partial, lse, out,
+            partial.stride(0), partial.stride(1), partial.stride(2),
+            lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            num_splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, _next_pow2(num_splits)),
+            num_warps=4,
+        )
+    return out
+
+
+def decode_attention_contiguous(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                slot_ids: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                                out: torch.Tensor | None = None, num_splits: int | None = None,
+                                max_seq_len: int | None = None, check_bounds: bool = False,
+                                block_n: int | None = None, num_warps: int = 4,
+                                num_stages: int = 2) -> torch.Tensor:
+    """Decode attention over virtually contiguous (vmem) K/V.
+
+    ``q`` ``[B, Hq, D]``; ``k_cache``/``v_cache`` strided ``[num_slots, max_tokens, Hk, D]`` views
+    (last dim contiguous); sequence ``b`` attends to ``k_cache[slot_ids[b], :seq_lens[b]]``.
+    Returns ``[B, Hq, D]`` in q's dtype (into ``out`` when given).
+
+    ``num_splits`` fixes the split-K factor (default: from the batch, heads and ``max_seq_len``,
+    the longest length in the batch if the caller knows it, else ``max_tokens``). Lengths are
+    clamped to ``[0, max_tokens]`` in the kernel; ``check_bounds=True`` instead checks lengths
+    and slot ids on the host and raises ``ValueError`` (it synchronizes with the device).
+    """
+    _check_common(q, k_cache, v_cache, seq_lens, ("k_cache", "v_cache"), out)
+    if slot_ids.shape != (q.shape[0],) or slot_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_ids must be int32/int64 [batch] = [{q.shape[0]}], got "
+                         f"{tuple(slot_ids.shape)} {slot_ids.dtype}")
+    if slot_ids.device != q.device:
+        raise ValueError(f"slot_ids is on {slot_ids.device}, q on {q.device}")
+    num_slots, max_tokens = k_cache.shape[:2]
+    if check_bounds and q.shape[0]:
+        _check_values("seq_lens", seq_lens, 0, max_tokens, "the view's max_tokens")
+        _check_values("slot_ids", slot_ids, 0, num_slots - 1, "num_slots - 1")
+    return _launch(q, k_cache, v_cache, slot_ids, 0, seq_lens, scale, max_tokens,
+                   (k_cache.stride(0), v_cache.stride(0)), paged=False, block_size=1, out=out,
+                   num_splits=num_splits, max_seq_len=max_seq_len, block_n=block_n,
+                   num_warps=num_warps, num_stages=num_stages)
+
+
+def decode_attention_paged(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                           out: torch.Tensor | None = None, num_splits: int | None = None,
+                           max_seq_len: int | None = None, check_bounds: bool = False,
+                           block_n: int | None = None, num_warps: int = 4,
+                           num_stages: int = 2) -> torch.Tensor:
+    """Decode attention over a block-table (paged) KV cache.
+
+    ``k_blocks``/``v_blocks`` strided ``[num_blocks, block_size, Hk, D]`` views (last dim
+    contiguous); ``block_tables`` ``[B, max_blocks]`` int32 (int64 accepted); token ``t`` of
+    sequence ``b`` is ``k_blocks[block_tables[b, t // block_size], t % block_size]``. Entries past
+    a sequence's length are never read. Other arguments as in ``decode_attention_contiguous``;
+    ``check_bounds=True`` also checks the entries each sequence uses against ``num_blocks``.
+    """
+    _check_common(q, k_blocks, v_blocks, seq_lens, ("k_blocks", "v_blocks"), out)
+    batch = q.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype not in (torch.int32,
+                                                                                                 torch.int64):
+        raise ValueError(f"block_tables must be int32 [batch = {batch}, max_blocks], got "
+                         f"{tuple(block_tables.shape)} {block_tables.dtype}")
+    if block_tables.device != q.device:
+        raise ValueError(f"block_tables is on {block_tables.device}, q on {q.device}")
+    if block_tables.shape[1] and block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    num_blocks, block_size = k_blocks.shape[:2]
+    capacity = block_tables.shape[1] * block_size
+    if check_bounds and batch:
+        _check_values("seq_lens", seq_lens, 0, capacity, "max_blocks * block_size")
+        used = torch.arange(block_tables.shape[1], device=q.device)[None, :] * block_size < seq_lens[:, None]
+        _check_values("block table entries in use", block_tables[used], 0, num_blocks - 1, "num_blocks - 1")
+    return _launch(q, k_blocks, v_blocks, block_tables, block_tables.stride(0), seq_lens, scale, capacity,
+                   (k_blocks.stride(0), v_blocks.stride(0)), paged=True, block_size=block_size, out=out,
+                   num_splits=num_splits, max_seq_len=max_seq_len, block_n=block_n,
+                   num_warps=num_warps, num_stages=num_stages)
+
+
+def _check_values(name: str, values: torch.Tensor, low: int, high: int, high_name: str) -> None:
+    if values.numel() == 0:
+        return
+    lo, hi = int(values.min()), int(values.max())
+    if lo < low or hi > high:
+        raise ValueError(f"{name} must lie in [{low}, {high}] ({high_name}), got values from {lo} to {hi}")
