@@ -58,7 +58,9 @@ def test_manager_on_cuda_keeps_data_through_fork_and_swap():
 
 
 @skip_without_bindings
-def test_engine_on_cuda_matches_hf_generate():
+@pytest.mark.parametrize("kv_backend,attention", [("vmem", "sdpa"), ("vmem", "triton"),
+                                                   ("paged", "triton")])
+def test_engine_on_cuda_matches_hf_generate(kv_backend, attention):
     from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
     from vmemkv.engine.llm_engine import run_to_completion
     from vmemkv.engine.models import load_model
@@ -66,7 +68,7 @@ def test_engine_on_cuda_matches_hf_generate():
     prompts = [[(31 * i + 7 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((5, 17, 33, 48))]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     engine = LLMEngine(EngineConfig(model="tiny-llama", device="cuda", max_num_seqs=8,
-                                    max_model_len=256))
+                                    max_model_len=256, kv_backend=kv_backend, attention=attention))
     final = run_to_completion(engine, [(str(i), p, params) for i, p in enumerate(prompts)])
     reference, _ = load_model("tiny-llama", device="cuda")
     reference.set_attn_implementation("sdpa")

@@ -39,6 +39,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="vmem: virtually contiguous slots; paged: the block-table baseline")
     group.add_argument("--layout", default=None, choices=["token_major", "per_layer"],
                        help="KV layout in a page: all layers of a token (default) or vAttention's per layer")
+    group.add_argument("--attention", default=None, choices=["auto", "sdpa", "triton"],
+                       help="decode attention: triton (CUDA only, reads the cache in place) or sdpa")
     group.add_argument("--policy", default=None, choices=["fcfs", "priority"], help="scheduling policy")
     group.add_argument("--lookahead-tokens", type=int, default=None,
                        help="map the page of a decoding request's next N tokens in the background (0: off)")
@@ -70,6 +72,7 @@ def engine_config_from_args(args: argparse.Namespace):
         "kv_backend": args.kv_backend,
         "layout": args.layout,
         "policy": args.policy,
+        "attention": args.attention,
         "lookahead_tokens": args.lookahead_tokens,
     }
     # Unset options keep EngineConfig's defaults (num_blocks=None means "derive" there too).

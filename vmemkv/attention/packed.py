@@ -31,10 +31,19 @@ class SequenceSpan:
 
 
 class PackedAttention:
-    def __init__(self, spans: list[SequenceSpan]):
+    """``decode_kernel``: attend all single-token (decode) sequences in one Triton launch that
+    reads the cache in place (CUDA only); the others, and everything when off, go through SDPA."""
+
+    def __init__(self, spans: list[SequenceSpan], device: torch.device, decode_kernel: bool = False):
         self.spans = spans
         self._masks: dict[tuple[int, int, torch.device], torch.Tensor] = {}
         self.seconds = 0.0  # wall time inside attention (host time: on a GPU, launch time only)
+        self.decodes = [i for i, span in enumerate(spans) if span.num_queries == 1] if decode_kernel else []
+        if self.decodes:
+            decoding = [spans[i] for i in self.decodes]
+            self.decode_rows = torch.tensor([s.query_start for s in decoding], device=device)
+            self.decode_lens = torch.tensor([s.length for s in decoding], dtype=torch.int32, device=device)
+            self.decode_max_len = max(s.length for s in decoding)
 
     def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  scaling: float | None) -> torch.Tensor:
@@ -43,15 +52,23 @@ class PackedAttention:
         start = time.perf_counter()
         # Write every new token first, so each sequence below reads a complete cache.
         self.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
-        outputs = []
+        outputs: list[torch.Tensor | None] = [None] * len(self.spans)
+        if self.decodes:
+            q = query[0].index_select(1, self.decode_rows).transpose(0, 1).contiguous()  # [B, Hq, D]
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            decoded = self.decode(layer, q, scale)  # [B, Hq, D]
+            for row, index in enumerate(self.decodes):
+                outputs[index] = decoded[row][None, :, None]
         for index, span in enumerate(self.spans):
+            if outputs[index] is not None:
+                continue
             q = query[:, :, span.query_start: span.query_start + span.num_queries]
             k, v = self.read(layer, index)  # [length, Hk, D] each
-            outputs.append(F.scaled_dot_product_attention(
+            outputs[index] = F.scaled_dot_product_attention(
                 q, k.transpose(0, 1).unsqueeze(0).to(q.dtype), v.transpose(0, 1).unsqueeze(0).to(q.dtype),
                 attn_mask=self._mask(span, q.device),
                 is_causal=span.num_cached == 0 and span.num_queries > 1, scale=scaling,
-                enable_gqa=True))
+                enable_gqa=True)
         output = torch.cat(outputs, dim=2).transpose(1, 2)
         self.seconds += time.perf_counter() - start
         return output
@@ -62,6 +79,10 @@ class PackedAttention:
 
     def read(self, layer: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence ``index``'s keys and values, ``[length, Hk, D]`` each."""
+        raise NotImplementedError
+
+    def decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """The decode sequences' attention with the Triton kernel, ``q`` ``[B, Hq, D]``."""
         raise NotImplementedError
 
     def _mask(self, span: SequenceSpan, device) -> torch.Tensor | None:

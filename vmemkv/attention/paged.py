@@ -17,8 +17,8 @@ class BlockTableAttention(PackedAttention):
 
     def __init__(self, spans: list[SequenceSpan],
                  block_views: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                 tokens_per_page: int, device: torch.device):
-        super().__init__(spans)
+                 tokens_per_page: int, device: torch.device, decode_kernel: bool = False):
+        super().__init__(spans, device, decode_kernel)
         self.block_views = block_views
         owners, positions = self.token_positions(spans)
         blocks = [spans[i].block_table[p // tokens_per_page] for i, p in zip(owners, positions)]
@@ -28,6 +28,12 @@ class BlockTableAttention(PackedAttention):
         self.read_blocks = [
             torch.tensor(span.block_table[: -(-span.length // tokens_per_page)], dtype=torch.long,
                          device=device) for span in spans]
+        if self.decodes:  # the decode sequences' block tables, padded with block 0 (never read)
+            tables = [self.read_blocks[i] for i in self.decodes]
+            width = max(len(t) for t in tables)
+            self.decode_tables = torch.zeros((len(tables), width), dtype=torch.int32, device=device)
+            for row, table in enumerate(tables):
+                self.decode_tables[row, :len(table)] = table
 
     def write(self, layer, key, value):
         k_blocks, v_blocks = self.block_views(layer)
@@ -40,3 +46,10 @@ class BlockTableAttention(PackedAttention):
         k = k_blocks.index_select(0, blocks).flatten(0, 1)[:length]
         v = v_blocks.index_select(0, blocks).flatten(0, 1)[:length]
         return k, v
+
+    def decode(self, layer, q, scale):
+        from .triton_decode import decode_attention_paged
+
+        k_blocks, v_blocks = self.block_views(layer)
+        return decode_attention_paged(q, k_blocks, v_blocks, self.decode_tables, self.decode_lens,
+                                      scale, max_seq_len=self.decode_max_len)

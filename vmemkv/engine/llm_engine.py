@@ -39,6 +39,7 @@ class LLMEngine:
         self.manager = KVCacheManager(self._cache_config(model))
         self.runner = ModelRunner(model)
         self.scheduler = Scheduler(config, self.manager)
+        self.decode_kernel = self._use_decode_kernel()
         self.sampler = Sampler()
         self.metrics = EngineMetrics()
         self.groups: dict[str, SequenceGroup] = {}
@@ -53,6 +54,17 @@ class LLMEngine:
         self._mapper = ThreadPoolExecutor(1, thread_name_prefix="vmemkv-map")
         self.map_background_seconds = 0.0  # mapping done on the worker
         self.map_wait_seconds = 0.0  # time the step still waited for the worker
+
+    def _use_decode_kernel(self) -> bool:
+        if self.config.attention == "sdpa" or self.runner.device.type != "cuda":
+            return False
+        try:
+            from ..attention import triton_decode  # noqa: F401
+        except ImportError:
+            if self.config.attention == "triton":
+                raise
+            return False
+        return True
 
     def _cache_config(self, model) -> CacheConfig:
         text = _text_config(model)
@@ -188,9 +200,9 @@ class LLMEngine:
 
     def _attention(self, spans: list[SequenceSpan]):
         if self.config.kv_backend == "paged":
-            return BlockTableAttention(spans, self.manager.block_views,
-                                       self.manager.tokens_per_page, self.runner.device)
-        return ContiguousAttention(spans, self.manager.kv_views, self.runner.device)
+            return BlockTableAttention(spans, self.manager.block_views, self.manager.tokens_per_page,
+                                       self.runner.device, self.decode_kernel)
+        return ContiguousAttention(spans, self.manager.kv_views, self.runner.device, self.decode_kernel)
 
     def _start_lookahead(self, scheduled: list[ScheduledSeq]):
         """Give decoding sequences about to cross a page boundary their next page now, and map
