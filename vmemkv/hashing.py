@@ -54,17 +54,24 @@ class PrefixHasher:
         return h.digest()
 
     def page_hashes(self, token_ids: Sequence[int], tokens_per_page: int, keys: CacheKeys,
-                    start_page: int = 0, parent: bytes | None = None) -> list[bytes]:
-        """Hashes of the full pages of ``token_ids`` from page ``start_page`` on, continuing the
-        chain from ``parent`` (the hash of page ``start_page - 1``, or the root)."""
+                    start_page: int = 0, parent: bytes | None = None,
+                    end_page: int | None = None) -> list[bytes]:
+        """Hashes of the full pages of ``token_ids`` from page ``start_page`` on (up to page
+        ``end_page``, exclusive, when given), continuing the chain from ``parent`` (the hash of
+        page ``start_page - 1``, or the root)."""
         parent = self.root(keys) if parent is None else parent
-        tokens = np.asarray(token_ids, dtype=np.int64)
+        last = len(token_ids) // tokens_per_page
+        if end_page is not None:
+            last = min(last, end_page)
+        first = start_page * tokens_per_page
+        # only the pages hashed here are converted: a decode commit hashes one page, not the prefix
+        tokens = np.asarray(token_ids[first:last * tokens_per_page], dtype=np.int64)
         hashes = []
-        for page in range(start_page, len(tokens) // tokens_per_page):
+        for page in range(start_page, last):
             begin = page * tokens_per_page
             h = self._new()
             h.update(parent)
-            h.update(tokens[begin:begin + tokens_per_page].tobytes())
+            h.update(tokens[begin - first:begin - first + tokens_per_page].tobytes())
             for item in keys.multimodal:
                 if item.offset < begin + tokens_per_page and begin < item.offset + item.length:
                     h.update(item.content_hash)

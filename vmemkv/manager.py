@@ -202,9 +202,24 @@ class KVCacheManager:
         new = len(token_ids) - cached if num_new_tokens is None else num_new_tokens
         if token_budget is not None:
             new = min(new, token_budget)
+        if new < 0:
+            raise PageStateError(f"request {request_id!r}: cannot reserve {new} tokens; pass a "
+                                 "non-negative num_new_tokens and token_budget")
         self._check_length(request_id, cached + new)
         if not self._slot_available(slot) or not self._fits_admission(hits, cached + new):
             return None
+        self.pool.acquire(hits)  # first, so making room below cannot evict them
+        req = _Request(request_id, keys, list(token_ids), blocks=list(hits), num_tokens=cached,
+                       num_computed=cached, hashes=hashes, num_registered=len(hits))
+        req.slot = self.slots.bind(hits[0] if hits else None, slot)
+        try:
+            self.slots.map_blocks(req.slot, 0, hits)
+            self._grow(req, new)
+        except BaseException:  # mapping refused (MappingLimitError): give everything back
+            self.pool.release(reversed(req.blocks))
+            self.slots.release(req.slot)
+            raise
+        self._requests[request_id] = req
         repeat = request_id in self._preempted
         self._preempted.discard(request_id)
         if self.config.enable_prefix_caching:
@@ -214,25 +229,34 @@ class KVCacheManager:
             else:
                 self.stats.prefix_queried_tokens += len(token_ids)
                 self.stats.prefix_hit_tokens += cached
-        self.pool.acquire(hits)  # first, so making room below cannot evict them
-        req = _Request(request_id, keys, list(token_ids), blocks=list(hits), num_tokens=cached,
-                       num_computed=cached, hashes=hashes, num_registered=len(hits))
-        req.slot = self.slots.bind(hits[0] if hits else None, slot)
-        self._requests[request_id] = req
-        self.slots.map_blocks(req.slot, 0, hits)
-        self._grow(req, new)
         return cached
 
     def allocate(self, request_id: str, num_new_tokens: int, new_token_ids: Sequence[int] = ()) -> bool:
         """Reserve ``num_new_tokens`` more positions (mapping a block only when crossing a page
         boundary), recording ``new_token_ids`` as the request's next tokens. Returns False,
         changing nothing, when the blocks are not there."""
-        req = self._running(request_id)
-        self._check_length(request_id, req.num_tokens + num_new_tokens)
-        if self._blocks_needed(req, num_new_tokens) > self.pool.num_free:
-            return False
+        # The decode hot path: _running, _blocks_needed and _grow inlined.
+        req = self._requests.get(request_id)
+        if req is None or req.swapped is not None:
+            raise UnknownRequestError(f"no running request {request_id!r}")
+        total = req.num_tokens + num_new_tokens
+        if total > self.config.max_model_len:
+            self._check_length(request_id, total)
+        if num_new_tokens < 0:
+            raise PageStateError(f"request {request_id!r}: cannot reserve {num_new_tokens} tokens")
+        needed = -(-total // self.tokens_per_page) - len(req.blocks)
+        if needed > 0:
+            if needed > self.pool.num_free:
+                return False
+            new = self.pool.allocate(needed)
+            try:
+                self.slots.map_blocks(req.slot, len(req.blocks), new)
+            except BaseException:  # mapping refused: an unmapped block must never be kept
+                self.pool.release(reversed(new))
+                raise
+            req.blocks += new
         req.token_ids.extend(new_token_ids)
-        self._grow(req, num_new_tokens)
+        req.num_tokens = total
         return True
 
     def commit(self, request_id: str, num_computed_tokens: int | None = None) -> None:
@@ -250,9 +274,9 @@ class KVCacheManager:
             return
         if full > len(req.hashes):
             parent = req.hashes[-1] if req.hashes else None
-            req.hashes += self.hasher.page_hashes(req.token_ids[: full * self.tokens_per_page],
-                                                  self.tokens_per_page, req.keys,
-                                                  start_page=len(req.hashes), parent=parent)
+            req.hashes += self.hasher.page_hashes(req.token_ids, self.tokens_per_page, req.keys,
+                                                  start_page=len(req.hashes), parent=parent,
+                                                  end_page=full)
         for index in range(req.num_registered, full):
             if self.pool.hash_of[req.blocks[index]] is None:
                 self.pool.register(req.blocks[index], req.hashes[index])
@@ -308,8 +332,14 @@ class KVCacheManager:
                          num_registered=parent.num_registered)
         child.blocks = self._share(parent.blocks, partial)
         child.slot = self.slots.bind(child.blocks[0] if child.blocks else None, slot)
+        try:
+            self.slots.map_blocks(child.slot, 0, child.blocks)
+        except BaseException:  # mapping refused: give everything back
+            self.pool.release(reversed(child.blocks))
+            self.slots.release(child.slot)
+            self.stats.pages_copied -= partial
+            raise
         self._requests[child_id] = child
-        self.slots.map_blocks(child.slot, 0, child.blocks)
         self.stats.forks += 1
         return True
 
@@ -442,18 +472,27 @@ class KVCacheManager:
         self.pool.acquire(revive.values())
         copy = [(index, host) for index, host in req.swapped if index not in revive]
         fresh = self.pool.allocate(len(copy))
+        blocks = list(req.blocks)
+        for (index, _), block in zip(copy, fresh):
+            blocks[index] = block
+        for index, block in revive.items():
+            blocks[index] = block
+        slot = self.slots.bind(blocks[0] if blocks else None)
+        try:  # mapped first: a refused mapping (MappingLimitError) leaves the request swapped
+            self.slots.map_blocks(slot, 0, blocks)
+        except BaseException:
+            self.pool.release(reversed(fresh))
+            self.pool.release(revive.values())
+            self.slots.release(slot)
+            raise
         self.swap.load(self._block_window(), [host for _, host in copy], fresh)
         self.swap.discard([host for index, host in req.swapped if index in revive])
-        for (index, _), block in zip(copy, fresh):
-            req.blocks[index] = block
-        for index, block in revive.items():
-            req.blocks[index] = block
+        req.blocks = blocks
         for index, block in zip(range(req.num_registered), req.blocks):
             if self.pool.hash_of[block] is None:
                 self.pool.register(block, req.hashes[index])
         req.swapped = None
-        req.slot = self.slots.bind(req.blocks[0] if req.blocks else None)
-        self.slots.map_blocks(req.slot, 0, req.blocks)
+        req.slot = slot
         self.stats.swap_in_bytes += len(copy) * self.layout.block_bytes
         return True
 
@@ -589,10 +628,13 @@ class KVCacheManager:
     def _grow(self, req: _Request, num_new_tokens: int) -> None:
         needed = self._blocks_needed(req, num_new_tokens)
         if needed > 0:
-            first = len(req.blocks)
             new = self.pool.allocate(needed)
+            try:
+                self.slots.map_blocks(req.slot, len(req.blocks), new)
+            except BaseException:  # mapping refused: an unmapped block must never be kept
+                self.pool.release(reversed(new))
+                raise
             req.blocks += new
-            self.slots.map_blocks(req.slot, first, new)
         req.num_tokens += num_new_tokens
 
     def _share(self, blocks: list[int], partial: bool) -> list[int]:

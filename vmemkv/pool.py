@@ -77,6 +77,10 @@ class PagePool:
     def allocate(self, n: int) -> list[int]:
         """Hand out ``n`` pages with ``ref = 1``: clean pages first, then the least recently used
         cached pages, whose hashes are dropped. Raises with no side effect when ``n`` don't fit."""
+        if n == 1 and self._clean:  # the decode hot path
+            page = heapq.heappop(self._clean)
+            self.ref[page] = 1
+            return [page]
         if n > self.num_free:
             raise OutOfPagesError(
                 f"asked for {n} pages, {self.num_free} free ({self.num_clean} clean + "

@@ -12,6 +12,7 @@ unmapped only when the OS mapping budget runs short (``reclaim_stale``).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -128,6 +129,8 @@ class SlotMapper(SlotTable):
         self.slot_pages = layout.slot_pages(max_tokens)
         self.vrange = backend.reserve(num_slots * self.slot_pages)
         self.page_table = self.vrange.page_table  # the backend keeps it current
+        self._one_page_blocks = layout.pages_per_block == 1  # token-major: block = page
+        self._scratch = threading.local()
         self._views = [self._layer_views(layer) for layer in range(layout.num_layers)]
 
     def _slot_already_mapping(self, first_block: int, default: int) -> int:
@@ -143,23 +146,54 @@ class SlotMapper(SlotTable):
         the pages whose current block differs."""
         if not blocks:
             return
-        logical = np.arange(first_logical, first_logical + len(blocks), dtype=np.int64)
-        virtual = self._virtual(np.full(len(blocks), slot, dtype=np.int64), logical)
-        physical = self.layout.physical_pages(np.asarray(blocks, dtype=np.int64))
+        if len(blocks) == 1 and self._one_page_blocks:
+            # The decode hot path (one token-major block): plain ints and reused one-element
+            # arrays, since numpy calls on tiny arrays cost microseconds each.
+            virtual_page = slot * self.slot_pages + first_logical
+            block = blocks[0]
+            if self.page_table.item(virtual_page) == block:
+                self.stats.pages_already_mapped += 1
+                return
+            virtual, physical = self._one_page_arrays()
+            virtual[0], physical[0] = virtual_page, block
+            self._map(virtual, physical, 1, slot, first_logical + 1)
+            return
+        if self._one_page_blocks:
+            start = slot * self.slot_pages + first_logical
+            virtual = np.arange(start, start + len(blocks), dtype=np.int64)
+            physical = np.asarray(blocks, dtype=np.int64)
+        else:
+            logical = np.arange(first_logical, first_logical + len(blocks), dtype=np.int64)
+            virtual = self._virtual(np.full(len(blocks), slot, dtype=np.int64), logical)
+            physical = self.layout.physical_pages(np.asarray(blocks, dtype=np.int64))
         stale = self.page_table[virtual] != physical
         changed = int(stale.sum())
         self.stats.pages_already_mapped += len(virtual) - changed
         if not changed:
             return
-        virtual, physical = virtual[stale], physical[stale]
-        calls = self.backend.stats.map_calls
+        self._map(virtual[stale], physical[stale], changed, slot, first_logical + len(blocks))
+
+    def _map(self, virtual: np.ndarray, physical: np.ndarray, changed: int, slot: int,
+             end_logical: int) -> None:
+        backend = self.backend
+        calls = backend.stats.map_calls
         try:
-            self.backend.map(self.vrange, virtual, physical)
+            backend.map(self.vrange, virtual, physical)
         except MappingLimitError:
-            self.reclaim_stale()  # the refused call changed nothing; make room and retry once
-            self.backend.map(self.vrange, virtual, physical)
-        self.stats.map_calls += self.backend.stats.map_calls - calls
+            # The refused call changed nothing: make room and retry once. Stale are the free
+            # slots and this slot's pages past the blocks being mapped (its request ends there).
+            self.reclaim_stale({slot: end_logical})
+            backend.map(self.vrange, virtual, physical)
+        self.stats.map_calls += backend.stats.map_calls - calls
         self.stats.pages_mapped += changed
+
+    def _one_page_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per-thread scratch arrays for one-page maps (map_lookahead may run on another thread)."""
+        try:
+            return self._scratch.arrays
+        except AttributeError:
+            arrays = self._scratch.arrays = (np.empty(1, np.int64), np.empty(1, np.int64))
+            return arrays
 
     def reclaim_stale(self, keep: dict[int, int] | None = None) -> None:
         """Unmap what no request needs: every page of free slots, and, for bound slots given in
@@ -188,6 +222,8 @@ class SlotMapper(SlotTable):
 
     def _virtual(self, slots: np.ndarray, logical) -> np.ndarray:
         """Virtual pages of logical page(s) ``logical`` in ``slots`` (pairwise, broadcast)."""
+        if self._one_page_blocks:  # token-major: one virtual page per logical page
+            return np.asarray(slots, dtype=np.int64) * self.slot_pages + logical
         logical = np.broadcast_to(np.asarray(logical, dtype=np.int64), np.shape(slots))
         per_slot = self.layout.virtual_pages(logical, self.max_tokens)
         bases = np.tile(np.asarray(slots, dtype=np.int64), self.layout.pages_per_block)

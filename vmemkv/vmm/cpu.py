@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -170,7 +170,9 @@ class _RangeState:
     vrange: VirtualRange
     mappings: int  # VMAs this range costs now
     region: _Region
-    bytes_view: torch.Tensor  # uint8 over the whole range; tensor() views derive from it
+    # uint8 over the whole range; tensor() views derive from it. Never printed: printing reads
+    # every byte, and unmapped pages fault.
+    bytes_view: torch.Tensor = field(repr=False)
 
 
 class CpuBackend(VirtualMemoryBackend):

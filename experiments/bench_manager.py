@@ -1,0 +1,454 @@
+"""What the KV cache manager's operations cost, in µs, with 1,000 live requests, and its prefix
+hit rate on a shared-prefix trace next to a plain block-table reference.
+
+Operations (median over many calls, each timed alone with ``perf_counter_ns``; the untimed
+bookkeeping around them — commit, free of the probe request — is done between samples):
+
+* ``admit_hit``: a prompt whose system prompt (4 pages) is cached, plus one page of new tokens;
+* ``admit_cold``: a prompt of 5 pages of fresh tokens;
+* ``append_cross``: a decode append that crosses a page boundary (one new block, mapped);
+* ``append``: a decode append inside the last page (no mapping);
+* ``commit_full_page``: the commit after the append that fills a page (hash + register);
+* ``fork``: fork of a request with a partial last page (one page copied);
+* ``free``: free of such a forked request;
+* ``preempt_swap`` / ``swap_in``: swap a request's private pages to host memory and back.
+
+The trace: groups of requests share system prompts of different lengths, with random suffixes and
+decodes, finishing in random order under memory pressure; the manager's prefix hit rate is
+compared with ``ReferenceBlockTable`` (a dict of chained page keys -> block, the same tokens per
+page, the same LRU eviction), which must give the same rate.
+
+    python experiments/bench_manager.py                 # readable table
+    python experiments/bench_manager.py --json          # one JSON object
+    python experiments/bench_manager.py --out experiments/results   # manager_cpu.md / .json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import heapq
+import json
+import os
+import platform
+import random
+import resource
+import statistics
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from vmemkv import CacheConfig, KVCacheManager  # noqa: E402
+
+TARGETS_US = {"append_cross": 10.0, "append": 2.0}
+OPS = ("admit_hit", "admit_cold", "append_cross", "append", "commit_full_page", "fork", "free",
+       "preempt_swap", "swap_in")
+
+
+# --- a plain block-table manager: the reference for the hit rate -----------------------------------
+
+
+class ReferenceBlockTable:
+    """Prefix caching as block-table engines do it, in a few obviously-correct lines: full pages
+    keyed by their whole prefix (exact chained keys, no hash function), ref counts, clean blocks
+    handed out lowest id first, then cached blocks least recently freed first; a request's blocks
+    are freed deepest first; at least one prompt token is always computed."""
+
+    def __init__(self, num_blocks: int, tokens_per_page: int):
+        self.tpp = tokens_per_page
+        self.ref = [0] * num_blocks
+        self.clean = list(range(num_blocks))
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.block_of: dict[int, int] = {}  # page key -> block
+        self.key_of: dict[int, int] = {}  # block -> page key
+        self.keys: dict[tuple, int] = {}  # (parent key, page tokens) -> page key
+        self.requests: dict[str, dict] = {}
+        self.queried = self.hit = 0
+
+    def page_keys(self, tokens: list[int]) -> list[int]:
+        keys, parent = [], -1
+        for start in range(0, len(tokens) - self.tpp + 1, self.tpp):
+            parent = self.keys.setdefault((parent, tuple(tokens[start:start + self.tpp])), len(self.keys))
+            keys.append(parent)
+        return keys
+
+    def _take(self, n: int) -> list[int]:
+        blocks = [heapq.heappop(self.clean) for _ in range(min(n, len(self.clean)))]
+        while len(blocks) < n:
+            block, _ = self.lru.popitem(last=False)
+            del self.block_of[self.key_of.pop(block)]
+            blocks.append(block)
+        for block in blocks:
+            self.ref[block] = 1
+        return blocks
+
+    def admit(self, request_id: str, tokens: list[int]) -> int | None:
+        keys = self.page_keys(tokens)
+        hits = []
+        for key in keys[: (len(tokens) - 1) // self.tpp]:
+            if key not in self.block_of:
+                break
+            hits.append(self.block_of[key])
+        needed = -(-len(tokens) // self.tpp) - len(hits)
+        if needed > len(self.clean) + len(self.lru) - sum(self.ref[b] == 0 for b in hits):
+            return None
+        for block in hits:
+            if self.ref[block] == 0:
+                del self.lru[block]
+            self.ref[block] += 1
+        self.queried += len(tokens)
+        self.hit += len(hits) * self.tpp
+        self.requests[request_id] = {"tokens": list(tokens), "blocks": hits + self._take(needed),
+                                     "registered": len(hits)}
+        self._register(request_id)
+        return len(hits) * self.tpp
+
+    def append(self, request_id: str, token: int) -> bool:
+        req = self.requests[request_id]
+        if len(req["tokens"]) % self.tpp == 0:
+            if not self.clean and not self.lru:
+                return False
+            req["blocks"] += self._take(1)
+        req["tokens"].append(token)
+        self._register(request_id)
+        return True
+
+    def _register(self, request_id: str) -> None:
+        req = self.requests[request_id]
+        full = len(req["tokens"]) // self.tpp
+        if full > req["registered"]:
+            keys = self.page_keys(req["tokens"])
+            for index in range(req["registered"], full):
+                block = req["blocks"][index]
+                if block not in self.key_of and keys[index] not in self.block_of:
+                    self.key_of[block], self.block_of[keys[index]] = keys[index], block
+            req["registered"] = full
+
+    def free(self, request_id: str) -> None:
+        for block in reversed(self.requests.pop(request_id)["blocks"]):
+            self.ref[block] -= 1
+            if self.ref[block] == 0:
+                if block in self.key_of:
+                    self.lru[block] = None
+                else:
+                    heapq.heappush(self.clean, block)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit / self.queried if self.queried else 0.0
+
+
+# --- operation costs ---------------------------------------------------------------------------------
+
+
+class Timer:
+    def __init__(self):
+        self.samples: dict[str, list[int]] = {op: [] for op in OPS}
+
+    def time(self, op: str, fn, *args):
+        start = time.perf_counter_ns()
+        result = fn(*args)
+        self.samples[op].append(time.perf_counter_ns() - start)
+        return result
+
+    def summary(self) -> dict:
+        out = {}
+        for op, ns in self.samples.items():
+            if ns:
+                ordered = sorted(ns)
+                out[op] = {"median_us": statistics.median(ns) / 1e3,
+                           "p90_us": ordered[int(0.9 * (len(ordered) - 1))] / 1e3,
+                           "mean_us": statistics.fmean(ns) / 1e3, "n": len(ns)}
+        return out
+
+
+def measure_ops(args, run: int) -> tuple[dict, Timer, list[float], list[float]]:
+    """One run on a fresh manager: (facts about it, the samples, the append_cross split in ns)."""
+    rng = random.Random(args.seed + run)
+    tpp = args.tokens_per_page
+    config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float16,
+                         tokens_per_page=tpp, num_blocks=args.num_blocks,
+                         max_num_seqs=args.live + 64, max_model_len=args.max_model_len,
+                         swap_space_bytes=64 * 2 * 2 * 2 * 64 * 2 * tpp)
+    timer = Timer()
+    fresh = iter(range(10**6, 10**9))  # token ids never seen before
+    systems = [[next(fresh) for _ in range(4 * tpp)] for _ in range(8)]  # 4-page system prompts
+
+    def new_prompt(cold: bool) -> list[int]:
+        head = [next(fresh) for _ in range(4 * tpp)] if cold else list(rng.choice(systems))
+        return head + [next(fresh) for _ in range(rng.randrange(1, tpp))]
+
+    with KVCacheManager(config) as m:
+        ids = [f"live{i}" for i in range(args.live)]
+        for i, request_id in enumerate(ids):  # the background: 1,000 live requests
+            # the first ones hold every system prompt, so admit_hit always hits 4 pages
+            prompt = systems[i] + [next(fresh)] if i < len(systems) else new_prompt(rng.random() < 0.5)
+            m.admit(request_id, prompt)
+            m.commit(request_id)
+        gc.collect()
+        gc.disable()  # as timeit does: no collector pauses inside the samples
+        try:
+            in_map: list[float] = []  # ns in the native map call, per crossing append
+            outside_map: list[float] = []  # ns of the rest: the manager's and backend's Python
+            for round_ in range(args.rounds):
+                # decode: appends inside the page, the crossing one, the commit that fills a page
+                for request_id in ids:
+                    while True:
+                        crossing = m.num_tokens(request_id) % tpp == 0
+                        before = m.backend.stats.map_seconds
+                        ok = timer.time("append_cross" if crossing else "append", m.allocate,
+                                        request_id, 1, [next(fresh)])
+                        if crossing:
+                            native = m.backend.stats.map_seconds - before
+                            in_map.append(native * 1e9)
+                            outside_map.append(timer.samples["append_cross"][-1] - native * 1e9)
+                        assert ok, "pool too small for the benchmark; raise --num-blocks"
+                        if m.num_tokens(request_id) % tpp == 0:
+                            timer.time("commit_full_page", m.commit, request_id)
+                        else:
+                            m.commit(request_id)
+                        if crossing:
+                            break
+                # admission with and without a cached prefix, fork and free, swap out and in
+                for i in range(args.probes):
+                    probe = f"probe{round_}.{i}"
+                    cold = i % 2 == 1
+                    cached = timer.time("admit_cold" if cold else "admit_hit", m.admit, probe,
+                                        new_prompt(cold))
+                    assert cached == (0 if cold else 4 * tpp), cached
+                    m.commit(probe)
+                    m.free(probe)
+                    parent = rng.choice(ids)
+                    if m.num_tokens(parent) % tpp == 0:  # fork of a partial page: one copy
+                        m.allocate(parent, 1, [next(fresh)])
+                        m.commit(parent)
+                    assert timer.time("fork", m.fork, parent, probe)
+                    timer.time("free", m.free, probe)
+                    victim = rng.choice(ids)
+                    timer.time("preempt_swap", m.preempt, victim, "swap")
+                    assert timer.time("swap_in", m.swap_in, victim)
+        finally:
+            gc.enable()
+        m.check()
+        stats = m.snapshot_stats()
+        out = {
+            "live_requests": args.live, "slots": config.max_num_seqs,
+            "blocks": args.num_blocks, "blocks_in_use_at_end": stats["blocks_in_use"],
+            "page_bytes": m.layout.page_size, "tokens_per_page": tpp,
+            "max_model_len": args.max_model_len, "layout": m.layout.kind,
+            "backend_mappings_at_end": getattr(m.backend, "mappings_in_use", None),
+        }
+    return out, timer, in_map, outside_map
+
+
+def measure_all_ops(args) -> dict:
+    """``--repeat`` runs; each operation's statistics over all samples, plus each run's median
+    (the best of them discounts other tenants of a shared machine)."""
+    timers, in_map, outside_map = [], [], []
+    for run in range(args.repeat):
+        out, timer, run_in_map, run_outside_map = measure_ops(args, run)
+        timers.append(timer)
+        in_map += run_in_map
+        outside_map += run_outside_map
+    combined = Timer()
+    for timer in timers:
+        for op, ns in timer.samples.items():
+            combined.samples[op] += ns
+    ops = combined.summary()
+    for op, summary in ops.items():
+        run_medians = [statistics.median(t.samples[op]) / 1e3 for t in timers if t.samples[op]]
+        summary["run_medians_us"] = run_medians
+        summary["best_run_median_us"] = min(run_medians)
+    out["ops"] = ops
+    out["repeat"] = args.repeat
+    # append_cross split: the backend's native map call (the mmap system call), and the rest
+    # (the manager's and the backend's Python), medians in µs
+    out["append_cross_native_map_median_us"] = statistics.median(in_map) / 1e3
+    out["append_cross_outside_map_median_us"] = statistics.median(outside_map) / 1e3
+    return out
+
+
+# --- the shared-prefix trace ---------------------------------------------------------------------
+
+
+def run_trace(args) -> dict:
+    rng = random.Random(args.seed + 1)
+    tpp = args.tokens_per_page
+    config = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=64, dtype=torch.float16,
+                         tokens_per_page=tpp, num_blocks=args.trace_blocks,
+                         max_num_seqs=args.trace_live + 1, max_model_len=1024)
+    reference = ReferenceBlockTable(args.trace_blocks, tpp)
+    vocab = 32000
+    # system prompts of different lengths (not page multiples), popularity skewed
+    lengths = [7, 16, 40, 64, 100, 150, 256, 333]
+    systems = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+    weights = [1 / (rank + 1) for rank in range(len(systems))]
+    live: list[str] = []
+    mismatches = refused = 0
+    with KVCacheManager(config) as m:
+        def finish_one() -> None:
+            request_id = live.pop(rng.randrange(len(live)))
+            m.free(request_id)
+            reference.free(request_id)
+
+        for n in range(args.trace_requests):
+            request_id = f"t{n}"
+            system = rng.choices(range(len(systems)), weights)[0]
+            prompt = systems[system] + [rng.randrange(vocab) for _ in range(rng.randrange(1, 64))]
+            while True:
+                if len(live) >= args.trace_live:
+                    finish_one()
+                    continue
+                cached = m.admit(request_id, prompt)
+                expected = reference.admit(request_id, prompt)
+                mismatches += cached != expected
+                if cached is not None:
+                    break
+                refused += 1
+                if expected is not None:
+                    reference.free(request_id)
+                finish_one()
+            m.commit(request_id)
+            live.append(request_id)
+            for _ in range(rng.randrange(0, 48)):  # decode some tokens
+                token = rng.randrange(vocab)
+                ok = m.allocate(request_id, 1, [token])
+                mismatches += ok != reference.append(request_id, token)
+                if not ok:
+                    break
+                m.commit(request_id)
+        m.check()
+        stats = m.snapshot_stats()
+    return {
+        "requests": args.trace_requests, "max_live": args.trace_live,
+        "blocks": args.trace_blocks, "tokens_per_page": tpp,
+        "system_prompt_lengths": lengths,
+        "manager_hit_rate": stats["prefix_hit_rate"], "reference_hit_rate": reference.hit_rate,
+        "manager_hit_tokens": stats["prefix_hit_tokens"], "reference_hit_tokens": reference.hit,
+        "queried_tokens": stats["prefix_queried_tokens"],
+        "equal": stats["prefix_hit_rate"] == reference.hit_rate and mismatches == 0,
+        "decision_mismatches": mismatches, "admissions_refused": refused,
+        "evictions": stats["evictions"],
+    }
+
+
+# --- output ------------------------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def markdown(r: dict) -> str:
+    ops = r["ops"]
+    lines = [
+        "# KV cache manager: cost per operation (CPU backend)",
+        "",
+        (f"{r['live_requests']} live requests in {r['slots']} slots, {r['blocks']} blocks of "
+         f"{r['tokens_per_page']} tokens ({r['page_bytes'] // 1024} KiB pages, {r['layout']}), "
+         f"max_model_len {r['max_model_len']}; {r['cpu']}, {r['cpus']} CPUs, Linux {r['kernel']}, "
+         f"{r['date']}, load average {r['load_average_1min']:.1f} at the start and "
+         f"{r['load_average_1min_end']:.1f} at the end (other jobs share this VM), torch threads "
+         f"{r['torch_threads']}, peak RSS {r['peak_rss_mib']:.0f} MiB, "
+         f"{r['backend_mappings_at_end']} kernel mappings (VMAs) held at the end of a run "
+         "(vm.max_map_count is 65,530)."),
+        "",
+        (f"Each operation timed alone, {r['repeat']} runs on fresh managers; median, p90 and mean "
+         "over all samples, and the best run's median (other tenants of this VM add noise)."),
+        "",
+        "| operation | median µs | p90 µs | mean µs | best run's median µs | samples | target (median) |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for op in OPS:
+        if op in ops:
+            s = ops[op]
+            target = TARGETS_US.get(op)
+            mark = "" if target is None else (f"≤ {target:g}: " + ("met" if s["median_us"] <= target else "MISSED"))
+            lines.append(f"| {op} | {s['median_us']:.2f} | {s['p90_us']:.2f} | {s['mean_us']:.2f} | "
+                         f"{s['best_run_median_us']:.2f} | {s['n']} | {mark} |")
+    lines += ["", (f"`append_cross` split (medians): {r['append_cross_native_map_median_us']:.2f} µs "
+                   "inside the backend's native map call (the mmap system call; mapping_cpu.md has "
+                   "this machine's floor for one mmap), "
+                   f"{r['append_cross_outside_map_median_us']:.2f} µs outside it (the manager's and "
+                   "the backend's Python).")]
+    t = r["trace"]
+    lines += [
+        "",
+        "## Prefix hit rate on a shared-prefix trace",
+        "",
+        (f"{t['requests']} requests, at most {t['max_live']} live, {t['blocks']} blocks of "
+         f"{t['tokens_per_page']} tokens; system prompts of {t['system_prompt_lengths']} tokens "
+         "(popularity ∝ 1/rank) + 1-63 random tokens, 0-47 decoded tokens, random finish order."),
+        "",
+        "| | hit rate | hit tokens / queried |",
+        "|---|---:|---:|",
+        f"| vmemkv manager | {t['manager_hit_rate']:.4f} | {t['manager_hit_tokens']} / {t['queried_tokens']} |",
+        f"| block-table reference | {t['reference_hit_rate']:.4f} | {t['reference_hit_tokens']} / {t['queried_tokens']} |",
+        "",
+        (f"Equal: {'yes' if t['equal'] else 'NO'} ({t['decision_mismatches']} differing admission or "
+         f"append decisions; {t['admissions_refused']} admissions refused for memory; "
+         f"{t['evictions']} evictions)."),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--live", type=int, default=1000, help="live requests in the background")
+    parser.add_argument("--repeat", type=int, default=3, help="runs, each on a fresh manager")
+    parser.add_argument("--rounds", type=int, default=2, help="decode rounds over every live request")
+    parser.add_argument("--probes", type=int, default=200, help="admit/fork/swap probes per round")
+    parser.add_argument("--tokens-per-page", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=16384)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--trace-requests", type=int, default=4000)
+    parser.add_argument("--trace-live", type=int, default=64)
+    parser.add_argument("--trace-blocks", type=int, default=320)
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="intra-op threads for the copies of fork and swap (torch's default "
+                             "when not given)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--out", type=Path, help="write manager_cpu.md and manager_cpu.json here")
+    args = parser.parse_args(argv)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+
+    results = {
+        "cpu": cpu_model(), "cpus": os.cpu_count(), "kernel": platform.release(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(), "load_average_1min": os.getloadavg()[0],
+        "torch_threads": torch.get_num_threads(), "seed": args.seed,
+    }
+    results.update(measure_all_ops(args))
+    results["trace"] = run_trace(args)
+    results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    results["load_average_1min_end"] = os.getloadavg()[0]
+    results["targets_us"] = TARGETS_US
+    results["targets_met"] = {op: results["ops"][op]["median_us"] <= target
+                              for op, target in TARGETS_US.items()}
+
+    table = markdown(results)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "manager_cpu.json").write_text(json.dumps(results, indent=2) + "\n")
+        (args.out / "manager_cpu.md").write_text(table)
+    print(json.dumps(results) if args.json else table)
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main()["trace"]["equal"] else 1)  # the hit rates must agree

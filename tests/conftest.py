@@ -1,0 +1,128 @@
+"""Shared fixtures: small managers on the real CPU backend that are checked for leaks at the end."""
+
+from __future__ import annotations
+
+import struct
+import weakref
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from vmemkv import CacheConfig, KVCacheManager
+
+# 2 layers x 2 KV heads x 64 dim x fp16 = 1 KiB per token: 4 tokens fill one 4 KiB page.
+TINY = dict(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float16, tokens_per_page=4,
+            num_blocks=10, max_num_seqs=4, max_model_len=40, hash_seed=b"vmemkv-tests")
+
+
+def tiny_config(**overrides) -> CacheConfig:
+    return CacheConfig(**{**TINY, **overrides})
+
+
+def assert_no_leaks(manager: KVCacheManager) -> None:
+    """Invariants hold now, and after freeing every request no block is held."""
+    manager.check()
+    for request_id in manager.request_ids():
+        manager.free(request_id)
+    manager.check()
+    assert manager.pool.num_in_use == 0
+    assert manager.num_free_slots == manager.config.max_num_seqs
+    assert manager.swap.num_free == manager.swap.num_blocks
+
+
+def manager_state(manager: KVCacheManager) -> tuple:
+    """Everything a refused call must leave as it was."""
+    running = {r: (manager.block_table(r), manager.num_tokens(r), manager.token_ids(r),
+                   manager.slot_of(r))
+               for r in manager.request_ids() if not manager.is_swapped(r)}
+    swapped = {r: manager.token_ids(r) for r in manager.request_ids() if manager.is_swapped(r)}
+    pool = manager.pool
+    return (running, swapped, list(pool.ref), list(pool.hash_of), pool.free_queue(),
+            sorted(pool._clean), manager.snapshot_stats(), manager.slots.free_slots(),
+            manager.slots.page_table.tolist(), manager.swap.num_free)
+
+
+@pytest.fixture
+def make_manager():
+    """``make_manager(**config overrides)``: a KVCacheManager that is leak-checked and closed
+    when the test ends."""
+    managers = []
+
+    def make(**overrides) -> KVCacheManager:
+        manager = KVCacheManager(tiny_config(**overrides))
+        managers.append(manager)
+        return manager
+
+    yield make
+    try:
+        for manager in managers:
+            assert_no_leaks(manager)
+    finally:
+        for manager in managers:
+            manager.close()
+
+
+# --- K/V contents that name what they hold ---------------------------------------------------------
+# Real K/V at position p is a function of tokens[: p + 1]; so is this pattern. Each int32 element
+# holds 20 bits of a hash of that prefix, the layer and K/V, and the element's index in the
+# [heads, dim] row (at most 256 elements), so a page written by another request, at another
+# position, or for another layer reads differently.
+
+
+def prefix_keys(token_ids, salt: int = 0) -> list[int]:
+    keys, key = [], salt
+    for token in token_ids:
+        key = zlib.crc32(struct.pack("<qq", key, token))
+        keys.append(key & 0xFFFFF)
+    return keys
+
+
+def kv_patterns(manager: KVCacheManager, keys: list[int]):
+    """``(layer, kv, int32 array [len(keys), heads, dim])`` for every layer's K and V."""
+    layout = manager.layout
+    heads, dim = layout.num_kv_heads, layout.head_dim
+    assert heads * dim <= 256 and layout.num_layers <= 4 and layout.itemsize == 4, (
+        "the pattern needs 4-byte elements, at most 256 a row and 4 layers")
+    row = np.arange(heads * dim, dtype=np.int32).reshape(1, heads, dim)
+    base = (np.asarray(keys, dtype=np.int32) << 11).reshape(-1, 1, 1) | row
+    for layer in range(layout.num_layers):
+        for kv in (0, 1):
+            yield layer, kv, base | np.int32((2 * layer + kv) << 8)
+
+
+_numpy_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def slot_rows(manager: KVCacheManager, layer: int, kv: int, slot: int) -> np.ndarray:
+    """The slot's positions of one layer's K or V as an int32 numpy view (no copy); touch only
+    mapped positions."""
+    views = _numpy_views.get(manager)
+    if views is None:  # numpy views over every slot, made once: creating them touches nothing
+        views = _numpy_views[manager] = [
+            [manager.kv_views(layer)[kv].view(torch.int32).numpy() for kv in (0, 1)]
+            for layer in range(manager.layout.num_layers)]
+    return views[layer][kv][slot]
+
+
+def write_kv(manager: KVCacheManager, request_id: str, start: int, end: int, salt: int = 0) -> None:
+    """Write the pattern of positions [start, end) through the request's slot views, as a
+    forward pass would."""
+    if start >= end:
+        return
+    keys = prefix_keys(manager.token_ids(request_id)[:end], salt)[start:]
+    slot = manager.slot_of(request_id)
+    for layer, kv, pattern in kv_patterns(manager, keys):
+        slot_rows(manager, layer, kv, slot)[start:end] = pattern
+
+
+def read_kv_matches(manager: KVCacheManager, request_id: str, salt: int = 0) -> bool:
+    """Whether every computed position of the request reads back its own pattern."""
+    length = manager.num_computed_tokens(request_id)
+    if length == 0:
+        return True
+    keys = prefix_keys(manager.token_ids(request_id)[:length], salt)
+    slot = manager.slot_of(request_id)
+    return all(np.array_equal(slot_rows(manager, layer, kv, slot)[:length], pattern)
+               for layer, kv, pattern in kv_patterns(manager, keys))

@@ -1,0 +1,312 @@
+"""A random walk over the whole manager API against a small reference model.
+
+Rules: admit (with shared system prompts, so prefixes hit; sometimes chunked), continue a chunked
+prefill, decode (allocate + commit with a token id), fork, beam reorder, free, preempt (swap,
+recompute, auto), re-admit after recompute, swap in, reset the prefix cache. The model knows
+which requests exist, their token ids and reserved lengths, and which are swapped or waiting to
+be re-admitted; K/V contents follow from the token ids (conftest.kv_patterns). After every step:
+``manager.check()``, the model agrees with the manager, and every running request reads back
+exactly its own K/V. The pool is small (12 blocks of 4 tokens, 4 slots, 6 host blocks) so
+refusals, eviction and swap-space exhaustion happen often; every refusal must change nothing.
+
+Both layouts, 2 x 100 runs of up to 80 steps (~12,000 steps in all, ~2-3 ms each here).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from vmemkv import (CacheConfig, KVCacheManager, PrefixCacheBusyError, RequestTooLongError)
+from vmemkv.swap import OutOfSwapSpaceError
+
+from conftest import assert_no_leaks, manager_state, read_kv_matches, write_kv
+
+TOKENS_PER_PAGE = 4
+MAX_LEN = 24
+SYSTEM_PROMPTS = [[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9, 9], list(range(20, 32))]
+suffixes = st.lists(st.integers(0, 3), max_size=10)
+
+
+def make_config(layout: str) -> CacheConfig:
+    # 1 layer x 2 heads x 128 dim x fp32: 4 tokens a block in both layouts
+    block_bytes = 2 * 2 * 128 * 4 * TOKENS_PER_PAGE
+    return CacheConfig(num_layers=1, num_kv_heads=2, head_dim=128, dtype=torch.float32,
+                       tokens_per_page=TOKENS_PER_PAGE, num_blocks=12, max_num_seqs=4,
+                       max_model_len=MAX_LEN, swap_space_bytes=6 * block_bytes, layout=layout,
+                       hash_seed=b"state-machine")
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    layout = "token_major"
+    steps = 0  # rules run, over all examples of this class
+    examples = 0
+    totals: Counter  # what the runs exercised, set per subclass
+
+    def __init__(self):
+        super().__init__()
+        type(self).examples += 1
+        type(self).steps -= 1  # the invariant also runs once before the first rule
+        self.m = KVCacheManager(make_config(self.layout))
+        assert self.m.tokens_per_page == TOKENS_PER_PAGE
+        self.tokens: dict[str, list[int]] = {}  # running and swapped requests: all token ids
+        self.reserved: dict[str, int] = {}  # positions reserved (and computed) per running request
+        self.swapped: set[str] = set()
+        self.waiting: dict[str, list[int]] = {}  # preempted by recompute, to be re-admitted
+        self.next_id = 0
+
+    # --- helpers ---
+    def new_id(self) -> str:
+        self.next_id += 1
+        return f"r{self.next_id}"
+
+    def running(self) -> list[str]:
+        return sorted(r for r in self.tokens if r not in self.swapped)
+
+    def decodable(self) -> list[str]:
+        return [r for r in self.running() if self.reserved[r] == len(self.tokens[r])]
+
+    def prefilling(self) -> list[str]:
+        return [r for r in self.running() if self.reserved[r] < len(self.tokens[r])]
+
+    def refused_without_change(self, call) -> None:
+        before = manager_state(self.m)
+        assert not call()
+        assert manager_state(self.m) == before
+        self.totals["refusals"] += 1
+
+    def admit_into_model(self, request_id, token_ids, budget) -> bool:
+        m = self.m
+        can = m.can_admit(token_ids) if budget is None else None
+        before = manager_state(m)
+        cached = m.admit(request_id, token_ids, token_budget=budget)
+        if can is not None:
+            assert (cached is not None) == can
+        if cached is None:
+            assert manager_state(m) == before
+            self.totals["refusals"] += 1
+            return False
+        assert cached % TOKENS_PER_PAGE == 0 and (cached < len(token_ids) or not token_ids)
+        write_kv(m, request_id, cached, m.num_tokens(request_id))
+        m.commit(request_id)
+        self.tokens[request_id] = list(token_ids)
+        self.reserved[request_id] = m.num_tokens(request_id)
+        return True
+
+    # --- rules ---
+    @rule(system=st.sampled_from(range(len(SYSTEM_PROMPTS))), suffix=suffixes,
+          budget=st.none() | st.integers(1, 6))
+    def admit(self, system, suffix, budget):
+        token_ids = SYSTEM_PROMPTS[system] + suffix
+        if len(token_ids) > MAX_LEN:
+            with pytest.raises(RequestTooLongError):
+                self.m.admit(self.new_id(), token_ids)
+            return
+        self.admit_into_model(self.new_id(), token_ids, budget)
+
+    @precondition(lambda self: self.prefilling())
+    @rule(data=st.data(), chunk=st.integers(1, 8))
+    def continue_prefill(self, data, chunk):
+        request_id = data.draw(st.sampled_from(self.prefilling()))
+        start = self.reserved[request_id]
+        chunk = min(chunk, len(self.tokens[request_id]) - start)
+        can = self.m.can_allocate(request_id, chunk)
+        if not can:
+            self.refused_without_change(lambda: self.m.allocate(request_id, chunk))
+            return
+        assert self.m.allocate(request_id, chunk)
+        write_kv(self.m, request_id, start, start + chunk)
+        self.m.commit(request_id)
+        self.reserved[request_id] = start + chunk
+
+    @precondition(lambda self: self.decodable())
+    @rule(data=st.data(), token=st.integers(0, 3))
+    def decode(self, data, token):
+        request_id = data.draw(st.sampled_from(self.decodable()))
+        m = self.m
+        n = self.reserved[request_id]
+        if n + 1 > MAX_LEN:
+            before = manager_state(m)
+            with pytest.raises(RequestTooLongError):
+                m.allocate(request_id, 1, [token])
+            assert manager_state(m) == before
+            return
+        crossing = n % TOKENS_PER_PAGE == 0
+        assert m.blocks_needed(request_id, 1) == int(crossing)
+        if not m.can_allocate(request_id, 1):
+            assert crossing and m.pool.num_free == 0
+            self.refused_without_change(lambda: m.allocate(request_id, 1, [token]))
+            return
+        blocks = m.block_table(request_id)
+        assert m.allocate(request_id, 1, [token])
+        assert m.block_table(request_id)[: len(blocks)] == blocks
+        assert len(m.block_table(request_id)) == len(blocks) + crossing
+        write_kv(m, request_id, n, n + 1)
+        m.commit(request_id)
+        self.tokens[request_id].append(token)
+        self.reserved[request_id] = n + 1
+
+    @precondition(lambda self: self.running())
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self.running()))
+        m = self.m
+        partial = self.reserved[parent] % TOKENS_PER_PAGE != 0
+        expected = m.num_free_slots > 0 and (not partial or m.pool.num_free > 0)
+        child = self.new_id()
+        if not expected:
+            self.refused_without_change(lambda: m.fork(parent, child))
+            return
+        copied = m.stats.pages_copied
+        assert m.fork(parent, child)
+        assert m.stats.pages_copied == copied + partial
+        parent_blocks, child_blocks = m.block_table(parent), m.block_table(child)
+        shared = len(parent_blocks) - partial
+        assert child_blocks[:shared] == parent_blocks[:shared]
+        self.tokens[child] = list(self.tokens[parent])
+        self.reserved[child] = self.reserved[parent]
+
+    @precondition(lambda self: self.running())
+    @rule(data=st.data())
+    def reorder(self, data):
+        running = self.running()
+        rows = data.draw(st.permutations(running))[: data.draw(st.integers(1, len(running)))]
+        picks = data.draw(st.lists(st.integers(0, len(running) - 1), min_size=len(rows),
+                                   max_size=len(rows)))
+        sources = [running[i] for i in picks]
+        before = manager_state(self.m)
+        copied = self.m.stats.pages_copied
+        if not self.m.reorder(rows, sources):
+            assert manager_state(self.m) == before
+            return
+        # a partial page is copied for every taker but the one that keeps or moves it
+        partial_takers = {}
+        for row, source in zip(rows, sources):
+            if self.reserved[source] % TOKENS_PER_PAGE:
+                partial_takers.setdefault(source, []).append(row)
+        expected_copies = sum(len(takers) - (source in rows) for source, takers in partial_takers.items())
+        assert self.m.stats.pages_copied == copied + expected_copies
+        snapshot = {s: (list(self.tokens[s]), self.reserved[s]) for s in sources}
+        for row, source in zip(rows, sources):
+            self.tokens[row], self.reserved[row] = list(snapshot[source][0]), snapshot[source][1]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data):
+        request_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.m.free(request_id)
+        del self.tokens[request_id]
+        self.reserved.pop(request_id, None)
+        self.swapped.discard(request_id)
+
+    @precondition(lambda self: self.running())
+    @rule(data=st.data(), mode=st.sampled_from(["swap", "recompute", "auto"]))
+    def preempt(self, data, mode):
+        request_id = data.draw(st.sampled_from(self.running()))
+        m = self.m
+        before = manager_state(m)
+        try:
+            used = m.preempt(request_id, mode)
+        except OutOfSwapSpaceError:
+            assert mode in ("swap", "auto")
+            assert manager_state(m) == before
+            return
+        assert mode == "auto" or used == mode
+        if used == "swap":
+            assert m.is_swapped(request_id)
+            self.swapped.add(request_id)
+        else:
+            assert request_id not in m.request_ids()
+            self.waiting[request_id] = self.tokens.pop(request_id)
+            del self.reserved[request_id]
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def readmit(self, data):
+        request_id = data.draw(st.sampled_from(sorted(self.waiting)))
+        reprefill = self.m.stats.reprefill_queried_tokens
+        if self.admit_into_model(request_id, self.waiting[request_id], None):
+            assert self.m.stats.reprefill_queried_tokens == reprefill + len(self.tokens[request_id])
+            del self.waiting[request_id]
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        request_id = data.draw(st.sampled_from(sorted(self.swapped)))
+        before = manager_state(self.m)
+        if self.m.swap_in(request_id):
+            self.swapped.discard(request_id)
+        else:
+            assert manager_state(self.m) == before
+
+    @precondition(lambda self: self.m.pool.num_cached)  # something to forget
+    @rule()
+    def reset_prefix_cache(self):
+        m = self.m
+        if m.pool.num_in_use:
+            before = manager_state(m)
+            with pytest.raises(PrefixCacheBusyError):
+                m.reset_prefix_cache()
+            assert manager_state(m) == before
+        else:
+            assert m.reset_prefix_cache() >= 0
+            assert m.pool.num_cached == 0 and m.pool.page_of_hash == {}
+
+    # --- after every step ---
+    @invariant()
+    def manager_agrees_with_the_model(self):
+        type(self).steps += 1
+        m = self.m
+        m.check()
+        assert sorted(m.request_ids()) == sorted(self.tokens)
+        for request_id, token_ids in self.tokens.items():
+            assert m.token_ids(request_id) == token_ids
+            assert m.is_swapped(request_id) == (request_id in self.swapped)
+        for request_id in self.running():
+            assert m.num_tokens(request_id) == m.num_computed_tokens(request_id) == self.reserved[request_id]
+            assert read_kv_matches(m, request_id), f"{request_id} reads K/V it did not write"
+
+    def teardown(self):
+        stats = self.m.snapshot_stats()
+        for key in ("prefix_hit_tokens", "reprefill_hit_tokens", "evictions", "forks",
+                    "pages_copied", "preemptions_swap", "preemptions_recompute", "swap_in_bytes"):
+            self.totals[key] += stats[key]
+        try:
+            assert_no_leaks(self.m)
+        finally:
+            self.m.close()
+
+
+SETTINGS = settings(max_examples=100, stateful_step_count=80, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+class TokenMajorMachine(ManagerMachine):
+    layout = "token_major"
+    totals = Counter()
+
+
+class PerLayerMachine(ManagerMachine):
+    layout = "per_layer"
+    totals = Counter()
+
+
+TestTokenMajor = TokenMajorMachine.TestCase
+TestTokenMajor.settings = SETTINGS
+TestPerLayer = PerLayerMachine.TestCase
+TestPerLayer.settings = SETTINGS
+
+
+def test_the_machines_ran_enough_steps(request):
+    """Runs last in this file: the two machines together ran at least 10,000 steps."""
+    ran = TokenMajorMachine.steps + PerLayerMachine.steps
+    if TokenMajorMachine.steps == 0 or PerLayerMachine.steps == 0:
+        pytest.skip("the machines did not run in this session (selected out)")
+    print(f"state machines: {ran} steps in {TokenMajorMachine.examples + PerLayerMachine.examples} "
+          f"runs; {dict(TokenMajorMachine.totals + PerLayerMachine.totals)}")
+    assert ran >= 10_000, f"only {ran} steps ran"
