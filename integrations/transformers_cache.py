@@ -1,0 +1,655 @@
+"""``VmemkvCache``: a Hugging Face transformers ``Cache`` for ``model.generate()`` on vmemkv.
+
+Each batch row is one :class:`vmemkv.KVCacheManager` request bound to one slot, and the rows of a
+batch sit in *consecutive* slots, so the K/V that ``update()`` hands to attention is a strided view
+``[batch, kv_heads, length, head_dim]`` of the slot range, narrowed to the tokens written so far:
+no copy, no concatenation, never a position past what is mapped. Pages come from the manager's
+reference-counted pool on demand, so
+
+* beam search reorders by **remapping pages** (``manager.reorder``: full pages are shared, only a
+  partial last page is copied when two beams take it) instead of ``index_select`` over the KV;
+* a second ``generate`` whose prompt shares a prefix with an earlier one **reuses those pages**
+  and computes only the rest (:meth:`VmemkvCache.generate`).
+
+Usage (the lead copies this to the README)::
+
+    from integrations.transformers_cache import VmemkvCache
+
+    cache = VmemkvCache.from_model(model, max_batch_size=8, max_cache_len=2048)
+
+    # 1. drop-in cache. transformers 5.24 takes ``cache=``, 5.17 and 4.57 ``past_key_values=``;
+    #    ``cache_kwarg(model)`` says which.
+    out = model.generate(input_ids, attention_mask=mask, cache=cache, max_new_tokens=64,
+                         num_beams=4)              # beam reorders remap pages
+    cache.release()                                # rows freed; full pages stay in the prefix cache
+
+    # 2. prefix reuse across calls: admits the prompt, maps its cached pages, computes the rest
+    out = cache.generate(input_ids, attention_mask=mask, max_new_tokens=64)
+    print(cache.last_call)                         # {'prompt_tokens': .., 'cached_tokens': .., ..}
+    cache.close()
+
+How the cache learns token ids
+------------------------------
+The prefix cache names a page by the chained hash of its token ids, but ``update()`` only sees
+K/V. ``from_model`` / ``attach`` install a forward pre-hook on the model that hands the cache the
+``input_ids`` and ``attention_mask`` of every forward it takes part in (``generate`` always passes
+them). A full page is registered only once its K/V is written, under
+
+* the exact token ids fed to the model at those positions (prompt and generated tokens alike),
+* a salt naming the model (``model_key``: a per-model-object random id unless you pass a stable
+  name, e.g. the checkpoint and revision), and the row's padding pattern (the positions masked
+  out in the prompt), because the same token ids under another mask give other K/V.
+
+Rows whose ids are unknown (a forward with ``inputs_embeds``, a cache used without ``attach``, a
+4-D attention mask) get a random salt: their pages are never found by anyone. A masked position
+after admission that the row's salt does not account for raises rather than registering wrong
+content. The manager is not thread-safe; one cache runs one ``generate`` at a time.
+
+What is not supported: ``crop`` (assisted / speculative decoding), sliding-window or hybrid
+layers, ``torch.compile`` (the views change every step), offloading, encoder-decoder models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import itertools
+import uuid
+from dataclasses import dataclass
+from typing import Self
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from vmemkv import CacheConfig, CacheKeys, KVCacheManager
+from vmemkv.errors import ConfigError, OutOfPagesError, PageStateError
+from vmemkv.slots import NoFreeSlotError
+
+__all__ = ["VmemkvCache", "cache_kwarg", "manager_for"]
+
+_HOOK_ATTR = "_vmemkv_token_hook"
+_MODEL_KEY_ATTR = "_vmemkv_model_key"
+
+
+def manager_for(model, max_batch_size: int, max_cache_len: int, num_blocks: int | None = None,
+                **config) -> KVCacheManager:
+    """A :class:`KVCacheManager` shaped for ``model`` (layers, KV heads, head dim, dtype, device).
+
+    ``num_blocks`` defaults to every slot full plus one spare page per slot for copy-on-write,
+    so ``generate`` never runs out; pass fewer to cap memory (on CUDA the pool is allocated up
+    front). Other keyword arguments go to :class:`CacheConfig` (``tokens_per_page``,
+    ``enable_prefix_caching``, ``hash_seed``, ...)."""
+    text = model.config.get_text_config(decoder=True)
+    layer_types = getattr(text, "layer_types", None)
+    kinds = set(layer_types or ["full_attention"])
+    if kinds - {"full_attention", "sliding_attention"}:
+        raise ConfigError(f"VmemkvCache supports full-attention layers; this model has layer types "
+                          f"{sorted(kinds)}")
+    window = getattr(text, "sliding_window", None) if getattr(text, "use_sliding_window", True) else None
+    if window and max_cache_len > window and ("sliding_attention" in kinds or layer_types is None):
+        raise ConfigError(
+            f"this model has sliding window {window} < max_cache_len {max_cache_len}; VmemkvCache "
+            "keeps every token (full attention), so use max_cache_len <= the sliding window")
+    heads = text.num_attention_heads
+    cfg = CacheConfig(
+        num_layers=text.num_hidden_layers,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        num_blocks=1, max_num_seqs=max_batch_size, max_model_len=max_cache_len,
+        dtype=model.dtype, device=str(model.device), **config)
+    if num_blocks is None:
+        per_slot = cfg.make_layout().logical_pages_for(max_cache_len)
+        num_blocks = max_batch_size * (per_slot + 1)
+    return KVCacheManager(dataclasses.replace(cfg, num_blocks=num_blocks))
+
+
+def cache_kwarg(model) -> str:
+    """The keyword ``model.generate`` / ``forward`` take a cache by: ``cache`` in transformers
+    5.24, ``past_key_values`` in 5.17 and 4.57."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _observe_tokens(module, args, kwargs):
+    """Forward pre-hook: give a VmemkvCache taking part in this forward its input ids and mask."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if isinstance(cache, VmemkvCache):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        cache.observe(ids, kwargs.get("attention_mask"))
+
+
+@dataclass
+class _Row:
+    """What the cache knows about one batch row besides the manager's request."""
+
+    request_id: str
+    keys: CacheKeys
+    masked: frozenset[int]  # prompt positions the attention mask hides (part of the salt)
+    known: int  # token ids the manager has for this request
+
+
+class _VmemkvLayer(CacheLayerMixin):
+    """One layer's face of a VmemkvCache; all state lives in the cache."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, cache: VmemkvCache, layer_idx: int):  # no super(): keys/values are views
+        self._cache = cache
+        self.layer_idx = layer_idx
+
+    @property
+    def is_initialized(self) -> bool:
+        return bool(self._cache._rows)
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._cache.layer_views(self.layer_idx)[0] if self._cache._rows else None
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._cache.layer_views(self.layer_idx)[1] if self._cache._rows else None
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self._cache.update(key_states, value_states, self.layer_idx)
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        return self._cache.get_mask_sizes(query_length, self.layer_idx)
+
+    def get_seq_length(self) -> int:
+        return self._cache.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return self._cache.max_cache_len
+
+    get_max_cache_shape = get_max_length  # transformers < 5.2x
+
+    # The cache-level methods act on all layers at once; these per-layer ones are never used.
+    def reset(self) -> None:
+        pass
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("call VmemkvCache.reorder_cache")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("VmemkvCache cannot be cropped")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("call VmemkvCache.batch_repeat_interleave")
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError("call VmemkvCache.batch_select_indices")
+
+
+class VmemkvCache(Cache):
+    """A transformers ``Cache`` whose K/V live in a :class:`KVCacheManager`'s slots.
+
+    ``manager`` may be shared by several caches (their rows take disjoint slots, and one cache's
+    committed pages are prefix hits for another with the same ``model_key``). ``model``: install
+    the token-id hook on it (see the module docstring); ``model_key``: a stable name for the
+    weights, to share prefix pages across model objects (default: a random id per model object).
+    """
+
+    _instances = itertools.count()
+
+    def __init__(self, manager: KVCacheManager, model=None, *, model_key: str | None = None,
+                 owns_manager: bool = False):
+        self.manager = manager
+        self.owns_manager = owns_manager
+        self._num_layers = manager.layout.num_layers
+        super().__init__(layers=[_VmemkvLayer(self, i) for i in range(self._num_layers)])
+        self._model = None
+        self._model_key = model_key
+        self._prefix = f"hf{next(self._instances)}-{uuid.uuid4().hex[:8]}"
+        self._request_counter = itertools.count()
+        self._rows: list[_Row] = []
+        self._first_slot = 0
+        self._length = 0  # positions computed in every row
+        self._tracked = True  # rows carry real token ids
+        self._pending: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
+        self._next_layer = 0
+        self._step_len = 0
+        self._write_from: list[int] = []
+        self._uniform_write = True
+        self.peak_pages_in_use = 0
+        self.last_call: dict = {}
+        if model is not None:
+            self.attach(model)
+
+    # --- construction ----------------------------------------------------------------------------
+    @classmethod
+    def from_model(cls, model, max_batch_size: int = 8, max_cache_len: int = 2048,
+                   num_blocks: int | None = None, *, model_key: str | None = None,
+                   **config) -> VmemkvCache:
+        """A cache with its own manager shaped for ``model`` (see :func:`manager_for`), hooked
+        to ``model``. ``max_batch_size`` counts rows, i.e. ``batch * num_beams``."""
+        manager = manager_for(model, max_batch_size, max_cache_len, num_blocks, **config)
+        return cls(manager, model, model_key=model_key, owns_manager=True)
+
+    def attach(self, model) -> VmemkvCache:
+        """Hook ``model`` so that every forward given this cache tells it its token ids (one hook
+        per model, shared by all caches)."""
+        if getattr(model, _HOOK_ATTR, None) is None:
+            setattr(model, _HOOK_ATTR, model.register_forward_pre_hook(_observe_tokens, with_kwargs=True))
+        if self._model_key is None:
+            if getattr(model, _MODEL_KEY_ATTR, None) is None:
+                setattr(model, _MODEL_KEY_ATTR, uuid.uuid4().hex)
+            self._model_key = getattr(model, _MODEL_KEY_ATTR)
+        self._model = model
+        return self
+
+    def observe(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None) -> None:
+        """Tell the cache the token ids (``[batch, new tokens]``) and attention mask of the next
+        forward. The hook calls this; call it yourself when driving the model by hand."""
+        self._pending = (input_ids, attention_mask)
+
+    # --- what transformers asks ------------------------------------------------------------------
+    @property
+    def max_batch_size(self) -> int:
+        return self.manager.config.max_num_seqs
+
+    @property
+    def max_cache_len(self) -> int:
+        return self.manager.config.max_model_len
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._rows) if self._rows else -1
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [row.request_id for row in self._rows]
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        return self._length
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.max_cache_len
+
+    get_max_cache_shape = get_max_length  # transformers < 5.2x
+
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # transformers 4.x passes cache_position
+            query_length = query_length.shape[0]
+        return self._length + query_length, 0
+
+    def layer_views(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_idx``'s K and V of all rows, ``[batch, kv_heads, length, head_dim]``."""
+        keys, values = self.manager.kv_views(layer_idx)
+        rows = slice(self._first_slot, self._first_slot + len(self._rows))
+        return keys[rows, :self._length].transpose(1, 2), values[rows, :self._length].transpose(1, 2)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new K/V (``[batch, kv_heads, new, head_dim]``) after the cached positions
+        and return views of all positions so far. The first layer reserves pages for the step;
+        the last one commits it (full pages join the prefix cache)."""
+        if layer_idx != self._next_layer:
+            if layer_idx == 0:
+                raise PageStateError(
+                    f"a previous forward stopped after layer {self._next_layer - 1}, leaving "
+                    "reserved positions unwritten; call cache.release() and start again")
+            raise PageStateError(f"expected layer {self._next_layer}'s update, got layer {layer_idx}'s; "
+                                 "VmemkvCache needs every layer updated once per forward, in order")
+        if layer_idx == 0:
+            self._begin_step(key_states)
+        self._next_layer = layer_idx + 1
+        keys, values = self.manager.kv_views(layer_idx)
+        first, batch, start = self._first_slot, len(self._rows), self._length
+        end = start + self._step_len
+        new_keys, new_values = key_states.transpose(1, 2), value_states.transpose(1, 2)
+        if self._uniform_write:
+            keys[first:first + batch, start:end].copy_(new_keys)
+            values[first:first + batch, start:end].copy_(new_values)
+        else:  # some rows hit cached pages past the common length: never write those
+            for i, begin in enumerate(self._write_from):
+                if begin < end:
+                    keys[first + i, begin:end].copy_(new_keys[i, begin - start:])
+                    values[first + i, begin:end].copy_(new_values[i, begin - start:])
+        if layer_idx == self._num_layers - 1:
+            self._end_step()
+        rows = slice(first, first + batch)
+        return keys[rows, :end].transpose(1, 2), values[rows, :end].transpose(1, 2)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row ``i`` becomes a copy of row ``beam_idx[i]``, by remapping pages."""
+        sources = [int(i) for i in beam_idx.tolist()]
+        if sources != list(range(len(self._rows))):
+            self._reorder(list(range(len(self._rows))), sources)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats > 1 and self._rows:
+            self._repeat_rows(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        keep = [int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()]
+        if keep == list(range(len(self._rows))):
+            return
+        if len(keep) > len(self._rows):
+            raise ConfigError(f"cannot select {len(keep)} rows out of {len(self._rows)}; "
+                              "use batch_repeat_interleave to add rows")
+        self._reorder(list(range(len(keep))), keep)
+        for row in self._rows[len(keep):]:
+            self.manager.free(row.request_id)
+        del self._rows[len(keep):]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            "VmemkvCache cannot be cropped (the manager has no truncate): assisted and speculative "
+            "decoding need a DynamicCache")
+
+    def reset(self) -> None:
+        """Free every row (same as :meth:`release`)."""
+        self.release()
+
+    # --- vmemkv-specific ---------------------------------------------------------------------
+    def release(self) -> None:
+        """Free every row's request. Full pages keep their content in the manager's prefix cache
+        (LRU) for later prompts; the cache object is ready for another batch."""
+        for row in self._rows:
+            self.manager.free(row.request_id)
+        self._rows = []
+        self._length = 0
+        self._next_layer = 0
+        self._pending = None
+
+    def close(self) -> None:
+        """Release the rows and, if this cache built its manager, close it."""
+        self.release()
+        if self.owns_manager:
+            self.manager.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def admit_prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
+        """Admit one row per prompt of ``input_ids`` (``[batch, length]``), mapping the full pages
+        the prefix cache already holds. Returns the number of leading positions cached in every
+        row (``get_seq_length()``): a following ``generate(input_ids, cache=self)`` feeds only the
+        rest. Rows that hit more keep their extra pages and never rewrite them."""
+        if self._rows:
+            raise PageStateError("admit_prompt needs an empty cache; call release() first")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        self._tracked = True
+        cached = self._admit(input_ids.tolist(), self._masked_positions(attention_mask, 0, input_ids.shape[1], len(input_ids)),
+                             num_new_tokens=0)
+        self._length = min(cached)
+        return self._length
+
+    def prefill(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                upto: int | None = None) -> None:
+        """Compute positions ``[get_seq_length(), upto)`` of the admitted rows in one forward
+        (default ``upto``: all but the last token, which ``generate`` computes for the logits)."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        upto = input_ids.shape[1] - 1 if upto is None else upto
+        start = self._length
+        if upto <= start:
+            return
+        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        kwargs = {cache_kwarg(model): self, "use_cache": True}
+        if "logits_to_keep" in inspect.signature(model.forward).parameters:
+            kwargs["logits_to_keep"] = 1
+        with torch.no_grad():
+            model(input_ids=input_ids[:, start:upto], attention_mask=attention_mask[:, :upto],
+                  position_ids=positions[:, start:upto], **kwargs)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 model=None, keep: bool = False, **generate_kwargs) -> torch.Tensor:
+        """``model.generate`` with prefix reuse: release the previous rows, admit ``input_ids``
+        (mapping cached prefix pages), compute the prompt once per row even when ``generate``
+        expands rows for beams or ``num_return_sequences`` (the copies are forks sharing the
+        pages), then generate, feeding only uncached tokens. Rows are released at the end unless
+        ``keep``; their full pages stay cached for the next call. ``attention_mask`` defaults to
+        all ones and is passed to ``generate`` explicitly, so the pages are hashed under the mask
+        that was really used. Counts go to :attr:`last_call`."""
+        model = model if model is not None else self._model
+        if model is None:
+            raise ConfigError("VmemkvCache.generate needs a model: build the cache with from_model() "
+                              "or attach(model), or pass model=")
+        if model is not self._model:
+            self.attach(model)
+        self.release()
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        config = generate_kwargs.get("generation_config") or model.generation_config
+        copies = max(generate_kwargs.get("num_beams", getattr(config, "num_beams", 1) or 1),
+                     generate_kwargs.get("num_return_sequences", getattr(config, "num_return_sequences", 1) or 1))
+        batch, length = input_ids.shape
+        try:
+            cached = self.admit_prompt(input_ids, attention_mask)
+            cached_per_row = [self.manager.num_computed_tokens(r.request_id) for r in self._rows]
+            if copies > 1:
+                self.prefill(model, input_ids, attention_mask)
+            generate_kwargs[cache_kwarg(model)] = self
+            out = model.generate(input_ids, attention_mask=attention_mask, **generate_kwargs)
+        except BaseException:
+            self.release()
+            raise
+        self.last_call = {
+            "prompt_tokens": batch * length,
+            "cached_tokens": sum(cached_per_row),
+            "common_cached_length": cached,
+            "computed_prompt_tokens": batch * length - sum(cached_per_row),
+            "rows": len(self._rows),
+        }
+        if not keep:
+            self.release()
+        return out
+
+    # --- internals -------------------------------------------------------------------------------
+    def _new_request_id(self) -> str:
+        return f"{self._prefix}-{next(self._request_counter)}"
+
+    def _keys(self, masked: frozenset[int]) -> CacheKeys:
+        if not self._tracked:
+            return CacheKeys(cache_salt=f"untracked-{uuid.uuid4().hex}")  # never matched
+        if self._model_key is None:  # no model attached: a key private to this cache
+            self._model_key = f"cache-{self._prefix}"
+        if not masked:
+            pattern = ""
+        elif masked == frozenset(range(len(masked))):
+            pattern = f"left{len(masked)}"
+        else:
+            pattern = hashlib.sha256(repr(sorted(masked)).encode()).hexdigest()
+        return CacheKeys(cache_salt=f"hf|{self._model_key}|{pattern}")
+
+    @staticmethod
+    def _masked_positions(mask: torch.Tensor | None, start: int, count: int,
+                          batch: int) -> list[frozenset[int]] | None:
+        """Per row, the positions in ``[start, start + count)`` that a 2-D mask hides (none
+        without a mask); None when the mask cannot be read that way."""
+        if mask is None:
+            return [frozenset()] * batch
+        if mask.ndim != 2 or tuple(mask.shape) != (batch, start + count):
+            return None
+        cols = mask[:, start:].to("cpu") == 0
+        if not bool(cols.any()):
+            return [frozenset()] * batch
+        return [frozenset(start + j for j in row.nonzero().flatten().tolist()) for row in cols]
+
+    def _find_slots(self, count: int, prefer: int | None = None) -> int:
+        """The first of ``count`` consecutive free slots (``prefer`` when it is such a start)."""
+        slots = self.manager.slots
+        if prefer is not None and all(slots.is_free(s) for s in range(prefer, prefer + count)):
+            return prefer
+        for first in range(slots.num_slots - count + 1):
+            if all(slots.is_free(s) for s in range(first, first + count)):
+                return first
+        raise NoFreeSlotError(
+            f"a batch of {count} rows needs {count} consecutive free slots; free slots are "
+            f"{sorted(slots.free_slots())} of {slots.num_slots} (max_batch_size); release other "
+            "caches' rows or build the manager with more slots")
+
+    def _admit(self, token_ids: list[list[int]], masked: list[frozenset[int]] | None,
+               num_new_tokens: int | None) -> list[int]:
+        """Admit one request per row into consecutive slots; returns each row's cached tokens."""
+        batch = len(token_ids)
+        if masked is None:  # a mask we cannot read: the KV context is unknown
+            self._tracked, masked = False, [frozenset()] * batch
+        first = self._find_slots(batch)
+        rows, cached = [], []
+        for i, ids in enumerate(token_ids):
+            row = _Row(self._new_request_id(), self._keys(masked[i]), masked[i], len(ids))
+            hit = self.manager.admit(row.request_id, ids, num_new_tokens=num_new_tokens,
+                                     keys=row.keys, slot=first + i)
+            if hit is None:
+                for done in rows:
+                    self.manager.free(done.request_id)
+                raise OutOfPagesError(
+                    f"cannot admit row {i} of {batch} ({len(ids)} tokens): {self.manager.pool.num_free} "
+                    f"pages free of {self.manager.pool.num_pages}; release rows or give the manager "
+                    "more num_blocks")
+            rows.append(row)
+            cached.append(hit)
+        self._rows, self._first_slot = rows, first
+        self._note_peak()
+        return cached
+
+    def _begin_step(self, key_states: torch.Tensor) -> None:
+        layout = self.manager.layout
+        batch, heads, count, dim = key_states.shape
+        device = self.manager.kv_views(0)[0].device
+        if (heads, dim, key_states.dtype, key_states.device) != (
+                layout.num_kv_heads, layout.head_dim, layout.dtype, device):
+            raise ConfigError(
+                f"the model gives K/V of {heads} heads x {dim} dims in {key_states.dtype} on "
+                f"{key_states.device}; the manager holds {layout.num_kv_heads} x {layout.head_dim} in "
+                f"{layout.dtype} on {device}; build it with manager_for(model, ...)")
+        ids, mask = self._pending or (None, None)
+        self._pending = None
+        if ids is not None and tuple(ids.shape) != (batch, count):
+            raise ConfigError(f"observed input_ids of shape {tuple(ids.shape)} for K/V of {batch} rows "
+                              f"x {count} tokens; call observe() with this forward's ids")
+        if not self._rows:
+            self._tracked = ids is not None
+            id_lists = ids.tolist() if ids is not None else [[0] * count for _ in range(batch)]
+            self._admit(id_lists, self._masked_positions(mask, 0, count, batch), num_new_tokens=None)
+            self._length = 0
+        else:
+            if batch != len(self._rows):
+                if batch % len(self._rows):
+                    raise ConfigError(f"the cache holds {len(self._rows)} rows; a forward of {batch} rows "
+                                      "is neither that nor a multiple of it")
+                self._repeat_rows(batch // len(self._rows))
+            if self._tracked:
+                if ids is None:
+                    raise ConfigError(
+                        "this cache records token ids for prefix caching, but a forward came without "
+                        "input_ids (inputs_embeds?); attach the model or call observe(ids) first")
+                self._check_mask(mask, count)
+            self._reserve(count, ids.tolist() if self._tracked else None)
+        self._step_len = count
+        start = self._length
+        self._write_from = [max(start, self.manager.num_computed_tokens(r.request_id)) for r in self._rows]
+        self._uniform_write = all(w == start for w in self._write_from)
+
+    def _check_mask(self, mask: torch.Tensor | None, count: int) -> None:
+        """New positions may be masked only where the row's salt says so."""
+        masked = self._masked_positions(mask, self._length, count, len(self._rows))
+        if masked is None:
+            raise ConfigError(
+                f"VmemkvCache needs a 2-D attention mask covering the cached and new tokens "
+                f"({self._length} + {count}); got shape {tuple(mask.shape)}")
+        for row, hidden in zip(self._rows, masked):
+            if not hidden <= row.masked:
+                raise ConfigError(
+                    f"positions {sorted(hidden - row.masked)[:8]} are masked out after the prompt was "
+                    "admitted; the prefix cache would register K/V under the wrong context. Pad only "
+                    "the prompt (left padding)")
+
+    def _reserve(self, count: int, ids: list[list[int]] | None) -> None:
+        """Reserve positions up to ``length + count`` in every row, recording their token ids."""
+        end = self._length + count
+        for i, row in enumerate(self._rows):
+            rid = row.request_id
+            if ids is None:
+                new = [0] * max(end - row.known, 0)
+            else:
+                if row.known > self._length:  # admitted with more ids than computed: they must agree
+                    agreed = self.manager.token_ids(rid)[self._length:min(row.known, end)]
+                    if ids[i][:len(agreed)] != agreed:
+                        raise ConfigError(f"row {i} is fed other token ids than the prompt it was "
+                                          "admitted with")
+                new = ids[i][max(row.known - self._length, 0):]
+            grow = end - self.manager.num_tokens(rid)
+            if grow > 0 or new:
+                if not self.manager.allocate(rid, max(grow, 0), new):
+                    raise OutOfPagesError(
+                        f"row {i} needs {self.manager.blocks_needed(rid, grow)} more page(s); "
+                        f"{self.manager.pool.num_free} free of {self.manager.pool.num_pages}. Release "
+                        "rows or give the manager more num_blocks; call cache.release() before reuse")
+                row.known += len(new)
+        self._note_peak()
+
+    def _end_step(self) -> None:
+        for row in self._rows:
+            self.manager.commit(row.request_id)
+        self._length += self._step_len
+        self._next_layer = 0
+        self._note_peak()
+
+    def _reorder(self, targets: list[int], sources: list[int]) -> None:
+        """Rows ``targets[i]`` become copies of rows ``sources[i]`` (as they were)."""
+        ids = [row.request_id for row in self._rows]
+        before, copied = self.manager.pool.num_in_use, self.manager.stats.pages_copied
+        if not self.manager.reorder([ids[t] for t in targets], [ids[s] for s in sources]):
+            raise OutOfPagesError(
+                f"reordering {len(targets)} rows needs pages for the copied partial pages; "
+                f"{self.manager.pool.num_free} free; give the manager more num_blocks")
+        self.peak_pages_in_use = max(self.peak_pages_in_use,
+                                     before + self.manager.stats.pages_copied - copied)
+        old = [dataclasses.replace(row) for row in self._rows]
+        for target, source in zip(targets, sources):
+            self._rows[target] = dataclasses.replace(old[source], request_id=old[target].request_id)
+
+    def _repeat_rows(self, repeats: int) -> None:
+        """Row ``i`` becomes rows ``i * repeats .. i * repeats + repeats - 1`` (as
+        ``repeat_interleave``): new rows are forks (shared pages), in the slots after ours."""
+        old = self._rows
+        count = len(old) * repeats
+        after_ours = range(self._first_slot + len(old), self._first_slot + count)
+        in_place = all(self.manager.slots.is_free(s) for s in after_ours)
+        first = self._first_slot if in_place else self._find_slots(count)
+        start = len(old) if in_place else 0
+        forked: list[_Row] = []
+        for i in range(start, count):
+            parent = old[i // repeats]
+            child = dataclasses.replace(parent, request_id=self._new_request_id())
+            if not self.manager.fork(parent.request_id, child.request_id, slot=first + i):
+                for row in forked:
+                    self.manager.free(row.request_id)
+                raise OutOfPagesError(f"expanding {len(old)} rows x {repeats} needs a page per partial "
+                                      f"page copy; {self.manager.pool.num_free} free")
+            forked.append(child)
+        if in_place:
+            self._rows = old + forked
+            self._reorder(list(range(len(old))), [i // repeats for i in range(len(old))])
+        else:
+            for row in old:
+                self.manager.free(row.request_id)
+            self._rows, self._first_slot = forked, first
+        self._note_peak()
+
+    def _note_peak(self) -> None:
+        self.peak_pages_in_use = max(self.peak_pages_in_use, self.manager.pool.num_in_use)
+
+    def reset_peak(self) -> None:
+        self.peak_pages_in_use = self.manager.pool.num_in_use
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one logical page (all layers' K and V of ``tokens_per_page`` tokens)."""
+        return self.manager.layout.block_bytes
+
+    def __repr__(self) -> str:
+        return (f"VmemkvCache(rows={len(self._rows)}, length={self._length}, slots={self._first_slot}.."
+                f"{self._first_slot + len(self._rows) - 1}, pages_in_use={self.manager.pool.num_in_use})")

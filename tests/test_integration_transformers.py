@@ -1,0 +1,289 @@
+"""``VmemkvCache`` in ``model.generate()`` gives the same tokens as transformers' ``DynamicCache``:
+greedy, seeded sampling, left padding, beam search (reordered by remapping pages), and prefix
+reuse across calls (which computes fewer tokens). After every test the manager's invariants hold
+and, once the cache is released, no page is held."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from integrations.transformers_cache import VmemkvCache, cache_kwarg, manager_for
+from vmemkv.errors import ConfigError
+from vmemkv.slots import NoFreeSlotError
+
+VOCAB = 512
+PAD = 0
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    # A fresh config object per model: models built from one config share it.
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, initializer_range=0.1,
+                         pad_token_id=PAD, bos_token_id=1, eos_token_id=None)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    model.set_attn_implementation("sdpa")
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def prompt(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+@pytest.fixture
+def cache(model):
+    cache = VmemkvCache.from_model(model, max_batch_size=8, max_cache_len=256)
+    yield cache
+    cache.manager.check()
+    cache.release()
+    cache.manager.check()
+    assert cache.manager.pool.num_in_use == 0
+    cache.close()
+
+
+class TokenCounter:
+    """Counts the token positions the model computes (a forward pre-hook)."""
+
+    def __init__(self, model):
+        self.tokens = 0
+        self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        self.tokens += kwargs["input_ids"].numel()
+
+    def close(self) -> None:
+        self.handle.remove()
+
+
+def generate(model, ids, cache=None, **kwargs) -> torch.Tensor:
+    if cache is not None:
+        kwargs[cache_kwarg(model)] = cache
+    return model.generate(ids, **kwargs)
+
+
+def test_greedy_matches_dynamic_cache(model, cache):
+    ids = torch.cat([prompt(37, 1), prompt(37, 2)])
+    want = generate(model, ids, max_new_tokens=24, do_sample=False)
+    got = generate(model, ids, cache, max_new_tokens=24, do_sample=False)
+    assert torch.equal(got, want)
+    # the returned views cover exactly the positions written: prompt + all but the last token
+    assert cache.get_seq_length() == 37 + 23
+    keys, values = cache.layers[0].keys, cache.layers[0].values
+    assert keys.shape == (2, 2, 60, 32) and values.shape == (2, 2, 60, 32)
+    assert not keys.is_contiguous()  # a strided view of the slots, not a copy ...
+    slots = cache.manager.kv_views(0)[0]
+    assert keys.untyped_storage().data_ptr() == slots.untyped_storage().data_ptr()  # ... of them
+    assert keys.stride()[0] == slots.stride()[0]  # consecutive slots
+    cache.manager.check()
+
+
+def test_views_equal_dynamic_cache_contents(model, cache):
+    ids = prompt(21, 3)
+    dynamic = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{cache_kwarg(model): dynamic})
+        model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
+    for layer in range(2):
+        keys, values = cache.layer_views(layer)
+        assert torch.equal(keys, dynamic.layers[layer].keys)
+        assert torch.equal(values, dynamic.layers[layer].values)
+
+
+def test_seeded_sampling_matches(model, cache):
+    ids = prompt(29, 4)
+    kwargs = {"max_new_tokens": 20, "do_sample": True, "top_k": 40, "temperature": 0.9,
+              "num_return_sequences": 3}
+    torch.manual_seed(123)
+    want = generate(model, ids, **kwargs)
+    torch.manual_seed(123)
+    got = generate(model, ids, cache, **kwargs)
+    assert torch.equal(got, want)
+
+
+def test_left_padding_matches(model, cache):
+    lengths = [9, 30, 17]
+    width = max(lengths)
+    ids = torch.full((3, width), PAD)
+    mask = torch.zeros((3, width), dtype=torch.long)
+    for row, length in enumerate(lengths):
+        ids[row, width - length:] = prompt(length, 10 + row)
+        mask[row, width - length:] = 1
+    want = generate(model, ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    got = generate(model, ids, cache, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    assert torch.equal(got, want)
+    # every row holds the same number of positions; padded ones are hidden by the mask
+    assert {cache.manager.num_tokens(r) for r in cache.request_ids} == {width + 15}
+    # padded rows are hashed under their padding pattern: an unpadded prompt with the same
+    # token ids (pads included) does not hit their pages
+    cache.release()
+    assert cache.admit_prompt(ids[:1]) == 0
+    cache.release()
+    # ... while the same padded row does
+    assert cache.admit_prompt(ids[:1], mask[:1]) == 16  # (30 - 1) // 16 full pages
+
+
+@pytest.mark.parametrize("num_beams,num_return", [(4, 2), (4, 4)])
+def test_beam_search_matches_and_remaps(model, cache, num_beams, num_return):
+    ids = prompt(45, 5)
+    kwargs = {"max_new_tokens": 20, "num_beams": num_beams, "num_return_sequences": num_return,
+              "do_sample": False, "length_penalty": 1.0}
+    want = generate(model, ids, **kwargs)
+    reorders = []
+    original = cache.manager.reorder
+    cache.manager.reorder = lambda rows, sources: reorders.append(list(sources)) or original(rows, sources)
+    got = generate(model, ids, cache, **kwargs)
+    assert torch.equal(got, want)
+    assert reorders, "beam search must reorder through the manager"
+    # full pages are shared between beams, never copied: at most the partial page per row
+    assert cache.manager.stats.pages_copied <= len(reorders) * num_beams
+    tables = [cache.manager.block_table(r) for r in cache.request_ids]
+    full = cache.get_seq_length() // cache.manager.tokens_per_page
+    assert all(table[:2] == tables[0][:2] for table in tables)  # the prompt's full pages
+    assert len({b for table in tables for b in table}) < num_beams * len(tables[0])
+    assert full >= 2
+    cache.manager.check()
+
+
+def test_prefix_reuse_computes_fewer_tokens_and_matches(model, cache):
+    shared = prompt(50, 6)
+    first = torch.cat([shared, prompt(7, 7)], dim=1)
+    second = torch.cat([shared, prompt(11, 8)], dim=1)
+    kwargs = {"max_new_tokens": 12, "do_sample": False}
+
+    counter = TokenCounter(model)
+    try:
+        want = generate(model, second, **kwargs)
+        dynamic_tokens, counter.tokens = counter.tokens, 0
+        cache.generate(first, **kwargs)
+        assert cache.last_call["cached_tokens"] == 0
+        counter.tokens = 0
+        got = cache.generate(second, **kwargs)
+        reuse_tokens = counter.tokens
+    finally:
+        counter.close()
+    assert torch.equal(got, want)
+    page = cache.manager.tokens_per_page
+    cached = (50 // page) * page
+    assert cache.last_call["cached_tokens"] == cached == 48
+    assert dynamic_tokens == 61 + 11
+    assert reuse_tokens == dynamic_tokens - cached
+    assert cache.manager.pool.num_in_use == 0  # generate() released its rows
+
+
+def test_prefix_reuse_includes_generated_tokens(model, cache):
+    first = prompt(20, 9)
+    out = cache.generate(first, max_new_tokens=30, do_sample=False)
+    follow_up = torch.cat([out, prompt(5, 10)], dim=1)  # a conversation turn: prompt + answer + more
+    want = generate(model, follow_up, max_new_tokens=8, do_sample=False)
+    got = cache.generate(follow_up, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, want)
+    # the first call computed 20 + 29 positions; their 3 full pages are hits
+    assert cache.last_call["cached_tokens"] == 48
+
+
+def test_prefix_reuse_with_beams_and_padding(model, cache):
+    shared = prompt(40, 11)
+    cache.generate(torch.cat([shared, prompt(3, 12)], dim=1), max_new_tokens=4, do_sample=False)
+    ids = torch.cat([shared, prompt(9, 13)], dim=1)
+    kwargs = {"max_new_tokens": 12, "num_beams": 4, "num_return_sequences": 2, "do_sample": False}
+    want = generate(model, ids, **kwargs)
+    counter = TokenCounter(model)
+    try:
+        got = cache.generate(ids, **kwargs)
+    finally:
+        counter.close()
+    assert torch.equal(got, want)
+    assert cache.last_call["cached_tokens"] == 32
+    # the uncached prompt tokens are computed once, not once per beam; then 4 beams x 12 steps
+    assert counter.tokens == (49 - 32 - 1) + 4 * 12
+
+    # a left-padded batch through the reuse path
+    ids = torch.full((2, 30), PAD)
+    mask = torch.zeros((2, 30), dtype=torch.long)
+    ids[0, 10:], mask[0, 10:] = prompt(20, 14), 1
+    ids[1], mask[1] = prompt(30, 15), 1
+    want = generate(model, ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    cache.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    got = cache.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    assert torch.equal(got, want)
+    assert cache.last_call["cached_tokens"] == 2 * 16  # (30 - 1) // 16 full pages per row
+
+
+def test_other_model_never_hits(model):
+    other = tiny_llama(seed=1)
+    manager = manager_for(model, max_batch_size=4, max_cache_len=128)
+    try:
+        ids = prompt(40, 16)
+        first = VmemkvCache(manager, model)
+        first.generate(ids, max_new_tokens=4, do_sample=False)
+        second = VmemkvCache(manager, other)  # same shapes, other weights: other K/V
+        want = generate(other, ids, max_new_tokens=6, do_sample=False)
+        assert torch.equal(second.generate(ids, max_new_tokens=6, do_sample=False), want)
+        assert second.last_call["cached_tokens"] == 0
+        # the same model through another cache on the manager does hit
+        third = VmemkvCache(manager, model)
+        third.generate(ids, max_new_tokens=4, do_sample=False)
+        assert third.last_call["cached_tokens"] == 32
+        manager.check()
+        assert manager.pool.num_in_use == 0
+    finally:
+        manager.close()
+
+
+def test_unknown_token_ids_are_never_shared(model, cache):
+    ids = prompt(40, 21)
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(ids)
+    kwargs = {"inputs_embeds": embeds, "max_new_tokens": 8, "do_sample": False}
+    want = generate(model, None, **kwargs)
+    got = generate(model, None, cache, **kwargs)
+    assert torch.equal(got, want)
+    cache.release()
+    assert cache.manager.pool.num_cached > 0  # full pages were registered, under a random salt
+    assert cache.admit_prompt(ids) == 0  # ... that no prompt can hit
+
+
+def test_batch_select_and_repeat_interleave(model, cache):
+    ids = torch.cat([prompt(19, 17), prompt(19, 18), prompt(19, 19)])
+    dynamic = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{cache_kwarg(model): dynamic})
+        model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
+    for op, arg in [("batch_repeat_interleave", 2), ("batch_select_indices", torch.tensor([5, 0, 2])),
+                    ("reorder_cache", torch.tensor([2, 2, 0]))]:
+        getattr(dynamic, op)(arg)
+        getattr(cache, op)(arg)
+        cache.manager.check()
+        for layer in range(2):
+            keys, values = cache.layer_views(layer)
+            assert torch.equal(keys, dynamic.layers[layer].keys), op
+            assert torch.equal(values, dynamic.layers[layer].values), op
+    # and decoding continues identically
+    step = torch.tensor([[7], [8], [9]])
+    with torch.no_grad():
+        want = model(input_ids=step, use_cache=True, **{cache_kwarg(model): dynamic}).logits
+        got = model(input_ids=step, use_cache=True, **{cache_kwarg(model): cache}).logits
+    assert torch.equal(got, want)
+
+
+def test_errors_are_clear(model, cache):
+    with pytest.raises(NoFreeSlotError, match="consecutive free slots"):
+        generate(model, prompt(8, 20).repeat(9, 1), cache, max_new_tokens=2, do_sample=False)
+    cache.release()
+    with pytest.raises(NotImplementedError, match="cropped"):
+        cache.crop(-1)
+    with pytest.raises(ConfigError, match="sliding window"):
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, layer_types=["sliding_attention", "full_attention"],
+                             sliding_window=8)
+        manager_for(LlamaForCausalLM(config), max_batch_size=1, max_cache_len=32)
