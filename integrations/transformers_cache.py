@@ -45,7 +45,7 @@ Rows whose ids are unknown (a forward with ``inputs_embeds``, a cache used witho
 after admission that the row's salt does not account for raises rather than registering wrong
 content. The manager is not thread-safe; one cache runs one ``generate`` at a time.
 
-What is not supported: ``crop`` (assisted / speculative decoding), sliding-window or hybrid
+What is not supported: sliding-window or hybrid
 layers, ``torch.compile`` (the views change every step), offloading, encoder-decoder models.
 """
 
@@ -132,7 +132,7 @@ class _VmemkvLayer(CacheLayerMixin):
     """One layer's face of a VmemkvCache; all state lives in the cache."""
 
     is_compileable = False
-    is_croppable = False
+    is_croppable = True
     is_sliding = False
 
     def __init__(self, cache: VmemkvCache, layer_idx: int):  # no super(): keys/values are views
@@ -175,8 +175,8 @@ class _VmemkvLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx) -> None:
         raise NotImplementedError("call VmemkvCache.reorder_cache")
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("VmemkvCache cannot be cropped")
+    def crop(self, max_length: int) -> None:
+        self._cache.crop(max_length)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError("call VmemkvCache.batch_repeat_interleave")
@@ -337,10 +337,20 @@ class VmemkvCache(Cache):
             self.manager.free(row.request_id)
         del self._rows[len(keep):]
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(
-            "VmemkvCache cannot be cropped (the manager has no truncate): assisted and speculative "
-            "decoding need a DynamicCache")
+    def crop(self, max_length: int) -> None:
+        """Drop the last ``-max_length`` positions of every row (transformers 5.2x passes 0 or a
+        negative count; older versions a positive final length, also accepted), as assisted and
+        prompt-lookup decoding do with rejected candidates. Pages past the end are released; a
+        shared or cached last page is copied before the rows write it again."""
+        length = self._length + max_length if max_length <= 0 else max_length
+        if length >= self._length:
+            return
+        for row in self._rows:
+            if not self.manager.truncate(row.request_id, max(length, 0)):
+                raise OutOfPagesError(f"cropping row {row.request_id!r} needs one free page to copy "
+                                      "its shared last page; the pool has none")
+            row.known = min(row.known, max(length, 0))
+        self._length = max(length, 0)
 
     def reset(self) -> None:
         """Free every row (same as :meth:`release`)."""

@@ -280,10 +280,56 @@ def test_errors_are_clear(model, cache):
     with pytest.raises(NoFreeSlotError, match="consecutive free slots"):
         generate(model, prompt(8, 20).repeat(9, 1), cache, max_new_tokens=2, do_sample=False)
     cache.release()
-    with pytest.raises(NotImplementedError, match="cropped"):
-        cache.crop(-1)
     with pytest.raises(ConfigError, match="sliding window"):
         config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=2, layer_types=["sliding_attention", "full_attention"],
                              sliding_window=8)
         manager_for(LlamaForCausalLM(config), max_batch_size=1, max_cache_len=32)
+
+
+def test_prompt_lookup_decoding_crops_and_matches(model, cache):
+    # Prompt-lookup decoding proposes candidates copied from the prompt and crops the cache back
+    # past the rejected ones: greedy output must still equal plain greedy decoding.
+    motif = prompt(12, 7)
+    ids = torch.cat([motif, prompt(9, 8), motif, prompt(5, 9)], dim=1)
+    want = generate(model, ids, max_new_tokens=30, do_sample=False)
+    crops = []
+    original = cache.crop
+    cache.crop = lambda max_length: (crops.append(max_length), original(max_length))[1]
+    got = generate(model, ids, cache, max_new_tokens=30, do_sample=False, prompt_lookup_num_tokens=4)
+    assert torch.equal(got, want)
+    assert crops, "prompt-lookup decoding never cropped the cache"
+    cache.manager.check()
+
+
+def test_crop_copies_a_shared_last_page(model):
+    from vmemkv import CacheConfig, KVCacheManager
+
+    manager = KVCacheManager(CacheConfig(num_layers=1, num_kv_heads=1, head_dim=128, num_blocks=8,
+                                         max_num_seqs=2, max_model_len=64, dtype=torch.float32,
+                                         tokens_per_page=4))  # 1 KiB a token, 4 KiB pages
+    assert manager.tokens_per_page == 4
+    tokens = list(range(10))
+    manager.admit("a", tokens)
+    slot = manager.slot_of("a")
+    keys = manager.kv_views(0)[0]
+    keys[slot, :10] = torch.arange(10.0)[:, None, None]
+    manager.commit("a")
+    full_pages = manager.block_table("a")[:2]
+    assert manager.truncate("a", 6)  # the second page, hashed and full, becomes partial: copied
+    assert manager.block_table("a")[0] == full_pages[0]
+    assert manager.block_table("a")[1] != full_pages[1]
+    assert manager.pool.hash_of[full_pages[1]] is not None  # the cached page keeps its content
+    torch.testing.assert_close(keys[slot, :6, 0, 0], torch.arange(6.0))
+    manager.check()
+    assert manager.allocate("a", 2, [99, 98])
+    keys[slot, 6:8] = -1.0
+    manager.commit("a")
+    manager.check()
+    manager.admit("b", tokens)  # still hits both original pages, bytes unchanged
+    assert manager.num_computed_tokens("b") == 8
+    torch.testing.assert_close(keys[manager.slot_of("b"), :8, 0, 0], torch.arange(8.0))
+    manager.free("a")
+    manager.free("b")
+    manager.check()
+    manager.close()

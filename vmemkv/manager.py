@@ -282,6 +282,34 @@ class KVCacheManager:
                 self.pool.register(req.blocks[index], req.hashes[index])
         req.num_registered = full
 
+    def truncate(self, request_id: str, num_tokens: int) -> bool:
+        """Forget every position from ``num_tokens`` on (rejected speculative tokens, a cropped
+        cache). Pages past the new end are released; if the new last page is partial and shared
+        or cached, it is copied to a private page first, since the request will write it again.
+        Returns False, changing nothing, when that copy finds no free block."""
+        req = self._running(request_id)
+        self._require_committed(req)
+        if not 0 <= num_tokens <= req.num_tokens:
+            raise PageStateError(f"request {request_id!r} has {req.num_tokens} tokens; cannot "
+                                 f"truncate it to {num_tokens}")
+        keep = self.layout.logical_pages_for(num_tokens)
+        last = req.blocks[keep - 1] if keep and num_tokens % self.tokens_per_page else None
+        private = last is None or (self.pool.ref[last] == 1 and self.pool.hash_of[last] is None)
+        if not private and not self.pool.num_free:
+            return False
+        if not private:
+            req.blocks[keep - 1] = self._share([last], partial=True)[0]
+            self.pool.release([last])
+            self.slots.map_blocks(req.slot, keep - 1, [req.blocks[keep - 1]])
+        self.pool.release(reversed(req.blocks[keep:]))
+        del req.blocks[keep:]
+        full = num_tokens // self.tokens_per_page
+        del req.token_ids[num_tokens:]
+        del req.hashes[full:]
+        req.num_registered = min(req.num_registered, full)
+        req.num_tokens = req.num_computed = num_tokens
+        return True
+
     # --- overlapped mapping ---------------------------------------------------------------------
     def allocate_lookahead(self, request_ids: Sequence[str], margin_tokens: int,
                            keep_free: int = 0) -> list[tuple[int, int, list[int]]]:
