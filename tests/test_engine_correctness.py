@@ -192,3 +192,17 @@ def test_overlapped_mapping_matches_hf(lookahead):
     else:
         assert stats["map_background_seconds"] == 0
     assert_clean(engine)
+
+
+def test_offline_text_is_decoded_once_and_matches_full_decode():
+    from vmemkv import LLM
+
+    llm = LLM("tiny-llama", max_num_seqs=4, max_model_len=128)
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True, stop=["e"])]
+    outputs = llm.generate(["Hello world", "héllo 🙂"], params, use_tqdm=False)
+    plain, stopped = outputs[0].outputs[0], outputs[1].outputs[0]
+    assert plain.text == llm.tokenizer.decode(plain.token_ids, skip_special_tokens=True)
+    if stopped.stop_reason == "e":  # stop strings still cut the text
+        assert "e" not in stopped.text
+    assert_clean(llm.engine)

@@ -64,8 +64,10 @@ class PackedAttention:
                 continue
             q = query[:, :, span.query_start: span.query_start + span.num_queries]
             k, v = self.read(layer, index)  # [length, Hk, D] each
+            if k.dtype != q.dtype:
+                k, v = k.to(q.dtype), v.to(q.dtype)
             outputs[index] = F.scaled_dot_product_attention(
-                q, k.transpose(0, 1).unsqueeze(0).to(q.dtype), v.transpose(0, 1).unsqueeze(0).to(q.dtype),
+                q, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                 attn_mask=self._mask(span, q.device),
                 is_causal=span.num_cached == 0 and span.num_queries > 1, scale=scaling,
                 enable_gqa=True)

@@ -38,11 +38,14 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: Sequence[int],
                  skip_special_tokens: bool = True, stop: Sequence[str] = (),
-                 include_stop_str_in_output: bool = False) -> None:
+                 include_stop_str_in_output: bool = False, lazy: bool = False) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop)
         self.include_stop_str_in_output = include_stop_str_in_output
+        if lazy and self.stop:
+            raise ValueError("a lazy detokenizer cannot look for stop strings")
+        self.lazy = lazy
         self.token_ids: list[int] = []
         self.text = ""
         self._context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
@@ -53,15 +56,18 @@ class IncrementalDetokenizer:
 
     @classmethod
     def from_params(cls, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: Sequence[int],
-                    params) -> IncrementalDetokenizer:
-        """Built from a request's ``SamplingParams`` (skip_special_tokens, stop, include)."""
+                    params, final_only: bool = False) -> IncrementalDetokenizer:
+        """Built from a request's ``SamplingParams`` (skip_special_tokens, stop, include); lazy
+        when only the final text is wanted and there are no stop strings to watch for."""
         return cls(tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
-                   params.include_stop_str_in_output)
+                   params.include_stop_str_in_output, lazy=final_only and not params.stop)
 
     def append(self, token_id: int) -> str:
-        """Add one output token; return the text it settled (possibly "", while held back)."""
+        """Add one output token; return the text it settled (possibly "", while held back).
+        A ``lazy`` detokenizer (no stop strings, only the final text wanted) just records the
+        token: ``flush()`` decodes everything at the end, two decodes instead of two per token."""
         self.token_ids.append(token_id)
-        if self._stopped:  # text ends at the stop string; later tokens add no text
+        if self._stopped or self.lazy:  # text ends at the stop string; later tokens add no text
             return ""
         ids = self._context + self.token_ids
         prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])

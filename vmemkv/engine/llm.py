@@ -20,7 +20,7 @@ class LLM:
     """
 
     def __init__(self, model: str = "tiny-llama", *, hf_model=None, tokenizer=None, **config):
-        self.engine = LLMEngine(EngineConfig(model=model, **config), hf_model, tokenizer)
+        self.engine = LLMEngine(EngineConfig(model=model, **config), hf_model, tokenizer, stream=False)
         self._ids = itertools.count()
 
     def generate(self, prompts: str | list[str] | list[list[int]],

@@ -30,8 +30,13 @@ def _text_config(model):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model=None, tokenizer=None):
+    """``stream``: ``step()`` returns every request that progressed, with its text so far; when
+    False (offline use) it returns finished requests only, and text is decoded once at the end
+    for requests without stop strings."""
+
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None, stream: bool = True):
         self.config = config
+        self.stream = stream
         if model is None:
             model, tokenizer = load_model(config.model, config.torch_dtype, config.device, config.seed)
         self.model_name = config.model
@@ -122,7 +127,8 @@ class LLMEngine:
         return Sequence(seq_id, group, index, list(group.prompt_token_ids),
                         generator=make_generator(seed, self.runner.device),
                         detokenizer=IncrementalDetokenizer.from_params(
-                            self.tokenizer, group.prompt_token_ids, group.params))
+                            self.tokenizer, group.prompt_token_ids, group.params,
+                            final_only=not self.stream))
 
     def abort_request(self, request_id: str) -> None:
         group = self.groups.pop(request_id, None)
@@ -157,7 +163,8 @@ class LLMEngine:
         self.metrics.on_step(len(self.scheduler.running), len(self.scheduler.waiting),
                              len(self.scheduler.swapped), self.manager.usage(),
                              self.manager.stats.prefix_hit_rate, self.scheduler.num_preemptions)
-        return [self._output(group) for group in touched.values()]
+        return [self._output(group) for group in touched.values()
+                if self.stream or group.error is not None or group.is_finished]
 
     def _execute(self, scheduled: list[ScheduledSeq]) -> list[tuple[Sequence, int, dict | None]]:
         """Run the forward pass for the scheduled tokens, commit them, and sample next tokens."""
