@@ -45,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from vmemkv import CacheConfig, KVCacheManager  # noqa: E402
+from machine import cpu_model  # experiments/machine.py, beside this script
 
 TARGETS_US = {"append_cross": 10.0, "append": 2.0}
 OPS = ("admit_hit", "admit_cold", "append_cross", "append", "commit_full_page", "fork", "free",
@@ -339,17 +340,6 @@ def run_trace(args) -> dict:
 
 
 # --- output ------------------------------------------------------------------------------------------
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def markdown(r: dict) -> str:

@@ -32,6 +32,7 @@ import torch
 
 from vmemkv import _native
 from vmemkv.vmm import CpuBackend, VirtualMemoryBackend
+from machine import cpu_model  # experiments/machine.py, beside this script
 
 BATCH_SIZES = (1, 16, 64, 256)
 PHASES = ("map", "remap", "unmap", "runs_map", "runs_unmap")
@@ -141,17 +142,6 @@ def bench_backend(backend: VirtualMemoryBackend, num_pages: int, reps: int, seed
     finally:
         backend.release(vrange)
     return results
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def run_cpu(args) -> dict:

@@ -26,7 +26,6 @@ import io
 import json
 import math
 import os
-import platform
 import pstats
 import shlex
 import statistics
@@ -39,6 +38,7 @@ import torch
 
 from vmemkv.engine import LLM, SamplingParams
 from vmemkv.engine.models import load_model, model_config
+from machine import cpu_model  # experiments/machine.py, beside this script
 
 SYSTEMS = ("vmemkv", "hf_generate", "generate_batch")
 SPECIAL_IDS = (256, 257)  # <s>, </s> of the built-in models
@@ -374,17 +374,6 @@ def engine_stats(before: dict, after: dict) -> dict:
 
 
 # --- reporting -----------------------------------------------------------------------------------------
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def markdown(r: dict) -> str:
     lines = [
         "# Offline throughput on CPU: vmemkv vs Hugging Face",

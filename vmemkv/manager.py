@@ -235,28 +235,16 @@ class KVCacheManager:
         """Reserve ``num_new_tokens`` more positions (mapping a block only when crossing a page
         boundary), recording ``new_token_ids`` as the request's next tokens. Returns False,
         changing nothing, when the blocks are not there."""
-        # The decode hot path: _running, _blocks_needed and _grow inlined.
-        req = self._requests.get(request_id)
-        if req is None or req.swapped is not None:
-            raise UnknownRequestError(f"no running request {request_id!r}")
+        req = self._running(request_id)
         total = req.num_tokens + num_new_tokens
         if total > self.config.max_model_len:
             self._check_length(request_id, total)
         if num_new_tokens < 0:
             raise PageStateError(f"request {request_id!r}: cannot reserve {num_new_tokens} tokens")
-        needed = -(-total // self.tokens_per_page) - len(req.blocks)
-        if needed > 0:
-            if needed > self.pool.num_free:
-                return False
-            new = self.pool.allocate(needed)
-            try:
-                self.slots.map_blocks(req.slot, len(req.blocks), new)
-            except BaseException:  # mapping refused: an unmapped block must never be kept
-                self.pool.release(reversed(new))
-                raise
-            req.blocks += new
+        if -(-total // self.tokens_per_page) - len(req.blocks) > self.pool.num_free:
+            return False
+        self._grow(req, num_new_tokens)
         req.token_ids.extend(new_token_ids)
-        req.num_tokens = total
         return True
 
     def commit(self, request_id: str, num_computed_tokens: int | None = None) -> None:

@@ -426,11 +426,16 @@ class CpuBackend(VirtualMemoryBackend):
         if len(src_pages) != len(dst_pages):
             raise MappingError(f"copy_pages got {len(src_pages)} source and {len(dst_pages)} "
                                f"destination pages; pass one destination per source")
-        if len(np.unique(dst_pages)) != len(dst_pages):
+        sources, destinations = src_pages.tolist(), dst_pages.tolist()
+        if len(set(destinations)) != len(destinations):
             raise MappingError("copy_pages got a destination page twice; each page can be written once")
-        if len(src_pages) == 0:
+        if not sources:
             return
         window = self._window
+        if not set(sources) & set(destinations):  # no overlap: copy row by row, which is a
+            for s, d in zip(sources, destinations):  # memcpy (torch's indexed copy of uint8
+                window[d].copy_(window[s])  # rows goes byte by byte)
+            return
         dst_index = torch.from_numpy(dst_pages)
         window.index_copy_(0, dst_index, window.index_select(0, torch.from_numpy(src_pages)))
 
