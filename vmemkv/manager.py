@@ -339,10 +339,10 @@ class KVCacheManager:
         if child_id in self._requests:
             raise PageStateError(f"request {child_id!r} already exists")
         self._require_committed(parent)
-        self._trim_lookahead(parent)
         partial = parent.num_tokens % self.tokens_per_page != 0
         if not self._slot_available(slot) or (partial and not self.pool.num_free):
             return False
+        self._trim_lookahead(parent)
         child = _Request(child_id, parent.keys, list(parent.token_ids), num_tokens=parent.num_tokens,
                          num_computed=parent.num_computed, hashes=list(parent.hashes),
                          num_registered=parent.num_registered)
@@ -371,8 +371,6 @@ class KVCacheManager:
                                  f"{list(request_ids)} from {list(source_ids)}")
         for source in sources:
             self._require_committed(source)
-        for req in rows + sources:
-            self._trim_lookahead(req)
         # A source's partial page moves (no copy) to the first row that takes it, itself first,
         # but only when the source is reordered too (its own reference is dropped below): a
         # source that keeps running keeps writing that page, so whoever takes it gets a copy.
@@ -388,6 +386,8 @@ class KVCacheManager:
         copies = sum(p and owner.get(s.request_id) != i for i, (s, p) in enumerate(zip(sources, partial)))
         if copies > self.pool.num_free:
             return False
+        for req in rows + sources:
+            self._trim_lookahead(req)
         snapshots = [(list(s.blocks), list(s.token_ids), s.num_tokens, s.num_computed,
                       list(s.hashes), s.num_registered, s.keys) for s in sources]
         new_blocks = []
