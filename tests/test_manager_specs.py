@@ -690,3 +690,47 @@ def test_a_refused_mapping_reclaims_the_stale_tail_of_the_slot_being_mapped():
         assert_no_leaks(m)
     finally:
         m.close()
+
+
+# --- explicit slots, keys moving with content, truncate ------------------------------------------
+
+
+def test_admit_and_fork_into_a_chosen_slot(make_manager):
+    m = make_manager()
+    assert m.admit("a", tokens(0, 6), slot=2) == 0
+    assert m.slot_of("a") == 2
+    before = state(m)
+    assert m.admit("b", tokens(50, 6), slot=2) is None  # taken: refused, nothing changed
+    assert state(m) == before
+    m.commit("a")
+    assert m.fork("a", "a2", slot=3)
+    assert m.slot_of("a2") == 3
+    assert not m.fork("a", "a3", slot=3)
+
+
+def test_reorder_moves_cache_keys_with_content(make_manager):
+    # Less than a page each: x's first page is hashed from the root of whatever keys x has.
+    m = make_manager()
+    run(m, "x", tokens(0, 3), keys=CacheKeys(cache_salt="x"))
+    run(m, "y", tokens(0, 3), keys=CacheKeys(cache_salt="y"))
+    assert m.reorder(["x", "y"], ["y", "y"])
+    decode(m, "x", 7)  # fills x's first page, now y's content: it must be hashed under y's salt
+    (page,) = m.block_table("x")
+    assert m.match_prefix(tokens(0, 3) + [7, 1], CacheKeys(cache_salt="y"))[0] == [page]
+    assert m.match_prefix(tokens(0, 3) + [7, 1], CacheKeys(cache_salt="x"))[0] == []
+
+
+def test_truncate_releases_pages_and_copies_a_shared_last_page(make_manager):
+    m = make_manager()
+    run(m, "a", tokens(0, 10))  # pages 0, 1 full and cached; 2 partial
+    run(m, "b", tokens(0, 10))  # shares 0 and 1 (8 cached tokens)
+    assert m.block_table("b")[:2] == [0, 1]
+    assert m.truncate("b", 6)  # page 1 becomes b's partial page: copied, not written in place
+    table = m.block_table("b")
+    assert table[0] == 0 and table[1] not in (0, 1, 2)
+    assert refs(m, [0, 1]) == [2, 1]
+    assert m.num_tokens("b") == m.num_computed_tokens("b") == 6
+    with pytest.raises(PageStateError, match="truncate"):
+        m.truncate("b", 7)
+    assert m.truncate("a", 8)  # on a page boundary: nothing to copy
+    assert m.block_table("a") == [0, 1]
