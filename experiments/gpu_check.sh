@@ -124,7 +124,10 @@ done
 
 IGNORES=()
 for file in "${GPU_TEST_FILES[@]}"; do IGNORES+=("--ignore=$file"); done
+# --continue-on-collection-errors: the device lacks the server's packages (fastapi, uvicorn,
+# openai), so tests/test_server.py cannot even be collected there; the GPU tests still run.
 run_step gpu_marked_tests 150 - "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu \
+  --continue-on-collection-errors \
   --junitxml="$OUT_DIR/gpu_marked_tests.xml" "${IGNORES[@]}" tests
 
 for entry in "${BENCHMARKS[@]}"; do
