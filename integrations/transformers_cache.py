@@ -11,7 +11,7 @@ reference-counted pool on demand, so
 * a second ``generate`` whose prompt shares a prefix with an earlier one **reuses those pages**
   and computes only the rest (:meth:`VmemkvCache.generate`).
 
-Usage (the lead copies this to the README)::
+Usage::
 
     from integrations.transformers_cache import VmemkvCache
 

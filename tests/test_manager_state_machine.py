@@ -306,7 +306,7 @@ def test_the_machines_ran_enough_steps(request):
     """Runs last in this file: the two machines together ran at least 10,000 steps."""
     ran = TokenMajorMachine.steps + PerLayerMachine.steps
     if TokenMajorMachine.steps == 0 or PerLayerMachine.steps == 0:
-        pytest.skip("the machines did not run in this session (selected out)")
+        pytest.skip("the state machines did not run in this pytest run (selected out)")
     print(f"state machines: {ran} steps in {TokenMajorMachine.examples + PerLayerMachine.examples} "
           f"runs; {dict(TokenMajorMachine.totals + PerLayerMachine.totals)}")
     assert ran >= 10_000, f"only {ran} steps ran"
