@@ -236,12 +236,10 @@ class KVCacheManager:
         boundary), recording ``new_token_ids`` as the request's next tokens. Returns False,
         changing nothing, when the blocks are not there."""
         req = self._running(request_id)
-        total = req.num_tokens + num_new_tokens
-        if total > self.config.max_model_len:
-            self._check_length(request_id, total)
         if num_new_tokens < 0:
             raise PageStateError(f"request {request_id!r}: cannot reserve {num_new_tokens} tokens")
-        if -(-total // self.tokens_per_page) - len(req.blocks) > self.pool.num_free:
+        self._check_length(request_id, req.num_tokens + num_new_tokens)
+        if self._blocks_needed(req, num_new_tokens) > self.pool.num_free:
             return False
         self._grow(req, num_new_tokens)
         req.token_ids.extend(new_token_ids)
