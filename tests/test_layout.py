@@ -155,4 +155,6 @@ def test_slot_views_and_block_views_address_the_same_bytes(kind):
             page = manager.backend.pool_window()[block * layout.pages_per_block + 2 * 1 + 1]
             expected = values["a", 1, 1][:tpp].reshape(-1)
             assert torch.equal(page.view(torch.float32)[: expected.numel()], expected)
+            del page
         manager.check()
+        del view  # close() refuses while views of the memory are held

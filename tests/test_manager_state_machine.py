@@ -25,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from vmemkv import (CacheConfig, KVCacheManager, PrefixCacheBusyError, RequestTooLongError)
 from vmemkv.swap import OutOfSwapSpaceError
 
-from conftest import assert_no_leaks, manager_state, read_kv_matches, write_kv
+from conftest import assert_no_leaks, close_manager, manager_state, read_kv_matches, write_kv
 
 TOKENS_PER_PAGE = 4
 MAX_LEN = 24
@@ -279,7 +279,7 @@ class ManagerMachine(RuleBasedStateMachine):
         try:
             assert_no_leaks(self.m)
         finally:
-            self.m.close()
+            close_manager(self.m)
 
 
 SETTINGS = settings(max_examples=100, stateful_step_count=80, deadline=None,

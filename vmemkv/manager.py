@@ -23,11 +23,12 @@ from typing import Literal, Sequence
 import numpy as np
 import torch
 
-from .errors import ConfigError, PageStateError, RequestTooLongError, VmemkvError
+from .errors import (ConfigError, ManagerClosedError, PageStateError, RequestTooLongError,
+                     VmemkvError)
 from .hashing import CacheKeys, PrefixHasher
 from .layout import KVLayout, LayoutKind, default_page_size
 from .pool import PagePool
-from .slots import NoFreeSlotError, SlotMapper, SlotTable
+from .slots import MapJob, NoFreeSlotError, SlotMapper, SlotTable
 from .swap import OutOfSwapSpaceError, SwapSpace
 from .vmm import create_backend
 from .vmm.base import VirtualMemoryBackend
@@ -150,6 +151,7 @@ class KVCacheManager:
         self.stats = CacheStats()
         self._requests: dict[str, _Request] = {}
         self._preempted: set[str] = set()  # recompute-preempted ids, to count their re-prefill
+        self._closed = False
 
     # --- queries without side effects ----------------------------------------------------------
     @property
@@ -208,17 +210,15 @@ class KVCacheManager:
         self._check_length(request_id, cached + new)
         if not self._slot_available(slot) or not self._fits_admission(hits, cached + new):
             return None
-        self.pool.acquire(hits)  # first, so making room below cannot evict them
-        req = _Request(request_id, keys, list(token_ids), blocks=list(hits), num_tokens=cached,
-                       num_computed=cached, hashes=hashes, num_registered=len(hits))
-        req.slot = self.slots.bind(hits[0] if hits else None, slot)
-        try:
-            self.slots.map_blocks(req.slot, 0, hits)
-            self._grow(req, new)
-        except BaseException:  # mapping refused (MappingLimitError): give everything back
-            self.pool.release(reversed(req.blocks))
-            self.slots.release(req.slot)
-            raise
+        # Plan (slot, pages), map (the one step the mapping budget can refuse), then take.
+        fresh = self.pool.peek(self.layout.logical_pages_for(cached + new) - len(hits), exclude=hits)
+        slot = self.slots.choose(hits[0] if hits else None, slot)
+        self.slots.map_jobs([MapJob(slot, 0, hits + fresh)])
+        self.slots.bind(slot=slot)
+        self.pool.acquire(hits)
+        req = _Request(request_id, keys, list(token_ids), blocks=hits + self.pool.take(fresh),
+                       num_tokens=cached + new, num_computed=cached, hashes=hashes,
+                       num_registered=len(hits), slot=slot)
         self._requests[request_id] = req
         repeat = request_id in self._preempted
         self._preempted.discard(request_id)
@@ -281,12 +281,13 @@ class KVCacheManager:
         keep = self.layout.logical_pages_for(num_tokens)
         last = req.blocks[keep - 1] if keep and num_tokens % self.tokens_per_page else None
         private = last is None or (self.pool.ref[last] == 1 and self.pool.hash_of[last] is None)
-        if not private and not self.pool.num_free:
-            return False
         if not private:
-            req.blocks[keep - 1] = self._share([last], partial=True)[0]
+            if not self.pool.num_free:
+                return False
+            copy = self.pool.peek(1)
+            self.slots.map_blocks(req.slot, keep - 1, copy, keep=len(req.blocks))
+            req.blocks[keep - 1] = self._copy_of(last, self.pool.take(copy)[0])
             self.pool.release([last])
-            self.slots.map_blocks(req.slot, keep - 1, [req.blocks[keep - 1]])
         self.pool.release(reversed(req.blocks[keep:]))
         del req.blocks[keep:]
         full = num_tokens // self.tokens_per_page
@@ -298,28 +299,37 @@ class KVCacheManager:
 
     # --- overlapped mapping ---------------------------------------------------------------------
     def allocate_lookahead(self, request_ids: Sequence[str], margin_tokens: int,
-                           keep_free: int = 0) -> list[tuple[int, int, list[int]]]:
+                           keep_free: int = 0) -> list[MapJob]:
         """Give each request whose reservation ends within ``margin_tokens`` of its last block's
-        end the blocks that cover ``margin_tokens`` more positions now, without mapping them,
-        while more than ``keep_free`` blocks stay free. Returns the map jobs
-        ``(slot, first logical page, blocks)`` for ``map_lookahead``, which may run on another
-        thread while the device computes: it touches only mapping state, and only pages past
-        every reserved position."""
+        end the blocks that cover ``margin_tokens`` more positions (never past ``max_model_len``)
+        now, without mapping them, while more than ``keep_free`` blocks stay free. Only clean
+        blocks are taken, so no cached prefix is evicted for a guess. Returns the jobs for
+        ``map_lookahead``, which may run on another thread while the device computes: it touches
+        only mapping state, and only pages past every reserved position."""
         jobs = []
         for request_id in request_ids:
             req = self._running(request_id)
-            needed = self._blocks_needed(req, margin_tokens)
-            if needed <= 0 or self.pool.num_free - needed < keep_free:
+            end = min(req.num_tokens + margin_tokens, self.config.max_model_len)
+            needed = self.layout.logical_pages_for(end) - len(req.blocks)
+            if needed <= 0 or needed > self.pool.num_clean or self.pool.num_free - needed < keep_free:
                 continue
             first = len(req.blocks)
             new = self.pool.allocate(needed)
             req.blocks += new
-            jobs.append((req.slot, first, new))
+            jobs.append(MapJob(req.slot, first, new))
         return jobs
 
-    def map_lookahead(self, jobs: list[tuple[int, int, list[int]]]) -> None:
-        for slot, first, blocks in jobs:
-            self.slots.map_blocks(slot, first, blocks)
+    def map_lookahead(self, jobs: list[MapJob]) -> None:
+        """Map the jobs of ``allocate_lookahead``, all or none. If this raises, call
+        ``cancel_lookahead(jobs)`` on the step thread before the requests grow again."""
+        self.slots.map_jobs(jobs)
+
+    def cancel_lookahead(self, jobs: list[MapJob]) -> None:
+        """Give back the blocks of lookahead jobs whose mapping was refused."""
+        slots = {job.slot for job in jobs}
+        for req in self._requests.values():
+            if req.slot in slots:
+                self._trim_lookahead(req)
 
     def _trim_lookahead(self, req: _Request) -> None:
         """Release blocks past the reservation (given early by allocate_lookahead)."""
@@ -340,20 +350,19 @@ class KVCacheManager:
         partial = parent.num_tokens % self.tokens_per_page != 0
         if not self._slot_available(slot) or (partial and not self.pool.num_free):
             return False
-        self._trim_lookahead(parent)
-        child = _Request(child_id, parent.keys, list(parent.token_ids), num_tokens=parent.num_tokens,
-                         num_computed=parent.num_computed, hashes=list(parent.hashes),
-                         num_registered=parent.num_registered)
-        child.blocks = self._share(parent.blocks, partial)
-        child.slot = self.slots.bind(child.blocks[0] if child.blocks else None, slot)
-        try:
-            self.slots.map_blocks(child.slot, 0, child.blocks)
-        except BaseException:  # mapping refused: give everything back
-            self.pool.release(reversed(child.blocks))
-            self.slots.release(child.slot)
-            self.stats.pages_copied -= partial
-            raise
-        self._requests[child_id] = child
+        reserved = self._reserved_blocks(parent)
+        shared = reserved[:-1] if partial else reserved
+        copy = self.pool.peek(1) if partial else []
+        slot = self.slots.choose(reserved[0] if reserved else None, slot)
+        self.slots.map_jobs([MapJob(slot, 0, shared + copy)])
+        self.slots.bind(slot=slot)
+        self.pool.acquire(shared)
+        if partial:
+            copy = [self._copy_of(reserved[-1], *self.pool.take(copy))]
+        self._requests[child_id] = _Request(
+            child_id, parent.keys, list(parent.token_ids), blocks=shared + copy,
+            num_tokens=parent.num_tokens, num_computed=parent.num_computed,
+            hashes=list(parent.hashes), num_registered=parent.num_registered, slot=slot)
         self.stats.forks += 1
         return True
 
@@ -380,30 +389,31 @@ class KVCacheManager:
         for i, source in enumerate(sources):
             if id(source) in reordered:
                 owner.setdefault(source.request_id, i)
-        partial = [s.num_tokens % self.tokens_per_page != 0 for s in sources]
-        copies = sum(p and owner.get(s.request_id) != i for i, (s, p) in enumerate(zip(sources, partial)))
-        if copies > self.pool.num_free:
+        copied = [s.num_tokens % self.tokens_per_page != 0 and owner.get(s.request_id) != i
+                  for i, s in enumerate(sources)]
+        if sum(copied) > self.pool.num_free:
             return False
-        for req in rows + sources:
-            self._trim_lookahead(req)
-        snapshots = [(list(s.blocks), list(s.token_ids), s.num_tokens, s.num_computed,
-                      list(s.hashes), s.num_registered, s.keys) for s in sources]
-        new_blocks = []
-        for i, (source, is_partial) in enumerate(zip(sources, partial)):
-            blocks = snapshots[i][0]
-            if is_partial and owner.get(source.request_id) == i:
-                self.pool.acquire(blocks)  # the same pages; the old references go below
-                new_blocks.append(list(blocks))
-            else:
-                new_blocks.append(self._share(blocks, is_partial))
-        for row in rows:
+        # Plan every row's blocks, map all rows at once (refusable), then move the references.
+        fresh = iter(self.pool.peek(sum(copied)))
+        reserved = [self._reserved_blocks(s) for s in sources]
+        plans = [blocks[:-1] + [next(fresh)] if copy else list(blocks)
+                 for blocks, copy in zip(reserved, copied)]
+        self.slots.map_jobs([MapJob(row.slot, 0, blocks, keep=len(row.blocks))
+                             for row, blocks in zip(rows, plans)])
+        snapshots = [(list(s.token_ids), s.num_tokens, s.num_computed, list(s.hashes),
+                      s.num_registered, s.keys) for s in sources]
+        self.pool.take([blocks[-1] for blocks, copy in zip(plans, copied) if copy])
+        for blocks, source_blocks, copy in zip(plans, reserved, copied):
+            self.pool.acquire(blocks[:-1] if copy else blocks)
+            if copy:
+                self._copy_of(source_blocks[-1], blocks[-1])
+        for row in rows:  # their old blocks, lookahead included
             self.pool.release(reversed(row.blocks))
-        for row, blocks, (_, tokens, num_tokens, num_computed, hashes, registered, keys) in zip(
-                rows, new_blocks, snapshots):
+        for row, blocks, (tokens, num_tokens, num_computed, hashes, registered, keys) in zip(
+                rows, plans, snapshots):
             # the keys travel with the content: later page hashes continue the source's chain
-            row.keys, row.blocks, row.token_ids, row.num_tokens = keys, blocks, list(tokens), num_tokens
-            row.num_computed, row.hashes, row.num_registered = num_computed, list(hashes), registered
-            self.slots.map_blocks(row.slot, 0, blocks)
+            row.keys, row.blocks, row.token_ids, row.num_tokens = keys, blocks, tokens, num_tokens
+            row.num_computed, row.hashes, row.num_registered = num_computed, hashes, registered
         return True
 
     # --- freeing and preemption ----------------------------------------------------------------
@@ -423,10 +433,18 @@ class KVCacheManager:
         self.pool.release(reversed(req.blocks))
         self.slots.release(req.slot)
 
+    def discard(self, request_id: str) -> None:
+        """Forget a request for good, in whatever state it is (an abort): free what it holds;
+        a request preempted by recompute holds nothing and is just forgotten; an unknown id is
+        ignored."""
+        self._check_open()
+        self._preempted.discard(request_id)
+        if request_id in self._requests:
+            self.free(request_id)
+
     def estimate_preemption(self, request_id: str) -> PreemptionEstimate:
         req = self._running(request_id)
-        reserved = req.blocks[: self.layout.logical_pages_for(req.num_tokens)]
-        private = [b for b in reserved if self.pool.ref[b] == 1]
+        private = [b for b in self._reserved_blocks(req) if self.pool.ref[b] == 1]
         swap_bytes = len(private) * self.layout.block_bytes
         surviving = 0
         for block in req.blocks:  # a prefix kept alive by other requests will hit again
@@ -447,7 +465,8 @@ class KVCacheManager:
         blocks shared with other requests stay referenced; ``swap_in`` brings it back."""
         req = self._running(request_id)
         self._require_committed(req)
-        self._trim_lookahead(req)
+        if mode not in ("recompute", "swap", "auto"):
+            raise ConfigError(f"preemption mode must be 'recompute', 'swap' or 'auto', got {mode!r}")
         if mode == "auto":
             mode = self.estimate_preemption(request_id).cheaper
         if mode == "recompute":
@@ -455,9 +474,9 @@ class KVCacheManager:
             self._preempted.add(request_id)
             self.stats.preemptions_recompute += 1
             return mode
-        if mode != "swap":
-            raise ConfigError(f"preemption mode must be 'recompute', 'swap' or 'auto', got {mode!r}")
-        private = [i for i, b in enumerate(req.blocks) if self.pool.ref[b] == 1]
+        private = [i for i, b in enumerate(self._reserved_blocks(req)) if self.pool.ref[b] == 1]
+        self.swap.check_room(len(private))
+        self._trim_lookahead(req)
         host = self.swap.store(self._block_window(), [req.blocks[i] for i in private])
         self.pool.release(reversed([req.blocks[i] for i in private]))
         req.swapped = list(zip(private, host))
@@ -483,22 +502,18 @@ class KVCacheManager:
         needed = len(req.swapped) - len(revive)
         if not self.slots.num_free or needed > self.pool.num_free - revived_cached:
             return False
-        self.pool.acquire(revive.values())
         copy = [(index, host) for index, host in req.swapped if index not in revive]
-        fresh = self.pool.allocate(len(copy))
+        fresh = self.pool.peek(len(copy), exclude=revive.values())
         blocks = list(req.blocks)
         for (index, _), block in zip(copy, fresh):
             blocks[index] = block
         for index, block in revive.items():
             blocks[index] = block
-        slot = self.slots.bind(blocks[0] if blocks else None)
-        try:  # mapped first: a refused mapping (MappingLimitError) leaves the request swapped
-            self.slots.map_blocks(slot, 0, blocks)
-        except BaseException:
-            self.pool.release(reversed(fresh))
-            self.pool.release(revive.values())
-            self.slots.release(slot)
-            raise
+        slot = self.slots.choose(blocks[0] if blocks else None)
+        self.slots.map_jobs([MapJob(slot, 0, blocks)])  # refused: the request stays swapped
+        self.slots.bind(slot=slot)
+        self.pool.acquire(revive.values())
+        self.pool.take(fresh)
         self.swap.load(self._block_window(), [host for _, host in copy], fresh)
         self.swap.discard([host for index, host in req.swapped if index in revive])
         req.blocks = blocks
@@ -600,17 +615,37 @@ class KVCacheManager:
         assert swapped_host + self.swap.num_free == self.swap.num_blocks, "swap space leaked"
 
     def close(self) -> None:
+        """Give the memory back; every later call raises ManagerClosedError. Refused while
+        tensors viewing the memory (from kv_views/block_views) are still held: reading one
+        after close would crash the process. Closing twice does nothing."""
+        if self._closed:
+            return
+        held = self.slots.views_in_use()
+        if held:
+            raise ManagerClosedError(
+                f"cannot close the KV cache manager: {held} reference(s) to its K/V views (from "
+                "kv_views/block_views, or tensors and arrays made from them) are still held; "
+                "drop them first, since reading them after close would crash the process")
+        self._closed = True
         self.slots.close()
         self.backend.close()
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None and self.slots.views_in_use():
+            return  # closing would raise and hide the error in flight; the views stay readable
         self.close()
 
     # --- internals --------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ManagerClosedError("this KV cache manager is closed; its memory is gone. "
+                                     "Create a new one")
+
     def _running(self, request_id: str) -> _Request:
+        self._check_open()
         req = self._requests.get(request_id)
         if req is None or req.swapped is not None:
             raise UnknownRequestError(f"no running request {request_id!r}")
@@ -640,29 +675,29 @@ class KVCacheManager:
         return needed <= self.pool.num_free - revived
 
     def _grow(self, req: _Request, num_new_tokens: int) -> None:
-        needed = self._blocks_needed(req, num_new_tokens)
-        if needed > 0:
-            new = self.pool.allocate(needed)
-            try:
-                self.slots.map_blocks(req.slot, len(req.blocks), new)
-            except BaseException:  # mapping refused: an unmapped block must never be kept
-                self.pool.release(reversed(new))
-                raise
-            req.blocks += new
+        """Reserve positions, mapping the pages they reach first (the one step that can be
+        refused). Lookahead blocks are normally mapped already; one whose background mapping
+        was refused is mapped here, so no position is ever written through a stale mapping."""
+        first = self.layout.logical_pages_for(req.num_tokens)
+        end = self.layout.logical_pages_for(req.num_tokens + num_new_tokens)
+        if end > first:
+            fresh = self.pool.peek(end - len(req.blocks)) if end > len(req.blocks) else []
+            self.slots.map_blocks(req.slot, first, req.blocks[first:end] + fresh,
+                                  keep=len(req.blocks))
+            if fresh:
+                req.blocks += self.pool.take(fresh)
         req.num_tokens += num_new_tokens
 
-    def _share(self, blocks: list[int], partial: bool) -> list[int]:
-        """References on ``blocks``: shared full pages, and a private copy of the last one when
-        ``partial``."""
-        full = blocks[:-1] if partial else blocks
-        self.pool.acquire(full)
-        if not partial:
-            return list(full)
-        (copy,) = self.pool.allocate(1)
-        self.backend.copy_pages(self.layout.physical_pages(np.array([blocks[-1]])).tolist(),
+    def _reserved_blocks(self, req: _Request) -> list[int]:
+        """The request's blocks without lookahead ones."""
+        return req.blocks[: self.layout.logical_pages_for(req.num_tokens)]
+
+    def _copy_of(self, source: int, copy: int) -> int:
+        """Copy block ``source``'s bytes onto ``copy`` (just taken); returns ``copy``."""
+        self.backend.copy_pages(self.layout.physical_pages(np.array([source])).tolist(),
                                 self.layout.physical_pages(np.array([copy])).tolist())
         self.stats.pages_copied += 1
-        return list(full) + [copy]
+        return copy
 
     def _block_window(self) -> torch.Tensor:
         """The pool as ``[num_blocks, block_bytes]`` uint8 rows."""

@@ -15,6 +15,7 @@ the hash then. The pool is mechanism only; the manager decides what to free and 
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable
@@ -74,6 +75,21 @@ class PagePool:
         return list(self._lru)
 
     # --- allocation and references --------------------------------------------------------------
+    def peek(self, n: int, exclude: Iterable[int] = ()) -> list[int]:
+        """The pages ``allocate(n)`` would hand out, in order, changing nothing, so a caller can
+        plan (map them, check every other limit) before taking them. Cached pages in ``exclude``
+        are skipped: the caller acquires them before allocating."""
+        if n == 1 and self._clean:
+            return [self._clean[0]]
+        pages = heapq.nsmallest(min(n, len(self._clean)), self._clean)
+        if len(pages) < n:
+            skip = set(exclude)
+            victims = (page for page in self._lru if page not in skip)
+            pages += itertools.islice(victims, n - len(pages))
+        if len(pages) < n:
+            raise OutOfPagesError(self._short_message(n))
+        return pages
+
     def allocate(self, n: int) -> list[int]:
         """Hand out ``n`` pages with ``ref = 1``: clean pages first, then the least recently used
         cached pages, whose hashes are dropped. Raises with no side effect when ``n`` don't fit."""
@@ -82,9 +98,7 @@ class PagePool:
             self.ref[page] = 1
             return [page]
         if n > self.num_free:
-            raise OutOfPagesError(
-                f"asked for {n} pages, {self.num_free} free ({self.num_clean} clean + "
-                f"{self.num_cached} cached) of {self.num_pages}; free requests or enlarge the pool")
+            raise OutOfPagesError(self._short_message(n))
         pages = [heapq.heappop(self._clean) for _ in range(min(n, len(self._clean)))]
         while len(pages) < n:
             page, _ = self._lru.popitem(last=False)
@@ -95,6 +109,21 @@ class PagePool:
         for page in pages:
             self.ref[page] = 1
         return pages
+
+    def take(self, planned: list[int]) -> list[int]:
+        """Allocate the pages an earlier ``peek`` planned; nothing may have changed the pool in
+        between (a mismatch is a bug in the caller, and would map the wrong pages)."""
+        if not planned:
+            return []
+        pages = self.allocate(len(planned))
+        if pages != planned:
+            raise PageStateError(f"planned pages {planned} but allocate gave {pages}: the pool "
+                                 "changed between peek and take")
+        return pages
+
+    def _short_message(self, n: int) -> str:
+        return (f"asked for {n} pages, {self.num_free} free ({self.num_clean} clean + "
+                f"{self.num_cached} cached) of {self.num_pages}; free requests or enlarge the pool")
 
     def acquire(self, pages: Iterable[int]) -> None:
         """Take one more reference on each page (a prefix hit or a fork). A cached page leaves the

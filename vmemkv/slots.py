@@ -12,6 +12,7 @@ unmapped only when the OS mapping budget runs short (``reclaim_stale``).
 
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -23,8 +24,32 @@ from .layout import KVLayout
 from .vmm.base import VirtualMemoryBackend
 
 
+def _use_count(storage: torch.UntypedStorage) -> int:
+    """Strong references to a storage (torch keeps the count; 0 where it does not say)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return count(storage._cdata) if count is not None else 0
+
+
 class NoFreeSlotError(VmemkvError):
     """Every slot is bound to a request."""
+
+
+@dataclass
+class MapJob:
+    """Point logical pages ``first ..`` of ``slot`` at ``blocks``.
+
+    ``keep`` is how many leading logical pages of the slot someone owns while the job is pending
+    (at least ``first + len(blocks)``): if the mapping budget refuses the job, only pages past it
+    are unmapped to make room.
+    """
+
+    slot: int
+    first: int
+    blocks: list[int]
+    keep: int = 0
+
+    def __post_init__(self) -> None:
+        self.keep = max(self.keep, self.first + len(self.blocks))
 
 
 @dataclass
@@ -52,6 +77,7 @@ class SlotTable:
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 is taken first
         self.stats = SlotStats()
         self._block_views = [self._layer_block_views(layer) for layer in range(layout.num_layers)]
+        self._own_references = self._reference_counts()
 
     # --- binding ------------------------------------------------------------------------------
     @property
@@ -64,22 +90,27 @@ class SlotTable:
     def is_free(self, slot: int) -> bool:
         return slot in self._free
 
-    def bind(self, first_block: int | None = None, slot: int | None = None) -> int:
-        """Take a free slot: ``slot`` when given (callers that need rows in consecutive slots,
-        such as a batch viewed as one strided tensor), else one whose first page already maps
-        ``first_block`` if there is one (a prefix hit then costs no map call), else the most
-        recently released."""
+    def choose(self, first_block: int | None = None, slot: int | None = None) -> int:
+        """The free slot ``bind`` would take, changing nothing: ``slot`` when given (callers that
+        need rows in consecutive slots, such as a batch viewed as one strided tensor), else one
+        whose first page already maps ``first_block`` if there is one (a prefix hit then costs
+        no map call), else the most recently released."""
         if slot is not None:
             if slot not in self._free:
                 raise NoFreeSlotError(f"slot {slot} is not free (free: {sorted(self._free)})")
-            self._free.remove(slot)
             return slot
         if not self._free:
             raise NoFreeSlotError(f"all {self.num_slots} slots are bound; free a request first")
         index = len(self._free) - 1
         if first_block is not None and len(self._free) > 1:
             index = self._slot_already_mapping(first_block, index)
-        return self._free.pop(index)
+        return self._free[index]
+
+    def bind(self, first_block: int | None = None, slot: int | None = None) -> int:
+        """Take the free slot ``choose`` names."""
+        slot = self.choose(first_block, slot)
+        self._free.remove(slot)
+        return slot
 
     def release(self, slot: int) -> None:
         """Give a slot back; its mappings stay for the next request."""
@@ -89,7 +120,10 @@ class SlotTable:
     def _slot_already_mapping(self, first_block: int, default: int) -> int:
         return default
 
-    def map_blocks(self, slot: int, first_logical: int, blocks: list[int]) -> None:
+    def map_blocks(self, slot: int, first_logical: int, blocks: list[int], keep: int = 0) -> None:
+        """Block tables are the requests' block lists: nothing to map."""
+
+    def map_jobs(self, jobs: list[MapJob]) -> None:
         """Block tables are the requests' block lists: nothing to map."""
 
     def reclaim_stale(self, keep: dict[int, int] | None = None) -> None:
@@ -118,6 +152,21 @@ class SlotTable:
             views.append(window.as_strided(shape, strides, offset))
         return views[0], views[1]
 
+    def _reference_counts(self) -> list[int]:
+        """References to each view tensor and to each distinct storage under them (tensors and
+        arrays made from a view hold its storage, not the view)."""
+        views = [t for pair in self._block_views + getattr(self, "_views", []) for t in pair]
+        storages = {}
+        for view in views:
+            storage = view.untyped_storage()
+            storages.setdefault((storage.device, storage.data_ptr()), storage)
+        return [sys.getrefcount(view) for view in views] + [_use_count(s) for s in storages.values()]
+
+    def views_in_use(self) -> int:
+        """References to the views (or to tensors and arrays made from them) held outside; 0
+        when none. Counted against the counts taken when the views were made."""
+        return sum(max(now - mine, 0) for now, mine in zip(self._reference_counts(), self._own_references))
+
     def close(self) -> None:
         """Nothing reserved."""
 
@@ -132,6 +181,7 @@ class SlotMapper(SlotTable):
         self._one_page_blocks = layout.pages_per_block == 1  # token-major: block = page
         self._scratch = threading.local()
         self._views = [self._layer_views(layer) for layer in range(layout.num_layers)]
+        self._own_references = self._reference_counts()
 
     def _slot_already_mapping(self, first_block: int, default: int) -> int:
         # the first physical page of each free slot's logical page 0
@@ -141,9 +191,10 @@ class SlotMapper(SlotTable):
         return int(matches[-1]) if len(matches) else default
 
     # --- mapping --------------------------------------------------------------------------------
-    def map_blocks(self, slot: int, first_logical: int, blocks: list[int]) -> None:
+    def map_blocks(self, slot: int, first_logical: int, blocks: list[int], keep: int = 0) -> None:
         """Make logical pages ``first_logical ..`` of ``slot`` point to ``blocks``, mapping only
-        the pages whose current block differs."""
+        the pages whose current block differs (``keep`` as in ``MapJob``). All or nothing: a
+        refusal changes no mapping that anyone owns."""
         if not blocks:
             return
         if len(blocks) == 1 and self._one_page_blocks:
@@ -156,36 +207,50 @@ class SlotMapper(SlotTable):
                 return
             virtual, physical = self._one_page_arrays()
             virtual[0], physical[0] = virtual_page, block
-            self._map(virtual, physical, 1, slot, first_logical + 1)
+            self._map([MapJob(slot, first_logical, blocks, keep)], virtual, physical)
             return
-        if self._one_page_blocks:
-            start = slot * self.slot_pages + first_logical
-            virtual = np.arange(start, start + len(blocks), dtype=np.int64)
-            physical = np.asarray(blocks, dtype=np.int64)
-        else:
-            logical = np.arange(first_logical, first_logical + len(blocks), dtype=np.int64)
-            virtual = self._virtual(np.full(len(blocks), slot, dtype=np.int64), logical)
-            physical = self.layout.physical_pages(np.asarray(blocks, dtype=np.int64))
-        stale = self.page_table[virtual] != physical
-        changed = int(stale.sum())
-        self.stats.pages_already_mapped += len(virtual) - changed
-        if not changed:
-            return
-        self._map(virtual[stale], physical[stale], changed, slot, first_logical + len(blocks))
+        self.map_jobs([MapJob(slot, first_logical, blocks, keep)])
 
-    def _map(self, virtual: np.ndarray, physical: np.ndarray, changed: int, slot: int,
-             end_logical: int) -> None:
+    def map_jobs(self, jobs: list[MapJob]) -> None:
+        """Carry out every job in one backend call (all slots share one reservation), so a
+        refusal by the mapping budget leaves every slot as it was."""
+        virtual, physical = self._job_pages(jobs)
+        stale = self.page_table[virtual] != physical
+        self.stats.pages_already_mapped += len(virtual) - int(stale.sum())
+        if stale.any():
+            self._map(jobs, virtual[stale], physical[stale])
+
+    def _job_pages(self, jobs: list[MapJob]) -> tuple[np.ndarray, np.ndarray]:
+        """The (virtual page, physical page) pairs the jobs ask for."""
+        virtual, physical = [], []
+        for job in jobs:
+            blocks = np.asarray(job.blocks, dtype=np.int64)
+            logical = np.arange(job.first, job.first + len(blocks), dtype=np.int64)
+            if self._one_page_blocks:
+                virtual.append(job.slot * self.slot_pages + logical)
+                physical.append(blocks)
+            else:
+                virtual.append(self._virtual(np.full(len(blocks), job.slot, dtype=np.int64), logical))
+                physical.append(self.layout.physical_pages(blocks))
+        if not virtual:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        return np.concatenate(virtual), np.concatenate(physical)
+
+    def _map(self, jobs: list[MapJob], virtual: np.ndarray, physical: np.ndarray) -> None:
         backend = self.backend
         calls = backend.stats.map_calls
         try:
             backend.map(self.vrange, virtual, physical)
         except MappingLimitError:
             # The refused call changed nothing: make room and retry once. Stale are the free
-            # slots and this slot's pages past the blocks being mapped (its request ends there).
-            self.reclaim_stale({slot: end_logical})
+            # slots the jobs do not bind and the jobs' slots past what their owners keep.
+            keep: dict[int, int] = {}
+            for job in jobs:
+                keep[job.slot] = max(keep.get(job.slot, 0), job.keep)
+            self.reclaim_stale(keep)
             backend.map(self.vrange, virtual, physical)
         self.stats.map_calls += backend.stats.map_calls - calls
-        self.stats.pages_mapped += changed
+        self.stats.pages_mapped += len(virtual)
 
     def _one_page_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """Per-thread scratch arrays for one-page maps (map_lookahead may run on another thread)."""
@@ -196,10 +261,11 @@ class SlotMapper(SlotTable):
             return arrays
 
     def reclaim_stale(self, keep: dict[int, int] | None = None) -> None:
-        """Unmap what no request needs: every page of free slots, and, for bound slots given in
-        ``keep`` as ``{slot: logical pages in use}``, the pages past that count."""
+        """Unmap what no request needs: every page of free slots, and, for slots given in
+        ``keep`` as ``{slot: logical pages in use}`` (bound, or about to be), the pages past
+        that count."""
         keep = keep or {}
-        spans = [(slot, 0) for slot in self._free] + list(keep.items())
+        spans = [(slot, 0) for slot in self._free if slot not in keep] + list(keep.items())
         virtual = [self._virtual_span(slot, start) for slot, start in spans]
         virtual = np.concatenate(virtual) if virtual else np.empty(0, dtype=np.int64)
         virtual = virtual[self.page_table[virtual] >= 0]
@@ -230,7 +296,7 @@ class SlotMapper(SlotTable):
         return per_slot + bases * self.slot_pages
 
     def _virtual_span(self, slot: int, first_logical: int) -> np.ndarray:
-        count = self.layout.logical_pages_for(self.max_tokens) - first_logical
+        count = max(self.layout.logical_pages_for(self.max_tokens) - first_logical, 0)
         logical = np.arange(first_logical, first_logical + count, dtype=np.int64)
         return self._virtual(np.full(count, slot, dtype=np.int64), logical)
 

@@ -27,14 +27,18 @@ class SwapSpace:
     def num_free(self) -> int:
         return len(self._free)
 
+    def check_room(self, num_blocks: int) -> None:
+        """Raise, changing nothing, unless ``num_blocks`` more blocks fit."""
+        if num_blocks > self.num_free:
+            raise OutOfSwapSpaceError(
+                f"swapping out needs {num_blocks} blocks of {self.block_bytes} B, the swap space "
+                f"has {self.num_free} free of {self.num_blocks}; raise swap_space_bytes or "
+                "preempt by recompute")
+
     def store(self, window: torch.Tensor, blocks: list[int]) -> list[int]:
         """Copy device blocks (rows of ``window``, ``[num_blocks, block_bytes]``) to host; returns
         the host block ids that hold them."""
-        if len(blocks) > self.num_free:
-            raise OutOfSwapSpaceError(
-                f"swapping out needs {len(blocks)} blocks of {self.block_bytes} B, the swap space "
-                f"has {self.num_free} free of {self.num_blocks}; raise swap_space_bytes or "
-                "preempt by recompute")
+        self.check_room(len(blocks))
         host = [heapq.heappop(self._free) for _ in blocks]
         if blocks and window.device.type == "cpu":
             # row copies: torch's indexed copies of uint8 rows run element by element on the

@@ -51,8 +51,7 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.swapped):
             if seq in queue:
                 queue.remove(seq)
-        if seq.status in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
-            self.manager.free(seq.seq_id)
+        self.manager.discard(seq.seq_id)  # whatever it holds, even as a preempted request
         seq.status = SequenceStatus.FINISHED
 
     def schedule(self) -> SchedulerOutput:
