@@ -1,19 +1,25 @@
 """A random walk over the whole manager API against a small reference model.
 
 Rules: admit (with shared system prompts, so prefixes hit; sometimes chunked), continue a chunked
-prefill, decode (allocate + commit with a token id), fork, beam reorder, free, preempt (swap,
-recompute, auto), re-admit after recompute, swap in, reset the prefix cache. The model knows
-which requests exist, their token ids and reserved lengths, and which are swapped or waiting to
-be re-admitted; K/V contents follow from the token ids (conftest.kv_patterns). After every step:
+prefill, decode (allocate + commit with a token id), lookahead (margins up to and past
+``max_model_len``, mapped as the engine's worker does), truncate, fork, beam reorder, free,
+preempt (swap, recompute, auto), re-admit after recompute, swap in, reset the prefix cache, and
+a mapping budget that a rule tightens and loosens during the run. The model knows which requests
+exist, their token ids and reserved lengths, and which are swapped or waiting to be re-admitted;
+K/V contents follow from the token ids (conftest.kv_patterns). After every step:
 ``manager.check()``, the model agrees with the manager, and every running request reads back
-exactly its own K/V. The pool is small (12 blocks of 4 tokens, 4 slots, 6 host blocks) so
-refusals, eviction and swap-space exhaustion happen often; every refusal must change nothing.
+exactly its own K/V. The pool is small (12 blocks of 4 tokens, 4 slots, 6 host blocks) and the
+budget often has no mapping to spare, so every kind of refusal happens (pages, slots, swap
+space, the mapping budget); each must leave the whole ownership state as it was.
 
-Both layouts, 2 x 100 runs of up to 80 steps (~12,000 steps in all, ~2-3 ms each here).
+Both layouts, 2 x 100 runs of up to 80 steps (>= 10,000 steps in all, ~2-3 ms each here). A longer
+run is one command away: ``VMEMKV_MACHINE_RUNS=1000 python -m pytest -q
+tests/test_manager_state_machine.py`` (2 x 1000 runs, > 100,000 steps).
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import pytest
@@ -22,8 +28,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from vmemkv import (CacheConfig, KVCacheManager, PrefixCacheBusyError, RequestTooLongError)
+from vmemkv import (CacheConfig, KVCacheManager, MappingLimitError, PrefixCacheBusyError,
+                    RequestTooLongError)
 from vmemkv.swap import OutOfSwapSpaceError
+from vmemkv.vmm import CpuBackend
 
 from conftest import assert_no_leaks, close_manager, manager_state, read_kv_matches, write_kv
 
@@ -52,7 +60,10 @@ class ManagerMachine(RuleBasedStateMachine):
         super().__init__()
         type(self).examples += 1
         type(self).steps -= 1  # the invariant also runs once before the first rule
-        self.m = KVCacheManager(make_config(self.layout))
+        config = make_config(self.layout)
+        layout = config.make_layout()
+        self.backend = CpuBackend(layout.page_size, config.num_blocks * layout.pages_per_block)
+        self.m = KVCacheManager(config, backend=self.backend)
         assert self.m.tokens_per_page == TOKENS_PER_PAGE
         self.tokens: dict[str, list[int]] = {}  # running and swapped requests: all token ids
         self.reserved: dict[str, int] = {}  # positions reserved (and computed) per running request
@@ -80,11 +91,24 @@ class ManagerMachine(RuleBasedStateMachine):
         assert manager_state(self.m) == before
         self.totals["refusals"] += 1
 
+    def budgeted(self, call):
+        """``(True, None)`` if the mapping budget refused ``call`` (which must then have changed
+        nothing), else ``(False, its result)``."""
+        before = manager_state(self.m)
+        try:
+            return False, call()
+        except MappingLimitError:
+            assert manager_state(self.m) == before
+            self.totals["mapping_refusals"] += 1
+            return True, None
+
     def admit_into_model(self, request_id, token_ids, budget) -> bool:
         m = self.m
         can = m.can_admit(token_ids) if budget is None else None
         before = manager_state(m)
-        cached = m.admit(request_id, token_ids, token_budget=budget)
+        refused, cached = self.budgeted(lambda: m.admit(request_id, token_ids, token_budget=budget))
+        if refused:
+            return False
         if can is not None:
             assert (cached is not None) == can
         if cached is None:
@@ -119,7 +143,9 @@ class ManagerMachine(RuleBasedStateMachine):
         if not can:
             self.refused_without_change(lambda: self.m.allocate(request_id, chunk))
             return
-        assert self.m.allocate(request_id, chunk)
+        refused, _ = self.budgeted(lambda: self.m.allocate(request_id, chunk))
+        if refused:
+            return
         write_kv(self.m, request_id, start, start + chunk)
         self.m.commit(request_id)
         self.reserved[request_id] = start + chunk
@@ -136,16 +162,18 @@ class ManagerMachine(RuleBasedStateMachine):
                 m.allocate(request_id, 1, [token])
             assert manager_state(m) == before
             return
-        crossing = n % TOKENS_PER_PAGE == 0
-        assert m.blocks_needed(request_id, 1) == int(crossing)
+        blocks = m.block_table(request_id)  # lookahead blocks included
+        needed = max(-(-(n + 1) // TOKENS_PER_PAGE) - len(blocks), 0)
+        assert m.blocks_needed(request_id, 1) == needed
         if not m.can_allocate(request_id, 1):
-            assert crossing and m.pool.num_free == 0
+            assert needed and m.pool.num_free == 0
             self.refused_without_change(lambda: m.allocate(request_id, 1, [token]))
             return
-        blocks = m.block_table(request_id)
-        assert m.allocate(request_id, 1, [token])
+        refused, _ = self.budgeted(lambda: m.allocate(request_id, 1, [token]))
+        if refused:
+            return
         assert m.block_table(request_id)[: len(blocks)] == blocks
-        assert len(m.block_table(request_id)) == len(blocks) + crossing
+        assert len(m.block_table(request_id)) == len(blocks) + needed
         write_kv(m, request_id, n, n + 1)
         m.commit(request_id)
         self.tokens[request_id].append(token)
@@ -163,10 +191,13 @@ class ManagerMachine(RuleBasedStateMachine):
             self.refused_without_change(lambda: m.fork(parent, child))
             return
         copied = m.stats.pages_copied
-        assert m.fork(parent, child)
+        refused, forked = self.budgeted(lambda: m.fork(parent, child))
+        if refused:
+            return
+        assert forked
         assert m.stats.pages_copied == copied + partial
         parent_blocks, child_blocks = m.block_table(parent), m.block_table(child)
-        shared = len(parent_blocks) - partial
+        shared = -(-self.reserved[parent] // TOKENS_PER_PAGE) - partial  # lookahead not shared
         assert child_blocks[:shared] == parent_blocks[:shared]
         self.tokens[child] = list(self.tokens[parent])
         self.reserved[child] = self.reserved[parent]
@@ -181,7 +212,10 @@ class ManagerMachine(RuleBasedStateMachine):
         sources = [running[i] for i in picks]
         before = manager_state(self.m)
         copied = self.m.stats.pages_copied
-        if not self.m.reorder(rows, sources):
+        refused, reordered = self.budgeted(lambda: self.m.reorder(rows, sources))
+        if refused:
+            return
+        if not reordered:
             assert manager_state(self.m) == before
             return
         # a partial page is copied for every taker but the one that keeps or moves it
@@ -239,10 +273,55 @@ class ManagerMachine(RuleBasedStateMachine):
     def swap_in(self, data):
         request_id = data.draw(st.sampled_from(sorted(self.swapped)))
         before = manager_state(self.m)
-        if self.m.swap_in(request_id):
+        refused, swapped_in = self.budgeted(lambda: self.m.swap_in(request_id))
+        if swapped_in:
             self.swapped.discard(request_id)
-        else:
+        elif not refused:
             assert manager_state(self.m) == before
+
+    @precondition(lambda self: self.running())
+    @rule(data=st.data(), margin=st.integers(1, MAX_LEN + 8), keep_free=st.integers(0, 3))
+    def lookahead(self, data, margin, keep_free):
+        """Blocks ahead of the reservation, mapped as the engine's worker does; a refused
+        mapping is cancelled and leaves everything as it was."""
+        m = self.m
+        ids = data.draw(st.lists(st.sampled_from(self.running()), unique=True, min_size=1))
+        before = manager_state(m)
+        jobs = m.allocate_lookahead(ids, margin, keep_free)
+        for job in jobs:  # never past the slot's end
+            assert job.first + len(job.blocks) <= -(-MAX_LEN // TOKENS_PER_PAGE)
+        try:
+            m.map_lookahead(jobs)
+        except MappingLimitError:
+            m.cancel_lookahead(jobs)
+            assert manager_state(m) == before
+            self.totals["mapping_refusals"] += 1
+            return
+        self.totals["lookahead_blocks"] += sum(len(job.blocks) for job in jobs)
+
+    @precondition(lambda self: self.running())
+    @rule(data=st.data())
+    def truncate(self, data):
+        request_id = data.draw(st.sampled_from(self.running()))
+        if self.reserved[request_id] != len(self.tokens[request_id]):
+            return  # mid-prefill: truncate wants every reserved token computed
+        n = data.draw(st.integers(0, self.reserved[request_id]))
+        before = manager_state(self.m)
+        refused, done = self.budgeted(lambda: self.m.truncate(request_id, n))
+        if refused:
+            return
+        if not done:
+            assert self.m.pool.num_free == 0 and manager_state(self.m) == before
+            self.totals["refusals"] += 1
+            return
+        del self.tokens[request_id][n:]
+        self.reserved[request_id] = n
+
+    @rule(extra=st.none() | st.integers(0, 4))
+    def mapping_budget(self, extra):
+        """Tighten or loosen the mapping budget: ``extra`` more VMAs than in use now, or none."""
+        backend = self.backend
+        backend.max_mappings = None if extra is None else backend.mappings_in_use + extra
 
     @precondition(lambda self: self.m.pool.num_cached)  # something to forget
     @rule()
@@ -282,7 +361,8 @@ class ManagerMachine(RuleBasedStateMachine):
             close_manager(self.m)
 
 
-SETTINGS = settings(max_examples=100, stateful_step_count=80, deadline=None,
+RUNS = int(os.environ.get("VMEMKV_MACHINE_RUNS", "100"))
+SETTINGS = settings(max_examples=RUNS, stateful_step_count=80, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
@@ -309,4 +389,4 @@ def test_the_machines_ran_enough_steps(request):
         pytest.skip("the state machines did not run in this pytest run (selected out)")
     print(f"state machines: {ran} steps in {TokenMajorMachine.examples + PerLayerMachine.examples} "
           f"runs; {dict(TokenMajorMachine.totals + PerLayerMachine.totals)}")
-    assert ran >= 10_000, f"only {ran} steps ran"
+    assert ran >= 100 * RUNS, f"only {ran} steps ran"

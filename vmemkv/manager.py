@@ -667,7 +667,8 @@ class KVCacheManager:
                 "tokens not yet computed; commit() them first")
 
     def _blocks_needed(self, req: _Request, num_new_tokens: int) -> int:
-        return self.layout.logical_pages_for(req.num_tokens + num_new_tokens) - len(req.blocks)
+        """New blocks for ``num_new_tokens`` more positions (lookahead blocks count as held)."""
+        return max(self.layout.logical_pages_for(req.num_tokens + num_new_tokens) - len(req.blocks), 0)
 
     def _fits_admission(self, hits: list[int], total: int) -> bool:
         needed = self.layout.logical_pages_for(total) - len(hits)
