@@ -45,8 +45,9 @@ Rows whose ids are unknown (a forward with ``inputs_embeds``, a cache used witho
 after admission that the row's salt does not account for raises rather than registering wrong
 content. The manager is not thread-safe; one cache runs one ``generate`` at a time.
 
-What is not supported: sliding-window or hybrid
-layers, ``torch.compile`` (the views change every step), offloading, encoder-decoder models.
+What is not supported: sliding-window or chunked layers whose window is shorter than
+``max_cache_len`` (refused with ``UnsupportedModelError``), hybrid layers (linear attention, SSM),
+``torch.compile`` (the views change every step), offloading, encoder-decoder models.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from vmemkv import CacheConfig, CacheKeys, KVCacheManager
 from vmemkv.errors import ConfigError, OutOfPagesError, PageStateError
+from vmemkv.hf_support import check_attention_supported, text_config
 from vmemkv.slots import NoFreeSlotError
 
 __all__ = ["VmemkvCache", "cache_kwarg", "manager_for"]
@@ -80,17 +82,10 @@ def manager_for(model, max_batch_size: int, max_cache_len: int, num_blocks: int 
     so ``generate`` never runs out; pass fewer to cap memory (on CUDA the pool is allocated up
     front). Other keyword arguments go to :class:`CacheConfig` (``tokens_per_page``,
     ``enable_prefix_caching``, ``hash_seed``, ...)."""
-    text = model.config.get_text_config(decoder=True)
-    layer_types = getattr(text, "layer_types", None)
-    kinds = set(layer_types or ["full_attention"])
-    if kinds - {"full_attention", "sliding_attention"}:
-        raise ConfigError(f"VmemkvCache supports full-attention layers; this model has layer types "
-                          f"{sorted(kinds)}")
-    window = getattr(text, "sliding_window", None) if getattr(text, "use_sliding_window", True) else None
-    if window and max_cache_len > window and ("sliding_attention" in kinds or layer_types is None):
-        raise ConfigError(
-            f"this model has sliding window {window} < max_cache_len {max_cache_len}; VmemkvCache "
-            "keeps every token (full attention), so use max_cache_len <= the sliding window")
+    # The model runs its own attention over the cache, so only windows and chunks matter here.
+    check_attention_supported(model.config, max_cache_len, replaces_attention=False,
+                              who="VmemkvCache", limit_name="max_cache_len")
+    text = text_config(model.config)
     heads = text.num_attention_heads
     cfg = CacheConfig(
         num_layers=text.num_hidden_layers,

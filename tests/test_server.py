@@ -507,6 +507,37 @@ def test_disconnect_while_waiting_for_a_full_answer_aborts_the_request(base_url,
     assert aborted[-1].startswith("cmpl-")
 
 
+_GAUGES = ("vmemkv_num_requests_running", "vmemkv_num_requests_waiting", "vmemkv_kv_cache_usage_ratio")
+
+
+def _gauges(http: httpx.Client) -> dict[str, float]:
+    lines = (line.split(" ") for line in http.get("/metrics").text.splitlines())
+    return {parts[0]: float(parts[1]) for parts in lines if parts[0] in _GAUGES}
+
+
+def test_gauges_are_current_after_the_last_request_is_aborted(base_url, http, engine, aborted):
+    # The engine thread steps only while requests are unfinished: aborting the only one must
+    # itself refresh the gauges, or /metrics shows it running, holding pages, until the next one.
+    if isinstance(engine, FakeEngine):
+        pytest.skip("checks the real engine's gauges")
+    _wait_until(lambda: not engine.has_unfinished_requests(), "earlier requests to end")
+    body = {**_long_request(engine), "stream": True}
+    with httpx.Client(base_url=base_url, timeout=WAIT_S,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as http_client, \
+            http_client.stream("POST", "/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and '"id"' in line:
+                request_id = json.loads(line[len("data: "):])["id"]
+                busy = _gauges(http)
+                break  # leaving the block closes the connection: the server aborts the request
+    assert busy["vmemkv_num_requests_running"] == 1 and busy["vmemkv_kv_cache_usage_ratio"] > 0
+    _wait_until(lambda: request_id in aborted and not engine.has_unfinished_requests(), "the abort")
+    deadline = time.monotonic() + 1.0  # abort_request returns just after dropping the request
+    while (idle := _gauges(http)) != dict.fromkeys(_GAUGES, 0.0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert idle == dict.fromkeys(_GAUGES, 0.0)
+
+
 # ---- AsyncEngine on its own (always on a FakeEngine) --------------------------------------------
 
 class _CountingEngine(FakeEngine):

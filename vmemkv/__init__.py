@@ -6,7 +6,8 @@ preemption. See README.md for the API.
 """
 
 from .errors import (ConfigError, CudaDriverError, MappingError, MappingLimitError,
-                     OutOfPagesError, PageStateError, RequestTooLongError, VmemkvError)
+                     OutOfPagesError, PageStateError, RequestTooLongError, UnsupportedModelError,
+                     VmemkvError)
 from .hashing import CacheKeys, MultimodalItem
 from .layout import KVLayout
 from .manager import (CacheConfig, KVCacheManager, PreemptionEstimate, PrefixCacheBusyError,

@@ -10,6 +10,11 @@ class ConfigError(VmemkvError, ValueError):
     of the OS page or of the CUDA allocation granularity)."""
 
 
+class UnsupportedModelError(ConfigError):
+    """A model whose attention vmemkv cannot reproduce (a sliding window shorter than the longest
+    sequence, logit softcapping, ...): running it would silently give other tokens."""
+
+
 class MappingError(VmemkvError):
     """A map or unmap request that is outside a reservation, or that the OS or driver refused."""
 
@@ -32,3 +37,12 @@ class RequestTooLongError(VmemkvError, ValueError):
 
 class CudaDriverError(VmemkvError):
     """A CUDA driver call failed; the message carries the driver's own error string."""
+
+
+class InvalidInputError(VmemkvError, ValueError):
+    """An argument of the wrong type or out of range at the library boundary (a float token id,
+    a negative size, a layer or slot that does not exist); refused before anything changed."""
+
+
+class ManagerClosedError(VmemkvError):
+    """A call on a manager after ``close()``: its memory is gone; build a new manager."""

@@ -139,7 +139,8 @@ class EngineMetrics:
 
     def on_step(self, num_running: int, num_waiting: int, num_swapped: int, kv_usage: float,
                 prefix_hit_rate: float, num_preemptions_total: int, now: float | None = None) -> None:
-        """Scheduler state after a step; ``num_preemptions_total`` is the engine's running total."""
+        """Scheduler state after a step or an abort; ``num_preemptions_total`` is the engine's
+        running total."""
         self.running.set(num_running)
         self.waiting.set(num_waiting)
         self.swapped.set(num_swapped)

@@ -14,6 +14,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from ..errors import UnsupportedModelError
+
 ATTENTION_NAME = "vmemkv"
 BATCH_KWARG = "vmemkv_attention"
 
@@ -23,6 +25,11 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     if attention is None:
         raise RuntimeError("the vmemkv attention was called without a batch; run the model "
                            "through vmemkv's ModelRunner")
+    # Backstop for models check_attention_supported does not know: score changes we don't apply.
+    for name in ("softcap", "s_aux", "sinks", "alibi", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise UnsupportedModelError(f"{type(module).__name__} passes {name!r} to its attention "
+                                        "function, which the vmemkv engine does not apply")
     return attention(module.layer_idx, query, key, value, scaling), None
 
 
@@ -38,12 +45,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.device = next(model.parameters()).device
-        model.set_attn_implementation(ATTENTION_NAME)
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-            layer_types = getattr(config, "layer_types", None) or []
-            if any(t != "full_attention" for t in layer_types):
-                raise NotImplementedError("sliding-window attention layers are not supported yet")
+        model.set_attn_implementation(ATTENTION_NAME)  # LLMEngine ran check_attention_supported
 
     @torch.inference_mode()
     def forward(self, input_ids: list[int], positions: list[int], attention,

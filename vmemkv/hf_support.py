@@ -1,0 +1,108 @@
+"""Which Hugging Face attention variants vmemkv reproduces, read from a transformers config.
+
+vmemkv keeps every token of a sequence, and the engine replaces the model's attention function
+with plain causal attention over all of them. A model that attends otherwise would run and
+silently give other tokens than transformers, so both the engine and ``VmemkvCache`` refuse it
+at load time with :func:`check_attention_supported`. This module reads config attributes only;
+it does not import transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import UnsupportedModelError
+
+# Layer kinds that only see the last W tokens (or the current chunk of W): identical to full
+# attention as long as no sequence is longer than W. The config attribute holding W.
+_BOUNDED_KINDS = {"sliding_attention": ("sliding window", "sliding_window"),
+                  "chunked_attention": ("chunked attention", "attention_chunk_size")}
+
+# Attention that adds learned per-head sink logits (``s_aux``); their configs have no flag for it.
+_SINK_MODEL_TYPES = frozenset({"gpt_oss"})
+# ALiBi position biases, which the model hands to its attention function as an extra argument.
+_ALIBI_MODEL_TYPES = frozenset({"bloom"})
+
+
+def text_config(config: Any) -> Any:
+    """The decoder's text config of a composite (multimodal) config; ``config`` itself otherwise."""
+    get = getattr(config, "get_text_config", None)
+    if get is None:
+        return config
+    try:
+        return get(decoder=True)
+    except TypeError:  # older transformers: no ``decoder`` argument
+        return get()
+
+
+def layer_kinds(config: Any) -> list[str]:
+    """Each layer's attention kind ("full_attention", "sliding_attention", ...) as the model's
+    own code decides it, also for configs without ``layer_types``."""
+    text = text_config(config)
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types:
+        return list(layer_types)
+    num_layers = text.num_hidden_layers
+    window = getattr(text, "sliding_window", None)
+    if not window or getattr(text, "use_sliding_window", None) is False:
+        return ["full_attention"] * num_layers
+    # Mistral, Mixtral, Phi-3, Starcoder2 apply ``sliding_window`` on every layer; configs with
+    # ``use_sliding_window`` (older Qwen2) slide from layer ``max_window_layers`` up.
+    first = getattr(text, "max_window_layers", 0) if hasattr(text, "use_sliding_window") else 0
+    return ["full_attention" if i < first else "sliding_attention" for i in range(num_layers)]
+
+
+def check_attention_supported(config: Any, max_len: int, *, replaces_attention: bool,
+                              who: str = "vmemkv", limit_name: str = "max_model_len") -> None:
+    """Raise :class:`UnsupportedModelError` unless ``config``'s attention, for sequences of up to
+    ``max_len`` tokens, equals causal attention over every cached token.
+
+    ``replaces_attention``: the caller runs its own attention function (the engine), not the
+    model's (``VmemkvCache``), so changes to the scores inside attention matter too (logit
+    softcapping, sinks, ALiBi). ``who`` and ``limit_name`` word the message."""
+    text = text_config(config)
+    model_type = getattr(text, "model_type", None) or type(text).__name__
+    kinds = layer_kinds(text)
+    problems: list[str] = []
+    for kind in dict.fromkeys(kinds):
+        if kind == "full_attention":
+            continue
+        layers = _ranges([i for i, k in enumerate(kinds) if k == kind])
+        if kind not in _BOUNDED_KINDS:
+            problems.append(f"{kind!r} layers ({layers}): only full attention is supported; "
+                            "use a model without them")
+            continue
+        feature, attribute = _BOUNDED_KINDS[kind]
+        size = getattr(text, attribute, None)
+        if size is not None and size < max_len:  # a query at position >= size sees fewer tokens
+            problems.append(f"{feature} of {size} tokens on layers {layers}, but {limit_name} is "
+                            f"{max_len} and {who} keeps every token (full attention): "
+                            f"use {limit_name} <= {size}")
+    if replaces_attention:
+        cap = getattr(text, "attn_logit_softcapping", None)
+        if cap:
+            problems.append(f"attention logit softcapping ({cap}), which {who}'s attention does "
+                            "not apply: use a model without it, or VmemkvCache with the model's "
+                            "own attention")
+        if model_type in _SINK_MODEL_TYPES:
+            problems.append(f"attention sinks, which {who}'s attention does not apply: use a "
+                            "model without them, or VmemkvCache with the model's own attention")
+        attn_config = getattr(text, "attn_config", None)  # MPT keeps its ALiBi flag there
+        if (model_type in _ALIBI_MODEL_TYPES or getattr(text, "alibi", False)
+                or getattr(attn_config, "alibi", False)):
+            problems.append(f"ALiBi position biases, which {who}'s attention does not apply: "
+                            "use a RoPE model")
+    if problems:
+        raise UnsupportedModelError(f"{who} cannot run this {model_type} model as transformers "
+                                    "does: " + "; ".join(problems))
+
+
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
