@@ -206,3 +206,62 @@ def test_offline_text_is_decoded_once_and_matches_full_decode():
     if stopped.stop_reason == "e":  # stop strings still cut the text
         assert "e" not in stopped.text
     assert_clean(llm.engine)
+
+
+@pytest.mark.parametrize("lookahead", [4, 16, 64, 1000])
+def test_lookahead_up_to_and_past_max_model_len_matches_hf(lookahead):
+    # Both requests run to max_model_len (4 pages of 16 tokens); the lookahead of the one in the
+    # first slot must never reach the second slot's pages, nor the last slot past the range.
+    engine = make_engine(max_model_len=64, max_num_seqs=2, lookahead_tokens=lookahead)
+    batch = prompts(2, lengths=(40, 33))
+    outputs = run(engine, batch, SamplingParams(max_tokens=31, temperature=0, ignore_eos=True))
+    for prompt, output in zip(batch, outputs):
+        new = min(31, 64 - len(prompt))
+        assert output.outputs[0].token_ids == hf_greedy("tiny-llama", tuple(prompt), new)
+    assert_clean(engine)
+
+
+def test_a_refused_lookahead_mapping_costs_only_the_head_start():
+    from vmemkv.errors import MappingLimitError
+
+    engine = make_engine(lookahead_tokens=8)
+    refusals = []
+
+    def refused(jobs):  # as if the mapping budget had no room on the worker
+        refusals.append(len(jobs))
+        raise MappingLimitError("no mapping to spare (test)")
+
+    engine.manager.map_lookahead = refused
+    batch = prompts(4, lengths=(14, 15, 30, 47))
+    assert_matches_hf("tiny-llama", batch, run(engine, batch))
+    assert refusals, "no lookahead was tried"
+    assert_clean(engine)
+
+
+def test_aborting_a_request_preempted_by_recompute_leaves_nothing_behind():
+    engine = make_engine(num_blocks=12, preemption_mode="recompute", enable_prefix_caching=False,
+                         watermark=0.0)
+    for i, prompt in enumerate(prompts(6, lengths=(30, 35, 40, 28, 33, 38))):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    while not engine.scheduler.num_preemptions:
+        engine.step()
+    preempted = [seq.group.request_id for seq in engine.scheduler.waiting if seq.num_computed == 0
+                 and seq.output_token_ids]
+    assert preempted, "the preempted request waits to be recomputed"
+    for request_id in preempted:
+        engine.abort_request(request_id)
+    run_to_completion(engine, [])
+    assert not engine.manager._preempted, "the manager still remembers aborted requests"
+    assert_clean(engine)
+
+
+@pytest.mark.parametrize("bad", [[1.5, 2.0, 3.0], [1, None], [1, 10 ** 6], [-1, 2], ["a", "b"]])
+def test_bad_token_ids_are_refused_at_add_request_and_the_engine_runs_on(bad):
+    from vmemkv.errors import InvalidInputError
+
+    engine = make_engine()
+    with pytest.raises(InvalidInputError, match="prompt"):
+        engine.add_request("bad", bad, greedy())
+    batch = prompts(1, lengths=(10,))
+    assert_matches_hf("tiny-llama", batch, run(engine, batch))
+    assert_clean(engine)

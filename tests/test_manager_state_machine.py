@@ -383,10 +383,11 @@ TestPerLayer.settings = SETTINGS
 
 
 def test_the_machines_ran_enough_steps(request):
-    """Runs last in this file: the two machines together ran at least 10,000 steps."""
+    """Runs last in this file: the two machines ran at least 50 steps a run on average (10,000
+    steps with the default 2 x 100 runs)."""
     ran = TokenMajorMachine.steps + PerLayerMachine.steps
     if TokenMajorMachine.steps == 0 or PerLayerMachine.steps == 0:
         pytest.skip("the state machines did not run in this pytest run (selected out)")
     print(f"state machines: {ran} steps in {TokenMajorMachine.examples + PerLayerMachine.examples} "
           f"runs; {dict(TokenMajorMachine.totals + PerLayerMachine.totals)}")
-    assert ran >= 100 * RUNS, f"only {ran} steps ran"
+    assert ran >= 2 * 50 * RUNS, f"only {ran} steps ran"

@@ -23,6 +23,7 @@ from typing import Literal, Sequence
 import numpy as np
 import torch
 
+from . import validation as check
 from .errors import (ConfigError, ManagerClosedError, PageStateError, RequestTooLongError,
                      VmemkvError)
 from .hashing import CacheKeys, PrefixHasher
@@ -65,6 +66,7 @@ class CacheConfig:
     # Rates for the swap-or-recompute estimate; measure them on your machine for better choices.
     swap_bytes_per_second: float = 10e9
     prefill_tokens_per_second: float = 10e3
+    vocab_size: int | None = None  # when known, token ids are checked against it
 
     def make_layout(self) -> KVLayout:
         granularity = CUDA_GRANULARITY if str(self.device).startswith("cuda") else 4096
@@ -130,7 +132,7 @@ class _Request:
 
 class KVCacheManager:
     def __init__(self, config: CacheConfig, backend: VirtualMemoryBackend | None = None):
-        self.config = config
+        self.config = check.config(config)
         self.layout = config.make_layout()
         self.tokens_per_page = self.layout.tokens_per_page
         if config.max_model_len <= 0 or config.max_num_seqs <= 0:
@@ -156,18 +158,22 @@ class KVCacheManager:
     # --- queries without side effects ----------------------------------------------------------
     @property
     def num_free_slots(self) -> int:
+        self._check_open()
         return self.slots.num_free
 
     def usage(self) -> float:
         """Fraction of blocks held by requests."""
+        self._check_open()
         return self.pool.num_in_use / self.pool.num_pages
 
     def match_prefix(self, token_ids: Sequence[int], keys: CacheKeys = CacheKeys()) -> tuple[list[int], list[bytes]]:
         """Cached blocks holding a prefix of ``token_ids`` (whole pages, leaving at least one
         token to compute) and the hashes of all full pages of ``token_ids``."""
+        self._check_open()
         if not self.config.enable_prefix_caching:
             return [], []
-        hashes = self.hasher.page_hashes(token_ids, self.tokens_per_page, keys)
+        hashes = self.hasher.page_hashes(self._token_ids(token_ids, "token_ids"), self.tokens_per_page,
+                                         check.cache_keys(keys))
         hits = []
         for h in hashes[: (len(token_ids) - 1) // self.tokens_per_page]:
             block = self.pool.lookup(h)
@@ -178,15 +184,17 @@ class KVCacheManager:
 
     def can_admit(self, token_ids: Sequence[int], keys: CacheKeys = CacheKeys()) -> bool:
         """Whether ``admit`` of all of ``token_ids`` would succeed now."""
+        self._check_open()
         hits, _ = self.match_prefix(token_ids, keys)
         return self.slots.num_free > 0 and self._fits_admission(hits, len(token_ids))
 
     def can_allocate(self, request_id: str, num_new_tokens: int) -> bool:
         req = self._running(request_id)
-        return self._blocks_needed(req, num_new_tokens) <= self.pool.num_free
+        return self._blocks_needed(req, check.count(num_new_tokens, "num_new_tokens")) <= self.pool.num_free
 
     def blocks_needed(self, request_id: str, num_new_tokens: int) -> int:
-        return self._blocks_needed(self._running(request_id), num_new_tokens)
+        req = self._running(request_id)
+        return self._blocks_needed(req, check.count(num_new_tokens, "num_new_tokens"))
 
     # --- admission and growth ------------------------------------------------------------------
     def admit(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int | None = None,
@@ -196,6 +204,13 @@ class KVCacheManager:
         positions for ``num_new_tokens`` more tokens (default: the rest of ``token_ids``; at most
         ``token_budget``, for chunked prefill). Returns how many tokens are already computed, or
         None, changing nothing, when no slot (or not ``slot``) or not enough blocks are free."""
+        self._check_open()
+        request_id = check.request_id(request_id)
+        token_ids = self._token_ids(token_ids, "token_ids")
+        keys = check.cache_keys(keys)
+        num_new_tokens = check.count(num_new_tokens, "num_new_tokens", optional=True)
+        token_budget = check.count(token_budget, "token_budget", optional=True)
+        slot = check.slot_index(slot, self.slots.num_slots)
         if request_id in self._requests:
             raise PageStateError(f"request {request_id!r} is already admitted")
         self._check_length(request_id, len(token_ids))
@@ -204,9 +219,6 @@ class KVCacheManager:
         new = len(token_ids) - cached if num_new_tokens is None else num_new_tokens
         if token_budget is not None:
             new = min(new, token_budget)
-        if new < 0:
-            raise PageStateError(f"request {request_id!r}: cannot reserve {new} tokens; pass a "
-                                 "non-negative num_new_tokens and token_budget")
         self._check_length(request_id, cached + new)
         if not self._slot_available(slot) or not self._fits_admission(hits, cached + new):
             return None
@@ -236,8 +248,8 @@ class KVCacheManager:
         boundary), recording ``new_token_ids`` as the request's next tokens. Returns False,
         changing nothing, when the blocks are not there."""
         req = self._running(request_id)
-        if num_new_tokens < 0:
-            raise PageStateError(f"request {request_id!r}: cannot reserve {num_new_tokens} tokens")
+        num_new_tokens = check.count(num_new_tokens, "num_new_tokens")
+        new_token_ids = self._token_ids(new_token_ids, "new_token_ids")
         self._check_length(request_id, req.num_tokens + num_new_tokens)
         if self._blocks_needed(req, num_new_tokens) > self.pool.num_free:
             return False
@@ -249,7 +261,8 @@ class KVCacheManager:
         """Mark positions up to ``num_computed_tokens`` (default: all reserved) as written. Pages
         that are now full join the prefix cache and are never written again."""
         req = self._running(request_id)
-        done = req.num_tokens if num_computed_tokens is None else num_computed_tokens
+        done = req.num_tokens if num_computed_tokens is None else check.count(
+            num_computed_tokens, "num_computed_tokens")
         if not req.num_computed <= done <= min(req.num_tokens, len(req.token_ids)):
             raise PageStateError(
                 f"request {request_id!r}: cannot mark {done} tokens computed; it has "
@@ -275,7 +288,8 @@ class KVCacheManager:
         Returns False, changing nothing, when that copy finds no free block."""
         req = self._running(request_id)
         self._require_committed(req)
-        if not 0 <= num_tokens <= req.num_tokens:
+        num_tokens = check.count(num_tokens, "num_tokens")
+        if not num_tokens <= req.num_tokens:
             raise PageStateError(f"request {request_id!r} has {req.num_tokens} tokens; cannot "
                                  f"truncate it to {num_tokens}")
         keep = self.layout.logical_pages_for(num_tokens)
@@ -306,9 +320,12 @@ class KVCacheManager:
         blocks are taken, so no cached prefix is evicted for a guess. Returns the jobs for
         ``map_lookahead``, which may run on another thread while the device computes: it touches
         only mapping state, and only pages past every reserved position."""
+        self._check_open()
+        margin_tokens = check.count(margin_tokens, "margin_tokens")
+        keep_free = check.count(keep_free, "keep_free")
+        running = [self._running(r) for r in check.request_id_list(request_ids, "request_ids")]
         jobs = []
-        for request_id in request_ids:
-            req = self._running(request_id)
+        for req in running:
             end = min(req.num_tokens + margin_tokens, self.config.max_model_len)
             needed = self.layout.logical_pages_for(end) - len(req.blocks)
             if needed <= 0 or needed > self.pool.num_clean or self.pool.num_free - needed < keep_free:
@@ -325,11 +342,16 @@ class KVCacheManager:
         self.slots.map_jobs(jobs)
 
     def cancel_lookahead(self, jobs: list[MapJob]) -> None:
-        """Give back the blocks of lookahead jobs whose mapping was refused."""
-        slots = {job.slot for job in jobs}
-        for req in self._requests.values():
-            if req.slot in slots:
-                self._trim_lookahead(req)
+        """Give back the blocks of lookahead jobs whose mapping was refused; call it right after
+        ``map_lookahead`` raised, before the requests change."""
+        by_slot = {req.slot: req for req in self._requests.values() if req.swapped is None}
+        for job in jobs:
+            req = by_slot.get(job.slot)
+            if req is None or req.blocks[job.first:] != job.blocks:
+                raise PageStateError(f"lookahead job {job} is not the tail of its request's "
+                                     "blocks any more; cancel right after map_lookahead raised")
+            self.pool.release(reversed(job.blocks))
+            del req.blocks[job.first:]
 
     def _trim_lookahead(self, req: _Request) -> None:
         """Release blocks past the reservation (given early by allocate_lookahead)."""
@@ -344,6 +366,8 @@ class KVCacheManager:
         full pages shared, the partial last page copied. Returns False, changing nothing, without
         a slot (or not ``slot``) or a block."""
         parent = self._running(parent_id)
+        child_id = check.request_id(child_id, "child_id")
+        slot = check.slot_index(slot, self.slots.num_slots)
         if child_id in self._requests:
             raise PageStateError(f"request {child_id!r} already exists")
         self._require_committed(parent)
@@ -371,8 +395,8 @@ class KVCacheManager:
         (as they were before the call). Full pages are remapped, never copied; a partial page is
         copied only when more than one request takes it. Returns False, changing nothing, when
         the copies need more free blocks than there are."""
-        rows = [self._running(r) for r in request_ids]
-        sources = [self._running(s) for s in source_ids]
+        rows = [self._running(r) for r in check.request_id_list(request_ids, "request_ids")]
+        sources = [self._running(s) for s in check.request_id_list(source_ids, "source_ids")]
         if len(rows) != len(sources) or len({id(row) for row in rows}) != len(rows):
             raise PageStateError(f"reorder needs distinct requests, one source each; got "
                                  f"{list(request_ids)} from {list(source_ids)}")
@@ -420,7 +444,8 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Release a request (running or swapped). Its blocks go back deepest first, so a shared
         prefix outlives its tails in the LRU queue; its slot keeps its mappings."""
-        req = self._requests.pop(request_id, None)
+        self._check_open()
+        req = self._requests.pop(check.request_id(request_id), None)
         if req is None:
             raise UnknownRequestError(f"no request {request_id!r} to free")
         self._preempted.discard(request_id)
@@ -438,6 +463,7 @@ class KVCacheManager:
         a request preempted by recompute holds nothing and is just forgotten; an unknown id is
         ignored."""
         self._check_open()
+        request_id = check.request_id(request_id)
         self._preempted.discard(request_id)
         if request_id in self._requests:
             self.free(request_id)
@@ -465,8 +491,7 @@ class KVCacheManager:
         blocks shared with other requests stay referenced; ``swap_in`` brings it back."""
         req = self._running(request_id)
         self._require_committed(req)
-        if mode not in ("recompute", "swap", "auto"):
-            raise ConfigError(f"preemption mode must be 'recompute', 'swap' or 'auto', got {mode!r}")
+        mode = check.choice(mode, "preemption mode", check.PREEMPT_MODES)
         if mode == "auto":
             mode = self.estimate_preemption(request_id).cheaper
         if mode == "recompute":
@@ -489,7 +514,8 @@ class KVCacheManager:
     def swap_in(self, request_id: str) -> bool:
         """Bring a swapped request back into any free slot, bit-exact. Returns False, changing
         nothing, without a free slot or enough blocks."""
-        req = self._requests.get(request_id)
+        self._check_open()
+        req = self._requests.get(check.request_id(request_id))
         if req is None or req.swapped is None:
             raise UnknownRequestError(f"request {request_id!r} is not swapped out")
         revive = {}  # swapped full pages still in the prefix cache are taken, not copied back
@@ -528,6 +554,7 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         """Forget all cached content. Refused while any request holds blocks (their hashes would
         go stale mid-flight). Returns how many cached blocks were dropped."""
+        self._check_open()
         if self.pool.num_in_use:
             raise PrefixCacheBusyError(
                 f"cannot reset the prefix cache: {self.pool.num_in_use} blocks are held by "
@@ -538,12 +565,14 @@ class KVCacheManager:
     def kv_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V over every slot, ``[num_slots, max_model_len, kv_heads, dim]``
         (vmem only). Touch only positions below a request's reservation."""
-        return self.slots.kv_views(layer)
+        self._check_open()
+        return self.slots.kv_views(check.layer_index(layer, self.layout.num_layers))
 
     def block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V as block tensors ``[num_blocks, tokens_per_page, kv_heads,
         dim]``, addressed through ``block_table(request_id)`` (both backends)."""
-        return self.slots.block_views(layer)
+        self._check_open()
+        return self.slots.block_views(check.layer_index(layer, self.layout.num_layers))
 
     def slot_of(self, request_id: str) -> int:
         return self._running(request_id).slot
@@ -552,22 +581,25 @@ class KVCacheManager:
         return self._running(request_id).num_tokens
 
     def num_computed_tokens(self, request_id: str) -> int:
-        return self._requests[request_id].num_computed
+        return self._known(request_id).num_computed
 
     def block_table(self, request_id: str) -> list[int]:
         return list(self._running(request_id).blocks)
 
     def token_ids(self, request_id: str) -> list[int]:
-        return list(self._requests[request_id].token_ids)
+        return list(self._known(request_id).token_ids)
 
     def is_swapped(self, request_id: str) -> bool:
-        req = self._requests.get(request_id)
+        self._check_open()
+        req = self._requests.get(check.request_id(request_id))
         return req is not None and req.swapped is not None
 
     def request_ids(self) -> list[str]:
+        self._check_open()
         return list(self._requests)
 
     def snapshot_stats(self) -> dict:
+        self._check_open()
         pool = self.pool.counters()
         slots = self.slots.stats
         return {
@@ -584,6 +616,7 @@ class KVCacheManager:
     # --- invariants ------------------------------------------------------------------------------
     def check(self) -> None:
         """Assert DESIGN.md's invariants over the pool, the slots and every request."""
+        self._check_open()
         self.pool.check()
         refs = np.zeros(self.pool.num_pages, dtype=np.int64)
         bound = []
@@ -645,11 +678,25 @@ class KVCacheManager:
                                      "Create a new one")
 
     def _running(self, request_id: str) -> _Request:
-        self._check_open()
-        req = self._requests.get(request_id)
-        if req is None or req.swapped is not None:
-            raise UnknownRequestError(f"no running request {request_id!r}")
+        req = self._known(request_id)
+        if req.swapped is not None:
+            raise UnknownRequestError(f"request {request_id!r} is swapped out, not running; "
+                                      "swap_in() it first")
         return req
+
+    def _known(self, request_id: str) -> _Request:
+        """A running or swapped request (UnknownRequestError otherwise)."""
+        if self._closed:
+            self._check_open()
+        if type(request_id) is not str:
+            check.request_id(request_id)
+        req = self._requests.get(request_id)
+        if req is None:
+            raise UnknownRequestError(f"no request {request_id!r}; admit() it first")
+        return req
+
+    def _token_ids(self, token_ids, what: str) -> list[int]:
+        return check.token_ids(token_ids, what, self.config.vocab_size)
 
     def _check_length(self, request_id: str, num_tokens: int) -> None:
         if num_tokens > self.config.max_model_len:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .errors import MappingLimitError, VmemkvError
+from .errors import ConfigError, MappingLimitError, VmemkvError
 from .layout import KVLayout
 from .vmm.base import VirtualMemoryBackend
 
@@ -133,8 +133,8 @@ class SlotTable:
         """Assert that ``slot`` addresses ``blocks`` (always true of a block table)."""
 
     def kv_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError("a block-table cache has no slot views; use block_views() "
-                                  "with the requests' block tables")
+        raise ConfigError("kv_backend='paged' (a block-table cache) has no slot views; use "
+                          "block_views() with the requests' block tables, or kv_backend='vmem'")
 
     def block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V over the whole pool as vLLM-style block tensors

@@ -9,8 +9,10 @@ from typing import Sequence as Seq
 import torch
 
 from ..attention import BlockTableAttention, ContiguousAttention, SequenceSpan
-from ..errors import RequestTooLongError
+from .. import validation as check
+from ..errors import MappingLimitError, RequestTooLongError
 from ..hashing import CacheKeys
+from ..hf_support import check_attention_supported
 from ..manager import CacheConfig, KVCacheManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
@@ -41,6 +43,9 @@ class LLMEngine:
             model, tokenizer = load_model(config.model, config.torch_dtype, config.device, config.seed)
         self.model_name = config.model
         self.tokenizer = tokenizer
+        # Before any KV memory is taken: refuse attention the engine would silently get wrong.
+        check_attention_supported(model.config, config.max_model_len, replaces_attention=True,
+                                  who="the vmemkv engine")
         self.manager = KVCacheManager(self._cache_config(model))
         self.runner = ModelRunner(model)
         self.scheduler = Scheduler(config, self.manager)
@@ -83,7 +88,7 @@ class LLMEngine:
             dtype=next(model.parameters()).dtype, device=config.device,
             tokens_per_page=config.tokens_per_page, layout=config.layout,
             kv_backend=config.kv_backend, enable_prefix_caching=config.enable_prefix_caching,
-            swap_space_bytes=config.swap_space_bytes)
+            swap_space_bytes=config.swap_space_bytes, vocab_size=getattr(text, "vocab_size", None))
         if config.num_blocks is None:  # enough for every slot at full length
             pages_per_slot = cache.make_layout().logical_pages_for(config.max_model_len)
             cache.num_blocks = config.max_num_seqs * pages_per_slot
@@ -107,9 +112,7 @@ class LLMEngine:
     def _validate_prompt(self, request_id: str, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt")
-        vocab = _text_config(self.runner.model).vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise ValueError(f"request {request_id!r} has token ids outside the vocabulary [0, {vocab})")
+        check.token_ids(token_ids, f"request {request_id!r}'s prompt", self.manager.config.vocab_size)
         limit = self.config.max_model_len
         if len(token_ids) >= limit:
             raise RequestTooLongError(
@@ -139,6 +142,7 @@ class LLMEngine:
                 self.scheduler.remove(seq)
                 seq.finish_reason = "abort"
         self.metrics.on_request_finished(request_id, "abort", time.monotonic())
+        self._update_gauges()  # its pages are free now; no step may come to say so
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -160,11 +164,17 @@ class LLMEngine:
         self.step_seconds += time.perf_counter() - start
         self.num_steps += 1
         self._record_memory()
+        self._update_gauges()
+        return [self._output(group) for group in touched.values()
+                if self.stream or group.error is not None or group.is_finished]
+
+    def _update_gauges(self) -> None:
+        """Set the metrics' gauges to the scheduler and cache state now: after every step, and
+        after an abort, which changes both between steps (the server steps only while requests
+        are unfinished, so aborting the last one would leave the gauges stale)."""
         self.metrics.on_step(len(self.scheduler.running), len(self.scheduler.waiting),
                              len(self.scheduler.swapped), self.manager.usage(),
                              self.manager.stats.prefix_hit_rate, self.scheduler.num_preemptions)
-        return [self._output(group) for group in touched.values()
-                if self.stream or group.error is not None or group.is_finished]
 
     def _execute(self, scheduled: list[ScheduledSeq]) -> list[tuple[Sequence, int, dict | None]]:
         """Run the forward pass for the scheduled tokens, commit them, and sample next tokens."""
@@ -183,9 +193,7 @@ class LLMEngine:
         logits = self.runner.forward(input_ids, positions, attention, rows or [len(input_ids) - 1])
         self.attention_seconds += attention.seconds
         if mapping is not None:
-            waited = time.perf_counter()
-            mapping.result()
-            self.map_wait_seconds += time.perf_counter() - waited
+            self._finish_lookahead(*mapping)
         for item in scheduled:
             item.seq.num_computed += item.num_new_tokens
             self.manager.commit(item.seq.seq_id)
@@ -221,7 +229,17 @@ class LLMEngine:
         if margin <= 0 or not decoding or self.config.kv_backend == "paged":  # nothing to map
             return None
         jobs = self.manager.allocate_lookahead(decoding, margin, self.scheduler.watermark_blocks)
-        return self._mapper.submit(self._map_in_background, jobs) if jobs else None
+        return (self._mapper.submit(self._map_in_background, jobs), jobs) if jobs else None
+
+    def _finish_lookahead(self, future, jobs) -> None:
+        """Wait for the worker. A mapping it was refused (the mapping budget) only costs the
+        head start: the blocks go back, and the pages are mapped inline when reached."""
+        waited = time.perf_counter()
+        try:
+            future.result()
+        except MappingLimitError:
+            self.manager.cancel_lookahead(jobs)
+        self.map_wait_seconds += time.perf_counter() - waited
 
     def _map_in_background(self, jobs) -> None:
         start = time.perf_counter()
