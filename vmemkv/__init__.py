@@ -5,9 +5,9 @@ while physical pages come from a reference-counted pool with prefix caching, cop
 preemption. See README.md for the API.
 """
 
-from .errors import (ConfigError, CudaDriverError, MappingError, MappingLimitError,
-                     OutOfPagesError, PageStateError, RequestTooLongError, UnsupportedModelError,
-                     VmemkvError)
+from .errors import (ConfigError, CudaDriverError, InvalidInputError, ManagerClosedError,
+                     MappingError, MappingLimitError, OutOfPagesError, PageStateError,
+                     RequestTooLongError, UnsupportedModelError, VmemkvError)
 from .hashing import CacheKeys, MultimodalItem
 from .layout import KVLayout
 from .manager import (CacheConfig, KVCacheManager, PreemptionEstimate, PrefixCacheBusyError,

@@ -45,4 +45,5 @@ class InvalidInputError(VmemkvError, ValueError):
 
 
 class ManagerClosedError(VmemkvError):
-    """A call on a manager after ``close()``: its memory is gone; build a new manager."""
+    """A call on a manager after ``close()`` (its memory is gone; build a new manager), or
+    ``close()`` while tensors viewing that memory are still held."""
