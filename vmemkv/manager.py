@@ -678,6 +678,9 @@ class KVCacheManager:
                                      "Create a new one")
 
     def _running(self, request_id: str) -> _Request:
+        req = self._requests.get(request_id) if type(request_id) is str else None
+        if req is not None and req.swapped is None and not self._closed:  # the hot path
+            return req
         req = self._known(request_id)
         if req.swapped is not None:
             raise UnknownRequestError(f"request {request_id!r} is swapped out, not running; "
@@ -715,7 +718,7 @@ class KVCacheManager:
 
     def _blocks_needed(self, req: _Request, num_new_tokens: int) -> int:
         """New blocks for ``num_new_tokens`` more positions (lookahead blocks count as held)."""
-        return max(self.layout.logical_pages_for(req.num_tokens + num_new_tokens) - len(req.blocks), 0)
+        return max(-(-(req.num_tokens + num_new_tokens) // self.tokens_per_page) - len(req.blocks), 0)
 
     def _fits_admission(self, hits: list[int], total: int) -> bool:
         needed = self.layout.logical_pages_for(total) - len(hits)
@@ -726,8 +729,9 @@ class KVCacheManager:
         """Reserve positions, mapping the pages they reach first (the one step that can be
         refused). Lookahead blocks are normally mapped already; one whose background mapping
         was refused is mapped here, so no position is ever written through a stale mapping."""
-        first = self.layout.logical_pages_for(req.num_tokens)
-        end = self.layout.logical_pages_for(req.num_tokens + num_new_tokens)
+        tokens_per_page = self.tokens_per_page
+        first = -(-req.num_tokens // tokens_per_page)
+        end = -(-(req.num_tokens + num_new_tokens) // tokens_per_page)
         if end > first:
             fresh = self.pool.peek(end - len(req.blocks)) if end > len(req.blocks) else []
             self.slots.map_blocks(req.slot, first, req.blocks[first:end] + fresh,

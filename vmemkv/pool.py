@@ -81,7 +81,10 @@ class PagePool:
         are skipped: the caller acquires them before allocating."""
         if n == 1 and self._clean:
             return [self._clean[0]]
-        pages = heapq.nsmallest(min(n, len(self._clean)), self._clean)
+        # pop and push back: O(n log N), where nsmallest would scan the whole heap
+        pages = [heapq.heappop(self._clean) for _ in range(min(n, len(self._clean)))]
+        for page in pages:
+            heapq.heappush(self._clean, page)
         if len(pages) < n:
             skip = set(exclude)
             victims = (page for page in self._lru if page not in skip)

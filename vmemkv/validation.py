@@ -101,14 +101,14 @@ def request_id_list(values, what: str) -> list[str]:
 
 def token_ids(ids, what: str, vocab_size: int | None = None) -> list[int]:
     """``ids`` as a plain list of ints, each in ``[0, vocab_size)`` (``[0, 2**63)`` when the
-    vocabulary is unknown). A list of ints is returned as it is (not copied)."""
+    vocabulary is unknown). A list of ints is returned as it is (not copied), a tuple as a list."""
     limit = TOKEN_ID_LIMIT if vocab_size is None else vocab_size
-    if type(ids) is list:  # the hot path: one test per id, no copy
+    if type(ids) is list or type(ids) is tuple:  # the hot path: one test per id
         for t in ids:
             if type(t) is not int or not 0 <= t < limit:
                 break
         else:
-            return ids
+            return ids if type(ids) is list else list(ids)
     return _token_ids_slow(ids, what, limit, vocab_size)
 
 
