@@ -265,3 +265,19 @@ def test_bad_token_ids_are_refused_at_add_request_and_the_engine_runs_on(bad):
     batch = prompts(1, lengths=(10,))
     assert_matches_hf("tiny-llama", batch, run(engine, batch))
     assert_clean(engine)
+
+
+@pytest.mark.parametrize("spare", [3, 8])
+def test_mapping_pressure_preempts_and_everyone_still_matches_hf(spare):
+    # Few kernel mappings to spare: growing requests are refused by the mapping budget, which
+    # the scheduler treats like a short pool (preempt, then reclaim the freed slots' mappings).
+    engine = make_engine(enable_prefix_caching=False, lookahead_tokens=0)
+    backend = engine.manager.backend
+    backend.max_mappings = backend.mappings_in_use + spare
+    batch = prompts(6, lengths=(14, 15, 30, 47, 20, 9))
+    outputs = run(engine, batch, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    assert engine.scheduler.num_preemptions > 0
+    for prompt, output in zip(batch, outputs):
+        assert output.error is None
+        assert output.outputs[0].token_ids == hf_greedy("tiny-llama", tuple(prompt), 20)
+    assert_clean(engine)

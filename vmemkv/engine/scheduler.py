@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import MappingLimitError
 from ..manager import KVCacheManager
 from .config import EngineConfig
 from .sequence import Sequence, SequenceStatus
@@ -91,7 +92,7 @@ class Scheduler:
     def _schedule_swapped(self, budget: int, out: SchedulerOutput) -> int:
         while self.swapped and budget > 0 and self.manager.num_free_slots:
             seq = self.swapped[0]
-            if not self.manager.swap_in(seq.seq_id):
+            if not self._mapped(self.manager.swap_in, seq.seq_id):
                 break
             self.swapped.pop(0)
             seq.status = SequenceStatus.RUNNING
@@ -112,8 +113,15 @@ class Scheduler:
                 self.waiting.pop(0)
                 out.failed.append((seq, self._too_big_message(seq)))
                 continue
-            cached = self.manager.admit(seq.seq_id, seq.token_ids, keys=seq.group.keys,
-                                        token_budget=budget)
+            try:
+                cached = self.manager.admit(seq.seq_id, seq.token_ids, keys=seq.group.keys,
+                                            token_budget=budget)
+            except MappingLimitError as error:
+                if self.running or out.scheduled:
+                    break  # mapping pressure: wait for running requests to leave
+                self.waiting.pop(0)  # alone and still refused: it can never be mapped
+                out.failed.append((seq, str(error)))
+                continue
             if cached is None:
                 break
             self.waiting.pop(0)
@@ -133,10 +141,19 @@ class Scheduler:
         if reserved >= count:  # a chunk reserved at admission
             return True
         new_ids = seq.token_ids[seq.num_manager_tokens:]
-        if not self.manager.allocate(seq.seq_id, count - reserved, new_ids):
+        if not self._mapped(self.manager.allocate, seq.seq_id, count - reserved, new_ids):
             return False
         seq.num_manager_tokens = len(seq.token_ids)
         return True
+
+    @staticmethod
+    def _mapped(call, *args) -> bool:
+        """A manager call whose refusal by the OS mapping budget (nothing changed) counts as
+        memory pressure, like a short pool: preempting someone frees mappings to reclaim."""
+        try:
+            return call(*args)
+        except MappingLimitError:
+            return False
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
