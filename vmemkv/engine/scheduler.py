@@ -26,7 +26,6 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
-    preempted: list[Sequence]
     failed: list[tuple[Sequence, str]]  # sequences that can never fit, with the reason
 
 
@@ -44,9 +43,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
-
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queues and give its pages back (finish or abort)."""
         for queue in (self.waiting, self.running, self.swapped):
@@ -56,7 +52,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput([], [], [])
+        out = SchedulerOutput([], [])
         budget = self.config.max_num_batched_tokens
         if self.config.policy == "priority":
             self.waiting.sort(key=Sequence.sort_key)
@@ -80,7 +76,7 @@ class Scheduler:
                     self.manager.free(seq.seq_id)
                     out.failed.append((seq, self._too_big_message(seq)))
                     break
-                self._preempt(victim, out)
+                self._preempt(victim)
                 if victim is seq:
                     break
             else:
@@ -155,14 +151,13 @@ class Scheduler:
         except MappingLimitError:
             return False
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         mode = self.config.preemption_mode
         if mode == "swap" and not self.manager.estimate_preemption(seq.seq_id).swap_fits:
             mode = "recompute"
         used = self.manager.preempt(seq.seq_id, mode)
         self.num_preemptions += 1
-        out.preempted.append(seq)
         if used == "swap":
             seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)
