@@ -30,7 +30,8 @@ def test_token_major_llama3_8b_geometry():
     assert layout.slot_pages(8192) == 512
     assert layout.describe() == {"kind": "token_major", "page_size": 2 * MiB,
                                  "token_bytes": 128 * 1024, "tokens_per_page": 16,
-                                 "map_calls_per_growth": 1}
+                                 "row_data_bytes": 128 * 1024, "token_stride_bytes": 128 * 1024,
+                                 "padding_fraction": 0.0, "map_calls_per_growth": 1}
 
 
 def test_per_layer_llama3_8b_geometry():
@@ -106,6 +107,25 @@ def test_view_geometry():
     block_strides, block_offset = per_layer.block_view_geometry(3, 1)
     assert block_strides == (64 * MiB, 8 * 128, 128, 1)
     assert block_offset == 7 * MiB
+
+
+def test_padded_stride_geometry():
+    """SmolLM2-135M's 23,040 B rows padded to 24,576 B: 256 tokens in a 6 MiB page; every view
+    steps from token to token by the padded stride, so the 1,536 padding bytes are never touched."""
+    layout = KVLayout(30, 3, 64, torch.bfloat16, 6 * MiB, token_stride_bytes=24576)
+    assert (layout.row_data_bytes, layout.row_bytes, layout.token_stride) == (23040, 24576, 12288)
+    assert layout.tokens_per_page == 256 and layout.padding_fraction == pytest.approx(1536 / 23040)
+    strides, offset = layout.slot_view_geometry(layer=29, kv=1, max_tokens=1024)
+    assert strides == (12288, 64, 1) and offset == 59 * 3 * 64
+    assert offset + 3 * 64 == 23040 // 2  # the last layer's V ends where the padding starts
+    assert layout.block_view_geometry(29, 1) == ((3 * MiB, 12288, 64, 1), offset)
+    per_layer = KVLayout(2, 3, 20, torch.float32, 4096, "per_layer", token_stride_bytes=256)
+    assert per_layer.tokens_per_page == 16 and per_layer.slot_view_geometry(1, 0, 64)[0] == (64, 20, 1)
+    assert per_layer.block_view_geometry(1, 0)[0] == (4 * 1024, 64, 20, 1)
+    with pytest.raises(ConfigError, match="at least one token"):
+        KVLayout(30, 3, 64, torch.bfloat16, 6 * MiB, token_stride_bytes=20480)
+    with pytest.raises(ConfigError, match="padded token stride"):
+        KVLayout(30, 3, 64, torch.bfloat16, 2 * MiB, token_stride_bytes=24576)
 
 
 def block_views(manager: KVCacheManager, layer: int) -> list[torch.Tensor]:

@@ -27,7 +27,7 @@ from . import validation as check
 from .errors import (ConfigError, ManagerClosedError, PageStateError, RequestTooLongError,
                      VmemkvError)
 from .hashing import CacheKeys, PrefixHasher
-from .layout import KVLayout, LayoutKind, default_page_size
+from .layout import KVLayout, LayoutKind, choose_page, unpadded_row_bytes
 from .pool import PagePool
 from .slots import MapJob, NoFreeSlotError, SlotMapper, SlotTable
 from .swap import OutOfSwapSpaceError, SwapSpace
@@ -47,6 +47,16 @@ class UnknownRequestError(VmemkvError, KeyError):
 
 @dataclass
 class CacheConfig:
+    """What the manager holds, and how pages are sized.
+
+    Page sizing: ``page_size`` (bytes) when given is used as is, unpadded. Otherwise vmemkv
+    chooses the page (a multiple of ``page_granularity``: 2 MiB on CUDA, 4 KiB on CPU unless set)
+    and may pad each token's row by up to ``max_padding`` of its size, to give the fewest tokens
+    per page, at least ``tokens_per_page``, in a page of at most ``max_page_bytes`` and never more
+    than 512 tokens where the shape allows (``layout.choose_page``). Raising ``max_padding``
+    trades memory for finer pages; 0 never pads. The result is ``make_layout().describe()``.
+    """
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -55,8 +65,11 @@ class CacheConfig:
     max_model_len: int  # tokens each slot can hold
     dtype: torch.dtype = torch.float16
     device: str = "cpu"
-    tokens_per_page: int = 16
-    page_size: int | None = None  # bytes; derived from tokens_per_page when None
+    tokens_per_page: int = 16  # the fewest tokens a page should hold (see above)
+    page_size: int | None = None  # bytes; chosen when None (see above)
+    max_padding: float = 0.07  # padding per token row, as a fraction of the row's own bytes
+    max_page_bytes: int = 16 << 20  # pages above this only when no padding within limits allows
+    page_granularity: int | None = None  # bytes; the device's when None (2 MiB pages on CPU too)
     layout: LayoutKind = "token_major"
     kv_backend: Literal["vmem", "paged"] = "vmem"
     enable_prefix_caching: bool = True
@@ -69,12 +82,17 @@ class CacheConfig:
     vocab_size: int | None = None  # when known, token ids are checked against it
 
     def make_layout(self) -> KVLayout:
-        granularity = CUDA_GRANULARITY if str(self.device).startswith("cuda") else 4096
-        page_size = self.page_size or default_page_size(
-            self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.tokens_per_page,
-            granularity, self.layout)
-        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, page_size,
-                        self.layout)
+        shape = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        if self.page_size:
+            return KVLayout(*shape, self.page_size, self.layout)
+        device_granularity = CUDA_GRANULARITY if str(self.device).startswith("cuda") else 4096
+        granularity = self.page_granularity or device_granularity
+        if not isinstance(granularity, int) or granularity % device_granularity:
+            raise ConfigError(f"CacheConfig.page_granularity is {granularity!r}; pass a multiple of "
+                              f"{device_granularity} B (the {self.device} mapping granularity)")
+        choice = choose_page(unpadded_row_bytes(*shape, self.layout), granularity,
+                             self.tokens_per_page, self.max_padding, self.max_page_bytes)
+        return KVLayout(*shape, choice.page_size, self.layout, choice.token_stride_bytes)
 
 
 @dataclass
@@ -611,6 +629,8 @@ class KVCacheManager:
             "map_calls": slots.map_calls, "pages_mapped": slots.pages_mapped,
             "map_calls_saved": slots.pages_already_mapped, "unmap_calls": slots.unmap_calls,
             "pages_unmapped": slots.pages_unmapped,
+            "tokens_per_page": self.tokens_per_page, "page_bytes": self.layout.page_size,
+            "padding_fraction": self.layout.padding_fraction,
         }
 
     # --- invariants ------------------------------------------------------------------------------
