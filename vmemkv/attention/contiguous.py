@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from .metadata import StepMetadata
 from .packed import PackedAttention, SequenceSpan
 
 
@@ -16,14 +17,16 @@ class ContiguousAttention(PackedAttention):
     def __init__(self, spans: list[SequenceSpan],
                  kv_views: Callable[[int], tuple[torch.Tensor, torch.Tensor]], device: torch.device,
                  decode_kernel: bool = False):
-        super().__init__(spans, device, decode_kernel)
         self.kv_views = kv_views
-        owners, positions = self.token_positions(spans)
-        self.write_slots = torch.tensor([spans[i].slot for i in owners], dtype=torch.long, device=device)
-        self.write_positions = torch.tensor(positions, dtype=torch.long, device=device)
+        super().__init__(spans, device, decode_kernel)
+
+    def stage(self, staged: StepMetadata) -> None:
+        super().stage(staged)
+        owners, positions = self.token_positions(self.spans)
+        staged.add("write_slots", [self.spans[i].slot for i in owners])
+        staged.add("write_positions", positions)
         if self.decodes:
-            self.decode_slots = torch.tensor([spans[i].slot for i in self.decodes], dtype=torch.int32,
-                                             device=device)
+            staged.add("decode_slots", [self.spans[i].slot for i in self.decodes], torch.int32)
 
     def write(self, layer, key, value):
         k_cache, v_cache = self.kv_views(layer)

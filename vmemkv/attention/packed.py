@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .metadata import StepMetadata
+
 
 @dataclass(frozen=True)
 class SequenceSpan:
@@ -32,18 +34,32 @@ class SequenceSpan:
 
 class PackedAttention:
     """``decode_kernel``: attend all single-token (decode) sequences in one Triton launch that
-    reads the cache in place (CUDA only); the others, and everything when off, go through SDPA."""
+    reads the cache in place (CUDA only); the others, and everything when off, go through SDPA.
+
+    The step's index tensors are staged on the host and uploaded once (``StepMetadata``):
+    subclasses add theirs in ``stage`` and find them as attributes of the same name."""
 
     def __init__(self, spans: list[SequenceSpan], device: torch.device, decode_kernel: bool = False):
         self.spans = spans
+        self.device = torch.device(device)
         self._masks: dict[tuple[int, int, torch.device], torch.Tensor] = {}
         self.seconds = 0.0  # wall time inside attention (host time: on a GPU, launch time only)
         self.decodes = [i for i, span in enumerate(spans) if span.num_queries == 1] if decode_kernel else []
+        decoding = set(self.decodes)
+        self.sdpa_spans = [i for i in range(len(spans)) if i not in decoding]
         if self.decodes:
-            decoding = [spans[i] for i in self.decodes]
-            self.decode_rows = torch.tensor([s.query_start for s in decoding], device=device)
-            self.decode_lens = torch.tensor([s.length for s in decoding], dtype=torch.int32, device=device)
-            self.decode_max_len = max(s.length for s in decoding)
+            self.decode_max_len = max(spans[i].length for i in self.decodes)
+        staged = StepMetadata()
+        self.stage(staged)
+        for name, tensor in staged.upload(self.device).items():
+            setattr(self, name, tensor)
+
+    def stage(self, staged: StepMetadata) -> None:
+        """Add this step's index arrays (host lists) to ``staged``; uploaded together."""
+        if self.decodes:
+            decoding = [self.spans[i] for i in self.decodes]
+            staged.add("decode_rows", [s.query_start for s in decoding])
+            staged.add("decode_lens", [s.length for s in decoding], torch.int32)
 
     def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  scaling: float | None) -> torch.Tensor:
@@ -52,28 +68,33 @@ class PackedAttention:
         start = time.perf_counter()
         # Write every new token first, so each sequence below reads a complete cache.
         self.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
-        outputs: list[torch.Tensor | None] = [None] * len(self.spans)
-        if self.decodes:
+        _, num_heads, num_tokens, head_dim = query.shape
+        output = None
+        if self.decodes:  # one gather in, one kernel, one scatter out: no per-sequence ops
+            output = query.new_empty((1, num_tokens, num_heads, head_dim))
             q = query[0].index_select(1, self.decode_rows).transpose(0, 1).contiguous()  # [B, Hq, D]
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            decoded = self.decode(layer, q, scale)  # [B, Hq, D]
-            for row, index in enumerate(self.decodes):
-                outputs[index] = decoded[row][None, :, None]
-        for index, span in enumerate(self.spans):
-            if outputs[index] is not None:
-                continue
-            q = query[:, :, span.query_start: span.query_start + span.num_queries]
-            k, v = self.read(layer, index)  # [length, Hk, D] each
-            if k.dtype != q.dtype:
-                k, v = k.to(q.dtype), v.to(q.dtype)
-            outputs[index] = F.scaled_dot_product_attention(
-                q, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                attn_mask=self._mask(span, q.device),
-                is_causal=span.num_cached == 0 and span.num_queries > 1, scale=scaling,
-                enable_gqa=True)
-        output = torch.cat(outputs, dim=2).transpose(1, 2)
+            scale = scaling if scaling is not None else head_dim ** -0.5
+            output[0].index_copy_(0, self.decode_rows, self.decode(layer, q, scale))
+        attended = [self._sdpa(layer, index, query, scaling) for index in self.sdpa_spans]
+        if output is None:  # SDPA only (CPU): the spans tile the packed rows in order, one cat
+            output = torch.cat(attended, dim=2).transpose(1, 2)
+        else:
+            for index, part in zip(self.sdpa_spans, attended):
+                span = self.spans[index]
+                output[0, span.query_start: span.query_start + span.num_queries] = part[0].transpose(0, 1)
         self.seconds += time.perf_counter() - start
         return output
+
+    def _sdpa(self, layer: int, index: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """Span ``index``'s attention by SDPA over its keys, ``[1, Hq, num_queries, D]``."""
+        span = self.spans[index]
+        q = query[:, :, span.query_start: span.query_start + span.num_queries]
+        k, v = self.read(layer, index)  # [length, Hk, D] each
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        return F.scaled_dot_product_attention(
+            q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=self._mask(span, q.device),
+            is_causal=span.num_cached == 0 and span.num_queries > 1, scale=scaling, enable_gqa=True)
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store ``key``/``value`` ``[T, Hk, D]`` (the packed batch's new tokens)."""

@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from .metadata import StepMetadata
 from .packed import PackedAttention, SequenceSpan
 
 
@@ -18,22 +19,26 @@ class BlockTableAttention(PackedAttention):
     def __init__(self, spans: list[SequenceSpan],
                  block_views: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
                  tokens_per_page: int, device: torch.device, decode_kernel: bool = False):
-        super().__init__(spans, device, decode_kernel)
         self.block_views = block_views
+        self.tokens_per_page = tokens_per_page
+        super().__init__(spans, device, decode_kernel)
+
+    def stage(self, staged: StepMetadata) -> None:
+        super().stage(staged)
+        spans, size = self.spans, self.tokens_per_page
         owners, positions = self.token_positions(spans)
-        blocks = [spans[i].block_table[p // tokens_per_page] for i, p in zip(owners, positions)]
-        self.write_blocks = torch.tensor(blocks, dtype=torch.long, device=device)
-        self.write_offsets = torch.tensor([p % tokens_per_page for p in positions], dtype=torch.long,
-                                          device=device)
-        self.read_blocks = [
-            torch.tensor(span.block_table[: -(-span.length // tokens_per_page)], dtype=torch.long,
-                         device=device) for span in spans]
+        staged.add("write_blocks", [spans[i].block_table[p // size] for i, p in zip(owners, positions)])
+        staged.add("write_offsets", [p % size for p in positions])
+        tables = [span.block_table[: -(-span.length // size)] for span in spans]
+        # Every sequence's blocks back to back; read() slices its own (SDPA sequences only).
+        self._table_starts = [0]
+        for table in tables:
+            self._table_starts.append(self._table_starts[-1] + len(table))
+        staged.add("read_block_ids", [block for table in tables for block in table])
         if self.decodes:  # the decode sequences' block tables, padded with block 0 (never read)
-            tables = [self.read_blocks[i] for i in self.decodes]
-            width = max(len(t) for t in tables)
-            self.decode_tables = torch.zeros((len(tables), width), dtype=torch.int32, device=device)
-            for row, table in enumerate(tables):
-                self.decode_tables[row, :len(table)] = table
+            width = max(len(tables[i]) for i in self.decodes)
+            staged.add("decode_tables", [list(tables[i]) + [0] * (width - len(tables[i]))
+                                         for i in self.decodes], torch.int32)
 
     def write(self, layer, key, value):
         k_blocks, v_blocks = self.block_views(layer)
@@ -42,7 +47,8 @@ class BlockTableAttention(PackedAttention):
 
     def read(self, layer, index):
         k_blocks, v_blocks = self.block_views(layer)
-        blocks, length = self.read_blocks[index], self.spans[index].length
+        blocks = self.read_block_ids[self._table_starts[index]: self._table_starts[index + 1]]
+        length = self.spans[index].length
         k = k_blocks.index_select(0, blocks).flatten(0, 1)[:length]
         v = v_blocks.index_select(0, blocks).flatten(0, 1)[:length]
         return k, v

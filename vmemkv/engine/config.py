@@ -28,9 +28,11 @@ class EngineConfig:
     watermark: float = 0.01  # fraction of pages kept free at admission to avoid instant preemption
     layout: Literal["token_major", "per_layer"] = "token_major"
     kv_backend: Literal["vmem", "paged"] = "vmem"  # virtually contiguous slots, or block tables
-    # Decode attention: "triton" reads the cache in place in one launch (CUDA only); "sdpa" runs
-    # PyTorch SDPA per sequence; "auto" picks triton on CUDA when it imports, else sdpa.
-    attention: Literal["auto", "sdpa", "triton"] = "auto"
+    # "flash": one FlashAttention-2 varlen call per layer per step, prefill and decode together,
+    # over the slots (or block tables of 256-token multiples) in place (CUDA, fp16/bf16);
+    # "triton": decodes in one Triton launch that reads the cache in place, prefill by SDPA (CUDA);
+    # "sdpa": PyTorch SDPA per sequence; "auto": flash if it runs here, else triton, else sdpa.
+    attention: Literal["auto", "flash", "triton", "sdpa"] = "auto"
     # Decoding requests get the page their next `lookahead_tokens` tokens need mapped on a
     # background thread while the current step computes (0: map only when needed, inline).
     lookahead_tokens: int = 1
@@ -43,10 +45,11 @@ class EngineConfig:
             raise ConfigError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
         if self.policy not in ("fcfs", "priority"):
             raise ConfigError(f"policy must be fcfs or priority, got {self.policy!r}")
-        if self.attention not in ("auto", "sdpa", "triton"):
-            raise ConfigError(f"attention must be auto, sdpa or triton, got {self.attention!r}")
-        if self.attention == "triton" and not str(self.device).startswith("cuda"):
-            raise ConfigError("the Triton decode kernel needs a CUDA device; use attention='sdpa' on CPU")
+        if self.attention not in ("auto", "flash", "triton", "sdpa"):
+            raise ConfigError(f"attention must be auto, flash, triton or sdpa, got {self.attention!r}")
+        if self.attention in ("flash", "triton") and not str(self.device).startswith("cuda"):
+            raise ConfigError(f"attention={self.attention!r} needs a CUDA device; use attention='sdpa' "
+                              "(or 'auto') on CPU")
         if self.kv_backend not in ("vmem", "paged"):
             raise ConfigError(f"kv_backend must be vmem or paged, got {self.kv_backend!r}")
         self.torch_dtype  # validates the name
