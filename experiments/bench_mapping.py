@@ -10,6 +10,12 @@ bookkeeping) and one Python ``ctypes`` mmap per page.
     python experiments/bench_mapping.py                 # readable table
     python experiments/bench_mapping.py --json          # one JSON object
     python experiments/bench_mapping.py --out experiments/results   # mapping_cpu.md / .json
+    python experiments/bench_mapping.py --json --cuda-only         # the GPU check's step
+
+Exit status: 0 when everything asked for was measured; 1 when the CUDA backend failed (an error is
+a failure, never a skip: its JSON says ``cuda_error``); 3 (``EXIT_SKIPPED``) with ``--cuda-only`` on a
+machine without CUDA (JSON ``{"skipped": ...}``; without ``--cuda-only`` that machine just gets the
+CPU numbers and ``cuda_skipped``).
 """
 
 from __future__ import annotations
@@ -30,10 +36,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vmemkv import _native
 from vmemkv.vmm import CpuBackend, VirtualMemoryBackend
+from vmemkv.vmm.cpu import load_native
 from machine import cpu_model  # experiments/machine.py, beside this script
 
+EXIT_SKIPPED = 3  # nothing to measure here (no CUDA with --cuda-only); gpu_check.sh: "skipped"
 BATCH_SIZES = (1, 16, 64, 256)
 PHASES = ("map", "remap", "unmap", "runs_map", "runs_unmap")
 
@@ -80,6 +87,7 @@ def measure_floors_once(backend: CpuBackend, vrange, rng: np.random.Generator, c
     virt = np.arange(n, dtype=np.int64)
     phys = rng.permutation(n).astype(np.int64)
     fd, base, ps = backend._fd, vrange.address, backend.page_size
+    _native = load_native()
     out = {
         "syscall_floor_us_per_page": timed_us_per_page(_native.map_each,
                                                        [(fd, base, ps, n, n, virt, phys)], n),
@@ -155,25 +163,34 @@ def run_cpu(args) -> dict:
     return results
 
 
-def run_cuda(args) -> dict | None:
-    """The same phases on the CUDA backend when a GPU and ``vmemkv.vmm.cuda`` are there."""
-    if args.no_cuda or not torch.cuda.is_available():
-        return None
+def no_cuda_reason(args) -> str | None:
+    """Why the CUDA backend is not measured here (None: it is). Only the absence of a GPU is a
+    reason; a GPU whose backend fails is an error (``run_cuda``)."""
+    if args.no_cuda:
+        return "--no-cuda given"
+    if not torch.cuda.is_available():
+        return (f"no CUDA GPU here (torch {torch.__version__}, CUDA build "
+                f"{torch.version.cuda or 'none'}: torch.cuda.is_available() is False)")
+    return None
+
+
+def run_cuda(args) -> dict:
+    """The same phases on the CUDA backend (call only where ``no_cuda_reason`` is None). Any
+    failure, import of cuda-bindings included, comes back as ``cuda_error``: a GPU is here, so a
+    backend that cannot run is broken."""
     try:
         from vmemkv.vmm.cuda import CudaBackend
-    except Exception as e:  # noqa: BLE001 -- the CUDA backend needs cuda-bindings; any failure skips it
-        print(f"CUDA backend not importable, skipped: {e}", file=sys.stderr)
-        return None
-    try:
+
         with CudaBackend(args.cuda_page_size, args.cuda_num_pages) as backend:
             results = bench_backend(backend, args.cuda_num_pages, args.reps, args.seed, False, 0)
-    except Exception as e:  # noqa: BLE001 -- keep the CPU numbers; say what went wrong
-        print(f"CUDA benchmark failed: {type(e).__name__}: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 -- reported in the JSON and the exit status
+        print(f"bench_mapping: CUDA backend FAILED: {type(e).__name__}: {e}", file=sys.stderr)
         return {"cuda_error": f"{type(e).__name__}: {e}"}
     return {f"cuda_{k}": v for k, v in results.items()}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark, prints the table or JSON; returns the exit status (see the module doc)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--page-size", type=int, default=64 * 1024)
     parser.add_argument("--num-pages", type=int, default=4096, help="pool and reservation size in pages")
@@ -183,28 +200,41 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cuda-page-size", type=int, default=2 * 1024 * 1024)
     parser.add_argument("--cuda-num-pages", type=int, default=1024)
     parser.add_argument("--no-cuda", action="store_true")
+    parser.add_argument("--cuda-only", action="store_true",
+                        help=f"measure only the CUDA backend; exit {EXIT_SKIPPED} (skipped) without CUDA")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", type=Path, help="write mapping_cpu.md and mapping_cpu.json here")
     args = parser.parse_args(argv)
+    if args.cuda_only and args.no_cuda:
+        parser.error("--cuda-only and --no-cuda exclude each other")
 
+    skipped = no_cuda_reason(args)
+    if args.cuda_only and skipped:
+        print(f"bench_mapping: skipped: {skipped}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"skipped": skipped}))
+        return EXIT_SKIPPED
     results = {
         "page_size": args.page_size, "num_pages": args.num_pages, "reps": args.reps,
         "batch_sizes": list(BATCH_SIZES), "cpu": cpu_model(), "cpus": os.cpu_count(),
         "kernel": platform.release(), "date": datetime.date.today().isoformat(),
         "load_average_1min": os.getloadavg()[0],  # other work on the machine slows every mmap
     }
-    results.update(run_cpu(args))
-    cuda = run_cuda(args)
-    if cuda:
-        results.update(cuda, cuda_page_size=args.cuda_page_size, cuda_num_pages=args.cuda_num_pages)
-
-    table = markdown(results)
-    if args.out:
+    if not args.cuda_only:
+        results.update(run_cpu(args))
+    if skipped:
+        results["cuda_skipped"] = skipped
+    else:
+        results.update(run_cuda(args), cuda_page_size=args.cuda_page_size,
+                       cuda_num_pages=args.cuda_num_pages)
+    # The tables need the CPU numbers; with --cuda-only the JSON is the whole report.
+    table = None if args.cuda_only else markdown(results)
+    if args.out and table is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "mapping_cpu.json").write_text(json.dumps(results, indent=2) + "\n")
         (args.out / "mapping_cpu.md").write_text(table)
-    print(json.dumps(results) if args.json else table)
-    return results
+    print(json.dumps(results) if args.json or table is None else table)
+    return 1 if "cuda_error" in results else 0
 
 
 def markdown(r: dict) -> str:
@@ -254,4 +284,4 @@ def backend_table(r: dict, prefix: str) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,11 +12,14 @@ import sys
 
 import pytest
 
-from vmemkv.ab import METRIC_KEYS, VARIANTS, WORKLOADS, make_workload
+from vmemkv.ab import METRIC_KEYS, VARIANTS, WORKLOADS, make_workload, report
 from vmemkv.ab.cli import main
-from vmemkv.ab.workloads import TOKEN_MAX, TOKEN_MIN
+from vmemkv.ab.runner import failures
+from vmemkv.ab.workloads import TOKEN_MAX, TOKEN_MIN, pages
 
 QUICK_WORKLOADS = ("shared-prefix", "pressure")
+# 16: CPU's default page; 1024: tiny-llama in fp32 on a 2 MiB CUDA page.
+PAGE_TOKENS = (16, 64, 1024)
 
 
 def _as_data(workload):
@@ -32,8 +35,10 @@ def test_workloads_are_deterministic_for_a_seed(name, quick):
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))
-def test_workloads_stay_in_the_byte_vocabulary_and_fit_the_engine(name):
-    workload = make_workload(name)
+@pytest.mark.parametrize("page", PAGE_TOKENS)
+def test_workloads_stay_in_the_byte_vocabulary_and_fit_the_engine(name, page):
+    workload = make_workload(name, tokens_per_page=page)
+    assert workload.tokens_per_page == page
     ids = set()
     for request_id, prompt, params in workload.requests:
         ids.update(prompt)
@@ -43,10 +48,55 @@ def test_workloads_stay_in_the_byte_vocabulary_and_fit_the_engine(name):
     assert len({rid for rid, _, _ in workload.requests}) == len(workload.requests)
 
 
-def test_pressure_pool_is_smaller_than_its_working_set():
-    workload = make_workload("pressure")
-    pages = sum(-(-(len(p) + s.max_tokens) // 16) for _, p, s in workload.requests)
-    assert workload.engine["num_blocks"] < pages
+@pytest.mark.parametrize("quick", [True, False])
+@pytest.mark.parametrize("page", PAGE_TOKENS)
+def test_pressure_cannot_give_every_request_its_next_page(page, quick):
+    workload = make_workload("pressure", quick=quick, tokens_per_page=page)
+    prompts = [len(ids) for _, ids, _ in workload.requests]
+    output = workload.requests[0][2].max_tokens
+    pool = workload.engine["num_blocks"]
+    # every prompt fits at once and prefills in one step ...
+    assert sum(pages(n, page) for n in prompts) <= pool
+    assert workload.engine["max_num_batched_tokens"] >= sum(prompts)
+    # ... and ends short of a page boundary that its first output/2 tokens cross ...
+    assert all(0 < page - n % page <= output // 2 for n in prompts if n % page)
+    # ... but only half the requests can then get their next page
+    assert pool - sum(pages(n, page) for n in prompts) <= len(prompts) // 2
+    assert pool < workload.pages_at_full_length(page)
+
+
+@pytest.mark.parametrize("quick", [True, False])
+@pytest.mark.parametrize("page", PAGE_TOKENS)
+def test_shared_prefix_spans_whole_pages_and_the_pool_holds_everything(page, quick):
+    workload = make_workload("shared-prefix", quick=quick, tokens_per_page=page)
+    first = workload.requests[0][1]
+    system = next(n for n in range(len(first), 0, -1)
+                  if all(ids[:n] == first[:n] for _, ids, _ in workload.requests[:3]))
+    system -= system % page  # the shared whole pages
+    assert system // page >= 4
+    assert workload.engine["max_num_batched_tokens"] == system
+    assert workload.engine["num_blocks"] >= workload.pages_at_full_length(page)
+
+
+def test_a_variant_with_another_page_gets_a_pool_of_the_same_tokens():
+    chat = make_workload("chat", quick=True, tokens_per_page=16)
+    assert chat.engine_for(16) == chat.engine
+    coarse = chat.engine_for(1024)  # no pressure: still room for everything at once
+    assert coarse["num_blocks"] >= max(chat.pages_at_full_length(1024),
+                                       pages(chat.engine["num_blocks"] * 16, 1024))
+    pressure = make_workload("pressure", quick=True, tokens_per_page=16)
+    assert pressure.engine_for(64)["num_blocks"] == pages(pressure.engine["num_blocks"] * 16, 64)
+
+
+def test_a_variant_on_another_page_is_not_held_to_preempting():
+    workload = make_workload("pressure", quick=True)
+    none = {"preemptions": {"median": 0.0, "min": 0.0, "max": 0.0},
+            "prefix_hit_rate": {"median": 0.0, "min": 0.0, "max": 0.0}}
+    results = {"pressure": {v: {"metrics": none, "tokens_equal": True} for v in VARIANTS}}
+    assert len(failures({"pressure": workload}, results)) == len(VARIANTS)
+    checks = {"pressure": {"other_page_size": {"vmem-per-layer": 8192}}}
+    assert [f.split(":")[1].split()[0] for f in failures({"pressure": workload}, results, checks)] \
+        == ["vmem", "paged"]
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +167,31 @@ def test_quick_run_writes_its_files(quick_run):
     assert "| shared-prefix | paged |" in markdown
     for png in out.glob("*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plots_are_optional_without_matplotlib(quick_run, tmp_path, monkeypatch, capsys):
+    _, result, _ = quick_run
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    paths = report.write_all(result, tmp_path)
+    assert sorted(p.name for p in paths) == sorted(p.name for p in tmp_path.iterdir()) \
+        == ["ab.json", "ab.md"]
+    assert "plots skipped" in capsys.readouterr().err
+
+
+def test_quick_run_on_coarse_pages_still_hits_and_preempts(tmp_path, capsys):
+    """Pages of 64 tokens (as a 2 MiB CUDA page holds 1024): the workloads are sized from the
+    engine's real page, so the checks still bite. `gpu_check.sh --dry-run` runs the same at 1024."""
+    status = main(["--quick", "--json", "--no-progress", "--no-plots", "--variants", "vmem,paged",
+                   "--workloads", ",".join(QUICK_WORKLOADS), "--tokens-per-page", "64",
+                   "--out", str(tmp_path)])
+    result = json.loads(capsys.readouterr().out)
+    assert result["failures"] == [] and status == 0
+    assert result["config"]["tokens_per_page"] == {"vmem": 64, "paged": 64}
+    assert result["workloads"]["pressure"]["tokens_per_page"] == 64
+    assert result["results"]["shared-prefix"]["vmem"]["metrics"]["prefix_hit_rate"]["median"] > 0
+    for data in result["results"]["pressure"].values():
+        assert data["metrics"]["preemptions"]["min"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ab.json", "ab.md"]  # --out, no plots
 
 
 def test_unknown_names_are_refused(capsys):

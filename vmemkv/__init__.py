@@ -6,8 +6,8 @@ preemption. See README.md for the API.
 """
 
 from .errors import (ConfigError, CudaDriverError, InvalidInputError, ManagerClosedError,
-                     MappingError, MappingLimitError, OutOfPagesError, PageStateError,
-                     RequestTooLongError, UnsupportedModelError, VmemkvError)
+                     MappingError, MappingLimitError, NativeExtensionError, OutOfPagesError,
+                     PageStateError, RequestTooLongError, UnsupportedModelError, VmemkvError)
 from .hashing import CacheKeys, MultimodalItem
 from .layout import KVLayout
 from .manager import (CacheConfig, KVCacheManager, PreemptionEstimate, PrefixCacheBusyError,

@@ -35,6 +35,10 @@ class RequestTooLongError(VmemkvError, ValueError):
     """A request needs more tokens than ``max_model_len`` allows."""
 
 
+class NativeExtensionError(VmemkvError, ImportError):
+    """The compiled CPU mapper (``vmemkv._native``) is not built; only the CPU backend needs it."""
+
+
 class CudaDriverError(VmemkvError):
     """A CUDA driver call failed; the message carries the driver's own error string."""
 
@@ -47,3 +51,8 @@ class InvalidInputError(VmemkvError, ValueError):
 class ManagerClosedError(VmemkvError):
     """A call on a manager after ``close()`` (its memory is gone; build a new manager), or
     ``close()`` while tensors viewing that memory are still held."""
+
+
+class ModelUnavailableError(ConfigError):
+    """A model that cannot be obtained here: not built in, not cached, and not downloadable (no
+    registry access, or a Hugging Face Hub id missing from the local Hugging Face cache)."""

@@ -6,9 +6,12 @@ contiguous) or in block tables, measured side by side.
     vmemkv ab --json                            # the JSON on stdout instead of the table
     python -m vmemkv.ab.cli ...                 # the same without the `vmemkv` entry point
 
-Results go to ``--out`` (default ``experiments/results/ab``): ``ab.md``, ``ab.json`` and PNG plots.
-The exit status is 1 when a check fails (greedy tokens differ between variants, the pressure
-workload never preempts, vmem and paged disagree on the prefix hit rate).
+Results go to ``--out`` (default ``experiments/results/ab``): ``ab.md``, ``ab.json`` and PNG plots
+(skipped with ``--no-plots`` or without matplotlib). The workloads are sized for the engine's real
+page (``tokens_per_page`` of each variant's KV layout: 16 on CPU by default, 1024 for tiny-llama
+in fp32 on 2 MiB CUDA pages). The exit status is 1 when a check fails (greedy tokens differ
+between variants, the pressure workload never preempts, vmem and paged disagree on the prefix hit
+rate).
 """
 
 from __future__ import annotations
@@ -40,7 +43,14 @@ def add_ab_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print the results JSON on stdout instead of the table")
     parser.add_argument("--out", default=DEFAULT_OUT,
-                        help=f"directory for ab.md, ab.json and plots (default {DEFAULT_OUT})")
+                        help=f"directory for ab.md, ab.json and plots (default {DEFAULT_OUT}; "
+                             "'' writes nothing)")
+    parser.add_argument("--no-plots", action="store_true",
+                        help="write ab.md and ab.json only (plots also need matplotlib)")
+    parser.add_argument("--tokens-per-page", type=int, default=None,
+                        help="ask the engine for pages of this many tokens (EngineConfig."
+                             "tokens_per_page; on CUDA a page is at least 2 MiB); the workloads "
+                             "are sized for the page the engine really uses")
     parser.add_argument("--model", default="tiny-llama",
                         help="a built-in model name or a local Hugging Face directory")
     parser.add_argument("--seed", type=int, default=0, help="workload and model seed")
@@ -69,6 +79,8 @@ def command_line(args: argparse.Namespace, repeats: int) -> str:
              "--threads", str(args.threads), "--out", args.out]
     if args.device != "cpu":
         parts += ["--device", args.device]
+    if args.tokens_per_page is not None:
+        parts += ["--tokens-per-page", str(args.tokens_per_page)]
     if args.quick:
         parts.append("--quick")
     return shlex.join(parts)
@@ -87,15 +99,16 @@ def run_ab(args: argparse.Namespace) -> int:
     machine_before = report.machine_info()
     result = run_experiment(workloads, variants, repeats=repeats, quick=args.quick,
                             model_name=args.model, seed=args.seed, threads=args.threads,
-                            progress=not args.no_progress, device=args.device)
+                            progress=not args.no_progress, device=args.device,
+                            tokens_per_page=args.tokens_per_page)
     machine = report.machine_info()
     machine["load_average_at_start"] = machine_before["load_average_1_5_15"]
     result["machine"] = machine
     result["command"] = command_line(args, repeats)
-    paths = report.write_all(result, args.out) if args.out else []
-    if args.json:
-        print(report.to_json(result))
-    else:
+    if args.json:  # first: the numbers reach stdout whatever happens to the files
+        print(report.to_json(result), flush=True)
+    paths = report.write_all(result, args.out, plots=not args.no_plots) if args.out else []
+    if not args.json:
         print(report.format_table(result))
         print()
         print(report.summary(result))

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import platform
+import sys
 from pathlib import Path
 
 # (header, metric key, format of the median, scale)
@@ -173,8 +174,9 @@ def summary(result: dict) -> str:
                    for w in workloads)
         preempt = all(_metric(result, w, "vmem", "preemptions")["median"]
                       == _metric(result, w, "paged", "preemptions")["median"] for w in workloads)
+        page = result["config"].get("workload_tokens_per_page", 16)
         memory = ("Memory is a tie by construction: both hand out the same pool's pages, "
-                  "16 tokens each, so peak KV bytes are "
+                  f"{page} tokens each, so peak KV bytes are "
                   + ("identical" if same_peak else "within a page or two (vmem's lookahead "
                      "takes a decoding sequence's next page one step early)")
                   + ", internal fragmentation differs only by that lookahead page, prefix hit "
@@ -230,7 +232,9 @@ def markdown(result: dict) -> str:
              "```bash", result.get("command", ""), "```", "",
              (f"Model `{config['model']}`, {config['repeats']} repeat(s) per variant (variants "
              f"alternating, rotated each repeat), seed {config['seed']}, torch threads "
-             f"{config['torch_threads']}{', quick sizes' if config['quick'] else ''}; "
+             f"{config['torch_threads']}{', quick sizes' if config['quick'] else ''}, "
+             f"device {config.get('device', 'cpu')}, workloads sized for pages of "
+             f"{config.get('workload_tokens_per_page', 16)} tokens; "
              f"whole run {result['runtime_s']:.0f} s."), "",
              "## Results", "", markdown_table(result), "",
              "## Summary", "", summary(result), "",
@@ -329,13 +333,23 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
-def write_all(result: dict, out_dir: str | Path) -> list[Path]:
-    """``ab.md``, ``ab.json`` and the PNG plots under ``out_dir``; returns their paths."""
+def write_all(result: dict, out_dir: str | Path, plots: bool = True) -> list[Path]:
+    """``ab.md``, ``ab.json`` and (with ``plots`` and matplotlib importable) the PNG plots under
+    ``out_dir``; returns their paths. Without matplotlib the plots are skipped with a note on
+    stderr: the numbers matter more than the pictures."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ab.json").write_text(to_json(result) + "\n")
     (out / "ab.md").write_text(markdown(result))
-    return [out / "ab.md", out / "ab.json", *write_plots(result, out)]
+    paths = [out / "ab.md", out / "ab.json"]
+    if plots:
+        try:
+            import matplotlib  # noqa: F401 -- only to know whether plots can be drawn
+        except ImportError as exc:
+            print(f"vmemkv ab: plots skipped, matplotlib is not importable ({exc})", file=sys.stderr)
+        else:
+            paths += write_plots(result, out)
+    return paths
 
 
 def _json_default(value):

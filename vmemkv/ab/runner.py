@@ -46,7 +46,7 @@ class Variant:
 
 VARIANTS: dict[str, Variant] = {
     "vmem": Variant("vmem", "vmem", "token_major",
-                    "virtually contiguous slots, token-major pages (all layers of 16 tokens)"),
+                    "virtually contiguous slots, token-major pages (all layers of each token)"),
     "paged": Variant("paged", "paged", "token_major",
                      "block tables over the same pool (blocks gathered for CPU SDPA)"),
     "vmem-per-layer": Variant("vmem-per-layer", "vmem", "per_layer",
@@ -133,19 +133,27 @@ class RunResult:
     metrics: dict[str, float]
     # request id -> token ids of each completion (index order)
     tokens: dict[str, list[list[int]]]
+    tokens_per_page: int = 0  # the engine's real page (manager.tokens_per_page)
 
 
 def engine_config(model_name: str, workload: Workload, variant: Variant, seed: int,
-                  device: str = "cpu") -> EngineConfig:
-    return EngineConfig(model=model_name, seed=seed, device=device, **workload.engine,
-                        **variant.engine_fields())
+                  device: str = "cpu", tokens_per_page: int | None = None,
+                  overrides: dict | None = None) -> EngineConfig:
+    """``tokens_per_page``: the variant's real page, when known (the workload's pool is scaled to
+    it if the workload was sized for another); ``overrides``: more EngineConfig fields."""
+    engine = workload.engine if tokens_per_page is None else workload.engine_for(tokens_per_page)
+    return EngineConfig(model=model_name, seed=seed, device=device, **engine,
+                        **variant.engine_fields(), **(overrides or {}))
 
 
 def run_once(model, tokenizer, model_name: str, workload: Workload, variant: Variant,
-             seed: int = 0, repeat: int = 0, device: str = "cpu") -> RunResult:
+             seed: int = 0, repeat: int = 0, device: str = "cpu",
+             tokens_per_page: int | None = None, overrides: dict | None = None) -> RunResult:
     """A fresh engine (fresh KV manager and pool) on the shared model, the workload run once."""
-    engine = LLMEngine(engine_config(model_name, workload, variant, seed, device), model, tokenizer)
+    config = engine_config(model_name, workload, variant, seed, device, tokens_per_page, overrides)
+    engine = LLMEngine(config, model, tokenizer)
     try:
+        page_tokens = engine.manager.tokens_per_page
         probe = _Probe(engine)
         gc.collect()
         token_times: dict[tuple[str, int], list[float]] = {}
@@ -173,7 +181,7 @@ def run_once(model, tokenizer, model_name: str, workload: Workload, variant: Var
     tokens = {rid: [list(c.token_ids) for c in sorted(out.outputs, key=lambda c: c.index)]
               for rid, out in finished.items()}
     metrics = _metrics(workload, stats, probe, token_times, start, wall, cpu)
-    return RunResult(workload.name, variant.name, repeat, metrics, tokens)
+    return RunResult(workload.name, variant.name, repeat, metrics, tokens, page_tokens)
 
 
 def _metrics(workload: Workload, stats: dict, probe: _Probe,
@@ -252,19 +260,31 @@ def rotated(variants: list[str], repeat: int) -> list[str]:
     return variants[shift:] + variants[:shift]
 
 
+def workload_page(page_tokens: dict[str, int]) -> int:
+    """The page the workloads are sized for: the reference variant's (vmem and paged share it),
+    else the coarsest of the variants run."""
+    return page_tokens.get(REFERENCE_VARIANT) or max(page_tokens.values())
+
+
 def run_experiment(workloads: list[str], variants: list[str], repeats: int = 3, quick: bool = False,
                    model_name: str = "tiny-llama", seed: int = 0, threads: int | None = 1,
-                   progress: bool = True, device: str = "cpu") -> dict:
+                   progress: bool = True, device: str = "cpu",
+                   tokens_per_page: int | None = None) -> dict:
     """Every workload on every variant, ``repeats`` times, variants alternating; returns the
-    results dict that ``report`` formats (medians with min-max, checks, raw runs)."""
+    results dict that ``report`` formats (medians with min-max, checks, raw runs).
+
+    The workloads are sized for the engine's real page, read from each variant's warmup engine
+    (``tokens_per_page`` only asks for one: EngineConfig.tokens_per_page)."""
     from tqdm.auto import tqdm
 
     for name in variants:
         if name not in VARIANTS:
             raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+    for name in workloads:
+        make_workload(name, seed, quick)  # unknown names fail before the model loads
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    built = {name: make_workload(name, seed, quick) for name in workloads}
+    overrides = {} if tokens_per_page is None else {"tokens_per_page": tokens_per_page}
     previous_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -274,24 +294,30 @@ def run_experiment(workloads: list[str], variants: list[str], repeats: int = 3, 
         warmup = _warmup_workload()
         total = len(variants) * (1 + len(workloads) * repeats)
         runs: list[RunResult] = []
+        page_tokens: dict[str, int] = {}
         with tqdm(total=total, desc="vmemkv ab", unit="run", disable=not progress) as bar:
             for name in variants:  # once per variant: kernels, allocator, native mapper warm
                 bar.set_postfix_str(f"warmup {name}")
-                run_once(model, tokenizer, model_name, warmup, VARIANTS[name], seed, device=device)
+                page_tokens[name] = run_once(model, tokenizer, model_name, warmup, VARIANTS[name],
+                                             seed, device=device, overrides=overrides).tokens_per_page
                 bar.update(1)
+            page = workload_page(page_tokens)
+            built = {name: make_workload(name, seed, quick, page) for name in workloads}
             for workload in built.values():
                 for repeat in range(repeats):
                     for name in rotated(variants, repeat):
                         bar.set_postfix_str(f"{workload.name} {name} #{repeat + 1}")
                         runs.append(run_once(model, tokenizer, model_name, workload,
-                                             VARIANTS[name], seed, repeat, device))
+                                             VARIANTS[name], seed, repeat, device,
+                                             page_tokens[name], overrides))
                         bar.update(1)
     finally:
         torch.set_num_threads(previous_threads)
     return summarize(built, variants, runs, time.perf_counter() - began,
                      {"workloads": workloads, "variants": variants, "repeats": repeats,
                       "quick": quick, "model": model_name, "seed": seed, "device": device,
-                      "torch_threads": threads or previous_threads})
+                      "torch_threads": threads or previous_threads,
+                      "tokens_per_page": page_tokens, "workload_tokens_per_page": page})
 
 
 def summarize(workloads: dict[str, Workload], variants: list[str], runs: list[RunResult],
@@ -320,16 +346,22 @@ def summarize(workloads: dict[str, Workload], variants: list[str], runs: list[Ru
                                      if v != REFERENCE_VARIANT}
         if workload.expect_preemption:
             check["preemptions_min"] = min(r.metrics["preemptions"] for r in runs if r.workload == name)
+        other_pages = {r.variant: r.tokens_per_page for r in runs
+                       if r.workload == name and r.tokens_per_page != workload.tokens_per_page}
+        if other_pages:  # e.g. per-layer on CUDA: 2 MiB holds 8x the tokens of a token-major page
+            check["other_page_size"] = other_pages
         checks[name] = check
     return {"config": config, "variants": {v: vars(VARIANTS[v]) for v in variants},
             "workloads": {name: w.describe() for name, w in workloads.items()},
-            "results": results, "checks": checks, "failures": failures(workloads, results),
+            "results": results, "checks": checks, "failures": failures(workloads, results, checks),
             "runtime_s": runtime_s}
 
 
-def failures(workloads: dict[str, Workload], results: dict) -> list[str]:
+def failures(workloads: dict[str, Workload], results: dict, checks: dict | None = None) -> list[str]:
     """What the run must not show: differing greedy tokens, a pressure workload that never
-    preempted, vmem and paged disagreeing on the prefix hit rate."""
+    preempted, vmem and paged disagreeing on the prefix hit rate. A variant whose pages hold
+    other than the workload's tokens per page (``checks[name]["other_page_size"]``) is not held
+    to preempting: the pool was sized in the workload's pages."""
     problems = []
     for name, workload in workloads.items():
         per_variant = results[name]
@@ -339,8 +371,9 @@ def failures(workloads: dict[str, Workload], results: dict) -> list[str]:
                     problems.append(f"{name}: {variant} gave different greedy tokens from "
                                     f"{REFERENCE_VARIANT}")
         if workload.expect_preemption:
+            other_pages = (checks or {}).get(name, {}).get("other_page_size", {})
             for variant, result in per_variant.items():
-                if result["metrics"]["preemptions"]["min"] <= 0:
+                if variant not in other_pages and result["metrics"]["preemptions"]["min"] <= 0:
                     problems.append(f"{name}: {variant} never preempted; shrink num_blocks")
         if "vmem" in per_variant and "paged" in per_variant:
             a = per_variant["vmem"]["metrics"]["prefix_hit_rate"]["median"]

@@ -5,6 +5,11 @@ Token ids are drawn from ``[1, 250]`` (bytes of the built-in models' byte vocabu
 ids 256/257 never appear) and every request sets ``ignore_eos=True``, so prompt and output lengths
 are exactly as drawn. ``quick=True`` gives a much smaller version of each workload for smoke runs
 and tests.
+
+Everything a check depends on is sized in pages of ``tokens_per_page`` tokens, the engine's real
+page (16 on CPU by default; 2 MiB CUDA pages hold 1024 tokens of tiny-llama in fp32): the shared
+system prompt spans whole pages, and the pressure workload's prompts end just short of a page
+boundary on a pool that cannot give every request its next page.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass, field
 from ..engine.sampling_params import SamplingParams
 
 TOKEN_MIN, TOKEN_MAX = 1, 250
+DEFAULT_TOKENS_PER_PAGE = 16  # EngineConfig's default on CPU
 
 Request = tuple[str, list[int], SamplingParams]
 
@@ -31,6 +37,7 @@ class Workload:
     engine: dict = field(default_factory=dict)
     greedy: bool = True  # greedy: all variants must give identical tokens
     expect_preemption: bool = False  # the pool is sized to force preemptions
+    tokens_per_page: int = DEFAULT_TOKENS_PER_PAGE  # the page the sizes above were chosen for
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -41,6 +48,24 @@ class Workload:
         """Tokens the requests will generate (all of them: ``ignore_eos``, ``n`` completions)."""
         return sum(params.max_tokens * params.n for _, _, params in self.requests)
 
+    def pages_at_full_length(self, tokens_per_page: int) -> int:
+        """Pages every sequence needs at full length at once, nothing shared."""
+        return sum(pages(len(ids) + p.max_tokens, tokens_per_page) * p.n
+                   for _, ids, p in self.requests)
+
+    def engine_for(self, tokens_per_page: int) -> dict:
+        """The engine sizes for a variant whose pages hold ``tokens_per_page`` tokens: this
+        workload's own when it was sized for that page, else a pool of the same tokens (never
+        smaller than the largest request, nor, without expected pressure, than everything)."""
+        engine = dict(self.engine)
+        if tokens_per_page != self.tokens_per_page:
+            pool_tokens = engine["num_blocks"] * self.tokens_per_page
+            floor = (max(pages(len(ids) + p.max_tokens, tokens_per_page) * p.n
+                         for _, ids, p in self.requests)
+                     if self.expect_preemption else self.pages_at_full_length(tokens_per_page))
+            engine["num_blocks"] = max(pages(pool_tokens, tokens_per_page), floor)
+        return engine
+
     def describe(self) -> dict:
         prompts = [len(ids) for _, ids, _ in self.requests]
         return {"description": self.description, "num_requests": len(self.requests),
@@ -48,7 +73,7 @@ class Workload:
                 "prompt_tokens": self.num_prompt_tokens, "output_tokens": self.num_output_tokens,
                 "prompt_len_min": min(prompts), "prompt_len_max": max(prompts),
                 "greedy": self.greedy, "expect_preemption": self.expect_preemption,
-                "engine": dict(self.engine)}
+                "tokens_per_page": self.tokens_per_page, "engine": dict(self.engine)}
 
 
 # --- helpers ----------------------------------------------------------------------------------------
@@ -61,12 +86,25 @@ def _lognormal(rng: random.Random, median: float, sigma: float, low: int, high: 
     return int(min(max(round(rng.lognormvariate(math.log(median), sigma)), low), high))
 
 
+def pages(tokens: int, tokens_per_page: int) -> int:
+    """Pages that hold ``tokens`` tokens."""
+    return -(-tokens // tokens_per_page)
+
+
+def _roomy_pool(requests: list[Request], tokens_per_page: int, min_tokens: int = 8192) -> int:
+    """A pool with no pressure: every sequence at full length at once (nothing shared), and at
+    least ``min_tokens`` tokens (512 pages of 16, as these workloads always had)."""
+    need = sum(pages(len(ids) + p.max_tokens, tokens_per_page) * p.n for _, ids, p in requests)
+    return max(need, pages(min_tokens, tokens_per_page))
+
+
 def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 # --- the workloads ----------------------------------------------------------------------------------
-def chat(seed: int = 0, quick: bool = False) -> Workload:
+def chat(seed: int = 0, quick: bool = False,
+         tokens_per_page: int = DEFAULT_TOKENS_PER_PAGE) -> Workload:
     """Chat-like traffic: log-normal prompt and output lengths (long tails, clipped), greedy."""
     rng = random.Random(f"chat-{seed}")
     count, prompt_cap, output_cap = (8, 128, 24) if quick else (24, 512, 96)
@@ -77,14 +115,19 @@ def chat(seed: int = 0, quick: bool = False) -> Workload:
         requests.append((f"chat-{i}", _tokens(rng, prompt), _greedy(output)))
     return Workload("chat", "mixed chat-like lengths: prompts log-normal (median 96, clipped to "
                     f"{prompt_cap}), outputs log-normal (median 24, clipped to {output_cap}), greedy",
-                    requests, {"max_num_seqs": 16, "max_model_len": 1024, "num_blocks": 512,
-                               "max_num_batched_tokens": 512})
+                    requests, {"max_num_seqs": 16, "max_model_len": 1024,
+                               "num_blocks": _roomy_pool(requests, tokens_per_page),
+                               "max_num_batched_tokens": 512}, tokens_per_page=tokens_per_page)
 
 
-def shared_prefix(seed: int = 0, quick: bool = False) -> Workload:
+def shared_prefix(seed: int = 0, quick: bool = False,
+                  tokens_per_page: int = DEFAULT_TOKENS_PER_PAGE) -> Workload:
     """Groups of requests that share a long system prompt, each with its own question."""
     rng = random.Random(f"shared-prefix-{seed}")
-    groups, per_group, system_len, output = (2, 3, 64, 8) if quick else (3, 6, 256, 16)
+    groups, per_group, output = (2, 3, 8) if quick else (3, 6, 16)
+    # Whole pages, or nothing can hit: 4 (quick) to 16 pages (at most 1024 tokens when pages allow).
+    system_pages = 4 if quick else max(4, min(16, 1024 // tokens_per_page))
+    system_len = system_pages * tokens_per_page
     requests = []
     for g in range(groups):
         system = _tokens(rng, system_len)
@@ -92,15 +135,19 @@ def shared_prefix(seed: int = 0, quick: bool = False) -> Workload:
             question = _tokens(rng, rng.randint(8, 40))
             requests.append((f"prefix-{g}-{q}", system + question, _greedy(output)))
     return Workload("shared-prefix", f"{groups} groups x {per_group} questions (8-40 tokens) after "
-                    f"a shared {system_len}-token system prompt, {output} output tokens, greedy",
-                    requests, {"max_num_seqs": 16, "max_model_len": 1024, "num_blocks": 512,
+                    f"a shared {system_len}-token system prompt ({system_pages} pages), {output} "
+                    "output tokens, greedy",
+                    requests, {"max_num_seqs": 16, "max_model_len": max(1024, system_len + 64),
+                               "num_blocks": _roomy_pool(requests, tokens_per_page),
                                # a step budget of one system prompt: a group's first prefill
                                # fills (and caches) the shared pages before the rest of the
                                # group is admitted, so they hit
-                               "max_num_batched_tokens": system_len})
+                               "max_num_batched_tokens": system_len},
+                    tokens_per_page=tokens_per_page)
 
 
-def parallel_n4(seed: int = 0, quick: bool = False) -> Workload:
+def parallel_n4(seed: int = 0, quick: bool = False,
+                tokens_per_page: int = DEFAULT_TOKENS_PER_PAGE) -> Workload:
     """Parallel sampling, n=4: copy-on-write forks of one prompt, seeded temperature sampling."""
     rng = random.Random(f"parallel-n4-{seed}")
     count, output = (3, 12) if quick else (6, 32)
@@ -111,30 +158,47 @@ def parallel_n4(seed: int = 0, quick: bool = False) -> Workload:
         requests.append((f"n4-{i}", _tokens(rng, rng.randint(48, 160)), params))
     return Workload("parallel-n4", f"{count} prompts (48-160 tokens) x n=4 completions of {output} "
                     "tokens, temperature 0.8, top-p 0.95, seeded per request", requests,
-                    {"max_num_seqs": 32, "max_model_len": 1024, "num_blocks": 512,
-                     "max_num_batched_tokens": 512}, greedy=False)
+                    {"max_num_seqs": 32, "max_model_len": 1024,
+                     "num_blocks": _roomy_pool(requests, tokens_per_page),
+                     "max_num_batched_tokens": 512}, greedy=False, tokens_per_page=tokens_per_page)
 
 
-def pressure(seed: int = 0, quick: bool = False) -> Workload:
+def pressure(seed: int = 0, quick: bool = False,
+             tokens_per_page: int = DEFAULT_TOKENS_PER_PAGE) -> Workload:
     """A pool smaller than the working set: running requests must be preempted (swap or
-    recompute, the scheduler's "auto" choice) to let others grow."""
+    recompute, the scheduler's "auto" choice) to let others grow.
+
+    Each prompt fills 3-4 (quick) or 4-8 pages and ends a few tokens short of a page boundary, so
+    every request needs a new page early in its decode, whatever the page size. The pool holds
+    every prompt plus a page for only half of the requests, and the step budget prefills every
+    prompt in the first step: the second half must preempt someone.
+    """
     rng = random.Random(f"pressure-{seed}")
     if quick:
-        count, prompt_range, output, num_blocks = 6, (48, 64), 48, 20
+        count, page_range, output = 6, (3, 4), 48
     else:
-        count, prompt_range, output, num_blocks = 12, (64, 128), 64, 56
-    requests = [(f"pressure-{i}", _tokens(rng, rng.randint(*prompt_range)), _greedy(output))
-                for i in range(count)]
-    working_set = sum(-(-(len(ids) + output) // 16) for _, ids, _ in requests)
-    return Workload("pressure", f"{count} requests of {prompt_range[0]}-{prompt_range[1]} prompt + "
-                    f"{output} output tokens (about {working_set} pages at full length) on a "
-                    f"{num_blocks}-page pool: forces preemption, greedy", requests,
-                    {"max_num_seqs": count, "max_model_len": 1024, "num_blocks": num_blocks,
-                     "max_num_batched_tokens": 512, "preemption_mode": "auto"},
-                    expect_preemption=True)
+        count, page_range, output = 12, (4, 8), 64
+    slack = max(1, min(output, tokens_per_page) // 2)  # a boundary within the first output/2 tokens
+    requests = []
+    for i in range(count):
+        length = rng.randint(*page_range) * tokens_per_page - rng.randint(1, slack)
+        requests.append((f"pressure-{i}", _tokens(rng, length), _greedy(output)))
+    prompt_pages = sum(pages(len(ids), tokens_per_page) for _, ids, _ in requests)
+    num_blocks = prompt_pages + count // 2
+    prompt_tokens = sum(len(ids) for _, ids, _ in requests)
+    working_set = sum(pages(len(ids) + output, tokens_per_page) for _, ids, _ in requests)
+    low, high = (n * tokens_per_page for n in page_range)
+    return Workload("pressure", f"{count} requests of {low - slack}-{high - 1} prompt + "
+                    f"{output} output tokens ({working_set} pages of {tokens_per_page} tokens at "
+                    f"full length) on a {num_blocks}-page pool: forces preemption, greedy", requests,
+                    {"max_num_seqs": count, "max_model_len": max(1024, high + output),
+                     "num_blocks": num_blocks,
+                     "max_num_batched_tokens": max(512, prompt_tokens), "preemption_mode": "auto"},
+                    expect_preemption=True, tokens_per_page=tokens_per_page)
 
 
-def long_context(seed: int = 0, quick: bool = False) -> Workload:
+def long_context(seed: int = 0, quick: bool = False,
+                 tokens_per_page: int = DEFAULT_TOKENS_PER_PAGE) -> Workload:
     """Few requests with long prompts and long decodes: attention over long contexts dominates."""
     rng = random.Random(f"long-context-{seed}")
     if quick:
@@ -146,7 +210,8 @@ def long_context(seed: int = 0, quick: bool = False) -> Workload:
     return Workload("long-context", f"{count} requests of {prompt_range[0]}-{prompt_range[1]} "
                     f"prompt tokens, {output} output tokens each, greedy", requests,
                     {"max_num_seqs": count, "max_model_len": max_len,
-                     "num_blocks": count * (max_len // 16), "max_num_batched_tokens": 1024})
+                     "num_blocks": count * pages(max_len, tokens_per_page),
+                     "max_num_batched_tokens": 1024}, tokens_per_page=tokens_per_page)
 
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
@@ -158,7 +223,12 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
 }
 
 
-def make_workload(name: str, seed: int = 0, quick: bool = False) -> Workload:
+def make_workload(name: str, seed: int = 0, quick: bool = False,
+                  tokens_per_page: int = DEFAULT_TOKENS_PER_PAGE) -> Workload:
+    """Workload ``name`` sized for pages of ``tokens_per_page`` tokens (the engine's
+    ``manager.tokens_per_page``; the runner measures it)."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
-    return WORKLOADS[name](seed=seed, quick=quick)
+    if not isinstance(tokens_per_page, int) or tokens_per_page < 1:
+        raise ValueError(f"tokens_per_page must be a positive int, got {tokens_per_page!r}")
+    return WORKLOADS[name](seed=seed, quick=quick, tokens_per_page=tokens_per_page)

@@ -32,17 +32,38 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import numpy as np
 import torch
 
-from vmemkv import _native
-from vmemkv.errors import ConfigError, MappingError, MappingLimitError
+from vmemkv.errors import ConfigError, MappingError, MappingLimitError, NativeExtensionError
 from vmemkv.vmm.base import MapStats, VirtualMemoryBackend, VirtualRange
+
+# The compiled batch mapper, loaded by the first CpuBackend (load_native): `import vmemkv` and the
+# CUDA backend must work where the C extension was not built (a GPU machine may build it with an
+# older toolchain, or not at all).
+_native: ModuleType | None = None
 
 OS_PAGE_SIZE = mmap.PAGESIZE
 MAX_MAP_COUNT_PATH = "/proc/sys/vm/max_map_count"
 DEFAULT_MAX_MAP_COUNT = 65530
+
+
+def load_native() -> ModuleType:
+    """The ``vmemkv._native`` module; raises :class:`NativeExtensionError` when it is not built."""
+    global _native
+    if _native is None:
+        try:
+            from vmemkv import _native as module
+        except ImportError as e:
+            raise NativeExtensionError(
+                f"the CPU backend needs the compiled extension vmemkv._native, which cannot be "
+                f"imported ({e}); build it from the repository root with `pip install -e .` or "
+                f"`python setup.py build_ext --inplace` (needs a C compiler and the Python headers). "
+                f"The CUDA backend (device='cuda') does not need it") from e
+        _native = module
+    return _native
 
 
 def read_max_map_count() -> int:
@@ -184,6 +205,7 @@ class CpuBackend(VirtualMemoryBackend):
 
     def __init__(self, page_size: int, num_pages: int, huge_pages: bool = False,
                  max_mappings: int | None = None) -> None:
+        load_native()  # first, so a missing build is reported before anything is created
         self.page_size = int(page_size)
         self.num_pages = int(num_pages)
         self.huge_pages = huge_pages
