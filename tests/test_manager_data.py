@@ -173,11 +173,11 @@ def test_slot_reuse_shows_no_stale_data(manager):
     prefill(m, "a", tokens(0, 12))
     prefill(m, "a2", tokens(50, 12))
     a_slot, a2_slot = m.slot_of("a"), m.slot_of("a2")
-    m.free("a")
     m.free("a2")
-    prefill(m, "b", tokens(100, 6))  # cold, in the last released slot: maps over a2's pages
+    prefill(m, "b", tokens(100, 6))  # cold, in the lowest free slot: maps over a2's pages
     assert m.slot_of("b") == a2_slot
     verify(m)
+    m.free("a")
     saved = m.snapshot_stats()["map_calls_saved"]
     prefill(m, "c", tokens(0, 12) + [7])  # hits a's cached prefix in the slot that still maps it
     assert m.slot_of("c") == a_slot

@@ -155,15 +155,20 @@ class KVCacheManager:
         self.tokens_per_page = self.layout.tokens_per_page
         if config.max_model_len <= 0 or config.max_num_seqs <= 0:
             raise ConfigError("max_model_len and max_num_seqs must be positive")
-        self.backend = backend or create_backend(
-            config.device, self.layout.page_size, config.num_blocks * self.layout.pages_per_block)
+        pool_pages = config.num_blocks * self.layout.pages_per_block
+        # On CPU, slots read in one batched call need filler pages past the pool (SlotMapper.
+        # make_readable): one slot's worth, owned by no request, touched only where read.
+        cpu_vmem = config.kv_backend == "vmem" and not str(config.device).startswith("cuda")
+        filler = self.layout.slot_pages(config.max_model_len) if cpu_vmem else 0
+        self.backend = backend or create_backend(config.device, self.layout.page_size, pool_pages + filler)
         self.pool = PagePool(config.num_blocks)
         # "vmem": virtually contiguous slots; "paged": the block-table baseline (same pool, same
         # pages, addressed through each request's block list; nothing is mapped).
         addressing = {"vmem": SlotMapper, "paged": SlotTable}.get(config.kv_backend)
         if addressing is None:
             raise ConfigError(f"kv_backend must be 'vmem' or 'paged', got {config.kv_backend!r}")
-        self.slots = addressing(self.backend, self.layout, config.max_num_seqs, config.max_model_len)
+        self.slots = addressing(self.backend, self.layout, config.max_num_seqs, config.max_model_len,
+                                config.num_blocks)
         self.hasher = PrefixHasher(config.hash_algorithm, config.hash_seed)
         self.swap = SwapSpace(config.swap_space_bytes // self.layout.block_bytes,
                               self.layout.block_bytes,
@@ -773,4 +778,5 @@ class KVCacheManager:
 
     def _block_window(self) -> torch.Tensor:
         """The pool as ``[num_blocks, block_bytes]`` uint8 rows."""
-        return self.backend.pool_window().view(self.pool.num_pages, self.layout.block_bytes)
+        pages = self.pool.num_pages * self.layout.pages_per_block  # filler pages may follow
+        return self.backend.pool_window()[:pages].view(self.pool.num_pages, self.layout.block_bytes)

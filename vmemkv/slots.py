@@ -57,6 +57,7 @@ class SlotStats:
     map_calls: int = 0  # backend calls after coalescing
     pages_mapped: int = 0
     pages_already_mapped: int = 0  # map calls saved by deferred reclamation
+    pages_filled: int = 0  # filler pages mapped so a batched read stays inside mappings
     unmap_calls: int = 0
     pages_unmapped: int = 0
 
@@ -69,17 +70,23 @@ class SlotTable:
     """
 
     def __init__(self, backend: VirtualMemoryBackend, layout: KVLayout, num_slots: int,
-                 max_tokens: int):
+                 max_tokens: int, num_blocks: int | None = None):
         self.backend = backend
         self.layout = layout
         self.num_slots = num_slots
         self.max_tokens = max_tokens
+        # the pool's blocks; the backend may hold more pages past them (SlotMapper's filler)
+        self.num_blocks = num_blocks or backend.num_pages // layout.pages_per_block
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 is taken first
         self.stats = SlotStats()
         self._block_views = [self._layer_block_views(layer) for layer in range(layout.num_layers)]
         self._own_references = self._reference_counts()
 
     # --- binding ------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.layout.num_layers
+
     @property
     def num_free(self) -> int:
         return len(self._free)
@@ -94,14 +101,15 @@ class SlotTable:
         """The free slot ``bind`` would take, changing nothing: ``slot`` when given (callers that
         need rows in consecutive slots, such as a batch viewed as one strided tensor), else one
         whose first page already maps ``first_block`` if there is one (a prefix hit then costs
-        no map call), else the most recently released."""
+        no map call), else the lowest free slot: running requests stay in a compact range of
+        slots, which batched attention reads as one strided view."""
         if slot is not None:
             if slot not in self._free:
                 raise NoFreeSlotError(f"slot {slot} is not free (free: {sorted(self._free)})")
             return slot
         if not self._free:
             raise NoFreeSlotError(f"all {self.num_slots} slots are bound; free a request first")
-        index = len(self._free) - 1
+        index = self._free.index(min(self._free))
         if first_block is not None and len(self._free) > 1:
             index = self._slot_already_mapping(first_block, index)
         return self._free[index]
@@ -122,6 +130,13 @@ class SlotTable:
 
     def map_blocks(self, slot: int, first_logical: int, blocks: list[int], keep: int = 0) -> None:
         """Block tables are the requests' block lists: nothing to map."""
+
+    def make_readable(self, slots: list[int], num_tokens: int) -> bool:
+        """Block tables have no slot views to read in a batch."""
+        return False
+
+    def release_reads(self) -> None:
+        """Nothing pinned."""
 
     def map_jobs(self, jobs: list[MapJob]) -> None:
         """Block tables are the requests' block lists: nothing to map."""
@@ -144,7 +159,7 @@ class SlotTable:
     def _layer_block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         layout = self.layout
         window = self.backend.pool_window().view(-1).view(layout.dtype)
-        num_blocks = self.backend.num_pages // layout.pages_per_block
+        num_blocks = self.num_blocks
         shape = (num_blocks, layout.tokens_per_page, layout.num_kv_heads, layout.head_dim)
         views = []
         for kv in (0, 1):
@@ -173,13 +188,18 @@ class SlotTable:
 
 class SlotMapper(SlotTable):
     def __init__(self, backend: VirtualMemoryBackend, layout: KVLayout, num_slots: int,
-                 max_tokens: int):
-        super().__init__(backend, layout, num_slots, max_tokens)
+                 max_tokens: int, num_blocks: int | None = None):
+        super().__init__(backend, layout, num_slots, max_tokens, num_blocks)
         self.slot_pages = layout.slot_pages(max_tokens)
         self.vrange = backend.reserve(num_slots * self.slot_pages)
         self.page_table = self.vrange.page_table  # the backend keeps it current
         self._one_page_blocks = layout.pages_per_block == 1  # token-major: block = page
         self._scratch = threading.local()
+        # Filler: one slot's worth of pages past the pool's, owned by no request (see
+        # make_readable); without them (a backend sized to the pool) batched reads are off.
+        self._filler_base = self.num_blocks * layout.pages_per_block
+        self._has_filler = backend.num_pages >= self._filler_base + self.slot_pages
+        self._read_pins: dict[int, int] = {}  # slot -> leading logical pages a batched read needs
         self._views = [self._layer_views(layer) for layer in range(layout.num_layers)]
         self._own_references = self._reference_counts()
 
@@ -188,7 +208,49 @@ class SlotMapper(SlotTable):
         virtual = self._virtual(np.asarray(self._free), 0)[:len(self._free)]
         physical = self.layout.physical_pages(np.array([first_block]))[0]
         matches = np.flatnonzero(self.page_table[virtual] == physical)
-        return int(matches[-1]) if len(matches) else default
+        if not len(matches):
+            return default
+        free = np.asarray(self._free)
+        return int(matches[np.argmin(free[matches])])  # the lowest such slot: keeps slots compact
+
+    # --- batched reads --------------------------------------------------------------------------
+    def make_readable(self, slots: list[int], num_tokens: int) -> bool:
+        """Make positions ``[0, num_tokens)`` of every slot in ``slots`` (bound ones) safe to
+        read, so one strided view over them can be read in a single attention call: positions
+        past a request's own pages get *filler* mappings, the backend's pages past the pool,
+        which no request owns (reads of them are masked; a request maps its own block over a
+        position before writing it, and a stray write would land in the filler, never in another
+        request's pages). Offset ``i`` of a slot maps filler page ``i``, so a slot's filler is one
+        coalesced mapping. Those pages are then pinned against ``reclaim_stale`` (which the
+        lookahead worker may run during the forward) until ``release_reads``. False (nothing
+        pinned for these slots) without filler pages or if the mapping budget refuses."""
+        if not self._has_filler:
+            return False
+        logical = self.layout.logical_pages_for(num_tokens)
+        target = min(logical + logical // 4 + 2, self.layout.logical_pages_for(self.max_tokens))
+        slot_array = np.asarray(slots, dtype=np.int64)
+        needed = self._virtual(np.repeat(slot_array, logical), np.tile(np.arange(logical), len(slots)))
+        if (self.page_table[needed] >= 0).all():
+            self._read_pins.update((slot, logical) for slot in slots)
+            return True
+        # Fill up to ``target`` pages (a little past what this step reads), so the next steps'
+        # longer reads rarely need another map call; consecutive pool pages coalesce.
+        virtual = self._virtual(np.repeat(slot_array, target), np.tile(np.arange(target), len(slots)))
+        physical = self._filler_base + virtual % self.slot_pages
+        unmapped = self.page_table[virtual] < 0
+        try:
+            calls = self.backend.stats.map_calls
+            self.backend.map(self.vrange, virtual[unmapped], physical[unmapped])
+        except MappingLimitError:
+            return False
+        self.stats.map_calls += self.backend.stats.map_calls - calls
+        self.stats.pages_filled += int(unmapped.sum())
+        self._read_pins.update((slot, logical) for slot in slots)
+        return True
+
+    def release_reads(self) -> None:
+        """The step's batched reads are done: its filler pages may be reclaimed again."""
+        self._read_pins.clear()
 
     # --- mapping --------------------------------------------------------------------------------
     def map_blocks(self, slot: int, first_logical: int, blocks: list[int], keep: int = 0) -> None:
@@ -264,7 +326,9 @@ class SlotMapper(SlotTable):
         """Unmap what no request needs: every page of free slots, and, for slots given in
         ``keep`` as ``{slot: logical pages in use}`` (bound, or about to be), the pages past
         that count."""
-        keep = keep or {}
+        keep = dict(keep or {})
+        for slot, pages in list(self._read_pins.items()):  # being read by this step's attention
+            keep[slot] = max(keep.get(slot, 0), pages)
         spans = [(slot, 0) for slot in self._free if slot not in keep] + list(keep.items())
         virtual = [self._virtual_span(slot, start) for slot, start in spans]
         virtual = np.concatenate(virtual) if virtual else np.empty(0, dtype=np.int64)

@@ -1,24 +1,55 @@
 """vmem addressing: each sequence's K/V is its slot view narrowed to its length, a plain strided
-tensor, so SDPA reads it with no block table and no copy."""
+tensor, so SDPA reads it with no block table and no copy. Decoding sequences in consecutive slots
+are read together: their K (or V) is one strided view ``[hi - lo, longest, kv_heads, dim]``."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
 from .metadata import StepMetadata
 from .packed import PackedAttention, SequenceSpan
+from .slot_batch import DecodeBatch, slot_runs, worth_batching
+
+
+class SlotReads(Protocol):
+    """What batched reads need from the slot mapper (``vmemkv.slots.SlotMapper``)."""
+
+    num_layers: int
+
+    def make_readable(self, slots: list[int], num_tokens: int) -> bool: ...
+
+    def release_reads(self) -> None: ...
 
 
 class ContiguousAttention(PackedAttention):
-    """``kv_views(layer)`` gives that layer's ``[slot, token, kv_head, dim]`` K and V views."""
+    """``kv_views(layer)`` gives that layer's ``[slot, token, kv_head, dim]`` K and V views.
+    ``reads``: when given (CPU SDPA), decoding sequences in consecutive slots are attended in one
+    call per run; it makes every position such a call reads mapped (``make_readable``)."""
 
     def __init__(self, spans: list[SequenceSpan],
                  kv_views: Callable[[int], tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-                 decode_kernel: bool = False):
+                 decode_kernel: bool = False, reads: SlotReads | None = None):
         self.kv_views = kv_views
+        self.reads = reads if torch.device(device).type == "cpu" else None
         super().__init__(spans, device, decode_kernel)
+
+    def plan_batches(self) -> list[DecodeBatch]:
+        if self.reads is None:
+            return []
+        self.reads.release_reads()  # pins of a step whose forward did not finish
+        batches = []
+        for run in slot_runs(self.spans):
+            lengths = [self.spans[i].length for i in run]
+            # a run of consecutive slots: every row up to the longest must be mapped, or reading
+            # it would fault, so positions past shorter requests get filler pages first
+            if worth_batching(lengths) and self.reads.make_readable(
+                    [self.spans[i].slot for i in run], max(lengths)):
+                batch = DecodeBatch(run, max(lengths), lo=self.spans[run[0]].slot)
+                batch.finish(self.spans, self.device)
+                batches.append(batch)
+        return batches
 
     def stage(self, staged: StepMetadata) -> None:
         super().stage(staged)
@@ -27,6 +58,13 @@ class ContiguousAttention(PackedAttention):
         staged.add("write_positions", positions)
         if self.decodes:
             staged.add("decode_slots", [self.spans[i].slot for i in self.decodes], torch.int32)
+
+    def __call__(self, layer, query, key, value, scaling):
+        try:
+            return super().__call__(layer, query, key, value, scaling)
+        finally:
+            if self.batches and layer == self.reads.num_layers - 1:
+                self.reads.release_reads()  # the last read of this step is done
 
     def write(self, layer, key, value):
         k_cache, v_cache = self.kv_views(layer)
@@ -37,6 +75,11 @@ class ContiguousAttention(PackedAttention):
         k_cache, v_cache = self.kv_views(layer)
         span = self.spans[index]
         return k_cache[span.slot, :span.length], v_cache[span.slot, :span.length]
+
+    def batch_kv(self, layer, batch):
+        k_cache, v_cache = self.kv_views(layer)
+        end = batch.lo + len(batch.members)
+        return k_cache[batch.lo:end, :batch.read_len], v_cache[batch.lo:end, :batch.read_len]
 
     def decode(self, layer, q, scale):
         from .triton_decode import decode_attention_contiguous

@@ -1,9 +1,11 @@
 """Attention for one packed, ragged forward pass: the part both KV backends share.
 
 Each sequence contributes ``num_queries`` new tokens after ``num_cached`` cached ones. A layer's
-call writes every new token's K/V into the cache first, then attends per sequence with PyTorch
-SDPA over the sequence's keys. Subclasses say only how tokens are addressed: through a slot view
-(vmem) or through a block table (paged).
+call writes every new token's K/V into the cache first, then attends: decoding sequences in
+batches (``plan_batches``: one SDPA call per batch, see ``slot_batch``) where the subclass can
+read them together, everything else per sequence with PyTorch SDPA over the sequence's keys.
+Subclasses say only how tokens are addressed: through a slot view (vmem) or through a block
+table (paged).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .metadata import StepMetadata
+from .slot_batch import DecodeBatch, attend
 
 
 @dataclass(frozen=True)
@@ -44,9 +47,11 @@ class PackedAttention:
         self.device = torch.device(device)
         self._masks: dict[tuple[int, int, torch.device], torch.Tensor] = {}
         self.seconds = 0.0  # wall time inside attention (host time: on a GPU, launch time only)
+        self.copy_seconds = 0.0  # of which gathering K/V into new tensors (block tables)
         self.decodes = [i for i, span in enumerate(spans) if span.num_queries == 1] if decode_kernel else []
-        decoding = set(self.decodes)
-        self.sdpa_spans = [i for i in range(len(spans)) if i not in decoding]
+        self.batches = [] if decode_kernel else self.plan_batches()
+        taken = set(self.decodes).union(*(batch.members for batch in self.batches))
+        self.sdpa_spans = [i for i in range(len(spans)) if i not in taken]
         if self.decodes:
             self.decode_max_len = max(spans[i].length for i in self.decodes)
         staged = StepMetadata()
@@ -75,6 +80,10 @@ class PackedAttention:
             q = query[0].index_select(1, self.decode_rows).transpose(0, 1).contiguous()  # [B, Hq, D]
             scale = scaling if scaling is not None else head_dim ** -0.5
             output[0].index_copy_(0, self.decode_rows, self.decode(layer, q, scale))
+        if self.batches:
+            output = query.new_empty((1, num_tokens, num_heads, head_dim))
+            for batch in self.batches:  # one call per batch, rows in and out by index
+                attend(query, *self.batch_kv(layer, batch), batch, scaling, output)
         attended = [self._sdpa(layer, index, query, scaling) for index in self.sdpa_spans]
         if output is None:  # SDPA only (CPU): the spans tile the packed rows in order, one cat
             output = torch.cat(attended, dim=2).transpose(1, 2)
@@ -95,6 +104,14 @@ class PackedAttention:
         return F.scaled_dot_product_attention(
             q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=self._mask(span, q.device),
             is_causal=span.num_cached == 0 and span.num_queries > 1, scale=scaling, enable_gqa=True)
+
+    def plan_batches(self) -> list[DecodeBatch]:
+        """Decoding spans this addressing reads together (called once per step; none here)."""
+        return []
+
+    def batch_kv(self, layer: int, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch's keys and values, ``[B, read_len, Hk, D]`` each."""
+        raise NotImplementedError
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store ``key``/``value`` ``[T, Hk, D]`` (the packed batch's new tokens)."""

@@ -1,16 +1,22 @@
 """Block-table addressing (the vLLM-style baseline): K/V live in block tensors
 ``[num_blocks, tokens_per_page, kv_head, dim]``; token ``t`` of a sequence is at block
 ``block_table[t // tokens_per_page]``, offset ``t % tokens_per_page``. SDPA needs a contiguous
-sequence, so reading gathers the sequence's blocks (a copy) — the honest CPU baseline."""
+sequence, so reading gathers the sequence's blocks (a copy) — the honest CPU baseline. At its best
+on CPU: decoding sequences are gathered into one padded tensor and attended in one call when that
+is cheaper than a gather and a call per sequence (``worth_batching``); ``copy_seconds`` counts the
+gathers."""
 
 from __future__ import annotations
 
 from typing import Callable
 
+import time
+
 import torch
 
 from .metadata import StepMetadata
 from .packed import PackedAttention, SequenceSpan
+from .slot_batch import DecodeBatch, gather_padded, worth_batching
 
 
 class BlockTableAttention(PackedAttention):
@@ -40,17 +46,43 @@ class BlockTableAttention(PackedAttention):
             staged.add("decode_tables", [list(tables[i]) + [0] * (width - len(tables[i]))
                                          for i in self.decodes], torch.int32)
 
+    def plan_batches(self) -> list[DecodeBatch]:
+        if self.device.type != "cpu":
+            return []
+        decoding = [i for i, span in enumerate(self.spans) if span.num_queries == 1]
+        lengths = [self.spans[i].length for i in decoding]
+        if not worth_batching(lengths):
+            return []
+        batch = DecodeBatch(decoding, max(lengths))
+        batch.finish(self.spans, self.device)
+        # each row's blocks, padded with block 0 (read, then masked: the pool is all mapped)
+        size = self.tokens_per_page
+        width = -(-batch.read_len // size)
+        tables = [list(self.spans[i].block_table[: -(-self.spans[i].length // size)]) for i in decoding]
+        self._batch_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
+        return [batch]
+
+    def batch_kv(self, layer, batch):
+        start = time.perf_counter()
+        k_blocks, v_blocks = self.block_views(layer)
+        k = gather_padded(k_blocks, self._batch_table, batch.read_len)
+        v = gather_padded(v_blocks, self._batch_table, batch.read_len)
+        self.copy_seconds += time.perf_counter() - start
+        return k, v
+
     def write(self, layer, key, value):
         k_blocks, v_blocks = self.block_views(layer)
         k_blocks[self.write_blocks, self.write_offsets] = key.to(k_blocks.dtype)
         v_blocks[self.write_blocks, self.write_offsets] = value.to(v_blocks.dtype)
 
     def read(self, layer, index):
+        start = time.perf_counter()
         k_blocks, v_blocks = self.block_views(layer)
         blocks = self.read_block_ids[self._table_starts[index]: self._table_starts[index + 1]]
         length = self.spans[index].length
         k = k_blocks.index_select(0, blocks).flatten(0, 1)[:length]
         v = v_blocks.index_select(0, blocks).flatten(0, 1)[:length]
+        self.copy_seconds += time.perf_counter() - start
         return k, v
 
     def decode(self, layer, q, scale):

@@ -1,0 +1,176 @@
+"""One engine decode step against the bare model forward on the same packed batch.
+
+For each model and batch size, an engine decodes ``B`` requests (seeded random prompts); each timed
+step is matched by the *bare forward*: the same model weights on the same packed ``[1, B]`` tokens and
+positions, attending to contiguous per-layer K/V tensors ``[B, Hk, longest, D]`` with one masked SDPA
+call per layer (GQA folded into the query dimension) — no manager, no scheduler, no sampler, no
+cache writes beyond the new tokens. Engine overhead = (step - bare forward) / step.
+
+Variants, each timed on its own engine, alternating step by step so machine drift hits all alike:
+``vmem`` (batched decode over slot runs), ``vmem-per-seq`` (one SDPA call per sequence, the old
+path), ``paged`` (block tables: gather into a padded tensor + one call), ``paged-per-seq``.
+
+    python experiments/bench_step.py                         # tiny-llama and smollm2-135m shape
+    python experiments/bench_step.py --models tiny-llama --batch-sizes 1 8 32 --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from vmemkv.attention import BlockTableAttention, ContiguousAttention
+from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
+from vmemkv.engine.models import load_model
+
+BARE = "vmemkv_bench_bare"
+VARIANTS = ("vmem", "vmem-per-seq", "paged", "paged-per-seq")
+
+
+class BareBatch:
+    """Contiguous K/V per layer for ``B`` decoding sequences of ``lengths`` cached tokens."""
+
+    def __init__(self, lengths: list[int], num_layers: int, kv_heads: int, head_dim: int, dtype):
+        longest = max(lengths) + 1
+        self.cache = [(torch.randn(len(lengths), kv_heads, longest, head_dim, dtype=dtype),
+                       torch.randn(len(lengths), kv_heads, longest, head_dim, dtype=dtype))
+                      for _ in range(num_layers)]
+        positions = torch.tensor(lengths)
+        self.rows = torch.arange(len(lengths))
+        self.positions = positions
+        self.mask = (torch.arange(longest) <= positions[:, None])[:, None, None, :]
+
+    def __call__(self, layer, query, key, value, scaling):
+        k, v = self.cache[layer]
+        batch, kv_heads, _, head_dim = k.shape
+        k[self.rows, :, self.positions] = key[0].transpose(0, 1)  # the new tokens, [B, Hk, D]
+        v[self.rows, :, self.positions] = value[0].transpose(0, 1)
+        heads = query.shape[1]
+        q = query[0].transpose(0, 1).reshape(batch, kv_heads, heads // kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scaling)
+        return out.reshape(1, batch, heads, head_dim)
+
+
+def _bare_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    return kwargs["bench_batch"](module.layer_idx, query, key, value, scaling), None
+
+
+AttentionInterface.register(BARE, _bare_attention)
+AttentionMaskInterface.register(BARE, lambda *a, **k: None)
+
+
+def make_engine(model_name: str, variant: str, batch: int, max_len: int) -> LLMEngine:
+    engine = LLMEngine(EngineConfig(model=model_name, max_num_seqs=max(batch, 1), max_model_len=max_len,
+                                    attention="sdpa", kv_backend="paged" if "paged" in variant else "vmem"),
+                       stream=False)
+    if variant == "vmem-per-seq":  # the path before batching: no slot reads, one call per sequence
+        engine._attention = lambda spans: ContiguousAttention(spans, engine.manager.kv_views,
+                                                              engine.runner.device)
+    elif variant == "paged-per-seq":
+        class PerSequence(BlockTableAttention):
+            def plan_batches(self):
+                return []
+        engine._attention = lambda spans: PerSequence(spans, engine.manager.block_views,
+                                                      engine.manager.tokens_per_page, engine.runner.device)
+    return engine
+
+
+def decoding(engine: LLMEngine) -> bool:
+    running = engine.scheduler.running
+    return not engine.scheduler.waiting and all(s.num_computed == len(s.token_ids) - 1 for s in running)
+
+
+def bench(model_name: str, batch: int, steps: int, prompt_len: tuple[int, int], seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(prompt_len[0], prompt_len[1] + 1, (batch,), generator=gen).tolist()
+    prompts = [torch.randint(1, 250, (n,), generator=gen).tolist() for n in lengths]
+    max_len = max(lengths) + steps + 16
+    engines = {v: make_engine(model_name, v, batch, max_len) for v in VARIANTS}
+    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    for engine in engines.values():
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        while not decoding(engine):
+            engine.step()
+        engine.step()  # one warm decode step
+    model, _ = load_model(model_name, seed=0)
+    model.set_attn_implementation(BARE)
+    text = model.config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    times: dict[str, list[float]] = {v: [] for v in (*VARIANTS, "bare")}
+    for _ in range(steps):
+        seqs = sorted(engines["vmem"].scheduler.running, key=lambda s: int(s.seq_id))
+        cached = [s.num_computed for s in seqs]
+        ids = torch.tensor([[s.token_ids[-1] for s in seqs]])
+        bare = BareBatch(cached, text.num_hidden_layers, text.num_key_value_heads, head_dim,
+                         next(model.parameters()).dtype)
+        with torch.inference_mode():
+            start = time.perf_counter()
+            model(input_ids=ids, position_ids=torch.tensor([cached]), use_cache=False, bench_batch=bare)
+            times["bare"].append(time.perf_counter() - start)
+        for variant, engine in engines.items():
+            start = time.perf_counter()
+            engine.step()
+            times[variant].append(time.perf_counter() - start)
+    stats = {v: engines[v].stats() for v in VARIANTS}
+    for engine in engines.values():
+        engine.close()
+    median = {k: statistics.median(t) * 1e3 for k, t in times.items()}
+    result = {"model": model_name, "batch": batch, "steps": steps, "mean_cached_len": sum(cached) / batch,
+              "ms": median, "overhead": {v: (median[v] - median["bare"]) / median[v] for v in VARIANTS},
+              "attention_share": {v: stats[v]["attention_seconds"] / stats[v]["step_seconds"] for v in VARIANTS},
+              "copy_ms_per_step": {v: stats[v]["attention_copy_seconds"] / stats[v]["num_steps"] * 1e3
+                                   for v in VARIANTS}}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def markdown(results: list[dict], command: str, load: tuple) -> str:
+    lines = [f"`{command}` — one torch thread, load before {load[0]:.2f}; step and bare forward in ms "
+             "(median over steps), overhead = (step - bare) / step", "",
+             "| model | B | bare | " + " | ".join(VARIANTS) + " | vmem overhead | paged copy ms |",
+             "|---|---|---|" + "---|" * len(VARIANTS) + "---|---|"]
+    for r in results:
+        ms = r["ms"]
+        lines.append(f"| {r['model']} | {r['batch']} | {ms['bare']:.2f} | "
+                     + " | ".join(f"{ms[v]:.2f}" for v in VARIANTS)
+                     + f" | {r['overhead']['vmem']:.0%} | {r['copy_ms_per_step']['paged']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=["tiny-llama", "smollm2-135m"])
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--min-prompt-len", type=int, default=16)
+    parser.add_argument("--max-prompt-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default="experiments/results/local",
+                        help="writes step_cpu.json and step_cpu.md here (untracked by default)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    load = os.getloadavg()
+    results = [bench(m, b, args.steps, (args.min_prompt_len, args.max_prompt_len), args.seed)
+               for m in args.models for b in args.batch_sizes]
+    command = "python " + " ".join(sys.argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "step_cpu.json").write_text(json.dumps({"command": command, "load": load, "results": results}, indent=1))
+    (out / "step_cpu.md").write_text(markdown(results, command, load))
+    print(markdown(results, command, load))
+
+
+if __name__ == "__main__":
+    main()

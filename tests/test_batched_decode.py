@@ -1,0 +1,153 @@
+"""Batched decode attention (one SDPA call per run of consecutive slots, or per gathered block-table
+batch) gives what the per-sequence path gives, reads only mapped pages, and leaves free slots
+between running ones unread."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_no_leaks
+from vmemkv import CacheConfig, KVCacheManager
+from vmemkv.attention import BlockTableAttention, ContiguousAttention, SequenceSpan
+from vmemkv.attention.slot_batch import slot_runs, worth_batching
+
+CPU = torch.device("cpu")
+
+
+def config(**overrides) -> CacheConfig:
+    return CacheConfig(**{**dict(num_layers=2, num_kv_heads=2, head_dim=32, num_blocks=64,
+                                 max_num_seqs=8, max_model_len=256, dtype=torch.float32,
+                                 tokens_per_page=8), **overrides})
+
+
+def admit(manager, lengths: dict[int, int], prefill_slot: int | None = None) -> list[SequenceSpan]:
+    """Requests in the given slots, each decoding one token after ``length`` cached ones, then a
+    prefill span; the cached positions get random K/V."""
+    spans = []
+    for row, (slot, cached) in enumerate(lengths.items()):
+        manager.admit(str(slot), list(range(1, cached + 2)), slot=slot)
+        spans.append(SequenceSpan(slot, row, 1, cached, tuple(manager.block_table(str(slot)))))
+    manager.admit("p", list(range(1, 12)), slot=prefill_slot)
+    spans.append(SequenceSpan(manager.slot_of("p"), len(spans), 11, 0, tuple(manager.block_table("p"))))
+    generator = torch.Generator().manual_seed(0)
+    for req in manager.request_ids():
+        for layer in range(manager.layout.num_layers):
+            for view in manager.kv_views(layer) if manager.config.kv_backend == "vmem" else ():
+                rows = view[manager.slot_of(req), :manager.num_tokens(req)]
+                rows.copy_(torch.randn(rows.shape, generator=generator))
+    return spans
+
+
+def run_both(manager, spans, make):
+    total = spans[-1].query_start + spans[-1].num_queries
+    generator = torch.Generator().manual_seed(1)
+    query, key, value = (torch.randn(1, h, total, 32, generator=generator) for h in (8, 2, 2))
+    out = []
+    for batched in (False, True):
+        attention = make(batched)
+        out.append(torch.cat([attention(layer, query, key, value, None) for layer in range(2)]))
+    return attention, out
+
+
+@pytest.mark.parametrize("layout", ["token_major", "per_layer"])
+def test_runs_of_slots_with_a_gap_match_the_per_sequence_path(layout):
+    manager = KVCacheManager(config(layout=layout))
+    try:
+        # slots 0-2 and 4-5 decode; slot 3 is free and was never mapped: it must not be read
+        spans = admit(manager, {0: 5, 1: 40, 2: 17, 4: 100, 5: 3}, prefill_slot=6)
+        manager.check()
+        attention, (expected, got) = run_both(manager, spans, lambda batched: ContiguousAttention(
+            spans, manager.kv_views, CPU, reads=manager.slots if batched else None))
+        assert [b.members for b in attention.batches] == [[0, 1, 2], [3, 4]]
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        # slot 3 (free) was never mapped; filler pages let slot 5 be read up to 101 tokens
+        assert (manager.slots.mapped_blocks(3, 1) < 0).all()
+        assert manager.slots.stats.pages_filled > 0
+        assert not manager.slots._read_pins  # released after the last layer
+        assert_no_leaks(manager)
+    finally:
+        manager.close()
+
+
+def test_a_request_grows_over_filler_pages_with_its_own_blocks():
+    manager = KVCacheManager(config())
+    try:
+        spans = admit(manager, {0: 3, 1: 60})
+        ContiguousAttention(spans, manager.kv_views, CPU, reads=manager.slots)
+        manager.slots.release_reads()
+        filled = manager.slots.mapped_blocks(0, 8)
+        assert (filled >= 0).all()  # slot 0 is readable to 61 tokens: 8 pages
+        own = len(manager.block_table("0"))
+        pool_pages = manager.pool.num_pages * manager.layout.pages_per_block
+        assert (filled[own:] >= pool_pages).all()  # filler pages: past the pool, no one's
+        for _ in range(40):  # request "0" grows into the filler positions
+            assert manager.allocate("0", 1, [7])
+            manager.commit("0")
+        manager.check()  # its slot maps exactly its own blocks
+        assert_no_leaks(manager)
+    finally:
+        manager.close()
+
+
+def test_block_tables_gather_decodes_into_one_call():
+    manager = KVCacheManager(config(kv_backend="paged"))
+    try:
+        spans = admit(manager, {0: 5, 2: 40, 5: 17})  # any slots: the gather needs no order
+        for layer in range(2):
+            for view in manager.block_views(layer):
+                view.copy_(torch.randn_like(view))
+        del view  # close() refuses while a view is held
+
+        class PerSequence(BlockTableAttention):
+            def plan_batches(self):
+                return []
+
+        attention, (expected, got) = run_both(manager, spans, lambda batched: (
+            BlockTableAttention if batched else PerSequence)(spans, manager.block_views, 8, CPU))
+        assert [b.members for b in attention.batches] == [[0, 1, 2]]
+        assert attention.copy_seconds > 0
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    finally:
+        manager.close()
+
+
+def test_batching_rules():
+    spans = [SequenceSpan(slot, i, 1, 10) for i, slot in enumerate([4, 0, 1, 7, 2])]
+    spans.append(SequenceSpan(3, 5, 4, 0))  # a prefill in slot 3 splits the runs
+    assert slot_runs(spans) == [[1, 2, 4], [0], [3]]
+    assert worth_batching([100, 120, 90])
+    assert not worth_batching([100])
+    assert not worth_batching([10, 10, 10, 5000])  # padding to the longest would cost more
+
+
+@pytest.mark.parametrize("kv_backend", ["vmem", "paged"])
+def test_engine_with_gaps_between_running_slots_matches_hf(kv_backend):
+    """Requests finish at different times (gaps open below running slots) and late requests fill
+    the lowest free slots: greedy tokens still equal Hugging Face generate."""
+    from test_engine_correctness import NEW_TOKENS, assert_clean, hf_greedy, make_engine, prompts
+    from vmemkv.engine import SamplingParams
+
+    engine = make_engine(kv_backend=kv_backend, tokens_per_page=4)
+    token_prompts = prompts(10)
+    limits = [3, NEW_TOKENS, 5, NEW_TOKENS, 2, NEW_TOKENS, 7, NEW_TOKENS, NEW_TOKENS, NEW_TOKENS]
+    final, added, slots_seen = {}, 0, []
+    while added < len(token_prompts) or engine.has_unfinished_requests():
+        if added < len(token_prompts) and (added < 6 or engine.num_steps % 3 == 0):
+            params = SamplingParams(max_tokens=limits[added], temperature=0, ignore_eos=True)
+            engine.add_request(str(added), token_prompts[added], params)
+            added += 1
+        for output in engine.step():
+            if output.finished:
+                final[output.request_id] = output
+        slots_seen.append(sorted(engine.manager.slot_of(s.seq_id) for s in engine.scheduler.running))
+    for index, prompt in enumerate(token_prompts):
+        expected = hf_greedy("tiny-llama", tuple(prompt))[:limits[index]]
+        assert final[str(index)].outputs[0].token_ids == expected, f"request {index} diverged"
+    assert any(s and s[-1] + 1 > len(s) for s in slots_seen), "no step ran with a gap"
+    if kv_backend == "vmem":
+        assert engine.manager.slots.stats.pages_filled > 0  # batched reads happened
+    else:
+        assert engine.stats()["attention_copy_seconds"] > 0
+    assert_clean(engine)
+    engine.close()
