@@ -31,6 +31,16 @@ def close_manager(manager: KVCacheManager) -> None:
     manager.close()
 
 
+def cuda_bindings_missing() -> bool:
+    """True when the CUDA backend's driver bindings (cuda-python) cannot be loaded."""
+    try:
+        from vmemkv.vmm.cuda import load_driver
+        load_driver()
+    except Exception:
+        return True
+    return False
+
+
 def assert_no_leaks(manager: KVCacheManager) -> None:
     """Invariants hold now, and after freeing every request no block is held."""
     manager.check()

@@ -11,6 +11,8 @@ import importlib.util
 import pytest
 import torch
 
+from conftest import cuda_bindings_missing
+
 from flash_cases import free_cases, mixed_step
 
 pytestmark = [
@@ -22,16 +24,7 @@ SCALE = 0.3
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 
-def _cuda_bindings_missing() -> bool:
-    try:
-        from vmemkv.vmm.cuda import load_driver
-        load_driver()
-    except Exception:
-        return True
-    return False
-
-
-needs_bindings = pytest.mark.skipif(_cuda_bindings_missing(), reason="needs cuda-python (cuda-bindings)")
+needs_bindings = pytest.mark.skipif(cuda_bindings_missing(), reason="needs cuda-python (cuda-bindings)")
 
 
 def flash_kernel(paged: bool):

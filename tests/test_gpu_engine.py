@@ -5,22 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import cuda_bindings_missing
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-
-def _cuda_bindings_missing() -> bool:
-    try:
-        from vmemkv.vmm.cuda import load_driver
-        load_driver()
-    except Exception:
-        return True
-    return False
-
-
-skip_without_bindings = pytest.mark.skipif(_cuda_bindings_missing(),
+skip_without_bindings = pytest.mark.skipif(cuda_bindings_missing(),
                                            reason="needs cuda-python (pip install cuda-bindings)")
 
 

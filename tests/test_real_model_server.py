@@ -4,9 +4,6 @@ template's end-of-turn token. Also: `/v1/models` flags random-weight built-in mo
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -18,30 +15,15 @@ openai = pytest.importorskip("openai", reason="the client tests need openai (pip
 from vmemkv.engine import EngineConfig, LLMEngine  # noqa: E402
 from vmemkv.engine.async_engine import AsyncEngine  # noqa: E402
 from vmemkv.engine.models import load_model  # noqa: E402
-from vmemkv.engine.server import build_app  # noqa: E402
+from serving import running_server  # noqa: E402
 
 WAIT_S = 60.0  # a CPU forward pass of the real model is slow on a loaded machine
 
 
 def serve(engine: LLMEngine, served_name: str) -> Iterator[str]:
-    """The server in uvicorn on a free port of 127.0.0.1, in a background thread."""
-    async_engine = AsyncEngine(engine)
-    app = build_app(async_engine, served_name)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + WAIT_S
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(WAIT_S)
-        async_engine.shutdown()
-        sock.close()
+    """The server's OpenAI base URL (``.../v1``), for as long as the caller iterates."""
+    with running_server(AsyncEngine(engine), served_name, WAIT_S) as url:
+        yield f"{url}/v1"
 
 
 @pytest.fixture(scope="module")

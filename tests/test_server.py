@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -33,8 +31,9 @@ from vmemkv.engine.detokenizer import IncrementalDetokenizer
 from vmemkv.engine.metrics import EngineMetrics
 from vmemkv.engine.outputs import CompletionOutput, RequestOutput
 from vmemkv.engine.sampling_params import SamplingParams
-from vmemkv.engine.server import build_app
 from vmemkv.errors import RequestTooLongError
+
+from serving import running_server  # noqa: E402
 
 API_KEY = "test-key"
 WAIT_S = 10.0  # the longest any test waits for the server to react
@@ -191,21 +190,8 @@ def aborted(engine) -> list[str]:
 @pytest.fixture(scope="module")
 def base_url(engine, aborted) -> Iterator[str]:
     """The server, in uvicorn on a free port of 127.0.0.1, in a background thread."""
-    async_engine = AsyncEngine(engine)
-    app = build_app(async_engine, engine.model_name, api_key=API_KEY)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    _wait_until(lambda: server.started, "the server to start")
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(WAIT_S)
-        async_engine.shutdown()
-        sock.close()
+    with running_server(AsyncEngine(engine), engine.model_name, WAIT_S, API_KEY) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
