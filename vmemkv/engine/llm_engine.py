@@ -168,9 +168,13 @@ class LLMEngine:
             touched[seq.group.request_id] = seq.group
         if plan.scheduled:
             to_sample = self._execute(plan.scheduled)
+            generated: dict[str, int] = {}  # tokens per request this step, for the metrics
             for seq, token, logprobs in to_sample:
                 self._append_token(seq, token, logprobs)
-                touched[seq.group.request_id] = seq.group
+                request_id = seq.group.request_id
+                generated[request_id] = generated.get(request_id, 0) + 1
+                touched[request_id] = seq.group
+            self.metrics.on_step_tokens(generated, time.monotonic())
         self.step_seconds += time.perf_counter() - start
         self.num_steps += 1
         self._record_memory()
@@ -189,40 +193,49 @@ class LLMEngine:
     def _execute(self, scheduled: list[ScheduledSeq]) -> list[tuple[Sequence, int, dict | None]]:
         """Run the forward pass for the scheduled tokens, commit them, and sample next tokens."""
         spans, input_ids, positions, rows, samplers = [], [], [], [], []
+        paged = self.config.kv_backend == "paged"
+        manager = self.manager
         for item in scheduled:
             seq, count = item.seq, item.num_new_tokens
-            begin = len(input_ids)
-            spans.append(self._span(seq, begin, count))
-            input_ids += seq.token_ids[seq.num_computed: seq.num_computed + count]
-            positions += range(seq.num_computed, seq.num_computed + count)
-            if seq.num_computed + count == len(seq.token_ids):  # its next token is due
+            begin, computed = len(input_ids), seq.num_computed
+            table = tuple(manager.block_table(seq.seq_id)) if paged else ()
+            spans.append(SequenceSpan(manager.slot_of(seq.seq_id), begin, count, computed, table))
+            if count == 1:  # decode: no slices
+                input_ids.append(seq.token_ids[computed])
+                positions.append(computed)
+            else:
+                input_ids += seq.token_ids[computed: computed + count]
+                positions += range(computed, computed + count)
+            if computed + count == len(seq.token_ids):  # its next token is due
                 rows.append(begin + count - 1)
                 samplers.append(seq)
         attention = self._attention(spans)
         mapping = self._start_lookahead(scheduled)
-        logits = self.runner.forward(input_ids, positions, attention, rows or [len(input_ids) - 1])
+        # Every row sampled (all decodes): take all logits, no gather.
+        all_rows = len(rows) == len(input_ids)
+        logits = self.runner.forward(input_ids, positions, attention,
+                                     None if all_rows else rows or [len(input_ids) - 1])
         self.attention_seconds += attention.seconds
         self.attention_copy_seconds += attention.copy_seconds
         if mapping is not None:
             self._finish_lookahead(*mapping)
         for item in scheduled:
             item.seq.num_computed += item.num_new_tokens
-            self.manager.commit(item.seq.seq_id)
-        seqs, logit_rows = [], []
-        for row, seq in enumerate(samplers):
-            for member in self._fork_group(seq):
-                seqs.append(member)
-                logit_rows.append(row)
-        if not seqs:
+            manager.commit(item.seq.seq_id)
+        if not samplers:
             return []
+        seqs = samplers
+        if not all(seq.group.forked for seq in samplers):  # a group's first sample: fork n-1
+            seqs, logit_rows = [], []
+            for row, seq in enumerate(samplers):
+                for member in self._fork_group(seq):
+                    seqs.append(member)
+                    logit_rows.append(row)
+            if len(seqs) != len(samplers):
+                logits = logits[logit_rows]
         tokens, logprobs = self.sampler.sample(
-            logits[logit_rows], [s.group.params for s in seqs], [s.generator for s in seqs])
+            logits, [s.group.params for s in seqs], [s.generator for s in seqs])
         return list(zip(seqs, tokens.tolist(), logprobs))
-
-    def _span(self, seq: Sequence, begin: int, count: int) -> SequenceSpan:
-        paged = self.config.kv_backend == "paged"
-        table = tuple(self.manager.block_table(seq.seq_id)) if paged else ()
-        return SequenceSpan(self.manager.slot_of(seq.seq_id), begin, count, seq.num_computed, table)
 
     def _attention(self, spans: list[SequenceSpan]):
         choice, device = self.attention_choice, self.runner.device
@@ -243,9 +256,19 @@ class LLMEngine:
         it on the worker while the forward pass runs (it touches only positions past every
         sequence's reservation, which this step's forward never reads)."""
         margin = self.config.lookahead_tokens
-        decoding = [item.seq.seq_id for item in scheduled
-                    if item.seq.num_computed >= item.seq.num_prompt_tokens]
-        if margin <= 0 or not decoding or self.config.kv_backend == "paged":  # nothing to map
+        if margin <= 0 or self.config.kv_backend == "paged":  # nothing to map
+            return None
+        # Only a sequence whose next `margin` positions reach a page past its reservation can
+        # get one (the manager skips the others): ask about those alone.
+        pages_for, manager = self.manager.layout.logical_pages_for, self.manager
+        decoding = []
+        for item in scheduled:
+            seq = item.seq
+            if seq.num_computed >= seq.num_prompt_tokens:
+                reserved = manager.num_tokens(seq.seq_id)
+                if pages_for(reserved + margin) > pages_for(reserved):
+                    decoding.append(seq.seq_id)
+        if not decoding:
             return None
         jobs = self.manager.allocate_lookahead(decoding, margin, self.scheduler.watermark_blocks)
         return (self._mapper.submit(self._map_in_background, jobs), jobs) if jobs else None
@@ -287,23 +310,23 @@ class LLMEngine:
         return members
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict | None) -> None:
-        now = time.monotonic()
-        group, params = seq.group, seq.group.params
-        if not any(s.output_token_ids for s in group.seqs):
-            self.metrics.on_first_token(group.request_id, now)
+        """Add a sampled token and check the stop conditions (the step counts it in the
+        metrics, once per request per step)."""
+        params = seq.group.params
         seq.token_ids.append(token)
-        self.metrics.on_tokens(group.request_id, 1, now)
         if params.logprobs is not None:
             seq.logprobs.append(logprobs)
         delta = seq.detokenizer.append(token)
         reason, stop_reason = None, None
         if not params.ignore_eos and token in self.eos_token_ids:
             reason = "stop"
-        elif token in (params.stop_token_ids or ()):
+        elif params.stop_token_ids and token in params.stop_token_ids:
             reason, stop_reason = "stop", token
-        elif (matched := seq.detokenizer.check_stop(new_chars=len(delta))) is not None:
+        elif (seq.detokenizer.stop
+              and (matched := seq.detokenizer.check_stop(new_chars=len(delta))) is not None):
             reason, stop_reason = "stop", matched
-        elif len(seq.output_token_ids) >= params.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
+        elif (len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens
+              or len(seq.token_ids) >= self.config.max_model_len):
             reason = "length"
         if reason is not None:
             if stop_reason is None or isinstance(stop_reason, int):

@@ -122,6 +122,28 @@ class EngineMetrics:
         times.last_token = now
         times.num_generated += n
 
+    def on_step_tokens(self, counts: dict[str, int], now: float | None = None) -> None:
+        """One step's output tokens, ``{request_id: n}``: what ``on_tokens`` does for each
+        request, with the shared counters and the throughput window updated once."""
+        total = sum(counts.values())
+        if total <= 0:
+            return
+        now = _now(now)
+        self.generation_tokens.inc(total)
+        self.num_generation_tokens += total
+        self._last_token = now
+        self._recent_tokens.append((now, total))
+        self._recent_token_count += total
+        requests = self._requests
+        for request_id, n in counts.items():
+            times = requests.get(request_id)
+            if times is None or n <= 0:
+                continue
+            if times.first_token is None:
+                self.on_first_token(request_id, now)
+            times.last_token = now
+            times.num_generated += n
+
     def on_request_finished(self, request_id: str, reason: str, now: float | None = None) -> None:
         """The request ended: "stop", "length", "abort" or "error"."""
         now = _now(now)

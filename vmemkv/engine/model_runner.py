@@ -5,14 +5,15 @@ called on one packed, ragged batch per step (``[1, T]`` tokens, every sequence's
 side, with their absolute positions); our function receives each layer's query, key and value
 after RoPE and hands them to the step's attention object, which writes K/V into the cache and
 attends per sequence. No attention mask is built by transformers: the attention object knows the
-spans.
+spans. (The name is deliberately not registered with transformers' mask interface: an attention
+implementation the mask code does not know skips mask preparation entirely, as vLLM's and TGI's
+do; registered, it would also scan the position ids for packed sequences on every forward.)
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 from ..errors import UnsupportedModelError
 
@@ -33,12 +34,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     return attention(module.layer_idx, query, key, value, scaling), None
 
 
-def _no_mask(*args, **kwargs):
-    return None
-
-
 AttentionInterface.register(ATTENTION_NAME, _attention)
-AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
 
 
 class ModelRunner:
@@ -49,11 +45,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, input_ids: list[int], positions: list[int], attention,
-                logit_rows: list[int]) -> torch.Tensor:
-        """Logits ``[len(logit_rows), vocab]`` (float32) at the given rows of the packed batch."""
-        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
-        pos = torch.tensor([positions], dtype=torch.long, device=self.device)
-        keep = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+                logit_rows: list[int] | None = None) -> torch.Tensor:
+        """Logits ``[len(logit_rows), vocab]`` (float32) at the given rows of the packed batch;
+        ``logit_rows=None``: every row.
+
+        Token ids, positions and logit rows travel to the device as one tensor (from pinned
+        memory on CUDA, without blocking the host)."""
+        num_tokens = len(input_ids)
+        rows = [] if logit_rows is None else logit_rows
+        host = torch.tensor([*input_ids, *positions, *rows], dtype=torch.long,
+                            pin_memory=self.device.type == "cuda")
+        packed = host if self.device.type == "cpu" else host.to(self.device, non_blocking=True)
+        ids = packed[:num_tokens].view(1, num_tokens)
+        pos = packed[num_tokens: 2 * num_tokens].view(1, num_tokens)
+        keep = 0 if logit_rows is None else packed[2 * num_tokens:]  # 0: all rows, no gather
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep,
                          **{BATCH_KWARG: attention})
         return out.logits[0].float()

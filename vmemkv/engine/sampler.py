@@ -39,6 +39,8 @@ class Sampler:
                              f"{len(generators)} generators do not match")
         logits = logits.float()
         tokens = logits.argmax(dim=-1)
+        if all(p.temperature == 0.0 and p.logprobs is None for p in params):
+            return tokens, [None] * len(params)  # all greedy, no logprobs: the argmax is all
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
