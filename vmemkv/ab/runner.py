@@ -302,7 +302,9 @@ def run_experiment(workloads: list[str], variants: list[str], repeats: int = 3, 
                                              seed, device=device, overrides=overrides).tokens_per_page
                 bar.update(1)
             page = workload_page(page_tokens)
-            built = {name: make_workload(name, seed, quick, page) for name in workloads}
+            # the text workloads (chat-real) go through the model's own tokenizer
+            built = {name: make_workload(name, seed, quick, page, tokenizer=tokenizer)
+                     for name in workloads}
             for workload in built.values():
                 for repeat in range(repeats):
                     for name in rotated(variants, repeat):

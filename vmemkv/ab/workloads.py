@@ -10,15 +10,26 @@ Everything a check depends on is sized in pages of ``tokens_per_page`` tokens, t
 page (16 on CPU by default; 2 MiB CUDA pages hold 1024 tokens of tiny-llama in fp32): the shared
 system prompt spans whole pages, and the pressure workload's prompts end just short of a page
 boundary on a pool that cannot give every request its next page.
+
+``chat-real`` is the exception to the random ids: real text stored in the package
+(``data/chat_prompts.json``: four assistants' system prompts, each with its own user questions),
+rendered through the model's tokenizer and its chat template, so every request of an assistant
+starts with the same system-prompt tokens and hits its pages in the prefix cache. It needs the
+model's tokenizer (``make_workload(..., tokenizer=...)``; the runner passes it); without one the
+text is taken as bytes, the built-in random-weight models' vocabulary.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib import resources
 
+from ..engine.chat import chat_prompt_ids, has_chat_template
 from ..engine.sampling_params import SamplingParams
 
 TOKEN_MIN, TOKEN_MAX = 1, 250
@@ -214,21 +225,128 @@ def long_context(seed: int = 0, quick: bool = False,
                      "max_num_batched_tokens": 1024}, tokens_per_page=tokens_per_page)
 
 
+# --- real text: chat-real ----------------------------------------------------------------------------
+CHAT_PROMPTS = "chat_prompts.json"  # in vmemkv/ab/data/, package data
+
+
+@functools.cache
+def _chat_prompts_text() -> str:
+    return resources.files("vmemkv.ab").joinpath("data", CHAT_PROMPTS).read_text(encoding="utf-8")
+
+
+def load_chat_prompts() -> dict:
+    """The stored chat text: ``{"about": ..., "assistants": [{"name", "system", "questions"}]}``
+    (a fresh copy each call)."""
+    data = json.loads(_chat_prompts_text())
+    for assistant in data["assistants"]:
+        if not assistant["system"] or not assistant["questions"]:
+            raise ValueError(f"{CHAT_PROMPTS}: assistant {assistant.get('name')!r} needs a system "
+                             "prompt and questions")
+    return data
+
+
+def plain_chat_text(system: str, question: str) -> str:
+    """The conversation as plain text, for a tokenizer without a chat template (the system prompt
+    first, so requests that share it share a token prefix)."""
+    return f"{system}\n\nUser: {question}\nAssistant:"
+
+
+def render_chat(tokenizer, system: str, question: str) -> list[int]:
+    """Token ids of a system prompt and one user question: through the tokenizer's chat template
+    (with the assistant's generation prompt) when it has one, else plain text through the
+    tokenizer, else (no tokenizer) the plain text's UTF-8 bytes, the built-in models' vocabulary."""
+    if tokenizer is not None and has_chat_template(tokenizer):
+        return chat_prompt_ids(tokenizer, [{"role": "system", "content": system},
+                                           {"role": "user", "content": question}])
+    text = plain_chat_text(system, question)
+    if tokenizer is None:
+        return list(text.encode("utf-8"))
+    return list(tokenizer(text)["input_ids"])
+
+
+def chat_real(seed: int = 0, quick: bool = False, tokens_per_page: int = DEFAULT_TOKENS_PER_PAGE,
+              tokenizer=None) -> Workload:
+    """Shared-system-prompt chat traffic in real text: every assistant's questions (12 each;
+    quick: 2 assistants x 3) after its system prompt, the assistants taking turns so traffic is
+    mixed, rendered with ``tokenizer``'s chat template. Outputs are log-normal lengths (median 32,
+    clipped to 8-96; quick 4-12), greedy, ``ignore_eos`` so every variant generates the same
+    number of tokens.
+
+    The step budget is the longest prompt: the first request of each assistant prefills (and
+    caches) the system prompt's pages before that assistant's next request is admitted, which then
+    hits every whole page of it."""
+    rng = random.Random(f"chat-real-{seed}")
+    assistants = load_chat_prompts()["assistants"]
+    if quick:
+        assistants, per_assistant, out_median, out_range = assistants[:2], 3, 8, (4, 12)
+    else:
+        per_assistant, out_median, out_range = None, 32, (8, 96)
+    order = list(range(len(assistants)))
+    rng.shuffle(order)
+    queues = []
+    for a in order:
+        questions = list(assistants[a]["questions"])
+        rng.shuffle(questions)
+        queues.append([(assistants[a], q) for q in questions[:per_assistant]])
+    requests, templated = [], tokenizer is not None and has_chat_template(tokenizer)
+    turn = 0
+    while any(queues):
+        for queue in queues:
+            if queue:
+                assistant, question = queue.pop(0)
+                ids = render_chat(tokenizer, assistant["system"], question)
+                output = _lognormal(rng, out_median, 0.6, *out_range)
+                requests.append((f"chat-real-{assistant['name']}-{turn}", ids, _greedy(output)))
+        turn += 1
+    longest = max(len(ids) + p.max_tokens for _, ids, p in requests)
+    names = ", ".join(assistants[a]["name"] for a in order)
+    how = ("through the tokenizer's chat template" if templated else
+           "as plain text through the tokenizer (no chat template)" if tokenizer is not None else
+           "as UTF-8 bytes (no tokenizer given)")
+    return Workload("chat-real", f"real text ({CHAT_PROMPTS}): {len(requests)} questions to "
+                    f"{len(assistants)} assistants ({names}) taking turns, each after its "
+                    f"assistant's system prompt, rendered {how}; outputs log-normal (median "
+                    f"{out_median}, {out_range[0]}-{out_range[1]}), greedy",
+                    requests, {"max_num_seqs": 16,
+                               "max_model_len": max(1024, 256 * pages(longest, 256)),
+                               "num_blocks": _roomy_pool(requests, tokens_per_page),
+                               "max_num_batched_tokens": max(len(ids) for _, ids, _ in requests)},
+                    tokens_per_page=tokens_per_page)
+
+
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "chat": chat,
     "shared-prefix": shared_prefix,
     "parallel-n4": parallel_n4,
     "pressure": pressure,
     "long-context": long_context,
+    "chat-real": chat_real,
 }
+# Workloads built from text: make_workload passes them the model's tokenizer.
+TEXT_WORKLOADS = frozenset({"chat-real"})
+# What `vmemkv ab` runs when --workloads is not given: the random-id workloads on the built-in
+# random-weight models (their tokens are bytes, not words), the real-text chat workload (and the
+# preemption check) on a real model with a tokenizer.
+DEFAULT_WORKLOADS = ("chat", "shared-prefix", "parallel-n4", "pressure", "long-context")
+REAL_MODEL_WORKLOADS = ("chat-real", "pressure")
+
+
+def default_workloads(model_name: str) -> tuple[str, ...]:
+    from ..engine.models import is_random_weight
+
+    return DEFAULT_WORKLOADS if is_random_weight(model_name) else REAL_MODEL_WORKLOADS
 
 
 def make_workload(name: str, seed: int = 0, quick: bool = False,
-                  tokens_per_page: int = DEFAULT_TOKENS_PER_PAGE) -> Workload:
+                  tokens_per_page: int = DEFAULT_TOKENS_PER_PAGE, tokenizer=None) -> Workload:
     """Workload ``name`` sized for pages of ``tokens_per_page`` tokens (the engine's
-    ``manager.tokens_per_page``; the runner measures it)."""
+    ``manager.tokens_per_page``; the runner measures it). ``tokenizer``: the model's, for the
+    text workloads (``TEXT_WORKLOADS``); the others ignore it."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     if not isinstance(tokens_per_page, int) or tokens_per_page < 1:
         raise ValueError(f"tokens_per_page must be a positive int, got {tokens_per_page!r}")
+    if name in TEXT_WORKLOADS:
+        return WORKLOADS[name](seed=seed, quick=quick, tokens_per_page=tokens_per_page,
+                               tokenizer=tokenizer)
     return WORKLOADS[name](seed=seed, quick=quick, tokens_per_page=tokens_per_page)
