@@ -474,6 +474,21 @@ def test_create_backend_picks_the_cpu_backend():
         create_backend("tpu", PAGE, 4)
 
 
+def test_the_backend_reports_its_mapping_granularity(monkeypatch):
+    import mmap
+
+    from vmemkv.vmm import device_granularity
+
+    assert CpuBackend.granularity == mmap.PAGESIZE == device_granularity("cpu")
+    with CpuBackend(PAGE, 4) as backend:
+        assert backend.granularity == mmap.PAGESIZE and backend.page_size % backend.granularity == 0
+    # No GPU: the documented CUDA default, without asking any driver.
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert device_granularity("cuda") == device_granularity("cuda:1") == 2 << 20
+    with pytest.raises(ConfigError, match="unknown device"):
+        device_granularity("tpu")
+
+
 # ------------------------------------------------------------------ property: the table is the truth
 
 NUM_PHYSICAL, NUM_VIRTUAL = 12, 10

@@ -1,8 +1,9 @@
 """The CUDA backend.
 
-The first half runs everywhere: the pure logic of ``vmemkv.vmm.cuda`` (run coalescing, the
-driver result check against a fake driver, index validation, the DLPack view builder on CPU
-memory, page copies through a window). The second half, ``TestOnGpu``, needs a CUDA GPU and
+The first half runs everywhere: the pure logic the backend uses (run coalescing, the driver
+result check against a fake driver, index validation, the DLPack view builder on CPU memory,
+page copies through a window: ``vmemkv.vmm.cuda``, ``cuda_driver``, ``dlpack`` and the shared
+checks in ``base``), and the backend's driver protocol against a strict fake driver. The second half, ``TestOnGpu``, needs a CUDA GPU and
 cuda-python and is skipped with the reason otherwise; ``experiments/gpu_check.sh`` runs it.
 """
 
@@ -24,7 +25,9 @@ import pytest
 import torch
 
 from vmemkv.errors import ConfigError, CudaDriverError, MappingError
+from vmemkv.vmm import base as vbase
 from vmemkv.vmm import cuda as vcuda
+from vmemkv.vmm import dlpack
 from vmemkv.vmm.base import VirtualRange
 
 
@@ -61,16 +64,16 @@ def _vrange(num_pages: int, page_size: int = 4096) -> VirtualRange:
 
 class TestRuns:
     def test_consecutive_runs(self):
-        assert vcuda.consecutive_runs([]) == []
-        assert vcuda.consecutive_runs([4]) == [(4, 1)]
-        assert vcuda.consecutive_runs([0, 1, 2, 5, 6, 9]) == [(0, 3), (5, 2), (9, 1)]
-        assert vcuda.consecutive_runs(np.arange(10, 20)) == [(10, 10)]
+        assert vbase.consecutive_runs([]) == []
+        assert vbase.consecutive_runs([4]) == [(4, 1)]
+        assert vbase.consecutive_runs([0, 1, 2, 5, 6, 9]) == [(0, 3), (5, 2), (9, 1)]
+        assert vbase.consecutive_runs(np.arange(10, 20)) == [(10, 10)]
 
     def test_paired_runs_need_both_sides_consecutive(self):
         src = np.array([0, 1, 2, 7, 8])
         dst = np.array([4, 5, 9, 10, 11])
-        assert vcuda.paired_runs(src, dst) == [(0, 4, 2), (2, 9, 1), (7, 10, 2)]
-        assert vcuda.paired_runs(np.zeros(0, np.int64), np.zeros(0, np.int64)) == []
+        assert vbase.paired_runs(src, dst) == [(0, 4, 2), (2, 9, 1), (7, 10, 2)]
+        assert vbase.paired_runs(np.zeros(0, np.int64), np.zeros(0, np.int64)) == []
 
 
 class FakeResult(enum.IntEnum):
@@ -155,7 +158,7 @@ class TestValidation:
         ([0], [-2], "physical page -2"),
         ([0, 1], [0], "2 virtual pages but 1 physical"),
         ([2, 2], [0, 1], "virtual page 2 appears twice"),
-        ([0.5], [1], "integers"),
+        ([0.5], [1], "integer page indices"),
     ])
     def test_bad_map_requests(self, virtual, physical, match):
         with pytest.raises(MappingError, match=match):
@@ -177,32 +180,32 @@ class TestViewsOnCpuMemory:
 
     def test_tensor_from_address_shares_memory_and_frees_its_capsule(self):
         gc.collect()
-        before = len(vcuda._LIVE_CAPSULES)
+        before = len(dlpack._LIVE_CAPSULES)
         buffer = np.zeros(256, dtype=np.uint8)
-        t = vcuda.tensor_from_address(buffer.ctypes.data, buffer.nbytes, torch.device("cpu"))
+        t = dlpack.tensor_from_address(buffer.ctypes.data, buffer.nbytes, torch.device("cpu"))
         assert t.dtype == torch.uint8 and t.shape == (256,) and t.data_ptr() == buffer.ctypes.data
         t[10] = 77
         assert buffer[10] == 77
         buffer[11] = 5
         assert int(t[11]) == 5
-        assert len(vcuda._LIVE_CAPSULES) == before + 1
+        assert len(dlpack._LIVE_CAPSULES) == before + 1
         view = t[100:]
         del t
         gc.collect()
-        assert len(vcuda._LIVE_CAPSULES) == before + 1  # a view keeps the storage alive
+        assert len(dlpack._LIVE_CAPSULES) == before + 1  # a view keeps the storage alive
         del view
         gc.collect()
-        assert len(vcuda._LIVE_CAPSULES) == before
+        assert len(dlpack._LIVE_CAPSULES) == before
 
     def test_bf16_strided_view(self):
         base = torch.zeros(4096, dtype=torch.uint8)
         # token-major [token][layer][k|v][head][dim]: 8 tokens, 2 layers, 2 heads, dim 16
         tokens, layers, heads, dim = 8, 2, 2, 16
-        full = vcuda.strided_view(base, torch.bfloat16, (tokens, layers, 2, heads, dim),
+        full = vbase.strided_view(base, torch.bfloat16, (tokens, layers, 2, heads, dim),
                                   (layers * 2 * heads * dim, 2 * heads * dim, heads * dim, dim, 1))
         values = torch.randn(tokens, layers, 2, heads, dim).to(torch.bfloat16)
         full.copy_(values)
-        layer1_v = vcuda.strided_view(base, torch.bfloat16, (tokens, heads, dim),
+        layer1_v = vbase.strided_view(base, torch.bfloat16, (tokens, heads, dim),
                                       (layers * 2 * heads * dim, dim, 1),
                                       offset_bytes=(2 * heads * dim + heads * dim) * 2)
         assert layer1_v.dtype == torch.bfloat16
@@ -211,19 +214,19 @@ class TestViewsOnCpuMemory:
 
     def test_view_bounds(self):
         base = torch.zeros(1024, dtype=torch.uint8)
-        assert vcuda.strided_view(base, torch.float32, (256,), (1,)).shape == (256,)
-        assert vcuda.strided_view(base, torch.float32, (255,), (1,), 4).shape == (255,)
-        assert vcuda.strided_view(base, torch.float32, (0, 5), (5, 1), 1024).numel() == 0
+        assert vbase.strided_view(base, torch.float32, (256,), (1,)).shape == (256,)
+        assert vbase.strided_view(base, torch.float32, (255,), (1,), 4).shape == (255,)
+        assert vbase.strided_view(base, torch.float32, (0, 5), (5, 1), 1024).numel() == 0
         with pytest.raises(MappingError, match="reaches byte 1028 but the range holds 1024"):
-            vcuda.strided_view(base, torch.float32, (256,), (1,), 4)
+            vbase.strided_view(base, torch.float32, (256,), (1,), 4)
         with pytest.raises(MappingError):
-            vcuda.strided_view(base, torch.float16, (2, 300), (300, 1))
+            vbase.strided_view(base, torch.float16, (2, 300), (300, 1))
         with pytest.raises(ConfigError, match="multiple of the"):
-            vcuda.strided_view(base, torch.float32, (4,), (1,), 2)
+            vbase.strided_view(base, torch.float32, (4,), (1,), 2)
         with pytest.raises(ConfigError, match="one stride per dim"):
-            vcuda.strided_view(base, torch.float32, (4, 4), (1,))
+            vbase.strided_view(base, torch.float32, (4, 4), (1,))
         with pytest.raises(ConfigError, match="non-negative"):
-            vcuda.strided_view(base, torch.float32, (4,), (-1,), 64)
+            vbase.strided_view(base, torch.float32, (4,), (-1,), 64)
 
 
 class TestCopyWindowPages:
@@ -234,7 +237,7 @@ class TestCopyWindowPages:
     def test_runs_and_scattered(self):
         w = self._window()
         old = w.clone()
-        vcuda.copy_window_pages(w, [0, 1, 2, 9], [20, 21, 22, 5])
+        vbase.copy_window_pages(w, [0, 1, 2, 9], [20, 21, 22, 5])
         for s, d in [(0, 20), (1, 21), (2, 22), (9, 5)]:
             assert torch.equal(w[d], old[s])
         untouched = [i for i in range(32) if i not in (20, 21, 22, 5)]
@@ -245,28 +248,28 @@ class TestCopyWindowPages:
         old = w.clone()
         src = np.arange(0, 40, 2)
         dst = np.arange(41, 61)[::-1].copy()
-        vcuda.copy_window_pages(w, src, dst, chunk_pages=3, max_run_copies=2)
+        vbase.copy_window_pages(w, src, dst, chunk_pages=3, max_run_copies=2)
         assert torch.equal(w[torch.as_tensor(dst)], old[torch.as_tensor(src)])
 
     def test_overlapping_sources_and_targets_read_before_write(self):
         w = self._window()
         old = w.clone()
-        vcuda.copy_window_pages(w, [0, 1, 2], [1, 2, 3])
+        vbase.copy_window_pages(w, [0, 1, 2], [1, 2, 3])
         assert torch.equal(w[1:4], old[0:3])
         assert torch.equal(w[0], old[0])
 
     def test_errors(self):
         w = self._window(8)
         with pytest.raises(MappingError, match="destination page 8 is outside the pool of 8"):
-            vcuda.copy_window_pages(w, [0], [8])
+            vbase.copy_window_pages(w, [0], [8])
         with pytest.raises(MappingError, match="source page -1"):
-            vcuda.copy_window_pages(w, [-1], [0])
+            vbase.copy_window_pages(w, [-1], [0])
         with pytest.raises(MappingError, match="same destination page twice"):
-            vcuda.copy_window_pages(w, [0, 1], [3, 3])
+            vbase.copy_window_pages(w, [0, 1], [3, 3])
         with pytest.raises(MappingError, match="2 sources but 1 destinations"):
-            vcuda.copy_window_pages(w, [0, 1], [3])
-        vcuda.copy_window_pages(w, [], [])
-        vcuda.copy_window_pages(w, [2], [2])
+            vbase.copy_window_pages(w, [0, 1], [3])
+        vbase.copy_window_pages(w, [], [])
+        vbase.copy_window_pages(w, [2], [2])
 
 
 # ============================================================================================
@@ -457,6 +460,17 @@ def fake(monkeypatch):
 
 
 class TestProtocolAgainstFakeDriver:
+    def test_granularity_comes_from_the_driver(self, fake):
+        from vmemkv.vmm import device_granularity
+
+        fake.GRANULARITY = 4 << 20
+        assert device_granularity("cuda:0") == vcuda.CudaBackend.device_granularity(0) == 4 << 20
+        b = vcuda.CudaBackend(num_pages=2)
+        assert b.granularity == b.page_size == 4 << 20
+        b.close()
+        fake.cuInit = lambda flags: (fake.BAD,)  # a driver that cannot answer: the default
+        assert device_granularity("cuda") == vcuda.DEFAULT_GRANULARITY == 2 << 20
+
     def test_lifecycle(self, fake):
         g = fake.GRANULARITY
         b = vcuda.CudaBackend(num_pages=8)

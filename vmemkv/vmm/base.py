@@ -5,6 +5,10 @@ hands out virtual ranges (``reserve``) into which pages are mapped and unmapped 
 Physical pages are named by their index ``0 .. num_pages-1``. Besides the reserved ranges, every
 backend keeps one *pool window*: all physical pages mapped once, in index order, so a page can be
 copied, swapped to host memory, or addressed through a block table without a slot mapping.
+
+What every backend does the same way lives here too: page-index checks, view bounds checks
+(``tensor``) and page copies through the pool window (``copy_pages``). A backend implements the
+mapping itself and ``_range_bytes`` (the bytes of one live range as a ``uint8`` tensor).
 """
 
 from __future__ import annotations
@@ -15,6 +19,11 @@ from typing import Sequence
 
 import numpy as np
 import torch
+
+from vmemkv.errors import ConfigError, MappingError
+
+# Scratch memory one gather of scattered pages may use in copy_pages.
+GATHER_SCRATCH_BYTES = 256 << 20
 
 
 @dataclass(eq=False)
@@ -58,6 +67,14 @@ class VirtualMemoryBackend(ABC):
     num_pages: int
     device: torch.device
     stats: MapStats
+    # Bytes that page sizes and range addresses must be multiples of (the OS page on CPU, the
+    # driver's allocation granularity on CUDA).
+    granularity: int
+    # How copy_pages copies many scattered pages: False, one copy per run of consecutive pages
+    # (a memcpy each: right on CPU, where torch's indexed copy of uint8 rows goes byte by byte);
+    # True, gathers through bounded scratch memory once there are more than a few runs (one
+    # kernel per chunk: right on a GPU).
+    copy_by_gather: bool = False
 
     @abstractmethod
     def reserve(self, num_pages: int) -> VirtualRange:
@@ -81,20 +98,30 @@ class VirtualMemoryBackend(ABC):
         """Unmap the given virtual pages; their addresses go back to the reservation."""
 
     @abstractmethod
-    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Copy the bytes of physical page ``src[i]`` onto physical page ``dst[i]``."""
-
-    @abstractmethod
     def pool_window(self) -> torch.Tensor:
         """All physical pages as one ``uint8`` tensor ``[num_pages, page_size]`` (zero copy)."""
 
     @abstractmethod
+    def _range_bytes(self, vrange: VirtualRange) -> torch.Tensor:
+        """The whole of ``vrange`` as a 1-D ``uint8`` tensor (zero copy, touches no memory);
+        MappingError when the range is not a live one of this backend."""
+
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy the bytes of physical page ``src[i]`` onto physical page ``dst[i]``; all sources
+        are read before any page is written."""
+        self._check_open()
+        copy_window_pages(self.pool_window(), src, dst,
+                          chunk_pages=max(1, GATHER_SCRATCH_BYTES // self.page_size),
+                          max_run_copies=16 if self.copy_by_gather else None)
+
     def tensor(self, vrange: VirtualRange, dtype: torch.dtype, shape: Sequence[int],
                strides: Sequence[int], offset_bytes: int = 0) -> torch.Tensor:
         """A zero-copy tensor over ``vrange`` starting ``offset_bytes`` in, with element strides.
 
         Creating the view touches no memory; reading an element whose page is unmapped faults.
+        A view reaching past the range is refused.
         """
+        return strided_view(self._range_bytes(vrange), dtype, shape, strides, offset_bytes)
 
     def synchronize(self) -> None:
         """Wait until the device has finished all work that may read mapped ranges."""
@@ -103,8 +130,156 @@ class VirtualMemoryBackend(ABC):
     def close(self) -> None:
         """Release every range and every physical page. The backend is unusable afterwards."""
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise MappingError(f"this {type(self).__name__} is closed; create a new one")
+
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Checks and copies every backend shares
+# --------------------------------------------------------------------------------------------
+
+def index_array(pages: Sequence[int] | np.ndarray | torch.Tensor, name: str) -> np.ndarray:
+    """A 1-D contiguous int64 array of page indices (no copy when it already is one)."""
+    if type(pages) is np.ndarray and pages.dtype == np.int64 and pages.ndim == 1 \
+            and pages.flags.c_contiguous:
+        return pages
+    if isinstance(pages, torch.Tensor):
+        pages = pages.detach().cpu().numpy()
+    try:
+        array = np.asarray(pages)
+    except (TypeError, ValueError) as e:
+        raise MappingError(f"{name} must be a 1-D sequence of integer page indices: {e}") from None
+    if array.dtype == np.int64 and array.ndim == 1 and array.flags.c_contiguous:
+        return array  # a list of ints
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise MappingError(f"{name} must be a 1-D sequence of integer page indices; got shape "
+                           f"{array.shape}, dtype {array.dtype}")
+    return np.ascontiguousarray(array, dtype=np.int64)
+
+
+def check_indices(array: np.ndarray, limit: int, what: str, where: str) -> np.ndarray:
+    """``array`` itself when every index is in ``0 .. limit-1``, else MappingError naming the first
+    bad one: "<what> 9 is outside the <where> of 8 pages"."""
+    if array.size and (array.min() < 0 or array.max() >= limit):
+        raise _outside(int(array[(array < 0) | (array >= limit)][0]), limit, what, where)
+    return array
+
+
+def _outside(bad: int, limit: int, what: str, where: str) -> MappingError:
+    return MappingError(f"{what} {bad} is outside the {where} of {limit} pages "
+                        f"(valid: 0..{limit - 1})")
+
+
+def consecutive_runs(indices: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
+    """Split sorted ``indices`` into runs of consecutive values: ``[(start, length), ...]``."""
+    idx = np.asarray(indices, dtype=np.int64)
+    if idx.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [idx.size]))
+    return [(int(idx[s]), int(e - s)) for s, e in zip(starts, ends)]
+
+
+def paired_runs(src: Sequence[int] | np.ndarray,
+                dst: Sequence[int] | np.ndarray) -> list[tuple[int, int, int]]:
+    """Runs where ``src`` and ``dst`` both step by one: ``[(src_start, dst_start, length)]``."""
+    runs: list[list[int]] = []
+    for s, d in zip(_as_list(src), _as_list(dst)):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [(s, d, n) for s, d, n in runs]
+
+
+def _as_list(values: Sequence[int] | np.ndarray) -> list[int]:
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
+
+
+def strided_view(base: torch.Tensor, dtype: torch.dtype, shape: Sequence[int],
+                 strides: Sequence[int], offset_bytes: int = 0) -> torch.Tensor:
+    """A ``dtype`` view with element ``strides`` over the 1-D ``uint8`` tensor ``base``.
+
+    Checks that every element lies inside ``base`` before building the view; touches no memory.
+    """
+    shape, strides = tuple(int(s) for s in shape), tuple(int(s) for s in strides)
+    itemsize = dtype.itemsize
+    nbytes = base.numel()
+    if len(shape) != len(strides):
+        raise ConfigError(f"shape {shape} and strides {strides} need the same number of dimensions "
+                          f"(one stride per dim)")
+    if any(s < 0 for s in shape) or any(s < 0 for s in strides):
+        raise ConfigError(f"shape {shape} and strides {strides} must be non-negative")
+    if offset_bytes < 0 or offset_bytes % itemsize:
+        raise ConfigError(f"offset_bytes {offset_bytes} must be a non-negative multiple of the "
+                          f"element size ({itemsize} bytes of {dtype})")
+    if nbytes % itemsize:
+        raise ConfigError(f"a range of {nbytes} bytes cannot be viewed as {dtype} "
+                          f"({itemsize}-byte elements)")
+    first = offset_bytes // itemsize
+    if 0 in shape:
+        end = offset_bytes  # empty view: only the offset must lie inside
+    else:
+        end = (first + 1 + sum((n - 1) * st for n, st in zip(shape, strides))) * itemsize
+    if end > nbytes:
+        raise MappingError(f"a view with shape {shape}, strides {strides} at offset {offset_bytes} "
+                           f"bytes reaches byte {end} but the range holds {nbytes} bytes; shrink "
+                           f"the view or reserve a larger range")
+    return base.view(dtype).as_strided(shape, strides, first)
+
+
+def copy_window_pages(window: torch.Tensor, src: Sequence[int] | np.ndarray,
+                      dst: Sequence[int] | np.ndarray, chunk_pages: int = 64,
+                      max_run_copies: int | None = 16) -> None:
+    """Copy rows ``src[i]`` of ``window`` (``[num_pages, page_size]``) onto rows ``dst[i]``.
+
+    All sources are read before any destination is written, so ``src`` and ``dst`` may overlap.
+    Runs of consecutive pages become one copy each; with more than ``max_run_copies`` runs (never,
+    when it is None), the pages go through gathers of ``chunk_pages`` pages (bounded scratch
+    memory) when no page is both a source and a target.
+    """
+    num_pages = window.shape[0]
+    # Checked on Python lists: a copy is mostly a page or two, where numpy's overhead dominates.
+    sources = index_array(src, "src").tolist()
+    destinations = index_array(dst, "dst").tolist()
+    for pages, what in ((sources, "source page"), (destinations, "destination page")):
+        if pages and (min(pages) < 0 or max(pages) >= num_pages):
+            raise _outside(next(p for p in pages if not 0 <= p < num_pages), num_pages, what, "pool")
+    if len(sources) != len(destinations):
+        raise MappingError(f"copy_pages got {len(sources)} sources but {len(destinations)} "
+                           f"destinations; pass one destination per source")
+    if len(set(destinations)) != len(destinations):
+        raise MappingError("copy_pages got the same destination page twice; each destination "
+                           "page may be written once per call")
+    if any(s == d for s, d in zip(sources, destinations)):  # a page onto itself: nothing to do
+        pairs = [(s, d) for s, d in zip(sources, destinations) if s != d]
+        sources, destinations = [s for s, _ in pairs], [d for _, d in pairs]
+    if not sources:
+        return
+    device = window.device
+    if not set(sources).isdisjoint(destinations):
+        # A page is both read and written: gather every source first, then scatter.
+        src_idx = torch.as_tensor(sources, dtype=torch.int64, device=device)
+        dst_idx = torch.as_tensor(destinations, dtype=torch.int64, device=device)
+        window.index_copy_(0, dst_idx, window.index_select(0, src_idx))
+        return
+    runs = paired_runs(sources, destinations)
+    if max_run_copies is None or len(runs) <= max_run_copies:
+        for s, d, n in runs:
+            window[d:d + n].copy_(window[s:s + n])
+        return
+    for start in range(0, len(sources), chunk_pages):
+        src_idx = torch.as_tensor(sources[start:start + chunk_pages], dtype=torch.int64, device=device)
+        dst_idx = torch.as_tensor(destinations[start:start + chunk_pages], dtype=torch.int64,
+                                  device=device)
+        window.index_copy_(0, dst_idx, window.index_select(0, src_idx))

@@ -28,7 +28,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,7 +37,9 @@ import numpy as np
 import torch
 
 from vmemkv.errors import ConfigError, MappingError, MappingLimitError, NativeExtensionError
-from vmemkv.vmm.base import MapStats, VirtualMemoryBackend, VirtualRange
+from vmemkv.vmm.base import MapStats, VirtualMemoryBackend, VirtualRange, index_array
+from vmemkv.vmm.cpu_limits import (budget_lock, count_range_mappings, huge_page_info,
+                                   process_mapping_budget)
 
 # The compiled batch mapper, loaded by the first CpuBackend (load_native): `import vmemkv` and the
 # CUDA backend must work where the C extension was not built (a GPU machine may build it with an
@@ -46,10 +47,6 @@ from vmemkv.vmm.base import MapStats, VirtualMemoryBackend, VirtualRange
 _native: ModuleType | None = None
 
 OS_PAGE_SIZE = mmap.PAGESIZE
-MAX_MAP_COUNT_PATH = "/proc/sys/vm/max_map_count"
-DEFAULT_MAX_MAP_COUNT = 65530
-
-
 def load_native() -> ModuleType:
     """The ``vmemkv._native`` module; raises :class:`NativeExtensionError` when it is not built."""
     global _native
@@ -64,96 +61,6 @@ def load_native() -> ModuleType:
                 f"The CUDA backend (device='cuda') does not need it") from e
         _native = module
     return _native
-
-
-def read_max_map_count() -> int:
-    """The kernel's ``vm.max_map_count`` (the default when it cannot be read)."""
-    try:
-        with open(MAX_MAP_COUNT_PATH) as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return DEFAULT_MAX_MAP_COUNT
-
-
-def count_process_mappings() -> int:
-    """How many VMAs this process has now (lines of ``/proc/self/maps``)."""
-    with open("/proc/self/maps", "rb") as f:
-        return sum(1 for _ in f)
-
-
-def count_range_mappings(page_table: np.ndarray) -> int:
-    """The VMAs a range with this page table costs: one per run of consecutive physical pages and
-    one per unmapped gap (the same rule the native mapper counts with)."""
-    table = np.asarray(page_table, dtype=np.int64)
-    if table.size == 0:
-        return 0
-    prev, cur = table[:-1], table[1:]
-    same_vma = ((prev < 0) & (cur < 0)) | ((prev >= 0) & (cur == prev + 1))
-    return 1 + int(np.count_nonzero(~same_vma))
-
-
-def huge_page_info() -> tuple[int, int]:
-    """(HugePages_Total, Hugepagesize in bytes) from /proc/meminfo; (0, 0) when unknown."""
-    total = size = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("HugePages_Total:"):
-                    total = int(line.split()[1])
-                elif line.startswith("Hugepagesize:"):
-                    size = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return total, size
-
-
-class ProcessMappingBudget:
-    """The VMAs all CPU backends of this process may hold together.
-
-    Measured once, when the first backend is built: ``vm.max_map_count`` minus the mappings the
-    process already had, minus a margin for what the rest of the process maps later.
-    """
-
-    def __init__(self) -> None:
-        self.max_map_count = read_max_map_count()
-        self.mapped_elsewhere = count_process_mappings()
-        self.margin = max(4096, self.max_map_count // 10)
-        self.limit = max(0, self.max_map_count - self.mapped_elsewhere - self.margin)
-        self.used = 0
-
-    def describe(self) -> str:
-        return (f"vm.max_map_count is {self.max_map_count}; the rest of the process mapped "
-                f"{self.mapped_elsewhere} and {self.margin} are kept as a margin, leaving "
-                f"{self.limit} for vmemkv's CPU backends")
-
-
-_budget: ProcessMappingBudget | None = None
-_budget_lock = threading.Lock()  # guards the budget and serializes map/unmap across threads
-
-
-def process_mapping_budget() -> ProcessMappingBudget:
-    """The process-wide budget (created on first use)."""
-    global _budget
-    with _budget_lock:
-        if _budget is None:
-            _budget = ProcessMappingBudget()
-        return _budget
-
-
-def _index_array(pages: Sequence[int] | np.ndarray, name: str) -> np.ndarray:
-    """A 1-D contiguous int64 array of page indices (no copy when it already is one)."""
-    if type(pages) is np.ndarray and pages.dtype == np.int64 and pages.ndim == 1 \
-            and pages.flags.c_contiguous:
-        return pages
-    if isinstance(pages, torch.Tensor):
-        pages = pages.detach().cpu().numpy()
-    try:
-        array = np.ascontiguousarray(pages, dtype=np.int64)
-    except (TypeError, ValueError) as e:
-        raise MappingError(f"{name} must be a 1-D sequence of page indices: {e}") from None
-    if array.ndim != 1:
-        raise MappingError(f"{name} must be a 1-D sequence of page indices, got shape {array.shape}")
-    return array
 
 
 class _Region:
@@ -203,6 +110,8 @@ class CpuBackend(VirtualMemoryBackend):
     window) on top of the process-wide budget; tests use it to reach the limit cheaply.
     """
 
+    granularity = OS_PAGE_SIZE  # the huge page size on an instance with huge_pages=True
+
     def __init__(self, page_size: int, num_pages: int, huge_pages: bool = False,
                  max_mappings: int | None = None) -> None:
         load_native()  # first, so a missing build is reported before anything is created
@@ -212,7 +121,6 @@ class CpuBackend(VirtualMemoryBackend):
         self.device = torch.device("cpu")
         self.stats = MapStats()
         self.max_mappings = max_mappings
-        self._alignment = OS_PAGE_SIZE
         self._fd = -1
         self._closed = False
         self._mappings_used = 0
@@ -249,7 +157,7 @@ class CpuBackend(VirtualMemoryBackend):
             raise ConfigError(f"the pool needs {self.num_pages * self.page_size} bytes of huge pages but "
                               f"the OS reserves {total} x {huge_size} bytes; raise vm.nr_hugepages or "
                               f"shrink num_pages")
-        self._alignment = huge_size
+        self.granularity = huge_size
 
     def _create_pool(self) -> None:
         flags = os.MFD_CLOEXEC | (os.MFD_HUGETLB if self.huge_pages else 0)
@@ -288,14 +196,14 @@ class CpuBackend(VirtualMemoryBackend):
         return room
 
     def _charge(self, count: int, what: str) -> None:
-        with _budget_lock:
+        with budget_lock:
             room = self.mapping_room()
             if count > room:
                 raise MappingLimitError(self._limit_message(what, count, room))
             self._account(count)
 
     def _uncharge(self, count: int) -> None:
-        with _budget_lock:
+        with budget_lock:
             self._account(-count)
 
     def _account(self, delta: int) -> None:
@@ -323,7 +231,7 @@ class CpuBackend(VirtualMemoryBackend):
         size = num_pages * self.page_size
         self._charge(1, f"reserve {num_pages} pages")
         try:
-            address = _native.reserve(size, self._alignment)
+            address = _native.reserve(size, self.granularity)
         except OSError as e:
             self._uncharge(1)
             raise MappingError(f"cannot reserve {size} bytes of address space: {e}") from e
@@ -339,13 +247,6 @@ class CpuBackend(VirtualMemoryBackend):
         state.region.unmap()
         self._uncharge(state.mappings)
         vrange.page_table[:] = -1
-
-    def _live_state(self, vrange: VirtualRange) -> _RangeState:
-        """The bookkeeping of a range this backend reserved and has not released (else MappingError)."""
-        state = self._ranges.get(vrange.address)
-        if state is not None and state.vrange is vrange:
-            return state
-        return self._state(vrange)
 
     def _state(self, vrange: VirtualRange) -> _RangeState:
         self._check_open()
@@ -367,15 +268,15 @@ class CpuBackend(VirtualMemoryBackend):
         if state is None or state.vrange is not vrange:
             state = self._state(vrange)  # raises MappingError
         if type(virtual_pages) is not np.ndarray or type(physical_pages) is not np.ndarray:
-            virtual_pages = _index_array(virtual_pages, "virtual_pages")
-            physical_pages = _index_array(physical_pages, "physical_pages")
+            virtual_pages = index_array(virtual_pages, "virtual_pages")
+            physical_pages = index_array(physical_pages, "physical_pages")
         head = (self._fd, vrange.address, self.page_size, self.num_pages, vrange.page_table)
         try:
             calls, seconds = self._run_batch(state, "map", _native.map_batch,
                                              (*head, virtual_pages, physical_pages))
         except TypeError:  # numpy, but not 1-D contiguous int64: convert and go again
-            virtual_pages = _index_array(virtual_pages, "virtual_pages")
-            physical_pages = _index_array(physical_pages, "physical_pages")
+            virtual_pages = index_array(virtual_pages, "virtual_pages")
+            physical_pages = index_array(physical_pages, "physical_pages")
             calls, seconds = self._run_batch(state, "map", _native.map_batch,
                                              (*head, virtual_pages, physical_pages))
         stats = self.stats
@@ -388,12 +289,12 @@ class CpuBackend(VirtualMemoryBackend):
         if state is None or state.vrange is not vrange:
             state = self._state(vrange)
         if type(virtual_pages) is not np.ndarray:
-            virtual_pages = _index_array(virtual_pages, "virtual_pages")
+            virtual_pages = index_array(virtual_pages, "virtual_pages")
         head = (vrange.address, self.page_size, vrange.page_table)
         try:
             calls, seconds = self._run_batch(state, "unmap", _native.unmap_batch, (*head, virtual_pages))
         except TypeError:
-            virtual_pages = _index_array(virtual_pages, "virtual_pages")
+            virtual_pages = index_array(virtual_pages, "virtual_pages")
             calls, seconds = self._run_batch(state, "unmap", _native.unmap_batch, (*head, virtual_pages))
         stats = self.stats
         stats.unmap_calls += calls
@@ -404,7 +305,7 @@ class CpuBackend(VirtualMemoryBackend):
         """One native batch under the lock: pass it the VMA room left, refuse if it needs more
         (C has then changed nothing), account the VMAs. Returns (system calls, seconds)."""
         budget = self._budget
-        _budget_lock.acquire()  # explicit acquire/release: half the cost of `with` on the hot path
+        budget_lock.acquire()  # explicit acquire/release: half the cost of `with` on the hot path
         try:
             room = self.mapping_room()
             start = time.perf_counter()
@@ -426,7 +327,7 @@ class CpuBackend(VirtualMemoryBackend):
                 state.mappings += delta
             return calls, time.perf_counter() - start
         finally:
-            _budget_lock.release()
+            budget_lock.release()
 
     def _resync(self, state: _RangeState) -> None:
         """After a failed system call: recount the range's VMAs from its (exact) page table."""
@@ -440,49 +341,13 @@ class CpuBackend(VirtualMemoryBackend):
         self._check_open()
         return self._window
 
-    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Copy page ``src[i]`` onto ``dst[i]``; all sources are read before any page is written."""
-        self._check_open()
-        src_pages = self._pool_indices(src, "src")
-        dst_pages = self._pool_indices(dst, "dst")
-        if len(src_pages) != len(dst_pages):
-            raise MappingError(f"copy_pages got {len(src_pages)} source and {len(dst_pages)} "
-                               f"destination pages; pass one destination per source")
-        sources, destinations = src_pages.tolist(), dst_pages.tolist()
-        if len(set(destinations)) != len(destinations):
-            raise MappingError("copy_pages got a destination page twice; each page can be written once")
-        if not sources:
-            return
-        window = self._window
-        if not set(sources) & set(destinations):  # no overlap: copy row by row, which is a
-            for s, d in zip(sources, destinations):  # memcpy (torch's indexed copy of uint8
-                window[d].copy_(window[s])  # rows goes byte by byte)
-            return
-        dst_index = torch.from_numpy(dst_pages)
-        window.index_copy_(0, dst_index, window.index_select(0, torch.from_numpy(src_pages)))
-
-    def _pool_indices(self, pages: Sequence[int], name: str) -> np.ndarray:
-        array = _index_array(pages, name)
-        bad = (array < 0) | (array >= self.num_pages)
-        if bad.any():
-            raise MappingError(f"{name} page {int(array[bad][0])} is outside the pool of "
-                               f"{self.num_pages} pages")
-        return array
-
-    def tensor(self, vrange: VirtualRange, dtype: torch.dtype, shape: Sequence[int],
-               strides: Sequence[int], offset_bytes: int = 0) -> torch.Tensor:
-        state = self._live_state(vrange)
-        shape, strides = [int(s) for s in shape], [int(s) for s in strides]
-        itemsize = dtype.itemsize
-        _check_view(vrange, itemsize, shape, strides, offset_bytes)
-        elements = state.bytes_view.view(dtype)
-        return elements.as_strided(shape, strides, offset_bytes // itemsize)
+    def _range_bytes(self, vrange: VirtualRange) -> torch.Tensor:
+        state = self._ranges.get(vrange.address)
+        if state is None or state.vrange is not vrange:
+            state = self._state(vrange)  # raises MappingError
+        return state.bytes_view
 
     # ---------------------------------------------------------------- lifetime
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise MappingError("this CpuBackend is closed; build a new one")
 
     def close(self) -> None:
         """Unmap every range and the pool window and close the memfd. Safe to call twice; views
@@ -505,7 +370,7 @@ class CpuBackend(VirtualMemoryBackend):
             os.close(self._fd)
             self._fd = -1
         if getattr(self, "_budget", None) is not None:
-            with _budget_lock:
+            with budget_lock:
                 self._account(-self._mappings_used)
 
     def __del__(self) -> None:
@@ -520,24 +385,3 @@ class CpuBackend(VirtualMemoryBackend):
         return (f"CpuBackend(page_size={self.page_size}, num_pages={self.num_pages}, "
                 f"ranges={len(self._ranges)}, mappings={self._mappings_used})")
 
-
-def _check_view(vrange: VirtualRange, itemsize: int, shape: list[int], strides: list[int],
-                offset_bytes: int) -> None:
-    """Every element a view can reach must lie inside the range."""
-    if len(shape) != len(strides):
-        raise ConfigError(f"shape {shape} and strides {strides} need the same number of dimensions")
-    if any(s < 0 for s in shape) or any(s < 0 for s in strides):
-        raise ConfigError(f"shape {shape} and strides {strides} must be non-negative")
-    if offset_bytes < 0 or offset_bytes % itemsize != 0:
-        raise ConfigError(f"offset_bytes {offset_bytes} must be a non-negative multiple of the element "
-                          f"size ({itemsize} bytes)")
-    if 0 in shape:
-        last_byte = offset_bytes
-    else:
-        last_element = offset_bytes // itemsize + sum((n - 1) * s for n, s in zip(shape, strides))
-        last_byte = (last_element + 1) * itemsize
-    if last_byte > vrange.size:
-        raise MappingError(f"a view with shape {shape}, strides {strides} at offset {offset_bytes} reaches "
-                           f"byte {last_byte} but the range has {vrange.size} bytes "
-                           f"({vrange.num_pages} pages of {vrange.page_size}); reserve more pages or "
-                           f"shrink the view")

@@ -7,19 +7,14 @@ kernels that may still read the range; PyTorch's "Note [Expandable Segments]" do
 Everything lives in torch's primary context of the device, so torch tensors and our mappings
 share one address space.
 
-Views over raw device memory are built through a DLPack capsule, not
-``__cuda_array_interface__``: DLPack names the device explicitly, so torch never asks the
-driver about the pointer (which fails on reserved addresses that have nothing mapped yet), and
-creating a view never touches memory.
-
-cuda-python is imported lazily: importing this module needs only torch and numpy; the pure
-helpers here (run coalescing, the driver result check, the view builder) are tested on CPU.
+Driver loading and result checks live in :mod:`vmemkv.vmm.cuda_driver`, views over raw device
+memory (DLPack) in :mod:`vmemkv.vmm.dlpack`, index and view checks and page copies shared with the
+CPU backend in :mod:`vmemkv.vmm.base`. Importing this module needs only torch and numpy.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -28,127 +23,29 @@ import numpy as np
 import torch
 
 from vmemkv.errors import ConfigError, CudaDriverError, MappingError
-from vmemkv.vmm.base import MapStats, VirtualMemoryBackend, VirtualRange
+from vmemkv.vmm.base import (MapStats, VirtualMemoryBackend, VirtualRange, check_indices,
+                             consecutive_runs, index_array)
+# Re-exported: `from vmemkv.vmm.cuda import load_driver` is the public spelling, and the backend
+# looks these names up here, so tests can replace them with fakes (monkeypatch this module).
+from vmemkv.vmm.cuda_driver import (DEFAULT_GRANULARITY, allocation_granularity, allocation_prop,
+                                    call_driver, check_result, load_driver)
+from vmemkv.vmm.dlpack import tensor_from_address
 
-_INSTALL_HINT = ("pip install cuda-bindings (or install vmemkv with the [cuda] extra: "
-                 "pip install 'vmemkv[cuda]')")
-
-
-# --------------------------------------------------------------------------------------------
-# Driver loading and the one result check every driver call goes through
-# --------------------------------------------------------------------------------------------
-
-def load_driver() -> Any:
-    """cuda-python's driver module: ``cuda.bindings.driver``, or ``cuda.cuda`` of old releases."""
-    try:
-        from cuda.bindings import driver  # cuda-python >= 12.6
-        return driver
-    except ImportError:
-        pass
-    try:
-        from cuda import cuda as driver  # cuda-python < 12.6
-        return driver
-    except ImportError as exc:
-        raise ConfigError(f"the CUDA backend needs cuda-python's driver bindings, which are not "
-                          f"installed: {_INSTALL_HINT}") from exc
-
-
-def _driver_text(driver: Any, getter: str, err: Any) -> str | None:
-    try:
-        status, text = getattr(driver, getter)(err)
-    except Exception:  # the lookup itself must never hide the real error
-        return None
-    if status != driver.CUresult.CUDA_SUCCESS or not text:
-        return None
-    return text.decode() if isinstance(text, (bytes, bytearray)) else str(text)
-
-
-def check_result(driver: Any, function: str, result: Any,
-                 context: str | Callable[[], str] = "") -> Any:
-    """Check what a cuda-python driver call returned: ``(CUresult, *values)``.
-
-    Returns ``None`` when the call has no outputs, the value when it has one, else the tuple.
-    Raises :class:`CudaDriverError` carrying the function, the driver's error name and string;
-    ``context`` (a string, or a function making one, called only on failure) says what was asked.
-    """
-    if not isinstance(result, tuple):
-        result = (result,)
-    err, values = result[0], result[1:]
-    if err != driver.CUresult.CUDA_SUCCESS:
-        name = (_driver_text(driver, "cuGetErrorName", err) or getattr(err, "name", None)
-                or f"CUresult {int(err)}")
-        text = _driver_text(driver, "cuGetErrorString", err) or "no description"
-        message = f"{function} failed: {name}: {text}"
-        if callable(context):
-            context = context()
-        if context:
-            message += f" ({context})"
-        exc = CudaDriverError(message)
-        exc.function, exc.error_name, exc.error_string, exc.code = function, name, text, int(err)
-        raise exc
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else values
-
-
-def call_driver(driver: Any, function: str, *args: Any,
-                context: str | Callable[[], str] = "") -> Any:
-    """Call ``driver.<function>(*args)`` and check its result (see :func:`check_result`)."""
-    return check_result(driver, function, getattr(driver, function)(*args), context)
-
-
-# --------------------------------------------------------------------------------------------
-# Pure helpers (no CUDA): coalescing, index validation, views, page copies
-# --------------------------------------------------------------------------------------------
-
-def consecutive_runs(indices: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
-    """Split sorted ``indices`` into runs of consecutive values: ``[(start, length), ...]``."""
-    idx = np.asarray(indices, dtype=np.int64)
-    if idx.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [idx.size]))
-    return [(int(idx[s]), int(e - s)) for s, e in zip(starts, ends)]
-
-
-def paired_runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:
-    """Runs where ``src`` and ``dst`` both step by one: ``[(src_start, dst_start, length)]``."""
-    if src.size == 0:
-        return []
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [src.size]))
-    return [(int(src[s]), int(dst[s]), int(e - s)) for s, e in zip(starts, ends)]
-
-
-def _as_index_array(values: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
-    arr = np.asarray(values)
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        raise MappingError(f"{what} must be a 1-D sequence of integers; got shape {arr.shape}, "
-                           f"dtype {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
+__all__ = ["CudaBackend", "DEFAULT_GRANULARITY", "call_driver", "check_result", "load_driver",
+           "tensor_from_address", "validate_map_request", "validate_unmap_request"]
 
 
 def validate_map_request(vrange: VirtualRange, virtual_pages: Sequence[int] | np.ndarray,
                          physical_pages: Sequence[int] | np.ndarray,
                          pool_pages: int) -> tuple[np.ndarray, np.ndarray]:
     """Check a map request before anything changes; return int64 arrays sorted by virtual page."""
-    virtual = _as_index_array(virtual_pages, "virtual_pages")
-    physical = _as_index_array(physical_pages, "physical_pages")
+    virtual = index_array(virtual_pages, "virtual_pages")
+    physical = index_array(physical_pages, "physical_pages")
     if virtual.shape != physical.shape:
         raise MappingError(f"map got {virtual.size} virtual pages but {physical.size} physical "
                            f"pages; pass one physical page per virtual page")
-    bad = virtual[(virtual < 0) | (virtual >= vrange.num_pages)]
-    if bad.size:
-        raise MappingError(f"virtual page {int(bad[0])} is outside the range of "
-                           f"{vrange.num_pages} pages (valid: 0..{vrange.num_pages - 1})")
-    bad = physical[(physical < 0) | (physical >= pool_pages)]
-    if bad.size:
-        raise MappingError(f"physical page {int(bad[0])} is outside the pool of {pool_pages} "
-                           f"pages (valid: 0..{pool_pages - 1})")
+    check_indices(virtual, vrange.num_pages, "virtual page", "range")
+    check_indices(physical, pool_pages, "physical page", "pool")
     order = np.argsort(virtual, kind="stable")
     virtual, physical = virtual[order], physical[order]
     if virtual.size > 1 and np.any(np.diff(virtual) == 0):
@@ -161,180 +58,10 @@ def validate_map_request(vrange: VirtualRange, virtual_pages: Sequence[int] | np
 def validate_unmap_request(vrange: VirtualRange,
                            virtual_pages: Sequence[int] | np.ndarray) -> np.ndarray:
     """Sorted unique int64 virtual pages, all inside ``vrange`` (else MappingError)."""
-    virtual = _as_index_array(virtual_pages, "virtual_pages")
-    bad = virtual[(virtual < 0) | (virtual >= vrange.num_pages)]
-    if bad.size:
-        raise MappingError(f"virtual page {int(bad[0])} is outside the range of "
-                           f"{vrange.num_pages} pages (valid: 0..{vrange.num_pages - 1})")
+    virtual = check_indices(index_array(virtual_pages, "virtual_pages"), vrange.num_pages,
+                            "virtual page", "range")
     return np.unique(virtual)
 
-
-def strided_view(base: torch.Tensor, dtype: torch.dtype, shape: Sequence[int],
-                 strides: Sequence[int], offset_bytes: int = 0) -> torch.Tensor:
-    """A ``dtype`` view with element ``strides`` over the 1-D ``uint8`` tensor ``base``.
-
-    Checks that every element lies inside ``base`` before building the view; touches no memory.
-    """
-    shape, strides = tuple(int(s) for s in shape), tuple(int(s) for s in strides)
-    itemsize = dtype.itemsize
-    nbytes = base.numel()
-    if len(shape) != len(strides):
-        raise ConfigError(f"shape {shape} has {len(shape)} dims but strides {strides} has "
-                          f"{len(strides)}; give one stride per dim")
-    if any(s < 0 for s in shape) or any(s < 0 for s in strides):
-        raise ConfigError(f"shape {shape} and strides {strides} must be non-negative")
-    if offset_bytes < 0 or offset_bytes % itemsize:
-        raise ConfigError(f"offset_bytes {offset_bytes} must be a non-negative multiple of the "
-                          f"{dtype} element size ({itemsize} bytes)")
-    if nbytes % itemsize:
-        raise ConfigError(f"a range of {nbytes} bytes cannot be viewed as {dtype} "
-                          f"({itemsize}-byte elements)")
-    first = offset_bytes // itemsize
-    if 0 in shape:
-        last = first - 1  # empty view: only the offset must lie inside
-        if offset_bytes > nbytes:
-            raise MappingError(f"view offset {offset_bytes} bytes is outside the range of "
-                               f"{nbytes} bytes")
-    else:
-        last = first + sum((n - 1) * st for n, st in zip(shape, strides))
-        if (last + 1) * itemsize > nbytes:
-            raise MappingError(
-                f"view of shape {shape}, strides {strides}, offset {offset_bytes} bytes reaches "
-                f"byte {(last + 1) * itemsize} but the range holds {nbytes} bytes; shrink the "
-                f"view or reserve a larger range")
-    return base.view(dtype).as_strided(shape, strides, first)
-
-
-def copy_window_pages(window: torch.Tensor, src: Sequence[int] | np.ndarray,
-                      dst: Sequence[int] | np.ndarray, chunk_pages: int = 64,
-                      max_run_copies: int = 16) -> None:
-    """Copy rows ``src[i]`` of ``window`` (``[num_pages, page_size]``) onto rows ``dst[i]``.
-
-    All sources are read before any destination is written, so ``src`` and ``dst`` may overlap.
-    Runs of consecutive pages become one copy each; many scattered pages go through gathers of
-    ``chunk_pages`` pages (bounded scratch memory) when no page is both a source and a target.
-    """
-    num_pages = window.shape[0]
-    src_arr = _as_index_array(src, "src")
-    dst_arr = _as_index_array(dst, "dst")
-    if src_arr.shape != dst_arr.shape:
-        raise MappingError(f"copy_pages got {src_arr.size} sources but {dst_arr.size} "
-                           f"destinations; pass one destination per source")
-    for arr, what in ((src_arr, "source"), (dst_arr, "destination")):
-        bad = arr[(arr < 0) | (arr >= num_pages)]
-        if bad.size:
-            raise MappingError(f"{what} page {int(bad[0])} is outside the pool of {num_pages} "
-                               f"pages (valid: 0..{num_pages - 1})")
-    if src_arr.size == 0:
-        return
-    if np.unique(dst_arr).size != dst_arr.size:
-        raise MappingError("copy_pages got the same destination page twice; each destination "
-                           "page may be written once per call")
-    keep = src_arr != dst_arr
-    src_arr, dst_arr = src_arr[keep], dst_arr[keep]
-    if src_arr.size == 0:
-        return
-    device = window.device
-    if np.intersect1d(src_arr, dst_arr).size:
-        # A page is both read and written: gather every source first, then scatter.
-        src_idx = torch.as_tensor(src_arr, device=device)
-        dst_idx = torch.as_tensor(dst_arr, device=device)
-        window.index_copy_(0, dst_idx, window.index_select(0, src_idx))
-        return
-    runs = paired_runs(src_arr, dst_arr)
-    if len(runs) <= max_run_copies:
-        for s, d, n in runs:
-            window[d:d + n].copy_(window[s:s + n])
-        return
-    for start in range(0, src_arr.size, chunk_pages):
-        src_idx = torch.as_tensor(src_arr[start:start + chunk_pages], device=device)
-        dst_idx = torch.as_tensor(dst_arr[start:start + chunk_pages], device=device)
-        window.index_copy_(0, dst_idx, window.index_select(0, src_idx))
-
-
-# --------------------------------------------------------------------------------------------
-# Zero-copy tensors over raw addresses, through a DLPack capsule
-# --------------------------------------------------------------------------------------------
-
-_DL_CPU, _DL_CUDA = 1, 2
-_DL_UINT = 1
-
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
-                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
-
-
-class _DLManagedTensor(ctypes.Structure):
-    pass
-
-
-_DLDeleter = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
-_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
-                             ("deleter", _DLDeleter)]
-
-# Structures handed to torch, kept alive until torch calls the deleter (when the tensor dies).
-_LIVE_CAPSULES: dict[int, tuple[_DLManagedTensor, Any]] = {}
-
-
-@_DLDeleter
-def _release_capsule(managed: Any) -> None:
-    try:
-        _LIVE_CAPSULES.pop(ctypes.cast(managed, ctypes.c_void_p).value, None)
-    except Exception:  # called from torch's deleter, maybe at interpreter shutdown
-        pass
-
-
-_PyCapsule_New = ctypes.pythonapi.PyCapsule_New
-_PyCapsule_New.restype = ctypes.py_object
-_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-_CAPSULE_NAME = b"dltensor"  # module-level: the capsule keeps a pointer to these bytes
-
-
-def tensor_from_address(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
-    """A 1-D ``uint8`` tensor of ``nbytes`` bytes at ``address`` on ``device`` (zero copy).
-
-    Nothing is read or written; the memory must outlive the tensor (the caller's job). On CUDA
-    the device is named explicitly, so the address may be reserved and still unmapped.
-    """
-    shape = (ctypes.c_int64 * 1)(int(nbytes))
-    managed = _DLManagedTensor()
-    managed.dl_tensor.data = int(address)
-    if device.type == "cuda":
-        managed.dl_tensor.device = _DLDevice(_DL_CUDA, device.index or 0)
-    elif device.type == "cpu":
-        managed.dl_tensor.device = _DLDevice(_DL_CPU, 0)
-    else:
-        raise ConfigError(f"cannot view raw memory on device {device}; use cpu or cuda")
-    managed.dl_tensor.ndim = 1
-    managed.dl_tensor.dtype = _DLDataType(_DL_UINT, 8, 1)
-    managed.dl_tensor.shape = shape
-    managed.dl_tensor.strides = None
-    managed.dl_tensor.byte_offset = 0
-    managed.manager_ctx = None
-    managed.deleter = _release_capsule
-    key = ctypes.addressof(managed)
-    _LIVE_CAPSULES[key] = (managed, shape)
-    try:
-        capsule = _PyCapsule_New(key, _CAPSULE_NAME, None)
-        return torch.utils.dlpack.from_dlpack(capsule)
-    except BaseException:
-        _LIVE_CAPSULES.pop(key, None)
-        raise
-
-
-# --------------------------------------------------------------------------------------------
-# The backend
-# --------------------------------------------------------------------------------------------
 
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
@@ -348,6 +75,26 @@ class CudaBackend(VirtualMemoryBackend):
     ``stats.unmap_calls`` counts ``cuMemUnmap`` calls (one per run). The pool window is not
     counted in ``stats``.
     """
+
+    copy_by_gather = True
+    granularity = DEFAULT_GRANULARITY  # an instance has its GPU's, asked of the driver
+
+    @classmethod
+    def device_granularity(cls, device: int | str | torch.device = 0) -> int:
+        """The allocation granularity of GPU ``device`` in bytes, without building a backend.
+
+        Asks the driver where a GPU and cuda-python are present; anywhere else (a CPU machine,
+        a driver that cannot answer) returns the documented default, ``DEFAULT_GRANULARITY``.
+        """
+        if not torch.cuda.is_available():
+            return DEFAULT_GRANULARITY
+        try:
+            index = torch.device(device).index if not isinstance(device, int) else device
+            driver = load_driver()
+            call_driver(driver, "cuInit", 0)
+            return allocation_granularity(driver, allocation_prop(driver, index or 0))
+        except Exception:  # noqa: BLE001 -- the backend itself reports a broken driver clearly
+            return DEFAULT_GRANULARITY
 
     def __init__(self, page_size: int | None = None, num_pages: int = 0,
                  device: int | str | torch.device = 0) -> None:
@@ -386,11 +133,9 @@ class CudaBackend(VirtualMemoryBackend):
         self._closed = False
         try:
             with self._context():
-                self._prop = self._allocation_prop(ordinal)
+                self._prop = allocation_prop(self._driver, ordinal)
                 self._access = self._access_desc(ordinal)
-                self.granularity = int(self._call(
-                    "cuMemGetAllocationGranularity", self._prop,
-                    self._driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
+                self.granularity = allocation_granularity(self._driver, self._prop)
                 self.page_size = self._check_page_size(page_size)
                 self._create_pages()
         except BaseException:
@@ -414,14 +159,6 @@ class CudaBackend(VirtualMemoryBackend):
             raise ConfigError(f"GPU {dev.index} does not exist; this process sees {count} GPU(s) "
                               f"(0..{count - 1})")
         return dev
-
-    def _allocation_prop(self, ordinal: int) -> Any:
-        d = self._driver
-        prop = d.CUmemAllocationProp()
-        prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = ordinal
-        return prop
 
     def _access_desc(self, ordinal: int) -> Any:
         d = self._driver
@@ -468,10 +205,6 @@ class CudaBackend(VirtualMemoryBackend):
             yield
         finally:
             self._call("cuCtxPopCurrent")
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise MappingError("this CudaBackend is closed; create a new one")
 
     def _check_range(self, vrange: VirtualRange) -> None:
         self._check_open()
@@ -615,19 +348,13 @@ class CudaBackend(VirtualMemoryBackend):
                 self.num_pages, self.page_size)
         return self._window
 
-    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        self._check_open()
-        copy_window_pages(self.pool_window(), src, dst,
-                          chunk_pages=max(1, (256 << 20) // self.page_size))
-
-    def tensor(self, vrange: VirtualRange, dtype: torch.dtype, shape: Sequence[int],
-               strides: Sequence[int], offset_bytes: int = 0) -> torch.Tensor:
+    def _range_bytes(self, vrange: VirtualRange) -> torch.Tensor:
         self._check_range(vrange)
         base = self._ranges[vrange]
         if base is None:
             base = tensor_from_address(vrange.address, vrange.size, self.device)
             self._ranges[vrange] = base
-        return strided_view(base, dtype, shape, strides, offset_bytes)
+        return base
 
     def synchronize(self) -> None:
         if not self._closed:
