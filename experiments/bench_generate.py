@@ -45,7 +45,7 @@ import transformers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from integrations.transformers_cache import VmemkvCache, cache_kwarg
+from vmemkv.integrations.transformers_cache import VmemkvCache, cache_kwarg
 
 MiB = 1 << 20
 
@@ -179,22 +179,22 @@ def bench_beam(model, args, num_beams: int) -> list[dict]:
             cache.release()
             cache.manager.reset_prefix_cache()  # no hits from the previous repeat
             cache.reset_peak()
-            cache.manager.stats.pages_copied = 0
+            copied = cache.manager.cache_stats().pages_copied
             counter.tokens = 0
             if method == "vmemkv":
                 out = model.generate(ids, **kw, **{name: cache})
             else:
                 out = cache.generate(ids, keep=True, **kw)
             run.tokens = counter.tokens
+            run.pages_copied = cache.manager.cache_stats().pages_copied - copied  # this repeat's
             return out
         out, seconds, times = timed(run, args.repeats)
-        stats = cache.manager.snapshot_stats()
         rows.append({"method": method, "seconds": seconds, "times": times,
                      "tokens_computed": run.tokens,
                      "peak_kv_bytes": cache.peak_pages_in_use * cache.page_bytes,
                      "peak_transient_bytes": cache.peak_pages_in_use * cache.page_bytes,
                      "peak_pages": cache.peak_pages_in_use, "page_bytes": cache.page_bytes,
-                     "pages_copied": stats["pages_copied"], "equal": torch.equal(out, want)})
+                     "pages_copied": run.pages_copied, "equal": torch.equal(out, want)})
         cache.release()
         cache.manager.reset_prefix_cache()
     cache.close()
@@ -273,7 +273,7 @@ def bench_shared_prefix(model, args, new_tokens: int) -> list[dict]:
             cache.reset_peak()
             outs.append(cache.generate(ids, keep=True, **kw))
             peaks.append(cache.peak_pages_in_use * cache.page_bytes)
-            residents.append((cache.manager.pool.num_in_use + cache.manager.pool.num_cached)
+            residents.append((cache.manager.num_blocks_in_use + cache.manager.num_cached_blocks)
                              * cache.page_bytes)
             cache.release()
         return outs, peaks, peaks, counter.tokens, residents

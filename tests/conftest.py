@@ -66,9 +66,11 @@ def manager_state(manager: KVCacheManager) -> tuple:
 
 
 def counters(manager: KVCacheManager) -> dict:
-    """The manager's stats less the mapping counters (reclaiming stale mappings moves them)."""
+    """The manager's stats less the mapping counters and times (reclaiming stale mappings moves
+    them)."""
     stats = manager.snapshot_stats()
-    for key in ("map_calls", "pages_mapped", "map_calls_saved", "unmap_calls", "pages_unmapped"):
+    for key in ("map_calls", "pages_mapped", "map_calls_saved", "unmap_calls", "pages_unmapped",
+                "backend_map_seconds", "backend_unmap_seconds"):
         del stats[key]
     return stats
 

@@ -58,7 +58,7 @@ def test_runs_of_slots_with_a_gap_match_the_per_sequence_path(layout):
         spans = admit(manager, {0: 5, 1: 40, 2: 17, 4: 100, 5: 3}, prefill_slot=6)
         manager.check()
         attention, (expected, got) = run_both(manager, spans, lambda batched: ContiguousAttention(
-            spans, manager.kv_views, CPU, reads=manager.slots if batched else None))
+            spans, manager.kv_views, CPU, reads=manager.batched_reads() if batched else None))
         assert [b.members for b in attention.batches] == [[0, 1, 2], [3, 4]]
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         # slot 3 (free) was never mapped; filler pages let slot 5 be read up to 101 tokens
@@ -74,7 +74,7 @@ def test_a_request_grows_over_filler_pages_with_its_own_blocks():
     manager = KVCacheManager(config())
     try:
         spans = admit(manager, {0: 3, 1: 60})
-        ContiguousAttention(spans, manager.kv_views, CPU, reads=manager.slots)
+        ContiguousAttention(spans, manager.kv_views, CPU, reads=manager.batched_reads())
         manager.slots.release_reads()
         filled = manager.slots.mapped_blocks(0, 8)
         assert (filled >= 0).all()  # slot 0 is readable to 61 tokens: 8 pages

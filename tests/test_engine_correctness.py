@@ -56,7 +56,7 @@ def run(engine: LLMEngine, token_prompts, params=None) -> list:
 
 def assert_clean(engine: LLMEngine) -> None:
     engine.manager.check()
-    assert engine.manager.pool.num_in_use == 0, "pages leaked"
+    assert engine.manager.num_blocks_in_use == 0, "pages leaked"
     assert not engine.has_unfinished_requests()
 
 
@@ -92,7 +92,7 @@ def test_prefix_hits_match_hf(kv_backend):
     first = run(engine, batch[:1])
     rest = run(engine, batch[1:])
     assert all(output.num_cached_tokens == 32 for output in rest)  # two full 16-token pages
-    assert engine.manager.stats.prefix_hit_tokens >= 3 * 32
+    assert engine.manager.cache_stats().prefix_hit_tokens >= 3 * 32
     assert_matches_hf("tiny-llama", batch, first + rest)
     assert_clean(engine)
 
@@ -106,7 +106,7 @@ def test_preemption_matches_hf(mode, kv_backend):
     batch = prompts(6, lengths=(30, 35, 40, 28, 33, 38))
     outputs = run(engine, batch, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     assert engine.scheduler.num_preemptions > 0
-    stats = engine.manager.stats
+    stats = engine.manager.cache_stats()
     assert (stats.preemptions_swap if mode == "swap" else stats.preemptions_recompute) > 0
     for prompt, output in zip(batch, outputs):
         assert output.outputs[0].token_ids == hf_greedy("tiny-llama", tuple(prompt), 20)
@@ -126,7 +126,7 @@ def test_parallel_sampling_greedy_forks_match_hf():
     batch = prompts(2, lengths=(37, 21))
     outputs = run(engine, batch, greedy(n=3))
     assert all(len(output.outputs) == 3 for output in outputs)
-    assert engine.manager.stats.forks == 4  # two requests, two forks each
+    assert engine.manager.cache_stats().forks == 4  # two requests, two forks each
     assert_matches_hf("tiny-llama", batch, outputs)
     assert_clean(engine)
 
@@ -176,7 +176,7 @@ def test_abort_frees_pages():
     engine = make_engine()
     engine.add_request("a", prompts(1)[0], SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
-    assert engine.manager.pool.num_in_use > 0
+    assert engine.manager.num_blocks_in_use > 0
     engine.abort_request("a")
     assert_clean(engine)
 

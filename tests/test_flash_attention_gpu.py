@@ -169,7 +169,7 @@ def test_engine_with_flash_agrees_with_sdpa(kv_backend):
             final = run_to_completion(engine, [(str(i), p, params) for i, p in enumerate(prompts)])
             tokens[attention] = [final[str(i)].outputs[0].token_ids for i in range(len(prompts))]
             engine.manager.check()
-            assert engine.manager.pool.num_in_use == 0
+            assert engine.manager.num_blocks_in_use == 0
         finally:
             engine.close()
     same = sum(a == b for f, s in zip(tokens["flash"], tokens["sdpa"]) for a, b in zip(f, s))

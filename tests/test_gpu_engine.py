@@ -46,7 +46,7 @@ def test_manager_on_cuda_keeps_data_through_fork_and_swap():
         manager.free("a")
         manager.free("b")
         manager.check()
-        assert manager.pool.num_in_use == 0
+        assert manager.num_blocks_in_use == 0
 
 
 @skip_without_bindings
@@ -69,5 +69,5 @@ def test_engine_on_cuda_matches_hf_generate(kv_backend, attention):
                                       min_new_tokens=16, do_sample=False, pad_token_id=0)
         assert final[str(i)].outputs[0].token_ids == expected[0, len(prompt):].tolist()
     engine.manager.check()
-    assert engine.manager.pool.num_in_use == 0
+    assert engine.manager.num_blocks_in_use == 0
     engine.close()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from integrations.transformers_cache import VmemkvCache, cache_kwarg, manager_for
+from vmemkv.integrations.transformers_cache import VmemkvCache, cache_kwarg, manager_for
 from vmemkv.errors import ConfigError
 from vmemkv.slots import NoFreeSlotError
 
@@ -47,7 +47,7 @@ def cache(model):
     cache.manager.check()
     cache.release()
     cache.manager.check()
-    assert cache.manager.pool.num_in_use == 0
+    assert cache.manager.num_blocks_in_use == 0
     cache.close()
 
 
@@ -145,7 +145,7 @@ def test_beam_search_matches_and_remaps(model, cache, num_beams, num_return):
     assert torch.equal(got, want)
     assert reorders, "beam search must reorder through the manager"
     # full pages are shared between beams, never copied: at most the partial page per row
-    assert cache.manager.stats.pages_copied <= len(reorders) * num_beams
+    assert cache.manager.cache_stats().pages_copied <= len(reorders) * num_beams
     tables = [cache.manager.block_table(r) for r in cache.request_ids]
     full = cache.get_seq_length() // cache.manager.tokens_per_page
     assert all(table[:2] == tables[0][:2] for table in tables)  # the prompt's full pages
@@ -177,7 +177,7 @@ def test_prefix_reuse_computes_fewer_tokens_and_matches(model, cache):
     assert cache.last_call["cached_tokens"] == cached == 48
     assert dynamic_tokens == 61 + 11
     assert reuse_tokens == dynamic_tokens - cached
-    assert cache.manager.pool.num_in_use == 0  # generate() released its rows
+    assert cache.manager.num_blocks_in_use == 0  # generate() released its rows
 
 
 def test_prefix_reuse_includes_generated_tokens(model, cache):
@@ -235,7 +235,7 @@ def test_other_model_never_hits(model):
         third.generate(ids, max_new_tokens=4, do_sample=False)
         assert third.last_call["cached_tokens"] == 32
         manager.check()
-        assert manager.pool.num_in_use == 0
+        assert manager.num_blocks_in_use == 0
     finally:
         manager.close()
 
@@ -249,7 +249,7 @@ def test_unknown_token_ids_are_never_shared(model, cache):
     got = generate(model, None, cache, **kwargs)
     assert torch.equal(got, want)
     cache.release()
-    assert cache.manager.pool.num_cached > 0  # full pages were registered, under a random salt
+    assert cache.manager.num_cached_blocks > 0  # full pages were registered, under a random salt
     assert cache.admit_prompt(ids) == 0  # ... that no prompt can hit
 
 

@@ -132,7 +132,7 @@ def block_views(manager: KVCacheManager, layer: int) -> list[torch.Tensor]:
     """Layer ``layer``'s K and V in the pool window, ``[num_blocks, tokens_per_page, heads, dim]``."""
     layout = manager.layout
     flat = manager.backend.pool_window().reshape(-1).view(layout.dtype)
-    shape = (manager.pool.num_pages, layout.tokens_per_page, layout.num_kv_heads, layout.head_dim)
+    shape = (manager.num_blocks, layout.tokens_per_page, layout.num_kv_heads, layout.head_dim)
     views = []
     for kv in (0, 1):
         strides, offset = layout.block_view_geometry(layer, kv)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from integrations.transformers_cache import VmemkvCache, cache_kwarg
+from vmemkv.integrations.transformers_cache import VmemkvCache, cache_kwarg
 from vmemkv.cli import main
 from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
 from vmemkv.engine.chat import chat_prompt_ids, end_of_turn_token_ids
@@ -72,7 +72,7 @@ def run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
 
 def assert_clean(engine: LLMEngine) -> None:
     engine.manager.check()
-    assert engine.manager.pool.num_in_use == 0, "pages leaked"
+    assert engine.manager.num_blocks_in_use == 0, "pages leaked"
 
 
 def test_template_end_of_turn_is_an_eos(real_model_dir, tokenizer):
@@ -87,7 +87,7 @@ def test_engine_matches_hf_on_chat_prompts_with_prefix_hits(real_model_dir, refe
     engine = make_engine(real_model_dir)
     first = run(engine, chat_prompts[:1])  # its full pages (the system prompt) join the cache
     rest = run(engine, chat_prompts[1:])
-    assert engine.manager.stats.prefix_hit_tokens >= 32 * len(rest)
+    assert engine.manager.cache_stats().prefix_hit_tokens >= 32 * len(rest)
     for prompt, tokens in zip(chat_prompts, first + rest):
         assert tokens == _hf_greedy(reference, tuple(prompt), NEW_TOKENS)
     assert any(tokens[-1] in engine.eos_token_ids for tokens in first + rest), \

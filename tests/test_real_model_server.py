@@ -33,7 +33,7 @@ def engine(real_model_dir):
                                     max_model_len=256), model=model, tokenizer=tokenizer)
     yield engine
     engine.manager.check()
-    assert engine.manager.pool.num_in_use == 0, "the server leaked KV pages"
+    assert engine.manager.num_blocks_in_use == 0, "the server leaked KV pages"
     engine.close()
 
 

@@ -161,7 +161,7 @@ def engine(request):
     while real.has_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.05)  # aborted streams are cleaned up by the engine thread
     real.manager.check()
-    assert real.manager.pool.num_in_use == 0, "the server leaked KV pages"
+    assert real.manager.num_blocks_in_use == 0, "the server leaked KV pages"
 
 
 fake_only = pytest.mark.usefixtures("_require_fake_engine")

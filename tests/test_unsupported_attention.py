@@ -15,7 +15,7 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, LlamaConfig, Llama
                           LlavaConfig, MistralConfig, PretrainedConfig, Qwen2Config)
 
 import vmemkv
-from integrations.transformers_cache import VmemkvCache
+from vmemkv.integrations.transformers_cache import VmemkvCache
 from vmemkv.engine import EngineConfig, LLMEngine
 from vmemkv.engine.llm_engine import run_to_completion
 from vmemkv.engine.model_runner import _attention

@@ -10,8 +10,8 @@ from .errors import (ConfigError, CudaDriverError, InvalidInputError, ManagerClo
                      PageStateError, RequestTooLongError, UnsupportedModelError, VmemkvError)
 from .hashing import CacheKeys, MultimodalItem
 from .layout import KVLayout
-from .manager import (CacheConfig, KVCacheManager, PreemptionEstimate, PrefixCacheBusyError,
-                      UnknownRequestError)
+from .cache_config import CacheConfig, CacheStats, PreemptionEstimate
+from .manager import KVCacheManager, PrefixCacheBusyError, UnknownRequestError
 from .pool import PagePool
 from .slots import NoFreeSlotError
 from .swap import OutOfSwapSpaceError

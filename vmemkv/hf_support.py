@@ -1,16 +1,22 @@
-"""Which Hugging Face attention variants vmemkv reproduces, read from a transformers config.
+"""The one adapter between Hugging Face models and vmemkv: a model's text config, the
+``CacheConfig`` shaped for it, and which attention variants vmemkv reproduces.
+
+Used by the engine (``LLMEngine``, through ``EngineConfig.cache_config``), the model runner (which
+relies on the engine's :func:`check_attention_supported`) and the transformers integration
+(``vmemkv.integrations.transformers_cache``).
 
 vmemkv keeps every token of a sequence, and the engine replaces the model's attention function
 with plain causal attention over all of them. A model that attends otherwise would run and
 silently give other tokens than transformers, so both the engine and ``VmemkvCache`` refuse it
-at load time with :func:`check_attention_supported`. This module reads config attributes only;
-it does not import transformers.
+at load time with :func:`check_attention_supported`. This module reads config attributes (and a
+model's dtype and device) only; it does not import transformers.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .cache_config import CacheConfig
 from .errors import UnsupportedModelError
 
 # Layer kinds that only see the last W tokens (or the current chunk of W): identical to full
@@ -33,6 +39,40 @@ def text_config(config: Any) -> Any:
         return get(decoder=True)
     except TypeError:  # older transformers: no ``decoder`` argument
         return get()
+
+
+def kv_shape(config: Any) -> tuple[int, int, int]:
+    """``(num_layers, num_kv_heads, head_dim)`` of the decoder whose K/V vmemkv holds."""
+    text = text_config(config)
+    heads = text.num_attention_heads
+    return (text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads,
+            getattr(text, "head_dim", None) or text.hidden_size // heads)
+
+
+def cache_config_for(model: Any, max_num_seqs: int, max_model_len: int,
+                     num_blocks: int | None = None, *, spare_blocks_per_slot: int = 0,
+                     check_token_ids: bool = False, **options: Any) -> CacheConfig:
+    """A :class:`CacheConfig` shaped for ``model`` (layers, KV heads, head dim, and the model's
+    dtype and device unless ``options`` say otherwise).
+
+    ``num_blocks`` defaults to every slot at full length plus ``spare_blocks_per_slot`` (room for
+    copy-on-write copies); ``check_token_ids``: the manager checks token ids against the model's
+    vocabulary. Other keyword arguments are ``CacheConfig`` fields (``tokens_per_page``,
+    ``enable_prefix_caching``, ``kv_backend``, ...)."""
+    num_layers, num_kv_heads, head_dim = kv_shape(model.config)
+    if "dtype" not in options:
+        options["dtype"] = model.dtype
+    if "device" not in options:
+        options["device"] = str(model.device)
+    if check_token_ids:
+        options["vocab_size"] = getattr(text_config(model.config), "vocab_size", None)
+    cache = CacheConfig(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                        num_blocks=1 if num_blocks is None else num_blocks,
+                        max_num_seqs=max_num_seqs, max_model_len=max_model_len, **options)
+    if num_blocks is None:
+        per_slot = cache.make_layout().logical_pages_for(max_model_len)
+        cache.num_blocks = max_num_seqs * (per_slot + spare_blocks_per_slot)
+    return cache
 
 
 def layer_kinds(config: Any) -> list[str]:

@@ -60,6 +60,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from .cache_config import CacheConfig
 from .errors import ConfigError, InvalidInputError, ManagerClosedError
 from .hashing import CacheKeys, MultimodalItem
 
@@ -213,8 +214,6 @@ def cache_keys(keys) -> CacheKeys:
 
 def config(cfg):
     """Check every field of a ``CacheConfig`` (ConfigError naming the field); returns ``cfg``."""
-    from .manager import CacheConfig  # here: the manager imports this module
-
     if not isinstance(cfg, CacheConfig):
         raise ConfigError(f"config is {_show(cfg)}; pass a vmemkv.CacheConfig")
     try:

@@ -1,4 +1,10 @@
-"""Engine configuration: one dataclass, shared by the offline API, the CLI and the server."""
+"""Engine configuration: one dataclass, shared by the offline API, the CLI and the server.
+
+The KV cache's knobs (``CACHE_FIELDS``) are ``vmemkv.CacheConfig`` fields under the same names and
+with the same defaults (``swap_space_bytes`` aside: the engine reserves 1 GiB); they stay flat here
+because a ``CacheConfig`` also needs the model's shapes, known only once it is loaded:
+``EngineConfig.cache_config(model)`` derives it (``vmemkv.hf_support.cache_config_for``).
+"""
 
 from __future__ import annotations
 
@@ -7,27 +13,34 @@ from typing import Literal
 
 import torch
 
+from ..cache_config import CacheConfig
 from ..errors import ConfigError
+from ..hf_support import cache_config_for
+
+# EngineConfig fields passed to CacheConfig as they are.
+CACHE_FIELDS = ("max_num_seqs", "max_model_len", "num_blocks", "device", "tokens_per_page",
+                "enable_prefix_caching", "swap_space_bytes", "layout", "kv_backend")
 
 
 @dataclass
 class EngineConfig:
     model: str = "tiny-llama"  # a built-in random-weight model name or a local HF directory
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = CacheConfig.device
     max_num_seqs: int = 64  # slots: sequences running at once
     max_model_len: int = 1024
     num_blocks: int | None = None  # KV pool size in pages; None: enough for every slot at full length
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
-    tokens_per_page: int = 16
-    enable_prefix_caching: bool = True
+    tokens_per_page: int = CacheConfig.tokens_per_page
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     preemption_mode: Literal["auto", "swap", "recompute"] = "auto"
     swap_space_bytes: int = 1 << 30
     seed: int = 0
     policy: Literal["fcfs", "priority"] = "fcfs"
     watermark: float = 0.01  # fraction of pages kept free at admission to avoid instant preemption
-    layout: Literal["token_major", "per_layer"] = "token_major"
-    kv_backend: Literal["vmem", "paged"] = "vmem"  # virtually contiguous slots, or block tables
+    layout: Literal["token_major", "per_layer"] = CacheConfig.layout
+    # virtually contiguous slots, or block tables
+    kv_backend: Literal["vmem", "paged"] = CacheConfig.kv_backend
     # "flash": one FlashAttention-2 varlen call per layer per step, prefill and decode together,
     # over the slots (or block tables of 256-token multiples) in place (CUDA, fp16/bf16);
     # "triton": decodes in one Triton launch that reads the cache in place, prefill by SDPA (CUDA);
@@ -60,3 +73,9 @@ class EngineConfig:
         if not isinstance(dtype, torch.dtype):
             raise ConfigError(f"unknown dtype {self.dtype!r}; use float32, float16 or bfloat16")
         return dtype
+
+    def cache_config(self, model) -> CacheConfig:
+        """The KV cache for ``model`` (a Hugging Face causal LM) under this configuration; without
+        ``num_blocks``, enough pages for every slot at full length."""
+        return cache_config_for(model, check_token_ids=True, dtype=next(model.parameters()).dtype,
+                                **{name: getattr(self, name) for name in CACHE_FIELDS})

@@ -6,16 +6,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence as Seq
 
-import torch
-
 from ..attention import BlockTableAttention, ContiguousAttention, SequenceSpan
 from ..attention.choice import AttentionChoice, choose_attention
 from ..attention.flash import FlashBlockTableAttention, FlashSlotAttention
 from .. import validation as check
 from ..errors import MappingLimitError, RequestTooLongError
 from ..hashing import CacheKeys
-from ..hf_support import check_attention_supported
-from ..manager import CacheConfig, KVCacheManager
+from ..hf_support import check_attention_supported, text_config
+from ..manager import KVCacheManager
 from .chat import end_of_turn_token_ids
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
@@ -27,11 +25,6 @@ from .sampler import Sampler, make_generator
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence, SequenceGroup, SequenceStatus
-
-
-def _text_config(model):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 class LLMEngine:
@@ -49,7 +42,7 @@ class LLMEngine:
         # Before any KV memory is taken: refuse attention the engine would silently get wrong.
         check_attention_supported(model.config, config.max_model_len, replaces_attention=True,
                                   who="the vmemkv engine")
-        self.manager = KVCacheManager(self._cache_config(model))
+        self.manager = KVCacheManager(config.cache_config(model))
         self.runner = ModelRunner(model)
         self.scheduler = Scheduler(config, self.manager)
         self.attention_choice = self._choose_attention(model)
@@ -58,7 +51,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.metrics = EngineMetrics()
         self.groups: dict[str, SequenceGroup] = {}
-        eos = _text_config(model).eos_token_id
+        eos = text_config(model.config).eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         # HF generate stops at the generation config's eos too, and a chat model at its
         # template's end-of-turn token (which need not be the config's eos).
@@ -79,30 +72,12 @@ class LLMEngine:
 
     def _choose_attention(self, model) -> AttentionChoice:
         """``config.attention`` resolved once for this device, dtype, shapes and KV addressing."""
-        layout, text = self.manager.layout, _text_config(model)
+        layout, text = self.manager.layout, text_config(model.config)
         paged = self.config.kv_backend == "paged"
         return choose_attention(
             self.config.attention, self.runner.device, self.config.kv_backend, layout.dtype,
             text.num_attention_heads, layout.num_kv_heads, layout.head_dim, self.manager.tokens_per_page,
             None if paged else self.manager.kv_views(0))
-
-    def _cache_config(self, model) -> CacheConfig:
-        text = _text_config(model)
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        config = self.config
-        cache = CacheConfig(
-            num_layers=text.num_hidden_layers,
-            num_kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-            head_dim=head_dim, num_blocks=config.num_blocks or 1,
-            max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-            dtype=next(model.parameters()).dtype, device=config.device,
-            tokens_per_page=config.tokens_per_page, layout=config.layout,
-            kv_backend=config.kv_backend, enable_prefix_caching=config.enable_prefix_caching,
-            swap_space_bytes=config.swap_space_bytes, vocab_size=getattr(text, "vocab_size", None))
-        if config.num_blocks is None:  # enough for every slot at full length
-            pages_per_slot = cache.make_layout().logical_pages_for(config.max_model_len)
-            cache.num_blocks = config.max_num_seqs * pages_per_slot
-        return cache
 
     # --- requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -128,11 +103,9 @@ class LLMEngine:
             raise RequestTooLongError(
                 f"request {request_id!r} has {len(token_ids)} prompt tokens; max_model_len is {limit} "
                 "and at least one token must be generated: shorten the prompt or raise max_model_len")
-        pages = self.manager.layout.logical_pages_for(len(token_ids) + 1)
-        if pages > self.manager.pool.num_pages:
-            raise RequestTooLongError(
-                f"request {request_id!r} needs {pages} KV pages, the pool has "
-                f"{self.manager.pool.num_pages}: shorten the prompt or raise num_blocks")
+        problem = self.manager.why_never_fits(len(token_ids) + 1)  # the prompt and one new token
+        if problem is not None:
+            raise RequestTooLongError(f"request {request_id!r}: {problem}")
 
     def _new_sequence(self, group: SequenceGroup, index: int) -> Sequence:
         seed = None if group.params.seed is None else group.params.seed + index
@@ -188,7 +161,7 @@ class LLMEngine:
         are unfinished, so aborting the last one would leave the gauges stale)."""
         self.metrics.on_step(len(self.scheduler.running), len(self.scheduler.waiting),
                              len(self.scheduler.swapped), self.manager.usage(),
-                             self.manager.stats.prefix_hit_rate, self.scheduler.num_preemptions)
+                             self.manager.cache_stats().prefix_hit_rate, self.scheduler.num_preemptions)
 
     def _execute(self, scheduled: list[ScheduledSeq]) -> list[tuple[Sequence, int, dict | None]]:
         """Run the forward pass for the scheduled tokens, commit them, and sample next tokens."""
@@ -249,7 +222,7 @@ class LLMEngine:
             return FlashSlotAttention(spans, self.manager.kv_views, device, choice.kernel,
                                       choice.rows_per_slot, choice.num_rows)
         return ContiguousAttention(spans, self.manager.kv_views, device, self.decode_kernel,
-                                   reads=self.manager.slots)  # batched decode reads (CPU)
+                                   reads=self.manager.batched_reads())  # batched decode reads (CPU)
 
     def _start_lookahead(self, scheduled: list[ScheduledSeq]):
         """Give decoding sequences about to cross a page boundary their next page now, and map
@@ -260,7 +233,7 @@ class LLMEngine:
             return None
         # Only a sequence whose next `margin` positions reach a page past its reservation can
         # get one (the manager skips the others): ask about those alone.
-        pages_for, manager = self.manager.layout.logical_pages_for, self.manager
+        pages_for, manager = self.manager.blocks_for_tokens, self.manager
         decoding = []
         for item in scheduled:
             seq = item.seq
@@ -356,7 +329,7 @@ class LLMEngine:
     def _record_memory(self) -> None:
         """Peak KV pages held, and internal fragmentation: bytes of pages held by running
         sequences beyond the bytes their tokens fill."""
-        in_use = self.manager.pool.num_in_use
+        in_use = self.manager.num_blocks_in_use
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, in_use)
         tokens = sum(self.manager.num_tokens(seq.seq_id) for seq in self.scheduler.running)
         if tokens:
@@ -367,14 +340,12 @@ class LLMEngine:
 
     def stats(self) -> dict:
         wasted, stored = self._fragmentation
-        block_bytes = self.manager.layout.block_bytes
+        block_bytes = self.manager.block_bytes
         return {**self.manager.snapshot_stats(), "preemptions": self.scheduler.num_preemptions,
                 "num_steps": self.num_steps, "attention_seconds": self.attention_seconds,
                 "attention_copy_seconds": self.attention_copy_seconds,
                 "peak_kv_bytes": self.peak_blocks_in_use * block_bytes,
                 "internal_fragmentation": wasted / stored if stored else 0.0,
-                "backend_map_seconds": self.manager.backend.stats.map_seconds,
-                "backend_unmap_seconds": self.manager.backend.stats.unmap_seconds,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "swapped": len(self.scheduler.swapped), "step_seconds": self.step_seconds,
                 "map_background_seconds": self.map_background_seconds,

@@ -37,7 +37,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.num_preemptions = 0
-        self.watermark_blocks = int(config.watermark * manager.pool.num_pages)
+        self.watermark_blocks = int(config.watermark * manager.num_blocks)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -71,10 +71,11 @@ class Scheduler:
             count = min(seq.num_uncomputed, budget)
             while not self._allocate(seq, count):
                 victim = self.running[-1]
-                if victim is seq and self._can_never_fit(seq, count):
+                problem = self._never_fits(seq, seq.num_computed + count) if victim is seq else None
+                if problem is not None:
                     self.running.remove(seq)
                     self.manager.free(seq.seq_id)
-                    out.failed.append((seq, self._too_big_message(seq)))
+                    out.failed.append((seq, problem))
                     break
                 self._preempt(victim)
                 if victim is seq:
@@ -102,12 +103,13 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and self.manager.num_free_slots:
             seq = self.waiting[0]
-            needed = self.manager.layout.logical_pages_for(len(seq.token_ids))
-            if self.running and self.manager.pool.num_free - needed < self.watermark_blocks:
+            needed = self.manager.blocks_for_tokens(len(seq.token_ids))
+            if self.running and self.manager.num_free_blocks - needed < self.watermark_blocks:
                 break
-            if needed > self.manager.pool.num_pages:
+            problem = self._never_fits(seq, len(seq.token_ids))
+            if problem is not None:
                 self.waiting.pop(0)
-                out.failed.append((seq, self._too_big_message(seq)))
+                out.failed.append((seq, problem))
                 continue
             try:
                 cached = self.manager.admit(seq.seq_id, seq.token_ids, keys=seq.group.keys,
@@ -166,12 +168,7 @@ class Scheduler:
             seq.num_computed = seq.num_manager_tokens = 0
             self.waiting.insert(0, seq)
 
-    def _can_never_fit(self, seq: Sequence, count: int) -> bool:
-        held = len(self.manager.block_table(seq.seq_id))
-        return held + self.manager.blocks_needed(seq.seq_id, count) > self.manager.pool.num_pages
-
-    def _too_big_message(self, seq: Sequence) -> str:
-        pages = self.manager.layout.logical_pages_for(len(seq.token_ids) + 1)
-        return (f"request {seq.group.request_id!r} needs {pages} KV pages for "
-                f"{len(seq.token_ids)} tokens but the pool has {self.manager.pool.num_pages}; "
-                "shorten it or give the engine more KV memory (num_blocks)")
+    def _never_fits(self, seq: Sequence, num_tokens: int) -> str | None:
+        """Why ``seq`` holding ``num_tokens`` tokens can never run, even alone; None if it can."""
+        problem = self.manager.why_never_fits(num_tokens)
+        return None if problem is None else f"request {seq.group.request_id!r}: {problem}"

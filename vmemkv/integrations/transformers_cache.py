@@ -13,7 +13,7 @@ reference-counted pool on demand, so
 
 Usage::
 
-    from integrations.transformers_cache import VmemkvCache
+    from vmemkv.integrations.transformers_cache import VmemkvCache
 
     cache = VmemkvCache.from_model(model, max_batch_size=8, max_cache_len=2048)
 
@@ -63,10 +63,11 @@ from typing import Self
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from vmemkv import CacheConfig, CacheKeys, KVCacheManager
-from vmemkv.errors import ConfigError, OutOfPagesError, PageStateError
-from vmemkv.hf_support import check_attention_supported, text_config
-from vmemkv.slots import NoFreeSlotError
+from ..errors import ConfigError, OutOfPagesError, PageStateError
+from ..hashing import CacheKeys
+from ..hf_support import cache_config_for, check_attention_supported
+from ..manager import KVCacheManager
+from ..slots import NoFreeSlotError
 
 __all__ = ["VmemkvCache", "cache_kwarg", "manager_for"]
 
@@ -85,18 +86,8 @@ def manager_for(model, max_batch_size: int, max_cache_len: int, num_blocks: int 
     # The model runs its own attention over the cache, so only windows and chunks matter here.
     check_attention_supported(model.config, max_cache_len, replaces_attention=False,
                               who="VmemkvCache", limit_name="max_cache_len")
-    text = text_config(model.config)
-    heads = text.num_attention_heads
-    cfg = CacheConfig(
-        num_layers=text.num_hidden_layers,
-        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-        num_blocks=1, max_num_seqs=max_batch_size, max_model_len=max_cache_len,
-        dtype=model.dtype, device=str(model.device), **config)
-    if num_blocks is None:
-        per_slot = cfg.make_layout().logical_pages_for(max_cache_len)
-        num_blocks = max_batch_size * (per_slot + 1)
-    return KVCacheManager(dataclasses.replace(cfg, num_blocks=num_blocks))
+    return KVCacheManager(cache_config_for(model, max_batch_size, max_cache_len, num_blocks,
+                                           spare_blocks_per_slot=1, **config))
 
 
 def cache_kwarg(model) -> str:
@@ -245,7 +236,7 @@ class VmemkvCache(Cache):
     # --- what transformers asks ------------------------------------------------------------------
     @property
     def max_batch_size(self) -> int:
-        return self.manager.config.max_num_seqs
+        return self.manager.num_slots
 
     @property
     def max_cache_len(self) -> int:
@@ -483,16 +474,19 @@ class VmemkvCache(Cache):
 
     def _find_slots(self, count: int, prefer: int | None = None) -> int:
         """The first of ``count`` consecutive free slots (``prefer`` when it is such a start)."""
-        slots = self.manager.slots
-        if prefer is not None and all(slots.is_free(s) for s in range(prefer, prefer + count)):
+        if prefer is not None and self._slots_free(range(prefer, prefer + count)):
             return prefer
-        for first in range(slots.num_slots - count + 1):
-            if all(slots.is_free(s) for s in range(first, first + count)):
+        for first in range(self.manager.num_slots - count + 1):
+            if self._slots_free(range(first, first + count)):
                 return first
         raise NoFreeSlotError(
             f"a batch of {count} rows needs {count} consecutive free slots; free slots are "
-            f"{sorted(slots.free_slots())} of {slots.num_slots} (max_batch_size); release other "
-            "caches' rows or build the manager with more slots")
+            f"{self.manager.free_slots()} of {self.manager.num_slots} (max_batch_size); release "
+            "other caches' rows or build the manager with more slots")
+
+    def _slots_free(self, slots: range) -> bool:
+        """Whether every slot in ``slots`` exists and is free."""
+        return slots.stop <= self.manager.num_slots and all(self.manager.is_slot_free(s) for s in slots)
 
     def _admit(self, token_ids: list[list[int]], masked: list[frozenset[int]] | None,
                num_new_tokens: int | None) -> list[int]:
@@ -510,8 +504,8 @@ class VmemkvCache(Cache):
                 for done in rows:
                     self.manager.free(done.request_id)
                 raise OutOfPagesError(
-                    f"cannot admit row {i} of {batch} ({len(ids)} tokens): {self.manager.pool.num_free} "
-                    f"pages free of {self.manager.pool.num_pages}; release rows or give the manager "
+                    f"cannot admit row {i} of {batch} ({len(ids)} tokens): {self.manager.num_free_blocks} "
+                    f"pages free of {self.manager.num_blocks}; release rows or give the manager "
                     "more num_blocks")
             rows.append(row)
             cached.append(hit)
@@ -590,7 +584,7 @@ class VmemkvCache(Cache):
                 if not self.manager.allocate(rid, max(grow, 0), new):
                     raise OutOfPagesError(
                         f"row {i} needs {self.manager.blocks_needed(rid, grow)} more page(s); "
-                        f"{self.manager.pool.num_free} free of {self.manager.pool.num_pages}. Release "
+                        f"{self.manager.num_free_blocks} free of {self.manager.num_blocks}. Release "
                         "rows or give the manager more num_blocks; call cache.release() before reuse")
                 row.known += len(new)
         self._note_peak()
@@ -605,13 +599,13 @@ class VmemkvCache(Cache):
     def _reorder(self, targets: list[int], sources: list[int]) -> None:
         """Rows ``targets[i]`` become copies of rows ``sources[i]`` (as they were)."""
         ids = [row.request_id for row in self._rows]
-        before, copied = self.manager.pool.num_in_use, self.manager.stats.pages_copied
+        before, copied = self.manager.num_blocks_in_use, self.manager.cache_stats().pages_copied
         if not self.manager.reorder([ids[t] for t in targets], [ids[s] for s in sources]):
             raise OutOfPagesError(
                 f"reordering {len(targets)} rows needs pages for the copied partial pages; "
-                f"{self.manager.pool.num_free} free; give the manager more num_blocks")
+                f"{self.manager.num_free_blocks} free; give the manager more num_blocks")
         self.peak_pages_in_use = max(self.peak_pages_in_use,
-                                     before + self.manager.stats.pages_copied - copied)
+                                     before + self.manager.cache_stats().pages_copied - copied)
         old = [dataclasses.replace(row) for row in self._rows]
         for target, source in zip(targets, sources):
             self._rows[target] = dataclasses.replace(old[source], request_id=old[target].request_id)
@@ -622,7 +616,7 @@ class VmemkvCache(Cache):
         old = self._rows
         count = len(old) * repeats
         after_ours = range(self._first_slot + len(old), self._first_slot + count)
-        in_place = all(self.manager.slots.is_free(s) for s in after_ours)
+        in_place = self._slots_free(after_ours)
         first = self._first_slot if in_place else self._find_slots(count)
         start = len(old) if in_place else 0
         forked: list[_Row] = []
@@ -633,7 +627,7 @@ class VmemkvCache(Cache):
                 for row in forked:
                     self.manager.free(row.request_id)
                 raise OutOfPagesError(f"expanding {len(old)} rows x {repeats} needs a page per partial "
-                                      f"page copy; {self.manager.pool.num_free} free")
+                                      f"page copy; {self.manager.num_free_blocks} free")
             forked.append(child)
         if in_place:
             self._rows = old + forked
@@ -645,16 +639,16 @@ class VmemkvCache(Cache):
         self._note_peak()
 
     def _note_peak(self) -> None:
-        self.peak_pages_in_use = max(self.peak_pages_in_use, self.manager.pool.num_in_use)
+        self.peak_pages_in_use = max(self.peak_pages_in_use, self.manager.num_blocks_in_use)
 
     def reset_peak(self) -> None:
-        self.peak_pages_in_use = self.manager.pool.num_in_use
+        self.peak_pages_in_use = self.manager.num_blocks_in_use
 
     @property
     def page_bytes(self) -> int:
         """Bytes of one logical page (all layers' K and V of ``tokens_per_page`` tokens)."""
-        return self.manager.layout.block_bytes
+        return self.manager.block_bytes
 
     def __repr__(self) -> str:
         return (f"VmemkvCache(rows={len(self._rows)}, length={self._length}, slots={self._first_slot}.."
-                f"{self._first_slot + len(self._rows) - 1}, pages_in_use={self.manager.pool.num_in_use})")
+                f"{self._first_slot + len(self._rows) - 1}, pages_in_use={self.manager.num_blocks_in_use})")

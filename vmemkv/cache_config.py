@@ -1,0 +1,103 @@
+"""What a KV cache manager is configured with and what it reports: ``CacheConfig`` (shapes, pool
+and slot sizes, page sizing, prefix caching, swap), ``CacheStats`` (counters since creation) and
+``PreemptionEstimate`` (what swapping or recomputing a request would cost)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from .errors import ConfigError
+from .layout import KVLayout, LayoutKind, choose_page, unpadded_row_bytes
+from .vmm import device_granularity as mapping_granularity
+
+
+@dataclass
+class CacheConfig:
+    """What the manager holds, and how pages are sized.
+
+    Page sizing: ``page_size`` (bytes) when given is used as is, unpadded. Otherwise vmemkv
+    chooses the page (a multiple of ``page_granularity``: 2 MiB on CUDA, 4 KiB on CPU unless set)
+    and may pad each token's row by up to ``max_padding`` of its size, to give the fewest tokens
+    per page, at least ``tokens_per_page``, in a page of at most ``max_page_bytes`` and never more
+    than 512 tokens where the shape allows (``layout.choose_page``). Raising ``max_padding``
+    trades memory for finer pages; 0 never pads. The result is ``make_layout().describe()``.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_blocks: int  # logical pages in the pool
+    max_num_seqs: int  # slots
+    max_model_len: int  # tokens each slot can hold
+    dtype: torch.dtype = torch.float16
+    device: str = "cpu"
+    tokens_per_page: int = 16  # the fewest tokens a page should hold (see above)
+    page_size: int | None = None  # bytes; chosen when None (see above)
+    max_padding: float = 0.07  # padding per token row, as a fraction of the row's own bytes
+    max_page_bytes: int = 16 << 20  # pages above this only when no padding within limits allows
+    page_granularity: int | None = None  # bytes; the device's when None (2 MiB pages on CPU too)
+    layout: LayoutKind = "token_major"
+    kv_backend: Literal["vmem", "paged"] = "vmem"
+    enable_prefix_caching: bool = True
+    hash_algorithm: str = "sha256"
+    hash_seed: bytes | None = None  # random per process when None
+    swap_space_bytes: int = 0
+    # Rates for the swap-or-recompute estimate; measure them on your machine for better choices.
+    swap_bytes_per_second: float = 10e9
+    prefill_tokens_per_second: float = 10e3
+    vocab_size: int | None = None  # when known, token ids are checked against it
+
+    def make_layout(self) -> KVLayout:
+        shape = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        if self.page_size:
+            return KVLayout(*shape, self.page_size, self.layout)
+        device_granularity = mapping_granularity(self.device)
+        granularity = self.page_granularity or device_granularity
+        if not isinstance(granularity, int) or granularity % device_granularity:
+            raise ConfigError(f"CacheConfig.page_granularity is {granularity!r}; pass a multiple of "
+                              f"{device_granularity} B (the {self.device} mapping granularity)")
+        choice = choose_page(unpadded_row_bytes(*shape, self.layout), granularity,
+                             self.tokens_per_page, self.max_padding, self.max_page_bytes)
+        return KVLayout(*shape, choice.page_size, self.layout, choice.token_stride_bytes)
+
+
+@dataclass
+class CacheStats:
+    prefix_queried_tokens: int = 0  # prompt tokens looked up at first admission
+    prefix_hit_tokens: int = 0
+    reprefill_queried_tokens: int = 0  # the same, for re-admission after preemption
+    reprefill_hit_tokens: int = 0
+    preemptions_recompute: int = 0
+    preemptions_swap: int = 0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    forks: int = 0
+    pages_copied: int = 0  # copy-on-write copies of partial pages
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
+
+
+@dataclass
+class PreemptionEstimate:
+    """What each way of preempting a request would cost.
+
+    swap: ``2 * swap_bytes / swap_bytes_per_second`` (out now, in later);
+    recompute: ``recompute_tokens / prefill_tokens_per_second``, where ``recompute_tokens`` are the
+    computed tokens not covered by pages that other requests keep alive (those will still hit).
+    Swap is chosen only when it is cheaper and the swap space has room.
+    """
+
+    swap_bytes: int
+    recompute_tokens: int
+    swap_seconds: float
+    recompute_seconds: float
+    swap_fits: bool
+
+    @property
+    def cheaper(self) -> Literal["swap", "recompute"]:
+        return "swap" if self.swap_fits and self.swap_seconds < self.recompute_seconds else "recompute"
