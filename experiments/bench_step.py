@@ -74,14 +74,14 @@ def make_engine(model_name: str, variant: str, batch: int, max_len: int) -> LLME
                                     attention="sdpa", kv_backend="paged" if "paged" in variant else "vmem"),
                        stream=False)
     if variant == "vmem-per-seq":  # the path before batching: no slot reads, one call per sequence
-        engine._attention = lambda spans: ContiguousAttention(spans, engine.manager.kv_views,
-                                                              engine.runner.device)
+        engine.addressing.attention = lambda spans: ContiguousAttention(
+            spans, engine.manager.kv_views, engine.runner.device)
     elif variant == "paged-per-seq":
         class PerSequence(BlockTableAttention):
             def plan_batches(self):
                 return []
-        engine._attention = lambda spans: PerSequence(spans, engine.manager.block_views,
-                                                      engine.manager.tokens_per_page, engine.runner.device)
+        engine.addressing.attention = lambda spans: PerSequence(
+            spans, engine.manager.block_views, engine.manager.tokens_per_page, engine.runner.device)
     return engine
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import struct
+import sys
 import weakref
 import zlib
 
@@ -10,7 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from vmemkv import CacheConfig, KVCacheManager
+# Without a GPU, Triton runs only under its interpreter, which must be switched on before triton is
+# first imported (vmemkv.engine and transformers import it): so the Triton CPU cases run in this
+# process instead of a child pytest (tests/test_triton_decode.py). With a GPU it is never set.
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from vmemkv import CacheConfig, KVCacheManager  # noqa: E402
 
 # One intra-op thread: on a loaded 2-core machine torch's default two made small ops 10-70x
 # slower (the suite took 114-132 s instead of 36 s).
@@ -172,3 +180,24 @@ def real_model_dir():
         return ensure_real_model("smollm2-135m-instruct")
     except ModelUnavailableError as exc:
         pytest.skip(f"the real model is unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def real_reference(real_model_dir):
+    """``(model, tokenizer)`` of the real model with transformers' own SDPA attention: the
+    Hugging Face reference the real-model tests compare with, loaded once per session."""
+    from vmemkv.engine.models import load_model
+
+    model, tokenizer = load_model(str(real_model_dir))
+    model.set_attn_implementation("sdpa")
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def real_engine_model(real_model_dir):
+    """``(model, tokenizer)``: a second copy of the real model for engines, loaded once per
+    session. An engine sets the model's attention to its own, so it never shares the reference's
+    copy; engines built one after another share this one (they change no weights)."""
+    from vmemkv.engine.models import load_model
+
+    return load_model(str(real_model_dir))

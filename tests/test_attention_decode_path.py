@@ -1,8 +1,9 @@
 """The packed attention's Triton decode path gives what its SDPA path gives.
 
 On CPU the kernel runs under Triton's interpreter, which must be switched on before triton is
-first imported and which copies each argument's whole storage: so this runs in a child process,
-over the block-table views (the pool window is fully mapped; a slot view's reservation is not).
+first imported (tests/conftest.py does so without a GPU) and which copies each argument's whole
+storage: so this runs over the block-table views (the pool window is fully mapped; a slot view's
+reservation is not), in this process when Triton interprets here, else in a child process.
 The CUDA runs of both addressings are in tests/test_gpu_engine.py.
 """
 
@@ -52,7 +53,13 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_triton_decode_path_matches_sdpa_path():
+def test_triton_decode_path_matches_sdpa_path(capsys):
+    from vmemkv.attention.triton_decode import triton_interprets
+
+    if triton_interprets():
+        exec(compile(CHILD, "decode path check", "exec"), {"__name__": "__decode_path__"})
+        assert "decode path ok" in capsys.readouterr().out
+        return
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     child = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
                            timeout=300)

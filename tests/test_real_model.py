@@ -19,7 +19,6 @@ from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
 from vmemkv.engine.chat import chat_prompt_ids, end_of_turn_token_ids
 from vmemkv.engine.hub import ensure_real_model, load_from_hub_cache
 from vmemkv.engine.llm_engine import run_to_completion
-from vmemkv.engine.models import load_model
 from vmemkv.errors import ModelUnavailableError
 
 NAME = "smollm2-135m-instruct"
@@ -33,15 +32,13 @@ QUESTIONS = ["What is the capital of France?", "Name a primary color.",
 
 
 @pytest.fixture(scope="module")
-def tokenizer(real_model_dir):
-    return load_model(str(real_model_dir))[1]
+def tokenizer(real_reference):
+    return real_reference[1]
 
 
 @pytest.fixture(scope="module")
-def reference(real_model_dir):
-    model, _ = load_model(str(real_model_dir))
-    model.set_attn_implementation("sdpa")
-    return model
+def reference(real_reference):
+    return real_reference[0]
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +54,8 @@ def _hf_greedy(model, prompt: tuple[int, ...], new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()  # ends with the eos token if the model stopped
 
 
-def make_engine(real_model_dir, **overrides) -> LLMEngine:
-    model, tokenizer = load_model(str(real_model_dir))  # the engine's own copy: it sets attention
+def make_engine(real_engine_model, **overrides) -> LLMEngine:
+    model, tokenizer = real_engine_model  # not the reference's copy: the engine sets attention
     config = EngineConfig(model=NAME, max_num_seqs=8, max_model_len=256,
                           swap_space_bytes=64 << 20, **overrides)
     return LLMEngine(config, model=model, tokenizer=tokenizer)
@@ -75,16 +72,16 @@ def assert_clean(engine: LLMEngine) -> None:
     assert engine.manager.num_blocks_in_use == 0, "pages leaked"
 
 
-def test_template_end_of_turn_is_an_eos(real_model_dir, tokenizer):
+def test_template_end_of_turn_is_an_eos(real_engine_model, tokenizer):
     [im_end] = end_of_turn_token_ids(tokenizer)
     assert tokenizer.convert_ids_to_tokens(im_end) == "<|im_end|>"
-    engine = make_engine(real_model_dir)
+    engine = make_engine(real_engine_model)
     assert im_end in engine.eos_token_ids
     engine.close()
 
 
-def test_engine_matches_hf_on_chat_prompts_with_prefix_hits(real_model_dir, reference, chat_prompts):
-    engine = make_engine(real_model_dir)
+def test_engine_matches_hf_on_chat_prompts_with_prefix_hits(real_engine_model, reference, chat_prompts):
+    engine = make_engine(real_engine_model)
     first = run(engine, chat_prompts[:1])  # its full pages (the system prompt) join the cache
     rest = run(engine, chat_prompts[1:])
     assert engine.manager.cache_stats().prefix_hit_tokens >= 32 * len(rest)
@@ -97,9 +94,9 @@ def test_engine_matches_hf_on_chat_prompts_with_prefix_hits(real_model_dir, refe
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_engine_matches_hf_under_preemption(real_model_dir, reference, chat_prompts, mode):
+def test_engine_matches_hf_under_preemption(real_engine_model, reference, chat_prompts, mode):
     # 10 pages of 16 tokens for five prompts of 3-5 pages each: requests must be preempted.
-    engine = make_engine(real_model_dir, num_blocks=10, preemption_mode=mode,
+    engine = make_engine(real_engine_model, num_blocks=10, preemption_mode=mode,
                          enable_prefix_caching=False, watermark=0.0)
     outputs = run(engine, chat_prompts)
     assert engine.scheduler.num_preemptions > 0

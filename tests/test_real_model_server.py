@@ -14,7 +14,6 @@ openai = pytest.importorskip("openai", reason="the client tests need openai (pip
 
 from vmemkv.engine import EngineConfig, LLMEngine  # noqa: E402
 from vmemkv.engine.async_engine import AsyncEngine  # noqa: E402
-from vmemkv.engine.models import load_model  # noqa: E402
 from serving import running_server  # noqa: E402
 
 WAIT_S = 60.0  # a CPU forward pass of the real model is slow on a loaded machine
@@ -27,8 +26,8 @@ def serve(engine: LLMEngine, served_name: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def engine(real_model_dir):
-    model, tokenizer = load_model(str(real_model_dir))
+def engine(real_engine_model):
+    model, tokenizer = real_engine_model
     engine = LLMEngine(EngineConfig(model="smollm2-135m-instruct", max_num_seqs=4,
                                     max_model_len=256), model=model, tokenizer=tokenizer)
     yield engine

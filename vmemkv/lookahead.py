@@ -30,6 +30,9 @@ class LookaheadOps(ManagerState):
         blocks are taken, so no cached prefix is evicted for a guess. Returns the jobs for
         ``map_lookahead``, which may run on another thread while the device computes: it touches
         only mapping state, and only pages past every reserved position."""
+        if self.metrics is not None and not self.metrics.busy:
+            return self.metrics.time_operation("allocate_lookahead", self.allocate_lookahead,
+                                               request_ids, margin_tokens, keep_free)
         self._check_open()
         margin_tokens = check.count(margin_tokens, "margin_tokens")
         keep_free = check.count(keep_free, "keep_free")
@@ -48,12 +51,20 @@ class LookaheadOps(ManagerState):
 
     def map_lookahead(self, jobs: list[MapJob]) -> None:
         """Map the jobs of ``allocate_lookahead``, all or none. If this raises, call
-        ``cancel_lookahead(jobs)`` on the step thread before the requests grow again."""
-        self.slots.map_jobs(jobs)
+        ``cancel_lookahead(jobs)`` on the step thread before the requests grow again. With a
+        metrics collector, its backend mapping counts as background mapping (not an operation
+        of the step thread)."""
+        if self.metrics is None:
+            self.slots.map_jobs(jobs)
+            return
+        with self.metrics.background():
+            self.slots.map_jobs(jobs)
 
     def cancel_lookahead(self, jobs: list[MapJob]) -> None:
         """Give back the blocks of lookahead jobs whose mapping was refused; call it right after
         ``map_lookahead`` raised, before the requests change."""
+        if self.metrics is not None and not self.metrics.busy:
+            return self.metrics.time_operation("cancel_lookahead", self.cancel_lookahead, jobs)
         by_slot = {req.slot: req for req in self._requests.values() if req.swapped is None}
         for job in jobs:
             req = by_slot.get(job.slot)

@@ -43,8 +43,9 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
     mapping in ``lookahead.py``, the shared state, its helpers and the invariant check in
     ``manager_state.py``.
 
-    ``KVCacheManager(config, backend=None)``: ``backend`` defaults to the device's
-    (``vmemkv.vmm.create_backend``)."""
+    ``KVCacheManager(config, backend=None, metrics=None)``: ``backend`` defaults to the device's
+    (``vmemkv.vmm.create_backend``); ``metrics``, a ``vmemkv.KVMetricsCollector``, times the
+    operations and the backend's mapping (``kv_metrics.py``; None costs one check per call)."""
 
     # --- queries without side effects ----------------------------------------------------------
     @property
@@ -54,12 +55,16 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
 
     def usage(self) -> float:
         """Fraction of blocks held by requests."""
+        if self.metrics is not None and not self.metrics.busy:
+            return self.metrics.time_operation("usage", self.usage)
         self._check_open()
         return self.pool.num_in_use / self.pool.num_pages
 
     def match_prefix(self, token_ids: Sequence[int], keys: CacheKeys = CacheKeys()) -> tuple[list[int], list[bytes]]:
         """Cached blocks holding a prefix of ``token_ids`` (whole pages, leaving at least one
         token to compute) and the hashes of all full pages of ``token_ids``."""
+        if self.metrics is not None and not self.metrics.busy:
+            return self.metrics.time_operation("match_prefix", self.match_prefix, token_ids, keys)
         self._check_open()
         if not self.config.enable_prefix_caching:
             return [], []
@@ -75,15 +80,23 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
 
     def can_admit(self, token_ids: Sequence[int], keys: CacheKeys = CacheKeys()) -> bool:
         """Whether ``admit`` of all of ``token_ids`` would succeed now."""
+        if self.metrics is not None and not self.metrics.busy:
+            return self.metrics.time_operation("can_admit", self.can_admit, token_ids, keys)
         self._check_open()
         hits, _ = self.match_prefix(token_ids, keys)
         return self.slots.num_free > 0 and self._fits_admission(hits, len(token_ids))
 
     def can_allocate(self, request_id: str, num_new_tokens: int) -> bool:
+        if self.metrics is not None and not self.metrics.busy:
+            return self.metrics.time_operation("can_allocate", self.can_allocate,
+                                               request_id, num_new_tokens)
         req = self._running(request_id)
         return self._blocks_needed(req, check.count(num_new_tokens, "num_new_tokens")) <= self.pool.num_free
 
     def blocks_needed(self, request_id: str, num_new_tokens: int) -> int:
+        if self.metrics is not None and not self.metrics.busy:
+            return self.metrics.time_operation("blocks_needed", self.blocks_needed,
+                                               request_id, num_new_tokens)
         req = self._running(request_id)
         return self._blocks_needed(req, check.count(num_new_tokens, "num_new_tokens"))
 
@@ -164,6 +177,9 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         positions for ``num_new_tokens`` more tokens (default: the rest of ``token_ids``; at most
         ``token_budget``, for chunked prefill). Returns how many tokens are already computed, or
         None, changing nothing, when no slot (or not ``slot``) or not enough blocks are free."""
+        if self.metrics is not None and not self.metrics.busy:
+            return self.metrics.time_operation("admit", self.admit, request_id, token_ids,
+                                               num_new_tokens, keys, token_budget, slot)
         self._check_open()
         request_id = check.request_id(request_id)
         token_ids = self._token_ids(token_ids, "token_ids")
@@ -207,6 +223,9 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         """Reserve ``num_new_tokens`` more positions (mapping a block only when crossing a page
         boundary), recording ``new_token_ids`` as the request's next tokens. Returns False,
         changing nothing, when the blocks are not there."""
+        if self.metrics is not None and not self.metrics.busy:
+            return self.metrics.time_operation("allocate", self.allocate,
+                                               request_id, num_new_tokens, new_token_ids)
         req = self._running(request_id)
         num_new_tokens = check.count(num_new_tokens, "num_new_tokens")
         new_token_ids = self._token_ids(new_token_ids, "new_token_ids")
@@ -220,6 +239,9 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
     def commit(self, request_id: str, num_computed_tokens: int | None = None) -> None:
         """Mark positions up to ``num_computed_tokens`` (default: all reserved) as written. Pages
         that are now full join the prefix cache and are never written again."""
+        if self.metrics is not None and not self.metrics.busy:
+            return self.metrics.time_operation("commit", self.commit,
+                                               request_id, num_computed_tokens)
         req = self._running(request_id)
         done = req.num_tokens if num_computed_tokens is None else check.count(
             num_computed_tokens, "num_computed_tokens")
@@ -245,6 +267,8 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
     def free(self, request_id: str) -> None:
         """Release a request (running or swapped). Its blocks go back deepest first, so a shared
         prefix outlives its tails in the LRU queue; its slot keeps its mappings."""
+        if self.metrics is not None and not self.metrics.busy:
+            return self.metrics.time_operation("free", self.free, request_id)
         self._check_open()
         req = self._requests.pop(check.request_id(request_id), None)
         if req is None:
@@ -263,6 +287,8 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         """Forget a request for good, in whatever state it is (an abort): free what it holds;
         a request preempted by recompute holds nothing and is just forgotten; an unknown id is
         ignored."""
+        if self.metrics is not None and not self.metrics.busy:
+            return self.metrics.time_operation("discard", self.discard, request_id)
         self._check_open()
         request_id = check.request_id(request_id)
         self._preempted.discard(request_id)
@@ -272,6 +298,8 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
     def reset_prefix_cache(self) -> int:
         """Forget all cached content. Refused while any request holds blocks (their hashes would
         go stale mid-flight). Returns how many cached blocks were dropped."""
+        if self.metrics is not None and not self.metrics.busy:
+            return self.metrics.time_operation("reset_prefix_cache", self.reset_prefix_cache)
         self._check_open()
         if self.pool.num_in_use:
             raise PrefixCacheBusyError(
@@ -293,15 +321,21 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         return self.slots.block_views(check.layer_index(layer, self.layout.num_layers))
 
     def slot_of(self, request_id: str) -> int:
+        if self.metrics is not None and not self.metrics.busy:
+            return self.metrics.time_operation("slot_of", self.slot_of, request_id)
         return self._running(request_id).slot
 
     def num_tokens(self, request_id: str) -> int:
+        if self.metrics is not None and not self.metrics.busy:
+            return self.metrics.time_operation("num_tokens", self.num_tokens, request_id)
         return self._running(request_id).num_tokens
 
     def num_computed_tokens(self, request_id: str) -> int:
         return self._known(request_id).num_computed
 
     def block_table(self, request_id: str) -> list[int]:
+        if self.metrics is not None and not self.metrics.busy:
+            return self.metrics.time_operation("block_table", self.block_table, request_id)
         return list(self._running(request_id).blocks)
 
     def token_ids(self, request_id: str) -> list[int]:

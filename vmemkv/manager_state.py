@@ -24,8 +24,9 @@ import torch
 
 from . import validation as check
 from .cache_config import CacheConfig, CacheStats
-from .errors import ManagerClosedError, PageStateError, RequestTooLongError, VmemkvError
+from .errors import ConfigError, ManagerClosedError, PageStateError, RequestTooLongError, VmemkvError
 from .hashing import CacheKeys, PrefixHasher
+from .kv_metrics import KVMetricsCollector
 from .layout import KVLayout
 from .pool import PagePool
 from .slots import SlotMapper, SlotTable
@@ -68,9 +69,15 @@ class ManagerState:
     hasher: PrefixHasher
     swap: SwapSpace
     stats: CacheStats
+    metrics: KVMetricsCollector | None  # timing of operations and mapping (kv_metrics.py)
 
-    def __init__(self, config: CacheConfig, backend: VirtualMemoryBackend | None = None):
+    def __init__(self, config: CacheConfig, backend: VirtualMemoryBackend | None = None,
+                 metrics: KVMetricsCollector | None = None):
         self.config = check.config(config)
+        if metrics is not None and not isinstance(metrics, KVMetricsCollector):
+            raise ConfigError(f"metrics must be a vmemkv.KVMetricsCollector or None; got "
+                              f"{type(metrics).__name__}")
+        self.metrics = metrics
         self._layout = config.make_layout()
         self.tokens_per_page = self._layout.tokens_per_page
         pool_pages = config.num_blocks * self._layout.pages_per_block
@@ -79,6 +86,8 @@ class ManagerState:
         cpu_vmem = config.kv_backend == "vmem" and not str(config.device).startswith("cuda")
         filler = self._layout.slot_pages(config.max_model_len) if cpu_vmem else 0
         self.backend = backend or create_backend(config.device, self._layout.page_size, pool_pages + filler)
+        if metrics is not None:  # the backend reports its map/unmap time to the same collector
+            self.backend.metrics = metrics
         self.pool = PagePool(config.num_blocks)
         # "vmem": virtually contiguous slots; "paged": the block-table baseline (same pool, same
         # pages, addressed through each request's block list; nothing is mapped). check.config

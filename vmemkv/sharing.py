@@ -24,6 +24,8 @@ class SharingOps(ManagerState):
         """Start ``child_id`` as a copy of ``parent_id`` in another slot (``slot`` when given):
         full pages shared, the partial last page copied. Returns False, changing nothing, without
         a slot (or not ``slot``) or a block."""
+        if self.metrics is not None and not self.metrics.busy:
+            return self.metrics.time_operation("fork", self.fork, parent_id, child_id, slot)
         parent = self._running(parent_id)
         child_id = check.request_id(child_id, "child_id")
         slot = check.slot_index(slot, self.slots.num_slots)
@@ -54,6 +56,8 @@ class SharingOps(ManagerState):
         (as they were before the call). Full pages are remapped, never copied; a partial page is
         copied only when more than one request takes it. Returns False, changing nothing, when
         the copies need more free blocks than there are."""
+        if self.metrics is not None and not self.metrics.busy:
+            return self.metrics.time_operation("reorder", self.reorder, request_ids, source_ids)
         rows = [self._running(r) for r in check.request_id_list(request_ids, "request_ids")]
         sources = [self._running(s) for s in check.request_id_list(source_ids, "source_ids")]
         if len(rows) != len(sources) or len({id(row) for row in rows}) != len(rows):
@@ -104,6 +108,8 @@ class SharingOps(ManagerState):
         cache). Pages past the new end are released; if the new last page is partial and shared
         or cached, it is copied to a private page first, since the request will write it again.
         Returns False, changing nothing, when that copy finds no free block."""
+        if self.metrics is not None and not self.metrics.busy:
+            return self.metrics.time_operation("truncate", self.truncate, request_id, num_tokens)
         req = self._running(request_id)
         self._require_committed(req)
         num_tokens = check.count(num_tokens, "num_tokens")

@@ -7,8 +7,9 @@ contiguous) or in block tables, measured side by side.
     vmemkv ab --json                            # the JSON on stdout instead of the table
     python -m vmemkv.ab.cli ...                 # the same without the `vmemkv` entry point
 
-Results go to ``--out`` (default ``experiments/results/ab``): ``ab.md``, ``ab.json`` and PNG plots
-(skipped with ``--no-plots`` or without matplotlib). The workloads are sized for the engine's real
+Results go to ``--out`` (default ``experiments/results/local/ab``, which git ignores, so a run never
+overwrites the recorded results; ``--out experiments/results/ab`` records one): ``ab.md``,
+``ab.json`` and PNG plots (skipped with ``--no-plots`` or without matplotlib). The workloads are sized for the engine's real
 page (``tokens_per_page`` of each variant's KV layout: 16 on CPU by default, 1024 for tiny-llama
 in fp32 on 2 MiB CUDA pages). The exit status is 1 when a check fails (greedy tokens differ
 between variants, the pressure workload never preempts, vmem and paged disagree on the prefix hit
@@ -22,7 +23,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-DEFAULT_OUT = "experiments/results/ab"
+DEFAULT_OUT = "experiments/results/local/ab"  # untracked: the recorded runs stay as they are
 DEFAULT_REPEATS = 3
 
 
@@ -48,8 +49,8 @@ def add_ab_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print the results JSON on stdout instead of the table")
     parser.add_argument("--out", default=DEFAULT_OUT,
-                        help=f"directory for ab.md, ab.json and plots (default {DEFAULT_OUT}; "
-                             "'' writes nothing)")
+                        help=f"directory for ab.md, ab.json and plots (default {DEFAULT_OUT}, "
+                             "untracked; '' writes nothing)")
     parser.add_argument("--no-plots", action="store_true",
                         help="write ab.md and ab.json only (plots also need matplotlib)")
     parser.add_argument("--tokens-per-page", type=int, default=None,

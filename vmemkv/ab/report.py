@@ -258,9 +258,10 @@ def markdown(result: dict) -> str:
               "running sequences past the bytes their tokens fill, over the bytes filled "
               "(averaged over steps)."),
               ("- mapping %: backend map/unmap time on the step thread plus time the step waited "
-              "for the lookahead mapping worker, over step time. KV mgr %: all KV-manager calls on "
-              "the step thread (admission, growth, commit, free, fork, preemption, block tables, "
-              "inline mapping) plus that wait, over step time. attn %: attention (K/V write, "
+              "for the lookahead mapping worker, over step time. KV mgr %: all KV-manager "
+              "operations on the step thread (admission, prefix queries, growth, commit, free, "
+              "fork, preemption, block tables, inline mapping) plus that wait, over step time; "
+              "both timed by the library (`vmemkv.KVMetricsCollector`). attn %: attention (K/V write, "
               "gather for paged, SDPA) over step time."),
               "", "## Machine", ""]
     lines += [f"- {key}: {value}" for key, value in machine.items()]

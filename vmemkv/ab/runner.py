@@ -5,22 +5,20 @@ The engine is driven directly: every request is added at once (an offline batch)
 after every step. Latencies therefore include queueing behind the batch (TTFT of the last
 admitted request is long by design); the same schedule hits every variant alike.
 
-Besides the engine's own ``stats()``, a light probe times, on the step thread, the KV cache
-manager's calls (admission, growth, commit, free, fork, preemption, block tables, ...) and the
-virtual-memory backend's map/unmap calls, split by thread: mapping done on the engine's lookahead
-worker is overlapped with the forward pass, mapping done on the step thread is not.
+Everything comes from the engine's ``stats()``, which includes what the library itself timed
+(``vmemkv.KVMetricsCollector``, which the engine passes to its KV cache manager and backend): the
+manager's operations (admission, growth, commit, free, fork, preemption, block tables, ...) and
+the backend's map/unmap calls, split into inline (on the step thread) and background (the
+lookahead worker, overlapped with the forward pass).
 """
 
 from __future__ import annotations
 
-import functools
 import gc
 import itertools
 import math
 import statistics
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,60 +69,6 @@ METRIC_KEYS = (
     "attention_share", "mapping_share", "mapping_share_engine", "kv_manager_share",
 )
 
-# Manager calls the probe times when they run on the step thread (kv_views / block_views are
-# called inside attention and already count as attention time; map_lookahead runs on the worker).
-_MANAGER_CALLS = ("admit", "allocate", "can_allocate", "blocks_needed", "commit", "free", "fork",
-                  "reorder", "preempt", "estimate_preemption", "swap_in", "slot_of", "num_tokens",
-                  "block_table", "allocate_lookahead", "usage")
-
-
-class _Probe:
-    """Times manager calls on the step thread and backend map/unmap calls per thread, by wrapping
-    the methods on the engine's own instances (nothing in the library changes)."""
-
-    def __init__(self, engine: LLMEngine):
-        self.step_thread = threading.get_ident()
-        self.manager_seconds = 0.0
-        self.inline_map_seconds = 0.0  # backend map/unmap on the step thread
-        self.background_map_seconds = 0.0  # backend map/unmap on any other thread
-        self._depth = 0  # manager calls nest (admit -> ...): count the outermost only
-        manager = engine.manager
-        for name in _MANAGER_CALLS:
-            if hasattr(manager, name):
-                setattr(manager, name, self._time_manager(getattr(manager, name)))
-        backend = manager.backend
-        for name in ("map", "unmap"):
-            setattr(backend, name, self._time_backend(getattr(backend, name)))
-
-    def _time_manager(self, method: Callable) -> Callable:
-        @functools.wraps(method)
-        def timed(*args, **kwargs):
-            if self._depth or threading.get_ident() != self.step_thread:
-                return method(*args, **kwargs)
-            self._depth += 1
-            start = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.manager_seconds += time.perf_counter() - start
-                self._depth -= 1
-        return timed
-
-    def _time_backend(self, method: Callable) -> Callable:
-        @functools.wraps(method)
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                elapsed = time.perf_counter() - start
-                if threading.get_ident() == self.step_thread:
-                    self.inline_map_seconds += elapsed
-                else:
-                    self.background_map_seconds += elapsed
-        return timed
-
-
 @dataclass
 class RunResult:
     workload: str
@@ -154,7 +98,6 @@ def run_once(model, tokenizer, model_name: str, workload: Workload, variant: Var
     engine = LLMEngine(config, model, tokenizer)
     try:
         page_tokens = engine.manager.tokens_per_page
-        probe = _Probe(engine)
         gc.collect()
         token_times: dict[tuple[str, int], list[float]] = {}
         finished: dict[str, object] = {}
@@ -180,11 +123,11 @@ def run_once(model, tokenizer, model_name: str, workload: Workload, variant: Var
         engine.close()
     tokens = {rid: [list(c.token_ids) for c in sorted(out.outputs, key=lambda c: c.index)]
               for rid, out in finished.items()}
-    metrics = _metrics(workload, stats, probe, token_times, start, wall, cpu)
+    metrics = _metrics(workload, stats, token_times, start, wall, cpu)
     return RunResult(workload.name, variant.name, repeat, metrics, tokens, page_tokens)
 
 
-def _metrics(workload: Workload, stats: dict, probe: _Probe,
+def _metrics(workload: Workload, stats: dict,
              token_times: dict[tuple[str, int], list[float]], start: float, wall: float,
              cpu: float) -> dict:
     first_by_request: dict[str, float] = {}
@@ -217,18 +160,20 @@ def _metrics(workload: Workload, stats: dict, probe: _Probe,
                 "attention_seconds"):
         m[key] = float(stats.get(key, 0.0))
     m["peak_kv_mib"] = m["peak_kv_bytes"] / 2**20
-    m["inline_map_seconds"] = probe.inline_map_seconds
-    m["manager_seconds"] = probe.manager_seconds
+    # From the library's collector: backend map/unmap on the step thread, and the manager's
+    # operations (outermost calls; inline mapping inside them included).
+    m["inline_map_seconds"] = float(stats["inline_map_seconds"])
+    m["manager_seconds"] = float(stats["manager_seconds"])
     m["attention_share"] = m["attention_seconds"] / step
     # Mapping the step waited for: backend map/unmap on the step thread, plus waiting for the
     # lookahead worker at the end of the forward pass.
-    m["mapping_share"] = (probe.inline_map_seconds + m["map_wait_seconds"]) / step
+    m["mapping_share"] = (m["inline_map_seconds"] + m["map_wait_seconds"]) / step
     # The engine-only estimate (what stats() alone gives): backend mapping not hidden by the
     # worker. A lower bound: map_hidden_seconds counts the worker's whole job, not just its
     # backend calls, so it can exceed the backend time (then this reads 0).
     m["mapping_share_engine"] = max(m["backend_map_seconds"] - m["map_hidden_seconds"], 0.0) / step
     # All KV-manager time on the step's critical path (inline mapping included).
-    m["kv_manager_share"] = (probe.manager_seconds + m["map_wait_seconds"]) / step
+    m["kv_manager_share"] = (m["manager_seconds"] + m["map_wait_seconds"]) / step
     assert set(m) == set(METRIC_KEYS), set(m) ^ set(METRIC_KEYS)
     return m
 

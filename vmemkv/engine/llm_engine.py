@@ -1,30 +1,37 @@
-"""The engine: requests in, one scheduler step and one packed forward at a time, outputs out."""
+"""The engine: requests in, one step at a time, outputs out.
+
+A step is three one-way calls: the scheduler decides who runs with how many tokens
+(``scheduler.py``); the runner packs them into one ragged forward over the KV cache, addressed
+the way chosen once at construction (``runner.py``, ``addressing.py``); the postprocessor commits,
+forks, samples, appends and finishes (``postprocess.py``). This module holds the requests, the
+construction of those parts, and the engine's stats.
+"""
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence as Seq
 
-from ..attention import BlockTableAttention, ContiguousAttention, SequenceSpan
-from ..attention.choice import AttentionChoice, choose_attention
-from ..attention.flash import FlashBlockTableAttention, FlashSlotAttention
 from .. import validation as check
-from ..errors import MappingLimitError, RequestTooLongError
+from ..errors import RequestTooLongError
 from ..hashing import CacheKeys
 from ..hf_support import check_attention_supported, text_config
+from ..kv_metrics import KVMetricsCollector
 from ..manager import KVCacheManager
+from .addressing import choose_addressing
 from .chat import end_of_turn_token_ids
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .metrics import EngineMetrics
 from .model_runner import ModelRunner
 from .models import load_model
-from .outputs import CompletionOutput, RequestOutput
-from .sampler import Sampler, make_generator
+from .outputs import RequestOutput
+from .postprocess import Postprocessor
+from .runner import LookaheadMapper, StepRunner
+from .sampler import make_generator
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledSeq, Scheduler
-from .sequence import Sequence, SequenceGroup, SequenceStatus
+from .scheduler import Scheduler
+from .sequence import Sequence, SequenceGroup
 
 
 class LLMEngine:
@@ -42,14 +49,22 @@ class LLMEngine:
         # Before any KV memory is taken: refuse attention the engine would silently get wrong.
         check_attention_supported(model.config, config.max_model_len, replaces_attention=True,
                                   who="the vmemkv engine")
-        self.manager = KVCacheManager(config.cache_config(model))
-        self.runner = ModelRunner(model)
+        # The manager and its backend time their operations and mapping here (stats(), /metrics).
+        self.kv_metrics = KVMetricsCollector()
+        self.manager = KVCacheManager(config.cache_config(model), metrics=self.kv_metrics)
+        model_runner = ModelRunner(model)
         self.scheduler = Scheduler(config, self.manager)
-        self.attention_choice = self._choose_attention(model)
+        # The KV addressing (slots or block tables) and its attention, chosen once.
+        self.addressing = choose_addressing(config, self.manager, model_runner.device,
+                                            text_config(model.config).num_attention_heads)
+        self.attention_choice = self.addressing.choice
         self.attention_kernel = self.attention_choice.label  # what runs: flash-bundled, triton, sdpa
         self.decode_kernel = self.attention_choice.kind == "triton"
-        self.sampler = Sampler()
-        self.metrics = EngineMetrics()
+        # Overlapped mapping (slots only): decoding sequences' next page mapped during the forward.
+        lookahead = (LookaheadMapper(self.manager, config.lookahead_tokens, self.scheduler.watermark_blocks)
+                     if self.addressing.uses_lookahead and config.lookahead_tokens > 0 else None)
+        self.runner = StepRunner(model_runner, self.addressing, lookahead)
+        self.metrics = EngineMetrics(kv_metrics=self.kv_metrics)
         self.groups: dict[str, SequenceGroup] = {}
         eos = text_config(model.config).eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -59,25 +74,18 @@ class LLMEngine:
         self.eos_token_ids |= set(generation_eos if isinstance(generation_eos, list)
                                   else [generation_eos] if generation_eos is not None else [])
         self.eos_token_ids |= set(end_of_turn_token_ids(tokenizer))
+        self.postprocessor = Postprocessor(config, self.manager, self.scheduler, self.metrics,
+                                           self.groups, self.eos_token_ids, self._new_sequence, stream)
         self.step_seconds = 0.0
-        self.attention_seconds = 0.0
-        self.attention_copy_seconds = 0.0  # of which gathering K/V (block tables)
         self.num_steps = 0
         self.peak_blocks_in_use = 0
         self._fragmentation = [0, 0]  # sums over steps: bytes held past the tokens stored, bytes stored
-        # Overlapped mapping: one worker maps lookahead pages while the forward pass runs.
-        self._mapper = ThreadPoolExecutor(1, thread_name_prefix="vmemkv-map")
-        self.map_background_seconds = 0.0  # mapping done on the worker
-        self.map_wait_seconds = 0.0  # time the step still waited for the worker
 
-    def _choose_attention(self, model) -> AttentionChoice:
-        """``config.attention`` resolved once for this device, dtype, shapes and KV addressing."""
-        layout, text = self.manager.layout, text_config(model.config)
-        paged = self.config.kv_backend == "paged"
-        return choose_attention(
-            self.config.attention, self.runner.device, self.config.kv_backend, layout.dtype,
-            text.num_attention_heads, layout.num_kv_heads, layout.head_dim, self.manager.tokens_per_page,
-            None if paged else self.manager.kv_views(0))
+    # The runner's counters, under the names stats() reports.
+    attention_seconds = property(lambda self: self.runner.attention_seconds)
+    attention_copy_seconds = property(lambda self: self.runner.attention_copy_seconds)  # block tables
+    map_background_seconds = property(lambda self: self.runner.map_background_seconds)  # on the worker
+    map_wait_seconds = property(lambda self: self.runner.map_wait_seconds)  # the step still waited
 
     # --- requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -132,28 +140,16 @@ class LLMEngine:
 
     # --- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, run the forward, postprocess: one way, each part once."""
         start = time.perf_counter()
         plan = self.scheduler.schedule()
-        touched: dict[str, SequenceGroup] = {}
-        for seq, reason in plan.failed:
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
-            seq.group.error = reason
-            touched[seq.group.request_id] = seq.group
-        if plan.scheduled:
-            to_sample = self._execute(plan.scheduled)
-            generated: dict[str, int] = {}  # tokens per request this step, for the metrics
-            for seq, token, logprobs in to_sample:
-                self._append_token(seq, token, logprobs)
-                request_id = seq.group.request_id
-                generated[request_id] = generated.get(request_id, 0) + 1
-                touched[request_id] = seq.group
-            self.metrics.on_step_tokens(generated, time.monotonic())
+        forward = self.runner.run(plan.scheduled) if plan.scheduled else None
+        touched = self.postprocessor.process(plan, forward)
         self.step_seconds += time.perf_counter() - start
         self.num_steps += 1
         self._record_memory()
         self._update_gauges()
-        return [self._output(group) for group in touched.values()
-                if self.stream or group.error is not None or group.is_finished]
+        return self.postprocessor.outputs(touched)
 
     def _update_gauges(self) -> None:
         """Set the metrics' gauges to the scheduler and cache state now: after every step, and
@@ -162,168 +158,6 @@ class LLMEngine:
         self.metrics.on_step(len(self.scheduler.running), len(self.scheduler.waiting),
                              len(self.scheduler.swapped), self.manager.usage(),
                              self.manager.cache_stats().prefix_hit_rate, self.scheduler.num_preemptions)
-
-    def _execute(self, scheduled: list[ScheduledSeq]) -> list[tuple[Sequence, int, dict | None]]:
-        """Run the forward pass for the scheduled tokens, commit them, and sample next tokens."""
-        spans, input_ids, positions, rows, samplers = [], [], [], [], []
-        paged = self.config.kv_backend == "paged"
-        manager = self.manager
-        for item in scheduled:
-            seq, count = item.seq, item.num_new_tokens
-            begin, computed = len(input_ids), seq.num_computed
-            table = tuple(manager.block_table(seq.seq_id)) if paged else ()
-            spans.append(SequenceSpan(manager.slot_of(seq.seq_id), begin, count, computed, table))
-            if count == 1:  # decode: no slices
-                input_ids.append(seq.token_ids[computed])
-                positions.append(computed)
-            else:
-                input_ids += seq.token_ids[computed: computed + count]
-                positions += range(computed, computed + count)
-            if computed + count == len(seq.token_ids):  # its next token is due
-                rows.append(begin + count - 1)
-                samplers.append(seq)
-        attention = self._attention(spans)
-        mapping = self._start_lookahead(scheduled)
-        # Every row sampled (all decodes): take all logits, no gather.
-        all_rows = len(rows) == len(input_ids)
-        logits = self.runner.forward(input_ids, positions, attention,
-                                     None if all_rows else rows or [len(input_ids) - 1])
-        self.attention_seconds += attention.seconds
-        self.attention_copy_seconds += attention.copy_seconds
-        if mapping is not None:
-            self._finish_lookahead(*mapping)
-        for item in scheduled:
-            item.seq.num_computed += item.num_new_tokens
-            manager.commit(item.seq.seq_id)
-        if not samplers:
-            return []
-        seqs = samplers
-        if not all(seq.group.forked for seq in samplers):  # a group's first sample: fork n-1
-            seqs, logit_rows = [], []
-            for row, seq in enumerate(samplers):
-                for member in self._fork_group(seq):
-                    seqs.append(member)
-                    logit_rows.append(row)
-            if len(seqs) != len(samplers):
-                logits = logits[logit_rows]
-        tokens, logprobs = self.sampler.sample(
-            logits, [s.group.params for s in seqs], [s.generator for s in seqs])
-        return list(zip(seqs, tokens.tolist(), logprobs))
-
-    def _attention(self, spans: list[SequenceSpan]):
-        choice, device = self.attention_choice, self.runner.device
-        if self.config.kv_backend == "paged":
-            if choice.kind == "flash":
-                return FlashBlockTableAttention(spans, self.manager.block_views, self.manager.tokens_per_page,
-                                                device, choice.kernel)
-            return BlockTableAttention(spans, self.manager.block_views, self.manager.tokens_per_page,
-                                       device, self.decode_kernel)
-        if choice.kind == "flash":
-            return FlashSlotAttention(spans, self.manager.kv_views, device, choice.kernel,
-                                      choice.rows_per_slot, choice.num_rows)
-        return ContiguousAttention(spans, self.manager.kv_views, device, self.decode_kernel,
-                                   reads=self.manager.batched_reads())  # batched decode reads (CPU)
-
-    def _start_lookahead(self, scheduled: list[ScheduledSeq]):
-        """Give decoding sequences about to cross a page boundary their next page now, and map
-        it on the worker while the forward pass runs (it touches only positions past every
-        sequence's reservation, which this step's forward never reads)."""
-        margin = self.config.lookahead_tokens
-        if margin <= 0 or self.config.kv_backend == "paged":  # nothing to map
-            return None
-        # Only a sequence whose next `margin` positions reach a page past its reservation can
-        # get one (the manager skips the others): ask about those alone.
-        pages_for, manager = self.manager.blocks_for_tokens, self.manager
-        decoding = []
-        for item in scheduled:
-            seq = item.seq
-            if seq.num_computed >= seq.num_prompt_tokens:
-                reserved = manager.num_tokens(seq.seq_id)
-                if pages_for(reserved + margin) > pages_for(reserved):
-                    decoding.append(seq.seq_id)
-        if not decoding:
-            return None
-        jobs = self.manager.allocate_lookahead(decoding, margin, self.scheduler.watermark_blocks)
-        return (self._mapper.submit(self._map_in_background, jobs), jobs) if jobs else None
-
-    def _finish_lookahead(self, future, jobs) -> None:
-        """Wait for the worker. A mapping it was refused (the mapping budget) only costs the
-        head start: the blocks go back, and the pages are mapped inline when reached."""
-        waited = time.perf_counter()
-        try:
-            future.result()
-        except MappingLimitError:
-            self.manager.cancel_lookahead(jobs)
-        self.map_wait_seconds += time.perf_counter() - waited
-
-    def _map_in_background(self, jobs) -> None:
-        start = time.perf_counter()
-        self.manager.map_lookahead(jobs)
-        self.map_background_seconds += time.perf_counter() - start
-
-    def _fork_group(self, seq: Sequence) -> list[Sequence]:
-        """At a group's first sample, create its other n-1 sequences as copy-on-write forks
-        sharing the prompt's pages. A fork that finds no slot or page waits as a new request
-        instead (its prompt will then hit the prefix cache). Returns who samples from this row."""
-        group = seq.group
-        if group.forked:
-            return [seq]
-        group.forked = True
-        members = [seq]
-        for index in range(1, group.params.n):
-            child = self._new_sequence(group, index)
-            group.seqs.append(child)
-            if self.manager.fork(seq.seq_id, child.seq_id):
-                child.num_computed, child.num_manager_tokens = seq.num_computed, seq.num_manager_tokens
-                child.status = SequenceStatus.RUNNING
-                self.scheduler.running.append(child)
-                members.append(child)
-            else:
-                self.scheduler.add(child)
-        return members
-
-    def _append_token(self, seq: Sequence, token: int, logprobs: dict | None) -> None:
-        """Add a sampled token and check the stop conditions (the step counts it in the
-        metrics, once per request per step)."""
-        params = seq.group.params
-        seq.token_ids.append(token)
-        if params.logprobs is not None:
-            seq.logprobs.append(logprobs)
-        delta = seq.detokenizer.append(token)
-        reason, stop_reason = None, None
-        if not params.ignore_eos and token in self.eos_token_ids:
-            reason = "stop"
-        elif params.stop_token_ids and token in params.stop_token_ids:
-            reason, stop_reason = "stop", token
-        elif (seq.detokenizer.stop
-              and (matched := seq.detokenizer.check_stop(new_chars=len(delta))) is not None):
-            reason, stop_reason = "stop", matched
-        elif (len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens
-              or len(seq.token_ids) >= self.config.max_model_len):
-            reason = "length"
-        if reason is not None:
-            if stop_reason is None or isinstance(stop_reason, int):
-                seq.detokenizer.flush()
-            seq.finish_reason, seq.stop_reason = reason, stop_reason
-            self.scheduler.remove(seq)
-
-    def _output(self, group: SequenceGroup) -> RequestOutput:
-        finished = group.error is not None or group.is_finished
-        if finished:
-            for seq in group.seqs:
-                if not seq.is_finished:  # the rest of a group whose request failed
-                    self.scheduler.remove(seq)
-                    seq.finish_reason = "error"
-            self.groups.pop(group.request_id, None)
-            reason = "error" if group.error else group.seqs[0].finish_reason
-            self.metrics.on_request_finished(group.request_id, reason, time.monotonic())
-        outputs = [CompletionOutput(
-            index=seq.index, text=seq.detokenizer.output_text(seq.is_finished),
-            token_ids=list(seq.output_token_ids), finish_reason=seq.finish_reason,
-            logprobs=list(seq.logprobs) if group.params.logprobs is not None else None,
-            stop_reason=seq.stop_reason) for seq in group.seqs]
-        return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids), outputs,
-                             finished, group.error, group.num_cached_tokens)
 
     # --- introspection -------------------------------------------------------------------------
     def _record_memory(self) -> None:
@@ -341,7 +175,10 @@ class LLMEngine:
     def stats(self) -> dict:
         wasted, stored = self._fragmentation
         block_bytes = self.manager.block_bytes
-        return {**self.manager.snapshot_stats(), "preemptions": self.scheduler.num_preemptions,
+        # manager_seconds, inline/background_map_seconds (and calls), manager_operations
+        timing = self.kv_metrics.snapshot()
+        timing["manager_operations"] = timing.pop("operations")
+        return {**self.manager.snapshot_stats(), **timing, "preemptions": self.scheduler.num_preemptions,
                 "num_steps": self.num_steps, "attention_seconds": self.attention_seconds,
                 "attention_copy_seconds": self.attention_copy_seconds,
                 "peak_kv_bytes": self.peak_blocks_in_use * block_bytes,
@@ -353,7 +190,7 @@ class LLMEngine:
                 "map_hidden_seconds": max(self.map_background_seconds - self.map_wait_seconds, 0.0)}
 
     def close(self) -> None:
-        self._mapper.shutdown(wait=True)
+        self.runner.close()
         self.manager.close()
 
 

@@ -7,6 +7,12 @@ and the sample lists are only appended to).
 
 Times are seconds from one monotonic clock: pass ``time.monotonic()`` values, or leave ``now``
 out and the hook reads that clock itself.
+
+Given the engine's ``KVMetricsCollector`` (``kv_metrics``), ``render()`` also exposes what the KV
+cache manager timed, read at scrape time: ``vmemkv_kv_manager_seconds_total`` and
+``vmemkv_kv_manager_calls_total`` by ``operation``, and ``vmemkv_kv_mapping_seconds_total`` /
+``vmemkv_kv_mapping_calls_total`` by ``where`` (``inline``: on the step thread; ``background``:
+the lookahead worker, overlapped with the forward pass).
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
+
+from ..kv_metrics import KVMetricsCollector
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -41,9 +50,12 @@ class _RequestTimes:
 class EngineMetrics:
     """Counters and latency samples of one engine."""
 
-    def __init__(self, max_samples: int = 100_000) -> None:
+    def __init__(self, max_samples: int = 100_000,
+                 kv_metrics: KVMetricsCollector | None = None) -> None:
         self.registry = CollectorRegistry()
         self._define_metrics()
+        if kv_metrics is not None:
+            self.registry.register(_KVTimeExporter(kv_metrics))
         self._requests: dict[str, _RequestTimes] = {}
         # Raw samples for summary(); bounded so a long-lived server does not grow without limit.
         self.ttft_s: deque[float] = deque(maxlen=max_samples)
@@ -203,6 +215,34 @@ class EngineMetrics:
         # Over the window, or over the time since the first request when that is shorter.
         span = min(_THROUGHPUT_WINDOW_S, now - self._first_added)
         return self._recent_token_count / span if span > 0 else 0.0
+
+
+class _KVTimeExporter:
+    """A Prometheus collector reading a KVMetricsCollector when scraped (nothing on the hot path)."""
+
+    def __init__(self, kv_metrics: KVMetricsCollector) -> None:
+        self.kv_metrics = kv_metrics
+
+    def collect(self):
+        snapshot = self.kv_metrics.snapshot()
+        seconds = CounterMetricFamily(
+            "vmemkv_kv_manager_seconds", "Seconds in KV cache manager operations (outermost "
+            "calls, backend mapping inside them included), by operation", labels=["operation"])
+        calls = CounterMetricFamily("vmemkv_kv_manager_calls",
+                                    "KV cache manager operations (outermost calls), by operation",
+                                    labels=["operation"])
+        for name, op in sorted(snapshot["operations"].items()):
+            seconds.add_metric([name], op["seconds"])
+            calls.add_metric([name], op["calls"])
+        map_seconds = CounterMetricFamily(
+            "vmemkv_kv_mapping_seconds", "Seconds in the backend's map/unmap calls: inline (the "
+            "step thread) or background (the lookahead worker)", labels=["where"])
+        map_calls = CounterMetricFamily("vmemkv_kv_mapping_calls", "Backend map/unmap calls",
+                                        labels=["where"])
+        for where in ("inline", "background"):
+            map_seconds.add_metric([where], snapshot[f"{where}_map_seconds"])
+            map_calls.add_metric([where], snapshot[f"{where}_map_calls"])
+        yield from (seconds, calls, map_seconds, map_calls)
 
 
 def _now(now: float | None) -> float:

@@ -43,6 +43,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence that already holds its KV cache (a fork of a running one) runs from now on."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queues and give its pages back (finish or abort)."""
         for queue in (self.waiting, self.running, self.swapped):

@@ -52,48 +52,24 @@ What is not supported: sliding-window or chunked layers whose window is shorter 
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import inspect
 import itertools
 import uuid
-from dataclasses import dataclass
 from typing import Self
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from ..errors import ConfigError, OutOfPagesError, PageStateError
-from ..hashing import CacheKeys
-from ..hf_support import cache_config_for, check_attention_supported
 from ..manager import KVCacheManager
-from ..slots import NoFreeSlotError
+from .transformers_layer import _VmemkvLayer
+from .transformers_model import cache_kwarg, manager_for
+from .transformers_prefix import _PrefixReuse
+from .transformers_rows import _RowBookkeeping, _Row
 
 __all__ = ["VmemkvCache", "cache_kwarg", "manager_for"]
 
 _HOOK_ATTR = "_vmemkv_token_hook"
 _MODEL_KEY_ATTR = "_vmemkv_model_key"
-
-
-def manager_for(model, max_batch_size: int, max_cache_len: int, num_blocks: int | None = None,
-                **config) -> KVCacheManager:
-    """A :class:`KVCacheManager` shaped for ``model`` (layers, KV heads, head dim, dtype, device).
-
-    ``num_blocks`` defaults to every slot full plus one spare page per slot for copy-on-write,
-    so ``generate`` never runs out; pass fewer to cap memory (on CUDA the pool is allocated up
-    front). Other keyword arguments go to :class:`CacheConfig` (``tokens_per_page``,
-    ``enable_prefix_caching``, ``hash_seed``, ...)."""
-    # The model runs its own attention over the cache, so only windows and chunks matter here.
-    check_attention_supported(model.config, max_cache_len, replaces_attention=False,
-                              who="VmemkvCache", limit_name="max_cache_len")
-    return KVCacheManager(cache_config_for(model, max_batch_size, max_cache_len, num_blocks,
-                                           spare_blocks_per_slot=1, **config))
-
-
-def cache_kwarg(model) -> str:
-    """The keyword ``model.generate`` / ``forward`` take a cache by: ``cache`` in transformers
-    5.24, ``past_key_values`` in 5.17 and 4.57."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _observe_tokens(module, args, kwargs):
@@ -104,74 +80,7 @@ def _observe_tokens(module, args, kwargs):
         cache.observe(ids, kwargs.get("attention_mask"))
 
 
-@dataclass
-class _Row:
-    """What the cache knows about one batch row besides the manager's request."""
-
-    request_id: str
-    keys: CacheKeys
-    masked: frozenset[int]  # prompt positions the attention mask hides (part of the salt)
-    known: int  # token ids the manager has for this request
-
-
-class _VmemkvLayer(CacheLayerMixin):
-    """One layer's face of a VmemkvCache; all state lives in the cache."""
-
-    is_compileable = False
-    is_croppable = True
-    is_sliding = False
-
-    def __init__(self, cache: VmemkvCache, layer_idx: int):  # no super(): keys/values are views
-        self._cache = cache
-        self.layer_idx = layer_idx
-
-    @property
-    def is_initialized(self) -> bool:
-        return bool(self._cache._rows)
-
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self._cache.layer_views(self.layer_idx)[0] if self._cache._rows else None
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self._cache.layer_views(self.layer_idx)[1] if self._cache._rows else None
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        pass
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        return self._cache.update(key_states, value_states, self.layer_idx)
-
-    def get_mask_sizes(self, query_length) -> tuple[int, int]:
-        return self._cache.get_mask_sizes(query_length, self.layer_idx)
-
-    def get_seq_length(self) -> int:
-        return self._cache.get_seq_length()
-
-    def get_max_length(self) -> int:
-        return self._cache.max_cache_len
-
-    get_max_cache_shape = get_max_length  # transformers < 5.2x
-
-    # The cache-level methods act on all layers at once; these per-layer ones are never used.
-    def reset(self) -> None:
-        pass
-
-    def reorder_cache(self, beam_idx) -> None:
-        raise NotImplementedError("call VmemkvCache.reorder_cache")
-
-    def crop(self, max_length: int) -> None:
-        self._cache.crop(max_length)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("call VmemkvCache.batch_repeat_interleave")
-
-    def batch_select_indices(self, indices) -> None:
-        raise NotImplementedError("call VmemkvCache.batch_select_indices")
-
-
-class VmemkvCache(Cache):
+class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
     """A transformers ``Cache`` whose K/V live in a :class:`KVCacheManager`'s slots.
 
     ``manager`` may be shared by several caches (their rows take disjoint slots, and one cache's
@@ -365,154 +274,7 @@ class VmemkvCache(Cache):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def admit_prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
-        """Admit one row per prompt of ``input_ids`` (``[batch, length]``), mapping the full pages
-        the prefix cache already holds. Returns the number of leading positions cached in every
-        row (``get_seq_length()``): a following ``generate(input_ids, cache=self)`` feeds only the
-        rest. Rows that hit more keep their extra pages and never rewrite them."""
-        if self._rows:
-            raise PageStateError("admit_prompt needs an empty cache; call release() first")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        self._tracked = True
-        cached = self._admit(input_ids.tolist(), self._masked_positions(attention_mask, 0, input_ids.shape[1], len(input_ids)),
-                             num_new_tokens=0)
-        self._length = min(cached)
-        return self._length
-
-    def prefill(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                upto: int | None = None) -> None:
-        """Compute positions ``[get_seq_length(), upto)`` of the admitted rows in one forward
-        (default ``upto``: all but the last token, which ``generate`` computes for the logits)."""
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        upto = input_ids.shape[1] - 1 if upto is None else upto
-        start = self._length
-        if upto <= start:
-            return
-        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-        kwargs = {cache_kwarg(model): self, "use_cache": True}
-        if "logits_to_keep" in inspect.signature(model.forward).parameters:
-            kwargs["logits_to_keep"] = 1
-        with torch.no_grad():
-            model(input_ids=input_ids[:, start:upto], attention_mask=attention_mask[:, :upto],
-                  position_ids=positions[:, start:upto], **kwargs)
-
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                 model=None, keep: bool = False, **generate_kwargs) -> torch.Tensor:
-        """``model.generate`` with prefix reuse: release the previous rows, admit ``input_ids``
-        (mapping cached prefix pages), compute the prompt once per row even when ``generate``
-        expands rows for beams or ``num_return_sequences`` (the copies are forks sharing the
-        pages), then generate, feeding only uncached tokens. Rows are released at the end unless
-        ``keep``; their full pages stay cached for the next call. ``attention_mask`` defaults to
-        all ones and is passed to ``generate`` explicitly, so the pages are hashed under the mask
-        that was really used. Counts go to :attr:`last_call`."""
-        model = model if model is not None else self._model
-        if model is None:
-            raise ConfigError("VmemkvCache.generate needs a model: build the cache with from_model() "
-                              "or attach(model), or pass model=")
-        if model is not self._model:
-            self.attach(model)
-        self.release()
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        config = generate_kwargs.get("generation_config") or model.generation_config
-        copies = max(generate_kwargs.get("num_beams", getattr(config, "num_beams", 1) or 1),
-                     generate_kwargs.get("num_return_sequences", getattr(config, "num_return_sequences", 1) or 1))
-        batch, length = input_ids.shape
-        try:
-            cached = self.admit_prompt(input_ids, attention_mask)
-            cached_per_row = [self.manager.num_computed_tokens(r.request_id) for r in self._rows]
-            if copies > 1:
-                self.prefill(model, input_ids, attention_mask)
-            generate_kwargs[cache_kwarg(model)] = self
-            out = model.generate(input_ids, attention_mask=attention_mask, **generate_kwargs)
-        except BaseException:
-            self.release()
-            raise
-        self.last_call = {
-            "prompt_tokens": batch * length,
-            "cached_tokens": sum(cached_per_row),
-            "common_cached_length": cached,
-            "computed_prompt_tokens": batch * length - sum(cached_per_row),
-            "rows": len(self._rows),
-        }
-        if not keep:
-            self.release()
-        return out
-
     # --- internals -------------------------------------------------------------------------------
-    def _new_request_id(self) -> str:
-        return f"{self._prefix}-{next(self._request_counter)}"
-
-    def _keys(self, masked: frozenset[int]) -> CacheKeys:
-        if not self._tracked:
-            return CacheKeys(cache_salt=f"untracked-{uuid.uuid4().hex}")  # never matched
-        if self._model_key is None:  # no model attached: a key private to this cache
-            self._model_key = f"cache-{self._prefix}"
-        if not masked:
-            pattern = ""
-        elif masked == frozenset(range(len(masked))):
-            pattern = f"left{len(masked)}"
-        else:
-            pattern = hashlib.sha256(repr(sorted(masked)).encode()).hexdigest()
-        return CacheKeys(cache_salt=f"hf|{self._model_key}|{pattern}")
-
-    @staticmethod
-    def _masked_positions(mask: torch.Tensor | None, start: int, count: int,
-                          batch: int) -> list[frozenset[int]] | None:
-        """Per row, the positions in ``[start, start + count)`` that a 2-D mask hides (none
-        without a mask); None when the mask cannot be read that way."""
-        if mask is None:
-            return [frozenset()] * batch
-        if mask.ndim != 2 or tuple(mask.shape) != (batch, start + count):
-            return None
-        cols = mask[:, start:].to("cpu") == 0
-        if not bool(cols.any()):
-            return [frozenset()] * batch
-        return [frozenset(start + j for j in row.nonzero().flatten().tolist()) for row in cols]
-
-    def _find_slots(self, count: int, prefer: int | None = None) -> int:
-        """The first of ``count`` consecutive free slots (``prefer`` when it is such a start)."""
-        if prefer is not None and self._slots_free(range(prefer, prefer + count)):
-            return prefer
-        for first in range(self.manager.num_slots - count + 1):
-            if self._slots_free(range(first, first + count)):
-                return first
-        raise NoFreeSlotError(
-            f"a batch of {count} rows needs {count} consecutive free slots; free slots are "
-            f"{self.manager.free_slots()} of {self.manager.num_slots} (max_batch_size); release "
-            "other caches' rows or build the manager with more slots")
-
-    def _slots_free(self, slots: range) -> bool:
-        """Whether every slot in ``slots`` exists and is free."""
-        return slots.stop <= self.manager.num_slots and all(self.manager.is_slot_free(s) for s in slots)
-
-    def _admit(self, token_ids: list[list[int]], masked: list[frozenset[int]] | None,
-               num_new_tokens: int | None) -> list[int]:
-        """Admit one request per row into consecutive slots; returns each row's cached tokens."""
-        batch = len(token_ids)
-        if masked is None:  # a mask we cannot read: the KV context is unknown
-            self._tracked, masked = False, [frozenset()] * batch
-        first = self._find_slots(batch)
-        rows, cached = [], []
-        for i, ids in enumerate(token_ids):
-            row = _Row(self._new_request_id(), self._keys(masked[i]), masked[i], len(ids))
-            hit = self.manager.admit(row.request_id, ids, num_new_tokens=num_new_tokens,
-                                     keys=row.keys, slot=first + i)
-            if hit is None:
-                for done in rows:
-                    self.manager.free(done.request_id)
-                raise OutOfPagesError(
-                    f"cannot admit row {i} of {batch} ({len(ids)} tokens): {self.manager.num_free_blocks} "
-                    f"pages free of {self.manager.num_blocks}; release rows or give the manager "
-                    "more num_blocks")
-            rows.append(row)
-            cached.append(hit)
-        self._rows, self._first_slot = rows, first
-        self._note_peak()
-        return cached
-
     def _begin_step(self, key_states: torch.Tensor) -> None:
         layout = self.manager.layout
         batch, heads, count, dim = key_states.shape
@@ -551,95 +313,12 @@ class VmemkvCache(Cache):
         self._write_from = [max(start, self.manager.num_computed_tokens(r.request_id)) for r in self._rows]
         self._uniform_write = all(w == start for w in self._write_from)
 
-    def _check_mask(self, mask: torch.Tensor | None, count: int) -> None:
-        """New positions may be masked only where the row's salt says so."""
-        masked = self._masked_positions(mask, self._length, count, len(self._rows))
-        if masked is None:
-            raise ConfigError(
-                f"VmemkvCache needs a 2-D attention mask covering the cached and new tokens "
-                f"({self._length} + {count}); got shape {tuple(mask.shape)}")
-        for row, hidden in zip(self._rows, masked):
-            if not hidden <= row.masked:
-                raise ConfigError(
-                    f"positions {sorted(hidden - row.masked)[:8]} are masked out after the prompt was "
-                    "admitted; the prefix cache would register K/V under the wrong context. Pad only "
-                    "the prompt (left padding)")
-
-    def _reserve(self, count: int, ids: list[list[int]] | None) -> None:
-        """Reserve positions up to ``length + count`` in every row, recording their token ids."""
-        end = self._length + count
-        for i, row in enumerate(self._rows):
-            rid = row.request_id
-            if ids is None:
-                new = [0] * max(end - row.known, 0)
-            else:
-                if row.known > self._length:  # admitted with more ids than computed: they must agree
-                    agreed = self.manager.token_ids(rid)[self._length:min(row.known, end)]
-                    if ids[i][:len(agreed)] != agreed:
-                        raise ConfigError(f"row {i} is fed other token ids than the prompt it was "
-                                          "admitted with")
-                new = ids[i][max(row.known - self._length, 0):]
-            grow = end - self.manager.num_tokens(rid)
-            if grow > 0 or new:
-                if not self.manager.allocate(rid, max(grow, 0), new):
-                    raise OutOfPagesError(
-                        f"row {i} needs {self.manager.blocks_needed(rid, grow)} more page(s); "
-                        f"{self.manager.num_free_blocks} free of {self.manager.num_blocks}. Release "
-                        "rows or give the manager more num_blocks; call cache.release() before reuse")
-                row.known += len(new)
-        self._note_peak()
-
     def _end_step(self) -> None:
         for row in self._rows:
             self.manager.commit(row.request_id)
         self._length += self._step_len
         self._next_layer = 0
         self._note_peak()
-
-    def _reorder(self, targets: list[int], sources: list[int]) -> None:
-        """Rows ``targets[i]`` become copies of rows ``sources[i]`` (as they were)."""
-        ids = [row.request_id for row in self._rows]
-        before, copied = self.manager.num_blocks_in_use, self.manager.cache_stats().pages_copied
-        if not self.manager.reorder([ids[t] for t in targets], [ids[s] for s in sources]):
-            raise OutOfPagesError(
-                f"reordering {len(targets)} rows needs pages for the copied partial pages; "
-                f"{self.manager.num_free_blocks} free; give the manager more num_blocks")
-        self.peak_pages_in_use = max(self.peak_pages_in_use,
-                                     before + self.manager.cache_stats().pages_copied - copied)
-        old = [dataclasses.replace(row) for row in self._rows]
-        for target, source in zip(targets, sources):
-            self._rows[target] = dataclasses.replace(old[source], request_id=old[target].request_id)
-
-    def _repeat_rows(self, repeats: int) -> None:
-        """Row ``i`` becomes rows ``i * repeats .. i * repeats + repeats - 1`` (as
-        ``repeat_interleave``): new rows are forks (shared pages), in the slots after ours."""
-        old = self._rows
-        count = len(old) * repeats
-        after_ours = range(self._first_slot + len(old), self._first_slot + count)
-        in_place = self._slots_free(after_ours)
-        first = self._first_slot if in_place else self._find_slots(count)
-        start = len(old) if in_place else 0
-        forked: list[_Row] = []
-        for i in range(start, count):
-            parent = old[i // repeats]
-            child = dataclasses.replace(parent, request_id=self._new_request_id())
-            if not self.manager.fork(parent.request_id, child.request_id, slot=first + i):
-                for row in forked:
-                    self.manager.free(row.request_id)
-                raise OutOfPagesError(f"expanding {len(old)} rows x {repeats} needs a page per partial "
-                                      f"page copy; {self.manager.num_free_blocks} free")
-            forked.append(child)
-        if in_place:
-            self._rows = old + forked
-            self._reorder(list(range(len(old))), [i // repeats for i in range(len(old))])
-        else:
-            for row in old:
-                self.manager.free(row.request_id)
-            self._rows, self._first_slot = forked, first
-        self._note_peak()
-
-    def _note_peak(self) -> None:
-        self.peak_pages_in_use = max(self.peak_pages_in_use, self.manager.num_blocks_in_use)
 
     def reset_peak(self) -> None:
         self.peak_pages_in_use = self.manager.num_blocks_in_use

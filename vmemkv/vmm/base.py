@@ -75,6 +75,9 @@ class VirtualMemoryBackend(ABC):
     # True, gathers through bounded scratch memory once there are more than a few runs (one
     # kernel per chunk: right on a GPU).
     copy_by_gather: bool = False
+    # A vmemkv.KVMetricsCollector that map/unmap report their time to (the manager sets it to
+    # its own); None: nothing is recorded, at the cost of one attribute check per call.
+    metrics = None
 
     @abstractmethod
     def reserve(self, num_pages: int) -> VirtualRange:

@@ -264,6 +264,7 @@ class CpuBackend(VirtualMemoryBackend):
 
     def map(self, vrange: VirtualRange, virtual_pages: Sequence[int] | np.ndarray,
             physical_pages: Sequence[int] | np.ndarray) -> None:
+        start = time.perf_counter() if self.metrics is not None else 0.0
         state = self._ranges.get(vrange.address)
         if state is None or state.vrange is not vrange:
             state = self._state(vrange)  # raises MappingError
@@ -283,8 +284,11 @@ class CpuBackend(VirtualMemoryBackend):
         stats.map_calls += calls
         stats.map_seconds += seconds
         stats.pages_mapped += len(virtual_pages)
+        if self.metrics is not None:
+            self.metrics.record_mapping(time.perf_counter() - start)
 
     def unmap(self, vrange: VirtualRange, virtual_pages: Sequence[int] | np.ndarray) -> None:
+        start = time.perf_counter() if self.metrics is not None else 0.0
         state = self._ranges.get(vrange.address)
         if state is None or state.vrange is not vrange:
             state = self._state(vrange)
@@ -300,6 +304,8 @@ class CpuBackend(VirtualMemoryBackend):
         stats.unmap_calls += calls
         stats.unmap_seconds += seconds
         stats.pages_unmapped += len(virtual_pages)
+        if self.metrics is not None:
+            self.metrics.record_mapping(time.perf_counter() - start)
 
     def _run_batch(self, state: _RangeState, what: str, native_batch, args: tuple) -> tuple[int, float]:
         """One native batch under the lock: pass it the VMA room left, refuse if it needs more

@@ -262,6 +262,7 @@ class CudaBackend(VirtualMemoryBackend):
 
     def map(self, vrange: VirtualRange, virtual_pages: Sequence[int] | np.ndarray,
             physical_pages: Sequence[int] | np.ndarray) -> None:
+        began = time.perf_counter() if self.metrics is not None else 0.0
         self._check_range(vrange)
         virtual, physical = validate_map_request(vrange, virtual_pages, physical_pages,
                                                  self.num_pages)
@@ -287,6 +288,8 @@ class CudaBackend(VirtualMemoryBackend):
                     vrange.page_table[run_start:run_start + length] = run_physical
             finally:
                 self.stats.map_seconds += time.perf_counter() - start
+        if self.metrics is not None:
+            self.metrics.record_mapping(time.perf_counter() - began)
 
     def _map_run(self, base: int, run_start: int, run_physical: np.ndarray) -> None:
         """Map one run of consecutive virtual pages and open it for the device, all or nothing."""
@@ -312,6 +315,7 @@ class CudaBackend(VirtualMemoryBackend):
             raise
 
     def unmap(self, vrange: VirtualRange, virtual_pages: Sequence[int] | np.ndarray) -> None:
+        began = time.perf_counter() if self.metrics is not None else 0.0
         self._check_range(vrange)
         virtual = validate_unmap_request(vrange, virtual_pages)
         virtual = virtual[vrange.page_table[virtual] >= 0]  # already unmapped: nothing to do
@@ -320,6 +324,8 @@ class CudaBackend(VirtualMemoryBackend):
         self.synchronize()  # the device may still read these pages
         with self._context():
             self._unmap_pages(vrange, virtual)
+        if self.metrics is not None:
+            self.metrics.record_mapping(time.perf_counter() - began)
 
     def pool_window(self) -> torch.Tensor:
         self._check_open()

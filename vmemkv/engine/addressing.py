@@ -1,0 +1,87 @@
+"""How a step addresses the KV cache, chosen once per engine: slots or block tables.
+
+``kv_backend="vmem"``: every sequence's K/V is one virtually contiguous slot, read in place by the
+contiguous attention (or FlashAttention over the slots), and decoding sequences may get their next
+page mapped ahead of time (``lookahead``). ``kv_backend="paged"``: every sequence is a block table,
+read by the block-table attention (or FlashAttention over block tables). ``choose_addressing``
+resolves the backend and the attention kernel (``config.attention``) into one of the two
+strategies below; the step never branches on either again.
+"""
+
+from __future__ import annotations
+
+from ..attention import BlockTableAttention, ContiguousAttention, SequenceSpan
+from ..attention.choice import AttentionChoice, choose_attention
+from ..attention.flash import FlashBlockTableAttention, FlashSlotAttention
+from ..manager import KVCacheManager
+from .config import EngineConfig
+
+
+class Addressing:
+    """One sequence's span of the packed batch, and the step's attention over all spans."""
+
+    uses_lookahead = False  # decoding sequences get their next page mapped during the forward
+
+    def __init__(self, manager: KVCacheManager, device, choice: AttentionChoice):
+        self.manager = manager
+        self.device = device
+        self.choice = choice
+
+    def span(self, seq_id: str, begin: int, count: int, computed: int) -> SequenceSpan:
+        raise NotImplementedError
+
+    def attention(self, spans: list[SequenceSpan]):
+        """The attention object the model's layers call this step (it writes K/V and attends)."""
+        raise NotImplementedError
+
+
+class SlotAddressing(Addressing):
+    """Virtually contiguous slots: a sequence is its slot; attention reads the slot in place."""
+
+    uses_lookahead = True
+
+    def __init__(self, manager: KVCacheManager, device, choice: AttentionChoice):
+        super().__init__(manager, device, choice)
+        if choice.kind == "flash":
+            kernel, rows_per_slot, num_rows = choice.kernel, choice.rows_per_slot, choice.num_rows
+            self.attention = lambda spans: FlashSlotAttention(
+                spans, manager.kv_views, device, kernel, rows_per_slot, num_rows)
+        else:
+            decode_kernel, reads = choice.kind == "triton", manager.batched_reads()
+            self.attention = lambda spans: ContiguousAttention(
+                spans, manager.kv_views, device, decode_kernel, reads=reads)  # batched reads (CPU)
+
+    def span(self, seq_id: str, begin: int, count: int, computed: int) -> SequenceSpan:
+        return SequenceSpan(self.manager.slot_of(seq_id), begin, count, computed)
+
+
+class BlockTableAddressing(Addressing):
+    """Block tables (the paged baseline): a sequence is its list of blocks."""
+
+    def __init__(self, manager: KVCacheManager, device, choice: AttentionChoice):
+        super().__init__(manager, device, choice)
+        tokens_per_page = manager.tokens_per_page
+        if choice.kind == "flash":
+            kernel = choice.kernel
+            self.attention = lambda spans: FlashBlockTableAttention(
+                spans, manager.block_views, tokens_per_page, device, kernel)
+        else:
+            decode_kernel = choice.kind == "triton"
+            self.attention = lambda spans: BlockTableAttention(
+                spans, manager.block_views, tokens_per_page, device, decode_kernel)
+
+    def span(self, seq_id: str, begin: int, count: int, computed: int) -> SequenceSpan:
+        manager = self.manager
+        return SequenceSpan(manager.slot_of(seq_id), begin, count, computed,
+                            tuple(manager.block_table(seq_id)))
+
+
+def choose_addressing(config: EngineConfig, manager: KVCacheManager, device,
+                      num_query_heads: int) -> Addressing:
+    """``config.kv_backend`` and ``config.attention`` resolved once for this device, dtype, shapes."""
+    layout = manager.layout
+    paged = config.kv_backend == "paged"
+    choice = choose_attention(config.attention, device, config.kv_backend, layout.dtype,
+                              num_query_heads, layout.num_kv_heads, layout.head_dim,
+                              manager.tokens_per_page, None if paged else manager.kv_views(0))
+    return (BlockTableAddressing if paged else SlotAddressing)(manager, device, choice)

@@ -1,0 +1,133 @@
+"""The step's forward: scheduled sequences in, the logits of the rows that sample out.
+
+``StepRunner.run`` packs every scheduled sequence's new tokens into one ragged batch, asks the
+addressing strategy (``addressing.py``) for each sequence's span and the step's attention, gives
+decoding sequences about to cross a page boundary their next page and maps it on a worker thread
+while the forward runs (slots only), and runs the model (``ModelRunner``). It changes nothing the
+step's postprocessing (``postprocess.py``) owns: no commit, no fork, no token appended.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import MappingLimitError
+from ..manager import KVCacheManager
+from .addressing import Addressing
+from .model_runner import ModelRunner
+from .scheduler import ScheduledSeq
+from .sequence import Sequence
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [len(samplers), vocab]: row i is samplers[i]'s next-token logits
+    samplers: list[Sequence]  # sequences whose next token is due (their last token was computed)
+
+
+class LookaheadMapper:
+    """Overlapped mapping: one worker maps lookahead pages while the forward pass runs. A mapping
+    the worker is refused (the mapping budget) is cancelled on the step thread."""
+
+    def __init__(self, manager: KVCacheManager, margin_tokens: int, keep_free: int):
+        self.manager = manager
+        self.margin = margin_tokens
+        self.keep_free = keep_free
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="vmemkv-map")
+        self.background_seconds = 0.0  # mapping done on the worker
+        self.wait_seconds = 0.0  # time the step still waited for the worker
+
+    def start(self, scheduled: list[ScheduledSeq]):
+        """Give decoding sequences about to cross a page boundary their next page now, and map
+        it on the worker (it touches only positions past every sequence's reservation, which this
+        step's forward never reads). Returns what ``finish`` takes, or None."""
+        # Only a sequence whose next `margin` positions reach a page past its reservation can
+        # get one (the manager skips the others): ask about those alone.
+        manager, margin = self.manager, self.margin
+        pages_for = manager.blocks_for_tokens
+        decoding = []
+        for item in scheduled:
+            seq = item.seq
+            if seq.num_computed >= seq.num_prompt_tokens:
+                reserved = manager.num_tokens(seq.seq_id)
+                if pages_for(reserved + margin) > pages_for(reserved):
+                    decoding.append(seq.seq_id)
+        if not decoding:
+            return None
+        jobs = manager.allocate_lookahead(decoding, margin, self.keep_free)
+        return (self._worker.submit(self._map, jobs), jobs) if jobs else None
+
+    def finish(self, future, jobs) -> None:
+        """Wait for the worker. A mapping it was refused only costs the head start: the blocks
+        go back, and the pages are mapped inline when reached."""
+        waited = time.perf_counter()
+        try:
+            future.result()
+        except MappingLimitError:
+            self.manager.cancel_lookahead(jobs)
+        self.wait_seconds += time.perf_counter() - waited
+
+    def _map(self, jobs) -> None:
+        start = time.perf_counter()
+        self.manager.map_lookahead(jobs)
+        self.background_seconds += time.perf_counter() - start
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+
+class StepRunner:
+    """Inputs and attention metadata, the overlapped lookahead mapping, the forward."""
+
+    def __init__(self, model_runner: ModelRunner, addressing: Addressing,
+                 lookahead: LookaheadMapper | None):
+        self.model_runner = model_runner
+        self.addressing = addressing
+        self.lookahead = lookahead
+        self.device = model_runner.device
+        self.attention_seconds = 0.0
+        self.attention_copy_seconds = 0.0  # of which gathering K/V (block tables)
+
+    def run(self, scheduled: list[ScheduledSeq]) -> ForwardOutput:
+        spans, input_ids, positions, rows, samplers = [], [], [], [], []
+        span_of = self.addressing.span
+        for item in scheduled:
+            seq, count = item.seq, item.num_new_tokens
+            begin, computed = len(input_ids), seq.num_computed
+            spans.append(span_of(seq.seq_id, begin, count, computed))
+            if count == 1:  # decode: no slices
+                input_ids.append(seq.token_ids[computed])
+                positions.append(computed)
+            else:
+                input_ids += seq.token_ids[computed: computed + count]
+                positions += range(computed, computed + count)
+            if computed + count == len(seq.token_ids):  # its next token is due
+                rows.append(begin + count - 1)
+                samplers.append(seq)
+        attention = self.addressing.attention(spans)
+        mapping = self.lookahead.start(scheduled) if self.lookahead is not None else None
+        # Every row sampled (all decodes): take all logits, no gather.
+        all_rows = len(rows) == len(input_ids)
+        logits = self.model_runner.forward(input_ids, positions, attention,
+                                           None if all_rows else rows or [len(input_ids) - 1])
+        self.attention_seconds += attention.seconds
+        self.attention_copy_seconds += attention.copy_seconds
+        if mapping is not None:
+            self.lookahead.finish(*mapping)
+        return ForwardOutput(logits, samplers)
+
+    @property
+    def map_background_seconds(self) -> float:
+        return self.lookahead.background_seconds if self.lookahead is not None else 0.0
+
+    @property
+    def map_wait_seconds(self) -> float:
+        return self.lookahead.wait_seconds if self.lookahead is not None else 0.0
+
+    def close(self) -> None:
+        if self.lookahead is not None:
+            self.lookahead.close()

@@ -1,0 +1,191 @@
+"""Row bookkeeping of a ``VmemkvCache``: each batch row is one manager request in one of a run of
+consecutive slots. Admitting rows (with the cache keys that name their model and padding), growing
+them step by step with the token ids fed, checking the attention mask, beam reorders (remapping
+pages) and row expansion (forks) live here, as a mixin of
+:class:`vmemkv.integrations.transformers_cache.VmemkvCache`, which owns the state they work on:
+``manager``, ``_rows``, ``_first_slot``, ``_length``, ``_tracked``, ``_model_key``, ``_prefix``,
+``_request_counter`` and ``peak_pages_in_use``."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError, OutOfPagesError
+from ..hashing import CacheKeys
+from ..slots import NoFreeSlotError
+
+
+@dataclass
+class _Row:
+    """What the cache knows about one batch row besides the manager's request."""
+
+    request_id: str
+    keys: CacheKeys
+    masked: frozenset[int]  # prompt positions the attention mask hides (part of the salt)
+    known: int  # token ids the manager has for this request
+
+
+
+class _RowBookkeeping:
+    """The rows of a ``VmemkvCache`` and what changes them (see the module docstring)."""
+
+    def _new_request_id(self) -> str:
+        return f"{self._prefix}-{next(self._request_counter)}"
+
+    def _keys(self, masked: frozenset[int]) -> CacheKeys:
+        if not self._tracked:
+            return CacheKeys(cache_salt=f"untracked-{uuid.uuid4().hex}")  # never matched
+        if self._model_key is None:  # no model attached: a key private to this cache
+            self._model_key = f"cache-{self._prefix}"
+        if not masked:
+            pattern = ""
+        elif masked == frozenset(range(len(masked))):
+            pattern = f"left{len(masked)}"
+        else:
+            pattern = hashlib.sha256(repr(sorted(masked)).encode()).hexdigest()
+        return CacheKeys(cache_salt=f"hf|{self._model_key}|{pattern}")
+
+    @staticmethod
+    def _masked_positions(mask: torch.Tensor | None, start: int, count: int,
+                          batch: int) -> list[frozenset[int]] | None:
+        """Per row, the positions in ``[start, start + count)`` that a 2-D mask hides (none
+        without a mask); None when the mask cannot be read that way."""
+        if mask is None:
+            return [frozenset()] * batch
+        if mask.ndim != 2 or tuple(mask.shape) != (batch, start + count):
+            return None
+        cols = mask[:, start:].to("cpu") == 0
+        if not bool(cols.any()):
+            return [frozenset()] * batch
+        return [frozenset(start + j for j in row.nonzero().flatten().tolist()) for row in cols]
+
+    def _find_slots(self, count: int, prefer: int | None = None) -> int:
+        """The first of ``count`` consecutive free slots (``prefer`` when it is such a start)."""
+        if prefer is not None and self._slots_free(range(prefer, prefer + count)):
+            return prefer
+        for first in range(self.manager.num_slots - count + 1):
+            if self._slots_free(range(first, first + count)):
+                return first
+        raise NoFreeSlotError(
+            f"a batch of {count} rows needs {count} consecutive free slots; free slots are "
+            f"{self.manager.free_slots()} of {self.manager.num_slots} (max_batch_size); release "
+            "other caches' rows or build the manager with more slots")
+
+    def _slots_free(self, slots: range) -> bool:
+        """Whether every slot in ``slots`` exists and is free."""
+        return slots.stop <= self.manager.num_slots and all(self.manager.is_slot_free(s) for s in slots)
+
+    def _admit(self, token_ids: list[list[int]], masked: list[frozenset[int]] | None,
+               num_new_tokens: int | None) -> list[int]:
+        """Admit one request per row into consecutive slots; returns each row's cached tokens."""
+        batch = len(token_ids)
+        if masked is None:  # a mask we cannot read: the KV context is unknown
+            self._tracked, masked = False, [frozenset()] * batch
+        first = self._find_slots(batch)
+        rows, cached = [], []
+        for i, ids in enumerate(token_ids):
+            row = _Row(self._new_request_id(), self._keys(masked[i]), masked[i], len(ids))
+            hit = self.manager.admit(row.request_id, ids, num_new_tokens=num_new_tokens,
+                                     keys=row.keys, slot=first + i)
+            if hit is None:
+                for done in rows:
+                    self.manager.free(done.request_id)
+                raise OutOfPagesError(
+                    f"cannot admit row {i} of {batch} ({len(ids)} tokens): {self.manager.num_free_blocks} "
+                    f"pages free of {self.manager.num_blocks}; release rows or give the manager "
+                    "more num_blocks")
+            rows.append(row)
+            cached.append(hit)
+        self._rows, self._first_slot = rows, first
+        self._note_peak()
+        return cached
+
+
+    def _check_mask(self, mask: torch.Tensor | None, count: int) -> None:
+        """New positions may be masked only where the row's salt says so."""
+        masked = self._masked_positions(mask, self._length, count, len(self._rows))
+        if masked is None:
+            raise ConfigError(
+                f"VmemkvCache needs a 2-D attention mask covering the cached and new tokens "
+                f"({self._length} + {count}); got shape {tuple(mask.shape)}")
+        for row, hidden in zip(self._rows, masked):
+            if not hidden <= row.masked:
+                raise ConfigError(
+                    f"positions {sorted(hidden - row.masked)[:8]} are masked out after the prompt was "
+                    "admitted; the prefix cache would register K/V under the wrong context. Pad only "
+                    "the prompt (left padding)")
+
+    def _reserve(self, count: int, ids: list[list[int]] | None) -> None:
+        """Reserve positions up to ``length + count`` in every row, recording their token ids."""
+        end = self._length + count
+        for i, row in enumerate(self._rows):
+            rid = row.request_id
+            if ids is None:
+                new = [0] * max(end - row.known, 0)
+            else:
+                if row.known > self._length:  # admitted with more ids than computed: they must agree
+                    agreed = self.manager.token_ids(rid)[self._length:min(row.known, end)]
+                    if ids[i][:len(agreed)] != agreed:
+                        raise ConfigError(f"row {i} is fed other token ids than the prompt it was "
+                                          "admitted with")
+                new = ids[i][max(row.known - self._length, 0):]
+            grow = end - self.manager.num_tokens(rid)
+            if grow > 0 or new:
+                if not self.manager.allocate(rid, max(grow, 0), new):
+                    raise OutOfPagesError(
+                        f"row {i} needs {self.manager.blocks_needed(rid, grow)} more page(s); "
+                        f"{self.manager.num_free_blocks} free of {self.manager.num_blocks}. Release "
+                        "rows or give the manager more num_blocks; call cache.release() before reuse")
+                row.known += len(new)
+        self._note_peak()
+
+
+    def _reorder(self, targets: list[int], sources: list[int]) -> None:
+        """Rows ``targets[i]`` become copies of rows ``sources[i]`` (as they were)."""
+        ids = [row.request_id for row in self._rows]
+        before, copied = self.manager.num_blocks_in_use, self.manager.cache_stats().pages_copied
+        if not self.manager.reorder([ids[t] for t in targets], [ids[s] for s in sources]):
+            raise OutOfPagesError(
+                f"reordering {len(targets)} rows needs pages for the copied partial pages; "
+                f"{self.manager.num_free_blocks} free; give the manager more num_blocks")
+        self.peak_pages_in_use = max(self.peak_pages_in_use,
+                                     before + self.manager.cache_stats().pages_copied - copied)
+        old = [dataclasses.replace(row) for row in self._rows]
+        for target, source in zip(targets, sources):
+            self._rows[target] = dataclasses.replace(old[source], request_id=old[target].request_id)
+
+    def _repeat_rows(self, repeats: int) -> None:
+        """Row ``i`` becomes rows ``i * repeats .. i * repeats + repeats - 1`` (as
+        ``repeat_interleave``): new rows are forks (shared pages), in the slots after ours."""
+        old = self._rows
+        count = len(old) * repeats
+        after_ours = range(self._first_slot + len(old), self._first_slot + count)
+        in_place = self._slots_free(after_ours)
+        first = self._first_slot if in_place else self._find_slots(count)
+        start = len(old) if in_place else 0
+        forked: list[_Row] = []
+        for i in range(start, count):
+            parent = old[i // repeats]
+            child = dataclasses.replace(parent, request_id=self._new_request_id())
+            if not self.manager.fork(parent.request_id, child.request_id, slot=first + i):
+                for row in forked:
+                    self.manager.free(row.request_id)
+                raise OutOfPagesError(f"expanding {len(old)} rows x {repeats} needs a page per partial "
+                                      f"page copy; {self.manager.num_free_blocks} free")
+            forked.append(child)
+        if in_place:
+            self._rows = old + forked
+            self._reorder(list(range(len(old))), [i // repeats for i in range(len(old))])
+        else:
+            for row in old:
+                self.manager.free(row.request_id)
+            self._rows, self._first_slot = forked, first
+        self._note_peak()
+
+    def _note_peak(self) -> None:
+        self.peak_pages_in_use = max(self.peak_pages_in_use, self.manager.num_blocks_in_use)
