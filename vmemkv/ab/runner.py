@@ -46,7 +46,7 @@ VARIANTS: dict[str, Variant] = {
     "vmem": Variant("vmem", "vmem", "token_major",
                     "virtually contiguous slots, token-major pages (all layers of each token)"),
     "paged": Variant("paged", "paged", "token_major",
-                     "block tables over the same pool (blocks gathered for CPU SDPA)"),
+                     "block tables over the same pool (blocks gathered into a copy for CPU SDPA)"),
     "vmem-per-layer": Variant("vmem-per-layer", "vmem", "per_layer",
                               "virtually contiguous, vAttention's per-layer K/V tensors "
                               "(2 x layers map calls per page)"),
