@@ -167,7 +167,10 @@ def test_attention_objects_stage_everything_in_one_upload(monkeypatch):
     monkeypatch.setattr(StepMetadata, "upload", lambda self, device: uploads.append(1) or original(self, device))
     spans = [SequenceSpan(1, 0, 1, 4), SequenceSpan(0, 1, 3, 0)]
     attention = ContiguousAttention(spans, lambda layer: None, torch.device("cpu"), decode_kernel=True)
+    # the model's inputs travel in the same transfer as the attention's index tensors
+    inputs = attention.upload(input_ids=[7, 8, 9, 10], positions=[4, 0, 1, 2], logit_rows=[0, 3])
     assert len(uploads) == 1
+    assert inputs["input_ids"].tolist() == [7, 8, 9, 10] and inputs["logit_rows"].tolist() == [0, 3]
     assert attention.write_slots.tolist() == [1, 0, 0, 0] and attention.write_positions.tolist() == [4, 0, 1, 2]
     assert attention.decode_rows.tolist() == [0] and attention.decode_slots.tolist() == [1]
     assert attention.decode_lens.tolist() == [5] and attention.sdpa_spans == [1]

@@ -78,7 +78,7 @@ class FlashSlotAttention(_VarlenCall, ContiguousAttention):
 
     def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  scaling: float | None) -> torch.Tensor:
-        start = time.perf_counter()
+        start = self._begin()
         self.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
         k_view, v_view = self.kv_views(layer)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -110,7 +110,7 @@ class FlashBlockTableAttention(_VarlenCall, BlockTableAttention):
 
     def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  scaling: float | None) -> torch.Tensor:
-        start = time.perf_counter()
+        start = self._begin()
         self.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
         k_blocks, v_blocks = self.block_views(layer)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5

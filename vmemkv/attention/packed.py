@@ -39,8 +39,9 @@ class PackedAttention:
     """``decode_kernel``: attend all single-token (decode) sequences in one Triton launch that
     reads the cache in place (CUDA only); the others, and everything when off, go through SDPA.
 
-    The step's index tensors are staged on the host and uploaded once (``StepMetadata``):
-    subclasses add theirs in ``stage`` and find them as attributes of the same name."""
+    The step's index tensors are staged on the host and uploaded once (``StepMetadata``), with
+    the model's inputs when the caller passes them to ``upload``: subclasses add theirs in
+    ``stage`` and find them as attributes of the same name."""
 
     def __init__(self, spans: list[SequenceSpan], device: torch.device, decode_kernel: bool = False):
         self.spans = spans
@@ -54,10 +55,21 @@ class PackedAttention:
         self.sdpa_spans = [i for i in range(len(spans)) if i not in taken]
         if self.decodes:
             self.decode_max_len = max(spans[i].length for i in self.decodes)
-        staged = StepMetadata()
-        self.stage(staged)
-        for name, tensor in staged.upload(self.device).items():
-            setattr(self, name, tensor)
+        self._staged: StepMetadata | None = StepMetadata()
+        self.stage(self._staged)
+
+    def upload(self, **model_inputs: list[int]) -> dict[str, torch.Tensor]:
+        """Send the staged index tensors to the device, together with ``model_inputs`` (int64
+        lists such as the step's token ids), in one transfer; returns the model inputs as device
+        tensors. Runs by itself before the first layer if nobody called it."""
+        staged, self._staged = self._staged, None
+        for name, values in model_inputs.items():
+            staged.add(name, values)
+        uploaded = staged.upload(self.device)
+        for name, tensor in uploaded.items():
+            if name not in model_inputs:
+                setattr(self, name, tensor)
+        return {name: uploaded[name] for name in model_inputs}
 
     def stage(self, staged: StepMetadata) -> None:
         """Add this step's index arrays (host lists) to ``staged``; uploaded together."""
@@ -66,11 +78,27 @@ class PackedAttention:
             staged.add("decode_rows", [s.query_start for s in decoding])
             staged.add("decode_lens", [s.length for s in decoding], torch.int32)
 
+    def __getattr__(self, name: str):
+        # A staged tensor asked for before the upload (a caller that writes without a forward):
+        # upload now. Only reached when normal lookup fails, so it costs the hot path nothing.
+        staged = self.__dict__.get("_staged")
+        if staged is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        self.upload()
+        return getattr(self, name)
+
+    def _begin(self) -> float:
+        """At each layer's call: the upload, if the caller did not (the first layer); returns the
+        start time."""
+        if self._staged is not None:
+            self.upload()
+        return time.perf_counter()
+
     def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  scaling: float | None) -> torch.Tensor:
         """``query`` ``[1, Hq, T, D]``, ``key``/``value`` ``[1, Hk, T, D]`` (after RoPE); returns
         ``[1, T, Hq, D]``."""
-        start = time.perf_counter()
+        start = self._begin()
         # Write every new token first, so each sequence below reads a complete cache.
         self.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
         _, num_heads, num_tokens, head_dim = query.shape

@@ -49,16 +49,14 @@ class ModelRunner:
         """Logits ``[len(logit_rows), vocab]`` (float32) at the given rows of the packed batch;
         ``logit_rows=None``: every row.
 
-        Token ids, positions and logit rows travel to the device as one tensor (from pinned
-        memory on CUDA, without blocking the host)."""
-        num_tokens = len(input_ids)
-        rows = [] if logit_rows is None else logit_rows
-        host = torch.tensor([*input_ids, *positions, *rows], dtype=torch.long,
-                            pin_memory=self.device.type == "cuda")
-        packed = host if self.device.type == "cpu" else host.to(self.device, non_blocking=True)
-        ids = packed[:num_tokens].view(1, num_tokens)
-        pos = packed[num_tokens: 2 * num_tokens].view(1, num_tokens)
-        keep = 0 if logit_rows is None else packed[2 * num_tokens:]  # 0: all rows, no gather
+        Token ids, positions and logit rows travel to the device with the attention's index
+        tensors, in the step's one host-to-device transfer (``attention.upload``; pinned memory on
+        CUDA, without blocking the host)."""
+        inputs = attention.upload(input_ids=input_ids, positions=positions,
+                                  logit_rows=[] if logit_rows is None else logit_rows)
+        ids = inputs["input_ids"].view(1, -1)
+        pos = inputs["positions"].view(1, -1)
+        keep = 0 if logit_rows is None else inputs["logit_rows"]  # 0: all rows, no gather
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep,
                          **{BATCH_KWARG: attention})
         return out.logits[0].float()
