@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import struct
 import sys
@@ -23,6 +25,17 @@ from vmemkv import CacheConfig, KVCacheManager  # noqa: E402
 # One intra-op thread: on a loaded 2-core machine torch's default two made small ops 10-70x
 # slower (the suite took 114-132 s instead of 36 s).
 torch.set_num_threads(1)
+
+# The ~400,000 objects that importing torch, transformers and triton (and collecting the tests)
+# leaves behind are alive for the whole session, yet every full collection walked them all:
+# ~0.2-0.3 s each, for each gc.collect() a test, the A/B harness (before each timed run) or pytest
+# itself (5 at the end) calls, and for each automatic one. Frozen once the tests are collected,
+# they are skipped; what the tests create is still collected as before. They are unfrozen at exit,
+# so that the interpreter's final collection frees them as it would without the freeze.
+def pytest_collection_finish(session):
+    gc.freeze()
+    atexit.register(gc.unfreeze)
+
 
 # 2 layers x 2 KV heads x 64 dim x fp16 = 1 KiB per token: 4 tokens fill one 4 KiB page.
 TINY = dict(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float16, tokens_per_page=4,

@@ -31,8 +31,7 @@ def _run_python(code: str, tmp_path: Path, *args: str) -> subprocess.CompletedPr
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
 
 
-def test_vmemkv_imports_without_the_native_extension_and_the_cpu_backend_says_why(tmp_path):
-    code = """
+IMPORT_CHECK = """
 import torch
 import vmemkv
 from vmemkv import CacheConfig, KVCacheManager, NativeExtensionError, VmemkvError
@@ -51,21 +50,56 @@ for make in (lambda: KVCacheManager(config), lambda: create_backend("cpu", 1 << 
         raise AssertionError("the CPU backend was built without its extension")
 print("ok")
 """
-    result = _run_python(code, tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "ok"
+
+# One child process (one torch import) serves both tests below: it first runs IMPORT_CHECK in a
+# fresh interpreter, recording its stdout and traceback in a file, then collects the test modules
+# that need optional packages with pytest, whose stdout and exit status are the process's own.
+CHILD = """
+import contextlib, io, json, sys, traceback
+out, error = io.StringIO(), ""
+try:
+    with contextlib.redirect_stdout(out):
+        exec(compile(IMPORT_CHECK, "<import check>", "exec"), {"__name__": "__import_check__"})
+except BaseException:
+    error = traceback.format_exc()
+with open(RESULT, "w") as file:
+    json.dump({"stdout": out.getvalue(), "error": error}, file)
+import pytest
+sys.exit(pytest.main(sys.argv[1:]))
+"""
 
 
-def test_test_modules_needing_optional_packages_skip_instead_of_erroring(tmp_path):
+def _optional_test_files() -> list[str]:
+    """The modules that mention the server's packages or the extension."""
+    wanted = ("fastapi", "uvicorn", "openai", "vmemkv._native")
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
+                  if p.name != Path(__file__).name and any(name in p.read_text() for name in wanted))
+
+
+@pytest.fixture(scope="module")
+def first_contact_child(tmp_path_factory):
+    """``(import check's {"stdout", "error"}, the collection's CompletedProcess)``."""
+    tmp_path = tmp_path_factory.mktemp("first_contact")
+    record = tmp_path / "import_check.json"
+    code = f"IMPORT_CHECK = {IMPORT_CHECK!r}\nRESULT = {str(record)!r}\n{CHILD}"
+    result = _run_python(code, tmp_path, "--collect-only", "-q", "-rs", "-p", "no:cacheprovider",
+                         *_optional_test_files())
+    assert record.exists(), result.stdout + result.stderr  # the child died before recording
+    return json.loads(record.read_text()), result
+
+
+def test_vmemkv_imports_without_the_native_extension_and_the_cpu_backend_says_why(first_contact_child):
+    import_check, _ = first_contact_child
+    assert import_check["error"] == "", import_check["error"]
+    assert import_check["stdout"].strip() == "ok"
+
+
+def test_test_modules_needing_optional_packages_skip_instead_of_erroring(first_contact_child):
     # The modules that mention the server's packages or the extension, collected as the GPU
     # check collects them (the whole suite's collection is gpu_check.sh's gpu_marked_tests step).
-    wanted = ("fastapi", "uvicorn", "openai", "vmemkv._native")
-    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
-                   if p.name != Path(__file__).name and any(name in p.read_text() for name in wanted))
+    files = _optional_test_files()
     assert "tests/test_server.py" in files and "tests/test_vmm_cpu.py" in files
-    code = "import sys, pytest; sys.exit(pytest.main(sys.argv[1:]))"
-    result = _run_python(code, tmp_path, "--collect-only", "-q", "-rs", "-p", "no:cacheprovider",
-                         *files)
+    _, result = first_contact_child
     assert result.returncode in (0, 5), result.stdout + result.stderr  # 5: nothing left to run
     assert "error" not in result.stdout.lower(), result.stdout
     assert "SKIPPED" in result.stdout

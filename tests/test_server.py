@@ -401,10 +401,12 @@ def test_chat_logprobs_and_content_parts(client, engine):
         assert entry.bytes == list(entry.token.encode())
 
 
-def test_chat_default_max_tokens_fills_the_context(client, engine):
+def test_chat_default_max_tokens_fills_the_context(client, engine, monkeypatch):
     # No max_tokens: generate up to the context length (the fake never emits EOS).
     if not isinstance(engine, FakeEngine):
         pytest.skip("a real model may stop at EOS first")
+    # ~500 steps, none of them cut by a client: no step delay needed to keep the stream alive.
+    monkeypatch.setattr(engine, "step_delay_s", 0.0)
     chat = client.chat.completions.create(model=engine.model_name, messages=MESSAGES)
     usage = chat.usage
     assert usage.total_tokens == engine.config.max_model_len
