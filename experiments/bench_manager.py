@@ -4,19 +4,19 @@ hit rate on a shared-prefix trace next to a plain block-table reference.
 Operations (median over many calls, each timed alone with ``perf_counter_ns``; the untimed
 bookkeeping around them — commit, free of the probe request — is done between samples):
 
-* ``admit_hit``: a prompt whose system prompt (4 pages) is cached, plus one page of new tokens;
-* ``admit_cold``: a prompt of 5 pages of fresh tokens;
-* ``append_cross``: a decode append that crosses a page boundary (one new block, mapped);
-* ``append``: a decode append inside the last page (no mapping);
-* ``commit_full_page``: the commit after the append that fills a page (hash + register);
-* ``fork``: fork of a request with a partial last page (one page copied);
+* ``admit_hit``: a prompt whose system prompt (4 blocks) is cached, plus one block of new tokens;
+* ``admit_cold``: a prompt of 5 blocks of fresh tokens;
+* ``append_cross``: a decode append that crosses a block boundary (one new block, mapped);
+* ``append``: a decode append inside the last block (no mapping);
+* ``commit_full_page``: the commit after the append that fills a block (hash + register);
+* ``fork``: fork of a request with a partial last block (one block copied);
 * ``free``: free of such a forked request;
-* ``preempt_swap`` / ``swap_in``: swap a request's private pages to host memory and back.
+* ``preempt_swap`` / ``swap_in``: swap a request's private blocks to host memory and back.
 
 The trace: groups of requests share system prompts of different lengths, with random suffixes and
 decodes, finishing in random order under memory pressure; the manager's prefix hit rate is
-compared with ``ReferenceBlockTable`` (a dict of chained page keys -> block, the same tokens per
-page, the same LRU eviction), which must give the same rate.
+compared with ``ReferenceBlockTable`` (a dict of chained block keys -> block, the same tokens per
+block, the same LRU eviction), which must give the same rate.
 
     python experiments/bench_manager.py                 # readable table
     python experiments/bench_manager.py --json          # one JSON object
@@ -56,7 +56,7 @@ OPS = ("admit_hit", "admit_cold", "append_cross", "append", "commit_full_page", 
 
 
 class ReferenceBlockTable:
-    """Prefix caching as block-table engines do it, in a few obviously-correct lines: full pages
+    """Prefix caching as block-table engines do it, in a few obviously-correct lines: full blocks
     keyed by their whole prefix (exact chained keys, no hash function), ref counts, clean blocks
     handed out lowest id first, then cached blocks least recently freed first; a request's blocks
     are freed deepest first; at least one prompt token is always computed."""

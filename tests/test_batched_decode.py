@@ -79,7 +79,7 @@ def test_a_request_grows_over_filler_pages_with_its_own_blocks():
         filled = manager.slots.mapped_blocks(0, 8)
         assert (filled >= 0).all()  # slot 0 is readable to 61 tokens: 8 pages
         own = len(manager.block_table("0"))
-        pool_pages = manager.pool.num_pages * manager.layout.pages_per_block
+        pool_pages = manager.pool.num_blocks * manager.layout.pages_per_block
         assert (filled[own:] >= pool_pages).all()  # filler pages: past the pool, no one's
         for _ in range(40):  # request "0" grows into the filler positions
             assert manager.allocate("0", 1, [7])

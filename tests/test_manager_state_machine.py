@@ -334,7 +334,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert manager_state(m) == before
         else:
             assert m.reset_prefix_cache() >= 0
-            assert m.pool.num_cached == 0 and m.pool.page_of_hash == {}
+            assert m.pool.num_cached == 0 and m.pool.block_of_hash == {}
 
     # --- after every step ---
     @invariant()

@@ -1,4 +1,4 @@
-"""PagePool: reference counts, the LRU free queue, the content-hash index, lazy eviction."""
+"""BlockPool: reference counts, the LRU free queue, the content-hash index, lazy eviction."""
 
 from __future__ import annotations
 
@@ -9,27 +9,27 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from vmemkv import OutOfPagesError, PagePool, PageStateError
+from vmemkv import BlockPool, OutOfPagesError, PageStateError
 
 
 def h(i: int) -> bytes:
     return f"hash-{i}".encode()
 
 
-def snapshot(pool: PagePool):
-    return (list(pool.ref), list(pool.hash_of), dict(pool.page_of_hash), sorted(pool._clean),
+def snapshot(pool: BlockPool):
+    return (list(pool.ref), list(pool.hash_of), dict(pool.block_of_hash), sorted(pool._clean),
             pool.free_queue(), pool.evictions, pool.counters())
 
 
-def cache(pool: PagePool, pages: list[int], first_hash: int = 0) -> None:
-    """Register each (in-use) page under a distinct hash and release them in order."""
-    for i, page in enumerate(pages):
-        assert pool.register(page, h(first_hash + i))
-    pool.release(pages)
+def cache(pool: BlockPool, blocks: list[int], first_hash: int = 0) -> None:
+    """Register each (in-use) block under a distinct hash and release them in order."""
+    for i, block in enumerate(blocks):
+        assert pool.register(block, h(first_hash + i))
+    pool.release(blocks)
 
 
-def test_fresh_pool_hands_out_clean_pages_lowest_id_first():
-    pool = PagePool(8)
+def test_fresh_pool_hands_out_clean_blocks_lowest_id_first():
+    pool = BlockPool(8)
     assert pool.allocate(3) == [0, 1, 2]
     assert pool.refcount(0) == 1 and pool.num_in_use == 3 and pool.num_clean == 5
     pool.release([1])
@@ -39,26 +39,26 @@ def test_fresh_pool_hands_out_clean_pages_lowest_id_first():
     pool.check()
 
 
-def test_cached_pages_are_evicted_in_lru_order_after_clean_ones_with_hashes_dropped():
-    pool = PagePool(6)
-    pages = pool.allocate(4)
+def test_cached_blocks_are_evicted_in_lru_order_after_clean_ones_with_hashes_dropped():
+    pool = BlockPool(6)
+    blocks = pool.allocate(4)
     cache(pool, [2, 0, 3], first_hash=10)  # released 2, 0, 3 in that order
     assert pool.free_queue() == [2, 0, 3]
     assert pool.num_clean == 2 and pool.num_cached == 3 and pool.num_free == 5
     assert pool.lookup(h(10)) == 2
-    # two clean pages (4, 5) first, then the least recently used cached pages 2 and 0
+    # two clean blocks (4, 5) first, then the least recently used cached blocks 2 and 0
     assert pool.allocate(4) == [4, 5, 2, 0]
     assert pool.evictions == 2
     assert pool.hash_of[2] is None and pool.hash_of[0] is None
     assert pool.lookup(h(10)) is None and pool.lookup(h(11)) is None
     assert pool.lookup(h(12)) == 3  # still cached
     assert pool.free_queue() == [3]
-    assert pages[1] == 1 and pool.refcount(1) == 1
+    assert blocks[1] == 1 and pool.refcount(1) == 1
     pool.check()
 
 
-def test_acquire_revives_a_cached_page_out_of_the_middle_of_the_queue():
-    pool = PagePool(4)
+def test_acquire_revives_a_cached_block_out_of_the_middle_of_the_queue():
+    pool = BlockPool(4)
     pool.allocate(4)
     cache(pool, [0, 1, 2, 3])
     assert isinstance(pool._lru, OrderedDict)  # O(1) removal from anywhere in the queue
@@ -68,14 +68,14 @@ def test_acquire_revives_a_cached_page_out_of_the_middle_of_the_queue():
     pool.acquire([2, 1])  # in use already (no queue change) and cached (leaves the queue)
     assert pool.refcount(2) == 2 and pool.refcount(1) == 1
     assert pool.free_queue() == [0, 3]
-    # a revived page released again goes to the tail: most recently used
+    # a revived block released again goes to the tail: most recently used
     pool.release([2, 2, 1])
     assert pool.free_queue() == [0, 3, 2, 1]
     pool.check()
 
 
-def test_acquire_of_a_clean_page_is_refused_without_side_effects():
-    pool = PagePool(4)
+def test_acquire_of_a_clean_block_is_refused_without_side_effects():
+    pool = BlockPool(4)
     pool.allocate(2)
     cache(pool, [0])
     before = snapshot(pool)
@@ -86,15 +86,15 @@ def test_acquire_of_a_clean_page_is_refused_without_side_effects():
     assert snapshot(pool) == before
 
 
-def test_release_order_is_lru_order_and_unhashed_pages_go_back_clean():
-    pool = PagePool(6)
+def test_release_order_is_lru_order_and_unhashed_blocks_go_back_clean():
+    pool = BlockPool(6)
     pool.allocate(6)
-    for page in (0, 1, 2, 4):
-        pool.register(page, h(page))
+    for block in (0, 1, 2, 4):
+        pool.register(block, h(block))
     pool.release([4, 3, 1, 5, 0, 2])
     assert pool.free_queue() == [4, 1, 0, 2]
     assert sorted(pool._clean) == [3, 5]
-    # shared pages join the queue only when their last reference goes
+    # shared blocks join the queue only when their last reference goes
     pool.acquire([1, 0])
     pool.acquire([1])
     pool.release([1, 0])
@@ -105,11 +105,11 @@ def test_release_order_is_lru_order_and_unhashed_pages_go_back_clean():
 
 
 def test_register_duplicates_and_rules():
-    pool = PagePool(4)
+    pool = BlockPool(4)
     pool.allocate(3)
     assert pool.register(0, h(1)) is True
     assert pool.register(0, h(1)) is True  # the same content again: fine
-    assert pool.register(1, h(1)) is False  # another page already holds it
+    assert pool.register(1, h(1)) is False  # another block already holds it
     assert pool.hash_of[1] is None and pool.lookup(h(1)) == 0
     with pytest.raises(PageStateError, match="other hashed content"):
         pool.register(0, h(2))
@@ -121,21 +121,21 @@ def test_register_duplicates_and_rules():
 
 
 def test_reset_cache_forgets_cached_and_in_use_hashes():
-    pool = PagePool(5)
+    pool = BlockPool(5)
     pool.allocate(4)
     cache(pool, [1, 2])
     pool.register(0, h(9))
     assert pool.reset_cache() == 2
     assert pool.free_queue() == [] and sorted(pool._clean) == [1, 2, 4]
-    assert pool.page_of_hash == {} and pool.hash_of == [None] * 5
-    assert pool.refcount(0) == 1  # in-use pages stay in use
+    assert pool.block_of_hash == {} and pool.hash_of == [None] * 5
+    assert pool.refcount(0) == 1  # in-use blocks stay in use
     pool.release([0])
     assert pool.num_clean == 4  # its hash is gone, so it returns clean
     pool.check()
 
 
 def test_double_free_raises_with_nothing_changed():
-    pool = PagePool(4)
+    pool = BlockPool(4)
     pool.allocate(3)
     pool.register(0, h(0))
     pool.acquire([0])
@@ -153,11 +153,11 @@ def test_double_free_raises_with_nothing_changed():
 
 
 def test_exhausting_the_pool_raises_with_nothing_changed():
-    pool = PagePool(4)
+    pool = BlockPool(4)
     pool.allocate(2)
     cache(pool, [1])
     before = snapshot(pool)
-    with pytest.raises(OutOfPagesError, match="asked for 4 pages, 3 free"):
+    with pytest.raises(OutOfPagesError, match="asked for 4 blocks, 3 free"):
         pool.allocate(4)
     assert snapshot(pool) == before
     assert pool.allocate(3) == [2, 3, 1]
@@ -167,22 +167,31 @@ def test_exhausting_the_pool_raises_with_nothing_changed():
     pool.check()
 
 
-def test_a_pool_needs_pages():
+def test_a_pool_needs_blocks():
     with pytest.raises(PageStateError):
-        PagePool(0)
+        BlockPool(0)
+
+
+def test_page_pool_is_a_deprecated_alias_of_block_pool():
+    import vmemkv
+    import vmemkv.pool
+    with pytest.warns(DeprecationWarning, match="BlockPool"):
+        assert vmemkv.PagePool is BlockPool
+    with pytest.warns(DeprecationWarning, match="BlockPool"):
+        assert vmemkv.pool.PagePool is BlockPool
 
 
 def test_check_catches_a_corrupted_state():
-    pool = PagePool(3)
+    pool = BlockPool(3)
     pool.allocate(1)
-    pool.ref[1] = 1  # a clean page that claims a reference
+    pool.ref[1] = 1  # a clean block that claims a reference
     with pytest.raises(AssertionError):
         pool.check()
 
 
 # --- a random walk against a reference model ------------------------------------------------------
 
-NUM_PAGES = 8
+NUM_BLOCKS = 8
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -190,21 +199,21 @@ class PoolMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.pool = PagePool(NUM_PAGES)
-        self.ref = [0] * NUM_PAGES
+        self.pool = BlockPool(NUM_BLOCKS)
+        self.ref = [0] * NUM_BLOCKS
         self.hash_of: dict[int, bytes] = {}
-        self.lru: list[int] = []  # cached pages, next victim first
+        self.lru: list[int] = []  # cached blocks, next victim first
         self.evictions = 0
 
     # --- the model's view ---
     def clean(self) -> list[int]:
-        return sorted(p for p in range(NUM_PAGES) if self.ref[p] == 0 and p not in self.hash_of)
+        return sorted(p for p in range(NUM_BLOCKS) if self.ref[p] == 0 and p not in self.hash_of)
 
     def in_use(self) -> list[int]:
-        return [p for p in range(NUM_PAGES) if self.ref[p] > 0]
+        return [p for p in range(NUM_BLOCKS) if self.ref[p] > 0]
 
     # --- rules ---
-    @rule(n=st.integers(0, NUM_PAGES + 1))
+    @rule(n=st.integers(0, NUM_BLOCKS + 1))
     def allocate(self, n):
         clean = self.clean()
         if n > len(clean) + len(self.lru):
@@ -220,61 +229,61 @@ class PoolMachine(RuleBasedStateMachine):
             self.evictions += 1
             expected.append(victim)
         assert self.pool.allocate(n) == expected
-        for page in expected:
-            self.ref[page] = 1
+        for block in expected:
+            self.ref[block] = 1
 
     @rule(data=st.data())
     def acquire(self, data):
         candidates = self.in_use() + self.lru + self.clean()
-        pages = data.draw(st.lists(st.sampled_from(candidates), max_size=4))
-        if any(self.ref[p] == 0 and p not in self.hash_of for p in pages):
+        blocks = data.draw(st.lists(st.sampled_from(candidates), max_size=4))
+        if any(self.ref[p] == 0 and p not in self.hash_of for p in blocks):
             before = snapshot(self.pool)
             with pytest.raises(PageStateError):
-                self.pool.acquire(pages)
+                self.pool.acquire(blocks)
             assert snapshot(self.pool) == before
             return
-        self.pool.acquire(pages)
-        for page in pages:
-            if self.ref[page] == 0:
-                self.lru.remove(page)
-            self.ref[page] += 1
+        self.pool.acquire(blocks)
+        for block in blocks:
+            if self.ref[block] == 0:
+                self.lru.remove(block)
+            self.ref[block] += 1
 
     @rule(data=st.data())
     def release(self, data):
-        pages = data.draw(st.lists(st.integers(0, NUM_PAGES - 1), max_size=5))
-        if not pages or any(count > self.ref[p] for p, count in Counter(pages).items()):
-            if pages:  # a release of more references than held
+        blocks = data.draw(st.lists(st.integers(0, NUM_BLOCKS - 1), max_size=5))
+        if not blocks or any(count > self.ref[p] for p, count in Counter(blocks).items()):
+            if blocks:  # a release of more references than held
                 before = snapshot(self.pool)
                 with pytest.raises(PageStateError):
-                    self.pool.release(pages)
+                    self.pool.release(blocks)
                 assert snapshot(self.pool) == before
             return
-        self.pool.release(pages)
-        for page in pages:
-            self.ref[page] -= 1
-            if self.ref[page] == 0 and page in self.hash_of:
-                self.lru.append(page)
+        self.pool.release(blocks)
+        for block in blocks:
+            self.ref[block] -= 1
+            if self.ref[block] == 0 and block in self.hash_of:
+                self.lru.append(block)
 
     @precondition(lambda self: self.in_use())
     @rule(data=st.data(), content=st.integers(0, 5))
     def register(self, data, content):
-        page = data.draw(st.sampled_from(self.in_use()))
+        block = data.draw(st.sampled_from(self.in_use()))
         digest = h(content)
-        if page in self.hash_of:
-            if self.hash_of[page] != digest:
+        if block in self.hash_of:
+            if self.hash_of[block] != digest:
                 with pytest.raises(PageStateError):
-                    self.pool.register(page, digest)
+                    self.pool.register(block, digest)
             else:
-                assert self.pool.register(page, digest) is True
+                assert self.pool.register(block, digest) is True
             return
         if digest in self.hash_of.values():
-            assert self.pool.register(page, digest) is False
+            assert self.pool.register(block, digest) is False
             return
-        assert self.pool.register(page, digest) is True
-        self.hash_of[page] = digest
+        assert self.pool.register(block, digest) is True
+        self.hash_of[block] = digest
 
     @rule(data=st.data())
-    def register_free_page_is_refused(self, data):
+    def register_free_block_is_refused(self, data):
         free = self.lru + self.clean()
         if free:
             with pytest.raises(PageStateError):
@@ -302,7 +311,7 @@ class PoolMachine(RuleBasedStateMachine):
         counters = self.pool.counters()
         assert (counters.in_use, counters.cached, counters.clean) == (
             len(self.in_use()), len(self.lru), len(self.clean()))
-        assert counters.free == self.pool.num_free == NUM_PAGES - counters.in_use
+        assert counters.free == self.pool.num_free == NUM_BLOCKS - counters.in_use
 
 
 PoolMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)

@@ -164,7 +164,7 @@ def test_swap_refused_for_lack_of_swap_space_keeps_the_lookahead_blocks(make_man
 
 def fill_with_cached_pages(m):
     """Every block in the prefix cache's LRU queue, none clean; a slot's pages stay mapped."""
-    for i in range(m.pool.num_pages):
+    for i in range(m.pool.num_blocks):
         computed(m, f"c{i}", list(range(1000 * i, 1000 * i + 4)))
         m.free(f"c{i}")
         if not m.pool.num_clean:

@@ -13,7 +13,7 @@ from .kv_metrics import KVMetricsCollector
 from .layout import KVLayout
 from .cache_config import CacheConfig, CacheStats, PreemptionEstimate
 from .manager import KVCacheManager, PrefixCacheBusyError, UnknownRequestError
-from .pool import PagePool
+from .pool import BlockPool
 from .slots import NoFreeSlotError
 from .swap import OutOfSwapSpaceError
 
@@ -23,6 +23,11 @@ _ENGINE_NAMES = {"LLM", "SamplingParams", "EngineConfig"}
 
 
 def __getattr__(name: str):
+    if name == "PagePool":  # the pre-0.2 name of BlockPool, kept for one release
+        import warnings
+        warnings.warn("vmemkv.PagePool is deprecated; use vmemkv.BlockPool", DeprecationWarning,
+                      stacklevel=2)
+        return BlockPool
     # The engine pulls in transformers; load it only when asked for.
     if name in _ENGINE_NAMES:
         from . import engine

@@ -29,7 +29,7 @@ class CacheConfig:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    num_blocks: int  # logical pages in the pool
+    num_blocks: int  # blocks in the pool (a block: every layer's K/V of tokens_per_page tokens)
     max_num_seqs: int  # slots
     max_model_len: int  # tokens each slot can hold
     dtype: torch.dtype = torch.float16

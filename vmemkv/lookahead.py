@@ -1,5 +1,5 @@
 """Overlapped mapping: give decoding requests the blocks they will reach next *before* they
-reach them, and map those pages on another thread while the device computes.
+reach them, and map them on another thread while the device computes.
 
 ``allocate_lookahead`` (step thread) takes clean blocks and appends them past each request's
 reservation; ``map_lookahead`` (any thread) maps them, touching only mapping state past every

@@ -9,8 +9,8 @@ Life of a request::
 
     cached = manager.admit("r1", prompt_ids)      # binds a slot, maps prefix hits, reserves the rest
     ... forward pass writes K/V for positions [cached, len(prompt_ids)) through kv_views() ...
-    manager.commit("r1")                          # computed; full pages join the prefix cache
-    manager.allocate("r1", 1, [next_token])       # decode: a new page only at a page boundary
+    manager.commit("r1")                          # computed; full blocks join the prefix cache
+    manager.allocate("r1", 1, [next_token])       # decode: a new block only at a block boundary
     ...
     manager.free("r1")
 """
@@ -58,11 +58,11 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         if self.metrics is not None and not self.metrics.busy:
             return self.metrics.time_operation("usage", self.usage)
         self._check_open()
-        return self.pool.num_in_use / self.pool.num_pages
+        return self.pool.num_in_use / self.pool.num_blocks
 
     def match_prefix(self, token_ids: Sequence[int], keys: CacheKeys = CacheKeys()) -> tuple[list[int], list[bytes]]:
-        """Cached blocks holding a prefix of ``token_ids`` (whole pages, leaving at least one
-        token to compute) and the hashes of all full pages of ``token_ids``."""
+        """Cached blocks holding a prefix of ``token_ids`` (whole blocks, leaving at least one
+        token to compute) and the hashes of all full blocks of ``token_ids``."""
         if self.metrics is not None and not self.metrics.busy:
             return self.metrics.time_operation("match_prefix", self.match_prefix, token_ids, keys)
         self._check_open()
@@ -104,7 +104,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
     @property
     def num_blocks(self) -> int:
         """Blocks (logical pages) in the pool."""
-        return self.pool.num_pages
+        return self.pool.num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -148,9 +148,9 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
             return (f"{num_tokens} tokens exceed max_model_len {self.config.max_model_len}; "
                     "shorten it or raise max_model_len")
         blocks = self.blocks_for_tokens(num_tokens)
-        if blocks > self.pool.num_pages:
-            return (f"{num_tokens} tokens need {blocks} KV pages of {self.tokens_per_page} tokens "
-                    f"but the pool has {self.pool.num_pages}; shorten it or give the KV cache more "
+        if blocks > self.pool.num_blocks:
+            return (f"{num_tokens} tokens need {blocks} KV blocks of {self.tokens_per_page} tokens "
+                    f"but the pool has {self.pool.num_blocks}; shorten it or give the KV cache more "
                     "memory (num_blocks)")
         return None
 
@@ -159,7 +159,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         return self.why_never_fits(num_tokens) is None
 
     def cache_stats(self) -> CacheStats:
-        """A copy of the counters (prefix hits, preemptions, swap bytes, forks, page copies)."""
+        """A copy of the counters (prefix hits, preemptions, swap bytes, forks, block copies)."""
         self._check_open()
         return dataclasses.replace(self.stats)
 
@@ -198,7 +198,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         self._check_length(request_id, cached + new)
         if not self._slot_available(slot) or not self._fits_admission(hits, cached + new):
             return None
-        # Plan (slot, pages), map (the one step the mapping budget can refuse), then take.
+        # Plan (slot, blocks), map (the one step the mapping budget can refuse), then take.
         fresh = self.pool.peek(self.layout.logical_pages_for(cached + new) - len(hits), exclude=hits)
         slot = self.slots.choose(hits[0] if hits else None, slot)
         self.slots.map_jobs([MapJob(slot, 0, hits + fresh)])
@@ -220,7 +220,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         return cached
 
     def allocate(self, request_id: str, num_new_tokens: int, new_token_ids: Sequence[int] = ()) -> bool:
-        """Reserve ``num_new_tokens`` more positions (mapping a block only when crossing a page
+        """Reserve ``num_new_tokens`` more positions (mapping a block only when crossing a block
         boundary), recording ``new_token_ids`` as the request's next tokens. Returns False,
         changing nothing, when the blocks are not there."""
         if self.metrics is not None and not self.metrics.busy:
@@ -358,7 +358,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
             **{k: getattr(self.stats, k) for k in self.stats.__dataclass_fields__},
             "prefix_hit_rate": self.stats.prefix_hit_rate,
             "usage": self.usage(),
-            "blocks_total": pool.num_pages, "blocks_in_use": pool.in_use,
+            "blocks_total": pool.num_blocks, "blocks_in_use": pool.in_use,
             "blocks_cached": pool.cached, "blocks_clean": pool.clean, "evictions": pool.evictions,
             "map_calls": slots.map_calls, "pages_mapped": slots.pages_mapped,
             "map_calls_saved": slots.pages_already_mapped, "unmap_calls": slots.unmap_calls,

@@ -28,15 +28,15 @@ from .errors import ConfigError, ManagerClosedError, PageStateError, RequestTooL
 from .hashing import CacheKeys, PrefixHasher
 from .kv_metrics import KVMetricsCollector
 from .layout import KVLayout
-from .pool import PagePool
-from .slots import SlotMapper, SlotTable
+from .pool import BlockPool
+from .slots import SlotMapper, SlotBinder
 from .swap import SwapSpace
 from .vmm import create_backend
 from .vmm.base import VirtualMemoryBackend
 
 
 class PrefixCacheBusyError(VmemkvError):
-    """The prefix cache cannot be reset while requests hold pages."""
+    """The prefix cache cannot be reset while requests hold blocks."""
 
 
 class UnknownRequestError(VmemkvError, KeyError):
@@ -51,8 +51,8 @@ class _Request:
     blocks: list[int] = field(default_factory=list)  # one reference held on each
     num_tokens: int = 0  # positions reserved (written or about to be)
     num_computed: int = 0  # positions whose K/V is written
-    hashes: list[bytes] = field(default_factory=list)  # chain hashes of full pages known so far
-    num_registered: int = 0  # leading full pages already offered to the prefix cache
+    hashes: list[bytes] = field(default_factory=list)  # chain hashes of full blocks known so far
+    num_registered: int = 0  # leading full blocks already offered to the prefix cache
     slot: int | None = None
     swapped: list[tuple[int, int]] | None = None  # (index in blocks, host block) while swapped
 
@@ -64,8 +64,8 @@ class ManagerState:
     config: CacheConfig
     tokens_per_page: int
     backend: VirtualMemoryBackend
-    pool: PagePool
-    slots: SlotTable  # SlotMapper for "vmem"
+    pool: BlockPool
+    slots: SlotBinder  # SlotMapper for "vmem"
     hasher: PrefixHasher
     swap: SwapSpace
     stats: CacheStats
@@ -88,11 +88,11 @@ class ManagerState:
         self.backend = backend or create_backend(config.device, self._layout.page_size, pool_pages + filler)
         if metrics is not None:  # the backend reports its map/unmap time to the same collector
             self.backend.metrics = metrics
-        self.pool = PagePool(config.num_blocks)
+        self.pool = BlockPool(config.num_blocks)
         # "vmem": virtually contiguous slots; "paged": the block-table baseline (same pool, same
-        # pages, addressed through each request's block list; nothing is mapped). check.config
+        # blocks, addressed through each request's block list; nothing is mapped). check.config
         # allowed only these two.
-        addressing = {"vmem": SlotMapper, "paged": SlotTable}[config.kv_backend]
+        addressing = {"vmem": SlotMapper, "paged": SlotBinder}[config.kv_backend]
         self.slots = addressing(self.backend, self._layout, config.max_num_seqs, config.max_model_len,
                                 config.num_blocks)
         self.hasher = PrefixHasher(config.hash_algorithm, config.hash_seed)
@@ -114,7 +114,7 @@ class ManagerState:
         """Assert DESIGN.md's invariants over the pool, the slots and every request."""
         self._check_open()
         self.pool.check()
-        refs = np.zeros(self.pool.num_pages, dtype=np.int64)
+        refs = np.zeros(self.pool.num_blocks, dtype=np.int64)
         bound = []
         writers: dict[int, str] = {}
         for req in self._requests.values():
@@ -233,5 +233,5 @@ class ManagerState:
 
     def _block_window(self) -> torch.Tensor:
         """The pool as ``[num_blocks, block_bytes]`` uint8 rows."""
-        pages = self.pool.num_pages * self._layout.pages_per_block  # filler pages may follow
-        return self.backend.pool_window()[:pages].view(self.pool.num_pages, self._layout.block_bytes)
+        pages = self.pool.num_blocks * self._layout.pages_per_block  # filler pages may follow
+        return self.backend.pool_window()[:pages].view(self.pool.num_blocks, self._layout.block_bytes)

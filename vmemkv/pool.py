@@ -1,14 +1,14 @@
-"""The page pool: reference counts, the free queues, and the prefix-cache index.
+"""The block pool: reference counts, the free queues, and the prefix-cache index.
 
-Every page is in exactly one state:
+Every block is in exactly one state:
 
 * **in use**: ``ref > 0``; never handed out again, never evicted.
 * **cached**: ``ref == 0`` with a content hash; its bytes are kept, it sits in the LRU queue and can
   be revived by a prefix hit (``acquire``), which takes it out of the queue in O(1).
-* **clean**: ``ref == 0`` and no hash; handed out first, lowest page id first, so fresh requests
-  get consecutive pages that the mapper coalesces into one call.
+* **clean**: ``ref == 0`` and no hash; handed out first, lowest block id first, so fresh requests
+  get consecutive blocks that the mapper coalesces into one call.
 
-Eviction is lazy: a cached page keeps its bytes and hash until ``allocate`` needs it, which drops
+Eviction is lazy: a cached block keeps its bytes and hash until ``allocate`` needs it, which drops
 the hash then. The pool is mechanism only; the manager decides what to free and in what order.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable
@@ -25,7 +26,7 @@ from .errors import OutOfPagesError, PageStateError
 
 @dataclass
 class PoolCounters:
-    num_pages: int
+    num_blocks: int
     in_use: int
     cached: int
     clean: int
@@ -36,22 +37,26 @@ class PoolCounters:
         return self.cached + self.clean
 
 
-class PagePool:
-    def __init__(self, num_pages: int):
-        if num_pages <= 0:
-            raise PageStateError(f"a pool needs at least one page, got num_pages={num_pages}")
-        self.num_pages = num_pages
-        self.ref = [0] * num_pages
-        self.hash_of: list[bytes | None] = [None] * num_pages
-        self.page_of_hash: dict[bytes, int] = {}
-        self._clean = list(range(num_pages))  # a heap: lowest id first
-        self._lru: OrderedDict[int, None] = OrderedDict()  # cached pages, least recent first
+class BlockPool:
+    """The pool of KV-cache blocks. A block is the unit the manager hands out and counts (a
+    logical page: every layer's K and V for ``tokens_per_page`` tokens); block ``b`` is backed by
+    the backend's physical pages ``layout.physical_pages([b])`` (``pages_per_block`` of them)."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks <= 0:
+            raise PageStateError(f"a pool needs at least one block, got num_blocks={num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref = [0] * num_blocks
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.block_of_hash: dict[bytes, int] = {}
+        self._clean = list(range(num_blocks))  # a heap: lowest id first
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recent first
         self.evictions = 0
 
     # --- counts ----------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        """Pages an allocation can take: clean plus cached (evictable)."""
+        """Blocks an allocation can take: clean plus cached (evictable)."""
         return len(self._clean) + len(self._lru)
 
     @property
@@ -64,156 +69,165 @@ class PagePool:
 
     @property
     def num_in_use(self) -> int:
-        return self.num_pages - self.num_free
+        return self.num_blocks - self.num_free
 
     def counters(self) -> PoolCounters:
-        return PoolCounters(self.num_pages, self.num_in_use, self.num_cached, self.num_clean,
+        return PoolCounters(self.num_blocks, self.num_in_use, self.num_cached, self.num_clean,
                             self.evictions)
 
     def free_queue(self) -> list[int]:
-        """Cached pages in eviction order (next victim first)."""
+        """Cached blocks in eviction order (next victim first)."""
         return list(self._lru)
 
     # --- allocation and references --------------------------------------------------------------
     def peek(self, n: int, exclude: Iterable[int] = ()) -> list[int]:
-        """The pages ``allocate(n)`` would hand out, in order, changing nothing, so a caller can
-        plan (map them, check every other limit) before taking them. Cached pages in ``exclude``
+        """The blocks ``allocate(n)`` would hand out, in order, changing nothing, so a caller can
+        plan (map them, check every other limit) before taking them. Cached blocks in ``exclude``
         are skipped: the caller acquires them before allocating."""
         if n == 1 and self._clean:
             return [self._clean[0]]
         # pop and push back: O(n log N), where nsmallest would scan the whole heap
-        pages = [heapq.heappop(self._clean) for _ in range(min(n, len(self._clean)))]
-        for page in pages:
-            heapq.heappush(self._clean, page)
-        if len(pages) < n:
+        blocks = [heapq.heappop(self._clean) for _ in range(min(n, len(self._clean)))]
+        for block in blocks:
+            heapq.heappush(self._clean, block)
+        if len(blocks) < n:
             skip = set(exclude)
-            victims = (page for page in self._lru if page not in skip)
-            pages += itertools.islice(victims, n - len(pages))
-        if len(pages) < n:
+            victims = (block for block in self._lru if block not in skip)
+            blocks += itertools.islice(victims, n - len(blocks))
+        if len(blocks) < n:
             raise OutOfPagesError(self._short_message(n))
-        return pages
+        return blocks
 
     def allocate(self, n: int) -> list[int]:
-        """Hand out ``n`` pages with ``ref = 1``: clean pages first, then the least recently used
-        cached pages, whose hashes are dropped. Raises with no side effect when ``n`` don't fit."""
+        """Hand out ``n`` blocks with ``ref = 1``: clean blocks first, then the least recently used
+        cached blocks, whose hashes are dropped. Raises with no side effect when ``n`` don't fit."""
         if n == 1 and self._clean:  # the decode hot path
-            page = heapq.heappop(self._clean)
-            self.ref[page] = 1
-            return [page]
+            block = heapq.heappop(self._clean)
+            self.ref[block] = 1
+            return [block]
         if n > self.num_free:
             raise OutOfPagesError(self._short_message(n))
-        pages = [heapq.heappop(self._clean) for _ in range(min(n, len(self._clean)))]
-        while len(pages) < n:
-            page, _ = self._lru.popitem(last=False)
-            del self.page_of_hash[self.hash_of[page]]
-            self.hash_of[page] = None
+        blocks = [heapq.heappop(self._clean) for _ in range(min(n, len(self._clean)))]
+        while len(blocks) < n:
+            block, _ = self._lru.popitem(last=False)
+            del self.block_of_hash[self.hash_of[block]]
+            self.hash_of[block] = None
             self.evictions += 1
-            pages.append(page)
-        for page in pages:
-            self.ref[page] = 1
-        return pages
+            blocks.append(block)
+        for block in blocks:
+            self.ref[block] = 1
+        return blocks
 
     def take(self, planned: list[int]) -> list[int]:
-        """Allocate the pages an earlier ``peek`` planned; nothing may have changed the pool in
-        between (a mismatch is a bug in the caller, and would map the wrong pages)."""
+        """Allocate the blocks an earlier ``peek`` planned; nothing may have changed the pool in
+        between (a mismatch is a bug in the caller, and would map the wrong blocks)."""
         if not planned:
             return []
-        pages = self.allocate(len(planned))
-        if pages != planned:
-            raise PageStateError(f"planned pages {planned} but allocate gave {pages}: the pool "
+        blocks = self.allocate(len(planned))
+        if blocks != planned:
+            raise PageStateError(f"planned blocks {planned} but allocate gave {blocks}: the pool "
                                  "changed between peek and take")
-        return pages
+        return blocks
 
     def _short_message(self, n: int) -> str:
-        return (f"asked for {n} pages, {self.num_free} free ({self.num_clean} clean + "
-                f"{self.num_cached} cached) of {self.num_pages}; free requests or enlarge the pool")
+        return (f"asked for {n} blocks, {self.num_free} free ({self.num_clean} clean + "
+                f"{self.num_cached} cached) of {self.num_blocks}; free requests or enlarge the pool")
 
-    def acquire(self, pages: Iterable[int]) -> None:
-        """Take one more reference on each page (a prefix hit or a fork). A cached page leaves the
+    def acquire(self, blocks: Iterable[int]) -> None:
+        """Take one more reference on each block (a prefix hit or a fork). A cached block leaves the
         free queue."""
-        pages = list(pages)
-        for page in pages:
-            self._check_page(page)
-            if self.ref[page] == 0 and self.hash_of[page] is None:
-                raise PageStateError(f"page {page} is clean (free, no content); allocate it instead")
-        for page in pages:
-            if self.ref[page] == 0:
-                del self._lru[page]
-            self.ref[page] += 1
+        blocks = list(blocks)
+        for block in blocks:
+            self._check_block(block)
+            if self.ref[block] == 0 and self.hash_of[block] is None:
+                raise PageStateError(f"block {block} is clean (free, no content); allocate it instead")
+        for block in blocks:
+            if self.ref[block] == 0:
+                del self._lru[block]
+            self.ref[block] += 1
 
-    def release(self, pages: Iterable[int]) -> None:
-        """Drop one reference on each page, in the given order. A page reaching zero joins the
-        tail of the LRU queue if hashed (so earlier-released pages are evicted first), else
-        goes back to the clean pages. A release below zero raises before anything changes."""
-        pages = list(pages)
+    def release(self, blocks: Iterable[int]) -> None:
+        """Drop one reference on each block, in the given order. A block reaching zero joins the
+        tail of the LRU queue if hashed (so earlier-released blocks are evicted first), else
+        goes back to the clean blocks. A release below zero raises before anything changes."""
+        blocks = list(blocks)
         drops: dict[int, int] = {}
-        for page in pages:
-            self._check_page(page)
-            drops[page] = drops.get(page, 0) + 1
-            if drops[page] > self.ref[page]:
+        for block in blocks:
+            self._check_block(block)
+            drops[block] = drops.get(block, 0) + 1
+            if drops[block] > self.ref[block]:
                 raise PageStateError(
-                    f"page {page} released {drops[page]} time(s) but holds {self.ref[page]} "
+                    f"block {block} released {drops[block]} time(s) but holds {self.ref[block]} "
                     "reference(s): double free")
-        for page in pages:
-            self.ref[page] -= 1
-            if self.ref[page] == 0:
-                if self.hash_of[page] is None:
-                    heapq.heappush(self._clean, page)
+        for block in blocks:
+            self.ref[block] -= 1
+            if self.ref[block] == 0:
+                if self.hash_of[block] is None:
+                    heapq.heappush(self._clean, block)
                 else:
-                    self._lru[page] = None
+                    self._lru[block] = None
 
-    def refcount(self, page: int) -> int:
-        return self.ref[page]
+    def refcount(self, block: int) -> int:
+        return self.ref[block]
 
     # --- prefix-cache index --------------------------------------------------------------------
     def lookup(self, content_hash: bytes) -> int | None:
-        return self.page_of_hash.get(content_hash)
+        return self.block_of_hash.get(content_hash)
 
-    def register(self, page: int, content_hash: bytes) -> bool:
-        """Record that an in-use, full page holds content ``content_hash``. Returns False (and
-        leaves the page unhashed) when another page already holds the same content."""
-        self._check_page(page)
-        if self.ref[page] == 0:
-            raise PageStateError(f"page {page} is free; only an in-use page can be registered")
-        if self.hash_of[page] is not None:
-            if self.hash_of[page] != content_hash:
-                raise PageStateError(f"page {page} already holds other hashed content")
+    def register(self, block: int, content_hash: bytes) -> bool:
+        """Record that an in-use, full block holds content ``content_hash``. Returns False (and
+        leaves the block unhashed) when another block already holds the same content."""
+        self._check_block(block)
+        if self.ref[block] == 0:
+            raise PageStateError(f"block {block} is free; only an in-use block can be registered")
+        if self.hash_of[block] is not None:
+            if self.hash_of[block] != content_hash:
+                raise PageStateError(f"block {block} already holds other hashed content")
             return True
-        if content_hash in self.page_of_hash:
+        if content_hash in self.block_of_hash:
             return False
-        self.hash_of[page] = content_hash
-        self.page_of_hash[content_hash] = page
+        self.hash_of[block] = content_hash
+        self.block_of_hash[content_hash] = block
         return True
 
     def reset_cache(self) -> int:
-        """Forget every cached page's content (they become clean). Returns how many were dropped.
-        Hashes of in-use pages are dropped too, so no later request hits them."""
+        """Forget every cached block's content (they become clean). Returns how many were dropped.
+        Hashes of in-use blocks are dropped too, so no later request hits them."""
         dropped = len(self._lru)
-        for page in self._lru:
-            heapq.heappush(self._clean, page)
+        for block in self._lru:
+            heapq.heappush(self._clean, block)
         self._lru.clear()
-        self.page_of_hash.clear()
-        self.hash_of = [None] * self.num_pages
+        self.block_of_hash.clear()
+        self.hash_of = [None] * self.num_blocks
         return dropped
 
     # --- invariants ----------------------------------------------------------------------------
     def check(self) -> None:
         """Assert the pool's invariants; raises AssertionError naming the first one broken."""
         clean, cached = set(self._clean), set(self._lru)
-        assert len(clean) == len(self._clean), "a page is twice in the clean heap"
-        assert not clean & cached, f"pages both clean and cached: {sorted(clean & cached)[:8]}"
-        in_use = {p for p in range(self.num_pages) if self.ref[p] > 0}
-        assert not in_use & (clean | cached), "a page with ref > 0 is in a free queue"
-        assert len(in_use) + len(cached) + len(clean) == self.num_pages, (
-            f"in use {len(in_use)} + cached {len(cached)} + clean {len(clean)} != {self.num_pages}")
+        assert len(clean) == len(self._clean), "a block is twice in the clean heap"
+        assert not clean & cached, f"blocks both clean and cached: {sorted(clean & cached)[:8]}"
+        in_use = {p for p in range(self.num_blocks) if self.ref[p] > 0}
+        assert not in_use & (clean | cached), "a block with ref > 0 is in a free queue"
+        assert len(in_use) + len(cached) + len(clean) == self.num_blocks, (
+            f"in use {len(in_use)} + cached {len(cached)} + clean {len(clean)} != {self.num_blocks}")
         assert all(r >= 0 for r in self.ref), "negative reference count"
-        assert all(self.hash_of[p] is None for p in clean), "a clean page has a hash"
-        assert all(self.hash_of[p] is not None for p in cached), "a cached page has no hash"
-        for h, p in self.page_of_hash.items():
-            assert self.hash_of[p] == h, f"index says page {p} holds a hash it does not"
+        assert all(self.hash_of[p] is None for p in clean), "a clean block has a hash"
+        assert all(self.hash_of[p] is not None for p in cached), "a cached block has no hash"
+        for h, p in self.block_of_hash.items():
+            assert self.hash_of[p] == h, f"index says block {p} holds a hash it does not"
         hashed = sum(h is not None for h in self.hash_of)
-        assert hashed == len(self.page_of_hash), "a hashed page is missing from the index"
+        assert hashed == len(self.block_of_hash), "a hashed block is missing from the index"
 
-    def _check_page(self, page: int) -> None:
-        if not 0 <= page < self.num_pages:
-            raise PageStateError(f"page {page} is outside the pool of {self.num_pages} pages")
+    def _check_block(self, block: int) -> None:
+        if not 0 <= block < self.num_blocks:
+            raise PageStateError(f"block {block} is outside the pool of {self.num_blocks} blocks")
+
+
+def __getattr__(name: str):
+    # ``PagePool`` is the pre-0.2 name of ``BlockPool``; kept for one release.
+    if name == "PagePool":
+        warnings.warn("vmemkv.pool.PagePool is deprecated; use BlockPool", DeprecationWarning,
+                      stacklevel=2)
+        return BlockPool
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

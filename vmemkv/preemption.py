@@ -1,6 +1,6 @@
 """Preemption: take a running request off the device and bring it back.
 
-``recompute`` releases its blocks (full pages stay in the prefix cache's LRU and may hit when the
+``recompute`` releases its blocks (full blocks stay in the prefix cache's LRU and may hit when the
 request is admitted again); ``swap`` copies its private blocks to host swap space and releases
 them, keeping the references on blocks other requests share, and ``swap_in`` maps it back into any
 free slot, bit-exact. ``estimate_preemption`` prices both; whom to preempt, and how, is the
@@ -77,7 +77,7 @@ class PreemptionOps(ManagerState):
         req = self._requests.get(check.request_id(request_id))
         if req is None or req.swapped is None:
             raise UnknownRequestError(f"request {request_id!r} is not swapped out")
-        revive = {}  # swapped full pages still in the prefix cache are taken, not copied back
+        revive = {}  # swapped full blocks still in the prefix cache are taken, not copied back
         for index, _ in req.swapped:
             if index < req.num_registered:
                 block = self.pool.lookup(req.hashes[index])

@@ -1,9 +1,9 @@
-"""Copy-on-write sharing: ``fork`` (a new request sharing a running one's full pages), ``reorder``
-(beam search: rows become copies of other rows by remapping pages) and ``truncate`` (forget the
-tail of a request, copying its new last page first if someone else can see it).
+"""Copy-on-write sharing: ``fork`` (a new request sharing a running one's full blocks), ``reorder``
+(beam search: rows become copies of other rows by remapping blocks) and ``truncate`` (forget the
+tail of a request, copying its new last block first if someone else can see it).
 
-Full pages are immutable once written, so they are shared by reference (``pool.acquire``); only
-a partial last page, the one a request still writes, is ever copied. Part of
+Full blocks are immutable once written, so they are shared by reference (``pool.acquire``); only
+a partial last block, the one a request still writes, is ever copied. Part of
 :class:`vmemkv.KVCacheManager` (see ``manager_state.py`` for the state these methods work on).
 """
 
@@ -22,7 +22,7 @@ class SharingOps(ManagerState):
 
     def fork(self, parent_id: str, child_id: str, slot: int | None = None) -> bool:
         """Start ``child_id`` as a copy of ``parent_id`` in another slot (``slot`` when given):
-        full pages shared, the partial last page copied. Returns False, changing nothing, without
+        full blocks shared, the partial last block copied. Returns False, changing nothing, without
         a slot (or not ``slot``) or a block."""
         if self.metrics is not None and not self.metrics.busy:
             return self.metrics.time_operation("fork", self.fork, parent_id, child_id, slot)
@@ -53,7 +53,7 @@ class SharingOps(ManagerState):
 
     def reorder(self, request_ids: Sequence[str], source_ids: Sequence[str]) -> bool:
         """Beam-search reorder: request ``request_ids[i]`` becomes a copy of ``source_ids[i]``
-        (as they were before the call). Full pages are remapped, never copied; a partial page is
+        (as they were before the call). Full blocks are remapped, never copied; a partial block is
         copied only when more than one request takes it. Returns False, changing nothing, when
         the copies need more free blocks than there are."""
         if self.metrics is not None and not self.metrics.busy:
@@ -65,9 +65,9 @@ class SharingOps(ManagerState):
                                  f"{list(request_ids)} from {list(source_ids)}")
         for source in sources:
             self._require_committed(source)
-        # A source's partial page moves (no copy) to the first row that takes it, itself first,
+        # A source's partial block moves (no copy) to the first row that takes it, itself first,
         # but only when the source is reordered too (its own reference is dropped below): a
-        # source that keeps running keeps writing that page, so whoever takes it gets a copy.
+        # source that keeps running keeps writing that block, so whoever takes it gets a copy.
         owner: dict[str, int] = {}
         for i, (row, source) in enumerate(zip(rows, sources)):
             if row is source:
@@ -98,15 +98,15 @@ class SharingOps(ManagerState):
             self.pool.release(reversed(row.blocks))
         for row, blocks, (tokens, num_tokens, num_computed, hashes, registered, keys) in zip(
                 rows, plans, snapshots):
-            # the keys travel with the content: later page hashes continue the source's chain
+            # the keys travel with the content: later block hashes continue the source's chain
             row.keys, row.blocks, row.token_ids, row.num_tokens = keys, blocks, tokens, num_tokens
             row.num_computed, row.hashes, row.num_registered = num_computed, hashes, registered
         return True
 
     def truncate(self, request_id: str, num_tokens: int) -> bool:
         """Forget every position from ``num_tokens`` on (rejected speculative tokens, a cropped
-        cache). Pages past the new end are released; if the new last page is partial and shared
-        or cached, it is copied to a private page first, since the request will write it again.
+        cache). Blocks past the new end are released; if the new last block is partial and shared
+        or cached, it is copied to a private block first, since the request will write it again.
         Returns False, changing nothing, when that copy finds no free block."""
         if self.metrics is not None and not self.metrics.busy:
             return self.metrics.time_operation("truncate", self.truncate, request_id, num_tokens)

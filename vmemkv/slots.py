@@ -62,7 +62,7 @@ class SlotStats:
     pages_unmapped: int = 0
 
 
-class SlotTable:
+class SlotBinder:
     """Which slots (batch rows) are bound, and the pool window addressed as a block table.
 
     The block-table baseline uses this alone: its requests are addressed through their block
@@ -186,7 +186,7 @@ class SlotTable:
         """Nothing reserved."""
 
 
-class SlotMapper(SlotTable):
+class SlotMapper(SlotBinder):
     def __init__(self, backend: VirtualMemoryBackend, layout: KVLayout, num_slots: int,
                  max_tokens: int, num_blocks: int | None = None):
         super().__init__(backend, layout, num_slots, max_tokens, num_blocks)

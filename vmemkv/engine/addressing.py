@@ -2,7 +2,7 @@
 
 ``kv_backend="vmem"``: every sequence's K/V is one virtually contiguous slot, read in place by the
 contiguous attention (or FlashAttention over the slots), and decoding sequences may get their next
-page mapped ahead of time (``lookahead``). ``kv_backend="paged"``: every sequence is a block table,
+block mapped ahead of time (``lookahead``). ``kv_backend="paged"``: every sequence is a block table,
 read by the block-table attention (or FlashAttention over block tables). ``choose_addressing``
 resolves the backend and the attention kernel (``config.attention``) into one of the two
 strategies below; the step never branches on either again.
@@ -20,7 +20,7 @@ from .config import EngineConfig
 class Addressing:
     """One sequence's span of the packed batch, and the step's attention over all spans."""
 
-    uses_lookahead = False  # decoding sequences get their next page mapped during the forward
+    uses_lookahead = False  # decoding sequences get their next block mapped during the forward
 
     def __init__(self, manager: KVCacheManager, device, choice: AttentionChoice):
         self.manager = manager

@@ -29,7 +29,7 @@ class EngineConfig:
     device: str = CacheConfig.device
     max_num_seqs: int = 64  # slots: sequences running at once
     max_model_len: int = 1024
-    num_blocks: int | None = None  # KV pool size in pages; None: enough for every slot at full length
+    num_blocks: int | None = None  # KV pool size in blocks; None: enough for every slot at full length
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     tokens_per_page: int = CacheConfig.tokens_per_page
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
@@ -37,7 +37,7 @@ class EngineConfig:
     swap_space_bytes: int = 1 << 30
     seed: int = 0
     policy: Literal["fcfs", "priority"] = "fcfs"
-    watermark: float = 0.01  # fraction of pages kept free at admission to avoid instant preemption
+    watermark: float = 0.01  # fraction of blocks kept free at admission to avoid instant preemption
     layout: Literal["token_major", "per_layer"] = CacheConfig.layout
     # virtually contiguous slots, or block tables
     kv_backend: Literal["vmem", "paged"] = CacheConfig.kv_backend
@@ -46,7 +46,7 @@ class EngineConfig:
     # "triton": decodes in one Triton launch that reads the cache in place, prefill by SDPA (CUDA);
     # "sdpa": PyTorch SDPA per sequence; "auto": flash if it runs here, else triton, else sdpa.
     attention: Literal["auto", "flash", "triton", "sdpa"] = "auto"
-    # Decoding requests get the page their next `lookahead_tokens` tokens need mapped on a
+    # Decoding requests get the block their next `lookahead_tokens` tokens need mapped on a
     # background thread while the current step computes (0: map only when needed, inline).
     lookahead_tokens: int = 1
 
@@ -76,6 +76,6 @@ class EngineConfig:
 
     def cache_config(self, model) -> CacheConfig:
         """The KV cache for ``model`` (a Hugging Face causal LM) under this configuration; without
-        ``num_blocks``, enough pages for every slot at full length."""
+        ``num_blocks``, enough blocks for every slot at full length."""
         return cache_config_for(model, check_token_ids=True, dtype=next(model.parameters()).dtype,
                                 **{name: getattr(self, name) for name in CACHE_FIELDS})

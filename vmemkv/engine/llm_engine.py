@@ -60,7 +60,7 @@ class LLMEngine:
         self.attention_choice = self.addressing.choice
         self.attention_kernel = self.attention_choice.label  # what runs: flash-bundled, triton, sdpa
         self.decode_kernel = self.attention_choice.kind == "triton"
-        # Overlapped mapping (slots only): decoding sequences' next page mapped during the forward.
+        # Overlapped mapping (slots only): decoding sequences' next block mapped during the forward.
         lookahead = (LookaheadMapper(self.manager, config.lookahead_tokens, self.scheduler.watermark_blocks)
                      if self.addressing.uses_lookahead and config.lookahead_tokens > 0 else None)
         self.runner = StepRunner(model_runner, self.addressing, lookahead)
@@ -133,7 +133,7 @@ class LLMEngine:
                 self.scheduler.remove(seq)
                 seq.finish_reason = "abort"
         self.metrics.on_request_finished(request_id, "abort", time.monotonic())
-        self._update_gauges()  # its pages are free now; no step may come to say so
+        self._update_gauges()  # its blocks are free now; no step may come to say so
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -161,7 +161,7 @@ class LLMEngine:
 
     # --- introspection -------------------------------------------------------------------------
     def _record_memory(self) -> None:
-        """Peak KV pages held, and internal fragmentation: bytes of pages held by running
+        """Peak KV blocks held, and internal fragmentation: bytes of blocks held by running
         sequences beyond the bytes their tokens fill."""
         in_use = self.manager.num_blocks_in_use
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, in_use)

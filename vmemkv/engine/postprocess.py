@@ -3,7 +3,7 @@
 ``Postprocessor.process`` takes the scheduler's plan and the runner's logits and, in this order
 (each step needs the one before): marks the scheduled positions computed and commits them to the
 KV cache manager; at a group's first sample, forks its other ``n - 1`` sequences (a fork shares
-the parent's *committed* pages and copies its partial last page, so it follows the commit); samples
+the parent's *committed* blocks and copies its partial last block, so it follows the commit); samples
 one token per sampling sequence in one sampler call (children included, so the global RNG draws
 once for every unseeded row); appends the tokens and checks the stop conditions, finishing
 sequences. ``outputs`` then turns the groups that progressed into ``RequestOutput``s and retires
@@ -80,7 +80,7 @@ class Postprocessor:
 
     def _fork_group(self, seq: Sequence) -> list[Sequence]:
         """At a group's first sample, create its other n-1 sequences as copy-on-write forks
-        sharing the prompt's pages. A fork that finds no slot or page waits as a new request
+        sharing the prompt's blocks. A fork that finds no slot or block waits as a new request
         instead (its prompt will then hit the prefix cache). Returns who samples from this row."""
         group = seq.group
         if group.forked:

@@ -2,7 +2,7 @@
 
 ``StepRunner.run`` packs every scheduled sequence's new tokens into one ragged batch, asks the
 addressing strategy (``addressing.py``) for each sequence's span and the step's attention, gives
-decoding sequences about to cross a page boundary their next page and maps it on a worker thread
+decoding sequences about to cross a block boundary their next block and maps it on a worker thread
 while the forward runs (slots only), and runs the model (``ModelRunner``). It changes nothing the
 step's postprocessing (``postprocess.py``) owns: no commit, no fork, no token appended.
 """
@@ -30,7 +30,7 @@ class ForwardOutput:
 
 
 class LookaheadMapper:
-    """Overlapped mapping: one worker maps lookahead pages while the forward pass runs. A mapping
+    """Overlapped mapping: one worker maps lookahead blocks while the forward pass runs. A mapping
     the worker is refused (the mapping budget) is cancelled on the step thread."""
 
     def __init__(self, manager: KVCacheManager, margin_tokens: int, keep_free: int):
@@ -42,19 +42,19 @@ class LookaheadMapper:
         self.wait_seconds = 0.0  # time the step still waited for the worker
 
     def start(self, scheduled: list[ScheduledSeq]):
-        """Give decoding sequences about to cross a page boundary their next page now, and map
+        """Give decoding sequences about to cross a block boundary their next block now, and map
         it on the worker (it touches only positions past every sequence's reservation, which this
         step's forward never reads). Returns what ``finish`` takes, or None."""
-        # Only a sequence whose next `margin` positions reach a page past its reservation can
+        # Only a sequence whose next `margin` positions reach a block past its reservation can
         # get one (the manager skips the others): ask about those alone.
         manager, margin = self.manager, self.margin
-        pages_for = manager.blocks_for_tokens
+        blocks_for = manager.blocks_for_tokens
         decoding = []
         for item in scheduled:
             seq = item.seq
             if seq.num_computed >= seq.num_prompt_tokens:
                 reserved = manager.num_tokens(seq.seq_id)
-                if pages_for(reserved + margin) > pages_for(reserved):
+                if blocks_for(reserved + margin) > blocks_for(reserved):
                     decoding.append(seq.seq_id)
         if not decoding:
             return None
@@ -63,7 +63,7 @@ class LookaheadMapper:
 
     def finish(self, future, jobs) -> None:
         """Wait for the worker. A mapping it was refused only costs the head start: the blocks
-        go back, and the pages are mapped inline when reached."""
+        go back, and are mapped inline when reached."""
         waited = time.perf_counter()
         try:
             future.result()

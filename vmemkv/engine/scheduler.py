@@ -4,7 +4,7 @@ Continuous batching under a per-step token budget (prefill is chunked to fit it)
 running sequences first, in priority order; when one cannot grow, the lowest-priority, latest
 sequence is preempted (swap or recompute, as configured) until it can. Then swapped sequences come
 back; then, only if none are left swapped, waiting sequences are admitted while slots, the budget
-and a free-page watermark allow. The KV cache manager does what it is told.
+and a free-block watermark allow. The KV cache manager does what it is told.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class Scheduler:
         self.running.append(seq)
 
     def remove(self, seq: Sequence) -> None:
-        """Take a sequence out of the queues and give its pages back (finish or abort)."""
+        """Take a sequence out of the queues and give its blocks back (finish or abort)."""
         for queue in (self.waiting, self.running, self.swapped):
             if seq in queue:
                 queue.remove(seq)

@@ -3,12 +3,12 @@
 Each batch row is one :class:`vmemkv.KVCacheManager` request bound to one slot, and the rows of a
 batch sit in *consecutive* slots, so the K/V that ``update()`` hands to attention is a strided view
 ``[batch, kv_heads, length, head_dim]`` of the slot range, narrowed to the tokens written so far:
-no copy, no concatenation, never a position past what is mapped. Pages come from the manager's
+no copy, no concatenation, never a position past what is mapped. Blocks come from the manager's
 reference-counted pool on demand, so
 
-* beam search reorders by **remapping pages** (``manager.reorder``: full pages are shared, only a
-  partial last page is copied when two beams take it) instead of ``index_select`` over the KV;
-* a second ``generate`` whose prompt shares a prefix with an earlier one **reuses those pages**
+* beam search reorders by **remapping blocks** (``manager.reorder``: full blocks are shared, only a
+  partial last block is copied when two beams take it) instead of ``index_select`` over the KV;
+* a second ``generate`` whose prompt shares a prefix with an earlier one **reuses those blocks**
   and computes only the rest (:meth:`VmemkvCache.generate`).
 
 Usage::
@@ -20,20 +20,20 @@ Usage::
     # 1. drop-in cache. transformers 5.24 takes ``cache=``, 5.17 and 4.57 ``past_key_values=``;
     #    ``cache_kwarg(model)`` says which.
     out = model.generate(input_ids, attention_mask=mask, cache=cache, max_new_tokens=64,
-                         num_beams=4)              # beam reorders remap pages
-    cache.release()                                # rows freed; full pages stay in the prefix cache
+                         num_beams=4)              # beam reorders remap blocks
+    cache.release()                                # rows freed; full blocks stay in the prefix cache
 
-    # 2. prefix reuse across calls: admits the prompt, maps its cached pages, computes the rest
+    # 2. prefix reuse across calls: admits the prompt, maps its cached blocks, computes the rest
     out = cache.generate(input_ids, attention_mask=mask, max_new_tokens=64)
     print(cache.last_call)                         # {'prompt_tokens': .., 'cached_tokens': .., ..}
     cache.close()
 
 How the cache learns token ids
 ------------------------------
-The prefix cache names a page by the chained hash of its token ids, but ``update()`` only sees
+The prefix cache names a block by the chained hash of its token ids, but ``update()`` only sees
 K/V. ``from_model`` / ``attach`` install a forward pre-hook on the model that hands the cache the
 ``input_ids`` and ``attention_mask`` of every forward it takes part in (``generate`` always passes
-them). A full page is registered only once its K/V is written, under
+them). A full block is registered only once its K/V is written, under
 
 * the exact token ids fed to the model at those positions (prompt and generated tokens alike),
 * a salt naming the model (``model_key``: a per-model-object random id unless you pass a stable
@@ -41,7 +41,7 @@ them). A full page is registered only once its K/V is written, under
   out in the prompt), because the same token ids under another mask give other K/V.
 
 Rows whose ids are unknown (a forward with ``inputs_embeds``, a cache used without ``attach``, a
-4-D attention mask) get a random salt: their pages are never found by anyone. A masked position
+4-D attention mask) get a random salt: their blocks are never found by anyone. A masked position
 after admission that the row's salt does not account for raises rather than registering wrong
 content. The manager is not thread-safe; one cache runs one ``generate`` at a time.
 
@@ -84,9 +84,9 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
     """A transformers ``Cache`` whose K/V live in a :class:`KVCacheManager`'s slots.
 
     ``manager`` may be shared by several caches (their rows take disjoint slots, and one cache's
-    committed pages are prefix hits for another with the same ``model_key``). ``model``: install
+    committed blocks are prefix hits for another with the same ``model_key``). ``model``: install
     the token-id hook on it (see the module docstring); ``model_key``: a stable name for the
-    weights, to share prefix pages across model objects (default: a random id per model object).
+    weights, to share prefix blocks across model objects (default: a random id per model object).
     """
 
     _instances = itertools.count()
@@ -181,8 +181,8 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new K/V (``[batch, kv_heads, new, head_dim]``) after the cached positions
-        and return views of all positions so far. The first layer reserves pages for the step;
-        the last one commits it (full pages join the prefix cache)."""
+        and return views of all positions so far. The first layer reserves blocks for the step;
+        the last one commits it (full blocks join the prefix cache)."""
         if layer_idx != self._next_layer:
             if layer_idx == 0:
                 raise PageStateError(
@@ -200,7 +200,7 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
         if self._uniform_write:
             keys[first:first + batch, start:end].copy_(new_keys)
             values[first:first + batch, start:end].copy_(new_values)
-        else:  # some rows hit cached pages past the common length: never write those
+        else:  # some rows hit cached blocks past the common length: never write those
             for i, begin in enumerate(self._write_from):
                 if begin < end:
                     keys[first + i, begin:end].copy_(new_keys[i, begin - start:])
@@ -211,7 +211,7 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
         return keys[rows, :end].transpose(1, 2), values[rows, :end].transpose(1, 2)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Row ``i`` becomes a copy of row ``beam_idx[i]``, by remapping pages."""
+        """Row ``i`` becomes a copy of row ``beam_idx[i]``, by remapping blocks."""
         sources = [int(i) for i in beam_idx.tolist()]
         if sources != list(range(len(self._rows))):
             self._reorder(list(range(len(self._rows))), sources)
@@ -235,15 +235,15 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
     def crop(self, max_length: int) -> None:
         """Drop the last ``-max_length`` positions of every row (transformers 5.2x passes 0 or a
         negative count; older versions a positive final length, also accepted), as assisted and
-        prompt-lookup decoding do with rejected candidates. Pages past the end are released; a
-        shared or cached last page is copied before the rows write it again."""
+        prompt-lookup decoding do with rejected candidates. Blocks past the end are released; a
+        shared or cached last block is copied before the rows write it again."""
         length = self._length + max_length if max_length <= 0 else max_length
         if length >= self._length:
             return
         for row in self._rows:
             if not self.manager.truncate(row.request_id, max(length, 0)):
-                raise OutOfPagesError(f"cropping row {row.request_id!r} needs one free page to copy "
-                                      "its shared last page; the pool has none")
+                raise OutOfPagesError(f"cropping row {row.request_id!r} needs one free block to copy "
+                                      "its shared last block; the pool has none")
             row.known = min(row.known, max(length, 0))
         self._length = max(length, 0)
 
@@ -253,7 +253,7 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
 
     # --- vmemkv-specific ---------------------------------------------------------------------
     def release(self) -> None:
-        """Free every row's request. Full pages keep their content in the manager's prefix cache
+        """Free every row's request. Full blocks keep their content in the manager's prefix cache
         (LRU) for later prompts; the cache object is ready for another batch."""
         for row in self._rows:
             self.manager.free(row.request_id)
@@ -325,7 +325,7 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one logical page (all layers' K and V of ``tokens_per_page`` tokens)."""
+        """Bytes of one block (all layers' K and V of ``tokens_per_page`` tokens)."""
         return self.manager.block_bytes
 
     def __repr__(self) -> str:

@@ -15,7 +15,7 @@ def manager_for(model, max_batch_size: int, max_cache_len: int, num_blocks: int 
                 **config) -> KVCacheManager:
     """A :class:`KVCacheManager` shaped for ``model`` (layers, KV heads, head dim, dtype, device).
 
-    ``num_blocks`` defaults to every slot full plus one spare page per slot for copy-on-write,
+    ``num_blocks`` defaults to every slot full plus one spare block per slot for copy-on-write,
     so ``generate`` never runs out; pass fewer to cap memory (on CUDA the pool is allocated up
     front). Other keyword arguments go to :class:`CacheConfig` (``tokens_per_page``,
     ``enable_prefix_caching``, ``hash_seed``, ...)."""

@@ -1,4 +1,4 @@
-"""Prefix reuse across ``generate`` calls for a ``VmemkvCache``: admit a prompt mapping the pages
+"""Prefix reuse across ``generate`` calls for a ``VmemkvCache``: admit a prompt mapping the blocks
 the prefix cache already holds, compute the rest once per row (:meth:`_PrefixReuse.prefill`) and
 run ``model.generate`` on it (:meth:`_PrefixReuse.generate`). A mixin of
 :class:`vmemkv.integrations.transformers_cache.VmemkvCache`, which provides the rows
@@ -18,10 +18,10 @@ class _PrefixReuse:
     """``admit_prompt``, ``prefill`` and ``generate`` of a ``VmemkvCache``."""
 
     def admit_prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
-        """Admit one row per prompt of ``input_ids`` (``[batch, length]``), mapping the full pages
+        """Admit one row per prompt of ``input_ids`` (``[batch, length]``), mapping the full blocks
         the prefix cache already holds. Returns the number of leading positions cached in every
         row (``get_seq_length()``): a following ``generate(input_ids, cache=self)`` feeds only the
-        rest. Rows that hit more keep their extra pages and never rewrite them."""
+        rest. Rows that hit more keep their extra blocks and never rewrite them."""
         if self._rows:
             raise PageStateError("admit_prompt needs an empty cache; call release() first")
         if attention_mask is None:
@@ -53,11 +53,11 @@ class _PrefixReuse:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                  model=None, keep: bool = False, **generate_kwargs) -> torch.Tensor:
         """``model.generate`` with prefix reuse: release the previous rows, admit ``input_ids``
-        (mapping cached prefix pages), compute the prompt once per row even when ``generate``
+        (mapping cached prefix blocks), compute the prompt once per row even when ``generate``
         expands rows for beams or ``num_return_sequences`` (the copies are forks sharing the
-        pages), then generate, feeding only uncached tokens. Rows are released at the end unless
-        ``keep``; their full pages stay cached for the next call. ``attention_mask`` defaults to
-        all ones and is passed to ``generate`` explicitly, so the pages are hashed under the mask
+        blocks), then generate, feeding only uncached tokens. Rows are released at the end unless
+        ``keep``; their full blocks stay cached for the next call. ``attention_mask`` defaults to
+        all ones and is passed to ``generate`` explicitly, so the blocks are hashed under the mask
         that was really used. Counts go to :attr:`last_call`."""
         model = model if model is not None else self._model
         if model is None:
