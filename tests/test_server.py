@@ -124,7 +124,7 @@ class FakeEngine:
         params, detokenizer = request.params, seq.detokenizer
         token = request.prompt_ids[(seq.index + len(detokenizer.token_ids)) % len(request.prompt_ids)]
         delta = detokenizer.append(token)
-        self.metrics.on_tokens(request.request_id, 1)
+        self.metrics.on_step_tokens({request.request_id: 1})
         if params.logprobs is not None:
             top = {t: -1.0 - k for k, t in enumerate(request.prompt_ids[:params.logprobs])}
             seq.logprobs.append({**top, token: -0.5})
@@ -673,7 +673,7 @@ def test_metrics_hooks_summary_and_render():
     metrics.on_request_added("a", 10, now=0.0)
     metrics.on_first_token("a", now=0.5)
     for n, now in ((1, 0.5), (1, 0.7), (2, 1.1)):
-        metrics.on_tokens("a", n, now=now)
+        metrics.on_step_tokens({"a": n}, now=now)
     metrics.on_request_finished("a", "stop", now=1.2)
     metrics.on_request_added("b", 4, now=1.0)
     metrics.on_request_finished("b", "abort", now=1.5)  # no token: no TTFT, no TPOT

@@ -54,6 +54,19 @@ class _VarlenCall:
             out = torch.empty_like(out).index_copy_(0, self.query_rows, out)
         return out[None]
 
+    def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 scaling: float | None) -> torch.Tensor:
+        start = self._begin()
+        self.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = self._attend(layer, query, scale)
+        self.seconds += time.perf_counter() - start
+        return out
+
+    def _attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """Layer ``layer``'s attention output ``[1, T, Hq, D]`` (K/V already written)."""
+        raise NotImplementedError
+
 
 class FlashSlotAttention(_VarlenCall, ContiguousAttention):
     """vmem: ``rows_per_slot`` and ``num_rows`` describe the flattened slot views (from
@@ -76,21 +89,14 @@ class FlashSlotAttention(_VarlenCall, ContiguousAttention):
             staged.add("kv_slots", [s.slot for s in self.spans], torch.int32)
             staged.add("kv_lengths", [s.length for s in self.spans], torch.int32)
 
-    def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 scaling: float | None) -> torch.Tensor:
-        start = self._begin()
-        self.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    def _attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
         k_view, v_view = self.kv_views(layer)
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         if self.kvcache_decode:  # packed order is batch order: no reordering
             q = query[0].transpose(0, 1).contiguous()
-            out = package_kvcache_decode(q, k_view, v_view, self.kv_lengths, self.kv_slots,
-                                         self.args.max_seqlen_k, scale)[None]
-        else:
-            out = self._varlen(query, flatten_slots(k_view, self.rows_per_slot),
-                               flatten_slots(v_view, self.rows_per_slot), scale)
-        self.seconds += time.perf_counter() - start
-        return out
+            return package_kvcache_decode(q, k_view, v_view, self.kv_lengths, self.kv_slots,
+                                          self.args.max_seqlen_k, scale)[None]
+        return self._varlen(query, flatten_slots(k_view, self.rows_per_slot),
+                            flatten_slots(v_view, self.rows_per_slot), scale)
 
 
 class FlashBlockTableAttention(_VarlenCall, BlockTableAttention):
@@ -108,12 +114,6 @@ class FlashBlockTableAttention(_VarlenCall, BlockTableAttention):
         super().stage(staged)
         _stage_varlen(staged, self.args)
 
-    def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 scaling: float | None) -> torch.Tensor:
-        start = self._begin()
-        self.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    def _attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
         k_blocks, v_blocks = self.block_views(layer)
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = self._varlen(query, k_blocks, v_blocks, scale, self.block_table)
-        self.seconds += time.perf_counter() - start
-        return out
+        return self._varlen(query, k_blocks, v_blocks, scale, self.block_table)

@@ -109,7 +109,7 @@ class EngineMetrics:
             self._first_added = now
 
     def on_first_token(self, request_id: str, now: float | None = None) -> None:
-        """The request's first output token exists (idempotent; ``on_tokens`` implies it)."""
+        """The request's first output token exists (idempotent; ``on_step_tokens`` implies it)."""
         times = self._requests.get(request_id)
         if times is None or times.first_token is not None:
             return
@@ -117,26 +117,9 @@ class EngineMetrics:
         self.ttft.observe(times.first_token - times.added)
         self.ttft_s.append(times.first_token - times.added)
 
-    def on_tokens(self, request_id: str, n: int, now: float | None = None) -> None:
-        """``n`` output tokens were generated for the request in this step (the first included)."""
-        if n <= 0:
-            return
-        now = _now(now)
-        self.generation_tokens.inc(n)
-        self.num_generation_tokens += n
-        self._last_token = now
-        self._recent_tokens.append((now, n))
-        self._recent_token_count += n
-        times = self._requests.get(request_id)
-        if times is None:
-            return
-        self.on_first_token(request_id, now)
-        times.last_token = now
-        times.num_generated += n
-
     def on_step_tokens(self, counts: dict[str, int], now: float | None = None) -> None:
-        """One step's output tokens, ``{request_id: n}``: what ``on_tokens`` does for each
-        request, with the shared counters and the throughput window updated once."""
+        """One step's output tokens, ``{request_id: n}`` (first tokens included): the shared
+        counters and the throughput window are updated once per step, then each request's times."""
         total = sum(counts.values())
         if total <= 0:
             return
