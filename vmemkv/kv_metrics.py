@@ -19,21 +19,37 @@ What it counts:
   ``background`` inside ``map_lookahead``, which the engine runs on its worker thread, overlapped
   with the forward pass.
 
-Without a collector (``metrics=None``, the default) every timed operation costs one attribute
-check: each one starts with ``if metrics is not None and not metrics.busy`` and, when timing,
-calls itself again through :meth:`KVMetricsCollector.time_operation` (which sets ``busy``, so the
-inner call and any nested operation run untimed).
+The manager's operations are decorated with :func:`timed`. Without a collector
+(``metrics=None``, the default) that costs one call and one attribute check per operation; with
+one, the outermost operation runs inside :meth:`KVMetricsCollector.time_operation`, which sets
+``busy``, so nested operations run untimed.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, Callable, Iterator
 
-__all__ = ["KVMetricsCollector", "Timing"]
+__all__ = ["KVMetricsCollector", "Timing", "timed"]
+
+
+def timed(method: Callable) -> Callable:
+    """Count a manager method as the operation of its name in the manager's collector (if it
+    has one): outermost calls only, so an operation's time includes those it calls."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def timed_method(self, *args: Any, **kwargs: Any) -> Any:
+        metrics = self.metrics
+        if metrics is None or metrics.busy:
+            return method(self, *args, **kwargs)
+        return metrics.time_operation(name, method, self, *args, **kwargs)
+
+    return timed_method
 
 
 @dataclass

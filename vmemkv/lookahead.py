@@ -15,6 +15,7 @@ from typing import Sequence
 
 from . import validation as check
 from .errors import PageStateError
+from .kv_metrics import timed
 from .manager_state import ManagerState
 from .slots import MapJob
 
@@ -22,6 +23,7 @@ from .slots import MapJob
 class LookaheadOps(ManagerState):
     """allocate_lookahead, map_lookahead, cancel_lookahead (mixed into KVCacheManager)."""
 
+    @timed
     def allocate_lookahead(self, request_ids: Sequence[str], margin_tokens: int,
                            keep_free: int = 0) -> list[MapJob]:
         """Give each request whose reservation ends within ``margin_tokens`` of its last block's
@@ -30,9 +32,6 @@ class LookaheadOps(ManagerState):
         blocks are taken, so no cached prefix is evicted for a guess. Returns the jobs for
         ``map_lookahead``, which may run on another thread while the device computes: it touches
         only mapping state, and only pages past every reserved position."""
-        if self.metrics is not None and not self.metrics.busy:
-            return self.metrics.time_operation("allocate_lookahead", self.allocate_lookahead,
-                                               request_ids, margin_tokens, keep_free)
         self._check_open()
         margin_tokens = check.count(margin_tokens, "margin_tokens")
         keep_free = check.count(keep_free, "keep_free")
@@ -60,11 +59,10 @@ class LookaheadOps(ManagerState):
         with self.metrics.background():
             self.slots.map_jobs(jobs)
 
+    @timed
     def cancel_lookahead(self, jobs: list[MapJob]) -> None:
         """Give back the blocks of lookahead jobs whose mapping was refused; call it right after
         ``map_lookahead`` raised, before the requests change."""
-        if self.metrics is not None and not self.metrics.busy:
-            return self.metrics.time_operation("cancel_lookahead", self.cancel_lookahead, jobs)
         by_slot = {req.slot: req for req in self._requests.values() if req.swapped is None}
         for job in jobs:
             req = by_slot.get(job.slot)

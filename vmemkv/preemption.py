@@ -13,6 +13,7 @@ from typing import Literal
 
 from . import validation as check
 from .cache_config import PreemptionEstimate
+from .kv_metrics import timed
 from .manager_state import ManagerState, UnknownRequestError
 from .slots import MapJob
 
@@ -20,10 +21,8 @@ from .slots import MapJob
 class PreemptionOps(ManagerState):
     """estimate_preemption, preempt, swap_in (mixed into KVCacheManager)."""
 
+    @timed
     def estimate_preemption(self, request_id: str) -> PreemptionEstimate:
-        if self.metrics is not None and not self.metrics.busy:
-            return self.metrics.time_operation("estimate_preemption", self.estimate_preemption,
-                                               request_id)
         req = self._running(request_id)
         private = [b for b in self._reserved_blocks(req) if self.pool.ref[b] == 1]
         swap_bytes = len(private) * self.layout.block_bytes
@@ -38,14 +37,13 @@ class PreemptionOps(ManagerState):
             swap_bytes, recompute, 2 * swap_bytes / self.config.swap_bytes_per_second,
             recompute / self.config.prefill_tokens_per_second, len(private) <= self.swap.num_free)
 
+    @timed
     def preempt(self, request_id: str, mode: Literal["recompute", "swap", "auto"] = "auto") -> str:
         """Take a running request off the device; returns the mode used.
 
         recompute: its blocks are released (cached ones may be hit when it is admitted again with
         all its tokens). swap: its private blocks are copied to host swap space and released;
         blocks shared with other requests stay referenced; ``swap_in`` brings it back."""
-        if self.metrics is not None and not self.metrics.busy:
-            return self.metrics.time_operation("preempt", self.preempt, request_id, mode)
         req = self._running(request_id)
         self._require_committed(req)
         mode = check.choice(mode, "preemption mode", check.PREEMPT_MODES)
@@ -68,11 +66,10 @@ class PreemptionOps(ManagerState):
         self.stats.swap_out_bytes += len(private) * self.layout.block_bytes
         return mode
 
+    @timed
     def swap_in(self, request_id: str) -> bool:
         """Bring a swapped request back into any free slot, bit-exact. Returns False, changing
         nothing, without a free slot or enough blocks."""
-        if self.metrics is not None and not self.metrics.busy:
-            return self.metrics.time_operation("swap_in", self.swap_in, request_id)
         self._check_open()
         req = self._requests.get(check.request_id(request_id))
         if req is None or req.swapped is None:

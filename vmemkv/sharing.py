@@ -13,6 +13,7 @@ from typing import Sequence
 
 from . import validation as check
 from .errors import PageStateError
+from .kv_metrics import timed
 from .manager_state import ManagerState, _Request
 from .slots import MapJob
 
@@ -20,12 +21,11 @@ from .slots import MapJob
 class SharingOps(ManagerState):
     """fork, reorder, truncate (mixed into KVCacheManager)."""
 
+    @timed
     def fork(self, parent_id: str, child_id: str, slot: int | None = None) -> bool:
         """Start ``child_id`` as a copy of ``parent_id`` in another slot (``slot`` when given):
         full blocks shared, the partial last block copied. Returns False, changing nothing, without
         a slot (or not ``slot``) or a block."""
-        if self.metrics is not None and not self.metrics.busy:
-            return self.metrics.time_operation("fork", self.fork, parent_id, child_id, slot)
         parent = self._running(parent_id)
         child_id = check.request_id(child_id, "child_id")
         slot = check.slot_index(slot, self.slots.num_slots)
@@ -51,13 +51,12 @@ class SharingOps(ManagerState):
         self.stats.forks += 1
         return True
 
+    @timed
     def reorder(self, request_ids: Sequence[str], source_ids: Sequence[str]) -> bool:
         """Beam-search reorder: request ``request_ids[i]`` becomes a copy of ``source_ids[i]``
         (as they were before the call). Full blocks are remapped, never copied; a partial block is
         copied only when more than one request takes it. Returns False, changing nothing, when
         the copies need more free blocks than there are."""
-        if self.metrics is not None and not self.metrics.busy:
-            return self.metrics.time_operation("reorder", self.reorder, request_ids, source_ids)
         rows = [self._running(r) for r in check.request_id_list(request_ids, "request_ids")]
         sources = [self._running(s) for s in check.request_id_list(source_ids, "source_ids")]
         if len(rows) != len(sources) or len({id(row) for row in rows}) != len(rows):
@@ -103,13 +102,12 @@ class SharingOps(ManagerState):
             row.num_computed, row.hashes, row.num_registered = num_computed, hashes, registered
         return True
 
+    @timed
     def truncate(self, request_id: str, num_tokens: int) -> bool:
         """Forget every position from ``num_tokens`` on (rejected speculative tokens, a cropped
         cache). Blocks past the new end are released; if the new last block is partial and shared
         or cached, it is copied to a private block first, since the request will write it again.
         Returns False, changing nothing, when that copy finds no free block."""
-        if self.metrics is not None and not self.metrics.busy:
-            return self.metrics.time_operation("truncate", self.truncate, request_id, num_tokens)
         req = self._running(request_id)
         self._require_committed(req)
         num_tokens = check.count(num_tokens, "num_tokens")
