@@ -77,7 +77,7 @@ class SlotBinder:
         self.max_tokens = max_tokens
         # the pool's blocks; the backend may hold more pages past them (SlotMapper's filler)
         self.num_blocks = num_blocks or backend.num_pages // layout.pages_per_block
-        self._free = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 is taken first
+        self._free = list(range(num_slots - 1, -1, -1))  # free slots; choose() takes the lowest
         self.stats = SlotStats()
         self._block_views = [self._layer_block_views(layer) for layer in range(layout.num_layers)]
         self._own_references = self._reference_counts()
