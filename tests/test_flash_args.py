@@ -191,7 +191,7 @@ def test_decode_only_steps_can_take_the_kvcache_call(vmem_manager, monkeypatch):
     expected = sdpa_step(vmem_manager, decodes, query, key, value)
     calls = []
 
-    def fake_kvcache_decode(q, k_view, v_view, lengths, slots, max_length, scale):
+    def fake_kvcache_decode(q, k_view, v_view, lengths, slots, max_length, scale, window=None, softcap=None):
         calls.append((slots.tolist(), lengths.tolist(), max_length))
         flat_k, flat_v = flatten_slots(k_view), flatten_slots(v_view)
         per_slot = slot_rows(k_view)

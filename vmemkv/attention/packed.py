@@ -115,18 +115,22 @@ class PackedAttention:
             q = query[0].index_select(1, self.decode_rows).transpose(0, 1).contiguous()  # [B, Hq, D]
             output[0].index_copy_(0, self.decode_rows,
                                   self.decode(layer, q, scale, window=window, softcap=softcap, sinks=sinks))
+        one_by_one = self.sdpa_spans
         if self.batches:
             output = query.new_empty((1, num_tokens, num_heads, head_dim))
             for batch in self.batches:  # one call per batch, rows in and out by index
-                first, mask = batch.window(window)
-                attend(query, *self.batch_kv(layer, batch, first), mask, batch, scale, output,
+                read = batch.window(window)
+                if read is None:  # windows start apart: no read behind any member's window
+                    one_by_one = one_by_one + batch.members
+                    continue
+                attend(query, *self.batch_kv(layer, batch, read[0]), read[1], batch, scale, output,
                        softcap, sinks)
         attended = [self._attend_span(layer, index, query, scale, window, softcap, sinks)
-                    for index in self.sdpa_spans]
+                    for index in one_by_one]
         if output is None:  # SDPA only (CPU): the spans tile the packed rows in order, one cat
             output = torch.cat(attended, dim=2).transpose(1, 2)
         else:
-            for index, part in zip(self.sdpa_spans, attended):
+            for index, part in zip(one_by_one, attended):
                 span = self.spans[index]
                 output[0, span.query_start: span.query_start + span.num_queries] = part[0].transpose(0, 1)
         self.seconds += time.perf_counter() - start

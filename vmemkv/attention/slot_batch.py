@@ -9,8 +9,9 @@ into a padded tensor (a copy: ``gather_padded``).
 Grouped-query attention is folded into the query dimension: the ``G = Hq / Hk`` query heads that
 share a KV head become ``G`` queries of that head (``[B, Hk, G, D]``), so SDPA needs no
 ``enable_gqa`` expansion of K/V (measured 1.7x faster than ``enable_gqa`` on CPU, tiny-llama shape).
-With a sliding window the call reads from the batch's earliest window start, and the mask also
-hides each row's positions before its own window (``DecodeBatch.window``).
+With a sliding window the call reads from the window start when every member's window starts
+there; otherwise its members are attended one by one (``DecodeBatch.window``), so that no read
+touches a position behind a member's window.
 Prefill stays per sequence: padding queries into one masked call measured slower than SDPA's
 causal kernel per sequence (5.1 ms vs 26 ms, 32 prompts of 16-128 tokens).
 """
@@ -44,31 +45,23 @@ class DecodeBatch:
     lo: int = -1
     rows: torch.Tensor | None = None  # packed query rows of the members, int64 [B]
     mask: torch.Tensor | None = None  # [B, 1, 1, read_len] bool, True where a key is read
-    shortest: int = 0  # the shortest member's length
-    lengths: torch.Tensor | None = None  # [B, 1]
-    windowed: dict[int, tuple[int, torch.Tensor]] | None = None  # window -> (start, mask)
+    same_length: bool = False  # every member has read_len tokens
 
     def finish(self, spans: list[SequenceSpan], device: torch.device) -> None:
         lengths = [spans[i].length for i in self.members]
-        self.shortest = min(lengths)
-        self.lengths = torch.tensor(lengths, device=device)[:, None]
+        self.same_length = min(lengths) == self.read_len
         self.rows = torch.tensor([spans[i].query_start for i in self.members], device=device)
-        self.mask = (torch.arange(self.read_len, device=device) < self.lengths)[:, None, None, :]
+        self.mask = (torch.arange(self.read_len, device=device) < torch.tensor(lengths, device=device)[:, None]
+                     )[:, None, None, :]
 
-    def window(self, window: int | None) -> tuple[int, torch.Tensor]:
-        """``(start, mask)`` for a layer with this sliding window: keys are read from ``start``
-        (the earliest window start among the members), ``mask`` ``[B, 1, 1, read_len - start]``
-        sees each row's last ``window`` positions only."""
+    def window(self, window: int | None) -> tuple[int, torch.Tensor | None] | None:
+        """``(start, mask)`` for a layer with this sliding window: keys are read from position
+        ``start`` under ``mask`` (None: all seen). None when the members' windows start at
+        different positions: one read would then touch positions behind some member's window,
+        so those members are attended one by one."""
         if not window or self.read_len <= window:
             return 0, self.mask
-        if self.windowed is None:
-            self.windowed = {}
-        if window not in self.windowed:
-            start = max(0, self.shortest - window)
-            positions = torch.arange(start, self.read_len, device=self.mask.device)
-            seen = (positions < self.lengths) & (positions >= self.lengths - window)
-            self.windowed[window] = (start, seen[:, None, None, :])
-        return self.windowed[window]
+        return (self.read_len - window, None) if self.same_length else None
 
 
 def worth_batching(lengths: list[int]) -> bool:
@@ -95,7 +88,7 @@ def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
            batch: DecodeBatch, scale: float, output: torch.Tensor, softcap: float | None = None,
            sinks: torch.Tensor | None = None) -> None:
     """``query`` ``[1, Hq, T, D]`` (packed); ``k``/``v`` ``[B, N, Hk, D]`` with ``mask``
-    ``[B, 1, 1, N]`` (from ``batch.window``); writes the members' rows of ``output``
+    ``[B, 1, 1, N]`` or None (from ``batch.window``); writes the members' rows of ``output``
     ``[1, T, Hq, D]``."""
     num_rows, num_kv_heads = k.shape[0], k.shape[2]
     _, num_heads, _, head_dim = query.shape

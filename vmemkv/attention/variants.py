@@ -50,17 +50,18 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     batch, num_heads, num_queries, head_dim = query.shape
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
-    q = query.reshape(batch, num_kv_heads, group, num_queries, head_dim).float()
-    scores = (q @ key[:, :, None].float().transpose(-1, -2)) * scale  # [B, Hk, G, M, N]
+    dtype = torch.promote_types(query.dtype, torch.float32)  # at least float32, as eager attention
+    q = query.reshape(batch, num_kv_heads, group, num_queries, head_dim).to(dtype)
+    scores = (q @ key[:, :, None].to(dtype).transpose(-1, -2)) * scale  # [B, Hk, G, M, N]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # [M, N] -> [1, 1, M, N]
         scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
     if sinks is not None:
-        sink = sinks.float().reshape(1, num_kv_heads, group, 1, 1).expand(*scores.shape[:-1], 1)
+        sink = sinks.to(dtype).reshape(1, num_kv_heads, group, 1, 1).expand(*scores.shape[:-1], 1)
         weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     else:
         weights = torch.softmax(scores, dim=-1)
-    out = weights @ value[:, :, None].float()
+    out = weights @ value[:, :, None].to(dtype)
     return out.reshape(batch, num_heads, num_queries, head_dim).to(query.dtype)
