@@ -13,8 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flash_cases import free_cases, mixed_step
-from vmemkv import CacheConfig, KVCacheManager
+from flash_cases import case_manager, mixed_step
 from vmemkv.attention import BlockTableAttention, ContiguousAttention, SequenceSpan
 from vmemkv.attention.flash import FlashBlockTableAttention, FlashSlotAttention
 from vmemkv.attention.flash_args import flatten_slots, slot_geometry
@@ -39,13 +38,7 @@ FLASH_KERNEL = FlashKernel("reference", reference_varlen, window=True, softcap=T
 
 @pytest.fixture(params=["vmem", "paged"])
 def manager(request):
-    manager = KVCacheManager(CacheConfig(
-        num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float64, tokens_per_page=4,
-        num_blocks=40, max_num_seqs=6, max_model_len=44, kv_backend=request.param))
-    yield manager
-    free_cases(manager)
-    manager.check()
-    manager.close()
+    yield from case_manager(tokens_per_page=4, kv_backend=request.param)
 
 
 def reference(spans, history, query, key, value, window=None, softcap=None, sinks=None):
