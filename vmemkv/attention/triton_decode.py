@@ -10,10 +10,10 @@ addressing of a key differs, chosen by the ``PAGED`` compile-time flag:
 * **paged (block table)**: ``k_blocks[block_tables[b, t // block_size], t % block_size]`` of a
   ``[num_blocks, block_size, kv_heads, head_dim]`` view.
 
-A layer may add a sliding window ``W`` (keys from ``seq_lens[b] - W`` on: the loop starts at the
-window, so positions behind it are never read), logit soft-capping (``c * tanh(s / c)``, tanh
-written with ``exp`` so the interpreter runs it too) and per-head sink logits (added to the softmax
-denominator: in the decode kernel without split-K, in the combine kernel with it).
+A layer may add a sliding window ``W`` (the loop starts at ``seq_lens[b] - W``: nothing behind
+it is read), soft-capping (``c * tanh(s / c)``, tanh by ``exp`` for the interpreter) and per-head
+sink logits (in the softmax denominator: the decode kernel's, or the combine kernel's with split-K).
+Argument checks live in ``decode_checks``.
 
 The kernel reads only positions ``t < seq_lens[b]`` (clamped to what the view can address): every
 K/V load and every block-table load is masked, so an unmapped page past a sequence's end is never
@@ -44,10 +44,10 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
         "vmemkv.attention.triton_decode needs Triton (pip install triton); "
         "use the SDPA attention (vmemkv.attention.ContiguousAttention) without it") from exc
 
+from .decode_checks import check_inputs, check_values, check_variant
+
 __all__ = ["decode_attention_contiguous", "decode_attention_paged", "default_num_splits", "triton_interprets"]
 
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MAX_HEAD_DIM = 256
 _MAX_SPLITS = 64
 _MIN_TOKENS_PER_SPLIT = 256
 
@@ -256,48 +256,6 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _check_common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
-                  names: tuple[str, str], out: torch.Tensor | None) -> None:
-    k_name, v_name = names
-    if q.dim() != 3:
-        raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {tuple(q.shape)}")
-    if k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"{k_name} and {v_name} must be 4-D [outer, tokens, kv_heads, head_dim], got "
-                         f"{tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"{k_name} {tuple(k.shape)} and {v_name} {tuple(v.shape)} must have the same shape")
-    if q.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"q dtype {q.dtype} is not supported; use one of {_SUPPORTED_DTYPES}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, {k_name} and {v_name} must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
-    if k.shape[3] != head_dim:
-        raise ValueError(f"q head_dim {head_dim} differs from {k_name} head_dim {k.shape[3]}")
-    if not 1 <= head_dim <= _MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {head_dim} is not supported; it must be between 1 and {_MAX_HEAD_DIM}")
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-    if k.stride(3) != 1 or v.stride(3) != 1:
-        raise ValueError(f"the last dim of {k_name} and {v_name} must be contiguous (stride 1), got strides "
-                         f"{k.stride()} and {v.stride()}")
-    if seq_lens.shape != (batch,):
-        raise ValueError(f"seq_lens must be [batch] = [{batch}], got {tuple(seq_lens.shape)}")
-    if seq_lens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"seq_lens must be int32 or int64, got {seq_lens.dtype}")
-    tensors = {"q": q, k_name: k, v_name: v, "seq_lens": seq_lens}
-    if out is not None:
-        if out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
-            raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim, got "
-                             f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
-        tensors["out"] = out
-    devices = {name: t.device for name, t in tensors.items()}
-    if len(set(devices.values())) != 1:
-        raise ValueError(f"all tensors must be on one device, got {devices}")
-    if q.device.type not in ("cuda", "cpu"):
-        raise ValueError(f"device {q.device} is not supported: CUDA runs compiled, CPU interpreted")
-
-
 def _launch(q, k, v, index, stride_index_b, seq_lens, scale, capacity, outer_strides, *, paged: bool,
             block_size: int, out, num_splits, max_seq_len, block_n, num_warps, num_stages,
             window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None):
@@ -317,14 +275,8 @@ def _launch(q, k, v, index, stride_index_b, seq_lens, scale, capacity, outer_str
         raise ValueError("CPU tensors run only under Triton's interpreter, and triton was imported without "
                          "TRITON_INTERPRET=1: set it in the environment before triton is first imported, "
                          "or pass CUDA tensors")
-    if window is not None and window <= 0:
-        raise ValueError(f"window must be a positive number of tokens, got {window}")
-    if softcap is not None and softcap <= 0:
-        raise ValueError(f"softcap must be positive, got {softcap}")
+    check_variant(q, window, softcap, sinks)
     if sinks is not None:
-        if sinks.shape != (num_q_heads,) or sinks.device != q.device:
-            raise ValueError(f"sinks must be [num_q_heads] = [{num_q_heads}] on {q.device}, got "
-                             f"{tuple(sinks.shape)} on {sinks.device}")
         sinks = sinks.float().contiguous()
     if num_splits is None:
         longest = capacity if max_seq_len is None else max_seq_len
@@ -393,7 +345,7 @@ def decode_attention_contiguous(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     ``window``: attend the last ``window`` keys only (read from there); ``softcap``: logit
     soft-capping; ``sinks``: ``[Hq]`` sink logits (see ``variants``).
     """
-    _check_common(q, k_cache, v_cache, seq_lens, ("k_cache", "v_cache"), out)
+    check_inputs(q, k_cache, v_cache, seq_lens, ("k_cache", "v_cache"), out)
     if slot_ids.shape != (q.shape[0],) or slot_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_ids must be int32/int64 [batch] = [{q.shape[0]}], got "
                          f"{tuple(slot_ids.shape)} {slot_ids.dtype}")
@@ -401,8 +353,8 @@ def decode_attention_contiguous(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         raise ValueError(f"slot_ids is on {slot_ids.device}, q on {q.device}")
     num_slots, max_tokens = k_cache.shape[:2]
     if check_bounds and q.shape[0]:
-        _check_values("seq_lens", seq_lens, 0, max_tokens, "the view's max_tokens")
-        _check_values("slot_ids", slot_ids, 0, num_slots - 1, "num_slots - 1")
+        check_values("seq_lens", seq_lens, 0, max_tokens, "the view's max_tokens")
+        check_values("slot_ids", slot_ids, 0, num_slots - 1, "num_slots - 1")
     return _launch(q, k_cache, v_cache, slot_ids, 0, seq_lens, scale, max_tokens,
                    (k_cache.stride(0), v_cache.stride(0)), paged=False, block_size=1, out=out,
                    num_splits=num_splits, max_seq_len=max_seq_len, block_n=block_n,
@@ -426,7 +378,7 @@ def decode_attention_paged(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
     a sequence's length are never read. Other arguments as in ``decode_attention_contiguous``;
     ``check_bounds=True`` also checks the entries each sequence uses against ``num_blocks``.
     """
-    _check_common(q, k_blocks, v_blocks, seq_lens, ("k_blocks", "v_blocks"), out)
+    check_inputs(q, k_blocks, v_blocks, seq_lens, ("k_blocks", "v_blocks"), out)
     batch = q.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype not in (torch.int32,
                                                                                                  torch.int64):
@@ -439,19 +391,11 @@ def decode_attention_paged(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
     num_blocks, block_size = k_blocks.shape[:2]
     capacity = block_tables.shape[1] * block_size
     if check_bounds and batch:
-        _check_values("seq_lens", seq_lens, 0, capacity, "max_blocks * block_size")
+        check_values("seq_lens", seq_lens, 0, capacity, "max_blocks * block_size")
         used = torch.arange(block_tables.shape[1], device=q.device)[None, :] * block_size < seq_lens[:, None]
-        _check_values("block table entries in use", block_tables[used], 0, num_blocks - 1, "num_blocks - 1")
+        check_values("block table entries in use", block_tables[used], 0, num_blocks - 1, "num_blocks - 1")
     return _launch(q, k_blocks, v_blocks, block_tables, block_tables.stride(0), seq_lens, scale, capacity,
                    (k_blocks.stride(0), v_blocks.stride(0)), paged=True, block_size=block_size, out=out,
                    num_splits=num_splits, max_seq_len=max_seq_len, block_n=block_n,
                    num_warps=num_warps, num_stages=num_stages, window=window, softcap=softcap,
                    sinks=sinks)
-
-
-def _check_values(name: str, values: torch.Tensor, low: int, high: int, high_name: str) -> None:
-    if values.numel() == 0:
-        return
-    lo, hi = int(values.min()), int(values.max())
-    if lo < low or hi > high:
-        raise ValueError(f"{name} must lie in [{low}, {high}] ({high_name}), got values from {lo} to {hi}")
