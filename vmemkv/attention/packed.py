@@ -148,16 +148,13 @@ class PackedAttention:
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        # Plain causal from position 0 is SDPA's own (top-left aligned) is_causal.
-        causal = first == 0 and span.num_cached == 0 and span.num_queries > 1 and not (
-            window and span.length > window)
-        mask = None if causal else self._mask(span, first, window, q.device)
         if needs_explicit(softcap, sinks):
-            if causal:
-                mask = causal_window_mask(0, span.num_queries, 0, None, q.device)
-            return explicit_attention(q, k, v, scale, mask, softcap, sinks)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                              enable_gqa=True)
+            return explicit_attention(q, k, v, scale, self._mask(span, first, window, q.device), softcap, sinks)
+        # Plain causal from position 0 is SDPA's own (top-left aligned) is_causal.
+        causal = span.num_cached == 0 and span.num_queries > 1 and not (window and span.length > window)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None if causal else self._mask(span, first, window, q.device),
+            is_causal=causal, scale=scale, enable_gqa=True)
 
     def plan_batches(self) -> list[DecodeBatch]:
         """Decoding spans this addressing reads together (called once per step; none here)."""
@@ -181,9 +178,9 @@ class PackedAttention:
         raise NotImplementedError
 
     def _mask(self, span: SequenceSpan, start: int, window: int | None, device) -> torch.Tensor | None:
-        """Mask of queries that follow cached tokens (SDPA's own is_causal aligns top-left, which
-        is right only when nothing is cached), over keys from ``start``; None when every key
-        read is seen (a decode)."""
+        """Causal (and window) mask of the span's queries over its keys from ``start`` (SDPA's own
+        is_causal aligns top-left, which is right only when nothing is cached); None when every
+        key read is seen (a decode)."""
         if span.num_queries == 1:
             return None
         key = (span.num_cached, span.num_queries, window if window and span.length > window else None)
