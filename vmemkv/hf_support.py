@@ -10,8 +10,9 @@ its own, which applies what transformers passes it per layer: the scaling, a sli
 (local and global layers in one model), logit soft-capping and attention sinks
 (``vmemkv.attention.variants``); ``VmemkvCache`` hands every token to the model's own attention,
 whose mask applies the window. A model that attends otherwise would run and silently give other
-tokens than transformers, so both refuse it at load time with :func:`check_attention_supported`. This module reads config attributes (and a
-model's dtype and device) only; it does not import transformers.
+tokens than transformers, so both refuse it at load time with :func:`check_attention_supported`.
+This module reads config attributes (and a model's dtype and device) only; it does not import
+transformers.
 """
 
 from __future__ import annotations

@@ -149,7 +149,8 @@ class PackedAttention:
             k, v = k.to(q.dtype), v.to(q.dtype)
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         if needs_explicit(softcap, sinks):
-            return explicit_attention(q, k, v, scale, self._mask(span, first, window, q.device), softcap, sinks)
+            mask = self._mask(span, first, window, q.device)
+            return explicit_attention(q, k, v, scale, mask, softcap, sinks)
         # Plain causal from position 0 is SDPA's own (top-left aligned) is_causal.
         causal = span.num_cached == 0 and span.num_queries > 1 and not (window and span.length > window)
         return F.scaled_dot_product_attention(

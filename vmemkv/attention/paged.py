@@ -80,7 +80,8 @@ class BlockTableAttention(PackedAttention):
         k_blocks, v_blocks = self.block_views(layer)
         first = start // self.tokens_per_page  # blocks wholly behind the window are not gathered
         blocks = self.read_block_ids[self._table_starts[index] + first: self._table_starts[index + 1]]
-        rows = slice(start - first * self.tokens_per_page, self.spans[index].length - first * self.tokens_per_page)
+        offset = first * self.tokens_per_page  # the first gathered row's position
+        rows = slice(start - offset, self.spans[index].length - offset)
         k = k_blocks.index_select(0, blocks).flatten(0, 1)[rows]
         v = v_blocks.index_select(0, blocks).flatten(0, 1)[rows]
         self.copy_seconds += time.perf_counter() - began

@@ -51,8 +51,8 @@ class DecodeBatch:
         lengths = [spans[i].length for i in self.members]
         self.same_length = min(lengths) == self.read_len
         self.rows = torch.tensor([spans[i].query_start for i in self.members], device=device)
-        self.mask = (torch.arange(self.read_len, device=device) < torch.tensor(lengths, device=device)[:, None]
-                     )[:, None, None, :]
+        ends = torch.tensor(lengths, device=device)[:, None]
+        self.mask = (torch.arange(self.read_len, device=device) < ends)[:, None, None, :]
 
     def window(self, window: int | None) -> tuple[int, torch.Tensor | None] | None:
         """``(start, mask)`` for a layer with this sliding window: keys are read from position

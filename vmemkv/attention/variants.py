@@ -44,9 +44,9 @@ def causal_window_mask(num_cached: int, num_queries: int, start: int, window: in
 def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                        mask: torch.Tensor | None, softcap: float | None = None,
                        sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """``query`` ``[B, Hq, M, D]``, ``key``/``value`` ``[B, Hk, N, D]``, ``mask`` bool ``[M, N]`` or
-    broadcastable to ``[B, 1, M, N]`` (True: seen) or None; returns ``[B, Hq, M, D]`` in query's dtype. Grouped
-    heads are folded (``[B, Hk, G, M, D]``), so K/V are never repeated."""
+    """``query`` ``[B, Hq, M, D]``, ``key``/``value`` ``[B, Hk, N, D]``, ``mask`` bool ``[M, N]``
+    or broadcastable to ``[B, 1, M, N]`` (True: seen) or None; returns ``[B, Hq, M, D]`` in
+    query's dtype. Grouped heads are folded (``[B, Hk, G, M, D]``): K/V are never repeated."""
     batch, num_heads, num_queries, head_dim = query.shape
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads

@@ -6,9 +6,10 @@ side, with their absolute positions); our function receives each layer's query, 
 after RoPE and hands them to the step's attention object, which writes K/V into the cache and
 attends per sequence. No attention mask is built by transformers: the attention object knows the
 spans. A layer's sliding window, logit soft-capping and sinks (``sliding_window``, ``softcap``,
-``s_aux``) are passed on to it (``vmemkv.attention.variants``). (The name is deliberately not registered with transformers' mask interface: an attention
-implementation the mask code does not know skips mask preparation entirely, as vLLM's and TGI's
-do; registered, it would also scan the position ids for packed sequences on every forward.)
+``s_aux``) are passed on to it (``vmemkv.attention.variants``). (The name is deliberately not
+registered with transformers' mask interface: an attention implementation the mask code does not
+know skips mask preparation entirely, as vLLM's and TGI's do; registered, it would also scan the
+position ids for packed sequences on every forward.)
 """
 
 from __future__ import annotations
