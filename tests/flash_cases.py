@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from vmemkv import KVCacheManager
+from vmemkv import CacheConfig, KVCacheManager
 from vmemkv.attention import BlockTableAttention, ContiguousAttention, SequenceSpan
 
 # (new tokens this step, tokens already cached): prefill, chunked prefill, decode, decode
@@ -57,3 +57,15 @@ def mixed_step(manager: KVCacheManager, dtype: torch.dtype, seed: int = 0, devic
 def free_cases(manager: KVCacheManager) -> None:
     for index in range(len(CASES)):
         manager.free(f"case{index}")
+
+
+def case_manager(**config):
+    """A float64 manager shaped for ``mixed_step`` (2 layers, 2 kv heads of 16, 6 slots of 44
+    tokens), for a pytest fixture: ``yield from``; checked and closed afterwards."""
+    shape = dict(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float64, num_blocks=40,
+                 max_num_seqs=6, max_model_len=44)
+    manager = KVCacheManager(CacheConfig(**{**shape, **config}))
+    yield manager
+    free_cases(manager)
+    manager.check()
+    manager.close()

@@ -1,4 +1,5 @@
-"""The packed attention's Triton decode path gives what its SDPA path gives.
+"""The packed attention's Triton decode path gives what its SDPA path gives, plain and with a
+layer's sliding window, soft-capping and sinks.
 
 On CPU the kernel runs under Triton's interpreter, which must be switched on before triton is
 first imported (tests/conftest.py does so without a GPU) and which copies each argument's whole
@@ -43,12 +44,14 @@ CHILD = textwrap.dedent("""
         k_blocks.copy_(torch.randn_like(k_blocks))
         v_blocks.copy_(torch.randn_like(v_blocks))
     query, key, value = (torch.randn(1, h, total, 32) for h in (8, 2, 2))
-    outputs = []
-    for kernel in (False, True):
-        attention = BlockTableAttention(spans, manager.block_views, 8, torch.device("cpu"), kernel)
-        outputs.append(attention(1, query, key, value, None))
-    assert attention.decodes == [0, 1, 2]
-    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-4)
+    sinks = torch.randn(8)
+    for variant in ({}, dict(window=6), dict(softcap=0.7, sinks=sinks), dict(window=6, softcap=0.7, sinks=sinks)):
+        outputs = []
+        for kernel in (False, True):
+            attention = BlockTableAttention(spans, manager.block_views, 8, torch.device("cpu"), kernel)
+            outputs.append(attention(1, query, key, value, None, **variant))
+        assert attention.decodes == [0, 1, 2]
+        torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-4)
     print("decode path ok")
 """)
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flash_cases import free_cases, history_attention, mixed_step
-from vmemkv import CacheConfig, KVCacheManager
+from flash_cases import case_manager, history_attention, mixed_step
 from vmemkv.attention.flash import FlashBlockTableAttention, FlashSlotAttention
 from vmemkv.attention.flash_args import (FlashUnsupportedError, block_varlen_args, fa2_block_size_supported,
                                          flatten_slots, slot_geometry, slot_rows, slot_varlen_args,
@@ -28,24 +27,13 @@ SCALE = 0.3  # not head_dim ** -0.5: the scale must travel through
 
 @pytest.fixture(params=["token_major", "per_layer"])
 def vmem_manager(request):
-    manager = KVCacheManager(CacheConfig(
-        num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float64, tokens_per_page=8,
-        num_blocks=40, max_num_seqs=6, max_model_len=44, layout=request.param))
-    yield manager
-    free_cases(manager)
-    manager.check()
-    manager.close()
+    yield from case_manager(tokens_per_page=8, layout=request.param)
 
 
 @pytest.fixture(params=[8, 256])
 def paged_manager(request):
-    manager = KVCacheManager(CacheConfig(
-        num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float64, tokens_per_page=request.param,
-        num_blocks=40 if request.param == 8 else 8, max_num_seqs=6, max_model_len=44, kv_backend="paged"))
-    yield manager
-    free_cases(manager)
-    manager.check()
-    manager.close()
+    yield from case_manager(tokens_per_page=request.param, num_blocks=40 if request.param == 8 else 8,
+                            kv_backend="paged")
 
 
 def sdpa_step(manager, spans, query, key, value, layer=1):
@@ -191,7 +179,7 @@ def test_decode_only_steps_can_take_the_kvcache_call(vmem_manager, monkeypatch):
     expected = sdpa_step(vmem_manager, decodes, query, key, value)
     calls = []
 
-    def fake_kvcache_decode(q, k_view, v_view, lengths, slots, max_length, scale):
+    def fake_kvcache_decode(q, k_view, v_view, lengths, slots, max_length, scale, window=None, softcap=None):
         calls.append((slots.tolist(), lengths.tolist(), max_length))
         flat_k, flat_v = flatten_slots(k_view), flatten_slots(v_view)
         per_slot = slot_rows(k_view)

@@ -58,7 +58,7 @@ def cuda_manager(kv_backend: str = "vmem", layout: str = "token_major", dtype=to
                 raise
 
 
-def reference_step(spans, query, k_in, v_in, args):
+def reference_step(spans, query, k_in, v_in, args, window=None, softcap=None):
     """The float64 reference over exactly the kernel's arguments, back in packed order."""
     from vmemkv.attention.flash_reference import varlen_attention_reference
     host = {name: t.cuda() for name, t in args.tensors().items()}
@@ -66,7 +66,8 @@ def reference_step(spans, query, k_in, v_in, args):
     if "query_rows" in host:
         q = q.index_select(0, host["query_rows"])
     out = varlen_attention_reference(q, k_in, v_in, host["cu_seqlens_q"], host["cu_seqlens_k"], SCALE,
-                                     seqused_k=host["seqused_k"], block_table=host.get("block_table"))
+                                     seqused_k=host["seqused_k"], block_table=host.get("block_table"),
+                                     window=window, softcap=softcap)
     if "query_rows" in host:
         out = torch.empty_like(out).index_copy_(0, host["query_rows"], out)
     return out[None]
@@ -137,6 +138,51 @@ def test_flash_over_block_tables_matches_reference(dtype):
         torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
         torch.testing.assert_close(sdpa.double(), expected, atol=tol, rtol=tol)
         del k_blocks, v_blocks, flash
+
+
+@needs_bindings
+@pytest.mark.parametrize("kv_backend", ["vmem", "paged"])
+@pytest.mark.parametrize("variant", ["window", "window+softcap", "sinks"])
+def test_layer_variants_agree_across_flash_sdpa_and_triton(kv_backend, variant):
+    """A sliding window (FlashAttention's window_size_left), soft-capping (the kernel's where it
+    has it, else the explicit path) and sinks (the explicit path; Triton's own for decodes): every
+    GPU path against the float64 reference, or, for sinks, the paths against each other."""
+    from vmemkv.attention import BlockTableAttention, ContiguousAttention
+    from vmemkv.attention.flash import FlashBlockTableAttention, FlashSlotAttention
+    from vmemkv.attention.flash_args import block_varlen_args, flatten_slots, slot_geometry, slot_varlen_args
+
+    paged = kv_backend == "paged"
+    kernel = flash_kernel(paged)
+    with cuda_manager(kv_backend, dtype=torch.float16) as manager:
+        spans, query, key, value = mixed_step(manager, torch.float16, device="cuda")
+        options = {"window": dict(window=6), "window+softcap": dict(window=6, softcap=0.7),
+                   "sinks": dict(sinks=torch.linspace(-1.0, 2.0, query.shape[1], device="cuda"))}[variant]
+        device = torch.device("cuda")
+        if paged:
+            size = manager.tokens_per_page
+            views = manager.block_views
+            flash = FlashBlockTableAttention(spans, views, size, device, kernel)
+            sdpa = BlockTableAttention(spans, views, size, device)
+            triton = BlockTableAttention(spans, views, size, device, decode_kernel=True)
+            k_in, v_in = views(1)
+            args = block_varlen_args(spans, size)
+        else:
+            rows = slot_geometry(*manager.kv_views(1))
+            k_in, v_in = (flatten_slots(view, rows) for view in manager.kv_views(1))
+            flash = FlashSlotAttention(spans, manager.kv_views, device, kernel, rows, k_in.shape[0])
+            sdpa = ContiguousAttention(spans, manager.kv_views, device)
+            triton = ContiguousAttention(spans, manager.kv_views, device, decode_kernel=True)
+            args = slot_varlen_args(spans, rows, k_in.shape[0])
+        outputs = [attention(1, query, key, value, SCALE, **options).double() for attention in (flash, sdpa, triton)]
+        torch.cuda.synchronize()
+        tol = TOLERANCE[torch.float16]
+        if "sinks" in options:
+            expected = outputs[1]
+        else:
+            expected = reference_step(spans, query, k_in, v_in, args, **options)
+        for out in outputs:
+            torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+        del k_in, v_in, flash, sdpa, triton
 
 
 @needs_bindings

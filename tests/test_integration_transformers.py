@@ -280,10 +280,10 @@ def test_errors_are_clear(model, cache):
     with pytest.raises(NoFreeSlotError, match="consecutive free slots"):
         generate(model, prompt(8, 20).repeat(9, 1), cache, max_new_tokens=2, do_sample=False)
     cache.release()
-    with pytest.raises(ConfigError, match="sliding window"):
+    with pytest.raises(ConfigError, match="chunked attention of 8 tokens"):
         config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=2, layer_types=["sliding_attention", "full_attention"],
-                             sliding_window=8)
+                             num_attention_heads=2, layer_types=["chunked_attention", "full_attention"],
+                             attention_chunk_size=8)
         manager_for(LlamaForCausalLM(config), max_batch_size=1, max_cache_len=32)
 
 

@@ -215,6 +215,38 @@ def test_head_dim_that_is_not_a_power_of_two_is_padded():
     assert_matches(out, reference(q, seqs, 0.2), dtype)
 
 
+@cpu_case
+@pytest.mark.parametrize("window, softcap, with_sinks, num_splits", [
+    (7, None, False, 1), (None, 0.8, False, 1), (None, None, True, 3), (5, 0.5, True, 1), (5, 0.5, True, 3)],
+    ids=["window", "softcap", "sinks-split", "all", "all-split"])
+def test_layer_variants_match_the_explicit_reference(window, softcap, with_sinks, num_splits):
+    """Sliding window, soft-capping, sinks, against ``variants.explicit_attention`` in float64.
+    Positions behind each window are NaN in both caches: a read of one would show in the output."""
+    from vmemkv.attention.variants import explicit_attention
+
+    lens, group, kv_heads, head_dim, dtype = [1, 70, 6, 33], 2, 2, 32, torch.float32
+    generator, seqs, q, seq_lens = make_case(lens, group, kv_heads, head_dim, dtype, seed=5)
+    sinks = torch.randn(kv_heads * group, generator=generator) if with_sinks else None
+    expected = torch.zeros(q.shape, dtype=torch.float64)
+    for b, (k, v) in enumerate(seqs):
+        first = max(0, k.shape[0] - window) if window else 0
+        expected[b] = explicit_attention(q[b, :, None].double()[None], k[first:].transpose(0, 1)[None].double(),
+                                         v[first:].transpose(0, 1)[None].double(), 0.3, None, softcap,
+                                         sinks)[0, :, 0]
+    if window:  # poison what lies behind each window
+        seqs = [(k.clone(), v.clone()) for k, v in seqs]
+        for k, v in seqs:
+            k[:max(0, k.shape[0] - window)] = NAN
+            v[:max(0, v.shape[0] - window)] = NAN
+    k_cache, v_cache, slots = interleaved_slots(seqs, 5, 80, kv_heads, head_dim, dtype, "cpu", generator)
+    k_blocks, v_blocks, tables = shuffled_blocks(seqs, 16, kv_heads, head_dim, dtype, "cpu", generator)
+    variant = dict(num_splits=num_splits, window=window, softcap=softcap, sinks=sinks)
+    vmem = decode_attention_contiguous(q, k_cache, v_cache, slots, seq_lens, 0.3, **variant)
+    paged = decode_attention_paged(q, k_blocks, v_blocks, tables, seq_lens, 0.3, **variant)
+    assert_matches(vmem, expected, dtype)
+    assert_matches(paged, expected, dtype)
+
+
 # --- validation (no launch) -----------------------------------------------------------------------
 
 def test_bad_inputs_raise_clear_errors():
@@ -244,6 +276,12 @@ def test_bad_inputs_raise_clear_errors():
         decode_attention_paged(q, k, k, torch.zeros(2, 3, dtype=torch.float32), lens, 1.0)
     with pytest.raises(ValueError, match="block_n"):
         decode_attention_contiguous(q, k, k, slots, lens, 1.0, block_n=24)
+    with pytest.raises(ValueError, match="window must be a positive"):
+        decode_attention_contiguous(q, k, k, slots, lens, 1.0, window=0)
+    with pytest.raises(ValueError, match="softcap must be positive"):
+        decode_attention_contiguous(q, k, k, slots, lens, 1.0, softcap=-1.0)
+    with pytest.raises(ValueError, match=r"sinks must be \[num_q_heads\] = \[4\]"):
+        decode_attention_paged(q, k, k, torch.zeros(2, 3, dtype=torch.int32), lens, 1.0, sinks=torch.zeros(2))
 
 
 @cpu_case

@@ -1,9 +1,11 @@
 """Attention vmemkv cannot reproduce is refused at load time, by the engine and by ``VmemkvCache``
 alike, with an ``UnsupportedModelError`` that names the model, the feature and the fix.
 
-A sliding window (or attention chunk) of W tokens never takes effect while no sequence is longer
-than W, so a max length <= W is accepted; the engine also refuses what its own attention does not
-apply (logit softcapping, sinks, ALiBi), which ``VmemkvCache`` leaves to the model's attention."""
+Sliding windows (local and global layers), logit soft-capping and sinks are reproduced at any
+length (``test_sliding_window_models`` checks the tokens) and accepted. An attention chunk of W
+tokens never takes effect while no sequence is longer than W, so a max length <= W is accepted;
+the engine also refuses what its own attention does not apply (ALiBi, bidirectional attention),
+which ``VmemkvCache`` leaves to the model's attention."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Gemma2Config, LlamaConfig, Llama4TextConfig,
-                          LlavaConfig, MistralConfig, PretrainedConfig, Qwen2Config)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig,
+                          Llama4TextConfig, LlavaConfig, MistralConfig, PretrainedConfig, Qwen2Config)
 
 import vmemkv
 from vmemkv.integrations.transformers_cache import VmemkvCache
@@ -22,7 +24,7 @@ from vmemkv.engine.model_runner import _attention
 from vmemkv.engine.models import byte_tokenizer
 from vmemkv.engine.sampling_params import SamplingParams
 from vmemkv.errors import UnsupportedModelError
-from vmemkv.hf_support import check_attention_supported
+from vmemkv.hf_support import check_attention_supported, layer_kinds
 
 WINDOW = 16
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -47,9 +49,9 @@ def llama_layer_types() -> PretrainedConfig:
                        **SHAPE)
 
 
-# name, config, the sliding layers the message names
-WINDOWED = [("mistral", mistral, "layers 0-1"), ("qwen2", qwen2, "layers 1"),
-            ("gemma2", gemma2, "layers 0"), ("llama", llama_layer_types, "layers 0")]
+# name, config, its sliding layers
+WINDOWED = [("mistral", mistral, [0, 1]), ("qwen2", qwen2, [1]), ("gemma2", gemma2, [0]),
+            ("llama", llama_layer_types, [0])]
 
 
 def build(config: PretrainedConfig) -> torch.nn.Module:
@@ -63,31 +65,29 @@ def engine_for(model, max_model_len: int) -> LLMEngine:
 
 
 @pytest.mark.parametrize("name,config,layers", WINDOWED, ids=[w[0] for w in WINDOWED])
-def test_window_shorter_than_max_len_is_refused(name, config, layers):
-    model = build(config())
-    with pytest.raises(UnsupportedModelError) as engine_error:
+def test_windows_shorter_than_max_len_are_accepted(name, config, layers):
+    kinds = layer_kinds(config())
+    assert [i for i, kind in enumerate(kinds) if kind == "sliding_attention"] == layers
+    model = build(config())  # gemma2 with its logit soft-capping
+    VmemkvCache.from_model(model, max_batch_size=1, max_cache_len=4 * WINDOW).close()
+    engine_for(model, max_model_len=4 * WINDOW).close()
+    check_attention_supported(config(), 4 * WINDOW, replaces_attention=True)
+
+
+def test_engine_refuses_bidirectional_attention_the_cache_leaves_to_the_model():
+    model = build(Gemma3TextConfig(sliding_window=WINDOW, head_dim=16, use_bidirectional_attention=True,
+                                   **SHAPE))
+    with pytest.raises(UnsupportedModelError, match="gemma3_text model.*bidirectional attention"):
         engine_for(model, max_model_len=4 * WINDOW)
-    message = str(engine_error.value)
-    assert f"{name} model" in message and f"sliding window of {WINDOW} tokens on {layers}" in message
-    assert f"use max_model_len <= {WINDOW}" in message
-    with pytest.raises(UnsupportedModelError, match=f"use max_cache_len <= {WINDOW}"):
-        VmemkvCache.from_model(model, max_batch_size=1, max_cache_len=WINDOW + 1)
+    VmemkvCache.from_model(model, max_batch_size=1, max_cache_len=4 * WINDOW).close()
 
 
-@pytest.mark.parametrize("name,config,layers", WINDOWED, ids=[w[0] for w in WINDOWED])
-def test_window_at_least_max_len_is_accepted(name, config, layers):
-    model = build(config())
-    VmemkvCache.from_model(model, max_batch_size=1, max_cache_len=WINDOW).close()
-    if name == "gemma2":  # the engine still refuses its softcapping (next test)
-        model = build(gemma2(attn_logit_softcapping=None))
-    engine_for(model, max_model_len=WINDOW).close()
-
-
-def test_engine_refuses_softcapping_the_cache_leaves_to_the_model():
-    model = build(gemma2())
-    with pytest.raises(UnsupportedModelError, match=r"attention logit softcapping \(50.0\)"):
-        engine_for(model, max_model_len=WINDOW)
-    VmemkvCache.from_model(model, max_batch_size=1, max_cache_len=WINDOW).close()
+def test_engine_refuses_alibi():
+    config = SimpleNamespace(model_type="mpt", num_hidden_layers=2, num_attention_heads=4,
+                             attn_config=SimpleNamespace(alibi=True))
+    with pytest.raises(UnsupportedModelError, match="mpt model.*ALiBi position biases"):
+        check_attention_supported(config, 64, replaces_attention=True)
+    check_attention_supported(config, 64, replaces_attention=False)
 
 
 def test_accepted_mistral_matches_hf_generate():
@@ -115,8 +115,10 @@ def test_full_attention_models_pass(config):
 
 
 def test_composite_configs_are_read_through_their_text_config():
-    config = LlavaConfig(text_config=mistral().to_dict())
-    with pytest.raises(UnsupportedModelError, match="mistral model.*sliding window of 16"):
+    text = LlamaConfig(layer_types=["chunked_attention", "full_attention"], attention_chunk_size=WINDOW,
+                       **SHAPE)
+    config = LlavaConfig(text_config=text.to_dict())
+    with pytest.raises(UnsupportedModelError, match="llama model.*chunked attention of 16"):
         check_attention_supported(config, 64, replaces_attention=False)
     check_attention_supported(config, WINDOW, replaces_attention=False)
 
@@ -134,8 +136,8 @@ def test_chunked_and_non_attention_layers():
 def test_error_type_and_runtime_backstop():
     assert issubclass(vmemkv.UnsupportedModelError, vmemkv.VmemkvError)
     assert issubclass(UnsupportedModelError, ValueError)
-    # A model the config check does not know still cannot pass the engine's attention a softcap.
+    # A model the config check does not know still cannot pass the engine's attention ALiBi.
     q = torch.zeros(1, 4, 1, 16)
     module = SimpleNamespace(layer_idx=0)
-    with pytest.raises(UnsupportedModelError, match="'softcap'"):
-        _attention(module, q, q, q, None, 0.25, softcap=50.0, vmemkv_attention=object())
+    with pytest.raises(UnsupportedModelError, match="'alibi'"):
+        _attention(module, q, q, q, None, 0.25, alibi=torch.zeros(4), vmemkv_attention=object())

@@ -11,8 +11,8 @@ class ConfigError(VmemkvError, ValueError):
 
 
 class UnsupportedModelError(ConfigError):
-    """A model whose attention vmemkv cannot reproduce (a sliding window shorter than the longest
-    sequence, logit softcapping, ...): running it would silently give other tokens."""
+    """A model whose attention vmemkv cannot reproduce (an attention chunk shorter than the longest
+    sequence, non-attention layers, ALiBi, ...): running it would silently give other tokens."""
 
 
 class MappingError(VmemkvError):

@@ -5,11 +5,14 @@ Used by the engine (``LLMEngine``, through ``EngineConfig.cache_config``), the m
 relies on the engine's :func:`check_attention_supported`) and the transformers integration
 (``vmemkv.integrations.transformers_cache``).
 
-vmemkv keeps every token of a sequence, and the engine replaces the model's attention function
-with plain causal attention over all of them. A model that attends otherwise would run and
-silently give other tokens than transformers, so both the engine and ``VmemkvCache`` refuse it
-at load time with :func:`check_attention_supported`. This module reads config attributes (and a
-model's dtype and device) only; it does not import transformers.
+vmemkv keeps every token of a sequence. The engine replaces the model's attention function with
+its own, which applies what transformers passes it per layer: the scaling, a sliding window
+(local and global layers in one model), logit soft-capping and attention sinks
+(``vmemkv.attention.variants``); ``VmemkvCache`` hands every token to the model's own attention,
+whose mask applies the window. A model that attends otherwise would run and silently give other
+tokens than transformers, so both refuse it at load time with :func:`check_attention_supported`.
+This module reads config attributes (and a model's dtype and device) only; it does not import
+transformers.
 """
 
 from __future__ import annotations
@@ -19,13 +22,13 @@ from typing import Any
 from .cache_config import CacheConfig
 from .errors import UnsupportedModelError
 
-# Layer kinds that only see the last W tokens (or the current chunk of W): identical to full
-# attention as long as no sequence is longer than W. The config attribute holding W.
-_BOUNDED_KINDS = {"sliding_attention": ("sliding window", "sliding_window"),
-                  "chunked_attention": ("chunked attention", "attention_chunk_size")}
+# Layer kinds vmemkv applies exactly at any length: the model passes its window as
+# ``sliding_window`` to the attention function (engine) and builds its mask (``VmemkvCache``).
+_EXACT_KINDS = frozenset({"full_attention", "sliding_attention"})
+# Layer kinds that only see the current chunk of W tokens: identical to full attention as long
+# as no sequence is longer than W. The config attribute holding W.
+_BOUNDED_KINDS = {"chunked_attention": ("chunked attention", "attention_chunk_size")}
 
-# Attention that adds learned per-head sink logits (``s_aux``); their configs have no flag for it.
-_SINK_MODEL_TYPES = frozenset({"gpt_oss"})
 # ALiBi position biases, which the model hands to its attention function as an extra argument.
 _ALIBI_MODEL_TYPES = frozenset({"bloom"})
 
@@ -94,18 +97,20 @@ def layer_kinds(config: Any) -> list[str]:
 
 def check_attention_supported(config: Any, max_len: int, *, replaces_attention: bool,
                               who: str = "vmemkv", limit_name: str = "max_model_len") -> None:
-    """Raise :class:`UnsupportedModelError` unless ``config``'s attention, for sequences of up to
-    ``max_len`` tokens, equals causal attention over every cached token.
+    """Raise :class:`UnsupportedModelError` unless vmemkv reproduces ``config``'s attention for
+    sequences of up to ``max_len`` tokens: causal attention over every cached token, or over the
+    last ``sliding_window`` tokens on sliding layers.
 
     ``replaces_attention``: the caller runs its own attention function (the engine), not the
-    model's (``VmemkvCache``), so changes to the scores inside attention matter too (logit
-    softcapping, sinks, ALiBi). ``who`` and ``limit_name`` word the message."""
+    model's (``VmemkvCache``), so changes to the scores inside attention matter too: logit
+    soft-capping and sinks are applied, ALiBi and bidirectional attention are refused. ``who``
+    and ``limit_name`` word the message."""
     text = text_config(config)
     model_type = getattr(text, "model_type", None) or type(text).__name__
     kinds = layer_kinds(text)
     problems: list[str] = []
     for kind in dict.fromkeys(kinds):
-        if kind == "full_attention":
+        if kind in _EXACT_KINDS:
             continue
         layers = _ranges([i for i, k in enumerate(kinds) if k == kind])
         if kind not in _BOUNDED_KINDS:
@@ -119,14 +124,9 @@ def check_attention_supported(config: Any, max_len: int, *, replaces_attention: 
                             f"{max_len} and {who} keeps every token (full attention): "
                             f"use {limit_name} <= {size}")
     if replaces_attention:
-        cap = getattr(text, "attn_logit_softcapping", None)
-        if cap:
-            problems.append(f"attention logit softcapping ({cap}), which {who}'s attention does "
-                            "not apply: use a model without it, or VmemkvCache with the model's "
-                            "own attention")
-        if model_type in _SINK_MODEL_TYPES:
-            problems.append(f"attention sinks, which {who}'s attention does not apply: use a "
-                            "model without them, or VmemkvCache with the model's own attention")
+        if getattr(text, "use_bidirectional_attention", False):
+            problems.append(f"bidirectional attention, which {who}'s causal attention does not "
+                            "apply: use a causal model")
         attn_config = getattr(text, "attn_config", None)  # MPT keeps its ALiBi flag there
         if (model_type in _ALIBI_MODEL_TYPES or getattr(text, "alibi", False)
                 or getattr(attn_config, "alibi", False)):

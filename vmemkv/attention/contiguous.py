@@ -59,9 +59,9 @@ class ContiguousAttention(PackedAttention):
         if self.decodes:
             staged.add("decode_slots", [self.spans[i].slot for i in self.decodes], torch.int32)
 
-    def __call__(self, layer, query, key, value, scaling):
+    def __call__(self, layer, query, key, value, scaling, **variant):
         try:
-            return super().__call__(layer, query, key, value, scaling)
+            return super().__call__(layer, query, key, value, scaling, **variant)
         finally:
             if self.batches and layer == self.reads.num_layers - 1:
                 self.reads.release_reads()  # the last read of this step is done
@@ -71,19 +71,19 @@ class ContiguousAttention(PackedAttention):
         k_cache[self.write_slots, self.write_positions] = key.to(k_cache.dtype)
         v_cache[self.write_slots, self.write_positions] = value.to(v_cache.dtype)
 
-    def read(self, layer, index):
+    def read(self, layer, index, start=0):
         k_cache, v_cache = self.kv_views(layer)
         span = self.spans[index]
-        return k_cache[span.slot, :span.length], v_cache[span.slot, :span.length]
+        return k_cache[span.slot, start:span.length], v_cache[span.slot, start:span.length]
 
-    def batch_kv(self, layer, batch):
+    def batch_kv(self, layer, batch, start=0):
         k_cache, v_cache = self.kv_views(layer)
         end = batch.lo + len(batch.members)
-        return k_cache[batch.lo:end, :batch.read_len], v_cache[batch.lo:end, :batch.read_len]
+        return k_cache[batch.lo:end, start:batch.read_len], v_cache[batch.lo:end, start:batch.read_len]
 
-    def decode(self, layer, q, scale):
+    def decode(self, layer, q, scale, **variant):
         from .triton_decode import decode_attention_contiguous
 
         k_cache, v_cache = self.kv_views(layer)
         return decode_attention_contiguous(q, k_cache, v_cache, self.decode_slots, self.decode_lens,
-                                           scale, max_seq_len=self.decode_max_len)
+                                           scale, max_seq_len=self.decode_max_len, **variant)

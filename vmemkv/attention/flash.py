@@ -4,7 +4,10 @@
 strided tensor (``flash_args.flatten_slots``): no block table, no copy. ``FlashBlockTableAttention``
 hands it the pool's block views and the sequences' block tables. Both write the step's new K/V
 first, exactly as the SDPA path does (they inherit ``write``), then make one call; the per-step
-integer arguments travel in the same single upload as the write indices.
+integer arguments travel in the same single upload as the write indices. A layer's sliding window
+and soft-capping go to the kernel (``window_size_left``, ``softcap``) where it takes them; a
+layer it cannot compute (sinks, or a variant the kernel lacks) takes the SDPA path of the class
+it extends.
 """
 
 from __future__ import annotations
@@ -44,27 +47,32 @@ class _VarlenCall:
     seqused_k: torch.Tensor
 
     def _varlen(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                block_table: torch.Tensor | None = None) -> torch.Tensor:
+                block_table: torch.Tensor | None = None, **variant) -> torch.Tensor:
         q = query[0].transpose(0, 1)  # [T, Hq, D]
         q = q.index_select(0, self.query_rows) if self.query_rows is not None else q.contiguous()
         out = self.kernel.varlen(q, k, v, self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_k,
                                  self.args.max_seqlen_q, self.args.max_seqlen_k, scale,
-                                 block_table=block_table)
+                                 block_table=block_table, **variant)
         if self.query_rows is not None:
             out = torch.empty_like(out).index_copy_(0, self.query_rows, out)
         return out[None]
 
     def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 scaling: float | None) -> torch.Tensor:
+                 scaling: float | None, window: int | None = None, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.kernel.runs(window, softcap, sinks):  # the SDPA / explicit path
+            return super().__call__(layer, query, key, value, scaling, window=window,
+                                    softcap=softcap, sinks=sinks)
         start = self._begin()
         self.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = self._attend(layer, query, scale)
+        out = self._attend(layer, query, scale, window=window, softcap=softcap)
         self.seconds += time.perf_counter() - start
         return out
 
-    def _attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
-        """Layer ``layer``'s attention output ``[1, T, Hq, D]`` (K/V already written)."""
+    def _attend(self, layer: int, query: torch.Tensor, scale: float, **variant) -> torch.Tensor:
+        """Layer ``layer``'s attention output ``[1, T, Hq, D]`` (K/V already written);
+        ``variant``: ``window``, ``softcap``."""
         raise NotImplementedError
 
 
@@ -89,14 +97,14 @@ class FlashSlotAttention(_VarlenCall, ContiguousAttention):
             staged.add("kv_slots", [s.slot for s in self.spans], torch.int32)
             staged.add("kv_lengths", [s.length for s in self.spans], torch.int32)
 
-    def _attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+    def _attend(self, layer: int, query: torch.Tensor, scale: float, **variant) -> torch.Tensor:
         k_view, v_view = self.kv_views(layer)
         if self.kvcache_decode:  # packed order is batch order: no reordering
             q = query[0].transpose(0, 1).contiguous()
             return package_kvcache_decode(q, k_view, v_view, self.kv_lengths, self.kv_slots,
-                                          self.args.max_seqlen_k, scale)[None]
+                                          self.args.max_seqlen_k, scale, **variant)[None]
         return self._varlen(query, flatten_slots(k_view, self.rows_per_slot),
-                            flatten_slots(v_view, self.rows_per_slot), scale)
+                            flatten_slots(v_view, self.rows_per_slot), scale, **variant)
 
 
 class FlashBlockTableAttention(_VarlenCall, BlockTableAttention):
@@ -114,6 +122,6 @@ class FlashBlockTableAttention(_VarlenCall, BlockTableAttention):
         super().stage(staged)
         _stage_varlen(staged, self.args)
 
-    def _attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+    def _attend(self, layer: int, query: torch.Tensor, scale: float, **variant) -> torch.Tensor:
         k_blocks, v_blocks = self.block_views(layer)
-        return self._varlen(query, k_blocks, v_blocks, scale, self.block_table)
+        return self._varlen(query, k_blocks, v_blocks, scale, self.block_table, **variant)

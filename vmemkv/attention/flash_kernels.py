@@ -41,6 +41,8 @@ class KernelFeatures:
     seqused_k: bool = False  # varlen over slots
     block_table: bool = False  # varlen over block tables
     kvcache_batch_idx: bool = False  # flash_attn_with_kvcache(cache_batch_idx=) (package only)
+    window: bool = False  # a sliding window (window_size_left)
+    softcap: bool = False  # logit soft-capping
     version: str = ""
     reason: str = ""
 
@@ -51,7 +53,8 @@ def schema_features(schema: Any) -> KernelFeatures:
     if len(names) < 10 or names[:3] != ["query", "key", "value"]:
         return KernelFeatures("bundled", False, reason=f"unexpected schema {schema}")
     return KernelFeatures("bundled", True, seqused_k="seqused_k" in names,
-                          block_table="block_table" in names, version=torch.__version__)
+                          block_table="block_table" in names, window="window_size_left" in names,
+                          softcap="softcap" in names, version=torch.__version__)
 
 
 @functools.cache
@@ -71,7 +74,9 @@ def package_features_of(varlen_forward: Callable | None, with_kvcache: Callable 
     kvcache = inspect.signature(with_kvcache).parameters if with_kvcache is not None else {}
     return KernelFeatures("package", bool(params or kvcache), seqused_k="seqused_k" in params,
                           block_table="block_table" in params,
-                          kvcache_batch_idx="cache_batch_idx" in kvcache, version=version)
+                          kvcache_batch_idx="cache_batch_idx" in kvcache,
+                          window="window_size_left" in params or "window_size" in params,
+                          softcap="softcap" in params, version=version)
 
 
 @functools.cache
@@ -112,12 +117,17 @@ def check_kvcache_batch_index(shape: tuple[int, ...], strides: tuple[int, ...]) 
 
 def bundled_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    cu_seqlens_k: torch.Tensor, seqused_k: torch.Tensor, max_seqlen_q: int,
-                   max_seqlen_k: int, scale: float, block_table: torch.Tensor | None = None
-                   ) -> torch.Tensor:
-    """One varlen FlashAttention-2 call through PyTorch's bundled kernel; ``[total_q, Hq, D]``."""
+                   max_seqlen_k: int, scale: float, block_table: torch.Tensor | None = None,
+                   window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """One varlen FlashAttention-2 call through PyTorch's bundled kernel; ``[total_q, Hq, D]``.
+    ``window``: the last ``window`` keys of each query (``window_size_left = window - 1``)."""
     extra: dict[str, Any] = {"scale": scale, "seqused_k": seqused_k}
     if block_table is not None:
         extra["block_table"] = block_table
+    if window:
+        extra["window_size_left"], extra["window_size_right"] = window - 1, 0
+    if softcap:
+        extra["softcap"] = softcap  # only called so where the schema has it (KernelFeatures.softcap)
     out = torch.ops.aten._flash_attention_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, True, False, **extra)
     return out[0]
@@ -125,21 +135,37 @@ def bundled_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
 
 def package_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    cu_seqlens_k: torch.Tensor, seqused_k: torch.Tensor, max_seqlen_q: int,
-                   max_seqlen_k: int, scale: float, block_table: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+                   max_seqlen_k: int, scale: float, block_table: torch.Tensor | None = None,
+                   window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """The same call through the ``flash_attn`` package's varlen forward (keywords by name, since
     its positional parameters changed between 2.6 and 2.7)."""
     from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
 
+    extra = _package_variant(_flash_attn_varlen_forward, window, softcap)
     out = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      dropout_p=0.0, softmax_scale=scale, causal=True,
-                                     seqused_k=seqused_k, block_table=block_table)
+                                     seqused_k=seqused_k, block_table=block_table, **extra)
     return out[0]
+
+
+def _package_variant(function: Callable, window: int | None, softcap: float | None) -> dict[str, Any]:
+    """flash_attn's keywords for a window and soft-capping: 2.7 takes ``window_size_left`` and
+    ``window_size_right``, 2.6 one ``window_size`` pair."""
+    extra: dict[str, Any] = {}
+    if window:
+        if "window_size_left" in inspect.signature(function).parameters:
+            extra["window_size_left"], extra["window_size_right"] = window - 1, 0
+        else:
+            extra["window_size"] = (window - 1, 0)
+    if softcap:
+        extra["softcap"] = softcap
+    return extra
 
 
 def package_kvcache_decode(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.Tensor,
                            lengths: torch.Tensor, slots: torch.Tensor, max_length: int,
-                           scale: float) -> torch.Tensor:
+                           scale: float, window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """Decode ``q`` ``[B, Hq, D]`` (one query per sequence) over slot views with
     ``cache_batch_idx``, as vAttention does. The cache is narrowed to the longest length, because
     the kernel sizes its split-KV scratch from ``k_cache.size(1)``."""
@@ -148,7 +174,8 @@ def package_kvcache_decode(q: torch.Tensor, k_view: torch.Tensor, v_view: torch.
     k_cache, v_cache = k_view[:, :max_length], v_view[:, :max_length]
     check_kvcache_batch_index(tuple(k_cache.shape), k_cache.stride())
     out = flash_attn_with_kvcache(q[:, None], k_cache, v_cache, cache_seqlens=lengths,
-                                  cache_batch_idx=slots, softmax_scale=scale, causal=True)
+                                  cache_batch_idx=slots, softmax_scale=scale, causal=True,
+                                  **_package_variant(flash_attn_with_kvcache, window, softcap))
     return out[:, 0]
 
 
@@ -161,6 +188,13 @@ class FlashKernel:
     name: str  # "bundled" or "package"
     varlen: Callable[..., torch.Tensor]
     kvcache_decode: bool = False  # decode-only steps may use flash_attn_with_kvcache
+    window: bool = False  # takes a sliding window
+    softcap: bool = False  # takes logit soft-capping
+
+    def runs(self, window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> bool:
+        """Whether this kernel computes a layer with this variant (FlashAttention-2 has no
+        sinks); the caller falls back to SDPA or the explicit path otherwise."""
+        return sinks is None and (not window or self.window) and (softcap is None or self.softcap)
 
 
 def flash_kernel_for(paged: bool, kvcache_safe: bool = False) -> tuple[FlashKernel | None, str]:
@@ -175,7 +209,7 @@ def flash_kernel_for(paged: bool, kvcache_safe: bool = False) -> tuple[FlashKern
             reasons.append(f"{features.name} {features.version}: no {needed} argument")
         else:
             decode = features.name == "package" and features.kvcache_batch_idx and kvcache_safe and not paged
-            return FlashKernel(features.name, call, decode), ""
+            return FlashKernel(features.name, call, decode, features.window, features.softcap), ""
     return None, "; ".join(reasons)
 
 

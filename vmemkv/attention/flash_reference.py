@@ -16,6 +16,8 @@ Semantics (FlashAttention-2 >= 2.1):
   (``n`` as before);
 * causal masks align to the bottom-right corner: query ``i`` of ``m`` sees key ``j`` iff
   ``j <= i + n - m`` (so queries that follow cached tokens see those tokens);
+* a local window ``window_size_left = W - 1`` (``window``: W) hides keys ``j < i + n - m - W + 1``;
+  soft-capping ``c`` maps scores to ``c * tanh(scores / c)`` before the mask;
 * GQA: query head ``h`` reads kv head ``h // (Hq // Hk)``;
 * a query row that sees no key outputs zeros.
 
@@ -33,7 +35,8 @@ def varlen_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                scale: float, causal: bool = True,
                                seqused_k: torch.Tensor | None = None,
                                block_table: torch.Tensor | None = None,
-                               dtype: torch.dtype = torch.float64) -> torch.Tensor:
+                               dtype: torch.dtype = torch.float64, window: int | None = None,
+                               softcap: float | None = None) -> torch.Tensor:
     """``[total_q, Hq, D]`` attention output in ``dtype`` (float64 by default)."""
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     used = seqused_k.tolist() if seqused_k is not None else None
@@ -50,13 +53,20 @@ def varlen_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         if m == 0 or n == 0:
             continue
         keys, values = _sequence_kv(k, v, cu_k[b], n, tables[b] if tables is not None else None)
+        # keys before the first query's window are never used (nor read, in the slot case)
+        first = max(0, n - m - window + 1) if causal and window else 0
         query = q[rows].to(dtype).transpose(0, 1)  # [Hq, m, D]
-        keys = keys.to(dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
-        values = values.to(dtype).repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = (query @ keys.transpose(1, 2)) * scale  # [Hq, m, n]
+        keys = keys[first:].to(dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n - first, D]
+        values = values[first:].to(dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = (query @ keys.transpose(1, 2)) * scale  # [Hq, m, n - first]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         if causal:
-            positions = torch.arange(max(m, n), device=q.device)
-            visible = positions[None, :n] <= positions[:m, None] + (n - m)
+            key_positions = torch.arange(first, n, device=q.device)[None, :]
+            query_positions = torch.arange(m, device=q.device)[:, None] + (n - m)
+            visible = key_positions <= query_positions
+            if window:
+                visible &= key_positions > query_positions - window
             scores = scores.masked_fill(~visible, float("-inf"))
         weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no key: zeros
         out[rows] = (weights @ values).transpose(0, 1).to(dtype)
@@ -75,9 +85,10 @@ def _sequence_kv(k: torch.Tensor, v: torch.Tensor, start: int, n: int,
 
 def reference_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, seqused_k: torch.Tensor, max_seqlen_q: int,
-                     max_seqlen_k: int, scale: float, block_table: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+                     max_seqlen_k: int, scale: float, block_table: torch.Tensor | None = None,
+                     window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """The reference with a kernel's call signature (``flash_kernels.bundled_varlen``), in q's
     dtype: plugged into the attention classes, it runs their whole path on a CPU."""
     return varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal=True,
-                                      seqused_k=seqused_k, block_table=block_table).to(q.dtype)
+                                      seqused_k=seqused_k, block_table=block_table,
+                                      window=window, softcap=softcap).to(q.dtype)

@@ -6,6 +6,10 @@ batches (``plan_batches``: one SDPA call per batch, see ``slot_batch``) where th
 read them together, everything else per sequence with PyTorch SDPA over the sequence's keys.
 Subclasses say only how tokens are addressed: through a slot view (vmem) or through a block
 table (paged).
+
+A layer may ask for a sliding window, soft-capping or sinks (``variants``): reads then start at
+the window start (``read(layer, index, start)``, a batch's earliest window start), and only
+layers with soft-capping or sinks leave SDPA for ``explicit_attention``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 
 from .metadata import StepMetadata
 from .slot_batch import DecodeBatch, attend
+from .variants import causal_window_mask, explicit_attention, needs_explicit, window_start
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,7 @@ class PackedAttention:
     def __init__(self, spans: list[SequenceSpan], device: torch.device, decode_kernel: bool = False):
         self.spans = spans
         self.device = torch.device(device)
-        self._masks: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+        self._masks: dict[tuple[int, int, int | None], torch.Tensor] = {}
         self.seconds = 0.0  # wall time inside attention (host time: on a GPU, launch time only)
         self.copy_seconds = 0.0  # of which gathering K/V into new tensors (block tables)
         self.decodes = [i for i, span in enumerate(spans) if span.num_queries == 1] if decode_kernel else []
@@ -95,73 +100,93 @@ class PackedAttention:
         return time.perf_counter()
 
     def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 scaling: float | None) -> torch.Tensor:
+                 scaling: float | None, window: int | None = None, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``query`` ``[1, Hq, T, D]``, ``key``/``value`` ``[1, Hk, T, D]`` (after RoPE); returns
-        ``[1, T, Hq, D]``."""
+        ``[1, T, Hq, D]``. ``window``, ``softcap``, ``sinks``: the layer's variant (``variants``)."""
         start = self._begin()
         # Write every new token first, so each sequence below reads a complete cache.
         self.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
         _, num_heads, num_tokens, head_dim = query.shape
+        scale = scaling if scaling is not None else head_dim ** -0.5
         output = None
         if self.decodes:  # one gather in, one kernel, one scatter out: no per-sequence ops
             output = query.new_empty((1, num_tokens, num_heads, head_dim))
             q = query[0].index_select(1, self.decode_rows).transpose(0, 1).contiguous()  # [B, Hq, D]
-            scale = scaling if scaling is not None else head_dim ** -0.5
-            output[0].index_copy_(0, self.decode_rows, self.decode(layer, q, scale))
+            output[0].index_copy_(0, self.decode_rows,
+                                  self.decode(layer, q, scale, window=window, softcap=softcap, sinks=sinks))
+        one_by_one = self.sdpa_spans
         if self.batches:
             output = query.new_empty((1, num_tokens, num_heads, head_dim))
             for batch in self.batches:  # one call per batch, rows in and out by index
-                attend(query, *self.batch_kv(layer, batch), batch, scaling, output)
-        attended = [self._sdpa(layer, index, query, scaling) for index in self.sdpa_spans]
+                read = batch.window(window)
+                if read is None:  # windows start apart: no read behind any member's window
+                    one_by_one = one_by_one + batch.members
+                    continue
+                attend(query, *self.batch_kv(layer, batch, read[0]), read[1], batch, scale, output,
+                       softcap, sinks)
+        attended = [self._attend_span(layer, index, query, scale, window, softcap, sinks)
+                    for index in one_by_one]
         if output is None:  # SDPA only (CPU): the spans tile the packed rows in order, one cat
             output = torch.cat(attended, dim=2).transpose(1, 2)
         else:
-            for index, part in zip(self.sdpa_spans, attended):
+            for index, part in zip(one_by_one, attended):
                 span = self.spans[index]
                 output[0, span.query_start: span.query_start + span.num_queries] = part[0].transpose(0, 1)
         self.seconds += time.perf_counter() - start
         return output
 
-    def _sdpa(self, layer: int, index: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
-        """Span ``index``'s attention by SDPA over its keys, ``[1, Hq, num_queries, D]``."""
+    def _attend_span(self, layer: int, index: int, query: torch.Tensor, scale: float,
+                     window: int | None, softcap: float | None, sinks: torch.Tensor | None
+                     ) -> torch.Tensor:
+        """Span ``index``'s attention over its keys from its window start, ``[1, Hq, num_queries, D]``:
+        SDPA, or ``explicit_attention`` for soft-capping and sinks."""
         span = self.spans[index]
         q = query[:, :, span.query_start: span.query_start + span.num_queries]
-        k, v = self.read(layer, index)  # [length, Hk, D] each
+        first = window_start(span.num_cached, window)
+        k, v = self.read(layer, index, first)  # [length - first, Hk, D] each
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        if needs_explicit(softcap, sinks):
+            mask = self._mask(span, first, window, q.device)
+            return explicit_attention(q, k, v, scale, mask, softcap, sinks)
+        # Plain causal from position 0 is SDPA's own (top-left aligned) is_causal.
+        causal = span.num_cached == 0 and span.num_queries > 1 and not (window and span.length > window)
         return F.scaled_dot_product_attention(
-            q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=self._mask(span, q.device),
-            is_causal=span.num_cached == 0 and span.num_queries > 1, scale=scaling, enable_gqa=True)
+            q, k, v, attn_mask=None if causal else self._mask(span, first, window, q.device),
+            is_causal=causal, scale=scale, enable_gqa=True)
 
     def plan_batches(self) -> list[DecodeBatch]:
         """Decoding spans this addressing reads together (called once per step; none here)."""
         return []
 
-    def batch_kv(self, layer: int, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch's keys and values, ``[B, read_len, Hk, D]`` each."""
+    def batch_kv(self, layer: int, batch: DecodeBatch, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch's keys and values at positions ``start .. read_len``, ``[B, read_len - start, Hk, D]``."""
         raise NotImplementedError
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store ``key``/``value`` ``[T, Hk, D]`` (the packed batch's new tokens)."""
         raise NotImplementedError
 
-    def read(self, layer: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequence ``index``'s keys and values, ``[length, Hk, D]`` each."""
+    def read(self, layer: int, index: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence ``index``'s keys and values from position ``start``, ``[length - start, Hk, D]``."""
         raise NotImplementedError
 
-    def decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """The decode sequences' attention with the Triton kernel, ``q`` ``[B, Hq, D]``."""
+    def decode(self, layer: int, q: torch.Tensor, scale: float, **variant) -> torch.Tensor:
+        """The decode sequences' attention with the Triton kernel, ``q`` ``[B, Hq, D]``;
+        ``variant``: ``window``, ``softcap``, ``sinks``."""
         raise NotImplementedError
 
-    def _mask(self, span: SequenceSpan, device) -> torch.Tensor | None:
-        """Causal mask for queries that follow cached tokens (SDPA's own is_causal aligns
-        top-left, which is right only when nothing is cached)."""
-        if span.num_queries == 1 or span.num_cached == 0:
+    def _mask(self, span: SequenceSpan, start: int, window: int | None, device) -> torch.Tensor | None:
+        """Causal (and window) mask of the span's queries over its keys from ``start`` (SDPA's own
+        is_causal aligns top-left, which is right only when nothing is cached); None when every
+        key read is seen (a decode)."""
+        if span.num_queries == 1:
             return None
-        key = (span.num_cached, span.num_queries, device)
+        key = (span.num_cached, span.num_queries, window if window and span.length > window else None)
         if key not in self._masks:
-            rows = torch.arange(span.num_queries, device=device)[:, None] + span.num_cached
-            self._masks[key] = torch.arange(span.length, device=device) <= rows
+            self._masks[key] = causal_window_mask(span.num_cached, span.num_queries, start, key[2], device)
         return self._masks[key]
 
     @staticmethod

@@ -62,12 +62,12 @@ class BlockTableAttention(PackedAttention):
         self._batch_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
         return [batch]
 
-    def batch_kv(self, layer, batch):
-        start = time.perf_counter()
+    def batch_kv(self, layer, batch, start=0):
+        began = time.perf_counter()
         k_blocks, v_blocks = self.block_views(layer)
-        k = gather_padded(k_blocks, self._batch_table, batch.read_len)
-        v = gather_padded(v_blocks, self._batch_table, batch.read_len)
-        self.copy_seconds += time.perf_counter() - start
+        k = gather_padded(k_blocks, self._batch_table, batch.read_len, start)
+        v = gather_padded(v_blocks, self._batch_table, batch.read_len, start)
+        self.copy_seconds += time.perf_counter() - began
         return k, v
 
     def write(self, layer, key, value):
@@ -75,19 +75,21 @@ class BlockTableAttention(PackedAttention):
         k_blocks[self.write_blocks, self.write_offsets] = key.to(k_blocks.dtype)
         v_blocks[self.write_blocks, self.write_offsets] = value.to(v_blocks.dtype)
 
-    def read(self, layer, index):
-        start = time.perf_counter()
+    def read(self, layer, index, start=0):
+        began = time.perf_counter()
         k_blocks, v_blocks = self.block_views(layer)
-        blocks = self.read_block_ids[self._table_starts[index]: self._table_starts[index + 1]]
-        length = self.spans[index].length
-        k = k_blocks.index_select(0, blocks).flatten(0, 1)[:length]
-        v = v_blocks.index_select(0, blocks).flatten(0, 1)[:length]
-        self.copy_seconds += time.perf_counter() - start
+        first = start // self.tokens_per_page  # blocks wholly behind the window are not gathered
+        blocks = self.read_block_ids[self._table_starts[index] + first: self._table_starts[index + 1]]
+        offset = first * self.tokens_per_page  # the first gathered row's position
+        rows = slice(start - offset, self.spans[index].length - offset)
+        k = k_blocks.index_select(0, blocks).flatten(0, 1)[rows]
+        v = v_blocks.index_select(0, blocks).flatten(0, 1)[rows]
+        self.copy_seconds += time.perf_counter() - began
         return k, v
 
-    def decode(self, layer, q, scale):
+    def decode(self, layer, q, scale, **variant):
         from .triton_decode import decode_attention_paged
 
         k_blocks, v_blocks = self.block_views(layer)
         return decode_attention_paged(q, k_blocks, v_blocks, self.decode_tables, self.decode_lens,
-                                      scale, max_seq_len=self.decode_max_len)
+                                      scale, max_seq_len=self.decode_max_len, **variant)

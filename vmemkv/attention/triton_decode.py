@@ -10,6 +10,11 @@ addressing of a key differs, chosen by the ``PAGED`` compile-time flag:
 * **paged (block table)**: ``k_blocks[block_tables[b, t // block_size], t % block_size]`` of a
   ``[num_blocks, block_size, kv_heads, head_dim]`` view.
 
+A layer may add a sliding window ``W`` (the loop starts at ``seq_lens[b] - W``: nothing behind
+it is read), soft-capping (``c * tanh(s / c)``, tanh by ``exp`` for the interpreter) and per-head
+sink logits (in the softmax denominator: the decode kernel's, or the combine kernel's with split-K).
+Argument checks live in ``decode_checks``.
+
 The kernel reads only positions ``t < seq_lens[b]`` (clamped to what the view can address): every
 K/V load and every block-table load is masked, so an unmapped page past a sequence's end is never
 touched. Offsets are computed in int64, since slot and block strides of the token-major layout
@@ -39,10 +44,10 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
         "vmemkv.attention.triton_decode needs Triton (pip install triton); "
         "use the SDPA attention (vmemkv.attention.ContiguousAttention) without it") from exc
 
+from .decode_checks import check_inputs, check_values, check_variant
+
 __all__ = ["decode_attention_contiguous", "decode_attention_paged", "default_num_splits", "triton_interprets"]
 
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MAX_HEAD_DIM = 256
 _MAX_SPLITS = 64
 _MIN_TOKENS_PER_SPLIT = 256
 
@@ -54,7 +59,11 @@ def _decode_kernel(
     Q, K, V, Out, PartialOut, PartialLse,
     Index,  # slot_ids [B] (contiguous) or block_tables [B, max_blocks] (paged)
     SeqLens,
+    Sinks,  # [Hq] float32 sink logits (HAS_SINKS)
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
+    window,  # sliding window in tokens, 0: none
+    softcap_scale,  # softmax scale / softcap (SOFTCAP)
+    softcap_log2,  # softcap * log2(e) (SOFTCAP)
     capacity,  # tokens one sequence can address: max_tokens, or max_blocks * block_size
     stride_qb, stride_qh,
     stride_k_outer, stride_k_token, stride_k_head,  # outer: slot stride or block stride
@@ -73,6 +82,8 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per block (paged only)
     SPLIT: tl.constexpr,  # write fp32 partials + lse for the combine kernel
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dots instead of tf32
+    SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     batch = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -80,9 +91,10 @@ def _decode_kernel(
 
     seq_len = tl.load(SeqLens + batch).to(tl.int32)
     seq_len = tl.minimum(tl.maximum(seq_len, 0), capacity)
-    per_split = (seq_len + num_splits - 1) // num_splits
+    first = tl.maximum(seq_len - window, 0) if window > 0 else 0  # the window start
+    per_split = (seq_len - first + num_splits - 1) // num_splits
     split_len = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    start = split * split_len
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     heads = tl.arange(0, BLOCK_H)
@@ -126,7 +138,10 @@ def _decode_kernel(
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
-        scores = scores * scale_log2
+        if SOFTCAP:  # softcap * tanh(scores * scale / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1)
+            scores = (1.0 - 2.0 / (tl.exp(2.0 * scores * softcap_scale) + 1.0)) * softcap_log2
+        else:
+            scores = scores * scale_log2
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -139,6 +154,12 @@ def _decode_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
+    if HAS_SINKS and not SPLIT:  # the sink joins the denominator (with split-K: in the combine)
+        sink = tl.load(Sinks + q_heads, mask=head_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.exp2(sink - m_new)
+        acc = acc * tl.exp2(m_i - m_new)[:, None]
+        m_i = m_new
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # a sequence (or split) with no keys gives 0
     out_mask = head_mask[:, None] & dim_mask[None, :]
@@ -155,7 +176,7 @@ def _decode_kernel(
 
 
 def _combine_kernel(
-    PartialOut, PartialLse, Out,
+    PartialOut, PartialLse, Out, Sinks,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
@@ -163,6 +184,7 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     batch = tl.program_id(0)
     head = tl.program_id(1)
@@ -175,9 +197,14 @@ def _combine_kernel(
     lse = tl.load(PartialLse + batch.to(tl.int64) * stride_lb + head * stride_lh + splits, mask=split_mask,
                   other=float("-inf"))
     m = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
     m = tl.where(m > float("-inf"), m, 0.0)  # no split saw a key: every weight is exp2(-inf) = 0
     weights = tl.exp2(lse - m)
     total = tl.sum(weights, axis=0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - m)
     parts = tl.load(PartialOut + row + splits[:, None] * stride_ps + dims[None, :],
                     mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
     out = tl.sum(parts * weights[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
@@ -229,50 +256,9 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _check_common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
-                  names: tuple[str, str], out: torch.Tensor | None) -> None:
-    k_name, v_name = names
-    if q.dim() != 3:
-        raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {tuple(q.shape)}")
-    if k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"{k_name} and {v_name} must be 4-D [outer, tokens, kv_heads, head_dim], got "
-                         f"{tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"{k_name} {tuple(k.shape)} and {v_name} {tuple(v.shape)} must have the same shape")
-    if q.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"q dtype {q.dtype} is not supported; use one of {_SUPPORTED_DTYPES}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, {k_name} and {v_name} must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
-    if k.shape[3] != head_dim:
-        raise ValueError(f"q head_dim {head_dim} differs from {k_name} head_dim {k.shape[3]}")
-    if not 1 <= head_dim <= _MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {head_dim} is not supported; it must be between 1 and {_MAX_HEAD_DIM}")
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-    if k.stride(3) != 1 or v.stride(3) != 1:
-        raise ValueError(f"the last dim of {k_name} and {v_name} must be contiguous (stride 1), got strides "
-                         f"{k.stride()} and {v.stride()}")
-    if seq_lens.shape != (batch,):
-        raise ValueError(f"seq_lens must be [batch] = [{batch}], got {tuple(seq_lens.shape)}")
-    if seq_lens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"seq_lens must be int32 or int64, got {seq_lens.dtype}")
-    tensors = {"q": q, k_name: k, v_name: v, "seq_lens": seq_lens}
-    if out is not None:
-        if out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
-            raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim, got "
-                             f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
-        tensors["out"] = out
-    devices = {name: t.device for name, t in tensors.items()}
-    if len(set(devices.values())) != 1:
-        raise ValueError(f"all tensors must be on one device, got {devices}")
-    if q.device.type not in ("cuda", "cpu"):
-        raise ValueError(f"device {q.device} is not supported: CUDA runs compiled, CPU interpreted")
-
-
 def _launch(q, k, v, index, stride_index_b, seq_lens, scale, capacity, outer_strides, *, paged: bool,
-            block_size: int, out, num_splits, max_seq_len, block_n, num_warps, num_stages):
+            block_size: int, out, num_splits, max_seq_len, block_n, num_warps, num_stages,
+            window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None):
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_q_heads // num_kv_heads
@@ -289,9 +275,12 @@ def _launch(q, k, v, index, stride_index_b, seq_lens, scale, capacity, outer_str
         raise ValueError("CPU tensors run only under Triton's interpreter, and triton was imported without "
                          "TRITON_INTERPRET=1: set it in the environment before triton is first imported, "
                          "or pass CUDA tensors")
+    check_variant(q, window, softcap, sinks)
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
     if num_splits is None:
-        num_splits = default_num_splits(batch, num_kv_heads, capacity if max_seq_len is None else max_seq_len,
-                                        q.device)
+        longest = capacity if max_seq_len is None else max_seq_len
+        num_splits = default_num_splits(batch, num_kv_heads, min(longest, window or longest), q.device)
     num_splits = max(1, min(int(num_splits), max(1, capacity)))
     if block_n is None:  # 32 under the interpreter (fewer wasted lanes); on GPU, 64 up to 256-byte rows
         block_n = 32 if interpret or head_dim * q.element_size() > 256 else 64
@@ -306,7 +295,9 @@ def _launch(q, k, v, index, stride_index_b, seq_lens, scale, capacity, outer_str
         partial = lse = out  # unused
     scale_log2 = float(scale) * math.log2(math.e)
     decode[(batch, num_kv_heads, num_splits)](
-        q, k, v, out, partial, lse, index, seq_lens, scale_log2, capacity,
+        q, k, v, out, partial, lse, index, seq_lens, sinks if sinks is not None else seq_lens, scale_log2,
+        window or 0, float(scale) / softcap if softcap else 0.0,
+        softcap * math.log2(math.e) if softcap else 0.0, capacity,
         q.stride(0), q.stride(1),
         outer_strides[0], k.stride(1), k.stride(2),
         outer_strides[1], v.stride(1), v.stride(2),
@@ -317,17 +308,18 @@ def _launch(q, k, v, index, stride_index_b, seq_lens, scale, capacity, outer_str
         num_splits,
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         PAGED=paged, BLOCK_SIZE=block_size, SPLIT=split, IEEE=q.dtype == torch.float32,
+        SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:
         combine[(batch, num_q_heads)](
-            partial, lse, out,
+            partial, lse, out, sinks if sinks is not None else lse,
             partial.stride(0), partial.stride(1), partial.stride(2),
             lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
             num_splits,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, _next_pow2(num_splits)),
-            num_warps=4,
+            HAS_SINKS=sinks is not None, num_warps=4,
         )
     return out
 
@@ -337,7 +329,9 @@ def decode_attention_contiguous(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 out: torch.Tensor | None = None, num_splits: int | None = None,
                                 max_seq_len: int | None = None, check_bounds: bool = False,
                                 block_n: int | None = None, num_warps: int = 4,
-                                num_stages: int = 2) -> torch.Tensor:
+                                num_stages: int = 2, window: int | None = None,
+                                softcap: float | None = None,
+                                sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over virtually contiguous (vmem) K/V.
 
     ``q`` ``[B, Hq, D]``; ``k_cache``/``v_cache`` strided ``[num_slots, max_tokens, Hk, D]`` views
@@ -348,8 +342,10 @@ def decode_attention_contiguous(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     the longest length in the batch if the caller knows it, else ``max_tokens``). Lengths are
     clamped to ``[0, max_tokens]`` in the kernel; ``check_bounds=True`` instead checks lengths
     and slot ids on the host and raises ``ValueError`` (it synchronizes with the device).
+    ``window``: attend the last ``window`` keys only (read from there); ``softcap``: logit
+    soft-capping; ``sinks``: ``[Hq]`` sink logits (see ``variants``).
     """
-    _check_common(q, k_cache, v_cache, seq_lens, ("k_cache", "v_cache"), out)
+    check_inputs(q, k_cache, v_cache, seq_lens, ("k_cache", "v_cache"), out)
     if slot_ids.shape != (q.shape[0],) or slot_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_ids must be int32/int64 [batch] = [{q.shape[0]}], got "
                          f"{tuple(slot_ids.shape)} {slot_ids.dtype}")
@@ -357,12 +353,13 @@ def decode_attention_contiguous(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         raise ValueError(f"slot_ids is on {slot_ids.device}, q on {q.device}")
     num_slots, max_tokens = k_cache.shape[:2]
     if check_bounds and q.shape[0]:
-        _check_values("seq_lens", seq_lens, 0, max_tokens, "the view's max_tokens")
-        _check_values("slot_ids", slot_ids, 0, num_slots - 1, "num_slots - 1")
+        check_values("seq_lens", seq_lens, 0, max_tokens, "the view's max_tokens")
+        check_values("slot_ids", slot_ids, 0, num_slots - 1, "num_slots - 1")
     return _launch(q, k_cache, v_cache, slot_ids, 0, seq_lens, scale, max_tokens,
                    (k_cache.stride(0), v_cache.stride(0)), paged=False, block_size=1, out=out,
                    num_splits=num_splits, max_seq_len=max_seq_len, block_n=block_n,
-                   num_warps=num_warps, num_stages=num_stages)
+                   num_warps=num_warps, num_stages=num_stages, window=window, softcap=softcap,
+                   sinks=sinks)
 
 
 def decode_attention_paged(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
@@ -370,7 +367,9 @@ def decode_attention_paged(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
                            out: torch.Tensor | None = None, num_splits: int | None = None,
                            max_seq_len: int | None = None, check_bounds: bool = False,
                            block_n: int | None = None, num_warps: int = 4,
-                           num_stages: int = 2) -> torch.Tensor:
+                           num_stages: int = 2, window: int | None = None,
+                           softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over a block-table (paged) KV cache.
 
     ``k_blocks``/``v_blocks`` strided ``[num_blocks, block_size, Hk, D]`` views (last dim
@@ -379,7 +378,7 @@ def decode_attention_paged(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
     a sequence's length are never read. Other arguments as in ``decode_attention_contiguous``;
     ``check_bounds=True`` also checks the entries each sequence uses against ``num_blocks``.
     """
-    _check_common(q, k_blocks, v_blocks, seq_lens, ("k_blocks", "v_blocks"), out)
+    check_inputs(q, k_blocks, v_blocks, seq_lens, ("k_blocks", "v_blocks"), out)
     batch = q.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype not in (torch.int32,
                                                                                                  torch.int64):
@@ -392,18 +391,11 @@ def decode_attention_paged(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
     num_blocks, block_size = k_blocks.shape[:2]
     capacity = block_tables.shape[1] * block_size
     if check_bounds and batch:
-        _check_values("seq_lens", seq_lens, 0, capacity, "max_blocks * block_size")
+        check_values("seq_lens", seq_lens, 0, capacity, "max_blocks * block_size")
         used = torch.arange(block_tables.shape[1], device=q.device)[None, :] * block_size < seq_lens[:, None]
-        _check_values("block table entries in use", block_tables[used], 0, num_blocks - 1, "num_blocks - 1")
+        check_values("block table entries in use", block_tables[used], 0, num_blocks - 1, "num_blocks - 1")
     return _launch(q, k_blocks, v_blocks, block_tables, block_tables.stride(0), seq_lens, scale, capacity,
                    (k_blocks.stride(0), v_blocks.stride(0)), paged=True, block_size=block_size, out=out,
                    num_splits=num_splits, max_seq_len=max_seq_len, block_n=block_n,
-                   num_warps=num_warps, num_stages=num_stages)
-
-
-def _check_values(name: str, values: torch.Tensor, low: int, high: int, high_name: str) -> None:
-    if values.numel() == 0:
-        return
-    lo, hi = int(values.min()), int(values.max())
-    if lo < low or hi > high:
-        raise ValueError(f"{name} must lie in [{low}, {high}] ({high_name}), got values from {lo} to {hi}")
+                   num_warps=num_warps, num_stages=num_stages, window=window, softcap=softcap,
+                   sinks=sinks)

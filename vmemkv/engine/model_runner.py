@@ -5,9 +5,11 @@ called on one packed, ragged batch per step (``[1, T]`` tokens, every sequence's
 side, with their absolute positions); our function receives each layer's query, key and value
 after RoPE and hands them to the step's attention object, which writes K/V into the cache and
 attends per sequence. No attention mask is built by transformers: the attention object knows the
-spans. (The name is deliberately not registered with transformers' mask interface: an attention
-implementation the mask code does not know skips mask preparation entirely, as vLLM's and TGI's
-do; registered, it would also scan the position ids for packed sequences on every forward.)
+spans. A layer's sliding window, logit soft-capping and sinks (``sliding_window``, ``softcap``,
+``s_aux``) are passed on to it (``vmemkv.attention.variants``). (The name is deliberately not
+registered with transformers' mask interface: an attention implementation the mask code does not
+know skips mask preparation entirely, as vLLM's and TGI's do; registered, it would also scan the
+position ids for packed sequences on every forward.)
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         raise RuntimeError("the vmemkv attention was called without a batch; run the model "
                            "through vmemkv's ModelRunner")
     # Backstop for models check_attention_supported does not know: score changes we don't apply.
-    for name in ("softcap", "s_aux", "sinks", "alibi", "position_bias"):
+    for name in ("sinks", "alibi", "position_bias"):
         if kwargs.get(name) is not None:
             raise UnsupportedModelError(f"{type(module).__name__} passes {name!r} to its attention "
                                         "function, which the vmemkv engine does not apply")
-    return attention(module.layer_idx, query, key, value, scaling), None
+    return attention(module.layer_idx, query, key, value, scaling, window=kwargs.get("sliding_window"),
+                     softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux")), None
 
 
 AttentionInterface.register(ATTENTION_NAME, _attention)

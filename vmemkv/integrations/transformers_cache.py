@@ -45,8 +45,9 @@ Rows whose ids are unknown (a forward with ``inputs_embeds``, a cache used witho
 after admission that the row's salt does not account for raises rather than registering wrong
 content. The manager is not thread-safe; one cache runs one ``generate`` at a time.
 
-What is not supported: sliding-window or chunked layers whose window is shorter than
-``max_cache_len`` (refused with ``UnsupportedModelError``), hybrid layers (linear attention, SSM),
+Sliding-window layers get every token and the model's own mask applies the window. What is
+not supported: chunked layers whose chunk is shorter than ``max_cache_len`` (refused with
+``UnsupportedModelError``), hybrid layers (linear attention, SSM),
 ``torch.compile`` (the views change every step), offloading, encoder-decoder models.
 """
 

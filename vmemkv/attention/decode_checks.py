@@ -1,0 +1,72 @@
+"""Host-side checks of the Triton decode kernels' arguments (``triton_decode``): shapes, dtypes,
+strides, devices, a layer variant's window, cap and sinks; and, on request, the values of lengths,
+slot ids and block-table entries. Each failure is a ``ValueError`` that names the argument."""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
+                  names: tuple[str, str], out: torch.Tensor | None) -> None:
+    k_name, v_name = names
+    if q.dim() != 3:
+        raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {tuple(q.shape)}")
+    if k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"{k_name} and {v_name} must be 4-D [outer, tokens, kv_heads, head_dim], got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"{k_name} {tuple(k.shape)} and {v_name} {tuple(v.shape)} must have the same shape")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q dtype {q.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, {k_name} and {v_name} must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    if k.shape[3] != head_dim:
+        raise ValueError(f"q head_dim {head_dim} differs from {k_name} head_dim {k.shape[3]}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} is not supported; it must be between 1 and {MAX_HEAD_DIM}")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if k.stride(3) != 1 or v.stride(3) != 1:
+        raise ValueError(f"the last dim of {k_name} and {v_name} must be contiguous (stride 1), got strides "
+                         f"{k.stride()} and {v.stride()}")
+    if seq_lens.shape != (batch,):
+        raise ValueError(f"seq_lens must be [batch] = [{batch}], got {tuple(seq_lens.shape)}")
+    if seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"seq_lens must be int32 or int64, got {seq_lens.dtype}")
+    tensors = {"q": q, k_name: k, v_name: v, "seq_lens": seq_lens}
+    if out is not None:
+        if out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+            raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim, got "
+                             f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
+        tensors["out"] = out
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) != 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+    if q.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device {q.device} is not supported: CUDA runs compiled, CPU interpreted")
+
+
+def check_variant(q: torch.Tensor, window: int | None, softcap: float | None,
+                  sinks: torch.Tensor | None) -> None:
+    if window is not None and window <= 0:
+        raise ValueError(f"window must be a positive number of tokens, got {window}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    num_q_heads = q.shape[1]
+    if sinks is not None and (sinks.shape != (num_q_heads,) or sinks.device != q.device):
+        raise ValueError(f"sinks must be [num_q_heads] = [{num_q_heads}] on {q.device}, got "
+                         f"{tuple(sinks.shape)} on {sinks.device}")
+
+
+def check_values(name: str, values: torch.Tensor, low: int, high: int, high_name: str) -> None:
+    if values.numel() == 0:
+        return
+    lo, hi = int(values.min()), int(values.max())
+    if lo < low or hi > high:
+        raise ValueError(f"{name} must lie in [{low}, {high}] ({high_name}), got values from {lo} to {hi}")

@@ -1,0 +1,67 @@
+"""What a layer's attention may ask beyond plain causal softmax, as transformers passes it to the
+attention interface: a sliding window, logit soft-capping, attention sinks.
+
+* **Sliding window** ``W`` (``sliding_window``): the query at position ``p`` sees keys
+  ``max(0, p - W + 1) .. p`` (``masking_utils.sliding_window_overlay``: ``kv > q - W``). Every
+  path reads from the window start (``window_start``) rather than masking the whole prefix, so
+  positions wholly behind every query's window are never touched.
+* **Soft-capping** ``c`` (``softcap``, Gemma-2): scores become ``c * tanh(scores / c)`` before
+  the mask and softmax.
+* **Sinks** (``s_aux``, GPT-OSS): one learned logit per query head joins the softmax's
+  denominator and is dropped from its output (attention may go "nowhere").
+
+SDPA has neither soft-capping nor sinks, so layers with them take ``explicit_attention`` (scores,
+cap, mask, softmax in float32, as transformers' eager attention); every other layer keeps SDPA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def window_start(first_position: int, window: int | None) -> int:
+    """The first key position a query at ``first_position`` (or later) can see."""
+    return max(0, first_position - window + 1) if window else 0
+
+
+def needs_explicit(softcap: float | None, sinks: torch.Tensor | None) -> bool:
+    """Whether these scores need ``explicit_attention`` (SDPA cannot apply them)."""
+    return softcap is not None or sinks is not None
+
+
+def causal_window_mask(num_cached: int, num_queries: int, start: int, window: int | None,
+                       device: torch.device) -> torch.Tensor:
+    """``[num_queries, length - start]`` bool, True where a query sees a key: the queries sit at
+    positions ``num_cached ..``, the keys at ``start .. num_cached + num_queries``."""
+    queries = torch.arange(num_queries, device=device)[:, None] + num_cached
+    keys = torch.arange(start, num_cached + num_queries, device=device)[None, :]
+    visible = keys <= queries
+    if window:
+        visible &= keys > queries - window
+    return visible
+
+
+def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                       mask: torch.Tensor | None, softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """``query`` ``[B, Hq, M, D]``, ``key``/``value`` ``[B, Hk, N, D]``, ``mask`` bool ``[M, N]``
+    or broadcastable to ``[B, 1, M, N]`` (True: seen) or None; returns ``[B, Hq, M, D]`` in
+    query's dtype. Grouped heads are folded (``[B, Hk, G, M, D]``): K/V are never repeated."""
+    batch, num_heads, num_queries, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    group = num_heads // num_kv_heads
+    dtype = torch.promote_types(query.dtype, torch.float32)  # at least float32, as eager attention
+    q = query.reshape(batch, num_kv_heads, group, num_queries, head_dim).to(dtype)
+    scores = (q @ key[:, :, None].to(dtype).transpose(-1, -2)) * scale  # [B, Hk, G, M, N]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # [M, N] -> [1, 1, M, N]
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(dtype).reshape(1, num_kv_heads, group, 1, 1).expand(*scores.shape[:-1], 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        weights = torch.softmax(scores, dim=-1)
+    out = weights @ value[:, :, None].to(dtype)
+    return out.reshape(batch, num_heads, num_queries, head_dim).to(query.dtype)
