@@ -55,10 +55,10 @@ class LLMEngine:
         self.kv_metrics = KVMetricsCollector()
         # KV events: the manager's pool fills the buffer, each step publishes it as one batch.
         self.kv_events = KVEventBuffer() if config.kv_events_endpoint else None
-        self.kv_event_publisher = (KVEventPublisher(config.kv_events_endpoint)
-                                   if config.kv_events_endpoint else None)
         self.manager = KVCacheManager(config.cache_config(model), metrics=self.kv_metrics,
                                       events=self.kv_events)
+        self.kv_event_publisher = (KVEventPublisher(config.kv_events_endpoint)
+                                   if config.kv_events_endpoint else None)
         model_runner = ModelRunner(model)
         self.scheduler = Scheduler(config, self.manager)
         # The KV addressing (slots or block tables) and its attention, chosen once.
