@@ -67,15 +67,18 @@ class EventIndex:
 # ---- specs ------------------------------------------------------------------------------------
 
 def test_prefill_stores_each_full_block_once_with_parent_and_tokens():
-    events = KVEventBuffer()
-    m = make_manager(events)
+    events, seen = KVEventBuffer(), []
+    m = make_manager(lambda event: (seen.append(event), events(event)))
     prompt = list(range(1, 11))  # two full blocks and a partial one
     run_prompt(m, "a", prompt)
-    first, second = events.drain().events
+    first, second = seen  # one event per block to a plain callback
     assert first == BlockStored([m.pool.hash_of[m.block_table("a")[0]]], None, [1, 2, 3, 4],
                                 TOKENS_PER_PAGE, None, MEDIUM_DEVICE)
-    assert second.parent_block_hash == first.block_hashes[0]
-    assert second.token_ids == [5, 6, 7, 8]
+    assert second == BlockStored([m.pool.hash_of[m.block_table("a")[1]]], first.block_hashes[0],
+                                 [5, 6, 7, 8], TOKENS_PER_PAGE, None, MEDIUM_DEVICE)
+    # the buffer joins a run of blocks into one event, as vLLM sends a prefill
+    assert events.drain().events == [BlockStored(first.block_hashes + second.block_hashes, None,
+                                                 list(range(1, 9)), TOKENS_PER_PAGE)]
     # decode fills the third block: stored then, never the partial one before
     for token in (11, 12):
         assert m.allocate("a", 1, [token])
@@ -104,14 +107,15 @@ def test_eviction_removes_exactly_the_hashes_the_pool_forgets():
     m = make_manager(events, num_blocks=4)
     run_prompt(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])  # 2 hashed blocks + 1 partial
     m.free("a")
-    stored = [e.block_hashes[0] for e in events.drain().events]
+    (stored_event,) = events.drain().events
+    stored = stored_event.block_hashes
     # 4 blocks: the two clean ones, then the cached ones, the deeper first (freed first)
     run_prompt(m, "b", list(range(20, 33)))  # 4 blocks, 3 of them full
     batch = events.drain().events
     removed = [e for e in batch if isinstance(e, BlockRemoved)]
     assert removed == [BlockRemoved([stored[1], stored[0]], MEDIUM_DEVICE)]
     assert not set(stored) & set(m.pool.block_of_hash)
-    assert len([e for e in batch if isinstance(e, BlockStored)]) == 3
+    assert sum(len(e.block_hashes) for e in batch if isinstance(e, BlockStored)) == 3
 
 
 def test_reset_clears_all_and_a_sink_must_be_callable():
@@ -253,13 +257,12 @@ class EventMachine(RuleBasedStateMachine):
         self.m.check()
 
     def check_hash(self, event: BlockStored) -> None:
-        """The event's tokens and parent give back its hash under one of the tenants' keys."""
-        (block_hash,) = event.block_hashes
+        """The event's tokens and parent give back its run of hashes under a tenant's keys."""
         hasher = self.m.hasher
         roots = [event.parent_block_hash] if event.parent_block_hash else [
             hasher.root(CacheKeys(cache_salt=salt)) for salt in SALTS]
         assert any(hasher.page_hashes(event.token_ids, TOKENS_PER_PAGE, CacheKeys(), parent=root)
-                   == [block_hash] for root in roots)
+                   == event.block_hashes for root in roots)
 
     def teardown(self):
         self.m.close()

@@ -99,7 +99,7 @@ def test_a_subscriber_rebuilds_the_cache_from_the_event_stream():
             complete(http, KEYS[i % 2], prompt)
     pool = engine.manager.pool
     rebuilt: dict[bytes, tuple[bytes | None, list[int]]] = {}
-    sequences, kinds = [], set()
+    sequences, kinds, multi_block_events = [], set(), 0
     deadline = time.monotonic() + WAIT_S
     while True:  # read until the stream matches the cache and then stays quiet
         matched = set(rebuilt) == set(pool.block_of_hash)
@@ -110,8 +110,12 @@ def test_a_subscriber_rebuilds_the_cache_from_the_event_stream():
         sequences.append(int.from_bytes(sequence, "big"))
         for event in decode_batch(msgpack.unpackb(payload)).events:
             kinds.add(type(event))
-            if isinstance(event, BlockStored):
-                rebuilt[event.block_hashes[0]] = (event.parent_block_hash, event.token_ids)
+            multi_block_events += isinstance(event, BlockStored) and len(event.block_hashes) > 1
+            if isinstance(event, BlockStored):  # a run of blocks, each the next one's parent
+                parent = event.parent_block_hash
+                for i, block_hash in enumerate(event.block_hashes):
+                    rebuilt[block_hash] = (parent, event.token_ids[i * 16:(i + 1) * 16])
+                    parent = block_hash
             elif isinstance(event, BlockRemoved):
                 for block_hash in event.block_hashes:
                     del rebuilt[block_hash]
@@ -119,7 +123,7 @@ def test_a_subscriber_rebuilds_the_cache_from_the_event_stream():
                 assert isinstance(event, AllBlocksCleared)
                 rebuilt.clear()
     assert topic == b"" and sequences == list(range(len(sequences)))  # from 0, no gap
-    assert kinds == {BlockStored, BlockRemoved}
+    assert kinds == {BlockStored, BlockRemoved} and multi_block_events
     assert set(rebuilt) == set(pool.block_of_hash)
     # each hash is its parent's (or its tenant's root) chained with the tokens the event gives
     roots = {engine.manager.hasher.root(CacheKeys(cache_salt=tenant_salt(key))) for key in KEYS}

@@ -77,13 +77,24 @@ def check_sink(events: object) -> KVEventSink | None:
 
 
 class KVEventBuffer:
-    """A sink that keeps events in order until ``drain()``. Use it from one thread (the one that
-    runs the manager), or guard it yourself."""
+    """A sink that keeps events in order until ``drain()``. A block stored right after its parent
+    joins the parent's ``BlockStored`` (one event per run of blocks, as vLLM sends a prefill).
+    Use it from one thread (the one that runs the manager), or guard it yourself."""
 
     def __init__(self) -> None:
         self._events: list[KVCacheEvent] = []
 
     def __call__(self, event: KVCacheEvent) -> None:
+        last = self._events[-1] if self._events else None
+        if (isinstance(event, BlockStored) and isinstance(last, BlockStored)
+                and event.parent_block_hash is not None
+                and event.parent_block_hash == last.block_hashes[-1]
+                and (event.block_size, event.lora_id, event.medium)
+                == (last.block_size, last.lora_id, last.medium)):
+            self._events[-1] = BlockStored(last.block_hashes + event.block_hashes,
+                                           last.parent_block_hash, last.token_ids + event.token_ids,
+                                           last.block_size, last.lora_id, last.medium)
+            return
         self._events.append(event)
 
     def __len__(self) -> int:
