@@ -271,3 +271,40 @@ class EventMachine(RuleBasedStateMachine):
 test_events_rebuild_the_cache_index = pytest.mark.filterwarnings("ignore")(EventMachine.TestCase)
 EventMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_a_decoder_written_for_vllm_reads_the_wire_format():
+    """msgspec structs of vLLM's shape (array-like, tagged by class name, fields in vLLM's
+    order) decode what the publisher sends."""
+    msgspec = pytest.importorskip("msgspec", reason="this check decodes with msgspec, as vLLM does")
+    msgpack = pytest.importorskip("msgpack", reason="the publisher encodes with msgpack")
+
+    # defstruct, not class syntax: this module's annotations are strings (PEP 563)
+    shape = {"array_like": True, "omit_defaults": True}
+    hash_type = bytes | int
+    stored_type = msgspec.defstruct("BlockStored", [
+        ("block_hashes", list[hash_type]), ("parent_block_hash", hash_type | None),
+        ("token_ids", list[int]), ("block_size", int), ("lora_id", int | None),
+        ("medium", str | None)], tag=True, **shape)
+    removed_type = msgspec.defstruct("BlockRemoved", [
+        ("block_hashes", list[hash_type]), ("medium", str | None)], tag=True, **shape)
+    cleared_type = msgspec.defstruct("AllBlocksCleared", [], tag=True, **shape)
+    batch_type = msgspec.defstruct("KVEventBatch", [
+        ("ts", float), ("events", list[stored_type | removed_type | cleared_type]),
+        ("data_parallel_rank", int | None, None)], **shape)
+
+    events = KVEventBuffer()
+    m = make_manager(events, num_blocks=3)
+    run_prompt(m, "a", list(range(1, 10)))
+    m.free("a")
+    run_prompt(m, "b", [5, 5, 5, 5, 5])
+    m.free("b")
+    m.reset_prefix_cache()
+    batch = events.drain(ts=7.0)
+    decoded = msgspec.msgpack.decode(msgpack.packb(encode_batch(batch)), type=batch_type)
+    stored, removed, stored_b, cleared = decoded.events
+    assert (decoded.ts, decoded.data_parallel_rank) == (7.0, None)
+    assert stored.block_hashes == batch.events[0].block_hashes and stored.parent_block_hash is None
+    assert (stored.token_ids, stored.block_size, stored.medium) == (list(range(1, 9)), 4, "GPU")
+    assert removed.block_hashes == batch.events[1].block_hashes and removed.medium == "GPU"
+    assert stored_b.token_ids == [5, 5, 5, 5] and isinstance(cleared, cleared_type)
