@@ -213,7 +213,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
                 self.stats.prefix_hit_tokens += cached
                 self.stats.prefix_hit_tokens_device += cached
                 self.stats.prefix_partial_page_tokens += self.pool.shared_partial_tokens(
-                    hashes[len(hits) - 1] if hits else self.hasher.root(keys),
+                    hashes[len(hits) - 1] if hits else self._chain_root(keys),
                     token_ids[cached:min(cached + self.tokens_per_page, len(token_ids) - 1)])
         return cached
 
