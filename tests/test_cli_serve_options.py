@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from vmemkv.cli import build_parser, engine_config_from_args, main, read_api_keys
@@ -30,3 +32,26 @@ def test_kv_events_endpoint_reaches_the_engine_config():
     assert engine_config_from_args(args).kv_events_endpoint == "tcp://*:5557"
     args = build_parser().parse_args(["generate", "--device", "cpu", "--prompt", "x"])
     assert engine_config_from_args(args).kv_events_endpoint is None
+
+
+def test_a_taken_or_bad_endpoint_is_a_clear_error():
+    pytest.importorskip("zmq", reason="the publisher needs pyzmq")
+    pytest.importorskip("msgpack", reason="the publisher needs msgpack")
+    from vmemkv.engine.kv_event_publisher import KVEventPublisher
+
+    publisher = KVEventPublisher("tcp://127.0.0.1:*")
+    try:
+        with pytest.raises(ValueError, match="cannot bind the KV event publisher"):
+            KVEventPublisher(publisher.endpoint)  # the port is taken
+        with pytest.raises(ValueError, match="cannot bind"):
+            KVEventPublisher("not-an-address")
+    finally:
+        publisher.close()
+
+
+def test_without_pyzmq_the_publisher_says_what_to_install(monkeypatch):
+    from vmemkv.engine.kv_event_publisher import KVEventPublisher
+
+    monkeypatch.setitem(sys.modules, "zmq", None)  # import zmq now raises ImportError
+    with pytest.raises(ValueError, match=r"pip install 'vmemkv\[server\]'"):
+        KVEventPublisher("tcp://127.0.0.1:*")

@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 
+from ..errors import ConfigError
 from ..kv_events import KVEventBatch, encode_batch
 
 logger = logging.getLogger(__name__)
@@ -26,8 +27,12 @@ class KVEventPublisher:
     """``publish(batch)`` from one thread; ``close()`` sends what is queued, then stops."""
 
     def __init__(self, endpoint: str, topic: str = "", max_queue_batches: int = 100_000) -> None:
-        import msgpack  # the server extra: pip install "vmemkv[server]"
-        import zmq
+        try:
+            import msgpack
+            import zmq
+        except ImportError as exc:
+            raise ConfigError(f"publishing KV events needs pyzmq and msgpack ({exc}); install "
+                              "them with: pip install 'vmemkv[server]'") from exc
 
         self._pack = msgpack.Packer(use_bin_type=True).pack
         self._context = zmq.Context.instance()
