@@ -17,9 +17,10 @@ from vmemkv.engine.server import build_app
 
 @contextlib.contextmanager
 def running_server(async_engine: AsyncEngine, served_name: str, wait_s: float,
-                   api_key: str | None = None) -> Iterator[str]:
-    """Yields the server's base URL (``http://127.0.0.1:PORT``); stops it and the engine after."""
-    app = build_app(async_engine, served_name, api_key=api_key)
+                   api_key: str | None = None, **app_options) -> Iterator[str]:
+    """Yields the server's base URL (``http://127.0.0.1:PORT``); stops it and the engine after.
+    ``app_options`` go to ``build_app`` (``api_keys``, ``cache_salt_per_api_key``)."""
+    app = build_app(async_engine, served_name, api_key=api_key, **app_options)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))

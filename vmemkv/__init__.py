@@ -9,6 +9,7 @@ from .errors import (ConfigError, CudaDriverError, InvalidInputError, ManagerClo
                      MappingError, MappingLimitError, NativeExtensionError, OutOfPagesError,
                      PageStateError, RequestTooLongError, UnsupportedModelError, VmemkvError)
 from .hashing import CacheKeys, MultimodalItem
+from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventBuffer
 from .kv_metrics import KVMetricsCollector
 from .layout import KVLayout
 from .cache_config import CacheConfig, CacheStats, PreemptionEstimate

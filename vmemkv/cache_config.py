@@ -67,7 +67,12 @@ class CacheConfig:
 @dataclass
 class CacheStats:
     prefix_queried_tokens: int = 0  # prompt tokens looked up at first admission
-    prefix_hit_tokens: int = 0
+    prefix_hit_tokens: int = 0  # all tiers; below, by tier (the device's KV pool is the only one)
+    prefix_hit_tokens_device: int = 0
+    # Prompt tokens past a first admission's page hits that a cached page continuing the same
+    # prefix (same keys) also holds, up to the prompt's last token: hits lost because the shared
+    # part is shorter than a page (what a token-granular cache would have served on top).
+    prefix_partial_page_tokens: int = 0
     reprefill_queried_tokens: int = 0  # the same, for re-admission after preemption
     reprefill_hit_tokens: int = 0
     preemptions_recompute: int = 0

@@ -99,6 +99,7 @@ def engine_config_from_args(args: argparse.Namespace):
         "policy": args.policy,
         "attention": args.attention,
         "lookahead_tokens": args.lookahead_tokens,
+        "kv_events_endpoint": getattr(args, "kv_events_endpoint", None),  # serve only
     }
     # Unset options keep EngineConfig's defaults (num_blocks=None means "derive" there too).
     return EngineConfig(**{name: value for name, value in fields.items() if value is not None})
@@ -199,14 +200,43 @@ def _add_serve_parser(subparsers) -> None:
                         help="require 'Authorization: Bearer KEY' (default: $VMEMKV_API_KEY)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients send (default: --model)")
+    parser.add_argument("--api-keys-file", default=None,
+                        help="accept every key in this file too: one per line, blank lines and "
+                             "lines starting with # ignored")
+    parser.add_argument("--cache-salt-per-api-key", action="store_true",
+                        help="each API key is a tenant: its requests get a prefix-cache salt "
+                             "derived from the key, so tenants never hit each other's cached pages")
+    parser.add_argument("--kv-events-endpoint", default=None,
+                        help="publish KV events (blocks stored in / removed from the prefix "
+                             "cache, vLLM's format) on a ZeroMQ PUB socket bound here, e.g. "
+                             "tcp://*:5557")
     parser.set_defaults(func=_serve)
+
+
+def read_api_keys(path: str | None) -> list[str]:
+    """The keys of an --api-keys-file: one per line; blank lines and # comments skipped."""
+    if path is None:
+        return []
+    try:
+        with open(path, encoding="utf-8") as file:
+            lines = [line.strip() for line in file]
+    except OSError as exc:
+        raise ValueError(f"--api-keys-file {path}: {exc.strerror}") from exc
+    keys = [line for line in lines if line and not line.startswith("#")]
+    if not keys:
+        raise ValueError(f"--api-keys-file {path} holds no key (one per line)")
+    return keys
 
 
 def _serve(args: argparse.Namespace) -> int:
     from vmemkv.engine.server import run_server
 
+    api_keys = read_api_keys(args.api_keys_file)
+    if args.cache_salt_per_api_key and not (args.api_key or api_keys):
+        raise ValueError("--cache-salt-per-api-key needs --api-key or --api-keys-file")
     run_server(_build_engine(args), host=args.host, port=args.port, api_key=args.api_key,
-               served_model_name=args.served_model_name)
+               served_model_name=args.served_model_name, api_keys=api_keys,
+               cache_salt_per_api_key=args.cache_salt_per_api_key)
     return 0
 
 

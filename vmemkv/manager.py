@@ -46,7 +46,9 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
 
     ``KVCacheManager(config, backend=None, metrics=None)``: ``backend`` defaults to the device's
     (``vmemkv.vmm.create_backend``); ``metrics``, a ``vmemkv.KVMetricsCollector``, times the
-    operations and the backend's mapping (``kv_metrics.py``; None costs about 0.15 µs per call)."""
+    operations and the backend's mapping (``kv_metrics.py``; None costs about 0.15 µs per call);
+    ``events``, a callable (e.g. ``vmemkv.KVEventBuffer``), is told every block stored in or
+    removed from the prefix cache and every reset (``kv_events.py``)."""
 
     # --- queries without side effects ----------------------------------------------------------
     @property
@@ -209,6 +211,10 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
             else:
                 self.stats.prefix_queried_tokens += len(token_ids)
                 self.stats.prefix_hit_tokens += cached
+                self.stats.prefix_hit_tokens_device += cached
+                self.stats.prefix_partial_page_tokens += self.pool.shared_partial_tokens(
+                    hashes[len(hits) - 1] if hits else self._chain_root(keys),
+                    token_ids[cached:min(cached + self.tokens_per_page, len(token_ids) - 1)])
         return cached
 
     @timed
@@ -248,7 +254,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
                                                   end_page=full)
         for index in range(req.num_registered, full):
             if self.pool.hash_of[req.blocks[index]] is None:
-                self.pool.register(req.blocks[index], req.hashes[index])
+                self._register(req, index)
         req.num_registered = full
 
     # --- freeing ------------------------------------------------------------------------------------

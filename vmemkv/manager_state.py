@@ -17,6 +17,7 @@ of where K and V sit, which attention needs anyway.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +27,7 @@ from . import validation as check
 from .cache_config import CacheConfig, CacheStats
 from .errors import ConfigError, ManagerClosedError, PageStateError, RequestTooLongError, VmemkvError
 from .hashing import CacheKeys, PrefixHasher
+from .kv_events import KVEventSink, check_sink
 from .kv_metrics import KVMetricsCollector
 from .layout import KVLayout
 from .pool import BlockPool
@@ -72,7 +74,7 @@ class ManagerState:
     metrics: KVMetricsCollector | None  # timing of operations and mapping (kv_metrics.py)
 
     def __init__(self, config: CacheConfig, backend: VirtualMemoryBackend | None = None,
-                 metrics: KVMetricsCollector | None = None):
+                 metrics: KVMetricsCollector | None = None, events: KVEventSink | None = None):
         self.config = check.config(config)
         if metrics is not None and not isinstance(metrics, KVMetricsCollector):
             raise ConfigError(f"metrics must be a vmemkv.KVMetricsCollector or None; got "
@@ -88,7 +90,8 @@ class ManagerState:
         self.backend = backend or create_backend(config.device, self._layout.page_size, pool_pages + filler)
         if metrics is not None:  # the backend reports its map/unmap time to the same collector
             self.backend.metrics = metrics
-        self.pool = BlockPool(config.num_blocks)
+        self.events = check_sink(events)  # told what enters and leaves the prefix cache
+        self.pool = BlockPool(config.num_blocks, self.events, self.tokens_per_page)
         # "vmem": virtually contiguous slots; "paged": the block-table baseline (same pool, same
         # blocks, addressed through each request's block list; nothing is mapped). check.config
         # allowed only these two.
@@ -96,6 +99,7 @@ class ManagerState:
         self.slots = addressing(self.backend, self._layout, config.max_num_seqs, config.max_model_len,
                                 config.num_blocks)
         self.hasher = PrefixHasher(config.hash_algorithm, config.hash_seed)
+        self._chain_root = functools.lru_cache(256)(self.hasher.root)  # keys -> root hash, 1 µs saved
         self.swap = SwapSpace(config.swap_space_bytes // self._layout.block_bytes,
                               self._layout.block_bytes,
                               pin_memory=str(config.device).startswith("cuda"))
@@ -212,6 +216,14 @@ class ManagerState:
             if fresh:
                 req.blocks += self.pool.take(fresh)
         req.num_tokens += num_new_tokens
+
+    def _register(self, req: _Request, index: int) -> None:
+        """Offer full block ``index`` of ``req`` to the prefix cache, with its tokens and parent
+        (for KV events and the partial-page hit count)."""
+        tokens = req.token_ids[index * self.tokens_per_page:(index + 1) * self.tokens_per_page]
+        parent = req.hashes[index - 1] if index else None
+        self.pool.register(req.blocks[index], req.hashes[index], tokens, parent,
+                           None if index else self._chain_root(req.keys))
 
     def _reserved_blocks(self, req: _Request) -> list[int]:
         """The request's blocks without lookahead ones."""

@@ -10,6 +10,12 @@ Every block is in exactly one state:
 
 Eviction is lazy: a cached block keeps its bytes and hash until ``allocate`` needs it, which drops
 the hash then. The pool is mechanism only; the manager decides what to free and in what order.
+
+Every change of the hash index is told to the ``events`` sink (``kv_events.py``): a hash newly
+registered (``BlockStored``), hashes dropped when their blocks are taken (``BlockRemoved``), a
+reset (``AllBlocksCleared``). Beside the index the pool keeps each hashed block's tokens under its
+chain parent, so a caller can ask how many tokens past its full-page hits a cached page shares
+with its prompt (``shared_partial_tokens``): hits a page-granular cache cannot give.
 """
 
 from __future__ import annotations
@@ -19,9 +25,14 @@ import itertools
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from .errors import OutOfPagesError, PageStateError
+from .kv_events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEventSink
+
+# shared_partial_tokens compares the prompt with at most this many cached pages (the newest) that
+# continue the same prefix with the same first token, so an admission never scans the whole cache.
+PARTIAL_MATCH_CANDIDATES = 64
 
 
 @dataclass
@@ -42,10 +53,20 @@ class BlockPool:
     logical page: every layer's K and V for ``tokens_per_page`` tokens); block ``b`` is backed by
     the backend's physical pages ``layout.physical_pages([b])`` (``pages_per_block`` of them)."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, events: KVEventSink | None = None, block_size: int = 0,
+                 medium: str = MEDIUM_DEVICE):
+        """``events``: a sink told every change of the hash index; ``block_size`` (tokens per
+        block) and ``medium`` (the tier) are what its events report."""
         if num_blocks <= 0:
             raise PageStateError(f"a pool needs at least one block, got num_blocks={num_blocks}")
         self.num_blocks = num_blocks
+        self.events = events
+        self.block_size = block_size
+        self.medium = medium
+        # hash -> (chain parent, first token): where the block's tokens sit in _continuations
+        self._continuation_key: dict[bytes, tuple[bytes, int]] = {}
+        # (chain parent, first token) -> {hash: the block's token ids}, oldest first
+        self._continuations: dict[tuple[bytes, int], dict[bytes, tuple[int, ...]]] = {}
         self.ref = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.block_of_hash: dict[bytes, int] = {}
@@ -108,15 +129,29 @@ class BlockPool:
         if n > self.num_free:
             raise OutOfPagesError(self._short_message(n))
         blocks = [heapq.heappop(self._clean) for _ in range(min(n, len(self._clean)))]
+        evicted = []
         while len(blocks) < n:
             block, _ = self._lru.popitem(last=False)
-            del self.block_of_hash[self.hash_of[block]]
-            self.hash_of[block] = None
-            self.evictions += 1
+            evicted.append(self.hash_of[block])
+            self._forget(block)
             blocks.append(block)
         for block in blocks:
             self.ref[block] = 1
+        self.evictions += len(evicted)
+        if evicted and self.events is not None:
+            self.events(BlockRemoved(evicted, self.medium))
         return blocks
+
+    def _forget(self, block: int) -> None:
+        content_hash = self.hash_of[block]
+        del self.block_of_hash[content_hash]
+        self.hash_of[block] = None
+        key = self._continuation_key.pop(content_hash, None)
+        if key is not None:
+            siblings = self._continuations[key]
+            del siblings[content_hash]
+            if not siblings:
+                del self._continuations[key]
 
     def take(self, planned: list[int]) -> list[int]:
         """Allocate the blocks an earlier ``peek`` planned; nothing may have changed the pool in
@@ -174,9 +209,13 @@ class BlockPool:
     def lookup(self, content_hash: bytes) -> int | None:
         return self.block_of_hash.get(content_hash)
 
-    def register(self, block: int, content_hash: bytes) -> bool:
-        """Record that an in-use, full block holds content ``content_hash``. Returns False (and
-        leaves the block unhashed) when another block already holds the same content."""
+    def register(self, block: int, content_hash: bytes, token_ids: Sequence[int] = (),
+                 parent_hash: bytes | None = None, root: bytes | None = None) -> bool:
+        """Record that an in-use, full block holds content ``content_hash``: its ``token_ids``,
+        after the block hashed ``parent_hash`` (None for a prompt's first block, whose chain
+        starts at ``root``, the hash of its cache keys). Returns False (and leaves the block
+        unhashed) when another block already holds the same content; a hash newly registered is
+        told to the events sink."""
         self._check_block(block)
         if self.ref[block] == 0:
             raise PageStateError(f"block {block} is free; only an in-use block can be registered")
@@ -188,7 +227,36 @@ class BlockPool:
             return False
         self.hash_of[block] = content_hash
         self.block_of_hash[content_hash] = block
+        chain_parent = root if parent_hash is None else parent_hash
+        if token_ids and chain_parent is not None:
+            key = (chain_parent, token_ids[0])
+            self._continuation_key[content_hash] = key
+            self._continuations.setdefault(key, {})[content_hash] = tuple(token_ids)
+        if self.events is not None:
+            self.events(BlockStored([content_hash], parent_hash, list(token_ids), self.block_size,
+                                    None, self.medium))
         return True
+
+    def shared_partial_tokens(self, chain_parent: bytes, token_ids: Sequence[int]) -> int:
+        """The longest common prefix of ``token_ids`` (fewer than a block's worth: the part of a
+        prompt past its page hits) with a hashed block that follows ``chain_parent`` (the last hit
+        page's hash, or the chain's root). Compares with at most PARTIAL_MATCH_CANDIDATES blocks."""
+        if not token_ids:
+            return 0
+        siblings = self._continuations.get((chain_parent, token_ids[0]))
+        if not siblings:
+            return 0
+        best = 0
+        for tokens in itertools.islice(reversed(siblings.values()), PARTIAL_MATCH_CANDIDATES):
+            shared = 0
+            for mine, theirs in zip(token_ids, tokens):
+                if mine != theirs:
+                    break
+                shared += 1
+            best = max(best, shared)
+            if best == len(token_ids):
+                break
+        return best
 
     def reset_cache(self) -> int:
         """Forget every cached block's content (they become clean). Returns how many were dropped.
@@ -199,6 +267,10 @@ class BlockPool:
         self._lru.clear()
         self.block_of_hash.clear()
         self.hash_of = [None] * self.num_blocks
+        self._continuation_key.clear()
+        self._continuations.clear()
+        if self.events is not None:
+            self.events(AllBlocksCleared())
         return dropped
 
     # --- invariants ----------------------------------------------------------------------------
@@ -218,6 +290,9 @@ class BlockPool:
             assert self.hash_of[p] == h, f"index says block {p} holds a hash it does not"
         hashed = sum(h is not None for h in self.hash_of)
         assert hashed == len(self.block_of_hash), "a hashed block is missing from the index"
+        assert self._continuation_key.keys() <= self.block_of_hash.keys(), "tokens kept for a forgotten hash"
+        assert sum(map(len, self._continuations.values())) == len(self._continuation_key), (
+            "the continuation index and its keys differ")
 
     def _check_block(self, block: int) -> None:
         if not 0 <= block < self.num_blocks:

@@ -101,7 +101,7 @@ class PreemptionOps(ManagerState):
         req.blocks = blocks
         for index, block in zip(range(req.num_registered), req.blocks):
             if self.pool.hash_of[block] is None:
-                self.pool.register(block, req.hashes[index])
+                self._register(req, index)
         req.swapped = None
         req.slot = slot
         self.stats.swap_in_bytes += len(copy) * self.layout.block_bytes

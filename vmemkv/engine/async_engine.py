@@ -38,6 +38,7 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     priority: int
+    keys: Any  # CacheKeys, or None for the engine's default
     stream: _Stream
     accepted: asyncio.Future  # resolved (or failed with add_request's error) by the engine thread
 
@@ -83,7 +84,7 @@ class AsyncEngine:
     # ---- the asyncio side -------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, keys: Any = None) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs until it finishes.
 
         ``add_request``'s errors (prompt too long, bad input) raise here before the first output.
@@ -93,7 +94,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         accepted = loop.create_future()
-        self._submit(_Add(request_id, prompt, params, priority, stream, accepted))
+        self._submit(_Add(request_id, prompt, params, priority, keys, stream, accepted))
         finished = False
         try:
             await accepted
@@ -175,8 +176,9 @@ class AsyncEngine:
             error: Exception | None = ValueError(f"request id {command.request_id!r} is already in use")
         else:
             try:
+                keys = {} if command.keys is None else {"keys": command.keys}  # prefix-cache salt
                 self.engine.add_request(command.request_id, command.prompt, command.params,
-                                        priority=command.priority)
+                                        priority=command.priority, **keys)
                 error = None
             except Exception as exc:  # bad input: refuse this request, keep serving the others
                 error = exc

@@ -49,6 +49,9 @@ class EngineConfig:
     # Decoding requests get the block their next `lookahead_tokens` tokens need mapped on a
     # background thread while the current step computes (0: map only when needed, inline).
     lookahead_tokens: int = 1
+    # Publish KV events (blocks stored in / removed from the prefix cache) over ZeroMQ at this
+    # address, e.g. "tcp://*:5557" (engine/kv_event_publisher.py); None: no events.
+    kv_events_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_model_len <= 1 or self.max_num_batched_tokens <= 0:

@@ -16,12 +16,14 @@ from .. import validation as check
 from ..errors import RequestTooLongError
 from ..hashing import CacheKeys
 from ..hf_support import check_attention_supported, text_config
+from ..kv_events import KVEventBuffer
 from ..kv_metrics import KVMetricsCollector
 from ..manager import KVCacheManager
 from .addressing import choose_addressing
 from .chat import end_of_turn_token_ids
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .kv_event_publisher import KVEventPublisher
 from .metrics import EngineMetrics
 from .model_runner import ModelRunner
 from .models import load_model
@@ -51,7 +53,12 @@ class LLMEngine:
                                   who="the vmemkv engine")
         # The manager and its backend time their operations and mapping here (stats(), /metrics).
         self.kv_metrics = KVMetricsCollector()
-        self.manager = KVCacheManager(config.cache_config(model), metrics=self.kv_metrics)
+        # KV events: the manager's pool fills the buffer, each step publishes it as one batch.
+        self.kv_events = KVEventBuffer() if config.kv_events_endpoint else None
+        self.manager = KVCacheManager(config.cache_config(model), metrics=self.kv_metrics,
+                                      events=self.kv_events)
+        self.kv_event_publisher = (KVEventPublisher(config.kv_events_endpoint)
+                                   if config.kv_events_endpoint else None)
         model_runner = ModelRunner(model)
         self.scheduler = Scheduler(config, self.manager)
         # The KV addressing (slots or block tables) and its attention, chosen once.
@@ -64,7 +71,7 @@ class LLMEngine:
         lookahead = (LookaheadMapper(self.manager, config.lookahead_tokens, self.scheduler.watermark_blocks)
                      if self.addressing.uses_lookahead and config.lookahead_tokens > 0 else None)
         self.runner = StepRunner(model_runner, self.addressing, lookahead)
-        self.metrics = EngineMetrics(kv_metrics=self.kv_metrics)
+        self.metrics = EngineMetrics(kv_metrics=self.kv_metrics, cache_stats=self.manager.cache_stats)
         self.groups: dict[str, SequenceGroup] = {}
         eos = text_config(model.config).eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -149,6 +156,8 @@ class LLMEngine:
         self.num_steps += 1
         self._record_memory()
         self._update_gauges()
+        if self.kv_event_publisher is not None and (batch := self.kv_events.drain()):
+            self.kv_event_publisher.publish(batch)
         return self.postprocessor.outputs(touched)
 
     def _update_gauges(self) -> None:
@@ -192,6 +201,8 @@ class LLMEngine:
     def close(self) -> None:
         self.runner.close()
         self.manager.close()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
 
 
 def run_to_completion(engine: LLMEngine, requests: Seq[tuple[str, str | list[int], SamplingParams]],

@@ -13,12 +13,21 @@ cache manager timed, read at scrape time: ``vmemkv_kv_manager_seconds_total`` an
 ``vmemkv_kv_manager_calls_total`` by ``operation``, and ``vmemkv_kv_mapping_seconds_total`` /
 ``vmemkv_kv_mapping_calls_total`` by ``where`` (``inline``: on the step thread; ``background``:
 the lookahead worker, overlapped with the forward pass).
+
+Given the manager's ``cache_stats`` (a callable returning ``CacheStats``), it also exposes the
+prefix cache's token counts, read at scrape time: ``vmemkv_prefix_cache_queried_tokens_total``
+and ``vmemkv_prefix_cache_hit_tokens_total{tier}`` (prompts at first admission; ``tier`` is
+``device``, the only tier for now), ``vmemkv_prefix_cache_reprefill_queried_tokens_total`` and
+``vmemkv_prefix_cache_reprefill_hit_tokens_total`` (re-admissions after a recompute preemption,
+kept out of the hit rate), and ``vmemkv_prefix_cache_partial_page_tokens_total`` (prompt tokens
+a cached page shared past the page hits, lost because the shared part is shorter than a page).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -30,6 +39,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily
 
+from ..cache_config import CacheStats
+from ..errors import VmemkvError
 from ..kv_metrics import KVMetricsCollector
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -51,11 +62,14 @@ class EngineMetrics:
     """Counters and latency samples of one engine."""
 
     def __init__(self, max_samples: int = 100_000,
-                 kv_metrics: KVMetricsCollector | None = None) -> None:
+                 kv_metrics: KVMetricsCollector | None = None,
+                 cache_stats: Callable[[], CacheStats] | None = None) -> None:
         self.registry = CollectorRegistry()
         self._define_metrics()
         if kv_metrics is not None:
             self.registry.register(_KVTimeExporter(kv_metrics))
+        if cache_stats is not None:
+            self.registry.register(_PrefixCacheExporter(cache_stats))
         self._requests: dict[str, _RequestTimes] = {}
         # Raw samples for summary(); bounded so a long-lived server does not grow without limit.
         self.ttft_s: deque[float] = deque(maxlen=max_samples)
@@ -91,7 +105,8 @@ class EngineMetrics:
         self.kv_usage = Gauge("vmemkv_kv_cache_usage_ratio", "Fraction of KV pages in use (0..1)",
                               registry=r)
         self.prefix_hit_rate = Gauge("vmemkv_prefix_cache_hit_rate",
-                                     "Fraction of prompt tokens served from the prefix cache",
+                                     "Fraction of prompt tokens served from the prefix cache at "
+                                     "first admission (re-admissions after preemption apart)",
                                      registry=r)
         self.throughput = Gauge("vmemkv_generation_throughput_tokens_per_second",
                                 f"Tokens generated per second over the last "
@@ -226,6 +241,34 @@ class _KVTimeExporter:
             map_seconds.add_metric([where], snapshot[f"{where}_map_seconds"])
             map_calls.add_metric([where], snapshot[f"{where}_map_calls"])
         yield from (seconds, calls, map_seconds, map_calls)
+
+
+class _PrefixCacheExporter:
+    """A Prometheus collector reading the manager's prefix-cache counters when scraped."""
+
+    def __init__(self, cache_stats: Callable[[], CacheStats]) -> None:
+        self.cache_stats = cache_stats
+
+    def collect(self):
+        try:
+            stats = self.cache_stats()
+        except VmemkvError:  # the manager is closed: nothing to report
+            return
+        hits = CounterMetricFamily("vmemkv_prefix_cache_hit_tokens", "Prompt tokens served from "
+                                   "the prefix cache at first admission, by tier", labels=["tier"])
+        hits.add_metric(["device"], stats.prefix_hit_tokens_device)
+        yield hits
+        for name, value, text in (
+                ("queried_tokens", stats.prefix_queried_tokens,
+                 "Prompt tokens looked up in the prefix cache at first admission"),
+                ("reprefill_queried_tokens", stats.reprefill_queried_tokens,
+                 "Tokens looked up again when re-admitting a request preempted by recompute"),
+                ("reprefill_hit_tokens", stats.reprefill_hit_tokens,
+                 "Of those, tokens served from the prefix cache (not in the hit rate)"),
+                ("partial_page_tokens", stats.prefix_partial_page_tokens,
+                 "Prompt tokens a cached page shared past the page hits, not served because the "
+                 "shared part is shorter than a page")):
+            yield CounterMetricFamily(f"vmemkv_prefix_cache_{name}", text, value=value)
 
 
 def _now(now: float | None) -> float:

@@ -1,12 +1,13 @@
 """From an OpenAI request body to the engine's input: the prompt's token ids (a completion
 prompt as text or ids; chat messages through the tokenizer's chat template, or ``role: content``
-lines without one) and the :class:`SamplingParams`. Anything the engine cannot take becomes an
+lines without one), the :class:`SamplingParams` and the prefix cache's keys (the salt). Anything the engine cannot take becomes an
 :class:`OpenAIError` (400) here, before the request reaches the engine."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..hashing import CacheKeys
 from .openai_protocol import ChatMessage, OpenAIError, SamplingFields
 from .sampling_params import SamplingParams
 
@@ -84,3 +85,14 @@ def sampling_params(body: SamplingFields, prompt_ids: list[int], max_tokens: int
             include_stop_str_in_output=body.include_stop_str_in_output)
     except ValueError as exc:
         raise OpenAIError(400, str(exc)) from exc
+
+
+def cache_keys(body: SamplingFields, tenant_salt: str | None) -> CacheKeys:
+    """The prefix-cache keys of a request: its ``cache_salt``, under its tenant's salt (derived
+    from the API key in use) when the server salts per key, so no request can pick a salt that
+    reaches another tenant's pages."""
+    if tenant_salt is None:
+        return CacheKeys(cache_salt=body.cache_salt)
+    if body.cache_salt is None:
+        return CacheKeys(cache_salt=tenant_salt)
+    return CacheKeys(cache_salt=f"{tenant_salt}/{body.cache_salt}")

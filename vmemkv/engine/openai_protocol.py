@@ -40,6 +40,9 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's per-request salt for the prefix cache: requests with different salts never share
+    # cached pages (nor can time each other's hits). Empty is refused, as vLLM does.
+    cache_salt: str | None = Field(default=None, min_length=1)
 
 
 class CompletionRequest(SamplingFields):

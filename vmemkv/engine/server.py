@@ -6,6 +6,11 @@ Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 40
 JSON, invalid parameters and prompts that are too long; 401 for a wrong or missing API key
 (when one is configured); 404 for an unknown model or route; 503 when the engine has stopped.
 
+Tenants: several API keys may be accepted. With ``cache_salt_per_api_key`` each key's requests
+get a salt derived from the key (a hash of it, never the key itself) in their prefix-cache keys,
+so requests under different keys never share cached pages and cannot time each other's prefix
+hits; a request's own ``cache_salt`` (vLLM's field) partitions further under its key's salt.
+
 A client that disconnects, mid-stream or while waiting for a non-streaming answer, has its
 request aborted so its KV pages are freed at once.
 
@@ -18,11 +23,12 @@ error handlers, the API-key check and the endpoints that tie them together.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -31,10 +37,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..hashing import CacheKeys
 from .async_engine import AsyncEngine, EngineDeadError
 from .chat import has_chat_template
 from .models import is_random_weight, random_weight_notice
-from .openai_inputs import chat_prompt_ids, check_model, completion_prompt_ids, sampling_params
+from .openai_inputs import (cache_keys, chat_prompt_ids, check_model, completion_prompt_ids,
+                            sampling_params)
 from .openai_outputs import ResponseFormatter, last_output, usage
 from .openai_protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, OpenAIError,
                               error_body, error_response)
@@ -76,34 +84,59 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(f"internal error: {exc!r}", "server_error"), status_code=500)
 
 
-class _APIKeyMiddleware:
-    """Plain ASGI middleware, so the key is checked before the body is read or validated."""
+def tenant_salt(api_key: str) -> str:
+    """The prefix-cache salt of an API key's requests: a hash of the key, so the key itself is
+    never kept in the cache's keys."""
+    return "api-key:" + hashlib.sha256(api_key.encode()).hexdigest()
 
-    def __init__(self, app, api_key: str) -> None:
+
+class _APIKeyMiddleware:
+    """Plain ASGI middleware, so the key is checked before the body is read or validated. Every
+    accepted key is compared (in constant time each), so the time taken does not tell which key
+    came close. With ``salt_per_key`` the key's salt goes to the handler in the request state."""
+
+    def __init__(self, app, api_keys: list[str], salt_per_key: bool) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = [(f"Bearer {key}".encode(), tenant_salt(key) if salt_per_key else None)
+                         for key in api_keys]
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            matches = [salt for expected, salt in self.expected
+                       if hmac.compare_digest(given, expected)]
+            if not matches:
                 response = error_response(OpenAIError(
                     401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
                     code="invalid_api_key"))
                 await response(scope, receive, send)
                 return
+            scope.setdefault("state", {})["tenant_salt"] = matches[0]
         await self.app(scope, receive, send)
+
+
+def _accepted_keys(api_key: str | None, api_keys: Sequence[str], cache_salt_per_api_key: bool
+                   ) -> list[str]:
+    keys = ([api_key] if api_key else []) + [key for key in api_keys if key]
+    if cache_salt_per_api_key and not keys:
+        raise ValueError("cache_salt_per_api_key needs at least one API key (--api-key or "
+                         "--api-keys-file)")
+    return keys
 
 
 # ---- the app --------------------------------------------------------------------------------
 
 def build_app(async_engine: AsyncEngine, served_model_name: str | None = None,
-              api_key: str | None = None) -> FastAPI:
+              api_key: str | None = None, api_keys: Sequence[str] = (),
+              cache_salt_per_api_key: bool = False) -> FastAPI:
+    """``api_key`` and ``api_keys``: the keys accepted (none: no check); with
+    ``cache_salt_per_api_key`` each key is a tenant with its own prefix-cache salt."""
+    keys = _accepted_keys(api_key, api_keys, cache_salt_per_api_key)
     app = FastAPI(title="vmemkv", docs_url=None, redoc_url=None)
     server = _Server(async_engine, served_model_name or async_engine.model_name)
     _add_error_handlers(app)
-    if api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+    if keys:
+        app.add_middleware(_APIKeyMiddleware, api_keys=keys, salt_per_key=cache_salt_per_api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -125,11 +158,13 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None,
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _cancel_on_disconnect(request, server.completions(body))
+        keys = cache_keys(body, getattr(request.state, "tenant_salt", None))
+        return await _cancel_on_disconnect(request, server.completions(body, keys))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _cancel_on_disconnect(request, server.chat_completions(body))
+        keys = cache_keys(body, getattr(request.state, "tenant_salt", None))
+        return await _cancel_on_disconnect(request, server.chat_completions(body, keys))
 
     return app
 
@@ -168,7 +203,7 @@ class _Server:
     def formatter(self) -> ResponseFormatter:
         return ResponseFormatter(self.engine.tokenizer)
 
-    async def completions(self, body: CompletionRequest) -> Response:
+    async def completions(self, body: CompletionRequest, keys: CacheKeys) -> Response:
         check_model(body.model, self.model_name)
         if body.echo:
             raise OpenAIError(400, "echo is not supported", param="echo")
@@ -179,7 +214,7 @@ class _Server:
         params = sampling_params(body, prompt_ids, body.max_tokens, body.logprobs,
                                  self.engine.max_model_len)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        outputs, first = await self._start(request_id, prompt_ids, params)
+        outputs, first = await self._start(request_id, prompt_ids, params, keys)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return EventStreamResponse(completion_events(
@@ -193,7 +228,7 @@ class _Server:
                                                          c.finish_reason) for c in final.outputs],
             "usage": usage(final)})
 
-    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+    async def chat_completions(self, body: ChatCompletionRequest, keys: CacheKeys) -> Response:
         check_model(body.model, self.model_name)
         if body.top_logprobs is not None:
             if not body.logprobs:
@@ -206,7 +241,7 @@ class _Server:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, prompt_ids, max_tokens, logprobs, self.engine.max_model_len)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs, first = await self._start(request_id, prompt_ids, params)
+        outputs, first = await self._start(request_id, prompt_ids, params, keys)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return EventStreamResponse(chat_events(
@@ -222,11 +257,12 @@ class _Server:
                         for c in final.outputs],
             "usage": usage(final)})
 
-    async def _start(self, request_id: str, prompt_ids: list[int], params: SamplingParams
-                     ) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
+    async def _start(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     keys: CacheKeys) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
         """Add the request and wait for its first output, so that add_request's errors become
         an HTTP error before any streamed byte is sent."""
-        outputs = self.engine.generate(request_id, prompt_ids, params)
+        outputs = self.engine.generate(request_id, prompt_ids, params,
+                                       keys=None if keys == CacheKeys() else keys)
         try:
             first = await anext(outputs)
         except ValueError as exc:  # RequestTooLongError is a ValueError too
@@ -242,7 +278,8 @@ class _Server:
 
 
 def run_server(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-               served_model_name: str | None = None) -> None:
+               served_model_name: str | None = None, api_keys: Sequence[str] = (),
+               cache_salt_per_api_key: bool = False) -> None:
     """Serve ``engine`` (an ``LLMEngine``) until interrupted."""
     import uvicorn
 
@@ -251,7 +288,8 @@ def run_server(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: 
         print(f"vmemkv: note: {engine.model_name} has no chat template; /v1/chat/completions "
               "formats messages as 'role: content' lines", file=sys.stderr)
     try:
-        app = build_app(async_engine, served_model_name or engine.model_name, api_key)
+        app = build_app(async_engine, served_model_name or engine.model_name, api_key, api_keys,
+                        cache_salt_per_api_key)
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     finally:
         async_engine.shutdown()

@@ -1,0 +1,143 @@
+"""KV events: what enters and leaves the prefix cache, for routers and observers.
+
+The block pool emits one event each time its content-hash index changes:
+
+* ``BlockStored``: a block's content hash is newly registered (a full block was computed and no
+  other block already held that content). It carries the hash, the parent's hash (None for the
+  first block of a prompt), the block's token ids, the block size and the tier (``medium``).
+* ``BlockRemoved``: cached blocks were evicted (their hashes are forgotten) to be handed out again.
+* ``AllBlocksCleared``: the prefix cache was reset; every hash is forgotten.
+
+A hash registered again after its block was evicted is stored again. Replaying the events in
+order therefore rebuilds exactly the set of hashes the pool can hit, and which tokens each holds.
+
+The shapes are vLLM's (``vllm/distributed/kv_events.py``), so routers written for vLLM read them:
+``encode_batch`` turns a batch into msgpack-ready arrays, ``[ts, [event, ...]]`` with each event
+``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]``,
+``["BlockRemoved", block_hashes, medium]`` or ``["AllBlocksCleared"]`` (msgspec's array-like,
+tagged structs). Hashes are the 32-byte digests of ``hashing.py``, sent as msgpack binary.
+
+A sink is any callable taking one event: pass it as ``KVCacheManager(config, events=sink)``. It is
+called on the thread that changes the cache, inside the manager's operation, so it must be quick
+and must not call back into the manager. ``KVEventBuffer`` is a sink that keeps events until a
+caller drains them as one timestamped batch (the engine does so once per step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+
+# The tier a block lives in. vLLM's names: "GPU" is the device's KV pool (whatever the device:
+# vmemkv's CPU backend reports its pool as the device tier too); "CPU" is host memory.
+MEDIUM_DEVICE = "GPU"
+MEDIUM_HOST = "CPU"
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None  # None: the first block of a prompt
+    token_ids: list[int]  # the tokens of all the blocks, in order
+    block_size: int  # tokens per block
+    lora_id: int | None = None  # vmemkv has no adapters yet
+    medium: str = MEDIUM_DEVICE
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hashes: list[bytes]
+    medium: str = MEDIUM_DEVICE
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    pass
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+KVEventSink = Callable[[KVCacheEvent], None]
+
+
+@dataclass
+class KVEventBatch:
+    ts: float  # seconds since the epoch (time.time()) when the batch was taken
+    events: list[KVCacheEvent] = field(default_factory=list)
+
+
+def check_sink(events: object) -> KVEventSink | None:
+    """``events`` as a sink, or a clear error when it is not callable."""
+    if events is not None and not callable(events):
+        raise ConfigError(f"events must be a callable taking one KV event (e.g. a "
+                          f"vmemkv.KVEventBuffer) or None; got {type(events).__name__}")
+    return events
+
+
+class KVEventBuffer:
+    """A sink that keeps events in order until ``drain()``. A block stored right after its parent
+    joins the parent's ``BlockStored`` (one event per run of blocks, as vLLM sends a prefill).
+    Use it from one thread (the one that runs the manager), or guard it yourself."""
+
+    def __init__(self) -> None:
+        self._events: list[KVCacheEvent] = []
+
+    def __call__(self, event: KVCacheEvent) -> None:
+        last = self._events[-1] if self._events else None
+        if (isinstance(event, BlockStored) and isinstance(last, BlockStored)
+                and event.parent_block_hash is not None
+                and event.parent_block_hash == last.block_hashes[-1]
+                and (event.block_size, event.lora_id, event.medium)
+                == (last.block_size, last.lora_id, last.medium)):
+            self._events[-1] = BlockStored(last.block_hashes + event.block_hashes,
+                                           last.parent_block_hash, last.token_ids + event.token_ids,
+                                           last.block_size, last.lora_id, last.medium)
+            return
+        self._events.append(event)
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def drain(self, ts: float | None = None) -> KVEventBatch | None:
+        """The events since the last drain as one batch (None when there are none)."""
+        if not self._events:
+            return None
+        events, self._events = self._events, []
+        return KVEventBatch(time.time() if ts is None else ts, events)
+
+
+def encode_event(event: KVCacheEvent) -> list:
+    """One event as vLLM's array-like msgpack struct (the tag first, then the fields in order)."""
+    if isinstance(event, BlockStored):
+        return ["BlockStored", list(event.block_hashes), event.parent_block_hash,
+                list(event.token_ids), event.block_size, event.lora_id, event.medium]
+    if isinstance(event, BlockRemoved):
+        return ["BlockRemoved", list(event.block_hashes), event.medium]
+    if isinstance(event, AllBlocksCleared):
+        return ["AllBlocksCleared"]
+    raise TypeError(f"not a KV event: {type(event).__name__}")
+
+
+def encode_batch(batch: KVEventBatch) -> list:
+    """A batch as vLLM's ``KVEventBatch`` array, ``[ts, events]`` (its data-parallel rank left
+    out, as msgspec omits a default), ready for ``msgpack.packb``."""
+    return [batch.ts, [encode_event(event) for event in batch.events]]
+
+
+def decode_event(fields: list) -> KVCacheEvent:
+    """The inverse of ``encode_event`` (for subscribers and tests)."""
+    tag, rest = fields[0], fields[1:]
+    if tag == "BlockStored":
+        hashes, parent, token_ids, block_size, lora_id, medium = rest[:6]
+        return BlockStored(list(hashes), parent, list(token_ids), block_size, lora_id, medium)
+    if tag == "BlockRemoved":
+        return BlockRemoved(list(rest[0]), rest[1])
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise ValueError(f"unknown KV event tag {tag!r}")
+
+
+def decode_batch(fields: list) -> KVEventBatch:
+    return KVEventBatch(fields[0], [decode_event(event) for event in fields[1]])
