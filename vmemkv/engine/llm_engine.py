@@ -22,6 +22,7 @@ from .addressing import choose_addressing
 from .chat import end_of_turn_token_ids
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .distributed import TensorParallelLeader
 from .metrics import EngineMetrics
 from .model_runner import ModelRunner
 from .models import load_model
@@ -46,13 +47,17 @@ class LLMEngine:
             model, tokenizer = load_model(config.model, config.torch_dtype, config.device, config.seed)
         self.model_name = config.model
         self.tokenizer = tokenizer
+        # Tensor parallelism: other ranks started, this model sharded (engine/distributed/).
+        tp = self.tensor_parallel = (TensorParallelLeader.start(config, model)
+                                     if config.tensor_parallel_size > 1 else None)
         # Before any KV memory is taken: refuse attention the engine would silently get wrong.
         check_attention_supported(model.config, config.max_model_len, replaces_attention=True,
                                   who="the vmemkv engine")
         # The manager and its backend time their operations and mapping here (stats(), /metrics).
         self.kv_metrics = KVMetricsCollector()
-        self.manager = KVCacheManager(config.cache_config(model), metrics=self.kv_metrics)
-        model_runner = ModelRunner(model)
+        self.manager = (KVCacheManager(config.cache_config(model), metrics=self.kv_metrics) if tp is None
+                        else tp.shard_manager(model, self.kv_metrics))
+        model_runner = ModelRunner(model) if tp is None else tp.model_runner(model)
         self.scheduler = Scheduler(config, self.manager)
         # The KV addressing (slots or block tables) and its attention, chosen once.
         self.addressing = choose_addressing(config, self.manager, model_runner.device,
@@ -192,6 +197,8 @@ class LLMEngine:
     def close(self) -> None:
         self.runner.close()
         self.manager.close()
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
 
 def run_to_completion(engine: LLMEngine, requests: Seq[tuple[str, str | list[int], SamplingParams]],

@@ -1,0 +1,93 @@
+"""What every rank builds the same way, and what travels from rank 0 each step.
+
+Every rank builds its KV cache manager from the same configuration and the same sharded model
+config, with its backend wrapped in a ``BackendRecorder`` (``shard_manager``): layouts, page counts
+and reservations then agree, so rank 0's log names the same pages everywhere. Each forward, rank 0
+broadcasts a ``StepMessage``: the log since the last one, the packed batch's token ids and
+positions, the rows to take logits of, and each sequence's span (slot, rows, cached length, block
+table); a worker replays the log and rebuilds the step's attention from the spans with its own
+addressing.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ...attention import SequenceSpan
+from ...kv_metrics import KVMetricsCollector
+from ...manager import KVCacheManager
+from ...vmm import create_backend
+from ..config import EngineConfig
+from .recorder import BackendRecorder, SwapRecorder
+from .group import TensorParallelError
+
+
+@dataclass
+class StepMessage:
+    log: list
+    input_ids: list[int]
+    positions: list[int]
+    logit_rows: list[int] | None
+    spans: list[SequenceSpan]
+    digest: int | None  # rank 0's state_digest after the log, when every step is checked
+
+
+def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | None = None
+                  ) -> tuple[KVCacheManager, BackendRecorder]:
+    """This rank's manager over its share of the KV heads (``model`` is sharded already), its
+    backend and swap space recorded; the construction's own calls are not part of any step."""
+    cache = config.cache_config(model)
+    layout = cache.make_layout()
+    # Sized as the manager sizes its own backend: the pool, plus one slot of filler pages for
+    # batched reads on CPU (manager_state.py). Every rank uses this same function, so any
+    # difference from the manager's own choice would still be the same on every rank.
+    filler = (layout.slot_pages(cache.max_model_len)
+              if cache.kv_backend == "vmem" and not str(cache.device).startswith("cuda") else 0)
+    recorder = BackendRecorder(create_backend(cache.device, layout.page_size,
+                                              cache.num_blocks * layout.pages_per_block + filler))
+    manager = KVCacheManager(cache, backend=recorder, metrics=metrics)
+    manager.swap = SwapRecorder(manager.swap, recorder)
+    recorder.take_log()
+    return manager, recorder
+
+
+def block_window(manager: KVCacheManager) -> torch.Tensor:
+    """The pool as ``[num_blocks, block_bytes]`` rows (what the swap space copies)."""
+    layout = manager.layout
+    num_blocks = manager.config.num_blocks
+    return manager.backend.pool_window()[:num_blocks * layout.pages_per_block].view(
+        num_blocks, layout.block_bytes)
+
+
+def broadcast(message: StepMessage | None, group) -> int:
+    """Rank 0 sends ``message`` (None: stop) to every rank; returns its pickled size in bytes."""
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=group)
+    return len(payload)
+
+
+def receive(group) -> StepMessage | None:
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(payload, src=0, group=group)
+    return pickle.loads(payload.numpy().tobytes())
+
+
+def check_digests(digest: int, device, step: int) -> None:
+    """Every rank passes its state digest; all raise TensorParallelError unless they agree."""
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    digests = [int(d.item()) for d in everyone]
+    if len(set(digests)) > 1:
+        raise TensorParallelError(
+            f"the ranks' KV mapping state differs at step {step} (digests by rank: "
+            f"{', '.join(f'{d:016x}' for d in digests)}): a page operation was not replayed alike; "
+            "the engine has stopped")
