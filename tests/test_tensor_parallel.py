@@ -80,6 +80,20 @@ class TestOneEngineWithSwap:
         assert_hf(batch, outputs, 20)
         assert_every_forward_checked(swap_engine)
 
+    def test_killed_worker_stops_the_engine_with_a_clear_error(self, swap_engine):
+        """Last in the class: it ends this engine."""
+        engine = swap_engine
+        engine.add_request("a", prompts(1)[0], SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.step()
+        worker = engine.tensor_parallel.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        with pytest.raises(TensorParallelError, match="rank 1 exited with code -9"):
+            for _ in range(50):
+                engine.step()
+        with pytest.raises(TensorParallelError):  # and it stays stopped
+            engine.step()
+
 
 def test_recompute_preemption_matches_hf_and_a_diverged_rank_stops_the_engine():
     engine = make_engine(num_blocks=12, preemption_mode="recompute", enable_prefix_caching=False,
@@ -101,21 +115,6 @@ def test_recompute_preemption_matches_hf_and_a_diverged_rank_stops_the_engine():
         with pytest.raises(TensorParallelError):  # and it stays stopped
             engine.step()
         assert not any(p.is_alive() for p in engine.tensor_parallel.processes)
-    finally:
-        engine.close()
-
-
-def test_killed_worker_stops_the_engine_with_a_clear_error():
-    engine = make_engine(**{**TP, "tensor_parallel_timeout": 10})
-    try:
-        engine.add_request("a", prompts(1)[0], SamplingParams(max_tokens=50, ignore_eos=True))
-        engine.step()
-        worker = engine.tensor_parallel.processes[0]
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.join(10)
-        with pytest.raises(TensorParallelError, match="rank 1 exited with code -9"):
-            for _ in range(50):
-                engine.step()
     finally:
         engine.close()
 

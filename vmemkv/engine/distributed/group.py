@@ -71,8 +71,10 @@ def join(rendezvous: Rendezvous, device: str, timeout_s: float):
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo",
-                            init_method=f"tcp://{rendezvous.address}:{rendezvous.port}",
+    # Under torchrun, env:// shares the store torchrun's agent already serves on MASTER_PORT.
+    init_method = ("env://" if rendezvous.by_torchrun
+                   else f"tcp://{rendezvous.address}:{rendezvous.port}")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method,
                             rank=rendezvous.rank, world_size=rendezvous.world_size,
                             timeout=timedelta(seconds=timeout_s))
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)

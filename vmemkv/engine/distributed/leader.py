@@ -9,6 +9,7 @@ worker until rank 0 closes the engine, then exits the process.
 
 from __future__ import annotations
 
+import atexit
 import sys
 import time
 
@@ -39,6 +40,9 @@ class TensorParallelLeader:
         self.num_steps = 0
         self.broadcast_seconds = 0.0  # rank 0's time sending step messages
         self.broadcast_bytes = 0
+        self.closed = False
+        # A program that never closes its engine still stops its workers cleanly on exit.
+        atexit.register(self.close)
 
     @classmethod
     def start(cls, config: EngineConfig, model) -> "TensorParallelLeader":
@@ -125,6 +129,10 @@ class TensorParallelLeader:
 
     def close(self) -> None:
         """Stop the workers (cleanly when they still answer) and leave the process group."""
+        if self.closed:
+            return
+        self.closed = True
+        atexit.unregister(self.close)
         if self.failure is None:
             try:
                 broadcast(None, self.control)

@@ -45,7 +45,7 @@ def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
             runner.forward(message.input_ids, message.positions, addressing.attention(message.spans),
                            message.logit_rows)
             step += 1
-        del addressing, runner  # they hold views of the cache, which close() refuses to cut
+        del addressing, runner, window  # views of the cache, which close() refuses to cut
         gc.collect()
         manager.close()
     finally:
