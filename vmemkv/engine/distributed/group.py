@@ -4,10 +4,12 @@ Two launches: vmemkv starts ranks 1..N-1 itself (``torch.multiprocessing`` spawn
 free localhost port), or ``torchrun`` starts every rank (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``, ``MASTER_PORT`` in the environment; across machines too).
 
-Two groups: the default one carries the model's collectives (NCCL on GPUs, gloo on CPUs) under
-the engine's timeout, so a rank that dies or hangs mid-step stops the step within it; a gloo group
-carries rank 0's step messages, with no practical timeout, because a worker waits in it for as
-long as the engine is idle (a dead rank 0 still ends the wait: gloo sees the closed connection).
+Three groups: the default one carries the model's collectives (NCCL on GPUs, gloo on CPUs) under
+the engine's timeout, so a rank that dies or hangs mid-step stops the step within it; a gloo
+``steps`` group, under the same timeout, carries rank 0's step messages and the digest checks; a
+gloo ``idle`` group carries only the 8-byte size that announces each message, with no practical
+timeout, because a worker waits there for as long as the engine is idle (a dead rank 0 still ends
+the wait: gloo sees the closed connection). Rank 0's send of 8 bytes never waits on a receiver.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.distributed as dist
 from ...errors import VmemkvError
 
 IDLE_TIMEOUT = timedelta(days=365)  # the step-message group: workers wait there while idle
+START_TIMEOUT = timedelta(minutes=10)  # every rank started and its model loaded
 
 
 class TensorParallelError(VmemkvError):
@@ -66,18 +69,28 @@ def rank_device(device: str, local_rank: int) -> str:
     return f"cuda:{local_rank}" if str(device).startswith("cuda") else str(device)
 
 
-def join(rendezvous: Rendezvous, device: str, timeout_s: float):
-    """Join the default group and create the step-message group; returns the latter."""
+@dataclass(frozen=True)
+class Groups:
+    idle: object  # the size of the next step message: workers wait here between steps
+    steps: object  # step messages and digests, under the engine's timeout
+
+
+def join(rendezvous: Rendezvous, device: str, timeout_s: float) -> Groups:
+    """Join the default group (the model's collectives) and create the message groups."""
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(device)
     # Under torchrun, env:// shares the store torchrun's agent already serves on MASTER_PORT.
-    init_method = ("env://" if rendezvous.by_torchrun
-                   else f"tcp://{rendezvous.address}:{rendezvous.port}")
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method,
-                            rank=rendezvous.rank, world_size=rendezvous.world_size,
-                            timeout=timedelta(seconds=timeout_s))
-    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    # Finding each other may take as long as the slowest rank's start (START_TIMEOUT); only
+    # then does the engine's timeout apply.
+    url = "env://" if rendezvous.by_torchrun else f"tcp://{rendezvous.address}:{rendezvous.port}"
+    store, _, _ = next(dist.rendezvous(url, rendezvous.rank, rendezvous.world_size,
+                                       timeout=START_TIMEOUT))
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rendezvous.rank,
+                            world_size=rendezvous.world_size, timeout=timeout)
+    return Groups(idle=dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT),
+                  steps=dist.new_group(backend="gloo", timeout=timeout))
 
 
 def leave() -> None:

@@ -25,16 +25,16 @@ from .sharding import check_shardable, shard_model
 from .step import StepMessage, broadcast, check_digests, shard_manager
 from .worker import run_worker, spawned_worker
 
-STOP_WAIT_S = 10.0  # how long close() waits for spawned workers before terminating them
+STOP_WAIT_S = 10.0  # how long close() waits for spawned workers to stop by themselves
+TERMINATE_WAIT_S = 2.0  # then how long for SIGTERM before SIGKILL
 
 
 class TensorParallelLeader:
-    def __init__(self, config: EngineConfig, model, control, processes: list):
+    def __init__(self, config: EngineConfig, model, groups, processes: list):
         self.config = config
         self.size = config.tensor_parallel_size
-        self.control = control
+        self.groups = groups
         self.processes = processes  # spawned workers; empty under torchrun
-        self.device = next(model.parameters()).device
         self.recorder = None
         self.failure: TensorParallelError | None = None
         self.num_steps = 0
@@ -69,7 +69,7 @@ class TensorParallelLeader:
                 process.start()
         device = rank_device(config.device, rendezvous.local_rank)
         try:
-            control = join(rendezvous, device, config.tensor_parallel_timeout)
+            groups = join(rendezvous, device, config.tensor_parallel_timeout)
             model.to(device)
             shard_model(model, size, torch.device(device).type)
         except Exception as e:
@@ -77,7 +77,7 @@ class TensorParallelLeader:
             leave()
             raise TensorParallelError(f"starting {size} tensor-parallel ranks failed: "
                                       f"{type(e).__name__}: {e}") from e
-        return cls(config, model, control, processes)
+        return cls(config, model, groups, processes)
 
     def shard_manager(self, model, metrics):
         """Rank 0's manager, built exactly as every worker builds its own."""
@@ -96,10 +96,10 @@ class TensorParallelLeader:
                               list(attention.spans), digest)
         start = time.perf_counter()
         with self.collective("sending the step"):
-            self.broadcast_bytes += broadcast(message, self.control)
+            self.broadcast_bytes += broadcast(message, self.groups)
             self.broadcast_seconds += time.perf_counter() - start
             if check:
-                check_digests(digest, self.device, self.num_steps)
+                check_digests(digest, self.groups, self.num_steps)
         self.num_steps += 1
 
     def collective(self, what: str):
@@ -135,7 +135,7 @@ class TensorParallelLeader:
         atexit.unregister(self.close)
         if self.failure is None:
             try:
-                broadcast(None, self.control)
+                broadcast(None, self.groups)
             except Exception:  # noqa: BLE001 - a worker already gone: terminate below
                 pass
             for process in self.processes:
@@ -178,8 +178,13 @@ class LeaderModelRunner(ModelRunner):
 
 
 def _terminate(processes: list) -> None:
+    """End spawned workers: SIGTERM, then SIGKILL for any still there (a stopped or hung process
+    does not act on SIGTERM)."""
     for process in processes:
         if process.is_alive():
             process.terminate()
     for process in processes:
-        process.join(STOP_WAIT_S)
+        process.join(TERMINATE_WAIT_S)
+        if process.is_alive():
+            process.kill()
+            process.join(TERMINATE_WAIT_S)

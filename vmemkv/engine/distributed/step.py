@@ -23,7 +23,7 @@ from ...manager import KVCacheManager
 from ...vmm import create_backend
 from ..config import EngineConfig
 from .recorder import BackendRecorder, SwapRecorder
-from .group import TensorParallelError
+from .group import Groups, TensorParallelError
 
 
 @dataclass
@@ -63,28 +63,27 @@ def block_window(manager: KVCacheManager) -> torch.Tensor:
         num_blocks, layout.block_bytes)
 
 
-def broadcast(message: StepMessage | None, group) -> int:
+def broadcast(message: StepMessage | None, groups: Groups) -> int:
     """Rank 0 sends ``message`` (None: stop) to every rank; returns its pickled size in bytes."""
     payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    size = torch.tensor([len(payload)], dtype=torch.int64)
-    dist.broadcast(size, src=0, group=group)
-    dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=group)
+    dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), src=0, group=groups.idle)
+    dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=groups.steps)
     return len(payload)
 
 
-def receive(group) -> StepMessage | None:
+def receive(groups: Groups) -> StepMessage | None:
     size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, src=0, group=group)
+    dist.broadcast(size, src=0, group=groups.idle)  # as long as the engine is idle
     payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(payload, src=0, group=group)
+    dist.broadcast(payload, src=0, group=groups.steps)
     return pickle.loads(payload.numpy().tobytes())
 
 
-def check_digests(digest: int, device, step: int) -> None:
+def check_digests(digest: int, groups: Groups, step: int) -> None:
     """Every rank passes its state digest; all raise TensorParallelError unless they agree."""
-    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    mine = torch.tensor([digest], dtype=torch.int64)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
+    dist.all_gather(everyone, mine, group=groups.steps)
     digests = [int(d.item()) for d in everyone]
     if len(set(digests)) > 1:
         raise TensorParallelError(

@@ -28,20 +28,21 @@ from .step import block_window, check_digests, receive, shard_manager
 def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
     """Serve rank 0's steps until it stops the engine (returns) or fails (raises)."""
     device = rank_device(config.device, rendezvous.local_rank)
-    control = join(rendezvous, device, config.tensor_parallel_timeout)
+    # The model first: rank 0 has its own loaded when the ranks meet, and sharding is collective.
+    model, _ = load_model(config.model, config.torch_dtype, device, config.seed)
+    groups = join(rendezvous, device, config.tensor_parallel_timeout)
     try:
-        model, _ = load_model(config.model, config.torch_dtype, device, config.seed)
         shard_model(model, rendezvous.world_size, torch.device(device).type)
         manager, recorder = shard_manager(config, model)
         runner = ModelRunner(model)
         addressing = choose_addressing(config, manager, runner.device,
                                        text_config(model.config).num_attention_heads)
         swap, window, step = manager.swap.inner, block_window(manager), 0
-        while (message := receive(control)) is not None:
+        while (message := receive(groups)) is not None:
             replay(message.log, recorder, swap, window)
             recorder.take_log()  # this rank's own calls are not replayed anywhere
             if message.digest is not None:
-                check_digests(state_digest(recorder, swap), runner.device, step)
+                check_digests(state_digest(recorder, swap), groups, step)
             runner.forward(message.input_ids, message.positions, addressing.attention(message.spans),
                            message.logit_rows)
             step += 1
