@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from test_engine_correctness import hf_greedy, make_engine, prompts, run
-from vmemkv.engine import SamplingParams
+from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
 from vmemkv.engine.distributed import TensorParallelError
 from vmemkv.engine.distributed.recorder import BackendRecorder, replay, state_digest
 from vmemkv.engine.distributed.sharding import check_shardable
-from vmemkv.engine.models import model_config
+from vmemkv.engine.models import load_model, model_config
 from vmemkv.errors import ConfigError, UnsupportedModelError
 from vmemkv.swap import SwapSpace
 from vmemkv.vmm import create_backend
@@ -164,3 +164,9 @@ def test_models_that_cannot_be_split_are_refused_before_anything_starts():
         check_shardable(config, 2)
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         make_engine(tensor_parallel_size=0)
+    with pytest.raises(ConfigError, match="at least 2 KV heads"):  # refused before any process
+        make_engine("tiny-qwen2", tensor_parallel_size=2)
+    model, tokenizer = load_model("tiny-llama")
+    with pytest.raises(ConfigError, match="by name"):  # the other ranks could not load it
+        LLMEngine(EngineConfig(tensor_parallel_size=2), model, tokenizer)
+    assert not torch.distributed.is_initialized()

@@ -13,7 +13,7 @@ import time
 from typing import Sequence as Seq
 
 from .. import validation as check
-from ..errors import RequestTooLongError
+from ..errors import ConfigError, RequestTooLongError
 from ..hashing import CacheKeys
 from ..hf_support import check_attention_supported, text_config
 from ..kv_metrics import KVMetricsCollector
@@ -45,14 +45,17 @@ class LLMEngine:
         self.stream = stream
         if model is None:
             model, tokenizer = load_model(config.model, config.torch_dtype, config.device, config.seed)
+        elif config.tensor_parallel_size > 1:
+            raise ConfigError("tensor_parallel_size > 1 loads the model on every rank by name: pass "
+                              "model=<name or directory>, not a model object")
         self.model_name = config.model
         self.tokenizer = tokenizer
-        # Tensor parallelism: other ranks started, this model sharded (engine/distributed/).
-        tp = self.tensor_parallel = (TensorParallelLeader.start(config, model)
-                                     if config.tensor_parallel_size > 1 else None)
         # Before any KV memory is taken: refuse attention the engine would silently get wrong.
         check_attention_supported(model.config, config.max_model_len, replaces_attention=True,
                                   who="the vmemkv engine")
+        # Tensor parallelism: other ranks started, this model sharded (engine/distributed/).
+        tp = self.tensor_parallel = (TensorParallelLeader.start(config, model)
+                                     if config.tensor_parallel_size > 1 else None)
         # The manager and its backend time their operations and mapping here (stats(), /metrics).
         self.kv_metrics = KVMetricsCollector()
         self.manager = (KVCacheManager(config.cache_config(model), metrics=self.kv_metrics) if tp is None

@@ -71,7 +71,7 @@ class TensorParallelLeader:
         try:
             groups = join(rendezvous, device, config.tensor_parallel_timeout)
             model.to(device)
-            shard_model(model, size, torch.device(device).type)
+            shard_model(model, 0, size)
         except Exception as e:
             _terminate(processes)
             leave()

@@ -32,7 +32,7 @@ def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
     model, _ = load_model(config.model, config.torch_dtype, device, config.seed)
     groups = join(rendezvous, device, config.tensor_parallel_timeout)
     try:
-        shard_model(model, rendezvous.world_size, torch.device(device).type)
+        shard_model(model, rendezvous.rank, rendezvous.world_size)
         manager, recorder = shard_manager(config, model)
         runner = ModelRunner(model)
         addressing = choose_addressing(config, manager, runner.device,
