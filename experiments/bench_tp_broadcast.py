@@ -84,9 +84,10 @@ def main() -> None:
         lines = ["| B | ranks | step ms | broadcast ms | share of step | message bytes |",
                  "|---|---|---|---|---|---|"]
         for row in rows:
+            sent = (f"{row['broadcast_ms']:.3f} | {100 * row['broadcast_share']:.1f} % | "
+                    f"{row['message_bytes']}" if "broadcast_ms" in row else "– | – | –")
             lines.append(f"| {row['batch']} | {row['tensor_parallel_size']} | {row['step_ms']:.2f} | "
-                         f"{row.get('broadcast_ms', 0):.3f} | {100 * row.get('broadcast_share', 0):.1f} % | "
-                         f"{row.get('message_bytes', 0)} |")
+                         f"{sent} |")
         Path(args.out + ".md").write_text(
             f"Tensor-parallel step message, {args.model}, {args.device} ({result['machine']}), one "
             f"torch thread per rank, median of {args.steps} decode steps.\n\n" + "\n".join(lines) + "\n")

@@ -38,7 +38,7 @@ class TensorParallelLeader:
         self.recorder = None
         self.failure: TensorParallelError | None = None
         self.num_steps = 0
-        self.broadcast_seconds = 0.0  # rank 0's time sending step messages
+        self.broadcast_seconds = 0.0  # rank 0 taking the log, pickling and sending step messages
         self.broadcast_bytes = 0
         self.closed = False
         # A program that never closes its engine still stops its workers cleanly on exit.
@@ -91,10 +91,10 @@ class TensorParallelLeader:
         """Broadcast this forward's message (and check the ranks' digests when configured)."""
         self.raise_if_failed()
         check = self.config.tensor_parallel_check
+        start = time.perf_counter()
         log, digest = self.recorder.take_log(digest=check)
         message = StepMessage(log, list(input_ids), list(positions), logit_rows,
                               list(attention.spans), digest)
-        start = time.perf_counter()
         with self.collective("sending the step"):
             self.broadcast_bytes += broadcast(message, self.groups)
             self.broadcast_seconds += time.perf_counter() - start
@@ -125,6 +125,10 @@ class TensorParallelLeader:
                 f"{str(error).splitlines()[0] if str(error) else ''}); no rank keeps running; build a "
                 "new engine")
         _terminate(self.processes)
+        try:  # closes our connections: ranks torchrun started, waiting for a step, see it and exit
+            leave()
+        except Exception:  # noqa: BLE001 - the group is already broken; nothing more to stop
+            pass
         return self.failure
 
     def close(self) -> None:

@@ -12,7 +12,7 @@ addressing.
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,8 @@ def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | Non
                   ) -> tuple[KVCacheManager, BackendRecorder]:
     """This rank's manager over its share of the KV heads (``model`` is sharded already), its
     backend and swap space recorded; the construction's own calls are not part of any step."""
-    cache = config.cache_config(model)
+    # On this rank's own device (cuda:<local rank>; the config says only "cuda").
+    cache = replace(config.cache_config(model), device=str(next(model.parameters()).device))
     layout = cache.make_layout()
     # Sized as the manager sizes its own backend: the pool, plus one slot of filler pages for
     # batched reads on CPU (manager_state.py). Every rank uses this same function, so any
