@@ -7,9 +7,11 @@ free localhost port), or ``torchrun`` starts every rank (``RANK``, ``WORLD_SIZE`
 Three groups: the default one carries the model's collectives (NCCL on GPUs, gloo on CPUs) under
 the engine's timeout, so a rank that dies or hangs mid-step stops the step within it; a gloo
 ``steps`` group, under the same timeout, carries rank 0's step messages and the digest checks; a
-gloo ``idle`` group carries only the 8-byte size that announces each message, with no practical
-timeout, because a worker waits there for as long as the engine is idle (a dead rank 0 still ends
-the wait: gloo sees the closed connection). Rank 0's send of 8 bytes never waits on a receiver.
+gloo ``idle`` group carries the small header that announces each message (and holds it when it
+fits), with no practical timeout, because a worker waits there for as long as the engine is idle
+(a dead rank 0 still ends the wait: gloo sees the closed connection). Rank 0's send of 1 KiB
+completes into the socket buffer without waiting on a receiver, so a hung worker is still found
+by the next collective under the engine's timeout.
 """
 
 from __future__ import annotations
@@ -71,8 +73,8 @@ def rank_device(device: str, local_rank: int) -> str:
 
 @dataclass(frozen=True)
 class Groups:
-    idle: object  # the size of the next step message: workers wait here between steps
-    steps: object  # step messages and digests, under the engine's timeout
+    idle: object  # each step message's header: workers wait here between steps
+    steps: object  # long step messages and digests, under the engine's timeout
 
 
 def join(rendezvous: Rendezvous, device: str, timeout_s: float) -> Groups:

@@ -26,6 +26,9 @@ from .recorder import BackendRecorder, SwapRecorder
 from .group import Groups, TensorParallelError
 
 
+HEADER_BYTES = 1024  # the first broadcast of every step: the size, and the message when it fits
+
+
 @dataclass
 class StepMessage:
     log: list
@@ -65,17 +68,31 @@ def block_window(manager: KVCacheManager) -> torch.Tensor:
 
 
 def broadcast(message: StepMessage | None, groups: Groups) -> int:
-    """Rank 0 sends ``message`` (None: stop) to every rank; returns its pickled size in bytes."""
+    """Rank 0 sends ``message`` (None: stop) to every rank; returns its pickled size in bytes.
+
+    One collective for a usual step: a fixed ``HEADER_BYTES`` buffer holds the size and, when it
+    fits, the message itself (a few hundred bytes for a decode step); a longer message follows in
+    a second broadcast on the ``steps`` group."""
     payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), src=0, group=groups.idle)
-    dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=groups.steps)
+    header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    header[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+    inline = len(payload) <= HEADER_BYTES - 8
+    if inline:
+        header[8:8 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    dist.broadcast(header, src=0, group=groups.idle)
+    if not inline:
+        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0,
+                       group=groups.steps)
     return len(payload)
 
 
 def receive(groups: Groups) -> StepMessage | None:
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, src=0, group=groups.idle)  # as long as the engine is idle
-    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+    dist.broadcast(header, src=0, group=groups.idle)  # as long as the engine is idle
+    size = int(header[:8].view(torch.int64).item())
+    if size <= HEADER_BYTES - 8:
+        return pickle.loads(header[8:8 + size].numpy().tobytes())
+    payload = torch.empty(size, dtype=torch.uint8)
     dist.broadcast(payload, src=0, group=groups.steps)
     return pickle.loads(payload.numpy().tobytes())
 
