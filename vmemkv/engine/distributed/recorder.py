@@ -42,6 +42,7 @@ class BackendRecorder(VirtualMemoryBackend):
         self.device, self.granularity = inner.device, inner.granularity
         self.copy_by_gather = inner.copy_by_gather
         self.ranges: list[VirtualRange] = []
+        self.swap_space: SwapSpace | None = None  # set by SwapRecorder, for the digest
         self._log: list[LogEntry] = []
         self._lock = threading.Lock()
 
@@ -102,8 +103,6 @@ class BackendRecorder(VirtualMemoryBackend):
         with self._lock:
             log, self._log = self._log, []
             return log, (state_digest(self, self.swap_space) if digest else None)
-
-    swap_space: SwapSpace | None = None  # set by SwapRecorder, for the digest
 
     def pool_window(self) -> torch.Tensor:
         return self.inner.pool_window()

@@ -28,7 +28,7 @@ from .step import block_window, check_digests, receive, shard_manager
 def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
     """Serve rank 0's steps until it stops the engine (returns) or fails (raises)."""
     device = rank_device(config.device, rendezvous.local_rank)
-    # The model first: rank 0 has its own loaded when the ranks meet, and sharding is collective.
+    # The model first (it may take minutes): rank 0 has its own loaded before the ranks meet.
     model, _ = load_model(config.model, config.torch_dtype, device, config.seed)
     groups = join(rendezvous, device, config.tensor_parallel_timeout)
     try:
