@@ -1,7 +1,10 @@
 """Tensor parallelism on CPU with gloo, two ranks: the same greedy tokens as one rank and as
 Hugging Face ``generate`` under prefix hits, forks (n > 1) and preemption by swap and by recompute,
 with every rank's page-mapping state compared every step; a diverged rank and a killed worker
-stop the engine with a clear error. The recorder and its replay are checked without processes."""
+stop the engine with a clear error. The recorder and its replay are checked without processes.
+
+The tests that start worker processes (``spawns``: two engines, about 4 s of start-up each) run in
+the default suite; ``-m "not spawns"`` leaves them out."""
 
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ def swap_engine():
     engine.close()
 
 
+@pytest.mark.spawns
 class TestOneEngineWithSwap:
     """One engine for these (a process holds one tensor-parallel engine at a time)."""
 
@@ -95,6 +99,7 @@ class TestOneEngineWithSwap:
             engine.step()
 
 
+@pytest.mark.spawns
 def test_recompute_preemption_matches_hf_and_a_diverged_rank_stops_the_engine():
     engine = make_engine(num_blocks=12, preemption_mode="recompute", enable_prefix_caching=False,
                          watermark=0.0, **TP)
