@@ -79,9 +79,10 @@ class TensorParallelLeader:
                                       f"{type(e).__name__}: {e}") from e
         return cls(config, model, groups, processes)
 
-    def shard_manager(self, model, metrics):
-        """Rank 0's manager, built exactly as every worker builds its own."""
-        manager, self.recorder = shard_manager(self.config, model, metrics)
+    def shard_manager(self, model, metrics, **manager_options):
+        """Rank 0's manager, built exactly as every worker builds its own (``manager_options``:
+        what only rank 0's manager gets, such as an event sink)."""
+        manager, self.recorder = shard_manager(self.config, model, metrics, **manager_options)
         return manager
 
     def model_runner(self, model) -> "LeaderModelRunner":

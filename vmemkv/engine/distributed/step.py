@@ -39,10 +39,12 @@ class StepMessage:
     digest: int | None  # rank 0's state_digest after the log, when every step is checked
 
 
-def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | None = None
-                  ) -> tuple[KVCacheManager, BackendRecorder]:
+def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | None = None,
+                  **manager_options) -> tuple[KVCacheManager, BackendRecorder]:
     """This rank's manager over its share of the KV heads (``model`` is sharded already), its
-    backend and swap space recorded; the construction's own calls are not part of any step."""
+    backend and swap space recorded; the construction's own calls are not part of any step.
+    ``manager_options`` go to ``KVCacheManager`` as they are (rank 0's own, such as its event
+    sink)."""
     # On this rank's own device (cuda:<local rank>; the config says only "cuda").
     cache = replace(config.cache_config(model), device=str(next(model.parameters()).device))
     layout = cache.make_layout()
@@ -53,7 +55,7 @@ def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | Non
               if cache.kv_backend == "vmem" and not str(cache.device).startswith("cuda") else 0)
     recorder = BackendRecorder(create_backend(cache.device, layout.page_size,
                                               cache.num_blocks * layout.pages_per_block + filler))
-    manager = KVCacheManager(cache, backend=recorder, metrics=metrics)
+    manager = KVCacheManager(cache, backend=recorder, metrics=metrics, **manager_options)
     manager.swap = SwapRecorder(manager.swap, recorder)
     recorder.take_log()
     return manager, recorder
