@@ -69,6 +69,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--policy", default=None, choices=["fcfs", "priority"], help="scheduling policy")
     group.add_argument("--lookahead-tokens", type=int, default=None,
                        help="map the page of a decoding request's next N tokens in the background (0: off)")
+    group.add_argument("--tensor-parallel-size", type=int, default=None,
+                       help="split the model and its KV heads across N processes (vmemkv starts them, "
+                            "or run under torchrun with N processes in all)")
     group.add_argument("--seed", type=int, default=None,
                        help="engine seed: makes sampling of unseeded requests reproducible")
 
@@ -100,6 +103,7 @@ def engine_config_from_args(args: argparse.Namespace):
         "attention": args.attention,
         "lookahead_tokens": args.lookahead_tokens,
         "kv_events_endpoint": getattr(args, "kv_events_endpoint", None),  # serve only
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
     # Unset options keep EngineConfig's defaults (num_blocks=None means "derive" there too).
     return EngineConfig(**{name: value for name, value in fields.items() if value is not None})

@@ -52,6 +52,12 @@ class EngineConfig:
     # Publish KV events (blocks stored in / removed from the prefix cache) over ZeroMQ at this
     # address, e.g. "tcp://*:5557" (engine/kv_event_publisher.py); None: no events.
     kv_events_endpoint: str | None = None
+    # Ranks the model and its KV heads are split across (engine/distributed/): vmemkv spawns the
+    # other ranks, or torchrun starts them; a collective that waits longer than the timeout stops
+    # the engine; tensor_parallel_check compares every rank's page-mapping state every step.
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout: float = 60.0
+    tensor_parallel_check: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_model_len <= 1 or self.max_num_batched_tokens <= 0:
@@ -68,6 +74,9 @@ class EngineConfig:
                               "(or 'auto') on CPU")
         if self.kv_backend not in ("vmem", "paged"):
             raise ConfigError(f"kv_backend must be vmem or paged, got {self.kv_backend!r}")
+        if self.tensor_parallel_size < 1 or self.tensor_parallel_timeout <= 0:
+            raise ConfigError(f"tensor_parallel_size must be at least 1 and tensor_parallel_timeout "
+                              f"positive; got {self.tensor_parallel_size}, {self.tensor_parallel_timeout}")
         self.torch_dtype  # validates the name
 
     @property

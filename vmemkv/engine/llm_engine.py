@@ -13,7 +13,7 @@ import time
 from typing import Sequence as Seq
 
 from .. import validation as check
-from ..errors import RequestTooLongError
+from ..errors import ConfigError, RequestTooLongError
 from ..hashing import CacheKeys
 from ..hf_support import check_attention_supported, text_config
 from ..kv_events import KVEventBuffer
@@ -23,6 +23,7 @@ from .addressing import choose_addressing
 from .chat import end_of_turn_token_ids
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .distributed import TensorParallelLeader
 from .kv_event_publisher import KVEventPublisher
 from .metrics import EngineMetrics
 from .model_runner import ModelRunner
@@ -46,20 +47,27 @@ class LLMEngine:
         self.stream = stream
         if model is None:
             model, tokenizer = load_model(config.model, config.torch_dtype, config.device, config.seed)
+        elif config.tensor_parallel_size > 1:
+            raise ConfigError("tensor_parallel_size > 1 loads the model on every rank by name: pass "
+                              "model=<name or directory>, not a model object")
         self.model_name = config.model
         self.tokenizer = tokenizer
         # Before any KV memory is taken: refuse attention the engine would silently get wrong.
         check_attention_supported(model.config, config.max_model_len, replaces_attention=True,
                                   who="the vmemkv engine")
+        # Tensor parallelism: other ranks started, this model sharded (engine/distributed/).
+        tp = self.tensor_parallel = (TensorParallelLeader.start(config, model)
+                                     if config.tensor_parallel_size > 1 else None)
         # The manager and its backend time their operations and mapping here (stats(), /metrics).
         self.kv_metrics = KVMetricsCollector()
         # KV events: the manager's pool fills the buffer, each step publishes it as one batch.
         self.kv_events = KVEventBuffer() if config.kv_events_endpoint else None
-        self.manager = KVCacheManager(config.cache_config(model), metrics=self.kv_metrics,
-                                      events=self.kv_events)
+        self.manager = (KVCacheManager(config.cache_config(model), metrics=self.kv_metrics,
+                                       events=self.kv_events) if tp is None
+                        else tp.shard_manager(model, self.kv_metrics, events=self.kv_events))
         self.kv_event_publisher = (KVEventPublisher(config.kv_events_endpoint)
                                    if config.kv_events_endpoint else None)
-        model_runner = ModelRunner(model)
+        model_runner = ModelRunner(model) if tp is None else tp.model_runner(model)
         self.scheduler = Scheduler(config, self.manager)
         # The KV addressing (slots or block tables) and its attention, chosen once.
         self.addressing = choose_addressing(config, self.manager, model_runner.device,
@@ -203,6 +211,8 @@ class LLMEngine:
         self.manager.close()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
 
 def run_to_completion(engine: LLMEngine, requests: Seq[tuple[str, str | list[int], SamplingParams]],

@@ -1,0 +1,112 @@
+"""What every rank builds the same way, and what travels from rank 0 each step.
+
+Every rank builds its KV cache manager from the same configuration and the same sharded model
+config, with its backend wrapped in a ``BackendRecorder`` (``shard_manager``): layouts, page counts
+and reservations then agree, so rank 0's log names the same pages everywhere. Each forward, rank 0
+broadcasts a ``StepMessage``: the log since the last one, the packed batch's token ids and
+positions, the rows to take logits of, and each sequence's span (slot, rows, cached length, block
+table); a worker replays the log and rebuilds the step's attention from the spans with its own
+addressing.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from ...attention import SequenceSpan
+from ...kv_metrics import KVMetricsCollector
+from ...manager import KVCacheManager
+from ...vmm import create_backend
+from ..config import EngineConfig
+from .recorder import BackendRecorder, SwapRecorder
+from .group import Groups, TensorParallelError
+
+
+HEADER_BYTES = 1024  # the first broadcast of every step: the size, and the message when it fits
+
+
+@dataclass
+class StepMessage:
+    log: list
+    input_ids: list[int]
+    positions: list[int]
+    logit_rows: list[int] | None
+    spans: list[SequenceSpan]
+    digest: int | None  # rank 0's state_digest after the log, when every step is checked
+
+
+def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | None = None,
+                  **manager_options) -> tuple[KVCacheManager, BackendRecorder]:
+    """This rank's manager over its share of the KV heads (``model`` is sharded already), its
+    backend and swap space recorded; the construction's own calls are not part of any step.
+    ``manager_options`` go to ``KVCacheManager`` as they are (rank 0's own, such as its event
+    sink)."""
+    # On this rank's own device (cuda:<local rank>; the config says only "cuda").
+    cache = replace(config.cache_config(model), device=str(next(model.parameters()).device))
+    layout = cache.make_layout()
+    # Sized as the manager sizes its own backend: the pool, plus one slot of filler pages for
+    # batched reads on CPU (manager_state.py). Every rank uses this same function, so any
+    # difference from the manager's own choice would still be the same on every rank.
+    filler = (layout.slot_pages(cache.max_model_len)
+              if cache.kv_backend == "vmem" and not str(cache.device).startswith("cuda") else 0)
+    recorder = BackendRecorder(create_backend(cache.device, layout.page_size,
+                                              cache.num_blocks * layout.pages_per_block + filler))
+    manager = KVCacheManager(cache, backend=recorder, metrics=metrics, **manager_options)
+    manager.swap = SwapRecorder(manager.swap, recorder)
+    recorder.take_log()
+    return manager, recorder
+
+
+def block_window(manager: KVCacheManager) -> torch.Tensor:
+    """The pool as ``[num_blocks, block_bytes]`` rows (what the swap space copies)."""
+    layout = manager.layout
+    num_blocks = manager.config.num_blocks
+    return manager.backend.pool_window()[:num_blocks * layout.pages_per_block].view(
+        num_blocks, layout.block_bytes)
+
+
+def broadcast(message: StepMessage | None, groups: Groups) -> int:
+    """Rank 0 sends ``message`` (None: stop) to every rank; returns its pickled size in bytes.
+
+    One collective for a usual step: a fixed ``HEADER_BYTES`` buffer holds the size and, when it
+    fits, the message itself (a few hundred bytes for a decode step); a longer message follows in
+    a second broadcast on the ``steps`` group."""
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    header[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+    inline = len(payload) <= HEADER_BYTES - 8
+    if inline:
+        header[8:8 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    dist.broadcast(header, src=0, group=groups.idle)
+    if not inline:
+        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0,
+                       group=groups.steps)
+    return len(payload)
+
+
+def receive(groups: Groups) -> StepMessage | None:
+    header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+    dist.broadcast(header, src=0, group=groups.idle)  # as long as the engine is idle
+    size = int(header[:8].view(torch.int64).item())
+    if size <= HEADER_BYTES - 8:
+        return pickle.loads(header[8:8 + size].numpy().tobytes())
+    payload = torch.empty(size, dtype=torch.uint8)
+    dist.broadcast(payload, src=0, group=groups.steps)
+    return pickle.loads(payload.numpy().tobytes())
+
+
+def check_digests(digest: int, groups: Groups, step: int) -> None:
+    """Every rank passes its state digest; all raise TensorParallelError unless they agree."""
+    mine = torch.tensor([digest], dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine, group=groups.steps)
+    digests = [int(d.item()) for d in everyone]
+    if len(set(digests)) > 1:
+        raise TensorParallelError(
+            f"the ranks' KV mapping state differs at step {step} (digests by rank: "
+            f"{', '.join(f'{d:016x}' for d in digests)}): a page operation was not replayed alike; "
+            "the engine has stopped")

@@ -1,0 +1,66 @@
+"""A worker rank (1..N-1): its shard of the model and of the KV cache, driven by rank 0's steps.
+
+It schedules nothing and decides nothing: it waits for a ``StepMessage``, replays rank 0's page
+operations on its own pool, optionally checks that its memory state matches rank 0's, and runs the
+same forward on its shard (the model's all-reduces pair with rank 0's). It stops when rank 0 sends
+the stop message, and exits with an error when rank 0 is gone or a collective times out, so no
+rank keeps running alone.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import torch
+
+from ...hf_support import text_config
+from ..addressing import choose_addressing
+from ..config import EngineConfig
+from ..model_runner import ModelRunner
+from ..models import load_model
+from .group import Rendezvous, join, leave, rank_device
+from .recorder import replay, state_digest
+from .sharding import shard_model
+from .step import block_window, check_digests, receive, shard_manager
+
+
+def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
+    """Serve rank 0's steps until it stops the engine (returns) or fails (raises)."""
+    device = rank_device(config.device, rendezvous.local_rank)
+    # The model first (it may take minutes): rank 0 has its own loaded before the ranks meet.
+    model, _ = load_model(config.model, config.torch_dtype, device, config.seed)
+    groups = join(rendezvous, device, config.tensor_parallel_timeout)
+    try:
+        shard_model(model, rendezvous.rank, rendezvous.world_size)
+        manager, recorder = shard_manager(config, model)
+        runner = ModelRunner(model)
+        addressing = choose_addressing(config, manager, runner.device,
+                                       text_config(model.config).num_attention_heads)
+        swap, window, step = manager.swap.inner, block_window(manager), 0
+        while (message := receive(groups)) is not None:
+            replay(message.log, recorder, swap, window)
+            recorder.take_log()  # this rank's own calls are not replayed anywhere
+            if message.digest is not None:
+                check_digests(state_digest(recorder, swap), groups, step)
+            runner.forward(message.input_ids, message.positions, addressing.attention(message.spans),
+                           message.logit_rows)
+            step += 1
+        del addressing, runner, window  # views of the cache, which close() refuses to cut
+        gc.collect()
+        manager.close()
+    finally:
+        leave()
+
+
+def spawned_worker(rank: int, config: EngineConfig, rendezvous: Rendezvous) -> None:
+    """The entry point of a worker vmemkv spawns (``torch.multiprocessing``): one torch thread per
+    rank unless configured, and a one-line error instead of a traceback when rank 0 is gone."""
+    torch.set_num_threads(max(1, torch.get_num_threads() // rendezvous.world_size))
+    try:
+        run_worker(config, Rendezvous(rank, rendezvous.world_size, rank, rendezvous.address,
+                                      rendezvous.port, False))
+    except Exception as e:  # noqa: BLE001 - reported, then the process exits non-zero
+        print(f"vmemkv tensor-parallel rank {rank}: stopping: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        sys.exit(1)
