@@ -145,7 +145,7 @@ def test_beam_search_matches_and_remaps(model, cache, num_beams, num_return):
     assert torch.equal(got, want)
     assert reorders, "beam search must reorder through the manager"
     # full pages are shared between beams, never copied: at most the partial page per row
-    assert cache.manager.cache_stats().pages_copied <= len(reorders) * num_beams
+    assert cache.manager.cache_stats().blocks_copied <= len(reorders) * num_beams
     tables = [cache.manager.block_table(r) for r in cache.request_ids]
     full = cache.get_seq_length() // cache.manager.tokens_per_page
     assert all(table[:2] == tables[0][:2] for table in tables)  # the prompt's full pages

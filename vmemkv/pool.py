@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable
 
-from .errors import OutOfPagesError, PageStateError
+from .errors import BlockStateError as PageStateError, OutOfBlocksError as OutOfPagesError
 
 
 @dataclass
