@@ -40,6 +40,8 @@ from .request import KVRequest
 from .sharing import SharingOps
 from .slots import MapJob
 
+_NO_TOKENS = ()  # allocate's default: nothing to check or append
+
 __all__ = ["CacheConfig", "CacheStats", "KVCacheManager", "KVRequest", "PreemptionEstimate",
            "PrefixCacheBusyError", "UnknownRequestError"]
 
@@ -231,16 +233,19 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
 
     @timed
     def allocate(self, request: "KVRequest | str", num_new_tokens: int,
-                 new_token_ids: Sequence[int] = ()) -> bool:
+                 new_token_ids: Sequence[int] = _NO_TOKENS) -> bool:
         """Reserve ``num_new_tokens`` more positions (mapping a block only when crossing a block
         boundary), appending ``new_token_ids`` to the request's token ids (a KVRequest's owner may
         append them itself instead). Returns False, changing nothing, when the blocks are not
         there."""
         req = self._running(request)
         num_new_tokens = check.count(num_new_tokens, "num_new_tokens")
-        new_token_ids = self._token_ids(new_token_ids, "new_token_ids")
-        self._check_length(req._request_id, req._num_tokens + num_new_tokens)
-        if self._blocks_needed(req, num_new_tokens) > self.pool.num_free:
+        if new_token_ids is not _NO_TOKENS:
+            new_token_ids = self._token_ids(new_token_ids, "new_token_ids")
+        total = req._num_tokens + num_new_tokens
+        if total > self.config.max_model_len:
+            self._check_length(req._request_id, total)
+        if -(-total // self.tokens_per_page) - len(req._blocks) > self.pool.num_free:
             return False
         self._grow(req, num_new_tokens)
         if new_token_ids:
