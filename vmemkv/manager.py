@@ -283,13 +283,15 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         prefix outlives its tails in the LRU queue; its slot keeps its mappings. A KVRequest keeps
         its token ids and hash chain and may be admitted again."""
         self._check_open()
-        try:
-            req = self._known(request)
-        except UnknownRequestError:
-            raise UnknownRequestError(f"no request {getattr(request, 'request_id', request)!r} "
-                                      "to free") from None
-        del self._requests[req._request_id]
-        self._preempted.discard(req._request_id)
+        if request.__class__ is KVRequest:
+            req = request if self._requests.get(request._request_id) is request else None
+        else:
+            req = self._requests.get(request) if type(request) is str else None
+        if req is None:
+            self._known(request)  # raises what is wrong with it
+        request_id = req._request_id
+        del self._requests[request_id]
+        self._preempted.discard(request_id)
         if req._swapped is not None:
             swapped = {index for index, _ in req._swapped}
             self.swap.discard([host for _, host in req._swapped])

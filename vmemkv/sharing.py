@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from . import validation as check
-from .errors import RequestStateError
+from .errors import InvalidInputError, RequestStateError
 from .kv_metrics import timed
 from .manager_state import ManagerState
 from .request import KVRequest
@@ -33,6 +33,9 @@ class SharingOps(ManagerState):
         parent = self._running(parent)
         if isinstance(child, KVRequest):
             self._check_not_foreign(child)
+            if child._token_ids is parent._token_ids:
+                raise InvalidInputError(f"fork child {child._request_id!r} has its parent's token "
+                                        "list; give it a list of its own (a fork appends its own tokens)")
             child_id = child._request_id
         else:
             child_id = check.request_id(child, "child")

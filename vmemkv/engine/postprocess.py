@@ -49,7 +49,7 @@ class Postprocessor:
         if not plan.scheduled:
             return list(touched.values())
         commit = self.manager.commit
-        for item in plan.scheduled:  # all it reserved: the scheduled tokens
+        for item in plan.scheduled:  # every reserved position: exactly the scheduled ones
             commit(item.seq.kv)
         generated: dict[str, int] = {}  # tokens per request this step, for the metrics
         for seq, token, logprobs in self._sample(forward):
