@@ -1,6 +1,11 @@
 """What every part of the KV cache manager shares: its parts, its requests, and the small steps
 the operations are built from.
 
+The requests are the callers' :class:`vmemkv.KVRequest` objects (``request.py``), whose private
+allocation fields only the manager writes; ``_requests`` registers the admitted ones by id, for
+callers that name a request by its id and for the invariant check. ``_running`` and ``_known``
+turn either form into the object: an object of this manager's that is running costs no lookup.
+
 ``KVCacheManager`` (``manager.py``) is this state plus three groups of operations, each in its own
 module: the core (admit, allocate, commit, free, lookahead, queries) in ``manager.py``, sharing
 (fork, reorder, truncate) in ``sharing.py``, preemption (estimate, preempt, swap in) in
