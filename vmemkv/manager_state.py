@@ -203,9 +203,8 @@ class ManagerState:
         hashes = req._hashes
         if num_blocks > len(hashes):
             tokens_per_page = self.tokens_per_page
-            end = min(num_blocks * tokens_per_page, len(req._token_ids))
-            if end > req._num_checked:
-                self._check_tokens(req, end)
+            if num_blocks * tokens_per_page > req._num_checked:
+                self._check_tokens(req, min(num_blocks * tokens_per_page, len(req._token_ids)))
             hashes += self.hasher.block_hashes(req._token_ids, tokens_per_page, req._keys,
                                                start_block=len(hashes),
                                                parent=hashes[-1] if hashes else None,
