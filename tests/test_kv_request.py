@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 from conftest import manager_state
 from hypothesis import settings
+from hypothesis.stateful import invariant
 
 import vmemkv
 from vmemkv import (CacheKeys, InvalidInputError, KVRequest, RequestStateError,
@@ -376,6 +377,24 @@ class ObjectFormMachine(ManagerMachine):
     def __init__(self):
         super().__init__()
         self.m = ObjectForm(self.m)
+
+    @invariant()
+    def the_objects_agree_with_the_model(self):
+        """An object-driven request's object is the manager's, and its read-only view (tokens,
+        reservation, state) is the model's; one waiting for re-admission holds nothing."""
+        objects, manager = self.m._objects, self.m._manager
+        for request_id, token_ids in self.tokens.items():
+            if request_id in objects:
+                req = objects[request_id]
+                assert manager.request(request_id) is req and req.token_ids == token_ids
+                assert req.is_swapped == (request_id in self.swapped)
+                assert req.is_running == (request_id not in self.swapped)
+                if req.is_running:
+                    assert req.num_tokens == req.num_computed_tokens == self.reserved[request_id]
+        for request_id in self.waiting:
+            if request_id in objects:
+                req = objects[request_id]
+                assert not req.is_running and not req.is_swapped and req.block_table == ()
 
 
 TestObjectForm = ObjectFormMachine.TestCase
