@@ -12,6 +12,8 @@ bookkeeping around them — commit, free of the probe request — is done betwee
 * ``append_by_object``: the same through the request's ``KVRequest``, as the engine does: the
   caller appends the token to its list (untimed: a list append), then ``allocate(request, 1)``;
 * ``commit_full_page``: the commit after the append that fills a block (hash + register);
+  ``commit_full_page_by_object`` the same for a request driven by object, which also checks the
+  block's token ids (the caller appended them; by id they were checked at each append);
 * ``fork``: fork of a request with a partial last block (one block copied);
 * ``free``: free of such a forked request;
 * ``preempt_swap`` / ``swap_in``: swap a request's private blocks to host memory and back.
@@ -52,7 +54,7 @@ from machine import cpu_model  # experiments/machine.py, beside this script
 
 TARGETS_US = {"append_cross": 10.0, "append": 2.0}
 OPS = ("admit_hit", "admit_cold", "append_cross", "append", "append_by_object", "commit_full_page",
-       "fork", "free", "preempt_swap", "swap_in")
+       "commit_full_page_by_object", "fork", "free", "preempt_swap", "swap_in")
 
 
 # --- a plain block-table manager: the reference for the hit rate -----------------------------------
@@ -221,7 +223,10 @@ def measure_ops(args, run: int) -> tuple[dict, Timer, list[float], list[float]]:
                             outside_map.append(timer.samples["append_cross"][-1] - native * 1e9)
                         assert ok, "pool too small for the benchmark; raise --num-blocks"
                         if m.num_tokens(request_id) % tpp == 0:
-                            timer.time("commit_full_page", m.commit, request_id)
+                            if index % 2:  # the block's ids were appended by the caller: checked now
+                                timer.time("commit_full_page_by_object", m.commit, req)
+                            else:
+                                timer.time("commit_full_page", m.commit, request_id)
                         else:
                             m.commit(request_id)
                         if crossing:
