@@ -45,6 +45,8 @@ def test_a_request_by_object_reads_its_allocation_without_the_manager(make_manag
     assert req.token_ids is prompt and not req.is_running and req.slot is None
     assert m.admit(req) == 0
     assert m.request("a") is req and m.request_ids() == ["a"]
+    with pytest.raises(RequestStateError, match="already admitted"):
+        m.admit(req)
     assert (req.slot, req.num_tokens, req.num_computed_tokens) == (m.slot_of("a"), 6, 0)
     assert list(req.block_table) == m.block_table(req) == m.block_table("a")
     m.commit(req)
