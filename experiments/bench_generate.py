@@ -179,14 +179,14 @@ def bench_beam(model, args, num_beams: int) -> list[dict]:
             cache.release()
             cache.manager.reset_prefix_cache()  # no hits from the previous repeat
             cache.reset_peak()
-            copied = cache.manager.cache_stats().pages_copied
+            copied = cache.manager.cache_stats().blocks_copied
             counter.tokens = 0
             if method == "vmemkv":
                 out = model.generate(ids, **kw, **{name: cache})
             else:
                 out = cache.generate(ids, keep=True, **kw)
             run.tokens = counter.tokens
-            run.pages_copied = cache.manager.cache_stats().pages_copied - copied  # this repeat's
+            run.pages_copied = cache.manager.cache_stats().blocks_copied - copied  # this repeat's
             return out
         out, seconds, times = timed(run, args.repeats)
         rows.append({"method": method, "seconds": seconds, "times": times,

@@ -7,8 +7,13 @@ bookkeeping around them — commit, free of the probe request — is done betwee
 * ``admit_hit``: a prompt whose system prompt (4 blocks) is cached, plus one block of new tokens;
 * ``admit_cold``: a prompt of 5 blocks of fresh tokens;
 * ``append_cross``: a decode append that crosses a block boundary (one new block, mapped);
-* ``append``: a decode append inside the last block (no mapping);
+* ``append``: a decode append inside the last block (no mapping), the request named by its id and
+  the token passed along (``allocate(id, 1, [token])``);
+* ``append_by_object``: the same through the request's ``KVRequest``, as the engine does: the
+  caller appends the token to its list (untimed: a list append), then ``allocate(request, 1)``;
 * ``commit_full_page``: the commit after the append that fills a block (hash + register);
+  ``commit_full_page_by_object`` the same for a request driven by object, which also checks the
+  block's token ids (the caller appended them; by id they were checked at each append);
 * ``fork``: fork of a request with a partial last block (one block copied);
 * ``free``: free of such a forked request;
 * ``preempt_swap`` / ``swap_in``: swap a request's private blocks to host memory and back.
@@ -48,8 +53,8 @@ from vmemkv import CacheConfig, KVCacheManager  # noqa: E402
 from machine import cpu_model  # experiments/machine.py, beside this script
 
 TARGETS_US = {"append_cross": 10.0, "append": 2.0}
-OPS = ("admit_hit", "admit_cold", "append_cross", "append", "commit_full_page", "fork", "free",
-       "preempt_swap", "swap_in")
+OPS = ("admit_hit", "admit_cold", "append_cross", "append", "append_by_object", "commit_full_page",
+       "commit_full_page_by_object", "fork", "free", "preempt_swap", "swap_in")
 
 
 # --- a plain block-table manager: the reference for the hit rate -----------------------------------
@@ -197,21 +202,31 @@ def measure_ops(args, run: int) -> tuple[dict, Timer, list[float], list[float]]:
         try:
             in_map: list[float] = []  # ns in the native map call, per crossing append
             outside_map: list[float] = []  # ns of the rest: the manager's and backend's Python
+            requests = [m.request(request_id) for request_id in ids]
             for round_ in range(args.rounds):
-                # decode: appends inside the page, the crossing one, the commit that fills a page
-                for request_id in ids:
+                # decode: appends inside the page, the crossing one, the commit that fills a page;
+                # every other request named by its KVRequest rather than its id
+                for index, request_id in enumerate(ids):
+                    req = requests[index]
                     while True:
                         crossing = m.num_tokens(request_id) % tpp == 0
                         before = m.backend.stats.map_seconds
-                        ok = timer.time("append_cross" if crossing else "append", m.allocate,
-                                        request_id, 1, [next(fresh)])
+                        if index % 2 and not crossing:
+                            req.token_ids.append(next(fresh))
+                            ok = timer.time("append_by_object", m.allocate, req, 1)
+                        else:
+                            ok = timer.time("append_cross" if crossing else "append", m.allocate,
+                                            request_id, 1, [next(fresh)])
                         if crossing:
                             native = m.backend.stats.map_seconds - before
                             in_map.append(native * 1e9)
                             outside_map.append(timer.samples["append_cross"][-1] - native * 1e9)
                         assert ok, "pool too small for the benchmark; raise --num-blocks"
                         if m.num_tokens(request_id) % tpp == 0:
-                            timer.time("commit_full_page", m.commit, request_id)
+                            if index % 2:  # the block's ids were appended by the caller: checked now
+                                timer.time("commit_full_page_by_object", m.commit, req)
+                            else:
+                                timer.time("commit_full_page", m.commit, request_id)
                         else:
                             m.commit(request_id)
                         if crossing:

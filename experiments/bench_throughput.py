@@ -370,8 +370,11 @@ def bench_model(name: str, args, log) -> dict:
                 if other in tps:
                     result[f"vmemkv_over_{other}"] = tps["vmemkv"] / tps[other]
             result["engine_stats_one_run"] = engine_stats(stats_before, stats_after)
-            result["engine_stats_one_run"]["step_ms"] = (
-                result["engine_stats_one_run"]["step_seconds"] * 1e3 / max(result["engine_stats_one_run"]["steps"], 1))
+            one_run = result["engine_stats_one_run"]
+            one_run["step_ms"] = one_run["step_seconds"] * 1e3 / max(one_run["steps"], 1)
+            if "manager_seconds" in one_run:  # the KV cache manager's share of a step
+                one_run["manager_us_per_step"] = one_run["manager_seconds"] * 1e6 / max(one_run["steps"], 1)
+                one_run["manager_calls_per_step"] = one_run["manager_calls"] / max(one_run["steps"], 1)
 
         equality = {}
         names = list(tokens)
@@ -396,7 +399,8 @@ def bench_model(name: str, args, log) -> dict:
 
 COUNTERS = ("map_calls", "pages_mapped", "map_calls_saved", "unmap_calls", "pages_unmapped",
             "prefix_queried_tokens", "prefix_hit_tokens", "preemptions", "preemptions_swap",
-            "preemptions_recompute", "evictions", "step_seconds", "steps")
+            "preemptions_recompute", "evictions", "step_seconds", "steps", "manager_seconds",
+            "manager_calls")
 
 
 def engine_stats(before: dict, after: dict) -> dict:

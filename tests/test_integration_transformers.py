@@ -84,6 +84,8 @@ def test_greedy_matches_dynamic_cache(model, cache):
     slots = cache.manager.kv_views(0)[0]
     assert keys.untyped_storage().data_ptr() == slots.untyped_storage().data_ptr()  # ... of them
     assert keys.stride()[0] == slots.stride()[0]  # consecutive slots
+    # each row's token ids live in its KVRequest alone: every id fed (all but the last sampled)
+    assert [row.kv.token_ids for row in cache._rows] == got[:, :-1].tolist()
     cache.manager.check()
 
 
@@ -108,6 +110,8 @@ def test_seeded_sampling_matches(model, cache):
     torch.manual_seed(123)
     got = generate(model, ids, cache, **kwargs)
     assert torch.equal(got, want)
+    # the rows are forks of the prompt's row, each with its own token list
+    assert [row.kv.token_ids for row in cache._rows] == got[:, :-1].tolist()
 
 
 def test_left_padding_matches(model, cache):
@@ -145,12 +149,16 @@ def test_beam_search_matches_and_remaps(model, cache, num_beams, num_return):
     assert torch.equal(got, want)
     assert reorders, "beam search must reorder through the manager"
     # full pages are shared between beams, never copied: at most the partial page per row
-    assert cache.manager.cache_stats().pages_copied <= len(reorders) * num_beams
+    assert cache.manager.cache_stats().blocks_copied <= len(reorders) * num_beams
     tables = [cache.manager.block_table(r) for r in cache.request_ids]
     full = cache.get_seq_length() // cache.manager.tokens_per_page
     assert all(table[:2] == tables[0][:2] for table in tables)  # the prompt's full pages
     assert len({b for table in tables for b in table}) < num_beams * len(tables[0])
     assert full >= 2
+    # reorders replaced each row's token list in place: the prompt, then its beam's ids
+    for row in cache._rows:
+        assert row.kv.token_ids[:45] == ids[0].tolist()
+        assert len(row.kv.token_ids) == row.kv.num_computed_tokens == cache.get_seq_length()
     cache.manager.check()
 
 

@@ -51,7 +51,7 @@ def test_cache_stats_is_a_copy(make_manager):
     m.commit("a")
     assert m.fork("a", "b")
     stats = m.cache_stats()
-    assert isinstance(stats, CacheStats) and stats.forks == 1 and stats.pages_copied == 1
+    assert isinstance(stats, CacheStats) and stats.forks == 1 and stats.blocks_copied == 1
     stats.forks = 99
     assert m.cache_stats().forks == 1
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from vmemkv import (CacheKeys, MultimodalItem, PageStateError, PrefixCacheBusyError,
+from vmemkv import (CacheKeys, MultimodalItem, RequestStateError, PrefixCacheBusyError,
                     RequestTooLongError, UnknownRequestError)
 from vmemkv.swap import OutOfSwapSpaceError
 from vmemkv.errors import InvalidInputError
@@ -134,7 +134,7 @@ def test_chunked_prefill_with_a_token_budget(make_manager):
     assert m.block_table("a") == [0, 1, 2]
     m.commit("a", 8)
     assert m.pool.hash_of[1] is not None
-    with pytest.raises(PageStateError, match="cannot mark 11"):
+    with pytest.raises(RequestStateError, match="cannot mark 11"):
         m.commit("a", 11)
     m.commit("a")
     assert m.token_ids("a") == tokens(0, 10)
@@ -196,7 +196,7 @@ def test_failed_admission_and_allocation_change_nothing(make_manager):
     assert m.admit("c", tokens(0, 17)) is None  # 4 hits but still one block short
     assert not m.can_allocate("b", 1)
     assert m.allocate("b", 1, [7]) is False
-    assert m.fork("a", "a2") is False  # the partial page needs a copy
+    assert m.fork("a", "a2") is None  # the partial page needs a copy
     assert state(m) == before
     assert "c" not in m.request_ids() and "a2" not in m.request_ids()
     # a, with room left in its last page, may still grow
@@ -210,7 +210,7 @@ def test_failed_admission_and_allocation_change_nothing(make_manager):
     assert m.num_free_slots == 0
     assert not m.can_admit(tokens(500, 2))
     assert m.admit("s4", tokens(500, 2)) is None
-    assert m.fork("s1", "s5") is False
+    assert m.fork("s1", "s5") is None
     assert state(m) == before
 
 
@@ -232,7 +232,7 @@ def test_requests_longer_than_max_model_len_are_refused(make_manager):
 def test_unknown_and_duplicate_requests(make_manager):
     m = make_manager()
     run(m, "a", tokens(0, 5))
-    with pytest.raises(PageStateError, match="already admitted"):
+    with pytest.raises(RequestStateError, match="already admitted"):
         m.admit("a", tokens(0, 5))
     with pytest.raises(UnknownRequestError):
         m.free("nope")
@@ -240,7 +240,7 @@ def test_unknown_and_duplicate_requests(make_manager):
         m.allocate("nope", 1)
     with pytest.raises(UnknownRequestError):
         m.swap_in("a")  # running, not swapped
-    with pytest.raises(PageStateError, match="already exists"):
+    with pytest.raises(RequestStateError, match="already exists"):
         m.fork("a", "a")
     before = state(m)
     with pytest.raises(InvalidInputError, match="num_new_tokens is -1"):
@@ -251,7 +251,7 @@ def test_unknown_and_duplicate_requests(make_manager):
         m.admit("b", tokens(0, 5), token_budget=-1)
     assert state(m) == before
     m.allocate("a", 1, [9])
-    with pytest.raises(PageStateError, match="commit"):
+    with pytest.raises(RequestStateError, match="commit"):
         m.fork("a", "b")  # a reserved position that is not computed yet
     m.commit("a")
     m.free("a")
@@ -361,7 +361,7 @@ def test_fork_shares_full_pages_and_copies_the_partial_one(make_manager):
     assert m.slot_of("b") == 1
     assert m.token_ids("b") == m.token_ids("a")
     assert (m.num_tokens("b"), m.num_computed_tokens("b")) == (10, 10)
-    assert m.stats.forks == 1 and m.stats.pages_copied == 1
+    assert m.stats.forks == 1 and m.stats.blocks_copied == 1
     assert decode(m, "b", 99) and decode(m, "a", 98)  # each writes its own partial page
     assert m.block_table("a") == [0, 1, 2] and m.block_table("b") == [0, 1, 3]
     # page-aligned: everything shared, nothing copied
@@ -369,7 +369,7 @@ def test_fork_shares_full_pages_and_copies_the_partial_one(make_manager):
     assert m.fork("c", "d")
     assert m.block_table("d") == m.block_table("c") == [4, 5]
     assert refs(m, [4, 5]) == [2, 2]
-    assert m.stats.pages_copied == 1
+    assert m.stats.blocks_copied == 1
     assert decode(m, "d", 1)
     assert m.block_table("d") == [4, 5, 6] and m.block_table("c") == [4, 5]
 
@@ -379,13 +379,13 @@ def test_reorder_remaps_full_pages_and_copies_a_partial_one_only_when_taken_twic
     run(m, "a", tokens(0, 6))  # [0, 1]: one full page, one partial
     assert m.fork("a", "b")  # [0, 2]
     assert decode(m, "a", 10) and decode(m, "b", 20)  # 7 tokens each
-    copied = m.stats.pages_copied
+    copied = m.stats.blocks_copied
     # both beams continue from a: b shares a's full page and gets a copy of its partial one
     assert m.reorder(["a", "b"], ["a", "a"])
     assert m.block_table("a") == [0, 1] and m.block_table("b") == [0, 3]
     assert refs(m, [0, 1, 2, 3]) == [2, 1, 0, 1]
     assert m.token_ids("b") == m.token_ids("a") == tokens(0, 6) + [10]
-    assert m.stats.pages_copied == copied + 1
+    assert m.stats.blocks_copied == copied + 1
     assert decode(m, "b", 21)
     # a swap of two beams: pages move, nothing is copied
     a_blocks, b_blocks = m.block_table("a"), m.block_table("b")
@@ -393,13 +393,13 @@ def test_reorder_remaps_full_pages_and_copies_a_partial_one_only_when_taken_twic
     assert m.reorder(["a", "b"], ["b", "a"])
     assert (m.block_table("a"), m.block_table("b")) == (b_blocks, a_blocks)
     assert (m.token_ids("a"), m.token_ids("b")) == (b_tokens, a_tokens)
-    assert m.stats.pages_copied == copied + 1
+    assert m.stats.blocks_copied == copied + 1
     # page-aligned beams: full pages are shared, never copied
     assert m.num_tokens("a") == 8 and m.block_table("a") == [0, 3]
     assert m.reorder(["a", "b"], ["a", "a"])
     assert m.block_table("b") == m.block_table("a") == [0, 3]
     assert refs(m, [0, 3]) == [2, 2]
-    assert m.stats.pages_copied == copied + 1
+    assert m.stats.blocks_copied == copied + 1
     assert decode(m, "a", 31) and decode(m, "b", 32)
     assert m.block_table("a") != m.block_table("b")
 
@@ -408,11 +408,11 @@ def test_reorder_from_a_request_that_is_not_reordered_copies_its_partial_page(ma
     m = make_manager()
     run(m, "a", tokens(0, 6))
     run(m, "b", tokens(100, 3))
-    copied = m.stats.pages_copied
+    copied = m.stats.blocks_copied
     assert m.reorder(["b"], ["a"])  # a keeps running with its partial page: b needs a copy
     assert m.block_table("a") == [0, 1]
     assert m.block_table("b")[0] == 0 and m.block_table("b")[1] not in (0, 1)
-    assert m.stats.pages_copied == copied + 1
+    assert m.stats.blocks_copied == copied + 1
     m.check()
 
 
@@ -430,9 +430,9 @@ def test_reorder_without_room_for_copies_changes_nothing(make_manager):
     with pytest.raises(UnknownRequestError):
         m.reorder(["a"], ["nope"])
     before = state(m)
-    with pytest.raises(PageStateError, match="distinct"):
+    with pytest.raises(RequestStateError, match="distinct"):
         m.reorder(["a", "a"], ["b", "c"])  # would release a's pages twice
-    with pytest.raises(PageStateError, match="one source each"):
+    with pytest.raises(RequestStateError, match="one source each"):
         m.reorder(["a", "b"], ["c"])
     assert state(m) == before
 
@@ -528,7 +528,7 @@ def test_preempt_by_recompute_and_readmit_hits_cached_pages(make_manager):
     assert m.block_table("a") == [0, 1, 2, 3]
     m.commit("a")
     assert m.stats.reprefill_hit_tokens == 12 and m.stats.preemptions_recompute == 1
-    with pytest.raises(PageStateError, match="commit"):
+    with pytest.raises(RequestStateError, match="commit"):
         m.allocate("a", 1, [5])
         m.preempt("a")
 
@@ -595,20 +595,20 @@ def test_the_hash_chain_continues_from_any_page():
     hasher = PrefixHasher(seed=b"chain")
     token_ids = tokens(0, 23)
     for keys in (CacheKeys(), CacheKeys(multimodal=(MultimodalItem(9, 6, b"img"),))):
-        whole = hasher.page_hashes(token_ids, 4, keys)
+        whole = hasher.block_hashes(token_ids, 4, keys)
         assert len(whole) == 5
         for start in range(1, 5):
-            rest = hasher.page_hashes(token_ids, 4, keys, start_page=start, parent=whole[start - 1])
+            rest = hasher.block_hashes(token_ids, 4, keys, start_block=start, parent=whole[start - 1])
             assert whole[:start] + rest == whole
-            assert hasher.page_hashes(token_ids, 4, keys, start_page=start, parent=whole[start - 1],
-                                      end_page=start + 1) == [whole[start]]
-        assert hasher.page_hashes(token_ids, 4, keys, end_page=2) == whole[:2]
-        assert hasher.page_hashes(token_ids, 4, keys, start_page=5, parent=whole[4]) == []
-    plain = hasher.page_hashes(token_ids, 4, CacheKeys())
-    image = hasher.page_hashes(token_ids, 4, CacheKeys(multimodal=(MultimodalItem(9, 6, b"img"),)))
+            assert hasher.block_hashes(token_ids, 4, keys, start_block=start, parent=whole[start - 1],
+                                      end_block=start + 1) == [whole[start]]
+        assert hasher.block_hashes(token_ids, 4, keys, end_block=2) == whole[:2]
+        assert hasher.block_hashes(token_ids, 4, keys, start_block=5, parent=whole[4]) == []
+    plain = hasher.block_hashes(token_ids, 4, CacheKeys())
+    image = hasher.block_hashes(token_ids, 4, CacheKeys(multimodal=(MultimodalItem(9, 6, b"img"),)))
     assert plain[:2] == image[:2] and plain[2] != image[2]  # the image starts in page 2
-    assert PrefixHasher(seed=b"other").page_hashes(token_ids, 4, CacheKeys()) != plain
-    assert PrefixHasher("blake2b", seed=b"chain").page_hashes(token_ids, 4, CacheKeys()) != plain
+    assert PrefixHasher(seed=b"other").block_hashes(token_ids, 4, CacheKeys()) != plain
+    assert PrefixHasher("blake2b", seed=b"chain").block_hashes(token_ids, 4, CacheKeys()) != plain
 
 
 def test_a_mapping_refused_by_the_os_limit_changes_no_ownership():
@@ -730,7 +730,7 @@ def test_truncate_releases_pages_and_copies_a_shared_last_page(make_manager):
     assert table[0] == 0 and table[1] not in (0, 1, 2)
     assert refs(m, [0, 1]) == [2, 1]
     assert m.num_tokens("b") == m.num_computed_tokens("b") == 6
-    with pytest.raises(PageStateError, match="truncate"):
+    with pytest.raises(RequestStateError, match="truncate"):
         m.truncate("b", 7)
     assert m.truncate("a", 8)  # on a page boundary: nothing to copy
     assert m.block_table("a") == [0, 1]

@@ -5,9 +5,11 @@ while physical pages come from a reference-counted pool with prefix caching, cop
 preemption. See README.md for the API.
 """
 
-from .errors import (ConfigError, CudaDriverError, InvalidInputError, ManagerClosedError,
-                     MappingError, MappingLimitError, NativeExtensionError, OutOfPagesError,
-                     PageStateError, RequestTooLongError, UnsupportedModelError, VmemkvError)
+from .errors import (BlockStateError, ConfigError, CudaDriverError, InvalidInputError,
+                     InvalidStateError, ManagerClosedError, MappingError, MappingLimitError,
+                     NativeExtensionError, OutOfBlocksError, RequestStateError, RequestTooLongError,
+                     UnsupportedModelError, VmemkvError)
+from .errors import deprecated_name as _deprecated_name
 from .hashing import CacheKeys, MultimodalItem
 from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventBuffer
 from .kv_metrics import KVMetricsCollector
@@ -15,6 +17,7 @@ from .layout import KVLayout
 from .cache_config import CacheConfig, CacheStats, PreemptionEstimate
 from .manager import KVCacheManager, PrefixCacheBusyError, UnknownRequestError
 from .pool import BlockPool
+from .request import KVRequest
 from .slots import NoFreeSlotError
 from .swap import OutOfSwapSpaceError
 
@@ -29,6 +32,8 @@ def __getattr__(name: str):
         warnings.warn("vmemkv.PagePool is deprecated; use vmemkv.BlockPool", DeprecationWarning,
                       stacklevel=2)
         return BlockPool
+    if name in ("OutOfPagesError", "PageStateError"):  # the pre-0.2 names, kept for one release
+        return _deprecated_name(__name__, name)
     # The engine pulls in transformers; load it only when asked for.
     if name in _ENGINE_NAMES:
         from . import engine

@@ -80,7 +80,15 @@ class CacheStats:
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
     forks: int = 0
-    pages_copied: int = 0  # copy-on-write copies of partial pages
+    blocks_copied: int = 0  # copy-on-write copies of partial blocks
+
+    @property
+    def pages_copied(self) -> int:
+        """Deprecated name of ``blocks_copied`` (kept for one release)."""
+        import warnings
+        warnings.warn("CacheStats.pages_copied is deprecated; use blocks_copied", DeprecationWarning,
+                      stacklevel=2)
+        return self.blocks_copied
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -23,12 +23,22 @@ class MappingLimitError(MappingError):
     """Mapping would exceed the OS limit on separate mappings (``vm.max_map_count``)."""
 
 
-class OutOfPagesError(VmemkvError):
-    """The page pool cannot supply the pages asked for; nothing was changed."""
+class OutOfBlocksError(VmemkvError):
+    """The block pool cannot supply the blocks asked for; nothing was changed."""
 
 
-class PageStateError(VmemkvError):
-    """A page operation that breaks the pool's rules, such as freeing a page twice."""
+class InvalidStateError(VmemkvError):
+    """An operation the current state does not allow; nothing was changed. Raised as one of the
+    two kinds below."""
+
+
+class RequestStateError(InvalidStateError):
+    """A request operation its request's state does not allow: admitting a request twice,
+    committing past what is reserved, forking one with uncomputed tokens, ..."""
+
+
+class BlockStateError(InvalidStateError):
+    """A block operation that breaks the pool's rules, such as releasing a free block."""
 
 
 class RequestTooLongError(VmemkvError, ValueError):
@@ -56,3 +66,22 @@ class ManagerClosedError(VmemkvError):
 class ModelUnavailableError(ConfigError):
     """A model that cannot be obtained here: not built in, not cached, and not downloadable (no
     registry access, or a Hugging Face Hub id missing from the local Hugging Face cache)."""
+
+
+# Names before blocks were called blocks, kept for one release (importing one warns).
+_DEPRECATED = {"OutOfPagesError": ("OutOfBlocksError", OutOfBlocksError),
+               "PageStateError": ("InvalidStateError", InvalidStateError)}
+
+
+def deprecated_name(module: str, name: str):
+    """The class an old name stands for, with a DeprecationWarning; AttributeError otherwise."""
+    if name not in _DEPRECATED:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    import warnings
+    new, cls = _DEPRECATED[name]
+    warnings.warn(f"vmemkv.{name} is deprecated; use vmemkv.{new}", DeprecationWarning, stacklevel=3)
+    return cls
+
+
+def __getattr__(name: str):
+    return deprecated_name(__name__, name)

@@ -1,8 +1,8 @@
-"""Content hashes of full pages for the prefix cache.
+"""Content hashes of full blocks for the prefix cache.
 
-``h_0 = H(root, tokens of page 0, keys of page 0)``, ``h_i = H(h_{i-1}, tokens of page i, keys of
-page i)``, where ``root = H(seed, adapter id, cache salt)``. The chain makes a page's hash name its
-whole prefix, so equal hashes mean equal KV. ``seed`` is random per process unless configured, so
+``h_0 = H(root, tokens of block 0, keys of block 0)``, ``h_i = H(h_{i-1}, tokens of block i, keys
+of block i)``, where ``root = H(seed, adapter id, cache salt)``. The chain makes a block's hash name
+its whole prefix, so equal hashes mean equal KV. ``seed`` is random per process unless configured, so
 hashes cannot be predicted (or collided on purpose) from outside.
 """
 
@@ -53,28 +53,37 @@ class PrefixHasher:
         h.update(repr((keys.adapter_id, keys.cache_salt)).encode())
         return h.digest()
 
-    def page_hashes(self, token_ids: Sequence[int], tokens_per_page: int, keys: CacheKeys,
-                    start_page: int = 0, parent: bytes | None = None,
-                    end_page: int | None = None) -> list[bytes]:
-        """Hashes of the full pages of ``token_ids`` from page ``start_page`` on (up to page
-        ``end_page``, exclusive, when given), continuing the chain from ``parent`` (the hash of
-        page ``start_page - 1``, or the root)."""
+    def block_hashes(self, token_ids: Sequence[int], tokens_per_block: int, keys: CacheKeys,
+                     start_block: int = 0, parent: bytes | None = None,
+                     end_block: int | None = None) -> list[bytes]:
+        """Hashes of the full blocks of ``token_ids`` from block ``start_block`` on (up to block
+        ``end_block``, exclusive, when given), continuing the chain from ``parent`` (the hash of
+        block ``start_block - 1``, or the root)."""
         parent = self.root(keys) if parent is None else parent
-        last = len(token_ids) // tokens_per_page
-        if end_page is not None:
-            last = min(last, end_page)
-        first = start_page * tokens_per_page
-        # only the pages hashed here are converted: a decode commit hashes one page, not the prefix
-        tokens = np.asarray(token_ids[first:last * tokens_per_page], dtype=np.int64)
+        last = len(token_ids) // tokens_per_block
+        if end_block is not None:
+            last = min(last, end_block)
+        first = start_block * tokens_per_block
+        # only the blocks hashed here are converted: a decode commit hashes one block, not the prefix
+        tokens = np.asarray(token_ids[first:last * tokens_per_block], dtype=np.int64)
         hashes = []
-        for page in range(start_page, last):
-            begin = page * tokens_per_page
+        for block in range(start_block, last):
+            begin = block * tokens_per_block
             h = self._new()
             h.update(parent)
-            h.update(tokens[begin - first:begin - first + tokens_per_page].tobytes())
+            h.update(tokens[begin - first:begin - first + tokens_per_block].tobytes())
             for item in keys.multimodal:
-                if item.offset < begin + tokens_per_page and begin < item.offset + item.length:
+                if item.offset < begin + tokens_per_block and begin < item.offset + item.length:
                     h.update(item.content_hash)
             parent = h.digest()
             hashes.append(parent)
         return hashes
+
+    def page_hashes(self, token_ids: Sequence[int], tokens_per_page: int, keys: CacheKeys,
+                    start_page: int = 0, parent: bytes | None = None,
+                    end_page: int | None = None) -> list[bytes]:
+        """Deprecated name of :meth:`block_hashes` (kept for one release)."""
+        import warnings
+        warnings.warn("PrefixHasher.page_hashes is deprecated; use block_hashes", DeprecationWarning,
+                      stacklevel=2)
+        return self.block_hashes(token_ids, tokens_per_page, keys, start_page, parent, end_page)

@@ -14,9 +14,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from . import validation as check
-from .errors import PageStateError
+from .errors import RequestStateError
 from .kv_metrics import timed
 from .manager_state import ManagerState
+from .request import KVRequest
 from .slots import MapJob
 
 
@@ -24,7 +25,7 @@ class LookaheadOps(ManagerState):
     """allocate_lookahead, map_lookahead, cancel_lookahead (mixed into KVCacheManager)."""
 
     @timed
-    def allocate_lookahead(self, request_ids: Sequence[str], margin_tokens: int,
+    def allocate_lookahead(self, requests: "Sequence[KVRequest | str]", margin_tokens: int,
                            keep_free: int = 0) -> list[MapJob]:
         """Give each request whose reservation ends within ``margin_tokens`` of its last block's
         end the blocks that cover ``margin_tokens`` more positions (never past ``max_model_len``)
@@ -35,17 +36,17 @@ class LookaheadOps(ManagerState):
         self._check_open()
         margin_tokens = check.count(margin_tokens, "margin_tokens")
         keep_free = check.count(keep_free, "keep_free")
-        running = [self._running(r) for r in check.request_id_list(request_ids, "request_ids")]
+        running = self._running_list(requests, "requests")
         jobs = []
         for req in running:
-            end = min(req.num_tokens + margin_tokens, self.config.max_model_len)
-            needed = self.layout.logical_pages_for(end) - len(req.blocks)
+            end = min(req._num_tokens + margin_tokens, self.config.max_model_len)
+            needed = self.layout.logical_pages_for(end) - len(req._blocks)
             if needed <= 0 or needed > self.pool.num_clean or self.pool.num_free - needed < keep_free:
                 continue
-            first = len(req.blocks)
+            first = len(req._blocks)
             new = self.pool.allocate(needed)
-            req.blocks += new
-            jobs.append(MapJob(req.slot, first, new))
+            req._blocks += new
+            jobs.append(MapJob(req._slot, first, new))
         return jobs
 
     def map_lookahead(self, jobs: list[MapJob]) -> None:
@@ -63,11 +64,11 @@ class LookaheadOps(ManagerState):
     def cancel_lookahead(self, jobs: list[MapJob]) -> None:
         """Give back the blocks of lookahead jobs whose mapping was refused; call it right after
         ``map_lookahead`` raised, before the requests change."""
-        by_slot = {req.slot: req for req in self._requests.values() if req.swapped is None}
+        by_slot = {req._slot: req for req in self._requests.values() if req._swapped is None}
         for job in jobs:
             req = by_slot.get(job.slot)
-            if req is None or req.blocks[job.first:] != job.blocks:
-                raise PageStateError(f"lookahead job {job} is not the tail of its request's "
+            if req is None or req._blocks[job.first:] != job.blocks:
+                raise RequestStateError(f"lookahead job {job} is not the tail of its request's "
                                      "blocks any more; cancel right after map_lookahead raised")
             self.pool.release(reversed(job.blocks))
-            del req.blocks[job.first:]
+            del req._blocks[job.first:]

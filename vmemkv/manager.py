@@ -5,14 +5,20 @@ its KV. The manager is mechanism only: it answers "can this fit?" with no side e
 what it is told (admit, allocate, commit, fork, reorder, free, preempt, swap in). Whom to preempt
 and when is the scheduler's business.
 
-Life of a request::
+Life of a request (a :class:`vmemkv.KVRequest` the caller makes and owns; every operation also
+accepts its id, looked up in the manager's registry)::
 
-    cached = manager.admit("r1", prompt_ids)      # binds a slot, maps prefix hits, reserves the rest
-    ... forward pass writes K/V for positions [cached, len(prompt_ids)) through kv_views() ...
-    manager.commit("r1")                          # computed; full blocks join the prefix cache
-    manager.allocate("r1", 1, [next_token])       # decode: a new block only at a block boundary
+    req = KVRequest("r1", prompt_ids)             # prompt_ids: the caller's list, appended to later
+    cached = manager.admit(req)                   # binds a slot, maps prefix hits, reserves the rest
+    ... forward pass writes K/V for positions [cached, len(prompt_ids)) in slot req.slot ...
+    manager.commit(req)                           # computed; full blocks join the prefix cache
+    req.token_ids.append(next_token)
+    manager.allocate(req, 1)                      # decode: a new block only at a block boundary
     ...
-    manager.free("r1")
+    manager.free(req)
+
+A little over 400 lines: the core operations and the queries a scheduler asks belong together;
+the other groups of operations are in their own modules (see ``KVCacheManager``).
 """
 
 from __future__ import annotations
@@ -24,16 +30,19 @@ import torch
 
 from . import validation as check
 from .cache_config import CacheConfig, CacheStats, PreemptionEstimate
-from .errors import ManagerClosedError, PageStateError
+from .errors import ManagerClosedError, RequestStateError
 from .hashing import CacheKeys
 from .lookahead import LookaheadOps
 from .kv_metrics import timed
-from .manager_state import PrefixCacheBusyError, UnknownRequestError, _Request
+from .manager_state import PrefixCacheBusyError, UnknownRequestError
 from .preemption import PreemptionOps
+from .request import KVRequest
 from .sharing import SharingOps
 from .slots import MapJob
 
-__all__ = ["CacheConfig", "CacheStats", "KVCacheManager", "PreemptionEstimate",
+_NO_TOKENS = ()  # allocate's default: nothing to check or append
+
+__all__ = ["CacheConfig", "CacheStats", "KVCacheManager", "KVRequest", "PreemptionEstimate",
            "PrefixCacheBusyError", "UnknownRequestError"]
 
 
@@ -63,37 +72,46 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         return self.pool.num_in_use / self.pool.num_blocks
 
     @timed
-    def match_prefix(self, token_ids: Sequence[int], keys: CacheKeys = CacheKeys()) -> tuple[list[int], list[bytes]]:
+    def match_prefix(self, token_ids: "Sequence[int] | KVRequest",
+                     keys: CacheKeys = CacheKeys()) -> tuple[list[int], list[bytes]]:
         """Cached blocks holding a prefix of ``token_ids`` (whole blocks, leaving at least one
-        token to compute) and the hashes of all full blocks of ``token_ids``."""
+        token to compute) and the hashes of all full blocks of ``token_ids``. Given a
+        KVRequest, its own tokens and keys, and its hash chain (extended, never recomputed)."""
         self._check_open()
         if not self.config.enable_prefix_caching:
             return [], []
-        hashes = self.hasher.page_hashes(self._token_ids(token_ids, "token_ids"), self.tokens_per_page,
-                                         check.cache_keys(keys))
-        hits = []
-        for h in hashes[: (len(token_ids) - 1) // self.tokens_per_page]:
-            block = self.pool.lookup(h)
-            if block is None:
-                break
-            hits.append(block)
-        return hits, hashes
+        if isinstance(token_ids, KVRequest):
+            req = token_ids
+            self._check_not_foreign(req)
+            req._owner = self  # its hash chain is this manager's from now on
+            hashes = list(self._extend_chain(req, len(req._token_ids) // self.tokens_per_page))
+            return self._cached_blocks(hashes, len(req._token_ids)), hashes
+        token_ids = self._token_ids(token_ids, "token_ids")
+        hashes = self.hasher.block_hashes(token_ids, self.tokens_per_page, check.cache_keys(keys))
+        return self._cached_blocks(hashes, len(token_ids)), hashes
 
     @timed
-    def can_admit(self, token_ids: Sequence[int], keys: CacheKeys = CacheKeys()) -> bool:
-        """Whether ``admit`` of all of ``token_ids`` would succeed now."""
+    def can_admit(self, token_ids: "Sequence[int] | KVRequest", keys: CacheKeys = CacheKeys()) -> bool:
+        """Whether ``admit`` of all of ``token_ids`` (or of a KVRequest) would succeed now."""
         self._check_open()
-        hits, _ = self.match_prefix(token_ids, keys)
-        return self.slots.num_free > 0 and self._fits_admission(hits, len(token_ids))
+        if isinstance(token_ids, KVRequest):
+            self._check_not_foreign(token_ids)
+            token_ids._owner = self
+            self._check_tokens(token_ids, len(token_ids._token_ids))
+            hits, total = self._prefix_hits(token_ids), len(token_ids._token_ids)
+        else:
+            hits, _ = self.match_prefix(token_ids, keys)
+            total = len(token_ids)
+        return self.slots.num_free > 0 and self._fits_admission(hits, total)
 
     @timed
-    def can_allocate(self, request_id: str, num_new_tokens: int) -> bool:
-        req = self._running(request_id)
+    def can_allocate(self, request: "KVRequest | str", num_new_tokens: int) -> bool:
+        req = self._running(request)
         return self._blocks_needed(req, check.count(num_new_tokens, "num_new_tokens")) <= self.pool.num_free
 
     @timed
-    def blocks_needed(self, request_id: str, num_new_tokens: int) -> int:
-        req = self._running(request_id)
+    def blocks_needed(self, request: "KVRequest | str", num_new_tokens: int) -> int:
+        req = self._running(request)
         return self._blocks_needed(req, check.count(num_new_tokens, "num_new_tokens"))
 
     # --- sizes and counts (what a scheduler or an adapter asks instead of reading the parts) -----
@@ -167,26 +185,28 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
 
     # --- admission and growth ------------------------------------------------------------------
     @timed
-    def admit(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int | None = None,
-              keys: CacheKeys = CacheKeys(), token_budget: int | None = None,
-              slot: int | None = None) -> int | None:
+    def admit(self, request: "KVRequest | str", token_ids: Sequence[int] | None = None,
+              num_new_tokens: int | None = None, keys: CacheKeys | None = None,
+              token_budget: int | None = None, slot: int | None = None) -> int | None:
         """Bind a request to a slot (``slot`` when given), map its cached prefix, and reserve
-        positions for ``num_new_tokens`` more tokens (default: the rest of ``token_ids``; at most
-        ``token_budget``, for chunked prefill). Returns how many tokens are already computed, or
-        None, changing nothing, when no slot (or not ``slot``) or not enough blocks are free."""
+        positions for ``num_new_tokens`` more tokens (default: the rest of its token ids; at most
+        ``token_budget``, for chunked prefill). ``request`` is a KVRequest (its token ids and keys
+        are its own), or an id with ``token_ids`` (and ``keys``), for which the manager makes the
+        KVRequest (``request(id)``). Returns how many tokens are already computed, or None,
+        changing nothing, when no slot (or not ``slot``) or not enough blocks are free."""
         self._check_open()
-        request_id = check.request_id(request_id)
-        token_ids = self._token_ids(token_ids, "token_ids")
-        keys = check.cache_keys(keys)
+        req = self._admission_request(request, token_ids, keys)
         num_new_tokens = check.count(num_new_tokens, "num_new_tokens", optional=True)
         token_budget = check.count(token_budget, "token_budget", optional=True)
         slot = check.slot_index(slot, self.slots.num_slots)
+        request_id, num_prompt = req._request_id, len(req._token_ids)
         if request_id in self._requests:
-            raise PageStateError(f"request {request_id!r} is already admitted")
-        self._check_length(request_id, len(token_ids))
-        hits, hashes = self.match_prefix(token_ids, keys)
+            raise RequestStateError(f"request {request_id!r} is already admitted")
+        self._check_length(request_id, num_prompt)
+        req._owner = self  # its hash chain is this manager's from now on
+        hits = self._prefix_hits(req)
         cached = len(hits) * self.tokens_per_page
-        new = len(token_ids) - cached if num_new_tokens is None else num_new_tokens
+        new = num_prompt - cached if num_new_tokens is None else num_new_tokens
         if token_budget is not None:
             new = min(new, token_budget)
         self._check_length(request_id, cached + new)
@@ -198,94 +218,112 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         self.slots.map_jobs([MapJob(slot, 0, hits + fresh)])
         self.slots.bind(slot=slot)
         self.pool.acquire(hits)
-        req = _Request(request_id, keys, list(token_ids), blocks=hits + self.pool.take(fresh),
-                       num_tokens=cached + new, num_computed=cached, hashes=hashes,
-                       num_registered=len(hits), slot=slot)
+        req._blocks = hits + self.pool.take(fresh)
+        req._num_tokens, req._num_computed, req._num_registered = cached + new, cached, len(hits)
+        req._slot, req._swapped = slot, None
         self._requests[request_id] = req
         repeat = request_id in self._preempted
         self._preempted.discard(request_id)
         if self.config.enable_prefix_caching:
             if repeat:
-                self.stats.reprefill_queried_tokens += len(token_ids)
+                self.stats.reprefill_queried_tokens += num_prompt
                 self.stats.reprefill_hit_tokens += cached
             else:
-                self.stats.prefix_queried_tokens += len(token_ids)
+                self.stats.prefix_queried_tokens += num_prompt
                 self.stats.prefix_hit_tokens += cached
                 self.stats.prefix_hit_tokens_device += cached
+                tokens = req._token_ids
                 self.stats.prefix_partial_page_tokens += self.pool.shared_partial_tokens(
-                    hashes[len(hits) - 1] if hits else self._chain_root(keys),
-                    token_ids[cached:min(cached + self.tokens_per_page, len(token_ids) - 1)])
+                    req._hashes[len(hits) - 1] if hits else self._chain_root(req._keys),
+                    tokens[cached:min(cached + self.tokens_per_page, len(tokens) - 1)])
         return cached
 
     @timed
-    def allocate(self, request_id: str, num_new_tokens: int, new_token_ids: Sequence[int] = ()) -> bool:
+    def allocate(self, request: "KVRequest | str", num_new_tokens: int,
+                 new_token_ids: Sequence[int] = _NO_TOKENS) -> bool:
         """Reserve ``num_new_tokens`` more positions (mapping a block only when crossing a block
-        boundary), recording ``new_token_ids`` as the request's next tokens. Returns False,
-        changing nothing, when the blocks are not there."""
-        req = self._running(request_id)
+        boundary), appending ``new_token_ids`` to the request's token ids (a KVRequest's owner may
+        append them itself instead). Returns False, changing nothing, when the blocks are not
+        there."""
+        req = self._running(request)
         num_new_tokens = check.count(num_new_tokens, "num_new_tokens")
-        new_token_ids = self._token_ids(new_token_ids, "new_token_ids")
-        self._check_length(request_id, req.num_tokens + num_new_tokens)
-        if self._blocks_needed(req, num_new_tokens) > self.pool.num_free:
+        if new_token_ids is not _NO_TOKENS:
+            new_token_ids = self._token_ids(new_token_ids, "new_token_ids")
+        total = req._num_tokens + num_new_tokens
+        if total > self.config.max_model_len:
+            self._check_length(req._request_id, total)
+        if -(-total // self.tokens_per_page) - len(req._blocks) > self.pool.num_free:
             return False
         self._grow(req, num_new_tokens)
-        req.token_ids.extend(new_token_ids)
+        if new_token_ids:
+            tokens = req._token_ids
+            if req._num_checked == len(tokens):
+                req._num_checked += len(new_token_ids)
+            tokens += new_token_ids
         return True
 
     @timed
-    def commit(self, request_id: str, num_computed_tokens: int | None = None) -> None:
-        """Mark positions up to ``num_computed_tokens`` (default: all reserved) as written. Pages
+    def commit(self, request: "KVRequest | str", num_computed_tokens: int | None = None) -> None:
+        """Mark positions up to ``num_computed_tokens`` (default: all reserved) as written. Blocks
         that are now full join the prefix cache and are never written again."""
-        req = self._running(request_id)
-        done = req.num_tokens if num_computed_tokens is None else check.count(
+        req = self._running(request)
+        done = req._num_tokens if num_computed_tokens is None else check.count(
             num_computed_tokens, "num_computed_tokens")
-        if not req.num_computed <= done <= min(req.num_tokens, len(req.token_ids)):
-            raise PageStateError(
-                f"request {request_id!r}: cannot mark {done} tokens computed; it has "
-                f"{req.num_computed} computed, {req.num_tokens} reserved, {len(req.token_ids)} known")
-        req.num_computed = done
+        if not req._num_computed <= done <= min(req._num_tokens, len(req._token_ids)):
+            raise RequestStateError(
+                f"request {req._request_id!r}: cannot mark {done} tokens computed; it has "
+                f"{req._num_computed} computed, {req._num_tokens} reserved, {len(req._token_ids)} known")
         full = done // self.tokens_per_page
-        if not self.config.enable_prefix_caching or full <= req.num_registered:
-            return
-        if full > len(req.hashes):
-            parent = req.hashes[-1] if req.hashes else None
-            req.hashes += self.hasher.page_hashes(req.token_ids, self.tokens_per_page, req.keys,
-                                                  start_page=len(req.hashes), parent=parent,
-                                                  end_page=full)
-        for index in range(req.num_registered, full):
-            if self.pool.hash_of[req.blocks[index]] is None:
-                self._register(req, index)
-        req.num_registered = full
+        if self.config.enable_prefix_caching and full > req._num_registered:
+            self._extend_chain(req, full)  # checks the new tokens before any change
+            blocks, hash_of = req._blocks, self.pool.hash_of
+            for index in range(req._num_registered, full):
+                if hash_of[blocks[index]] is None:
+                    self._register(req, index)
+            req._num_registered = full
+        req._num_computed = done
 
     # --- freeing ------------------------------------------------------------------------------------
     @timed
-    def free(self, request_id: str) -> None:
+    def free(self, request: "KVRequest | str") -> None:
         """Release a request (running or swapped). Its blocks go back deepest first, so a shared
-        prefix outlives its tails in the LRU queue; its slot keeps its mappings."""
+        prefix outlives its tails in the LRU queue; its slot keeps its mappings. A KVRequest keeps
+        its token ids and hash chain and may be admitted again."""
         self._check_open()
-        req = self._requests.pop(check.request_id(request_id), None)
+        if request.__class__ is KVRequest:
+            req = request if self._requests.get(request._request_id) is request else None
+        else:
+            req = self._requests.get(request) if type(request) is str else None
         if req is None:
-            raise UnknownRequestError(f"no request {request_id!r} to free")
+            self._known(request)  # raises what is wrong with it
+        request_id = req._request_id
+        del self._requests[request_id]
         self._preempted.discard(request_id)
-        if req.swapped is not None:
-            swapped = {index for index, _ in req.swapped}
-            self.swap.discard([host for _, host in req.swapped])
-            kept = [b for i, b in enumerate(req.blocks) if i not in swapped]
-            self.pool.release(reversed(kept))
-            return
-        self.pool.release(reversed(req.blocks))
-        self.slots.release(req.slot)
+        if req._swapped is not None:
+            swapped = {index for index, _ in req._swapped}
+            self.swap.discard([host for _, host in req._swapped])
+            self.pool.release(reversed([b for i, b in enumerate(req._blocks) if i not in swapped]))
+        else:
+            self.pool.release(reversed(req._blocks))
+            self.slots.release(req._slot)
+        req._reset_allocation()
 
     @timed
-    def discard(self, request_id: str) -> None:
+    def discard(self, request: "KVRequest | str") -> None:
         """Forget a request for good, in whatever state it is (an abort): free what it holds;
         a request preempted by recompute holds nothing and is just forgotten; an unknown id is
         ignored."""
         self._check_open()
-        request_id = check.request_id(request_id)
+        if isinstance(request, KVRequest):
+            self._check_not_foreign(request)
+            request_id = request._request_id
+            held = self._requests.get(request_id) is request
+        else:
+            request_id = check.request_id(request)
+            held = request_id in self._requests
         self._preempted.discard(request_id)
-        if request_id in self._requests:
-            self.free(request_id)
+        if held:
+            self.free(request)
 
     @timed
     def reset_prefix_cache(self) -> int:
@@ -311,28 +349,36 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         self._check_open()
         return self.slots.block_views(check.layer_index(layer, self.layout.num_layers))
 
-    @timed
-    def slot_of(self, request_id: str) -> int:
-        return self._running(request_id).slot
+    def request(self, request_id: str) -> KVRequest:
+        """The admitted (running or swapped) request of this id: the caller's KVRequest, or the
+        one ``admit`` made for an id."""
+        return self._known(check.request_id(request_id))
 
     @timed
-    def num_tokens(self, request_id: str) -> int:
-        return self._running(request_id).num_tokens
-
-    def num_computed_tokens(self, request_id: str) -> int:
-        return self._known(request_id).num_computed
+    def slot_of(self, request: "KVRequest | str") -> int:
+        return self._running(request)._slot
 
     @timed
-    def block_table(self, request_id: str) -> list[int]:
-        return list(self._running(request_id).blocks)
+    def num_tokens(self, request: "KVRequest | str") -> int:
+        return self._running(request)._num_tokens
 
-    def token_ids(self, request_id: str) -> list[int]:
-        return list(self._known(request_id).token_ids)
+    def num_computed_tokens(self, request: "KVRequest | str") -> int:
+        return self._known(request)._num_computed
 
-    def is_swapped(self, request_id: str) -> bool:
+    @timed
+    def block_table(self, request: "KVRequest | str") -> list[int]:
+        return list(self._running(request)._blocks)
+
+    def token_ids(self, request: "KVRequest | str") -> list[int]:
+        """A copy of the request's token ids (a KVRequest's own list is ``request.token_ids``)."""
+        return list(self._known(request)._token_ids)
+
+    def is_swapped(self, request: "KVRequest | str") -> bool:
         self._check_open()
-        req = self._requests.get(check.request_id(request_id))
-        return req is not None and req.swapped is not None
+        if isinstance(request, KVRequest):
+            return self._requests.get(request._request_id) is request and request._swapped is not None
+        req = self._requests.get(check.request_id(request))
+        return req is not None and req._swapped is not None
 
     def request_ids(self) -> list[str]:
         self._check_open()
@@ -344,6 +390,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         slots = self.slots.stats
         return {
             **{k: getattr(self.stats, k) for k in self.stats.__dataclass_fields__},
+            "pages_copied": self.stats.blocks_copied,  # the old name of blocks_copied, for one release
             "prefix_hit_rate": self.stats.prefix_hit_rate,
             "usage": self.usage(),
             "blocks_total": pool.num_blocks, "blocks_in_use": pool.in_use,

@@ -1,6 +1,11 @@
 """What every part of the KV cache manager shares: its parts, its requests, and the small steps
 the operations are built from.
 
+The requests are the callers' :class:`vmemkv.KVRequest` objects (``request.py``), whose private
+allocation fields only the manager writes; ``_requests`` registers the admitted ones by id, for
+callers that name a request by its id and for the invariant check. ``_running`` and ``_known``
+turn either form into the object: an object of this manager's that is running costs no lookup.
+
 ``KVCacheManager`` (``manager.py``) is this state plus three groups of operations, each in its own
 module: the core (admit, allocate, commit, free, lookahead, queries) in ``manager.py``, sharing
 (fork, reorder, truncate) in ``sharing.py``, preemption (estimate, preempt, swap in) in
@@ -18,19 +23,20 @@ of where K and V sit, which attention needs anyway.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from . import validation as check
 from .cache_config import CacheConfig, CacheStats
-from .errors import ConfigError, ManagerClosedError, PageStateError, RequestTooLongError, VmemkvError
+from .errors import (ConfigError, InvalidInputError, ManagerClosedError, RequestStateError,
+                     RequestTooLongError, VmemkvError)
 from .hashing import CacheKeys, PrefixHasher
 from .kv_events import KVEventSink, check_sink
 from .kv_metrics import KVMetricsCollector
 from .layout import KVLayout
 from .pool import BlockPool
+from .request import KVRequest
 from .slots import SlotMapper, SlotBinder
 from .swap import SwapSpace
 from .vmm import create_backend
@@ -43,20 +49,6 @@ class PrefixCacheBusyError(VmemkvError):
 
 class UnknownRequestError(VmemkvError, KeyError):
     """No request with this id is known to the manager (in that state)."""
-
-
-@dataclass
-class _Request:
-    request_id: str
-    keys: CacheKeys
-    token_ids: list[int]
-    blocks: list[int] = field(default_factory=list)  # one reference held on each
-    num_tokens: int = 0  # positions reserved (written or about to be)
-    num_computed: int = 0  # positions whose K/V is written
-    hashes: list[bytes] = field(default_factory=list)  # chain hashes of full blocks known so far
-    num_registered: int = 0  # leading full blocks already offered to the prefix cache
-    slot: int | None = None
-    swapped: list[tuple[int, int]] | None = None  # (index in blocks, host block) while swapped
 
 
 class ManagerState:
@@ -104,7 +96,7 @@ class ManagerState:
                               self._layout.block_bytes,
                               pin_memory=str(config.device).startswith("cuda"))
         self.stats = CacheStats()
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, KVRequest] = {}  # admitted (running or swapped), by id
         self._preempted: set[str] = set()  # recompute-preempted ids, to count their re-prefill
         self._closed = False
 
@@ -122,20 +114,22 @@ class ManagerState:
         bound = []
         writers: dict[int, str] = {}
         for req in self._requests.values():
-            swapped = {i for i, _ in req.swapped} if req.swapped is not None else set()
-            held = [b for i, b in enumerate(req.blocks) if i not in swapped]
+            assert req._owner is self, f"{req.request_id} belongs to another manager"
+            swapped = {i for i, _ in req._swapped} if req._swapped is not None else set()
+            held = [b for i, b in enumerate(req._blocks) if i not in swapped]
             np.add.at(refs, np.asarray(held, dtype=np.int64), 1)
-            assert req.num_computed <= req.num_tokens <= len(req.blocks) * self.tokens_per_page
+            assert req._num_computed <= req._num_tokens <= len(req._blocks) * self.tokens_per_page
             # Blocks past the reservation are lookahead: mapped early, private, unhashed (below).
-            assert len(req.blocks) >= self._layout.logical_pages_for(req.num_tokens), (
-                f"{req.request_id}: {len(req.blocks)} blocks for {req.num_tokens} tokens")
-            assert req.swapped is None or len(req.blocks) == self._layout.logical_pages_for(req.num_tokens)
-            if req.swapped is not None:
-                assert req.slot is None
+            assert len(req._blocks) >= self._layout.logical_pages_for(req._num_tokens), (
+                f"{req.request_id}: {len(req._blocks)} blocks for {req._num_tokens} tokens")
+            assert req._num_registered <= len(req._hashes)
+            if req._swapped is not None:
+                assert len(req._blocks) == self._layout.logical_pages_for(req._num_tokens)
+                assert req._slot is None
                 continue
-            bound.append(req.slot)
-            self.slots.check_request(req.slot, req.blocks)
-            for block in req.blocks[req.num_computed // self.tokens_per_page:]:  # writable pages
+            bound.append(req._slot)
+            self.slots.check_request(req._slot, req._blocks)
+            for block in req._blocks[req._num_computed // self.tokens_per_page:]:  # writable pages
                 assert self.pool.hash_of[block] is None, f"{req.request_id} can write hashed block {block}"
                 assert self.pool.ref[block] == 1, f"{req.request_id} can write shared block {block}"
                 assert block not in writers, f"block {block} writable by {writers.get(block)} and {req.request_id}"
@@ -144,7 +138,7 @@ class ManagerState:
         assert len(set(bound)) == len(bound), "two requests share a slot"
         assert not set(bound) & set(self.slots.free_slots()), "a bound slot is also free"
         assert len(bound) + self.slots.num_free == self.slots.num_slots, "a slot was lost"
-        swapped_host = sum(len(r.swapped) for r in self._requests.values() if r.swapped is not None)
+        swapped_host = sum(len(r._swapped) for r in self._requests.values() if r._swapped is not None)
         assert swapped_host + self.swap.num_free == self.swap.num_blocks, "swap space leaked"
 
     # --- looking requests up and checking arguments ----------------------------------------------
@@ -153,26 +147,74 @@ class ManagerState:
             raise ManagerClosedError("this KV cache manager is closed; its memory is gone. "
                                      "Create a new one")
 
-    def _running(self, request_id: str) -> _Request:
-        req = self._requests.get(request_id) if type(request_id) is str else None
-        if req is not None and req.swapped is None and not self._closed:  # the hot path
-            return req
-        req = self._known(request_id)
-        if req.swapped is not None:
-            raise UnknownRequestError(f"request {request_id!r} is swapped out, not running; "
+    def _running(self, request) -> KVRequest:
+        """The running request ``request`` names: a KVRequest (no lookup) or its id."""
+        if request.__class__ is KVRequest:
+            if request._owner is self and request._slot is not None and not self._closed:
+                return request  # the hot path
+        elif type(request) is str:
+            req = self._requests.get(request)
+            if req is not None and req._slot is not None and not self._closed:
+                return req
+        req = self._known(request)
+        if req._swapped is not None:
+            raise UnknownRequestError(f"request {req.request_id!r} is swapped out, not running; "
                                       "swap_in() it first")
         return req
 
-    def _known(self, request_id: str) -> _Request:
-        """A running or swapped request (UnknownRequestError otherwise)."""
-        if self._closed:
-            self._check_open()
-        if type(request_id) is not str:
-            check.request_id(request_id)
-        req = self._requests.get(request_id)
+    def _running_list(self, requests, what: str) -> list[KVRequest]:
+        """A list or tuple of running requests (not a bare string, read letter by letter)."""
+        if not isinstance(requests, (list, tuple)):
+            example = f", such as [{requests!r}]" if isinstance(requests, (str, KVRequest)) else ""
+            raise InvalidInputError(f"{what} is a {type(requests).__name__}; pass a list of "
+                                    f"KVRequests or request ids{example}")
+        return [self._running(request) for request in requests]
+
+    def _known(self, request) -> KVRequest:
+        """An admitted (running or swapped) request: a KVRequest of this manager's or an id;
+        UnknownRequestError for one that is not admitted, InvalidInputError for anything else."""
+        self._check_open()
+        if isinstance(request, KVRequest):
+            self._check_not_foreign(request)
+            if self._requests.get(request._request_id) is not request:
+                raise UnknownRequestError(f"request {request._request_id!r} is not admitted (new, "
+                                          "freed, or preempted by recompute); admit() it first")
+            return request
+        if type(request) is not str:
+            raise InvalidInputError(f"request is a {type(request).__name__} ({request!r:.40}); pass a "
+                                    "vmemkv.KVRequest or its request id (a str)")
+        req = self._requests.get(request)
         if req is None:
-            raise UnknownRequestError(f"no request {request_id!r}; admit() it first")
+            raise UnknownRequestError(f"no request {request!r}; admit() it first")
         return req
+
+    def _check_not_foreign(self, request: KVRequest) -> None:
+        if request._owner is not None and request._owner is not self:
+            raise InvalidInputError(
+                f"request {request._request_id!r} belongs to another KVCacheManager (its block "
+                "hashes were made with that manager's hasher); make a new KVRequest for this one")
+
+    def _check_tokens(self, req: KVRequest, end: int) -> None:
+        """Check the request's token ids up to ``end`` that were not checked yet (the caller
+        appends to the list; each id is checked once, when the manager first reads it)."""
+        if end > req._num_checked:
+            check.token_ids(req._token_ids[req._num_checked:end],
+                            f"request {req._request_id!r}'s token_ids", self.config.vocab_size)
+            req._num_checked = end
+
+    def _extend_chain(self, req: KVRequest, num_blocks: int) -> list[bytes]:
+        """The request's hash chain, extended to its first ``num_blocks`` full blocks (as far as
+        its tokens go): only blocks never hashed are hashed."""
+        hashes = req._hashes
+        if num_blocks > len(hashes):
+            tokens_per_page = self.tokens_per_page
+            if num_blocks * tokens_per_page > req._num_checked:
+                self._check_tokens(req, min(num_blocks * tokens_per_page, len(req._token_ids)))
+            hashes += self.hasher.block_hashes(req._token_ids, tokens_per_page, req._keys,
+                                               start_block=len(hashes),
+                                               parent=hashes[-1] if hashes else None,
+                                               end_block=num_blocks)
+        return hashes
 
     def _token_ids(self, token_ids, what: str) -> list[int]:
         return check.token_ids(token_ids, what, self.config.vocab_size)
@@ -186,61 +228,97 @@ class ManagerState:
     def _slot_available(self, slot: int | None) -> bool:
         return self.slots.num_free > 0 if slot is None else self.slots.is_free(slot)
 
-    def _require_committed(self, req: _Request) -> None:
-        if req.num_computed != req.num_tokens:
-            raise PageStateError(
-                f"request {req.request_id!r} has {req.num_tokens - req.num_computed} reserved "
+    def _require_committed(self, req: KVRequest) -> None:
+        if req._num_computed != req._num_tokens:
+            raise RequestStateError(
+                f"request {req.request_id!r} has {req._num_tokens - req._num_computed} reserved "
                 "tokens not yet computed; commit() them first")
 
     # --- steps the operations share --------------------------------------------------------------
-    def _blocks_needed(self, req: _Request, num_new_tokens: int) -> int:
+    def _blocks_needed(self, req: KVRequest, num_new_tokens: int) -> int:
         """New blocks for ``num_new_tokens`` more positions (lookahead blocks count as held)."""
-        return max(-(-(req.num_tokens + num_new_tokens) // self.tokens_per_page) - len(req.blocks), 0)
+        return max(-(-(req._num_tokens + num_new_tokens) // self.tokens_per_page) - len(req._blocks), 0)
 
     def _fits_admission(self, hits: list[int], total: int) -> bool:
         needed = self._layout.logical_pages_for(total) - len(hits)
         revived = sum(self.pool.ref[b] == 0 for b in hits)  # taken out of the free queue first
         return needed <= self.pool.num_free - revived
 
-    def _grow(self, req: _Request, num_new_tokens: int) -> None:
+    def _grow(self, req: KVRequest, num_new_tokens: int) -> None:
         """Reserve positions, mapping the pages they reach first (the one step that can be
         refused). Lookahead blocks are normally mapped already; one whose background mapping
         was refused is mapped here, so no position is ever written through a stale mapping."""
         tokens_per_page = self.tokens_per_page
-        first = -(-req.num_tokens // tokens_per_page)
-        end = -(-(req.num_tokens + num_new_tokens) // tokens_per_page)
+        blocks = req._blocks
+        first = -(-req._num_tokens // tokens_per_page)
+        end = -(-(req._num_tokens + num_new_tokens) // tokens_per_page)
         if end > first:
-            fresh = self.pool.peek(end - len(req.blocks)) if end > len(req.blocks) else []
-            self.slots.map_blocks(req.slot, first, req.blocks[first:end] + fresh,
-                                  keep=len(req.blocks))
+            fresh = self.pool.peek(end - len(blocks)) if end > len(blocks) else []
+            self.slots.map_blocks(req._slot, first, blocks[first:end] + fresh, keep=len(blocks))
             if fresh:
-                req.blocks += self.pool.take(fresh)
-        req.num_tokens += num_new_tokens
+                blocks += self.pool.take(fresh)
+        req._num_tokens += num_new_tokens
 
-    def _register(self, req: _Request, index: int) -> None:
+    def _register(self, req: KVRequest, index: int) -> None:
         """Offer full block ``index`` of ``req`` to the prefix cache, with its tokens and parent
         (for KV events and the partial-page hit count)."""
-        tokens = req.token_ids[index * self.tokens_per_page:(index + 1) * self.tokens_per_page]
-        parent = req.hashes[index - 1] if index else None
-        self.pool.register(req.blocks[index], req.hashes[index], tokens, parent,
-                           None if index else self._chain_root(req.keys))
+        tokens = req._token_ids[index * self.tokens_per_page:(index + 1) * self.tokens_per_page]
+        parent = req._hashes[index - 1] if index else None
+        self.pool.register(req._blocks[index], req._hashes[index], tokens, parent,
+                           None if index else self._chain_root(req._keys))
 
-    def _reserved_blocks(self, req: _Request) -> list[int]:
+    def _reserved_blocks(self, req: KVRequest) -> list[int]:
         """The request's blocks without lookahead ones."""
-        return req.blocks[: self._layout.logical_pages_for(req.num_tokens)]
+        return req._blocks[: self._layout.logical_pages_for(req._num_tokens)]
 
-    def _trim_lookahead(self, req: _Request) -> None:
+    def _trim_lookahead(self, req: KVRequest) -> None:
         """Release blocks past the reservation (given early by allocate_lookahead)."""
-        needed = self._layout.logical_pages_for(req.num_tokens)
-        if len(req.blocks) > needed:
-            self.pool.release(reversed(req.blocks[needed:]))
-            del req.blocks[needed:]
+        needed = self._layout.logical_pages_for(req._num_tokens)
+        if len(req._blocks) > needed:
+            self.pool.release(reversed(req._blocks[needed:]))
+            del req._blocks[needed:]
+
+    def _cached_blocks(self, hashes: list[bytes], num_tokens: int) -> list[int]:
+        """The cached blocks of the leading ``hashes`` (at least one of ``num_tokens`` left)."""
+        hits = []
+        for h in hashes[: (num_tokens - 1) // self.tokens_per_page]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _prefix_hits(self, req: KVRequest) -> list[int]:
+        """``req``'s cached prefix blocks, hashing only blocks its chain does not cover yet."""
+        if not self.config.enable_prefix_caching:
+            return []
+        num_tokens = len(req._token_ids)
+        return self._cached_blocks(self._extend_chain(req, (num_tokens - 1) // self.tokens_per_page),
+                                   num_tokens)
+
+    def _admission_request(self, request, token_ids, keys) -> KVRequest:
+        """The KVRequest ``admit`` works on: the caller's (its tokens checked), or a new one."""
+        if isinstance(request, KVRequest):
+            if token_ids is not None or keys is not None:
+                raise InvalidInputError(
+                    f"admit({request.request_id!r}): a KVRequest carries its own token ids and keys; "
+                    "give them when you make it, or admit by id with token_ids")
+            self._check_not_foreign(request)
+            self._check_tokens(request, len(request._token_ids))
+            return request
+        request_id = check.request_id(request)
+        if token_ids is None:
+            raise InvalidInputError(f"admit({request_id!r}) needs token_ids (or admit a KVRequest)")
+        token_ids = self._token_ids(token_ids, "token_ids")
+        req = KVRequest(request_id, list(token_ids), CacheKeys() if keys is None else keys)
+        req._num_checked = len(token_ids)
+        return req
 
     def _copy_of(self, source: int, copy: int) -> int:
         """Copy block ``source``'s bytes onto ``copy`` (just taken); returns ``copy``."""
         self.backend.copy_pages(self._layout.physical_pages(np.array([source])).tolist(),
                                 self._layout.physical_pages(np.array([copy])).tolist())
-        self.stats.pages_copied += 1
+        self.stats.blocks_copied += 1
         return copy
 
     def _block_window(self) -> torch.Tensor:

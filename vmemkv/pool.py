@@ -27,7 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .errors import OutOfPagesError, PageStateError
+from .errors import BlockStateError as PageStateError, OutOfBlocksError as OutOfPagesError
 from .kv_events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEventSink
 
 # shared_partial_tokens compares the prompt with at most this many cached pages (the newest) that

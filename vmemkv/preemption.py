@@ -15,6 +15,7 @@ from . import validation as check
 from .cache_config import PreemptionEstimate
 from .kv_metrics import timed
 from .manager_state import ManagerState, UnknownRequestError
+from .request import KVRequest
 from .slots import MapJob
 
 
@@ -22,71 +23,75 @@ class PreemptionOps(ManagerState):
     """estimate_preemption, preempt, swap_in (mixed into KVCacheManager)."""
 
     @timed
-    def estimate_preemption(self, request_id: str) -> PreemptionEstimate:
-        req = self._running(request_id)
+    def estimate_preemption(self, request: "KVRequest | str") -> PreemptionEstimate:
+        req = self._running(request)
         private = [b for b in self._reserved_blocks(req) if self.pool.ref[b] == 1]
         swap_bytes = len(private) * self.layout.block_bytes
         surviving = 0
-        for block in req.blocks:  # a prefix kept alive by other requests will hit again
+        for block in req._blocks:  # a prefix kept alive by other requests will hit again
             if self.pool.ref[block] > 1 and self.pool.hash_of[block] is not None:
                 surviving += self.tokens_per_page
             else:
                 break
-        recompute = max(req.num_computed - surviving, 0)
+        recompute = max(req._num_computed - surviving, 0)
         return PreemptionEstimate(
             swap_bytes, recompute, 2 * swap_bytes / self.config.swap_bytes_per_second,
             recompute / self.config.prefill_tokens_per_second, len(private) <= self.swap.num_free)
 
     @timed
-    def preempt(self, request_id: str, mode: Literal["recompute", "swap", "auto"] = "auto") -> str:
+    def preempt(self, request: "KVRequest | str", mode: Literal["recompute", "swap", "auto"] = "auto") -> str:
         """Take a running request off the device; returns the mode used.
 
         recompute: its blocks are released (cached ones may be hit when it is admitted again with
         all its tokens). swap: its private blocks are copied to host swap space and released;
-        blocks shared with other requests stay referenced; ``swap_in`` brings it back."""
-        req = self._running(request_id)
+        blocks shared with other requests stay referenced; ``swap_in`` brings it back. A KVRequest
+        preempted by recompute keeps its token ids and hash chain for its re-admission."""
+        req = self._running(request)
         self._require_committed(req)
         mode = check.choice(mode, "preemption mode", check.PREEMPT_MODES)
         if mode == "auto":
-            mode = self.estimate_preemption(request_id).cheaper
+            mode = self.estimate_preemption(req).cheaper
         if mode == "recompute":
-            self.free(request_id)
-            self._preempted.add(request_id)
+            self.free(req)
+            self._preempted.add(req._request_id)
             self.stats.preemptions_recompute += 1
             return mode
         private = [i for i, b in enumerate(self._reserved_blocks(req)) if self.pool.ref[b] == 1]
         self.swap.check_room(len(private))
         self._trim_lookahead(req)
-        host = self.swap.store(self._block_window(), [req.blocks[i] for i in private])
-        self.pool.release(reversed([req.blocks[i] for i in private]))
-        req.swapped = list(zip(private, host))
-        self.slots.release(req.slot)
-        req.slot = None
+        host = self.swap.store(self._block_window(), [req._blocks[i] for i in private])
+        self.pool.release(reversed([req._blocks[i] for i in private]))
+        req._swapped = list(zip(private, host))
+        self.slots.release(req._slot)
+        req._slot = None
         self.stats.preemptions_swap += 1
         self.stats.swap_out_bytes += len(private) * self.layout.block_bytes
         return mode
 
     @timed
-    def swap_in(self, request_id: str) -> bool:
+    def swap_in(self, request: "KVRequest | str") -> bool:
         """Bring a swapped request back into any free slot, bit-exact. Returns False, changing
         nothing, without a free slot or enough blocks."""
-        self._check_open()
-        req = self._requests.get(check.request_id(request_id))
-        if req is None or req.swapped is None:
-            raise UnknownRequestError(f"request {request_id!r} is not swapped out")
+        try:
+            req = self._known(request)
+        except UnknownRequestError:
+            req = None
+        if req is None or req._swapped is None:
+            raise UnknownRequestError(f"request {getattr(request, 'request_id', request)!r} is not "
+                                      "swapped out")
         revive = {}  # swapped full blocks still in the prefix cache are taken, not copied back
-        for index, _ in req.swapped:
-            if index < req.num_registered:
-                block = self.pool.lookup(req.hashes[index])
+        for index, _ in req._swapped:
+            if index < req._num_registered:
+                block = self.pool.lookup(req._hashes[index])
                 if block is not None:
                     revive[index] = block
         revived_cached = sum(self.pool.ref[b] == 0 for b in revive.values())
-        needed = len(req.swapped) - len(revive)
+        needed = len(req._swapped) - len(revive)
         if not self.slots.num_free or needed > self.pool.num_free - revived_cached:
             return False
-        copy = [(index, host) for index, host in req.swapped if index not in revive]
+        copy = [(index, host) for index, host in req._swapped if index not in revive]
         fresh = self.pool.peek(len(copy), exclude=revive.values())
-        blocks = list(req.blocks)
+        blocks = list(req._blocks)
         for (index, _), block in zip(copy, fresh):
             blocks[index] = block
         for index, block in revive.items():
@@ -97,12 +102,12 @@ class PreemptionOps(ManagerState):
         self.pool.acquire(revive.values())
         self.pool.take(fresh)
         self.swap.load(self._block_window(), [host for _, host in copy], fresh)
-        self.swap.discard([host for index, host in req.swapped if index in revive])
-        req.blocks = blocks
-        for index, block in zip(range(req.num_registered), req.blocks):
+        self.swap.discard([host for index, host in req._swapped if index in revive])
+        req._blocks = blocks
+        for index, block in zip(range(req._num_registered), req._blocks):
             if self.pool.hash_of[block] is None:
                 self._register(req, index)
-        req.swapped = None
-        req.slot = slot
+        req._swapped = None
+        req._slot = slot
         self.stats.swap_in_bytes += len(copy) * self.layout.block_bytes
         return True

@@ -14,6 +14,7 @@ from ..attention import BlockTableAttention, ContiguousAttention, SequenceSpan
 from ..attention.choice import AttentionChoice, choose_attention
 from ..attention.flash import FlashBlockTableAttention, FlashSlotAttention
 from ..manager import KVCacheManager
+from ..request import KVRequest
 from .config import EngineConfig
 
 
@@ -27,7 +28,8 @@ class Addressing:
         self.device = device
         self.choice = choice
 
-    def span(self, seq_id: str, begin: int, count: int, computed: int) -> SequenceSpan:
+    def span(self, kv: KVRequest, begin: int, count: int, computed: int) -> SequenceSpan:
+        """A running sequence's span (read from its KVRequest: no lookup by id)."""
         raise NotImplementedError
 
     def attention(self, spans: list[SequenceSpan]):
@@ -51,8 +53,8 @@ class SlotAddressing(Addressing):
             self.attention = lambda spans: ContiguousAttention(
                 spans, manager.kv_views, device, decode_kernel, reads=reads)  # batched reads (CPU)
 
-    def span(self, seq_id: str, begin: int, count: int, computed: int) -> SequenceSpan:
-        return SequenceSpan(self.manager.slot_of(seq_id), begin, count, computed)
+    def span(self, kv: KVRequest, begin: int, count: int, computed: int) -> SequenceSpan:
+        return SequenceSpan(kv.slot, begin, count, computed)
 
 
 class BlockTableAddressing(Addressing):
@@ -70,10 +72,8 @@ class BlockTableAddressing(Addressing):
             self.attention = lambda spans: BlockTableAttention(
                 spans, manager.block_views, tokens_per_page, device, decode_kernel)
 
-    def span(self, seq_id: str, begin: int, count: int, computed: int) -> SequenceSpan:
-        manager = self.manager
-        return SequenceSpan(manager.slot_of(seq_id), begin, count, computed,
-                            tuple(manager.block_table(seq_id)))
+    def span(self, kv: KVRequest, begin: int, count: int, computed: int) -> SequenceSpan:
+        return SequenceSpan(kv.slot, begin, count, computed, kv.block_table)
 
 
 def choose_addressing(config: EngineConfig, manager: KVCacheManager, device,

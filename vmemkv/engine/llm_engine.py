@@ -19,6 +19,7 @@ from ..hf_support import check_attention_supported, text_config
 from ..kv_events import KVEventBuffer
 from ..kv_metrics import KVMetricsCollector
 from ..manager import KVCacheManager
+from ..request import KVRequest
 from .addressing import choose_addressing
 from .chat import end_of_turn_token_ids
 from .config import EngineConfig
@@ -133,8 +134,8 @@ class LLMEngine:
     def _new_sequence(self, group: SequenceGroup, index: int) -> Sequence:
         seed = None if group.params.seed is None else group.params.seed + index
         seq_id = group.request_id if index == 0 else f"{group.request_id}#{index}"
-        return Sequence(seq_id, group, index, list(group.prompt_token_ids),
-                        generator=make_generator(seed, self.runner.device),
+        kv = KVRequest(seq_id, list(group.prompt_token_ids), group.keys)
+        return Sequence(kv, group, index, generator=make_generator(seed, self.runner.device),
                         detokenizer=IncrementalDetokenizer.from_params(
                             self.tokenizer, group.prompt_token_ids, group.params,
                             final_only=not self.stream))
@@ -182,7 +183,7 @@ class LLMEngine:
         sequences beyond the bytes their tokens fill."""
         in_use = self.manager.num_blocks_in_use
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, in_use)
-        tokens = sum(self.manager.num_tokens(seq.seq_id) for seq in self.scheduler.running)
+        tokens = sum(seq.kv.num_tokens for seq in self.scheduler.running)
         if tokens:
             layout = self.manager.layout
             stored = tokens * layout.token_bytes

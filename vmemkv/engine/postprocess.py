@@ -49,9 +49,8 @@ class Postprocessor:
         if not plan.scheduled:
             return list(touched.values())
         commit = self.manager.commit
-        for item in plan.scheduled:
-            item.seq.num_computed += item.num_new_tokens
-            commit(item.seq.seq_id)
+        for item in plan.scheduled:  # every reserved position: exactly the scheduled ones
+            commit(item.seq.kv)
         generated: dict[str, int] = {}  # tokens per request this step, for the metrics
         for seq, token, logprobs in self._sample(forward):
             self._append_token(seq, token, logprobs)
@@ -90,8 +89,7 @@ class Postprocessor:
         for index in range(1, group.params.n):
             child = self.new_sequence(group, index)
             group.seqs.append(child)
-            if self.manager.fork(seq.seq_id, child.seq_id):
-                child.num_computed, child.num_manager_tokens = seq.num_computed, seq.num_manager_tokens
+            if self.manager.fork(seq.kv, child.kv):  # the child's list becomes a copy of seq's
                 self.scheduler.add_running(child)
                 members.append(child)
             else:

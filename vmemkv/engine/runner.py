@@ -51,11 +51,11 @@ class LookaheadMapper:
         blocks_for = manager.blocks_for_tokens
         decoding = []
         for item in scheduled:
-            seq = item.seq
-            if seq.num_computed >= seq.num_prompt_tokens:
-                reserved = manager.num_tokens(seq.seq_id)
+            kv = item.seq.kv
+            if kv.num_computed_tokens >= item.seq.num_prompt_tokens:
+                reserved = kv.num_tokens
                 if blocks_for(reserved + margin) > blocks_for(reserved):
-                    decoding.append(seq.seq_id)
+                    decoding.append(kv)
         if not decoding:
             return None
         jobs = manager.allocate_lookahead(decoding, margin, self.keep_free)
@@ -97,15 +97,16 @@ class StepRunner:
         span_of = self.addressing.span
         for item in scheduled:
             seq, count = item.seq, item.num_new_tokens
-            begin, computed = len(input_ids), seq.num_computed
-            spans.append(span_of(seq.seq_id, begin, count, computed))
+            kv = seq.kv
+            token_ids, begin, computed = kv.token_ids, len(input_ids), kv.num_computed_tokens
+            spans.append(span_of(kv, begin, count, computed))
             if count == 1:  # decode: no slices
-                input_ids.append(seq.token_ids[computed])
+                input_ids.append(token_ids[computed])
                 positions.append(computed)
             else:
-                input_ids += seq.token_ids[computed: computed + count]
+                input_ids += token_ids[computed: computed + count]
                 positions += range(computed, computed + count)
-            if computed + count == len(seq.token_ids):  # its next token is due
+            if computed + count == len(token_ids):  # its next token is due
                 rows.append(begin + count - 1)
                 samplers.append(seq)
         attention = self.addressing.attention(spans)

@@ -53,7 +53,7 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.swapped):
             if seq in queue:
                 queue.remove(seq)
-        self.manager.discard(seq.seq_id)  # whatever it holds, even as a preempted request
+        self.manager.discard(seq.kv)  # whatever it holds, even as a preempted request
         seq.status = SequenceStatus.FINISHED
 
     def schedule(self) -> SchedulerOutput:
@@ -79,7 +79,7 @@ class Scheduler:
                 problem = self._never_fits(seq, seq.num_computed + count) if victim is seq else None
                 if problem is not None:
                     self.running.remove(seq)
-                    self.manager.free(seq.seq_id)
+                    self.manager.free(seq.kv)
                     out.failed.append((seq, problem))
                     break
                 self._preempt(victim)
@@ -94,7 +94,7 @@ class Scheduler:
     def _schedule_swapped(self, budget: int, out: SchedulerOutput) -> int:
         while self.swapped and budget > 0 and self.manager.num_free_slots:
             seq = self.swapped[0]
-            if not self._mapped(self.manager.swap_in, seq.seq_id):
+            if not self._mapped(self.manager.swap_in, seq.kv):
                 break
             self.swapped.pop(0)
             seq.status = SequenceStatus.RUNNING
@@ -117,8 +117,8 @@ class Scheduler:
                 out.failed.append((seq, problem))
                 continue
             try:
-                cached = self.manager.admit(seq.seq_id, seq.token_ids, keys=seq.group.keys,
-                                            token_budget=budget)
+                # the KVRequest's hash chain survives refusals and preemption: never re-hashed
+                cached = self.manager.admit(seq.kv, token_budget=budget)
             except MappingLimitError as error:
                 if self.running or out.scheduled:
                     break  # mapping pressure: wait for running requests to leave
@@ -128,26 +128,21 @@ class Scheduler:
             if cached is None:
                 break
             self.waiting.pop(0)
-            seq.num_computed = cached
-            seq.num_manager_tokens = len(seq.token_ids)
             seq.group.num_cached_tokens = max(seq.group.num_cached_tokens, cached)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            count = self.manager.num_tokens(seq.seq_id) - cached
+            count = seq.kv.num_tokens - cached
             out.scheduled.append(ScheduledSeq(seq, count))
             budget -= count
 
     # --- mechanics -------------------------------------------------------------------------------
     def _allocate(self, seq: Sequence, count: int) -> bool:
-        """Reserve positions for ``count`` more tokens, telling the manager any new token ids."""
-        reserved = self.manager.num_tokens(seq.seq_id) - seq.num_computed
+        """Reserve positions for ``count`` more tokens (their ids are in the KVRequest's list)."""
+        kv = seq.kv
+        reserved = kv.num_tokens - kv.num_computed_tokens
         if reserved >= count:  # a chunk reserved at admission
             return True
-        new_ids = seq.token_ids[seq.num_manager_tokens:]
-        if not self._mapped(self.manager.allocate, seq.seq_id, count - reserved, new_ids):
-            return False
-        seq.num_manager_tokens = len(seq.token_ids)
-        return True
+        return self._mapped(self.manager.allocate, kv, count - reserved)
 
     @staticmethod
     def _mapped(call, *args) -> bool:
@@ -161,16 +156,15 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         mode = self.config.preemption_mode
-        if mode == "swap" and not self.manager.estimate_preemption(seq.seq_id).swap_fits:
+        if mode == "swap" and not self.manager.estimate_preemption(seq.kv).swap_fits:
             mode = "recompute"
-        used = self.manager.preempt(seq.seq_id, mode)
+        used = self.manager.preempt(seq.kv, mode)  # recompute: the KVRequest keeps its hashes
         self.num_preemptions += 1
         if used == "swap":
             seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)
         else:
             seq.status = SequenceStatus.WAITING
-            seq.num_computed = seq.num_manager_tokens = 0
             self.waiting.insert(0, seq)
 
     def _never_fits(self, seq: Sequence, num_tokens: int) -> str | None:

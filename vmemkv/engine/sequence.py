@@ -1,4 +1,8 @@
-"""What the engine knows about a request: one group, ``n`` sequences (one per completion)."""
+"""What the engine knows about a request: one group, ``n`` sequences (one per completion).
+
+A sequence holds its :class:`vmemkv.KVRequest`, which holds its token ids (prompt + output: the
+one list the engine appends sampled tokens to and the KV cache manager reads) and its allocation
+(reserved and computed positions, slot, blocks); the sequence keeps no copy of either."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..hashing import CacheKeys
+from ..request import KVRequest
 from .sampling_params import SamplingParams
 
 
@@ -21,18 +26,30 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    seq_id: str  # the KV cache manager's request id
+    kv: KVRequest  # token ids (prompt + output) and KV allocation, shared with the manager
     group: "SequenceGroup"
     index: int  # which of the group's n completions
-    token_ids: list[int]  # prompt + output
     generator: torch.Generator | None = None
     status: SequenceStatus = SequenceStatus.WAITING
-    num_computed: int = 0  # tokens whose K/V is in the cache
-    num_manager_tokens: int = 0  # leading token ids the manager has been told
     detokenizer: object | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+    @property
+    def seq_id(self) -> str:
+        """The KV cache manager's request id."""
+        return self.kv.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt + output: the KVRequest's list (append sampled tokens to it)."""
+        return self.kv.token_ids
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens whose K/V is in the cache (0 while waiting)."""
+        return self.kv.num_computed_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -44,7 +61,8 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed
+        kv = self.kv
+        return len(kv.token_ids) - kv.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

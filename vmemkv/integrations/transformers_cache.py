@@ -60,7 +60,7 @@ from typing import Self
 import torch
 from transformers.cache_utils import Cache
 
-from ..errors import ConfigError, OutOfPagesError, PageStateError
+from ..errors import ConfigError, InvalidStateError, OutOfBlocksError
 from ..manager import KVCacheManager
 from .transformers_layer import _VmemkvLayer
 from .transformers_model import cache_kwarg, manager_for
@@ -158,7 +158,7 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
 
     @property
     def request_ids(self) -> list[str]:
-        return [row.request_id for row in self._rows]
+        return [row.kv.request_id for row in self._rows]
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         return self._length
@@ -186,10 +186,10 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
         the last one commits it (full blocks join the prefix cache)."""
         if layer_idx != self._next_layer:
             if layer_idx == 0:
-                raise PageStateError(
+                raise InvalidStateError(
                     f"a previous forward stopped after layer {self._next_layer - 1}, leaving "
                     "reserved positions unwritten; call cache.release() and start again")
-            raise PageStateError(f"expected layer {self._next_layer}'s update, got layer {layer_idx}'s; "
+            raise InvalidStateError(f"expected layer {self._next_layer}'s update, got layer {layer_idx}'s; "
                                  "VmemkvCache needs every layer updated once per forward, in order")
         if layer_idx == 0:
             self._begin_step(key_states)
@@ -230,7 +230,7 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
                               "use batch_repeat_interleave to add rows")
         self._reorder(list(range(len(keep))), keep)
         for row in self._rows[len(keep):]:
-            self.manager.free(row.request_id)
+            self.manager.free(row.kv)
         del self._rows[len(keep):]
 
     def crop(self, max_length: int) -> None:
@@ -242,10 +242,9 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
         if length >= self._length:
             return
         for row in self._rows:
-            if not self.manager.truncate(row.request_id, max(length, 0)):
-                raise OutOfPagesError(f"cropping row {row.request_id!r} needs one free block to copy "
-                                      "its shared last block; the pool has none")
-            row.known = min(row.known, max(length, 0))
+            if not self.manager.truncate(row.kv, max(length, 0)):  # shortens kv.token_ids too
+                raise OutOfBlocksError(f"cropping row {row.kv.request_id!r} needs one free block to "
+                                       "copy its shared last block; the pool has none")
         self._length = max(length, 0)
 
     def reset(self) -> None:
@@ -257,7 +256,7 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
         """Free every row's request. Full blocks keep their content in the manager's prefix cache
         (LRU) for later prompts; the cache object is ready for another batch."""
         for row in self._rows:
-            self.manager.free(row.request_id)
+            self.manager.free(row.kv)
         self._rows = []
         self._length = 0
         self._next_layer = 0
@@ -311,12 +310,12 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
             self._reserve(count, ids.tolist() if self._tracked else None)
         self._step_len = count
         start = self._length
-        self._write_from = [max(start, self.manager.num_computed_tokens(r.request_id)) for r in self._rows]
+        self._write_from = [max(start, row.kv.num_computed_tokens) for row in self._rows]
         self._uniform_write = all(w == start for w in self._write_from)
 
     def _end_step(self) -> None:
         for row in self._rows:
-            self.manager.commit(row.request_id)
+            self.manager.commit(row.kv)
         self._length += self._step_len
         self._next_layer = 0
         self._note_peak()

@@ -10,7 +10,7 @@ import inspect
 
 import torch
 
-from ..errors import ConfigError, PageStateError
+from ..errors import ConfigError, InvalidStateError
 from .transformers_model import cache_kwarg
 
 
@@ -23,7 +23,7 @@ class _PrefixReuse:
         row (``get_seq_length()``): a following ``generate(input_ids, cache=self)`` feeds only the
         rest. Rows that hit more keep their extra blocks and never rewrite them."""
         if self._rows:
-            raise PageStateError("admit_prompt needs an empty cache; call release() first")
+            raise InvalidStateError("admit_prompt needs an empty cache; call release() first")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         self._tracked = True
@@ -74,7 +74,7 @@ class _PrefixReuse:
         batch, length = input_ids.shape
         try:
             cached = self.admit_prompt(input_ids, attention_mask)
-            cached_per_row = [self.manager.num_computed_tokens(r.request_id) for r in self._rows]
+            cached_per_row = [row.kv.num_computed_tokens for row in self._rows]
             if copies > 1:
                 self.prefill(model, input_ids, attention_mask)
             generate_kwargs[cache_kwarg(model)] = self

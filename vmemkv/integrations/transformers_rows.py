@@ -8,27 +8,24 @@ pages) and row expansion (forks) live here, as a mixin of
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import uuid
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError, OutOfPagesError
+from ..errors import ConfigError, OutOfBlocksError
 from ..hashing import CacheKeys
+from ..request import KVRequest
 from ..slots import NoFreeSlotError
 
 
 @dataclass
 class _Row:
-    """What the cache knows about one batch row besides the manager's request."""
+    """One batch row: its manager request (token ids, keys, allocation) and its mask."""
 
-    request_id: str
-    keys: CacheKeys
+    kv: KVRequest
     masked: frozenset[int]  # prompt positions the attention mask hides (part of the salt)
-    known: int  # token ids the manager has for this request
-
 
 
 class _RowBookkeeping:
@@ -89,13 +86,12 @@ class _RowBookkeeping:
         first = self._find_slots(batch)
         rows, cached = [], []
         for i, ids in enumerate(token_ids):
-            row = _Row(self._new_request_id(), self._keys(masked[i]), masked[i], len(ids))
-            hit = self.manager.admit(row.request_id, ids, num_new_tokens=num_new_tokens,
-                                     keys=row.keys, slot=first + i)
+            row = _Row(KVRequest(self._new_request_id(), list(ids), self._keys(masked[i])), masked[i])
+            hit = self.manager.admit(row.kv, num_new_tokens=num_new_tokens, slot=first + i)
             if hit is None:
                 for done in rows:
-                    self.manager.free(done.request_id)
-                raise OutOfPagesError(
+                    self.manager.free(done.kv)
+                raise OutOfBlocksError(
                     f"cannot admit row {i} of {batch} ({len(ids)} tokens): {self.manager.num_free_blocks} "
                     f"pages free of {self.manager.num_blocks}; release rows or give the manager "
                     "more num_blocks")
@@ -124,40 +120,42 @@ class _RowBookkeeping:
         """Reserve positions up to ``length + count`` in every row, recording their token ids."""
         end = self._length + count
         for i, row in enumerate(self._rows):
-            rid = row.request_id
+            kv = row.kv
+            known = len(kv.token_ids)  # the ids the request has: the prompt, then what was fed
             if ids is None:
-                new = [0] * max(end - row.known, 0)
+                new = [0] * max(end - known, 0)
             else:
-                if row.known > self._length:  # admitted with more ids than computed: they must agree
-                    agreed = self.manager.token_ids(rid)[self._length:min(row.known, end)]
+                if known > self._length:  # admitted with more ids than computed: they must agree
+                    agreed = kv.token_ids[self._length:min(known, end)]
                     if ids[i][:len(agreed)] != agreed:
                         raise ConfigError(f"row {i} is fed other token ids than the prompt it was "
                                           "admitted with")
-                new = ids[i][max(row.known - self._length, 0):]
-            grow = end - self.manager.num_tokens(rid)
+                new = ids[i][max(known - self._length, 0):]
+            grow = end - kv.num_tokens
             if grow > 0 or new:
-                if not self.manager.allocate(rid, max(grow, 0), new):
-                    raise OutOfPagesError(
-                        f"row {i} needs {self.manager.blocks_needed(rid, grow)} more page(s); "
+                if not self.manager.allocate(kv, max(grow, 0), new):  # appends new to kv.token_ids
+                    raise OutOfBlocksError(
+                        f"row {i} needs {self.manager.blocks_needed(kv, grow)} more block(s); "
                         f"{self.manager.num_free_blocks} free of {self.manager.num_blocks}. Release "
                         "rows or give the manager more num_blocks; call cache.release() before reuse")
-                row.known += len(new)
         self._note_peak()
 
 
     def _reorder(self, targets: list[int], sources: list[int]) -> None:
         """Rows ``targets[i]`` become copies of rows ``sources[i]`` (as they were)."""
-        ids = [row.request_id for row in self._rows]
-        before, copied = self.manager.num_blocks_in_use, self.manager.cache_stats().pages_copied
-        if not self.manager.reorder([ids[t] for t in targets], [ids[s] for s in sources]):
-            raise OutOfPagesError(
-                f"reordering {len(targets)} rows needs pages for the copied partial pages; "
+        kvs = [row.kv for row in self._rows]
+        before, copied = self.manager.num_blocks_in_use, self.manager.cache_stats().blocks_copied
+        if not self.manager.reorder([kvs[t] for t in targets], [kvs[s] for s in sources]):
+            raise OutOfBlocksError(
+                f"reordering {len(targets)} rows needs blocks for the copied partial blocks; "
                 f"{self.manager.num_free_blocks} free; give the manager more num_blocks")
         self.peak_pages_in_use = max(self.peak_pages_in_use,
-                                     before + self.manager.cache_stats().pages_copied - copied)
-        old = [dataclasses.replace(row) for row in self._rows]
+                                     before + self.manager.cache_stats().blocks_copied - copied)
+        # each row keeps its KVRequest (the manager copied the source's content into it); the
+        # mask travels with the content
+        masks = [row.masked for row in self._rows]
         for target, source in zip(targets, sources):
-            self._rows[target] = dataclasses.replace(old[source], request_id=old[target].request_id)
+            self._rows[target] = _Row(kvs[target], masks[source])
 
     def _repeat_rows(self, repeats: int) -> None:
         """Row ``i`` becomes rows ``i * repeats .. i * repeats + repeats - 1`` (as
@@ -171,19 +169,19 @@ class _RowBookkeeping:
         forked: list[_Row] = []
         for i in range(start, count):
             parent = old[i // repeats]
-            child = dataclasses.replace(parent, request_id=self._new_request_id())
-            if not self.manager.fork(parent.request_id, child.request_id, slot=first + i):
+            child = self.manager.fork(parent.kv, self._new_request_id(), slot=first + i)
+            if child is None:
                 for row in forked:
-                    self.manager.free(row.request_id)
-                raise OutOfPagesError(f"expanding {len(old)} rows x {repeats} needs a page per partial "
-                                      f"page copy; {self.manager.num_free_blocks} free")
-            forked.append(child)
+                    self.manager.free(row.kv)
+                raise OutOfBlocksError(f"expanding {len(old)} rows x {repeats} needs a block per "
+                                       f"partial block copy; {self.manager.num_free_blocks} free")
+            forked.append(_Row(child, parent.masked))
         if in_place:
             self._rows = old + forked
             self._reorder(list(range(len(old))), [i // repeats for i in range(len(old))])
         else:
             for row in old:
-                self.manager.free(row.request_id)
+                self.manager.free(row.kv)
             self._rows, self._first_slot = forked, first
         self._note_peak()
 

@@ -1,0 +1,117 @@
+"""A request as the KV cache manager sees it: :class:`KVRequest`, made and owned by the caller.
+
+As vLLM's ``Request`` and nano-vllm's ``Sequence``, one object holds what the manager needs to
+know about a request, so no component keeps its own copy in sync by counters:
+
+* ``token_ids``: the caller's list. The caller appends to it (the prompt, then each sampled
+  token); the manager reads it where it is and never copies it. Only the manager changes earlier
+  entries (``truncate`` shortens it, ``reorder`` replaces its contents), always in place, so the
+  caller's reference stays the request's list. Tokens are checked when the manager first reads
+  them (at admission, and when a block of them is hashed), not on every append.
+* ``keys``: the cache keys (adapter, salt, multimodal content) its block hashes depend on.
+* the **block-hash chain**: one hash per full block of ``token_ids`` hashed so far, extended only
+  as far as an operation needs (the prompt's full blocks at admission, a filled block at commit)
+  and never recomputed: a waiting request retried every step, or re-admitted after a recompute
+  preemption, is hashed once.
+* the **allocation**: slot, blocks, reserved and computed counts, swapped state. Only the manager
+  writes it; the caller reads it through the read-only properties below. ``free`` and a recompute
+  preemption reset it and keep the hash chain.
+
+A ``KVRequest`` belongs to the first manager that admits it (or is asked to): its hash chain was
+made with that manager's hasher, so another manager refuses it. The manager's operations take the
+object (no lookup by id); they also accept its ``request_id``, looked up in the manager's registry.
+"""
+
+from __future__ import annotations
+
+from . import validation as check
+from .errors import InvalidInputError
+from .hashing import CacheKeys
+
+
+class KVRequest:
+    """``KVRequest(request_id, token_ids=None, keys=None)``: ``token_ids`` is a list the request
+    keeps (not a copy) and the caller appends to; ``keys`` defaults to ``CacheKeys()``."""
+
+    __slots__ = ("_request_id", "_token_ids", "_keys", "_hashes", "_num_checked", "_owner",
+                 "_blocks", "_num_tokens", "_num_computed", "_num_registered", "_slot", "_swapped")
+
+    def __init__(self, request_id: str, token_ids: list[int] | None = None,
+                 keys: CacheKeys | None = None):
+        self._request_id = check.request_id(request_id)
+        if token_ids is None:
+            token_ids = []
+        elif type(token_ids) is not list:
+            raise InvalidInputError(
+                f"token_ids is a {type(token_ids).__name__}; a KVRequest keeps the list you give it "
+                "(you append to it as tokens come), so pass a list, such as list(token_ids)")
+        self._token_ids = token_ids
+        self._keys = CacheKeys() if keys is None else check.cache_keys(keys)
+        self._hashes: list[bytes] = []  # chain hashes of the leading full blocks hashed so far
+        self._num_checked = 0  # leading token ids the manager has checked
+        self._owner = None  # the manager it belongs to, from its first admission on
+        self._reset_allocation()
+
+    def _reset_allocation(self) -> None:
+        """Hold nothing (new, freed, or preempted by recompute); the hash chain stays."""
+        self._blocks: list[int] = []  # one reference held on each (lookahead blocks at the end)
+        self._num_tokens = 0  # positions reserved (written or about to be)
+        self._num_computed = 0  # positions whose K/V is written
+        self._num_registered = 0  # leading full blocks already offered to the prefix cache
+        self._slot: int | None = None  # set while running
+        self._swapped: list[tuple[int, int]] | None = None  # (index in blocks, host block) while swapped
+
+    # --- what the caller gave ---------------------------------------------------------------------
+    @property
+    def request_id(self) -> str:
+        return self._request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The request's token ids: the caller's list itself (append to it; don't edit earlier
+        entries, which would make the hash chain stale)."""
+        return self._token_ids
+
+    @property
+    def keys(self) -> CacheKeys:
+        return self._keys
+
+    # --- what the manager keeps (read-only) -------------------------------------------------------
+    @property
+    def block_hashes(self) -> tuple[bytes, ...]:
+        """The chain hashes of the leading full blocks hashed so far."""
+        return tuple(self._hashes)
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions reserved in the KV cache (0 unless admitted)."""
+        return self._num_tokens
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Positions whose K/V is written (committed)."""
+        return self._num_computed
+
+    @property
+    def slot(self) -> int | None:
+        """The slot while running; None otherwise."""
+        return self._slot
+
+    @property
+    def block_table(self) -> tuple[int, ...]:
+        """The blocks held, in position order (lookahead blocks past the reservation included)."""
+        return tuple(self._blocks)
+
+    @property
+    def is_running(self) -> bool:
+        return self._slot is not None
+
+    @property
+    def is_swapped(self) -> bool:
+        return self._swapped is not None
+
+    def __repr__(self) -> str:
+        state = "running" if self._slot is not None else "swapped" if self._swapped is not None else "idle"
+        return (f"KVRequest({self._request_id!r}, {len(self._token_ids)} tokens, {state}, "
+                f"{self._num_computed}/{self._num_tokens} computed/reserved, "
+                f"{len(self._hashes)} block hashes)")
