@@ -123,9 +123,9 @@ def _compare(a: dict, b: dict) -> tuple[float, str]:
     return ratio, verdict
 
 
-def _throughput_verdict(result: dict, a: str, b: str) -> str:
+def _throughput_verdict(result: dict, a: str, b: str, lead: str = "Throughput") -> str:
     """Tokens per CPU-second of variant ``a`` over ``b`` on each workload, with a verdict per
-    workload when there are repeats to judge the noise by."""
+    workload when there are repeats to judge the noise by; the sentence starts with ``lead``."""
     repeats = result["config"]["repeats"]
     wins, losses, ties = [], [], []
     for w in result["results"]:
@@ -135,9 +135,9 @@ def _throughput_verdict(result: dict, a: str, b: str) -> str:
             verdict = "overlapping"  # one run each: no noise estimate, no verdict
         (wins if verdict == "higher" else losses if verdict == "lower" else ties).append(f"{w} {ratio:.2f}x")
     if repeats < 2:
-        return (f"Throughput per CPU-second, {a} over {b} (one run each, so no noise estimate and "
+        return (f"{lead} per CPU-second, {a} over {b} (one run each, so no noise estimate and "
                 f"no verdict): {', '.join(ties)}.")
-    return (f"Throughput per CPU-second, {a} over {b} (median ratio; a win only where the min-max "
+    return (f"{lead} per CPU-second, {a} over {b} (median ratio; a win only where the min-max "
             f"ranges of {repeats} repeats do not overlap): " + "; ".join(filter(None, [
                 f"{a} wins on {', '.join(wins)}" if wins else "",
                 f"{b} wins on {', '.join(losses)}" if losses else "",
@@ -215,8 +215,9 @@ def summary(result: dict) -> str:
         text += "."
         parts.append(text)
     if "vmem-per-layer" in variants and "paged-per-layer" in variants:
-        parts.append("In the per-layer layout too (the same bytes, other addressing): "
-                     + _throughput_verdict(result, "vmem-per-layer", "paged-per-layer"))
+        parts.append(_throughput_verdict(
+            result, "vmem-per-layer", "paged-per-layer",
+            lead="In the per-layer layout (the same bytes, other addressing), throughput"))
     failures = result.get("failures") or []
     parts.append("Greedy token ids were identical across variants on every greedy workload."
                  if not failures else "PROBLEMS: " + "; ".join(failures) + ".")
