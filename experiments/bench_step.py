@@ -12,6 +12,8 @@ path), ``paged`` (block tables: gather into a padded tensor + one call), ``paged
 
     python experiments/bench_step.py                         # tiny-llama and smollm2-135m shape
     python experiments/bench_step.py --models tiny-llama --batch-sizes 1 8 32 --steps 10
+    python experiments/bench_step.py --models tiny-llama --batch-sizes 1 8 32 64 --steps 30 \
+        --layouts token_major per_layer      # every variant under each KV layout (vmem@per_layer, ...)
 """
 
 from __future__ import annotations
