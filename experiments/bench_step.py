@@ -12,6 +12,8 @@ path), ``paged`` (block tables: gather into a padded tensor + one call), ``paged
 
     python experiments/bench_step.py                         # tiny-llama and smollm2-135m shape
     python experiments/bench_step.py --models tiny-llama --batch-sizes 1 8 32 --steps 10
+    python experiments/bench_step.py --models tiny-llama --batch-sizes 1 8 32 64 --steps 30 \
+        --layouts token_major per_layer      # every variant under each KV layout (vmem@per_layer, ...)
 """
 
 from __future__ import annotations
@@ -70,8 +72,12 @@ AttentionMaskInterface.register(BARE, lambda *a, **k: None)
 
 
 def make_engine(model_name: str, variant: str, batch: int, max_len: int) -> LLMEngine:
+    """``variant``: one of VARIANTS, optionally ``@layout`` (the KV layout of that engine)."""
+    variant, _, layout = variant.partition("@")
+    layout_field = {"layout": layout} if layout else {}
     engine = LLMEngine(EngineConfig(model=model_name, max_num_seqs=max(batch, 1), max_model_len=max_len,
-                                    attention="sdpa", kv_backend="paged" if "paged" in variant else "vmem"),
+                                    attention="sdpa", kv_backend="paged" if "paged" in variant else "vmem",
+                                    **layout_field),
                        stream=False)
     if variant == "vmem-per-seq":  # the path before batching: no slot reads, one call per sequence
         engine.addressing.attention = lambda spans: ContiguousAttention(
@@ -90,12 +96,19 @@ def decoding(engine: LLMEngine) -> bool:
     return not engine.scheduler.waiting and all(s.num_computed == len(s.token_ids) - 1 for s in running)
 
 
-def bench(model_name: str, batch: int, steps: int, prompt_len: tuple[int, int], seed: int) -> dict:
+def variant_names(layouts: list[str]) -> list[str]:
+    """Every variant under each layout asked for (``vmem@per_layer``), or plain names for the
+    engine's default layout."""
+    return [f"{v}@{layout}" if layout else v for layout in layouts or [""] for v in VARIANTS]
+
+
+def bench(model_name: str, batch: int, steps: int, prompt_len: tuple[int, int], seed: int,
+          names: list[str]) -> dict:
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(prompt_len[0], prompt_len[1] + 1, (batch,), generator=gen).tolist()
     prompts = [torch.randint(1, 250, (n,), generator=gen).tolist() for n in lengths]
     max_len = max(lengths) + steps + 16
-    engines = {v: make_engine(model_name, v, batch, max_len) for v in VARIANTS}
+    engines = {v: make_engine(model_name, v, batch, max_len) for v in names}
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
     for engine in engines.values():
         for i, prompt in enumerate(prompts):
@@ -107,9 +120,9 @@ def bench(model_name: str, batch: int, steps: int, prompt_len: tuple[int, int], 
     model.set_attn_implementation(BARE)
     text = model.config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    times: dict[str, list[float]] = {v: [] for v in (*VARIANTS, "bare")}
+    times: dict[str, list[float]] = {v: [] for v in (*names, "bare")}
     for _ in range(steps):
-        seqs = sorted(engines["vmem"].scheduler.running, key=lambda s: int(s.seq_id))
+        seqs = sorted(engines[names[0]].scheduler.running, key=lambda s: int(s.seq_id))
         cached = [s.num_computed for s in seqs]
         ids = torch.tensor([[s.token_ids[-1] for s in seqs]])
         bare = BareBatch(cached, text.num_hidden_layers, text.num_key_value_heads, head_dim,
@@ -122,29 +135,40 @@ def bench(model_name: str, batch: int, steps: int, prompt_len: tuple[int, int], 
             start = time.perf_counter()
             engine.step()
             times[variant].append(time.perf_counter() - start)
-    stats = {v: engines[v].stats() for v in VARIANTS}
+    stats = {v: engines[v].stats() for v in names}
     for engine in engines.values():
         engine.close()
     median = {k: statistics.median(t) * 1e3 for k, t in times.items()}
     result = {"model": model_name, "batch": batch, "steps": steps, "mean_cached_len": sum(cached) / batch,
-              "ms": median, "overhead": {v: (median[v] - median["bare"]) / median[v] for v in VARIANTS},
-              "attention_share": {v: stats[v]["attention_seconds"] / stats[v]["step_seconds"] for v in VARIANTS},
+              "ms": median, "overhead": {v: (median[v] - median["bare"]) / median[v] for v in names},
+              "attention_share": {v: stats[v]["attention_seconds"] / stats[v]["step_seconds"] for v in names},
               "copy_ms_per_step": {v: stats[v]["attention_copy_seconds"] / stats[v]["num_steps"] * 1e3
-                                   for v in VARIANTS}}
+                                   for v in names},
+              "map_ms_per_step": {v: {"inline": stats[v]["inline_map_seconds"] / stats[v]["num_steps"] * 1e3,
+                                      "background": stats[v]["background_map_seconds"] / stats[v]["num_steps"] * 1e3}
+                                  for v in names}}
     print(json.dumps(result), flush=True)
     return result
 
 
 def markdown(results: list[dict], command: str, load: tuple) -> str:
+    names = list(results[0]["overhead"])
+    vmem = [n for n in names if n.partition("@")[0] == "vmem"]
+    paged = [n for n in names if n.partition("@")[0] == "paged"]
     lines = [f"`{command}` — one torch thread, load before {load[0]:.2f}; step and bare forward in ms "
-             "(median over steps), overhead = (step - bare) / step", "",
-             "| model | B | bare | " + " | ".join(VARIANTS) + " | vmem overhead | paged copy ms |",
-             "|---|---|---|" + "---|" * len(VARIANTS) + "---|---|"]
+             "(median over steps), overhead = (step - bare) / step; map ms per step inline / on the "
+             "lookahead worker", "",
+             "| model | B | bare | " + " | ".join(names) + " | "
+             + " | ".join(f"{n} overhead | {n} map ms" for n in vmem)
+             + " | " + " | ".join(f"{n} copy ms" for n in paged) + " |",
+             "|---|---|---|" + "---|" * (len(names) + 2 * len(vmem) + len(paged))]
     for r in results:
-        ms = r["ms"]
+        ms, maps = r["ms"], r["map_ms_per_step"]
         lines.append(f"| {r['model']} | {r['batch']} | {ms['bare']:.2f} | "
-                     + " | ".join(f"{ms[v]:.2f}" for v in VARIANTS)
-                     + f" | {r['overhead']['vmem']:.0%} | {r['copy_ms_per_step']['paged']:.2f} |")
+                     + " | ".join(f"{ms[v]:.2f}" for v in names) + " | "
+                     + " | ".join(f"{r['overhead'][n]:.0%} | {maps[n]['inline']:.3f} / {maps[n]['background']:.3f}"
+                                  for n in vmem) + " | "
+                     + " | ".join(f"{r['copy_ms_per_step'][n]:.2f}" for n in paged) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -157,12 +181,16 @@ def main() -> None:
     parser.add_argument("--max-prompt-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--layouts", nargs="+", choices=["token_major", "per_layer"],
+                        help="run every variant under each KV layout, side by side (default: the "
+                             "engine's default layout only)")
     parser.add_argument("--out", default="experiments/results/local",
                         help="writes step_cpu.json and step_cpu.md here (untracked by default)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load = os.getloadavg()
-    results = [bench(m, b, args.steps, (args.min_prompt_len, args.max_prompt_len), args.seed)
+    names = variant_names(args.layouts)
+    results = [bench(m, b, args.steps, (args.min_prompt_len, args.max_prompt_len), args.seed, names)
                for m in args.models for b in args.batch_sizes]
     command = "python " + " ".join(sys.argv)
     out = Path(args.out)

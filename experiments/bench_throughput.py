@@ -113,8 +113,10 @@ class VmemkvSystem:
         longest = max(len(p) for p in prompts) + new_tokens
         config = {"max_num_seqs": max(args.max_num_seqs, 1),
                   "max_model_len": max(args.max_model_len, longest + 1), "dtype": args.dtype}
+        if args.layout:
+            config["layout"] = args.layout
         self.llm = LLM(model_name, hf_model=model, tokenizer=tokenizer, **config)
-        self.config = config
+        self.config = dict(config, layout=self.llm.engine.manager.layout.kind)  # the one it runs
         self.steps = 0
         engine_step = self.llm.engine.step
 
@@ -400,7 +402,8 @@ def bench_model(name: str, args, log) -> dict:
 COUNTERS = ("map_calls", "pages_mapped", "map_calls_saved", "unmap_calls", "pages_unmapped",
             "prefix_queried_tokens", "prefix_hit_tokens", "preemptions", "preemptions_swap",
             "preemptions_recompute", "evictions", "step_seconds", "steps", "manager_seconds",
-            "manager_calls")
+            "manager_calls", "inline_map_seconds", "inline_map_calls", "background_map_seconds",
+            "background_map_calls")
 
 
 def engine_stats(before: dict, after: dict) -> dict:
@@ -463,14 +466,16 @@ def markdown(r: dict) -> str:
                      f"{', '.join(met)} |")
 
     lines += ["", "## vmemkv engine, one timed run", "",
-              ("| model | steps | step ms | map calls | pages mapped | map calls saved | unmap calls | "
-              "prefix hit tokens / queried | preemptions |"),
-              "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+              ("| model | layout | steps | step ms | map calls | pages mapped | map calls saved | unmap calls | "
+              "map ms inline / background | prefix hit tokens / queried | preemptions |"),
+              "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
     for m in r["models"]:
         e = m.get("engine_stats_one_run")
         if e:
-            lines.append(f"| {m['model']} | {e['steps']} | {e['step_ms']:.1f} | {e.get('map_calls', 0)} | "
+            layout = m.get("configs", {}).get("vmemkv", {}).get("layout", "token_major")
+            lines.append(f"| {m['model']} | {layout} | {e['steps']} | {e['step_ms']:.1f} | {e.get('map_calls', 0)} | "
                          f"{e.get('pages_mapped', 0)} | {e.get('map_calls_saved', 0)} | {e.get('unmap_calls', 0)} | "
+                         f"{e.get('inline_map_seconds', 0) * 1e3:.1f} / {e.get('background_map_seconds', 0) * 1e3:.1f} | "
                          f"{e.get('prefix_hit_tokens', 0)} / {e.get('prefix_queried_tokens', 0)} | "
                          f"{e.get('preemptions', 0)} |")
 
@@ -576,6 +581,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="weights and KV dtype of every system")
     parser.add_argument("--out-name", default="throughput_cpu",
                         help="file name stem under --out (keeps other runs' results)")
+    parser.add_argument("--layout", choices=["token_major", "per_layer"],
+                        help="vmemkv's KV layout (default: the engine's default for the device)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's own)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 prompts, 8 tokens, 1 repeat")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -602,7 +609,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": "python " + " ".join(shlex.quote(a) for a in ["experiments/bench_throughput.py", *(argv if argv is not None else sys.argv[1:])]),
         "cpu": cpu_model(), "cpus": os.cpu_count(), "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
-        "dtype": args.dtype, "prompts": args.prompts,
+        "dtype": args.dtype, "prompts": args.prompts, "layout": args.layout,
         "date": datetime.date.today().isoformat(), "load_before": list(os.getloadavg()),
         "reduced_models": [m for m in args.models
                            if not args.quick and args.num_prompts is None

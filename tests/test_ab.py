@@ -94,7 +94,7 @@ def test_a_variant_on_another_page_is_not_held_to_preempting():
             "prefix_hit_rate": {"median": 0.0, "min": 0.0, "max": 0.0}}
     results = {"pressure": {v: {"metrics": none, "tokens_equal": True} for v in VARIANTS}}
     assert len(failures({"pressure": workload}, results)) == len(VARIANTS)
-    checks = {"pressure": {"other_page_size": {"vmem-per-layer": 8192}}}
+    checks = {"pressure": {"other_page_size": {"vmem-per-layer": 8192, "paged-per-layer": 8192}}}
     assert [f.split(":")[1].split()[0] for f in failures({"pressure": workload}, results, checks)] \
         == ["vmem", "paged"]
 

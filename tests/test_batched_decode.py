@@ -11,8 +11,10 @@ from conftest import assert_no_leaks
 from vmemkv import CacheConfig, KVCacheManager
 from vmemkv.attention import BlockTableAttention, ContiguousAttention, SequenceSpan
 from vmemkv.attention.slot_batch import slot_runs, worth_batching
+from vmemkv.vmm.cpu import CpuBackend
 
 CPU = torch.device("cpu")
+LAYOUTS = ["token_major", "per_layer"]
 
 
 def config(**overrides) -> CacheConfig:
@@ -50,7 +52,7 @@ def run_both(manager, spans, make):
     return attention, out
 
 
-@pytest.mark.parametrize("layout", ["token_major", "per_layer"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_runs_of_slots_with_a_gap_match_the_per_sequence_path(layout):
     manager = KVCacheManager(config(layout=layout))
     try:
@@ -70,17 +72,22 @@ def test_runs_of_slots_with_a_gap_match_the_per_sequence_path(layout):
         manager.close()
 
 
-def test_a_request_grows_over_filler_pages_with_its_own_blocks():
-    manager = KVCacheManager(config())
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_request_grows_over_filler_pages_with_its_own_blocks(layout):
+    manager = KVCacheManager(config(layout=layout))
     try:
         spans = admit(manager, {0: 3, 1: 60})
         ContiguousAttention(spans, manager.kv_views, CPU, reads=manager.batched_reads())
         manager.slots.release_reads()
-        filled = manager.slots.mapped_blocks(0, 8)
-        assert (filled >= 0).all()  # slot 0 is readable to 61 tokens: 8 pages
+        # slot 0 is readable to 61 tokens: per tensor (one for token-major, 2 x layers for
+        # per-layer), the physical page behind each logical page up to there
+        pages = manager.layout.logical_pages_for(61)
+        filled = manager.slots.mapped_blocks(0, pages).reshape(manager.layout.pages_per_block, pages)
+        assert (filled >= 0).all()
         own = len(manager.block_table("0"))
         pool_pages = manager.pool.num_blocks * manager.layout.pages_per_block
-        assert (filled[own:] >= pool_pages).all()  # filler pages: past the pool, no one's
+        assert (filled[:, :own] < pool_pages).all()  # its own blocks
+        assert (filled[:, own:] >= pool_pages).all()  # filler pages: past the pool, no one's
         for _ in range(40):  # request "0" grows into the filler positions
             assert manager.allocate("0", 1, [7])
             manager.commit("0")
@@ -90,8 +97,40 @@ def test_a_request_grows_over_filler_pages_with_its_own_blocks():
         manager.close()
 
 
-def test_block_tables_gather_decodes_into_one_call():
-    manager = KVCacheManager(config(kv_backend="paged"))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_filler_refused_by_the_mapping_budget_reads_per_sequence_and_changes_nothing(layout):
+    """make_readable is all or nothing: when the mapping budget refuses the filler, no page is
+    mapped or pinned and the step's decodes are read one call per sequence, exactly."""
+    cache = config(layout=layout)
+    page_layout = cache.make_layout()
+    backend = CpuBackend(page_layout.page_size,
+                         (cache.num_blocks + page_layout.logical_pages_for(cache.max_model_len))
+                         * page_layout.pages_per_block, max_mappings=1000)
+    manager = KVCacheManager(cache, backend=backend)
+    try:
+        spans = admit(manager, {0: 5, 1: 40, 2: 17})
+        table = manager.slots.page_table.copy()
+        backend.max_mappings = backend.mappings_in_use  # no kernel mapping to spare
+        attention, (expected, got) = run_both(manager, spans, lambda batched: ContiguousAttention(
+            spans, manager.kv_views, CPU, reads=manager.batched_reads() if batched else None))
+        assert attention.batches == []  # refused: per-sequence calls
+        assert (manager.slots.page_table == table).all()
+        assert manager.slots.stats.pages_filled == 0 and not manager.slots._read_pins
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        backend.max_mappings = 1000  # with room again, the same step batches
+        attention, (_, batched) = run_both(manager, spans, lambda batched: ContiguousAttention(
+            spans, manager.kv_views, CPU, reads=manager.batched_reads()))
+        assert [b.members for b in attention.batches] == [[0, 1, 2]]
+        torch.testing.assert_close(batched, expected, rtol=1e-5, atol=1e-5)
+        manager.check()
+        assert_no_leaks(manager)
+    finally:
+        manager.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_block_tables_gather_decodes_into_one_call(layout):
+    manager = KVCacheManager(config(kv_backend="paged", layout=layout))
     try:
         spans = admit(manager, {0: 5, 2: 40, 5: 17})  # any slots: the gather needs no order
         for layer in range(2):
@@ -104,7 +143,8 @@ def test_block_tables_gather_decodes_into_one_call():
                 return []
 
         attention, (expected, got) = run_both(manager, spans, lambda batched: (
-            BlockTableAttention if batched else PerSequence)(spans, manager.block_views, 8, CPU))
+            BlockTableAttention if batched else PerSequence)(
+                spans, manager.block_views, manager.tokens_per_page, CPU))
         assert [b.members for b in attention.batches] == [[0, 1, 2]]
         assert attention.copy_seconds > 0
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -121,14 +161,16 @@ def test_batching_rules():
     assert not worth_batching([10, 10, 10, 5000])  # padding to the longest would cost more
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kv_backend", ["vmem", "paged"])
-def test_engine_with_gaps_between_running_slots_matches_hf(kv_backend):
+def test_engine_with_gaps_between_running_slots_matches_hf(kv_backend, layout):
     """Requests finish at different times (gaps open below running slots) and late requests fill
     the lowest free slots: greedy tokens still equal Hugging Face generate."""
     from test_engine_correctness import NEW_TOKENS, assert_clean, hf_greedy, make_engine, prompts
     from vmemkv.engine import SamplingParams
 
-    engine = make_engine(kv_backend=kv_backend, tokens_per_page=4)
+    engine = make_engine(kv_backend=kv_backend, tokens_per_page=4, layout=layout)
+    assert engine.manager.layout.kind == layout
     token_prompts = prompts(10)
     limits = [3, NEW_TOKENS, 5, NEW_TOKENS, 2, NEW_TOKENS, 7, NEW_TOKENS, NEW_TOKENS, NEW_TOKENS]
     final, added, slots_seen = {}, 0, []

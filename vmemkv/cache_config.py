@@ -39,6 +39,9 @@ class CacheConfig:
     max_padding: float = 0.07  # padding per token row, as a fraction of the row's own bytes
     max_page_bytes: int = 16 << 20  # pages above this only when no padding within limits allows
     page_granularity: int | None = None  # bytes; the device's when None (2 MiB pages on CPU too)
+    # token_major on CPU too: per_layer reads a layer's K/V about 12 % faster in one batched
+    # decode call, but costs 2 x layers map calls per page and gains nothing end to end
+    # (experiments/bench_decode_layout.py, bench_step.py --layouts, the A/B's per-layer variants).
     layout: LayoutKind = "token_major"
     kv_backend: Literal["vmem", "paged"] = "vmem"
     enable_prefix_caching: bool = True

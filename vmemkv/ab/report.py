@@ -28,7 +28,7 @@ COLUMNS = (
 )
 # Columns that also show their min-max over repeats.
 WITH_RANGE = {"output_tokens_per_s", "output_tokens_per_cpu_s"}
-COLORS = {"vmem": "#1f77b4", "paged": "#ff7f0e", "vmem-per-layer": "#2ca02c"}
+COLORS = {"vmem": "#1f77b4", "paged": "#ff7f0e", "vmem-per-layer": "#2ca02c", "paged-per-layer": "#d62728"}
 
 
 # --- machine ---------------------------------------------------------------------------------------
@@ -123,6 +123,27 @@ def _compare(a: dict, b: dict) -> tuple[float, str]:
     return ratio, verdict
 
 
+def _throughput_verdict(result: dict, a: str, b: str, lead: str = "Throughput") -> str:
+    """Tokens per CPU-second of variant ``a`` over ``b`` on each workload, with a verdict per
+    workload when there are repeats to judge the noise by; the sentence starts with ``lead``."""
+    repeats = result["config"]["repeats"]
+    wins, losses, ties = [], [], []
+    for w in result["results"]:
+        ratio, verdict = _compare(_metric(result, w, a, "output_tokens_per_cpu_s"),
+                                  _metric(result, w, b, "output_tokens_per_cpu_s"))
+        if repeats < 2:
+            verdict = "overlapping"  # one run each: no noise estimate, no verdict
+        (wins if verdict == "higher" else losses if verdict == "lower" else ties).append(f"{w} {ratio:.2f}x")
+    if repeats < 2:
+        return (f"{lead} per CPU-second, {a} over {b} (one run each, so no noise estimate and "
+                f"no verdict): {', '.join(ties)}.")
+    return (f"{lead} per CPU-second, {a} over {b} (median ratio; a win only where the min-max "
+            f"ranges of {repeats} repeats do not overlap): " + "; ".join(filter(None, [
+                f"{a} wins on {', '.join(wins)}" if wins else "",
+                f"{b} wins on {', '.join(losses)}" if losses else "",
+                f"within noise on {', '.join(ties)}" if ties else ""])) + ".")
+
+
 def summary(result: dict) -> str:
     """One paragraph: where each backend wins, with the caveats that apply."""
     workloads = list(result["results"])
@@ -130,25 +151,7 @@ def summary(result: dict) -> str:
     repeats = result["config"]["repeats"]
     parts = []
     if "vmem" in variants and "paged" in variants:
-        wins, losses, ties = [], [], []
-        for w in workloads:
-            ratio, verdict = _compare(_metric(result, w, "vmem", "output_tokens_per_cpu_s"),
-                                      _metric(result, w, "paged", "output_tokens_per_cpu_s"))
-            entry = f"{w} {ratio:.2f}x"
-            if repeats < 2:
-                verdict = "overlapping"  # one run each: no noise estimate, no verdict
-            (wins if verdict == "higher" else losses if verdict == "lower" else ties).append(entry)
-        if repeats < 2:
-            text = ("Throughput per CPU-second, vmem over paged (one run each, so no noise "
-                    f"estimate and no verdict): {', '.join(ties)}.")
-        else:
-            text = ("Throughput per CPU-second, vmem over paged (median ratio; a win only where "
-                    f"the min-max ranges of {repeats} repeats do not overlap): ")
-            text += "; ".join(filter(None, [
-                f"vmem wins on {', '.join(wins)}" if wins else "",
-                f"paged wins on {', '.join(losses)}" if losses else "",
-                f"within noise on {', '.join(ties)}" if ties else ""])) + "."
-        parts.append(text)
+        parts.append(_throughput_verdict(result, "vmem", "paged"))
         attention = [(w, _metric(result, w, "vmem", "attention_seconds")["median"],
                       _metric(result, w, "paged", "attention_seconds")["median"]) for w in workloads]
         faster = [f"{w} {p / v:.2f}x" for w, v, p in attention if v and p]
@@ -211,6 +214,10 @@ def summary(result: dict) -> str:
                      "; the two are within noise of each other everywhere")
         text += "."
         parts.append(text)
+    if "vmem-per-layer" in variants and "paged-per-layer" in variants:
+        parts.append(_throughput_verdict(
+            result, "vmem-per-layer", "paged-per-layer",
+            lead="In the per-layer layout (the same bytes, other addressing), throughput"))
     failures = result.get("failures") or []
     parts.append("Greedy token ids were identical across variants on every greedy workload."
                  if not failures else "PROBLEMS: " + "; ".join(failures) + ".")

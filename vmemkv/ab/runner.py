@@ -50,6 +50,9 @@ VARIANTS: dict[str, Variant] = {
     "vmem-per-layer": Variant("vmem-per-layer", "vmem", "per_layer",
                               "virtually contiguous, vAttention's per-layer K/V tensors "
                               "(2 x layers map calls per page)"),
+    "paged-per-layer": Variant("paged-per-layer", "paged", "per_layer",
+                               "block tables over the per-layer pool (the same bytes as "
+                               "vmem-per-layer; blocks gathered into a copy for CPU SDPA)"),
 }
 REFERENCE_VARIANT = "vmem"  # token ids of the other variants are compared with this one's
 
@@ -199,8 +202,9 @@ def _warmup_workload() -> Workload:
 
 
 def rotated(variants: list[str], repeat: int) -> list[str]:
-    """Repeat r runs the variants in order, rotated left by r (vmem, paged, per-layer; then
-    paged, per-layer, vmem; ...) so no variant always goes first or last."""
+    """Repeat r runs the variants in order, rotated left by r (vmem, paged, vmem-per-layer,
+    paged-per-layer; then paged, vmem-per-layer, paged-per-layer, vmem; ...) so no variant always
+    goes first or last."""
     shift = repeat % len(variants)
     return variants[shift:] + variants[:shift]
 
