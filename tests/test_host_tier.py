@@ -1,0 +1,363 @@
+"""The prefix cache's host tier: a cached block evicted from the device pool is copied to host
+memory and a later hit copies it back, bit for bit, without recomputing it.
+
+K/V is written through the slot views with conftest's patterns (a function of the token prefix
+and the tenant), so a promoted block that lost a byte, landed in the wrong place, or came from
+another tenant reads back wrong. Specs on a tiny manager (demotion, promotion, events, stats, LRU,
+tenants, refusals that change nothing, the store shared with swap), then a random walk that checks
+after every step that every running request reads back its own K/V, that no device block or host
+row leaks, and that the events rebuild each tier's hashes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from conftest import close_manager, manager_state, read_kv_matches, tiny_config, write_kv
+from vmemkv import (AllBlocksCleared, BlockRemoved, BlockStored, CacheKeys, KVCacheManager,
+                    KVEventBuffer, MappingLimitError)
+from vmemkv.kv_events import MEDIUM_DEVICE, MEDIUM_HOST
+from vmemkv.vmm import CpuBackend
+
+TOKENS_PER_PAGE = 4
+FP32 = dict(num_layers=1, num_kv_heads=2, head_dim=128, dtype=torch.float32,
+            tokens_per_page=TOKENS_PER_PAGE)
+BLOCK_BYTES = 2 * 2 * 128 * 4 * TOKENS_PER_PAGE
+TENANTS = {None: 0, "tenant-a": 1, "tenant-b": 2}  # cache salt -> the K/V pattern's salt
+
+
+@pytest.fixture
+def made():
+    """``made(num_blocks, host_blocks, swap_blocks=0, max_mappings=None, **config)``: a manager
+    with a host tier and an event buffer (``m.events``); invariants checked and closed at the end."""
+    managers = []
+
+    def make(num_blocks, host_blocks, swap_blocks=0, max_mappings=None, **overrides):
+        config = tiny_config(**{**FP32, "num_blocks": num_blocks, "max_model_len": 32,
+                                "host_cache_bytes": host_blocks * BLOCK_BYTES,
+                                "swap_space_bytes": swap_blocks * BLOCK_BYTES, **overrides})
+        backend = None
+        if max_mappings is not None:
+            layout = config.make_layout()
+            backend = CpuBackend(layout.page_size, num_blocks * layout.pages_per_block,
+                                 max_mappings=max_mappings)
+        m = KVCacheManager(config, backend=backend, events=KVEventBuffer())
+        managers.append(m)
+        return m
+
+    yield make
+    try:
+        for m in managers:
+            m.check()
+    finally:
+        for m in managers:
+            close_manager(m)
+
+
+def computed(m, request_id, tokens, salt=None) -> int:
+    """Admit, write the K/V of every position not hit (a forward pass), commit; returns the hit."""
+    cached = m.admit(request_id, tokens, keys=CacheKeys(cache_salt=salt))
+    assert cached is not None
+    write_kv(m, request_id, cached, m.num_tokens(request_id), TENANTS[salt])
+    m.commit(request_id)
+    return cached
+
+
+def tier_state(m) -> tuple:
+    entries = [(h, e.row, e.origin) for h, e in m.host_tier._entries.items()]
+    return entries, bytes(m.swap.storage[[e[1] for e in entries]].numpy()) if entries else b""
+
+
+A_PROMPT = list(range(1, 10))  # two full blocks and one token
+OTHER = list(range(20, 33))  # three full blocks and one token
+
+
+def test_an_evicted_block_is_demoted_and_a_hit_promotes_it_bit_exact(made):
+    m = made(num_blocks=4, host_blocks=4)
+    computed(m, "a", A_PROMPT)
+    a_hashes = [m.pool.hash_of[b] for b in m.block_table("a")[:2]]
+    m.free("a")
+    m.events.drain()
+    computed(m, "b", OTHER)  # needs all 4 blocks: a's two cached blocks are evicted
+    events = m.events.drain().events
+    assert events[0] == BlockRemoved([a_hashes[1], a_hashes[0]], MEDIUM_DEVICE)  # deeper first
+    demoted = [e for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_HOST]
+    assert [e.block_hashes for e in demoted] == [[a_hashes[1]], [a_hashes[0]]]
+    assert demoted[1].token_ids == [1, 2, 3, 4] and demoted[1].parent_block_hash is None
+    assert demoted[0].token_ids == [5, 6, 7, 8] and demoted[0].parent_block_hash == a_hashes[0]
+    assert set(m.host_tier.hashes()) == set(a_hashes) and not set(a_hashes) & set(m.pool.block_of_hash)
+    m.free("b")
+    m.events.drain()
+
+    assert m.admit("c", list(A_PROMPT)) == 8  # both blocks come back from the host tier
+    assert read_kv_matches(m, "c")  # bytes read through the slot views: what "a" wrote
+    stats = m.cache_stats()
+    assert (stats.prefix_hit_tokens_host, stats.prefix_hit_tokens_device) == (8, 0)
+    # c's three blocks evicted two of b's cached blocks: demoted in turn
+    assert (stats.host_demotions, stats.host_promotions) == (2 + 2, 2)
+    assert (stats.host_bytes_demoted, stats.host_bytes_promoted) == (4 * BLOCK_BYTES, 2 * BLOCK_BYTES)
+    assert [m.pool.hash_of[b] for b in m.block_table("c")[:2]] == a_hashes  # cached on device again
+    assert not set(a_hashes) & set(m.host_tier.hashes())
+    events = m.events.drain().events
+    assert BlockRemoved(a_hashes, MEDIUM_HOST) in events
+    stored = [e for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_DEVICE]
+    assert [h for e in stored for h in e.block_hashes] == a_hashes
+    write_kv(m, "c", 8, 9)
+    m.commit("c")
+    assert read_kv_matches(m, "c")
+    # a device hit on the promoted blocks afterwards is a plain device hit
+    assert computed(m, "d", A_PROMPT[:8] + [99]) == 8
+    assert m.cache_stats().prefix_hit_tokens_device == 8 and read_kv_matches(m, "d")
+
+
+def test_a_host_hit_never_crosses_tenants(made):
+    m = made(num_blocks=4, host_blocks=4)
+    computed(m, "a", A_PROMPT, salt="tenant-a")
+    m.free("a")
+    computed(m, "b", OTHER)  # evicts tenant a's blocks to the host tier
+    m.free("b")
+    assert len(m.host_tier) == 2
+    assert computed(m, "c", A_PROMPT, salt="tenant-b") == 0  # same tokens, another tenant
+    m.free("c")
+    assert computed(m, "d", A_PROMPT) == 0  # nor unsalted
+    m.free("d")
+    assert m.cache_stats().prefix_hit_tokens_host == 0
+    # every block is cached and some of tenant a's may have left the tier: whatever still hits
+    # for tenant a reads back tenant a's bytes
+    hit = computed(m, "e", A_PROMPT, salt="tenant-a")
+    assert read_kv_matches(m, "e", TENANTS["tenant-a"])
+    assert m.cache_stats().prefix_hit_tokens == hit
+
+
+def test_the_tier_is_lru_bounded_and_host_evictions_send_events(made):
+    m = made(num_blocks=4, host_blocks=2)
+    computed(m, "a", A_PROMPT)
+    m.free("a")
+    computed(m, "b", OTHER)  # a's two blocks: the tier is full
+    m.free("b")
+    a_hashes = m.host_tier.hashes()
+    b_hashes = [m.pool.hash_of[b] for b in m.pool.free_queue()]
+    m.events.drain()
+    computed(m, "c", list(range(40, 53)))  # evicts b's three cached blocks
+    events = m.events.drain().events
+    host_removed = [h for e in events if isinstance(e, BlockRemoved) and e.medium == MEDIUM_HOST
+                    for h in e.block_hashes]
+    # a's two (least recent) make room for two of b's; the third finds the tier full of this
+    # eviction's own blocks and is dropped, as without a tier
+    assert set(host_removed) == set(a_hashes) and m.cache_stats().host_evictions == 2
+    assert m.host_tier.hashes() == b_hashes[:2] and m.cache_stats().host_demotions == 2 + 2
+
+
+def test_a_refused_admission_leaves_the_tier_and_the_pool_as_they_were(made):
+    m = made(num_blocks=6, host_blocks=6, max_num_seqs=2, max_mappings=1000)
+    computed(m, "a", A_PROMPT)
+    m.free("a")
+    computed(m, "b", list(range(20, 41)))  # 5 full blocks and one token: a's blocks are demoted
+    assert len(m.host_tier) == 2
+
+    def unchanged(call, *args, raises=None):
+        before, tier, events = manager_state(m), tier_state(m), len(m.events)
+        if raises is None:
+            assert call(*args) is None
+        else:
+            with pytest.raises(raises):
+                call(*args)
+        assert (manager_state(m), tier_state(m), len(m.events)) == (before, tier, events)
+        m.check()
+
+    # too few blocks: 1 free, the hit needs 2 promoted + 1
+    unchanged(m.admit, "c", list(A_PROMPT))
+    m.free("b")  # b's 5 full blocks are cached now
+    computed(m, "x", [7, 7, 7, 7, 7])
+    computed(m, "y", [8, 8, 8, 8, 8])
+    # no slot
+    unchanged(m.admit, "c", list(A_PROMPT))
+    m.free("y")
+    # the mapping budget refuses the slot's mappings
+    m.backend.max_mappings = m.backend.mappings_in_use
+    unchanged(m.admit, "c", list(A_PROMPT), raises=MappingLimitError)
+    m.backend.max_mappings = 1000
+    assert computed(m, "c", list(A_PROMPT)) == 8 and read_kv_matches(m, "c")
+
+
+def test_swap_and_the_tier_share_one_host_store(made):
+    m = made(num_blocks=6, host_blocks=2, swap_blocks=2)
+    assert m.swap.num_blocks == 4  # swap's rows beside the tier's
+    computed(m, "a", A_PROMPT)
+    m.free("a")
+    computed(m, "b", list(range(20, 42)))  # 6 blocks: a's two are demoted; the tier is full
+    assert len(m.host_tier) == 2 and m.swap.num_free == 2
+    m.free("b")
+    computed(m, "s", [5, 5, 5, 5, 5])  # b's partial block and one cached: demoted over a's
+    assert len(m.host_tier) == 2 and m.cache_stats().host_evictions == 1
+    assert m.preempt("s", "swap") == "swap"  # swap still has its own two rows
+    assert m.swap.num_free == 0
+    m.check()
+    assert m.swap_in("s") and read_kv_matches(m, "s")
+    assert m.swap.num_free == 2
+
+
+def test_reset_clears_both_tiers_with_one_event(made):
+    m = made(num_blocks=4, host_blocks=4)
+    computed(m, "a", A_PROMPT)
+    m.free("a")
+    computed(m, "b", OTHER)
+    m.free("b")
+    m.events.drain()
+    assert m.reset_prefix_cache() == 3 + 2  # b's three cached on device, a's two on host
+    assert m.events.drain().events == [AllBlocksCleared()]
+    assert len(m.host_tier) == 0 and m.swap.num_free == m.swap.num_blocks
+    assert computed(m, "c", A_PROMPT) == 0
+
+
+def test_without_prefix_caching_there_is_no_tier(made):
+    m = made(num_blocks=4, host_blocks=4, enable_prefix_caching=False)
+    assert m.host_tier.capacity == 0 and m.swap.num_blocks == 0
+
+
+# ---- the random walk --------------------------------------------------------------------------
+
+PREFIXES = [[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9, 9, 9]]
+
+
+class HostTierMachine(RuleBasedStateMachine):
+    """Requests with shared prefixes and three tenants through a device pool too small for them,
+    so blocks keep moving to the host tier and back."""
+
+    def __init__(self):
+        super().__init__()
+        config = tiny_config(**{**FP32, "num_blocks": 6, "max_model_len": 24, "max_num_seqs": 2,
+                                "host_cache_bytes": 16 * BLOCK_BYTES,
+                                "swap_space_bytes": 3 * BLOCK_BYTES})
+        self.events = KVEventBuffer()
+        self.m = KVCacheManager(config, events=self.events)
+        self.device_index: set[bytes] = set()
+        self.host_index: set[bytes] = set()
+        self.salts: dict[str, str | None] = {}  # admitted request -> its tenant
+        self.swapped: set[str] = set()
+        self.next_id = 0
+        self.history: list[tuple[tuple[int, ...], str | None]] = []  # prompts admitted
+
+    def running(self) -> list[str]:
+        return sorted(r for r in self.salts if r not in self.swapped)
+
+    @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 3), min_size=1, max_size=6),
+          salt=st.sampled_from(list(TENANTS)))
+    def admit(self, prefix, suffix, salt):
+        self.start(prefix + suffix, salt)
+
+    @precondition(lambda self: self.history)
+    @rule(data=st.data(), traffic_blocks=st.integers(0, 6))
+    def admit_again(self, data, traffic_blocks):
+        """A prompt seen before (a chat's next turn re-sends it), after other traffic that may
+        have pushed its blocks to the host tier."""
+        tokens, salt = data.draw(st.sampled_from(self.history))
+        if traffic_blocks:
+            self.other_traffic(traffic_blocks)
+        self.start(list(tokens), salt)
+
+    def finish_oldest_without_a_free_slot(self):
+        """As a server does, requests finish: the oldest makes room when no slot is free."""
+        if not self.m.num_free_slots and self.salts:
+            request_id = next(iter(self.salts))
+            self.m.free(request_id)
+            del self.salts[request_id]
+            self.swapped.discard(request_id)
+
+    def start(self, tokens, salt):
+        self.finish_oldest_without_a_free_slot()
+        self.next_id += 1
+        request_id = f"r{self.next_id}"
+        cached = self.m.admit(request_id, tokens, keys=CacheKeys(cache_salt=salt))
+        if cached is None:
+            return
+        self.history.append((tuple(tokens), salt))
+        self.salts[request_id] = salt
+        assert read_kv_matches(self.m, request_id, TENANTS[salt])  # the hits, bit for bit
+        write_kv(self.m, request_id, cached, len(tokens), TENANTS[salt])
+        self.m.commit(request_id)
+
+    @rule(num_blocks=st.integers(1, 6))
+    def other_traffic(self, num_blocks):
+        """A one-off request of fresh tokens, computed and freed: it pushes cached blocks out."""
+        self.finish_oldest_without_a_free_slot()
+        self.next_id += 1
+        request_id = f"r{self.next_id}"
+        tokens = [100 + self.next_id] * (num_blocks * TOKENS_PER_PAGE)
+        if self.m.admit(request_id, tokens) is not None:
+            write_kv(self.m, request_id, 0, len(tokens))
+            self.m.commit(request_id)
+            self.m.free(request_id)
+
+    @precondition(lambda self: self.running())
+    @rule(data=st.data(), token=st.integers(0, 3))
+    def decode(self, data, token):
+        request_id = data.draw(st.sampled_from(self.running()))
+        length = self.m.num_tokens(request_id)
+        if length < 24 and self.m.allocate(request_id, 1, [token]):
+            write_kv(self.m, request_id, length, length + 1, TENANTS[self.salts[request_id]])
+            self.m.commit(request_id)
+
+    @precondition(lambda self: self.salts)
+    @rule(data=st.data())
+    def free(self, data):
+        request_id = data.draw(st.sampled_from(sorted(self.salts)))
+        self.m.free(request_id)
+        del self.salts[request_id]
+        self.swapped.discard(request_id)
+
+    @precondition(lambda self: self.running())
+    @rule(data=st.data())
+    def swap_out(self, data):
+        request_id = data.draw(st.sampled_from(self.running()))
+        if self.m.estimate_preemption(request_id).swap_fits:
+            self.m.preempt(request_id, "swap")
+            self.swapped.add(request_id)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        request_id = data.draw(st.sampled_from(sorted(self.swapped)))
+        if self.m.swap_in(request_id):
+            self.swapped.discard(request_id)
+
+    @precondition(lambda self: self.m.num_blocks_in_use == 0)
+    @rule()
+    def reset(self):
+        self.m.reset_prefix_cache()
+
+    @invariant()
+    def every_request_reads_its_own_kv_and_nothing_leaks(self):
+        for request_id in self.running():
+            assert read_kv_matches(self.m, request_id, TENANTS[self.salts[request_id]])
+        self.m.check()  # device blocks and host rows (swapped + tier + free = total)
+
+    @invariant()
+    def events_rebuild_each_tier(self):
+        batch = self.events.drain()
+        for event in batch.events if batch else ():
+            if isinstance(event, AllBlocksCleared):
+                self.device_index.clear()
+                self.host_index.clear()
+                continue
+            index = self.device_index if event.medium == MEDIUM_DEVICE else self.host_index
+            if isinstance(event, BlockStored):
+                assert not index & set(event.block_hashes), "stored twice without a removal"
+                index.update(event.block_hashes)
+            else:
+                assert set(event.block_hashes) <= index, "removed a hash never stored"
+                index.difference_update(event.block_hashes)
+        assert self.device_index == set(self.m.pool.block_of_hash)
+        assert self.host_index == set(self.m.host_tier.hashes())
+
+    def teardown(self):
+        close_manager(self.m)
+
+
+test_host_tier_random_walk = pytest.mark.filterwarnings("ignore")(HostTierMachine.TestCase)
+HostTierMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                             suppress_health_check=[HealthCheck.too_slow])
