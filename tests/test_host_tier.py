@@ -263,10 +263,12 @@ class HostTierMachine(RuleBasedStateMachine):
     def finish_oldest_without_a_free_slot(self):
         """As a server does, requests finish: the oldest makes room when no slot is free."""
         if not self.m.num_free_slots and self.salts:
-            request_id = next(iter(self.salts))
-            self.m.free(request_id)
-            del self.salts[request_id]
-            self.swapped.discard(request_id)
+            self.finish(next(iter(self.salts)))
+
+    def finish(self, request_id):
+        self.m.free(request_id)
+        del self.salts[request_id]
+        self.swapped.discard(request_id)
 
     def start(self, tokens, salt):
         self.finish_oldest_without_a_free_slot()
@@ -305,30 +307,25 @@ class HostTierMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.salts)
     @rule(data=st.data())
     def free(self, data):
-        request_id = data.draw(st.sampled_from(sorted(self.salts)))
-        self.m.free(request_id)
-        del self.salts[request_id]
-        self.swapped.discard(request_id)
+        self.finish(data.draw(st.sampled_from(sorted(self.salts))))
 
-    @precondition(lambda self: self.running())
+    @precondition(lambda self: self.salts)
     @rule(data=st.data())
-    def swap_out(self, data):
-        request_id = data.draw(st.sampled_from(self.running()))
-        if self.m.estimate_preemption(request_id).swap_fits:
+    def swap_out_or_in(self, data):
+        """Swap a running request out (when the host store has its rows), or a swapped one in."""
+        request_id = data.draw(st.sampled_from(sorted(self.salts)))
+        if request_id in self.swapped:
+            if self.m.swap_in(request_id):
+                self.swapped.discard(request_id)
+        elif self.m.estimate_preemption(request_id).swap_fits:
             self.m.preempt(request_id, "swap")
             self.swapped.add(request_id)
 
-    @precondition(lambda self: self.swapped)
-    @rule(data=st.data())
-    def swap_in(self, data):
-        request_id = data.draw(st.sampled_from(sorted(self.swapped)))
-        if self.m.swap_in(request_id):
-            self.swapped.discard(request_id)
-
     @precondition(lambda self: self.m.num_blocks_in_use == 0)
     @rule()
-    def reset(self):
+    def reset_both_tiers(self):
         self.m.reset_prefix_cache()
+        assert len(self.m.host_tier) == 0 and not self.m.pool.num_cached
 
     @invariant()
     def every_request_reads_its_own_kv_and_nothing_leaks(self):
