@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -27,11 +28,12 @@ def hf_greedy(prompt: tuple[int, ...]) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def chat(host_cache_bytes: int):
+def chat(host_cache_bytes: int, kv_backend: str = "vmem"):
     """The shared prompt, then other traffic that needs the whole device pool, then the shared
     prompt with a new turn: (engine, its tokens of the last turn)."""
     engine = LLMEngine(EngineConfig(model="tiny-llama", max_num_seqs=2, max_model_len=128,
-                                    num_blocks=12, host_cache_bytes=host_cache_bytes))
+                                    num_blocks=12, host_cache_bytes=host_cache_bytes,
+                                    kv_backend=kv_backend))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     run_to_completion(engine, [("first", SHARED, params)])
     for i in range(0, len(OTHERS), 2):  # two at a time: 10 of the 12 blocks
@@ -41,9 +43,10 @@ def chat(host_cache_bytes: int):
     return engine, turn, final["again"].outputs[0].token_ids
 
 
-def test_an_evicted_shared_prompt_is_hit_from_the_host_tier_with_hf_tokens():
-    plain, turn, plain_tokens = chat(host_cache_bytes=0)
-    tiered, _, tiered_tokens = chat(host_cache_bytes=64 << 20)
+@pytest.mark.parametrize("kv_backend", ["vmem", "paged"])  # the block-table baseline has it too
+def test_an_evicted_shared_prompt_is_hit_from_the_host_tier_with_hf_tokens(kv_backend):
+    plain, turn, plain_tokens = chat(0, kv_backend)
+    tiered, _, tiered_tokens = chat(64 << 20, kv_backend)
     assert plain_tokens == tiered_tokens == hf_greedy(tuple(turn))
     without, with_tier = plain.manager.cache_stats(), tiered.manager.cache_stats()
     assert without.prefix_queried_tokens == with_tier.prefix_queried_tokens
