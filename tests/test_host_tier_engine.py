@@ -28,12 +28,12 @@ def hf_greedy(prompt: tuple[int, ...]) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def chat(host_cache_bytes: int, kv_backend: str = "vmem"):
+def chat(host_cache_bytes: int, kv_backend: str = "vmem", **options):
     """The shared prompt, then other traffic that needs the whole device pool, then the shared
     prompt with a new turn: (engine, its tokens of the last turn)."""
     engine = LLMEngine(EngineConfig(model="tiny-llama", max_num_seqs=2, max_model_len=128,
                                     num_blocks=12, host_cache_bytes=host_cache_bytes,
-                                    kv_backend=kv_backend))
+                                    kv_backend=kv_backend, **options))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     run_to_completion(engine, [("first", SHARED, params)])
     for i in range(0, len(OTHERS), 2):  # two at a time: 10 of the 12 blocks
@@ -78,3 +78,19 @@ def test_host_cache_bytes_reaches_the_engine_and_its_cache_config():
     assert engine_config_from_args(args).host_cache_bytes == 0
     model, _ = load_model("tiny-llama", seed=0)
     assert EngineConfig(host_cache_bytes=1 << 20).cache_config(model).host_cache_bytes == 1 << 20
+
+
+@pytest.mark.spawns
+def test_the_tier_under_tensor_parallelism_matches_hf():
+    """Demotions and promotions go through the host block store that every rank replays, so
+    each rank's host rows hold its own KV heads (ranks' mapping and host state compared every
+    step)."""
+    engine, turn, tokens = chat(64 << 20, tensor_parallel_size=2, tensor_parallel_check=True,
+                                tensor_parallel_timeout=30)
+    try:
+        assert tokens == hf_greedy(tuple(turn))
+        assert engine.manager.cache_stats().host_promotions == 4
+        assert engine.tensor_parallel.failure is None
+        engine.manager.check()
+    finally:
+        engine.close()
