@@ -17,10 +17,10 @@ The host block store ``swap`` holds both swapped-out blocks and the prefix cache
 (``host_tier``: blocks the pool evicts are demoted there, and an admission promotes its hits back,
 ``_host_hits`` and ``_take_promoting``).
 
-The parts (``pool``, ``slots``, ``backend``, ``swap``, ``host_tier``, ``hasher``, ``stats``) are attributes for
-the manager's own modules, its tests and benchmarks; code that *uses* a manager (the engine, the
-integrations) asks its public queries instead (``num_free_blocks``, ``blocks_for_tokens``,
-``can_ever_fit``, ``cache_stats``, ...). ``layout`` is public and read-only: a frozen description
+The parts (``pool``, ``slots``, ``backend``, ``swap``, ``host_tier``, ``hasher``, ``stats``) are
+attributes for the manager's own modules, its tests and benchmarks; code that *uses* a manager
+(the engine, the integrations) asks its public queries instead (``num_free_blocks``,
+``blocks_for_tokens``, ``can_ever_fit``, ``cache_stats``, ...). ``layout`` is public and read-only: a frozen description
 of where K and V sit, which attention needs anyway.
 """
 
@@ -150,7 +150,8 @@ class ManagerState:
         assert len(set(bound)) == len(bound), "two requests share a slot"
         assert not set(bound) & set(self.slots.free_slots()), "a bound slot is also free"
         assert len(bound) + self.slots.num_free == self.slots.num_slots, "a slot was lost"
-        swapped_host = [h for r in self._requests.values() if r._swapped is not None for _, h in r._swapped]
+        swapped_host = [host for r in self._requests.values() if r._swapped is not None
+                        for _, host in r._swapped]
         self.host_tier.check()
         tier_rows = self.host_tier.rows()
         assert not set(swapped_host) & set(tier_rows), "a host row is both swapped and cached"
