@@ -246,7 +246,7 @@ def markdown(report: dict) -> str:
         if label.startswith("demotions"):
             cells = [f"{r['host_demotions']} / {r['host_promotions']} / {r['host_evictions']}"
                      for r in (without, with_tier)]
-        elif label.startswith("host copy"):
+        elif label.startswith("host store copy"):
             cells = [f"{r['host_copy_seconds']:.4f} / " + (
                 f"{r['host_copy_us_per_block']:.0f}" if r["host_copy_us_per_block"] else "-")
                 for r in (without, with_tier)]

@@ -358,3 +358,52 @@ class HostTierMachine(RuleBasedStateMachine):
 test_host_tier_random_walk = pytest.mark.filterwarnings("ignore")(HostTierMachine.TestCase)
 HostTierMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                              suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---- on a GPU: asynchronous copies on a side stream -------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_demotion_and_promotion_are_ordered_with_the_compute_stream():
+    """No synchronize anywhere: a demoted block is overwritten by its next owner right after the
+    asynchronous copy to host is queued, and the promoted block is read right after the copy
+    back is queued; the side stream's events must order both."""
+    from conftest import cuda_bindings_missing
+    from vmemkv import CacheConfig
+
+    if cuda_bindings_missing():
+        pytest.skip("needs cuda-python (pip install cuda-bindings)")
+    config = CacheConfig(num_layers=4, num_kv_heads=2, head_dim=64, num_blocks=4, max_num_seqs=2,
+                         max_model_len=4096, dtype=torch.bfloat16, device="cuda",
+                         host_cache_bytes=256 << 20)
+    with KVCacheManager(config) as m:
+        assert m.host_tier.capacity >= 2 and m.swap.storage.is_pinned()
+        page = m.tokens_per_page
+
+        def fill(request_id, start, end, value):
+            slot = m.slot_of(request_id)
+            for layer in range(4):
+                k, v = m.kv_views(layer)
+                k[slot, start:end] = value + layer
+                v[slot, start:end] = -value - layer
+
+        shared = list(range(1, 2 * page + 2))  # two full pages and one token
+        m.admit("a", shared)
+        fill("a", 0, len(shared), 3.0)
+        m.commit("a")
+        m.free("a")
+        other = [7] * (4 * page)  # all four blocks: a's two are demoted, then overwritten
+        m.admit("b", other)
+        fill("b", 0, len(other), 100.0)
+        m.commit("b")
+        m.free("b")
+        assert m.cache_stats().host_demotions == 2
+        assert m.admit("c", list(shared)) == 2 * page
+        slot = m.slot_of("c")
+        for layer in range(4):
+            k, v = m.kv_views(layer)
+            assert torch.equal(k[slot, :2 * page], torch.full_like(k[slot, :2 * page], 3.0 + layer))
+            assert torch.equal(v[slot, :2 * page], torch.full_like(v[slot, :2 * page], -3.0 - layer))
+        del k, v
+        m.free("c")
+        m.check()
