@@ -184,6 +184,30 @@ def test_a_refused_admission_leaves_the_tier_and_the_pool_as_they_were(made):
     assert computed(m, "c", list(A_PROMPT)) == 8 and read_kv_matches(m, "c")
 
 
+def block_hashes_of(m, tokens) -> list[bytes]:
+    """The hashes of ``tokens``' full blocks under no cache keys."""
+    return m.hasher.block_hashes(tokens, TOKENS_PER_PAGE, CacheKeys())
+
+
+def test_a_hit_too_long_for_the_free_blocks_is_shortened_not_refused(made):
+    m = made(num_blocks=6, host_blocks=8)
+    computed(m, "a", A_PROMPT)
+    m.free("a")
+    computed(m, "b", list(range(20, 41)))  # all six blocks: a's two are demoted
+    m.free("b")
+    computed(m, "x", [5] * 16)  # holds four blocks: two stay free
+    a_hashes = block_hashes_of(m, A_PROMPT)
+    assert set(a_hashes) <= set(m.host_tier.hashes())
+    # with a one-token budget, promoting both of a's blocks needs three blocks: one is promoted
+    assert m.admit("c", list(A_PROMPT), token_budget=1) == 4
+    assert read_kv_matches(m, "c")
+    assert m.cache_stats().host_promotions == 1
+    assert a_hashes[0] not in m.host_tier and a_hashes[1] in m.host_tier  # still there for later
+    write_kv(m, "c", 4, 5)
+    m.commit("c")
+    assert read_kv_matches(m, "c")
+
+
 def test_swap_and_the_tier_share_one_host_store(made):
     m = made(num_blocks=6, host_blocks=2, swap_blocks=2)
     assert m.swap.num_blocks == 4  # swap's rows beside the tier's

@@ -205,7 +205,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         self._check_length(request_id, num_prompt)
         req._owner = self  # its hash chain is this manager's from now on
         hits = self._prefix_hits(req)
-        host_hits = self._host_hits(req, len(hits))  # promoted into fresh blocks below
+        host_hits = self._host_hits(req, hits, num_new_tokens, token_budget)  # promoted below
         cached = (len(hits) + len(host_hits)) * self.tokens_per_page
         new = num_prompt - cached if num_new_tokens is None else num_new_tokens
         if token_budget is not None:

@@ -313,13 +313,24 @@ class ManagerState:
         return self._cached_blocks(self._extend_chain(req, (num_tokens - 1) // self.tokens_per_page),
                                    num_tokens)
 
-    def _host_hits(self, req: KVRequest, num_device_hits: int) -> list[bytes]:
-        """The hashes continuing ``req``'s ``num_device_hits`` device hits that the host tier
-        holds (whole blocks, leaving at least one token to compute); no side effect."""
+    def _host_hits(self, req: KVRequest, hits: list[int], num_new_tokens: int | None,
+                   token_budget: int | None) -> list[bytes]:
+        """The hashes continuing ``req``'s device ``hits`` that the host tier holds (whole
+        blocks, leaving at least one token to compute), as many as the free blocks take: each
+        is copied into a fresh block, and under a token budget (chunked prefill) a shorter hit
+        may need fewer blocks now. No side effect; ``admit`` sizes the admission the same way."""
         if not self.host_tier.capacity:
             return []
-        limit = (len(req._token_ids) - 1) // self.tokens_per_page
-        return self.host_tier.leading_hits(req._hashes[num_device_hits:limit])
+        tokens_per_page, num_prompt = self.tokens_per_page, len(req._token_ids)
+        run = self.host_tier.leading_hits(req._hashes[len(hits):(num_prompt - 1) // tokens_per_page])
+        for keep in range(len(run), 0, -1):
+            cached = (len(hits) + keep) * tokens_per_page
+            new = num_prompt - cached if num_new_tokens is None else num_new_tokens
+            if token_budget is not None:
+                new = min(new, token_budget)
+            if self._fits_admission(hits, cached + new):
+                return run[:keep]
+        return []
 
     def _take_promoting(self, planned: list[int], host_hits: list[bytes]) -> list[int]:
         """Take the ``planned`` blocks (``pool.peek``) and copy the host tier's ``host_hits``
