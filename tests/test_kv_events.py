@@ -5,7 +5,8 @@ Specs on a tiny manager (exact events for admission, hits, eviction, reset), the
 (vLLM's array-like structs through msgpack), and a random walk (admit with shared prefixes and two
 tenants' salts, decode, free, preempt by swap and recompute, swap in, reset) that rebuilds the set
 of cached hashes from the events alone and compares it with the pool's index after every step;
-each stored block's token ids and parent are checked by recomputing its hash from them.
+each stored block's token ids and parent are checked by recomputing its hash from them. The same
+walk with a host tier rebuilds each tier's hashes from the events of its medium.
 """
 
 from __future__ import annotations
@@ -18,17 +19,18 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from vmemkv import (AllBlocksCleared, BlockRemoved, BlockStored, CacheConfig, CacheKeys,
                     ConfigError, KVCacheManager, KVEventBuffer)
-from vmemkv.kv_events import MEDIUM_DEVICE, decode_batch, encode_batch
+from vmemkv.kv_events import MEDIUM_DEVICE, MEDIUM_HOST, decode_batch, encode_batch
 
 TOKENS_PER_PAGE = 4
 
 
-def make_manager(events, num_blocks: int = 8, swap_blocks: int = 0) -> KVCacheManager:
+def make_manager(events, num_blocks: int = 8, swap_blocks: int = 0,
+                 host_blocks: int = 0) -> KVCacheManager:
     block_bytes = 2 * 2 * 128 * 4 * TOKENS_PER_PAGE  # 1 layer x 2 heads x 128 dim x fp32
     config = CacheConfig(num_layers=1, num_kv_heads=2, head_dim=128, dtype=torch.float32,
                          tokens_per_page=TOKENS_PER_PAGE, num_blocks=num_blocks, max_num_seqs=4,
                          max_model_len=32, swap_space_bytes=swap_blocks * block_bytes,
-                         hash_seed=b"kv-events")
+                         host_cache_bytes=host_blocks * block_bytes, hash_seed=b"kv-events")
     return KVCacheManager(config, events=events)
 
 
@@ -40,14 +42,19 @@ def run_prompt(m: KVCacheManager, request_id: str, tokens: list[int], keys=Cache
 
 
 class EventIndex:
-    """What a router knows: hash -> (parent, token ids), rebuilt from events only."""
+    """What a router knows of one tier (``medium``): hash -> (parent, token ids), rebuilt from
+    events only; events of another tier are not its business."""
 
-    def __init__(self) -> None:
+    def __init__(self, medium: str = MEDIUM_DEVICE) -> None:
+        self.medium = medium
         self.blocks: dict[bytes, tuple[bytes | None, tuple[int, ...]]] = {}
 
     def apply(self, event) -> None:
+        if isinstance(event, (BlockStored, BlockRemoved)) and event.medium != self.medium:
+            assert event.medium in (MEDIUM_DEVICE, MEDIUM_HOST)
+            return
         if isinstance(event, BlockStored):
-            assert event.medium == MEDIUM_DEVICE and event.block_size == TOKENS_PER_PAGE
+            assert event.block_size == TOKENS_PER_PAGE
             assert len(event.token_ids) == TOKENS_PER_PAGE * len(event.block_hashes)
             parent = event.parent_block_hash
             for i, block_hash in enumerate(event.block_hashes):
@@ -173,11 +180,14 @@ SALTS = [None, "tenant-a"]
 
 
 class EventMachine(RuleBasedStateMachine):
+    host_blocks = 0  # no host tier
+
     def __init__(self):
         super().__init__()
         self.events = KVEventBuffer()
-        self.m = make_manager(self.events, num_blocks=10, swap_blocks=4)
+        self.m = make_manager(self.events, num_blocks=10, swap_blocks=4, host_blocks=self.host_blocks)
         self.index = EventIndex()
+        self.host_index = EventIndex(MEDIUM_HOST)
         self.keys: dict[str, CacheKeys] = {}  # request -> its keys
         self.swapped: set[str] = set()
         self.recomputed: dict[str, list[int]] = {}  # preempted by recompute: its tokens
@@ -251,9 +261,11 @@ class EventMachine(RuleBasedStateMachine):
         batch = self.events.drain()
         for event in batch.events if batch else ():
             self.index.apply(event)
+            self.host_index.apply(event)
             if isinstance(event, BlockStored):
                 self.check_hash(event)
         assert set(self.index.blocks) == set(self.m.pool.block_of_hash)
+        assert set(self.host_index.blocks) == set(self.m.host_tier.hashes())
         self.m.check()
 
     def check_hash(self, event: BlockStored) -> None:
@@ -271,6 +283,16 @@ class EventMachine(RuleBasedStateMachine):
 test_events_rebuild_the_cache_index = pytest.mark.filterwarnings("ignore")(EventMachine.TestCase)
 EventMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
+
+
+class HostTierEventMachine(EventMachine):
+    """The same walk with a host tier: evicted blocks move to it and hits bring them back."""
+    host_blocks = 6
+
+
+test_events_rebuild_each_tier_with_a_host_tier = pytest.mark.filterwarnings("ignore")(
+    HostTierEventMachine.TestCase)
+HostTierEventMachine.TestCase.settings = EventMachine.TestCase.settings
 
 
 def test_a_decoder_written_for_vllm_reads_the_wire_format():

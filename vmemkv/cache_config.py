@@ -48,6 +48,10 @@ class CacheConfig:
     hash_algorithm: str = "sha256"
     hash_seed: bytes | None = None  # random per process when None
     swap_space_bytes: int = 0
+    # Host memory for the prefix cache's host tier (host_tier.py): cached blocks evicted from the
+    # device pool wait there (LRU) and are copied back on a hit. 0: no tier. Its rows sit in the
+    # same host block store as the swap space, beside swap_space_bytes.
+    host_cache_bytes: int = 0
     # Rates for the swap-or-recompute estimate; measure them on your machine for better choices.
     swap_bytes_per_second: float = 10e9
     prefill_tokens_per_second: float = 10e3
@@ -70,8 +74,9 @@ class CacheConfig:
 @dataclass
 class CacheStats:
     prefix_queried_tokens: int = 0  # prompt tokens looked up at first admission
-    prefix_hit_tokens: int = 0  # all tiers; below, by tier (the device's KV pool is the only one)
-    prefix_hit_tokens_device: int = 0
+    prefix_hit_tokens: int = 0  # all tiers; below, by tier
+    prefix_hit_tokens_device: int = 0  # mapped from the device pool as they were
+    prefix_hit_tokens_host: int = 0  # copied back from the host tier (promoted)
     # Prompt tokens past a first admission's page hits that a cached page continuing the same
     # prefix (same keys) also holds, up to the prompt's last token: hits lost because the shared
     # part is shorter than a page (what a token-granular cache would have served on top).
@@ -82,6 +87,13 @@ class CacheStats:
     preemptions_swap: int = 0
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
+    # The host tier (host_tier.py): blocks copied to host on eviction, copied back on a hit, and
+    # dropped from host to make room; bytes copied each way.
+    host_demotions: int = 0
+    host_promotions: int = 0
+    host_evictions: int = 0
+    host_bytes_demoted: int = 0
+    host_bytes_promoted: int = 0
     forks: int = 0
     blocks_copied: int = 0  # copy-on-write copies of partial blocks
 

@@ -58,6 +58,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="how a preempted request gives back its pages")
     group.add_argument("--swap-space-gb", type=float, default=None,
                        help="host memory for swapped-out KV pages, in GiB")
+    group.add_argument("--host-cache-bytes", type=int, default=None,
+                       help="host memory for the prefix cache's host tier, in bytes: cached KV pages "
+                            "evicted from the device wait there and are copied back on a hit (0: off)")
     group.add_argument("--kv-backend", default=None, choices=["vmem", "paged"],
                        help="vmem: virtually contiguous slots; paged: the block-table baseline")
     group.add_argument("--layout", default=None, choices=["token_major", "per_layer"],
@@ -96,6 +99,7 @@ def engine_config_from_args(args: argparse.Namespace):
         "enable_prefix_caching": not args.no_prefix_caching,
         "preemption_mode": args.preemption_mode,
         "swap_space_bytes": None if args.swap_space_gb is None else int(args.swap_space_gb * 2**30),
+        "host_cache_bytes": args.host_cache_bytes,
         "seed": args.seed,
         "kv_backend": args.kv_backend,
         "layout": args.layout,

@@ -11,6 +11,15 @@ The block pool emits one event each time its content-hash index changes:
 A hash registered again after its block was evicted is stored again. Replaying the events in
 order therefore rebuilds exactly the set of hashes the pool can hit, and which tokens each holds.
 
+Each event names its tier (``medium``): ``"GPU"`` for the device pool, ``"CPU"`` for the prefix
+cache's host tier (``host_tier.py``). A block evicted from the device and copied to the host tier
+(demoted) sends ``BlockRemoved(medium="GPU")`` then ``BlockStored(medium="CPU")`` with the same
+hash, parent and tokens; a host hit copied back (promoted) sends ``BlockRemoved(medium="CPU")``
+then ``BlockStored(medium="GPU")``; a block dropped from the full host tier sends
+``BlockRemoved(medium="CPU")``. ``AllBlocksCleared`` clears both tiers. Replaying the events of
+one medium rebuilds that tier's hashes; a hash may be in both tiers at once (content computed
+again on the device while its demoted copy still waits on the host).
+
 The shapes are vLLM's (``vllm/distributed/kv_events.py``), so routers written for vLLM read them:
 ``encode_batch`` turns a batch into msgpack-ready arrays, ``[ts, [event, ...]]`` with each event
 ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]``,

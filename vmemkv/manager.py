@@ -205,7 +205,8 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         self._check_length(request_id, num_prompt)
         req._owner = self  # its hash chain is this manager's from now on
         hits = self._prefix_hits(req)
-        cached = len(hits) * self.tokens_per_page
+        host_hits = self._host_hits(req, hits, num_new_tokens, token_budget)  # promoted below
+        cached = (len(hits) + len(host_hits)) * self.tokens_per_page
         new = num_prompt - cached if num_new_tokens is None else num_new_tokens
         if token_budget is not None:
             new = min(new, token_budget)
@@ -218,8 +219,9 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         self.slots.map_jobs([MapJob(slot, 0, hits + fresh)])
         self.slots.bind(slot=slot)
         self.pool.acquire(hits)
-        req._blocks = hits + self.pool.take(fresh)
-        req._num_tokens, req._num_computed, req._num_registered = cached + new, cached, len(hits)
+        req._blocks = hits + self._take_promoting(fresh, host_hits)
+        req._num_tokens, req._num_computed = cached + new, cached
+        req._num_registered = len(hits) + len(host_hits)
         req._slot, req._swapped = slot, None
         self._requests[request_id] = req
         repeat = request_id in self._preempted
@@ -231,10 +233,12 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
             else:
                 self.stats.prefix_queried_tokens += num_prompt
                 self.stats.prefix_hit_tokens += cached
-                self.stats.prefix_hit_tokens_device += cached
+                self.stats.prefix_hit_tokens_device += len(hits) * self.tokens_per_page
+                self.stats.prefix_hit_tokens_host += len(host_hits) * self.tokens_per_page
                 tokens = req._token_ids
+                hit_blocks = len(hits) + len(host_hits)
                 self.stats.prefix_partial_page_tokens += self.pool.shared_partial_tokens(
-                    req._hashes[len(hits) - 1] if hits else self._chain_root(req._keys),
+                    req._hashes[hit_blocks - 1] if hit_blocks else self._chain_root(req._keys),
                     tokens[cached:min(cached + self.tokens_per_page, len(tokens) - 1)])
         return cached
 
@@ -334,7 +338,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
             raise PrefixCacheBusyError(
                 f"cannot reset the prefix cache: {self.pool.num_in_use} blocks are held by "
                 f"{len(self._requests)} request(s); free or finish them first")
-        return self.pool.reset_cache()
+        return self.pool.reset_cache() + self.host_tier.clear(self.swap)
 
     # --- what attention and the engine read ---------------------------------------------------
     def kv_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -395,6 +399,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
             "usage": self.usage(),
             "blocks_total": pool.num_blocks, "blocks_in_use": pool.in_use,
             "blocks_cached": pool.cached, "blocks_clean": pool.clean, "evictions": pool.evictions,
+            "host_blocks_cached": len(self.host_tier), "host_blocks_total": self.host_tier.capacity,
             "map_calls": slots.map_calls, "pages_mapped": slots.pages_mapped,
             "map_calls_saved": slots.pages_already_mapped, "unmap_calls": slots.unmap_calls,
             "pages_unmapped": slots.pages_unmapped,

@@ -13,10 +13,14 @@ module: the core (admit, allocate, commit, free, lookahead, queries) in ``manage
 one refusable step (``slots.map_jobs``), and only then changes anything (``pool.take``/``acquire``,
 ``slots.bind``, the request), so a refusal leaves nothing half done.
 
-The parts (``pool``, ``slots``, ``backend``, ``swap``, ``hasher``, ``stats``) are attributes for
-the manager's own modules, its tests and benchmarks; code that *uses* a manager (the engine, the
-integrations) asks its public queries instead (``num_free_blocks``, ``blocks_for_tokens``,
-``can_ever_fit``, ``cache_stats``, ...). ``layout`` is public and read-only: a frozen description
+The host block store ``swap`` holds both swapped-out blocks and the prefix cache's host tier
+(``host_tier``: blocks the pool evicts are demoted there, and an admission promotes its hits back,
+``_host_hits`` and ``_take_promoting``).
+
+The parts (``pool``, ``slots``, ``backend``, ``swap``, ``host_tier``, ``hasher``, ``stats``) are
+attributes for the manager's own modules, its tests and benchmarks; code that *uses* a manager
+(the engine, the integrations) asks its public queries instead (``num_free_blocks``,
+``blocks_for_tokens``, ``can_ever_fit``, ``cache_stats``, ...). ``layout`` is public and read-only: a frozen description
 of where K and V sit, which attention needs anyway.
 """
 
@@ -32,10 +36,11 @@ from .cache_config import CacheConfig, CacheStats
 from .errors import (ConfigError, InvalidInputError, ManagerClosedError, RequestStateError,
                      RequestTooLongError, VmemkvError)
 from .hashing import CacheKeys, PrefixHasher
+from .host_tier import HostTier
 from .kv_events import KVEventSink, check_sink
 from .kv_metrics import KVMetricsCollector
 from .layout import KVLayout
-from .pool import BlockPool
+from .pool import BlockPool, EvictedBlock
 from .request import KVRequest
 from .slots import SlotMapper, SlotBinder
 from .swap import SwapSpace
@@ -62,6 +67,7 @@ class ManagerState:
     slots: SlotBinder  # SlotMapper for "vmem"
     hasher: PrefixHasher
     swap: SwapSpace
+    host_tier: HostTier
     stats: CacheStats
     metrics: KVMetricsCollector | None  # timing of operations and mapping (kv_metrics.py)
 
@@ -92,10 +98,16 @@ class ManagerState:
                                 config.num_blocks)
         self.hasher = PrefixHasher(config.hash_algorithm, config.hash_seed)
         self._chain_root = functools.lru_cache(256)(self.hasher.root)  # keys -> root hash, 1 µs saved
-        self.swap = SwapSpace(config.swap_space_bytes // self._layout.block_bytes,
-                              self._layout.block_bytes,
+        block_bytes = self._layout.block_bytes
+        host_tier_blocks = config.host_cache_bytes // block_bytes if config.enable_prefix_caching else 0
+        # one host block store: swap_space_bytes of rows for swapped requests beside the tier's
+        self.swap = SwapSpace(config.swap_space_bytes // block_bytes + host_tier_blocks, block_bytes,
                               pin_memory=str(config.device).startswith("cuda"))
         self.stats = CacheStats()
+        self.host_tier = HostTier(host_tier_blocks, block_bytes, self.tokens_per_page, self.events,
+                                  self.stats)
+        if host_tier_blocks:
+            self.pool.on_evict = self._demote
         self._requests: dict[str, KVRequest] = {}  # admitted (running or swapped), by id
         self._preempted: set[str] = set()  # recompute-preempted ids, to count their re-prefill
         self._closed = False
@@ -138,8 +150,13 @@ class ManagerState:
         assert len(set(bound)) == len(bound), "two requests share a slot"
         assert not set(bound) & set(self.slots.free_slots()), "a bound slot is also free"
         assert len(bound) + self.slots.num_free == self.slots.num_slots, "a slot was lost"
-        swapped_host = sum(len(r._swapped) for r in self._requests.values() if r._swapped is not None)
-        assert swapped_host + self.swap.num_free == self.swap.num_blocks, "swap space leaked"
+        swapped_host = [host for r in self._requests.values() if r._swapped is not None
+                        for _, host in r._swapped]
+        self.host_tier.check()
+        tier_rows = self.host_tier.rows()
+        assert not set(swapped_host) & set(tier_rows), "a host row is both swapped and cached"
+        assert len(swapped_host) + len(tier_rows) + self.swap.num_free == self.swap.num_blocks, (
+            "host rows leaked")
 
     # --- looking requests up and checking arguments ----------------------------------------------
     def _check_open(self) -> None:
@@ -295,6 +312,41 @@ class ManagerState:
         num_tokens = len(req._token_ids)
         return self._cached_blocks(self._extend_chain(req, (num_tokens - 1) // self.tokens_per_page),
                                    num_tokens)
+
+    def _host_hits(self, req: KVRequest, hits: list[int], num_new_tokens: int | None,
+                   token_budget: int | None) -> list[bytes]:
+        """The hashes continuing ``req``'s device ``hits`` that the host tier holds (whole
+        blocks, leaving at least one token to compute), as many as the free blocks take: each
+        is copied into a fresh block, and under a token budget (chunked prefill) a shorter hit
+        may need fewer blocks now. No side effect; ``admit`` sizes the admission the same way."""
+        if not self.host_tier.capacity:
+            return []
+        tokens_per_page, num_prompt = self.tokens_per_page, len(req._token_ids)
+        run = self.host_tier.leading_hits(req._hashes[len(hits):(num_prompt - 1) // tokens_per_page])
+        for keep in range(len(run), 0, -1):
+            cached = (len(hits) + keep) * tokens_per_page
+            new = num_prompt - cached if num_new_tokens is None else num_new_tokens
+            if token_budget is not None:
+                new = min(new, token_budget)
+            if self._fits_admission(hits, cached + new):
+                return run[:keep]
+        return []
+
+    def _take_promoting(self, planned: list[int], host_hits: list[bytes]) -> list[int]:
+        """Take the ``planned`` blocks (``pool.peek``) and copy the host tier's ``host_hits``
+        into the first of them, registered in the device pool again. Call it only once every
+        refusable step of the operation succeeded: it changes the tier and the pool."""
+        claimed = self.host_tier.claim(host_hits)  # the take's own demotions cannot evict them
+        blocks = self.pool.take(planned)
+        promoted = blocks[:len(host_hits)]
+        origins = self.host_tier.promote(self.swap, self._block_window(), host_hits, claimed, promoted)
+        for block, block_hash, origin in zip(promoted, host_hits, origins):
+            self.pool.register(block, block_hash, origin.token_ids, origin.parent_hash, origin.root)
+        return blocks
+
+    def _demote(self, evicted: list[EvictedBlock]) -> None:
+        """The pool's eviction hook: evicted cached blocks go to the host tier."""
+        self.host_tier.demote(self.swap, self._block_window(), evicted)
 
     def _admission_request(self, request, token_ids, keys) -> KVRequest:
         """The KVRequest ``admit`` works on: the caller's (its tokens checked), or a new one."""

@@ -16,6 +16,11 @@ registered (``BlockStored``), hashes dropped when their blocks are taken (``Bloc
 reset (``AllBlocksCleared``). Beside the index the pool keeps each hashed block's tokens under its
 chain parent, so a caller can ask how many tokens past its full-page hits a cached page shares
 with its prompt (``shared_partial_tokens``): hits a page-granular cache cannot give.
+
+A cached block about to be handed out again is first offered to ``on_evict`` (the prefix cache's
+host tier, ``host_tier.py``), with its hash, tokens and chain parent, after its ``BlockRemoved``
+event and before ``allocate`` returns: its bytes are still intact then, and the caller writes it
+only later.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ import heapq
 import itertools
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from .errors import BlockStateError as PageStateError, OutOfBlocksError as OutOfPagesError
 from .kv_events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEventSink
@@ -33,6 +39,20 @@ from .kv_events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStore
 # shared_partial_tokens compares the prompt with at most this many cached pages (the newest) that
 # continue the same prefix with the same first token, so an admission never scans the whole cache.
 PARTIAL_MATCH_CANDIDATES = 64
+
+
+class BlockOrigin(NamedTuple):
+    """What a hashed block was registered with: its tokens and its place in the hash chain."""
+    token_ids: tuple[int, ...]
+    parent_hash: bytes | None  # None: a prompt's first block
+    root: bytes | None  # the chain's root (the hash of its cache keys), for a first block
+
+
+class EvictedBlock(NamedTuple):
+    """A cached block ``allocate`` is handing out again, with what it held."""
+    block: int
+    block_hash: bytes
+    origin: BlockOrigin
 
 
 @dataclass
@@ -63,8 +83,7 @@ class BlockPool:
         self.events = events
         self.block_size = block_size
         self.medium = medium
-        # hash -> (chain parent, first token): where the block's tokens sit in _continuations
-        self._continuation_key: dict[bytes, tuple[bytes, int]] = {}
+        self._origin: dict[bytes, BlockOrigin] = {}  # hash -> what it was registered with
         # (chain parent, first token) -> {hash: the block's token ids}, oldest first
         self._continuations: dict[tuple[bytes, int], dict[bytes, tuple[int, ...]]] = {}
         self.ref = [0] * num_blocks
@@ -73,6 +92,8 @@ class BlockPool:
         self._clean = list(range(num_blocks))  # a heap: lowest id first
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recent first
         self.evictions = 0
+        # told the cached blocks allocate hands out again, while their bytes are intact
+        self.on_evict: Callable[[list[EvictedBlock]], None] | None = None
 
     # --- counts ----------------------------------------------------------------------------------
     @property
@@ -132,26 +153,38 @@ class BlockPool:
         evicted = []
         while len(blocks) < n:
             block, _ = self._lru.popitem(last=False)
-            evicted.append(self.hash_of[block])
-            self._forget(block)
+            content_hash = self.hash_of[block]
+            evicted.append(EvictedBlock(block, content_hash, self._forget(block)))
             blocks.append(block)
         for block in blocks:
             self.ref[block] = 1
         self.evictions += len(evicted)
         if evicted and self.events is not None:
-            self.events(BlockRemoved(evicted, self.medium))
+            self.events(BlockRemoved([e.block_hash for e in evicted], self.medium))
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return blocks
 
-    def _forget(self, block: int) -> None:
+    def _forget(self, block: int) -> BlockOrigin:
         content_hash = self.hash_of[block]
         del self.block_of_hash[content_hash]
         self.hash_of[block] = None
-        key = self._continuation_key.pop(content_hash, None)
+        origin = self._origin.pop(content_hash)
+        key = self._continuation_key(origin)
         if key is not None:
             siblings = self._continuations[key]
             del siblings[content_hash]
             if not siblings:
                 del self._continuations[key]
+        return origin
+
+    @staticmethod
+    def _continuation_key(origin: BlockOrigin) -> tuple[bytes, int] | None:
+        """Where a block's tokens sit in ``_continuations``: (chain parent, first token)."""
+        chain_parent = origin.root if origin.parent_hash is None else origin.parent_hash
+        if not origin.token_ids or chain_parent is None:
+            return None
+        return chain_parent, origin.token_ids[0]
 
     def take(self, planned: list[int]) -> list[int]:
         """Allocate the blocks an earlier ``peek`` planned; nothing may have changed the pool in
@@ -227,11 +260,11 @@ class BlockPool:
             return False
         self.hash_of[block] = content_hash
         self.block_of_hash[content_hash] = block
-        chain_parent = root if parent_hash is None else parent_hash
-        if token_ids and chain_parent is not None:
-            key = (chain_parent, token_ids[0])
-            self._continuation_key[content_hash] = key
-            self._continuations.setdefault(key, {})[content_hash] = tuple(token_ids)
+        origin = BlockOrigin(tuple(token_ids), parent_hash, root if parent_hash is None else None)
+        self._origin[content_hash] = origin
+        key = self._continuation_key(origin)
+        if key is not None:
+            self._continuations.setdefault(key, {})[content_hash] = origin.token_ids
         if self.events is not None:
             self.events(BlockStored([content_hash], parent_hash, list(token_ids), self.block_size,
                                     None, self.medium))
@@ -267,7 +300,7 @@ class BlockPool:
         self._lru.clear()
         self.block_of_hash.clear()
         self.hash_of = [None] * self.num_blocks
-        self._continuation_key.clear()
+        self._origin.clear()
         self._continuations.clear()
         if self.events is not None:
             self.events(AllBlocksCleared())
@@ -290,9 +323,10 @@ class BlockPool:
             assert self.hash_of[p] == h, f"index says block {p} holds a hash it does not"
         hashed = sum(h is not None for h in self.hash_of)
         assert hashed == len(self.block_of_hash), "a hashed block is missing from the index"
-        assert self._continuation_key.keys() <= self.block_of_hash.keys(), "tokens kept for a forgotten hash"
-        assert sum(map(len, self._continuations.values())) == len(self._continuation_key), (
-            "the continuation index and its keys differ")
+        assert self._origin.keys() == self.block_of_hash.keys(), "origins differ from the hashes kept"
+        kept = sum(self._continuation_key(origin) is not None for origin in self._origin.values())
+        assert sum(map(len, self._continuations.values())) == kept, (
+            "the continuation index and the origins differ")
 
     def _check_block(self, block: int) -> None:
         if not 0 <= block < self.num_blocks:

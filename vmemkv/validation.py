@@ -222,6 +222,7 @@ def config(cfg):
             count(getattr(cfg, name), f"CacheConfig.{name}", minimum=1)
         count(cfg.page_size, "CacheConfig.page_size (bytes)", minimum=1, optional=True)
         count(cfg.swap_space_bytes, "CacheConfig.swap_space_bytes", minimum=0)
+        count(cfg.host_cache_bytes, "CacheConfig.host_cache_bytes", minimum=0)
         count(getattr(cfg, "vocab_size", None), "CacheConfig.vocab_size", minimum=1, optional=True)
         choice(cfg.layout, "CacheConfig.layout", LAYOUTS)
         choice(cfg.kv_backend, "CacheConfig.kv_backend", KV_BACKENDS)

@@ -19,7 +19,8 @@ from ..hf_support import cache_config_for
 
 # EngineConfig fields passed to CacheConfig as they are.
 CACHE_FIELDS = ("max_num_seqs", "max_model_len", "num_blocks", "device", "tokens_per_page",
-                "enable_prefix_caching", "swap_space_bytes", "layout", "kv_backend")
+                "enable_prefix_caching", "swap_space_bytes", "host_cache_bytes", "layout",
+                "kv_backend")
 
 
 @dataclass
@@ -38,6 +39,8 @@ class EngineConfig:
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     preemption_mode: Literal["auto", "swap", "recompute"] = "auto"
     swap_space_bytes: int = 1 << 30
+    # host memory for the prefix cache's host tier (evicted cached pages wait there); 0: none
+    host_cache_bytes: int = CacheConfig.host_cache_bytes
     seed: int = 0
     policy: Literal["fcfs", "priority"] = "fcfs"
     watermark: float = 0.01  # fraction of blocks kept free at admission to avoid instant preemption

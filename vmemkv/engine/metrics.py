@@ -17,10 +17,13 @@ the lookahead worker, overlapped with the forward pass).
 Given the manager's ``cache_stats`` (a callable returning ``CacheStats``), it also exposes the
 prefix cache's token counts, read at scrape time: ``vmemkv_prefix_cache_queried_tokens_total``
 and ``vmemkv_prefix_cache_hit_tokens_total{tier}`` (prompts at first admission; ``tier`` is
-``device``, the only tier for now), ``vmemkv_prefix_cache_reprefill_queried_tokens_total`` and
+``device`` or ``host``, the host tier's blocks copied back), ``vmemkv_prefix_cache_reprefill_queried_tokens_total`` and
 ``vmemkv_prefix_cache_reprefill_hit_tokens_total`` (re-admissions after a recompute preemption,
-kept out of the hit rate), and ``vmemkv_prefix_cache_partial_page_tokens_total`` (prompt tokens
-a cached page shared past the page hits, lost because the shared part is shorter than a page).
+kept out of the hit rate), ``vmemkv_prefix_cache_partial_page_tokens_total`` (prompt tokens
+a cached page shared past the page hits, lost because the shared part is shorter than a page),
+and the host tier's ``vmemkv_host_cache_demotions_total``, ``..._promotions_total``,
+``..._evictions_total`` (blocks) and ``vmemkv_host_cache_copied_bytes_total{direction}``
+(``to_host``, ``to_device``).
 """
 
 from __future__ import annotations
@@ -257,7 +260,20 @@ class _PrefixCacheExporter:
         hits = CounterMetricFamily("vmemkv_prefix_cache_hit_tokens", "Prompt tokens served from "
                                    "the prefix cache at first admission, by tier", labels=["tier"])
         hits.add_metric(["device"], stats.prefix_hit_tokens_device)
+        hits.add_metric(["host"], stats.prefix_hit_tokens_host)
         yield hits
+        copied = CounterMetricFamily("vmemkv_host_cache_copied_bytes", "Bytes the host tier copied, "
+                                     "by direction", labels=["direction"])
+        copied.add_metric(["to_host"], stats.host_bytes_demoted)
+        copied.add_metric(["to_device"], stats.host_bytes_promoted)
+        yield copied
+        for name, value, text in (
+                ("demotions", stats.host_demotions,
+                 "Cached blocks evicted from the device pool and copied to the host tier"),
+                ("promotions", stats.host_promotions,
+                 "Host-tier blocks a prefix hit copied back into the device pool"),
+                ("evictions", stats.host_evictions, "Blocks dropped from the host tier (LRU)")):
+            yield CounterMetricFamily(f"vmemkv_host_cache_{name}", text, value=value)
         for name, value, text in (
                 ("queried_tokens", stats.prefix_queried_tokens,
                  "Prompt tokens looked up in the prefix cache at first admission"),
