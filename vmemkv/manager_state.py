@@ -334,7 +334,9 @@ class ManagerState:
         except MappingLimitError:
             return
         blocks = req._blocks
-        self.pool.release(reversed(blocks[released:first]))
+        # oldest first into the LRU queue: a windowed prefix hit needs the blocks near its end,
+        # so the earliest ones are the first to be evicted
+        self.pool.release(blocks[released:first])
         blocks[released:first] = [RELEASED] * (first - released)
         req._num_released = first
         self.stats.blocks_released_behind_window += first - released
