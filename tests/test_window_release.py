@@ -321,3 +321,58 @@ def test_a_long_generation_holds_at_most_the_window_plus_two_blocks(reference):
     assert peak <= 8 // P + 2
     assert outputs[-1].outputs[0].token_ids == hf_greedy(reference, prompt, 80)
     close_clean(engine)
+
+
+# --- the hole page (CUDA) ---------------------------------------------------------------------------
+
+def test_pages_behind_the_window_point_at_the_hole_page_where_the_backend_needs_them_mapped():
+    """On CUDA, FlashAttention may load a tile before the window start, so released pages point
+    at one shared hole page instead of being unmapped (shown here on the CPU backend, which maps
+    one page at many addresses as cuMemMap does)."""
+    from vmemkv.slots import SlotMapper
+    from vmemkv.vmm import CpuBackend
+
+    config = CacheConfig(num_layers=1, num_kv_heads=2, head_dim=128, dtype=torch.float32,
+                         tokens_per_page=P, num_blocks=12, max_num_seqs=2, max_model_len=64)
+    layout = config.make_layout()
+    backend = CpuBackend(layout.page_size, 13)
+    slots = SlotMapper(backend, layout, 2, 64, 12, hole_page=12)
+    slot = slots.bind()
+    slots.map_blocks(slot, 0, [3, 4, 5, 6])
+    slots.release_behind(slot, 2)
+    assert slots.mapped_blocks(slot, 4).tolist() == [12, 12, 5, 6]
+    slots.check_request(slot, [RELEASED, RELEASED, 5, 6], num_released=2)
+    views = slots.kv_views(0)
+    assert torch.equal(views[0][slot, 0], views[0][slot, P])  # both read the one hole page
+    del views
+    slots.close()
+    backend.close()
+
+
+def test_a_windowed_manager_on_cuda_reserves_a_hole_page(monkeypatch):
+    from test_vmm_cuda import FakeVmmDriver
+    from vmemkv.vmm import cuda as vcuda
+
+    driver = FakeVmmDriver()
+    monkeypatch.setattr(vcuda, "load_driver", lambda: driver)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(vcuda, "tensor_from_address",
+                        lambda address, nbytes, device: torch.empty(nbytes, dtype=torch.uint8, device="meta"))
+    m = KVCacheManager(CacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float16,
+                                   num_blocks=6, max_num_seqs=2, max_model_len=4096, device="cuda",
+                                   sliding_window=100, hash_seed=b"w"))
+    hole = m.slots.hole_page
+    assert hole == 6 and m.backend.num_pages == 7  # past the pool: no request owns it
+    size = m.tokens_per_page
+    req = KVRequest("a", list(range(1, size + 110)))
+    assert m.admit(req) == 0
+    m.commit(req)
+    assert req.num_released_blocks == 1
+    assert m.slots.mapped_blocks(req.slot, 1).tolist() == [hole]
+    m.check()
+    m.free(req)
+    m.close()
