@@ -26,6 +26,7 @@ from vmemkv.request import RELEASED
 from vmemkv.window import first_needed_block, peak_blocks, windowed_prefix_hits
 
 from conftest import assert_no_leaks, close_manager, read_kv_matches, write_kv
+from test_vmm_cuda import fake  # noqa: F401 -- the fake CUDA driver fixture
 
 P = 4  # tokens per block
 W = 6  # the window in the manager tests
@@ -349,19 +350,8 @@ def test_pages_behind_the_window_point_at_the_hole_page_where_the_backend_needs_
     backend.close()
 
 
-def test_a_windowed_manager_on_cuda_reserves_a_hole_page(monkeypatch):
-    from test_vmm_cuda import FakeVmmDriver
-    from vmemkv.vmm import cuda as vcuda
-
-    driver = FakeVmmDriver()
-    monkeypatch.setattr(vcuda, "load_driver", lambda: driver)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "init", lambda: None)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(vcuda, "tensor_from_address",
-                        lambda address, nbytes, device: torch.empty(nbytes, dtype=torch.uint8, device="meta"))
+def test_a_windowed_manager_on_cuda_reserves_a_hole_page(fake):
+    """On the fake CUDA driver of ``test_vmm_cuda.py``."""
     m = KVCacheManager(CacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float16,
                                    num_blocks=6, max_num_seqs=2, max_model_len=4096, device="cuda",
                                    sliding_window=100, hash_seed=b"w"))
