@@ -366,3 +366,24 @@ def test_a_windowed_manager_on_cuda_reserves_a_hole_page(fake):
     m.check()
     m.free(req)
     m.close()
+
+
+@pytest.mark.parametrize("kind", ["sdpa", "flash"])
+def test_the_block_table_a_kernel_gets_for_released_blocks(kind):
+    """The block-table baseline's spans: RELEASED (-1) stays where reads start at the window
+    (a stray read of it fails); FlashAttention, which may load a tile before the window start,
+    gets block 0 there (the pool is all mapped; those rows are masked)."""
+    from vmemkv.attention.choice import AttentionChoice
+    from vmemkv.engine.addressing import BlockTableAddressing
+
+    m = make_manager(kv_backend="paged")
+    req = KVRequest("a", list(range(1, 21)))
+    m.admit(req)
+    m.commit(req)  # no K/V written: only the tables matter here
+    choice = AttentionChoice("flash", kernel=object()) if kind == "flash" else AttentionChoice("sdpa")
+    addressing = BlockTableAddressing(m, torch.device("cpu"), choice)
+    span = addressing.span(req, 0, 1, req.num_computed_tokens)
+    behind = (0, 0, 0) if kind == "flash" else (RELEASED,) * 3
+    assert span.block_table == behind + req.block_table[3:]
+    m.free(req)
+    close_manager(m)
