@@ -52,6 +52,23 @@ class UnknownRequestError(VmemkvError, KeyError):
     """No request with this id is known to the manager (in that state)."""
 
 
+def backend_pages(config: CacheConfig, layout: KVLayout) -> tuple[int, int | None]:
+    """How many physical pages the manager's backend holds, and the hole page's index (or None).
+
+    The pool's pages first. On CPU, slots read in one batched call need filler pages past the
+    pool (``SlotMapper.make_readable``): one slot's worth, owned by no request, touched only where
+    read. On CUDA with a sliding window, pages behind a window point at one "hole" page past
+    those (FlashAttention may load a tile before the window start, and an unmapped address there
+    faults); on CPU they are unmapped (no CPU path reads them)."""
+    pages = config.num_blocks * layout.pages_per_block
+    cuda = str(config.device).startswith("cuda")
+    if config.kv_backend == "vmem" and not cuda:
+        pages += layout.slot_pages(config.max_model_len)
+    if config.kv_backend == "vmem" and cuda and config.sliding_window:
+        return pages + 1, pages
+    return pages, None
+
+
 class ManagerState:
     """The manager's parts and requests, built from a :class:`CacheConfig`, and the invariant
     check over them."""
@@ -80,18 +97,8 @@ class ManagerState:
         self.metrics = metrics
         self._layout = config.make_layout()
         self.tokens_per_page = self._layout.tokens_per_page
-        pool_pages = config.num_blocks * self._layout.pages_per_block
-        # On CPU, slots read in one batched call need filler pages past the pool (SlotMapper.
-        # make_readable): one slot's worth, owned by no request, touched only where read.
-        cpu_vmem = config.kv_backend == "vmem" and not str(config.device).startswith("cuda")
-        filler = self._layout.slot_pages(config.max_model_len) if cpu_vmem else 0
-        # On CUDA, pages behind a window point at one "hole" page past those (FlashAttention may
-        # load a tile before the window start, and an unmapped address there faults); on CPU
-        # they are unmapped (no CPU path reads them).
-        cuda_vmem = config.kv_backend == "vmem" and str(config.device).startswith("cuda")
-        hole = pool_pages + filler if cuda_vmem and self.window else None
-        self.backend = backend or create_backend(config.device, self._layout.page_size,
-                                                 pool_pages + filler + (hole is not None))
+        num_pages, hole = backend_pages(config, self._layout)
+        self.backend = backend or create_backend(config.device, self._layout.page_size, num_pages)
         if metrics is not None:  # the backend reports its map/unmap time to the same collector
             self.backend.metrics = metrics
         self.events = check_sink(events)  # told what enters and leaves the prefix cache
