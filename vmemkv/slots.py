@@ -137,16 +137,16 @@ class SlotBinder:
         self._behind[slot] = 0
 
     # --- pages behind a sliding window -----------------------------------------------------------
-    def unmap_behind(self, slot: int, num_pages: int) -> None:
-        """Make logical pages ``[0, num_pages)`` of ``slot`` read nothing a request owns (mapping
-        state only; may be refused with MappingLimitError, changing nothing). Block tables map
-        nothing."""
+    def unmap_behind(self, slot: int, num_pages: int, first: int = 0) -> None:
+        """Make logical pages ``[first, num_pages)`` of ``slot`` read nothing a request owns
+        (mapping state only; may be refused with MappingLimitError, changing nothing). Block
+        tables map nothing."""
 
     def release_behind(self, slot: int, num_pages: int) -> None:
         """The bound request no longer reads logical pages ``[0, num_pages)``: unmap them (or point
         them at the hole page) and remember it. Refused (MappingLimitError) changing nothing."""
         if num_pages > self._behind[slot]:
-            self.unmap_behind(slot, num_pages)
+            self.unmap_behind(slot, num_pages, self._behind[slot])
             self._behind[slot] = num_pages
 
     def set_behind(self, slot: int, num_pages: int) -> None:
@@ -388,9 +388,9 @@ class SlotMapper(SlotBinder):
             self.stats.unmap_calls += self.backend.stats.unmap_calls - calls
             self.stats.pages_unmapped += len(virtual)
 
-    def unmap_behind(self, slot: int, num_pages: int) -> None:
-        logical = np.arange(num_pages, dtype=np.int64)
-        virtual = self._virtual(np.full(num_pages, slot, dtype=np.int64), logical)
+    def unmap_behind(self, slot: int, num_pages: int, first: int = 0) -> None:
+        logical = np.arange(first, num_pages, dtype=np.int64)
+        virtual = self._virtual(np.full(len(logical), slot, dtype=np.int64), logical)
         if self.hole_page is None:
             self._unmap_mapped(virtual)
             return
