@@ -337,6 +337,7 @@ def test_pages_behind_the_window_point_at_the_hole_page_where_the_backend_needs_
                          tokens_per_page=P, num_blocks=12, max_num_seqs=2, max_model_len=64)
     layout = config.make_layout()
     backend = CpuBackend(layout.page_size, 13)
+    backend.pool_window()[12].fill_(0xFF)  # NaN bytes: the mapper must clear them
     slots = SlotMapper(backend, layout, 2, 64, 12, hole_page=12)
     slot = slots.bind()
     slots.map_blocks(slot, 0, [3, 4, 5, 6])
@@ -345,6 +346,7 @@ def test_pages_behind_the_window_point_at_the_hole_page_where_the_backend_needs_
     slots.check_request(slot, [RELEASED, RELEASED, 5, 6], num_released=2)
     views = slots.kv_views(0)
     assert torch.equal(views[0][slot, 0], views[0][slot, P])  # both read the one hole page
+    assert not views[0][slot, :2 * P].any()  # zeroed: masked rows times 0 stay 0
     del views
     slots.close()
     backend.close()
@@ -372,7 +374,7 @@ def test_a_windowed_manager_on_cuda_reserves_a_hole_page(fake):
 def test_the_block_table_a_kernel_gets_for_released_blocks(kind):
     """The block-table baseline's spans: RELEASED (-1) stays where reads start at the window
     (a stray read of it fails); FlashAttention, which may load a tile before the window start,
-    gets block 0 there (the pool is all mapped; those rows are masked)."""
+    gets the request's first held block there (written K/V, finite; those rows are masked)."""
     from vmemkv.attention.choice import AttentionChoice
     from vmemkv.engine.addressing import BlockTableAddressing
 
@@ -383,7 +385,7 @@ def test_the_block_table_a_kernel_gets_for_released_blocks(kind):
     choice = AttentionChoice("flash", kernel=object()) if kind == "flash" else AttentionChoice("sdpa")
     addressing = BlockTableAddressing(m, torch.device("cpu"), choice)
     span = addressing.span(req, 0, 1, req.num_computed_tokens)
-    behind = (0, 0, 0) if kind == "flash" else (RELEASED,) * 3
+    behind = (req.block_table[3],) * 3 if kind == "flash" else (RELEASED,) * 3
     assert span.block_table == behind + req.block_table[3:]
     m.free(req)
     close_manager(m)

@@ -226,6 +226,8 @@ class SlotMapper(SlotBinder):
                  max_tokens: int, num_blocks: int | None = None, hole_page: int | None = None):
         super().__init__(backend, layout, num_slots, max_tokens, num_blocks)
         self.hole_page = hole_page if hole_page is not None and hole_page < backend.num_pages else None
+        if self.hole_page is not None:  # masked reads of it are multiplied by 0: no NaN there
+            backend.pool_window()[self.hole_page].zero_()
         self.slot_pages = layout.slot_pages(max_tokens)
         self.vrange = backend.reserve(num_slots * self.slot_pages)
         self.page_table = self.vrange.page_table  # the backend keeps it current

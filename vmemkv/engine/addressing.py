@@ -64,8 +64,9 @@ class BlockTableAddressing(Addressing):
         super().__init__(manager, device, choice)
         tokens_per_page = manager.tokens_per_page
         # FlashAttention may load a tile before a sliding window's start: its table points
-        # blocks released behind the window at block 0 (the pool is all mapped; masked out).
-        # The other paths start reading at the window and keep RELEASED (-1), which no read takes.
+        # blocks released behind the window at the request's first held block (written, so
+        # finite: the masked rows are multiplied by 0). The other paths start reading at the
+        # window and keep RELEASED (-1), which no read takes.
         self.fill_released = choice.kind == "flash"
         if choice.kind == "flash":
             kernel = choice.kernel
@@ -78,8 +79,8 @@ class BlockTableAddressing(Addressing):
 
     def span(self, kv: KVRequest, begin: int, count: int, computed: int) -> SequenceSpan:
         table, released = kv.block_table, kv.num_released_blocks
-        if released and self.fill_released:
-            table = (0,) * released + table[released:]
+        if released and self.fill_released and released < len(table):
+            table = (table[released],) * released + table[released:]
         return SequenceSpan(kv.slot, begin, count, computed, table)
 
 
