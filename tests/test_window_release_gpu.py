@@ -4,8 +4,8 @@ request's first held block) and the Triton decode kernel give exactly the tokens
 every block is kept. Everything here skips without CUDA; ``gpu_check.sh`` runs it (``-m gpu``).
 
 A random-weight Mistral of 8 layers x 8 KV heads x 32 dims in float16: 8 KiB a token, so a 2 MiB
-page holds 256 tokens (what FlashAttention-2's block tables need); window 300, 40 + 900 tokens,
-so two blocks are released per request.
+page holds 256 tokens (what FlashAttention-2's block tables need); window 200, 40 + 520 tokens,
+so one block is released per request (about 600 decode steps a run, six runs).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-WINDOW = 300
-NEW_TOKENS = 900
+WINDOW = 200
+NEW_TOKENS = 520
 
 
 def mistral():
@@ -64,9 +64,9 @@ def generate(kv_backend: str, attention: str, release: bool) -> tuple[list[list[
 
 
 @pytest.mark.parametrize("kv_backend,attention", [("vmem", "flash"), ("paged", "flash"),
-                                                  ("vmem", "triton"), ("paged", "triton")])
+                                                  ("vmem", "triton")])
 def test_release_gives_the_tokens_of_keeping_every_block(kv_backend, attention):
     kept, none_released = generate(kv_backend, attention, release=False)
     tokens, released = generate(kv_backend, attention, release=True)
-    assert none_released == 0 and released >= 3 * 2
+    assert none_released == 0 and released >= 3
     assert tokens == kept
