@@ -169,14 +169,15 @@ def write_kv(manager: KVCacheManager, request_id: str, start: int, end: int, sal
         slot_rows(manager, layer, kv, slot)[start:end] = pattern
 
 
-def read_kv_matches(manager: KVCacheManager, request_id: str, salt: int = 0) -> bool:
-    """Whether every computed position of the request reads back its own pattern."""
+def read_kv_matches(manager: KVCacheManager, request_id: str, salt: int = 0, start: int = 0) -> bool:
+    """Whether every computed position of the request from ``start`` on (positions before it
+    may be released behind a sliding window: unmapped) reads back its own pattern."""
     length = manager.num_computed_tokens(request_id)
-    if length == 0:
+    if length <= start:
         return True
     keys = prefix_keys(manager.token_ids(request_id)[:length], salt)
     slot = manager.slot_of(request_id)
-    return all(np.array_equal(slot_rows(manager, layer, kv, slot)[:length], pattern)
+    return all(np.array_equal(slot_rows(manager, layer, kv, slot)[start:length], pattern[start:])
                for layer, kv, pattern in kv_patterns(manager, keys))
 
 

@@ -57,7 +57,10 @@ def computed(m, request_id, token_ids, **kwargs):
 
 
 def all_read_back(m) -> bool:
-    return all(read_kv_matches(m, r) for r in m.request_ids() if not m.is_swapped(r))
+    """Every running request reads back its K/V (from its first block not released behind a
+    sliding window: those are unmapped)."""
+    return all(read_kv_matches(m, r, start=m.request(r).num_released_blocks * m.tokens_per_page)
+               for r in m.request_ids() if not m.is_swapped(r))
 
 
 def pinch(backend) -> None:
@@ -191,6 +194,38 @@ def test_refused_by_the_mapping_budget_evicts_no_cached_page(budgeted, operation
     with pytest.raises(MappingLimitError):
         call()
     assert manager_state(m) == before
+
+
+@pytest.mark.parametrize("operation", ["admit", "fork", "reorder", "swap_in"])
+def test_refusals_with_blocks_released_behind_a_window_change_nothing(budgeted, operation):
+    """A windowed request holds no blocks behind its window (RELEASED, unmapped); a refusal by
+    the mapping budget of any operation meeting them leaves everything as it was, and the same
+    call then succeeds."""
+    m, backend = budgeted(num_blocks=12, swap_space_bytes=8 * 4096, sliding_window=6)
+    computed(m, "a", list(range(500, 520)))  # 5 blocks; the query at 20 reads 15..20
+    assert m.request("a").num_released_blocks == 3
+    computed(m, "b", list(range(100, 103)))  # a's next block will not extend its run
+    if operation == "swap_in":
+        m.preempt("a", "swap")
+    m.slots.reclaim_stale()  # the stale pages of free slots may not be the way out
+    pinch(backend)
+    before = manager_state(m)
+    call = {"admit": lambda: m.admit("c", list(range(500, 520)) + [7]),  # a windowed hit
+            "fork": lambda: m.fork("a", "child"),
+            "reorder": lambda: m.reorder(["a", "b"], ["b", "a"]),
+            "swap_in": lambda: m.swap_in("a")}[operation]
+    with pytest.raises(MappingLimitError):
+        call()
+    assert manager_state(m) == before
+    m.check()
+    assert all_read_back(m)
+    backend.max_mappings = 1000
+    result = call()
+    assert result is not None and result is not False
+    if operation == "admit":
+        assert result == 20 and m.request("c").num_released_blocks == 3  # the window's blocks hit
+    m.check()
+    assert all_read_back(m)
 
 
 # --- 6. a request preempted by recompute and then discarded leaves no trace ------------------------

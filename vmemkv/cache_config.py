@@ -56,6 +56,10 @@ class CacheConfig:
     swap_bytes_per_second: float = 10e9
     prefill_tokens_per_second: float = 10e3
     vocab_size: int | None = None  # when known, token ids are checked against it
+    # Every layer attends only the last ``sliding_window`` tokens (Mistral): blocks wholly behind
+    # the window of every future query are given back while a request runs. None keeps every
+    # block (models with any full-attention layer, or windows differing between layers).
+    sliding_window: int | None = None
 
     def make_layout(self) -> KVLayout:
         shape = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
@@ -96,6 +100,7 @@ class CacheStats:
     host_bytes_promoted: int = 0
     forks: int = 0
     blocks_copied: int = 0  # copy-on-write copies of partial blocks
+    blocks_released_behind_window: int = 0  # given back while running (CacheConfig.sliding_window)
 
     @property
     def pages_copied(self) -> int:

@@ -5,7 +5,7 @@ Used by the engine (``LLMEngine``, through ``EngineConfig.cache_config``), the m
 relies on the engine's :func:`check_attention_supported`) and the transformers integration
 (``vmemkv.integrations.transformers_cache``).
 
-vmemkv keeps every token of a sequence. The engine replaces the model's attention function with
+The engine replaces the model's attention function with
 its own, which applies what transformers passes it per layer: the scaling, a sliding window
 (local and global layers in one model), logit soft-capping and attention sinks
 (``vmemkv.attention.variants``); ``VmemkvCache`` hands every token to the model's own attention,
@@ -54,14 +54,23 @@ def kv_shape(config: Any) -> tuple[int, int, int]:
 
 def cache_config_for(model: Any, max_num_seqs: int, max_model_len: int,
                      num_blocks: int | None = None, *, spare_blocks_per_slot: int = 0,
-                     check_token_ids: bool = False, **options: Any) -> CacheConfig:
+                     check_token_ids: bool = False, release_behind_window: bool = False,
+                     **options: Any) -> CacheConfig:
     """A :class:`CacheConfig` shaped for ``model`` (layers, KV heads, head dim, and the model's
     dtype and device unless ``options`` say otherwise).
 
     ``num_blocks`` defaults to every slot at full length plus ``spare_blocks_per_slot`` (room for
     copy-on-write copies); ``check_token_ids``: the manager checks token ids against the model's
-    vocabulary. Other keyword arguments are ``CacheConfig`` fields (``tokens_per_page``,
-    ``enable_prefix_caching``, ``kv_backend``, ...)."""
+    vocabulary; ``release_behind_window``: the caller's attention reads from each layer's window
+    start (the engine's does; ``VmemkvCache`` hands every token to the model), so when every
+    layer slides with one window shorter than ``max_model_len`` (:func:`uniform_window`), blocks
+    behind it are released while a request runs (``CacheConfig.sliding_window``). Other keyword
+    arguments are ``CacheConfig`` fields (``tokens_per_page``, ``enable_prefix_caching``,
+    ``kv_backend``, ...)."""
+    if release_behind_window and "sliding_window" not in options:
+        window = uniform_window(model.config)
+        if window is not None and window < max_model_len:
+            options["sliding_window"] = window
     num_layers, num_kv_heads, head_dim = kv_shape(model.config)
     if "dtype" not in options:
         options["dtype"] = model.dtype
@@ -93,6 +102,16 @@ def layer_kinds(config: Any) -> list[str]:
     # ``use_sliding_window`` (older Qwen2) slide from layer ``max_window_layers`` up.
     first = getattr(text, "max_window_layers", 0) if hasattr(text, "use_sliding_window") else 0
     return ["full_attention" if i < first else "sliding_attention" for i in range(num_layers)]
+
+
+def uniform_window(config: Any) -> int | None:
+    """The window every layer of ``config`` slides with, or None when some layer attends to every
+    token (a global layer) or the layers' windows differ."""
+    text = text_config(config)
+    window = getattr(text, "sliding_window", None)
+    if not window or any(kind != "sliding_attention" for kind in layer_kinds(text)):
+        return None
+    return int(window)
 
 
 def check_attention_supported(config: Any, max_len: int, *, replaces_attention: bool,

@@ -36,9 +36,10 @@ from .lookahead import LookaheadOps
 from .kv_metrics import timed
 from .manager_state import PrefixCacheBusyError, UnknownRequestError
 from .preemption import PreemptionOps
-from .request import KVRequest
+from .request import RELEASED, KVRequest
 from .sharing import SharingOps
 from .slots import MapJob
+from .window import peak_blocks
 
 _NO_TOKENS = ()  # allocate's default: nothing to check or append
 
@@ -75,7 +76,9 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
     def match_prefix(self, token_ids: "Sequence[int] | KVRequest",
                      keys: CacheKeys = CacheKeys()) -> tuple[list[int], list[bytes]]:
         """Cached blocks holding a prefix of ``token_ids`` (whole blocks, leaving at least one
-        token to compute) and the hashes of all full blocks of ``token_ids``. Given a
+        token to compute) and the hashes of all full blocks of ``token_ids``. With a sliding
+        window, the longest prefix whose blocks its next query's window reads are cached, with
+        ``RELEASED`` (-1) for the blocks before that window (they need not be cached). Given a
         KVRequest, its own tokens and keys, and its hash chain (extended, never recomputed)."""
         self._check_open()
         if not self.config.enable_prefix_caching:
@@ -151,26 +154,30 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         self._check_open()
         return self.slots.is_free(check.slot_index(slot, self.slots.num_slots))
 
-    def blocks_for_tokens(self, num_tokens: int) -> int:
-        """Blocks a request of ``num_tokens`` tokens holds."""
-        return self.layout.logical_pages_for(num_tokens)
+    def blocks_for_tokens(self, num_tokens: int, chunk_tokens: int | None = None) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds at once. With a sliding
+        window and ``chunk_tokens`` (the most tokens computed in one step: a prefill chunk),
+        blocks behind the window are released as it runs, so it holds about the window plus a
+        chunk (``window.peak_blocks``); otherwise every block of its tokens."""
+        return peak_blocks(num_tokens, chunk_tokens, self.window, self.tokens_per_page)
 
-    def why_never_fits(self, num_tokens: int) -> str | None:
-        """None when a request of ``num_tokens`` tokens fits once nothing else is held; otherwise
+    def why_never_fits(self, num_tokens: int, chunk_tokens: int | None = None) -> str | None:
+        """None when a request of ``num_tokens`` tokens (computed in chunks of at most
+        ``chunk_tokens``, as ``blocks_for_tokens``) fits once nothing else is held; otherwise
         which limit it exceeds and what to change."""
         if num_tokens > self.config.max_model_len:
             return (f"{num_tokens} tokens exceed max_model_len {self.config.max_model_len}; "
                     "shorten it or raise max_model_len")
-        blocks = self.blocks_for_tokens(num_tokens)
+        blocks = self.blocks_for_tokens(num_tokens, chunk_tokens)
         if blocks > self.pool.num_blocks:
             return (f"{num_tokens} tokens need {blocks} KV blocks of {self.tokens_per_page} tokens "
                     f"but the pool has {self.pool.num_blocks}; shorten it or give the KV cache more "
                     "memory (num_blocks)")
         return None
 
-    def can_ever_fit(self, num_tokens: int) -> bool:
+    def can_ever_fit(self, num_tokens: int, chunk_tokens: int | None = None) -> bool:
         """Whether a request of ``num_tokens`` tokens fits once nothing else is held."""
-        return self.why_never_fits(num_tokens) is None
+        return self.why_never_fits(num_tokens, chunk_tokens) is None
 
     def cache_stats(self) -> CacheStats:
         """A copy of the counters (prefix hits, preemptions, swap bytes, forks, block copies)."""
@@ -214,15 +221,18 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         if not self._slot_available(slot) or not self._fits_admission(hits, cached + new):
             return None
         # Plan (slot, blocks), map (the one step the mapping budget can refuse), then take.
-        fresh = self.pool.peek(self.layout.logical_pages_for(cached + new) - len(hits), exclude=hits)
-        slot = self.slots.choose(hits[0] if hits else None, slot)
-        self.slots.map_jobs([MapJob(slot, 0, hits + fresh)])
-        self.slots.bind(slot=slot)
-        self.pool.acquire(hits)
+        behind = hits.count(RELEASED)  # a windowed hit: blocks before its window need not be held
+        live = hits[behind:]
+        fresh = self.pool.peek(self.layout.logical_pages_for(cached + new) - len(hits), exclude=live)
+        slot = self.slots.choose(hits[0] if hits and not behind else None, slot)
+        self.slots.unmap_behind(slot, behind)
+        self.slots.map_jobs([MapJob(slot, behind, live + fresh)])
+        self.slots.bind(slot=slot, behind=behind)
+        self.pool.acquire(live)
         req._blocks = hits + self._take_promoting(fresh, host_hits)
         req._num_tokens, req._num_computed = cached + new, cached
         req._num_registered = len(hits) + len(host_hits)
-        req._slot, req._swapped = slot, None
+        req._slot, req._swapped, req._num_released = slot, None, behind
         self._requests[request_id] = req
         repeat = request_id in self._preempted
         self._preempted.discard(request_id)
@@ -286,6 +296,8 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
                     self._register(req, index)
             req._num_registered = full
         req._num_computed = done
+        if self.window:
+            self._release_behind_window(req)
 
     # --- freeing ------------------------------------------------------------------------------------
     @timed
@@ -306,9 +318,10 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         if req._swapped is not None:
             swapped = {index for index, _ in req._swapped}
             self.swap.discard([host for _, host in req._swapped])
-            self.pool.release(reversed([b for i, b in enumerate(req._blocks) if i not in swapped]))
+            self.pool.release(reversed([b for i, b in enumerate(req._blocks)
+                                        if i not in swapped and b != RELEASED]))
         else:
-            self.pool.release(reversed(req._blocks))
+            self.pool.release(reversed(req._blocks[req._num_released:]))
             self.slots.release(req._slot)
         req._reset_allocation()
 

@@ -33,19 +33,20 @@ import torch
 
 from . import validation as check
 from .cache_config import CacheConfig, CacheStats
-from .errors import (ConfigError, InvalidInputError, ManagerClosedError, RequestStateError,
-                     RequestTooLongError, VmemkvError)
+from .errors import (ConfigError, InvalidInputError, ManagerClosedError, MappingLimitError,
+                     RequestStateError, RequestTooLongError, VmemkvError)
 from .hashing import CacheKeys, PrefixHasher
 from .host_tier import HostTier
 from .kv_events import KVEventSink, check_sink
 from .kv_metrics import KVMetricsCollector
 from .layout import KVLayout
 from .pool import BlockPool, EvictedBlock
-from .request import KVRequest
+from .request import RELEASED, KVRequest
 from .slots import SlotMapper, SlotBinder
 from .swap import SwapSpace
 from .vmm import create_backend
 from .vmm.base import VirtualMemoryBackend
+from .window import first_needed_block, windowed_prefix_hits
 
 
 class PrefixCacheBusyError(VmemkvError):
@@ -54,6 +55,23 @@ class PrefixCacheBusyError(VmemkvError):
 
 class UnknownRequestError(VmemkvError, KeyError):
     """No request with this id is known to the manager (in that state)."""
+
+
+def backend_pages(config: CacheConfig, layout: KVLayout) -> tuple[int, int | None]:
+    """How many physical pages the manager's backend holds, and the hole page's index (or None).
+
+    The pool's pages first. On CPU, slots read in one batched call need filler pages past the
+    pool (``SlotMapper.make_readable``): one slot's worth, owned by no request, touched only where
+    read. On CUDA with a sliding window, pages behind a window point at one "hole" page past
+    those (FlashAttention may load a tile before the window start, and an unmapped address there
+    faults); on CPU they are unmapped (no CPU path reads them)."""
+    pages = config.num_blocks * layout.pages_per_block
+    cuda = str(config.device).startswith("cuda")
+    if config.kv_backend == "vmem" and not cuda:
+        pages += layout.slot_pages(config.max_model_len)
+    if config.kv_backend == "vmem" and cuda and config.sliding_window:
+        return pages + 1, pages
+    return pages, None
 
 
 class ManagerState:
@@ -74,18 +92,19 @@ class ManagerState:
     def __init__(self, config: CacheConfig, backend: VirtualMemoryBackend | None = None,
                  metrics: KVMetricsCollector | None = None, events: KVEventSink | None = None):
         self.config = check.config(config)
+        try:
+            check.count(config.sliding_window, "CacheConfig.sliding_window", minimum=1, optional=True)
+        except InvalidInputError as error:
+            raise ConfigError(str(error)) from None
+        self.window = config.sliding_window  # blocks behind it are released (window.py)
         if metrics is not None and not isinstance(metrics, KVMetricsCollector):
             raise ConfigError(f"metrics must be a vmemkv.KVMetricsCollector or None; got "
                               f"{type(metrics).__name__}")
         self.metrics = metrics
         self._layout = config.make_layout()
         self.tokens_per_page = self._layout.tokens_per_page
-        pool_pages = config.num_blocks * self._layout.pages_per_block
-        # On CPU, slots read in one batched call need filler pages past the pool (SlotMapper.
-        # make_readable): one slot's worth, owned by no request, touched only where read.
-        cpu_vmem = config.kv_backend == "vmem" and not str(config.device).startswith("cuda")
-        filler = self._layout.slot_pages(config.max_model_len) if cpu_vmem else 0
-        self.backend = backend or create_backend(config.device, self._layout.page_size, pool_pages + filler)
+        num_pages, hole = backend_pages(config, self._layout)
+        self.backend = backend or create_backend(config.device, self._layout.page_size, num_pages)
         if metrics is not None:  # the backend reports its map/unmap time to the same collector
             self.backend.metrics = metrics
         self.events = check_sink(events)  # told what enters and leaves the prefix cache
@@ -93,9 +112,12 @@ class ManagerState:
         # "vmem": virtually contiguous slots; "paged": the block-table baseline (same pool, same
         # blocks, addressed through each request's block list; nothing is mapped). check.config
         # allowed only these two.
-        addressing = {"vmem": SlotMapper, "paged": SlotBinder}[config.kv_backend]
-        self.slots = addressing(self.backend, self._layout, config.max_num_seqs, config.max_model_len,
-                                config.num_blocks)
+        if config.kv_backend == "vmem":
+            self.slots = SlotMapper(self.backend, self._layout, config.max_num_seqs,
+                                    config.max_model_len, config.num_blocks, hole_page=hole)
+        else:
+            self.slots = SlotBinder(self.backend, self._layout, config.max_num_seqs,
+                                    config.max_model_len, config.num_blocks)
         self.hasher = PrefixHasher(config.hash_algorithm, config.hash_seed)
         self._chain_root = functools.lru_cache(256)(self.hasher.root)  # keys -> root hash, 1 µs saved
         block_bytes = self._layout.block_bytes
@@ -128,7 +150,12 @@ class ManagerState:
         for req in self._requests.values():
             assert req._owner is self, f"{req.request_id} belongs to another manager"
             swapped = {i for i, _ in req._swapped} if req._swapped is not None else set()
-            held = [b for i, b in enumerate(req._blocks) if i not in swapped]
+            released = req._num_released
+            assert all(b == RELEASED for b in req._blocks[:released]), f"{req.request_id}: released run"
+            assert RELEASED not in req._blocks[released:], f"{req.request_id}: a hole past the released run"
+            assert released <= first_needed_block(req._num_computed, self.window, self.tokens_per_page), (
+                f"{req.request_id}: released {released} blocks, its next query reads one of them")
+            held = [b for i, b in enumerate(req._blocks) if i not in swapped and i >= released]
             np.add.at(refs, np.asarray(held, dtype=np.int64), 1)
             assert req._num_computed <= req._num_tokens <= len(req._blocks) * self.tokens_per_page
             # Blocks past the reservation are lookahead: mapped early, private, unhashed (below).
@@ -140,7 +167,7 @@ class ManagerState:
                 assert req._slot is None
                 continue
             bound.append(req._slot)
-            self.slots.check_request(req._slot, req._blocks)
+            self.slots.check_request(req._slot, req._blocks, released)
             for block in req._blocks[req._num_computed // self.tokens_per_page:]:  # writable pages
                 assert self.pool.hash_of[block] is None, f"{req.request_id} can write hashed block {block}"
                 assert self.pool.ref[block] == 1, f"{req.request_id} can write shared block {block}"
@@ -258,7 +285,7 @@ class ManagerState:
 
     def _fits_admission(self, hits: list[int], total: int) -> bool:
         needed = self._layout.logical_pages_for(total) - len(hits)
-        revived = sum(self.pool.ref[b] == 0 for b in hits)  # taken out of the free queue first
+        revived = sum(self.pool.ref[b] == 0 for b in hits if b != RELEASED)  # leave the free queue
         return needed <= self.pool.num_free - revived
 
     def _grow(self, req: KVRequest, num_new_tokens: int) -> None:
@@ -296,7 +323,10 @@ class ManagerState:
             del req._blocks[needed:]
 
     def _cached_blocks(self, hashes: list[bytes], num_tokens: int) -> list[int]:
-        """The cached blocks of the leading ``hashes`` (at least one of ``num_tokens`` left)."""
+        """The cached blocks of the leading ``hashes`` (at least one of ``num_tokens`` left); with
+        a sliding window, ``_windowed_hits``."""
+        if self.window:
+            return self._windowed_hits(hashes[: (num_tokens - 1) // self.tokens_per_page])
         hits = []
         for h in hashes[: (num_tokens - 1) // self.tokens_per_page]:
             block = self.pool.lookup(h)
@@ -304,6 +334,40 @@ class ManagerState:
                 break
             hits.append(block)
         return hits
+
+    def _windowed_hits(self, hashes: list[bytes]) -> list[int]:
+        """The longest prefix of ``hashes`` whose blocks the next query's window reads are all
+        cached (earlier blocks need not be: ``window.windowed_prefix_hits``), as a block list
+        with ``RELEASED`` before the window: ``[RELEASED] * first + cached blocks``."""
+        lookup = self.pool.lookup
+        num_hits, first = windowed_prefix_hits(len(hashes), lambda i: lookup(hashes[i]) is not None,
+                                               self.window, self.tokens_per_page)
+        return [RELEASED] * first + [lookup(h) for h in hashes[first:num_hits]]
+
+    def _release_behind_window(self, req: KVRequest) -> None:
+        """Give back the running request's blocks wholly behind its next query's window (cached
+        ones stay in the prefix cache's LRU) and unmap them from its slot. Opportunistic: if the
+        mapping budget refuses the unmap, nothing changes and a later commit tries again."""
+        released = req._num_released
+        first = min(first_needed_block(req._num_computed, self.window, self.tokens_per_page),
+                    len(req._blocks))
+        if first <= released:
+            return
+        try:
+            self.slots.release_behind(req._slot, first)
+        except MappingLimitError:
+            return
+        blocks = req._blocks
+        # oldest first into the LRU queue: a windowed prefix hit needs the blocks near its end,
+        # so the earliest ones are the first to be evicted
+        self.pool.release(blocks[released:first])
+        blocks[released:first] = [RELEASED] * (first - released)
+        req._num_released = first
+        self.stats.blocks_released_behind_window += first - released
+
+    def _live(self, blocks: list[int]) -> list[int]:
+        """``blocks`` without ``RELEASED`` entries."""
+        return [b for b in blocks if b != RELEASED]
 
     def _prefix_hits(self, req: KVRequest) -> list[int]:
         """``req``'s cached prefix blocks, hashing only blocks its chain does not cover yet."""

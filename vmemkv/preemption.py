@@ -15,7 +15,7 @@ from . import validation as check
 from .cache_config import PreemptionEstimate
 from .kv_metrics import timed
 from .manager_state import ManagerState, UnknownRequestError
-from .request import KVRequest
+from .request import RELEASED, KVRequest
 from .slots import MapJob
 
 
@@ -25,11 +25,11 @@ class PreemptionOps(ManagerState):
     @timed
     def estimate_preemption(self, request: "KVRequest | str") -> PreemptionEstimate:
         req = self._running(request)
-        private = [b for b in self._reserved_blocks(req) if self.pool.ref[b] == 1]
+        private = [b for b in self._live(self._reserved_blocks(req)) if self.pool.ref[b] == 1]
         swap_bytes = len(private) * self.layout.block_bytes
         surviving = 0
         for block in req._blocks:  # a prefix kept alive by other requests will hit again
-            if self.pool.ref[block] > 1 and self.pool.hash_of[block] is not None:
+            if block != RELEASED and self.pool.ref[block] > 1 and self.pool.hash_of[block] is not None:
                 surviving += self.tokens_per_page
             else:
                 break
@@ -56,7 +56,8 @@ class PreemptionOps(ManagerState):
             self._preempted.add(req._request_id)
             self.stats.preemptions_recompute += 1
             return mode
-        private = [i for i, b in enumerate(self._reserved_blocks(req)) if self.pool.ref[b] == 1]
+        private = [i for i, b in enumerate(self._reserved_blocks(req))
+                   if b != RELEASED and self.pool.ref[b] == 1]
         self.swap.check_room(len(private))
         self._trim_lookahead(req)
         host = self.swap.store(self._block_window(), [req._blocks[i] for i in private])
@@ -96,15 +97,17 @@ class PreemptionOps(ManagerState):
             blocks[index] = block
         for index, block in revive.items():
             blocks[index] = block
-        slot = self.slots.choose(blocks[0] if blocks else None)
-        self.slots.map_jobs([MapJob(slot, 0, blocks)])  # refused: the request stays swapped
-        self.slots.bind(slot=slot)
+        behind = req._num_released
+        slot = self.slots.choose(blocks[0] if blocks and not behind else None)
+        self.slots.unmap_behind(slot, behind)  # a free slot's stale mappings: nobody reads them
+        self.slots.map_jobs([MapJob(slot, behind, blocks[behind:])])  # refused: it stays swapped
+        self.slots.bind(slot=slot, behind=behind)
         self.pool.acquire(revive.values())
         self.pool.take(fresh)
         self.swap.load(self._block_window(), [host for _, host in copy], fresh)
         self.swap.discard([host for index, host in req._swapped if index in revive])
         req._blocks = blocks
-        for index, block in zip(range(req._num_registered), req._blocks):
+        for index, block in zip(range(behind, req._num_registered), req._blocks[behind:]):
             if self.pool.hash_of[block] is None:
                 self._register(req, index)
         req._swapped = None

@@ -14,7 +14,10 @@ know about a request, so no component keeps its own copy in sync by counters:
   and never recomputed: a waiting request retried every step, or re-admitted after a recompute
   preemption, is hashed once.
 * the **allocation**: slot, blocks, reserved and computed counts, swapped state. Only the manager
-  writes it; the caller reads it through the read-only properties below. ``free`` and a recompute
+  writes it. With a sliding window (``CacheConfig.sliding_window``) the leading blocks wholly
+  behind the window of every future query are given back while the request runs: their entries
+  in the block list become ``RELEASED`` (-1), always a leading run of ``num_released_blocks``.
+  The caller reads the allocation through the read-only properties below. ``free`` and a recompute
   preemption reset it and keep the hash chain.
 
 A ``KVRequest`` belongs to the first manager that admits it (or is asked to): its hash chain was
@@ -28,13 +31,17 @@ from . import validation as check
 from .errors import InvalidInputError
 from .hashing import CacheKeys
 
+# The block-list entry of a block given back behind a sliding window (no block held there).
+RELEASED = -1
+
 
 class KVRequest:
     """``KVRequest(request_id, token_ids=None, keys=None)``: ``token_ids`` is a list the request
     keeps (not a copy) and the caller appends to; ``keys`` defaults to ``CacheKeys()``."""
 
     __slots__ = ("_request_id", "_token_ids", "_keys", "_hashes", "_num_checked", "_owner",
-                 "_blocks", "_num_tokens", "_num_computed", "_num_registered", "_slot", "_swapped")
+                 "_blocks", "_num_tokens", "_num_computed", "_num_registered", "_slot", "_swapped",
+                 "_num_released")
 
     def __init__(self, request_id: str, token_ids: list[int] | None = None,
                  keys: CacheKeys | None = None):
@@ -55,6 +62,7 @@ class KVRequest:
     def _reset_allocation(self) -> None:
         """Hold nothing (new, freed, or preempted by recompute); the hash chain stays."""
         self._blocks: list[int] = []  # one reference held on each (lookahead blocks at the end)
+        self._num_released = 0  # leading entries of _blocks that are RELEASED (behind the window)
         self._num_tokens = 0  # positions reserved (written or about to be)
         self._num_computed = 0  # positions whose K/V is written
         self._num_registered = 0  # leading full blocks already offered to the prefix cache
@@ -99,8 +107,14 @@ class KVRequest:
 
     @property
     def block_table(self) -> tuple[int, ...]:
-        """The blocks held, in position order (lookahead blocks past the reservation included)."""
+        """The blocks held, in position order (lookahead blocks past the reservation included);
+        blocks released behind a sliding window are ``RELEASED`` (-1)."""
         return tuple(self._blocks)
+
+    @property
+    def num_released_blocks(self) -> int:
+        """Leading blocks given back behind the sliding window (``RELEASED`` in ``block_table``)."""
+        return self._num_released
 
     @property
     def is_running(self) -> bool:

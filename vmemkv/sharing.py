@@ -17,6 +17,7 @@ from .kv_metrics import timed
 from .manager_state import ManagerState
 from .request import KVRequest
 from .slots import MapJob
+from .window import first_needed_block
 
 
 class SharingOps(ManagerState):
@@ -49,10 +50,12 @@ class SharingOps(ManagerState):
         reserved = self._reserved_blocks(parent)
         shared = reserved[:-1] if partial else reserved
         copy = self.pool.peek(1) if partial else []
-        slot = self.slots.choose(reserved[0] if reserved else None, slot)
-        self.slots.map_jobs([MapJob(slot, 0, shared + copy)])
-        self.slots.bind(slot=slot)
-        self.pool.acquire(shared)
+        behind = parent._num_released  # the child's window is the parent's: nothing to share there
+        slot = self.slots.choose(reserved[0] if reserved and not behind else None, slot)
+        self.slots.unmap_behind(slot, behind)
+        self.slots.map_jobs([MapJob(slot, behind, shared[behind:] + copy)])
+        self.slots.bind(slot=slot, behind=behind)
+        self.pool.acquire(shared[behind:])
         if partial:
             copy = [self._copy_of(reserved[-1], *self.pool.take(copy))]
         if not isinstance(child, KVRequest):
@@ -61,7 +64,7 @@ class SharingOps(ManagerState):
         child._keys, child._hashes, child._num_checked = parent._keys, list(parent._hashes), parent._num_checked
         child._owner, child._blocks, child._slot, child._swapped = self, shared + copy, slot, None
         child._num_tokens, child._num_computed = parent._num_tokens, parent._num_computed
-        child._num_registered = parent._num_registered
+        child._num_registered, child._num_released = parent._num_registered, behind
         self._requests[child_id] = child
         self.stats.forks += 1
         return child
@@ -101,23 +104,28 @@ class SharingOps(ManagerState):
         reserved = [self._reserved_blocks(s) for s in sources]
         plans = [blocks[:-1] + [next(fresh)] if copy else list(blocks)
                  for blocks, copy in zip(reserved, copied)]
-        self.slots.map_jobs([MapJob(row._slot, 0, blocks, keep=len(row._blocks))
-                             for row, blocks in zip(rows, plans)])
+        behind = [s._num_released for s in sources]  # a row takes its source's window
+        self.slots.map_jobs([MapJob(row._slot, count, blocks[count:], keep=len(row._blocks))
+                             for row, blocks, count in zip(rows, plans, behind)])
+        for row, count in zip(rows, behind):  # after the refusable step: a row reads these until
+            self.slots.unmap_behind(row._slot, count)  # now; a leading range unmaps, never splits
         snapshots = [(list(s._token_ids), s._num_tokens, s._num_computed, list(s._hashes),
                       s._num_registered, s._keys, s._num_checked) for s in sources]
         self.pool.take([blocks[-1] for blocks, copy in zip(plans, copied) if copy])
-        for blocks, source_blocks, copy in zip(plans, reserved, copied):
-            self.pool.acquire(blocks[:-1] if copy else blocks)
+        for blocks, source_blocks, copy, count in zip(plans, reserved, copied, behind):
+            self.pool.acquire(blocks[count:-1] if copy else blocks[count:])
             if copy:
                 self._copy_of(source_blocks[-1], blocks[-1])
         for row in rows:  # their old blocks, lookahead included
-            self.pool.release(reversed(row._blocks))
-        for row, blocks, (tokens, num_tokens, num_computed, hashes, registered, keys, checked) in zip(
-                rows, plans, snapshots):
+            self.pool.release(reversed(row._blocks[row._num_released:]))
+        for row, blocks, count, (tokens, num_tokens, num_computed, hashes, registered, keys, checked) in zip(
+                rows, plans, behind, snapshots):
             # the keys travel with the content: later block hashes continue the source's chain
             row._token_ids[:] = tokens  # in place: the caller's list stays the request's
             row._keys, row._blocks, row._num_tokens, row._num_computed = keys, blocks, num_tokens, num_computed
             row._hashes, row._num_registered, row._num_checked = hashes, registered, checked
+            row._num_released = count
+            self.slots.set_behind(row._slot, count)
         return True
 
     @timed
@@ -132,6 +140,11 @@ class SharingOps(ManagerState):
         if not num_tokens <= req._num_tokens:
             raise RequestStateError(f"request {req._request_id!r} has {req._num_tokens} tokens; "
                                     f"cannot truncate it to {num_tokens}")
+        if req._num_released > first_needed_block(num_tokens, self.window, self.tokens_per_page):
+            raise RequestStateError(
+                f"request {req._request_id!r}: cannot truncate it to {num_tokens} tokens; its "
+                f"first {req._num_released * self.tokens_per_page} positions were released behind "
+                f"its sliding window of {self.window}, and a query at {num_tokens} reads some")
         blocks = req._blocks
         keep = self.layout.logical_pages_for(num_tokens)
         last = blocks[keep - 1] if keep and num_tokens % self.tokens_per_page else None

@@ -4,10 +4,18 @@ All ``num_slots`` slots live in one reservation, slot ``s`` at virtual pages
 ``[s * slot_pages, (s + 1) * slot_pages)``, so one strided tensor per layer covers every slot
 (``[slot, token, kv_head, dim]``), which is what ``cache_batch_idx``-style kernels want.
 
+Pages behind a request's sliding window (``release_behind``) are unmapped, or point at one shared
+"hole" page where the backend needs the range mapped (CUDA: FlashAttention may load a tile
+before the window start); on CPU an unmapped page faults on a read, the right failure for a bug.
+``_behind[slot]`` counts those leading logical pages, which batched reads leave alone.
+
 Reclamation is deferred: when a request leaves, its slot keeps its mappings, and the next request
 bound there maps only the positions whose block differs. Stale mappings are harmless because a
 request only reads below its length and maps its own block before writing a position. They are
 unmapped only when the OS mapping budget runs short (``reclaim_stale``).
+
+A little over 400 lines: a slot's mappings, its batched-read filler and its pages behind a window
+are one page table, kept consistent in one place.
 """
 
 from __future__ import annotations
@@ -78,6 +86,7 @@ class SlotBinder:
         # the pool's blocks; the backend may hold more pages past them (SlotMapper's filler)
         self.num_blocks = num_blocks or backend.num_pages // layout.pages_per_block
         self._free = list(range(num_slots - 1, -1, -1))  # free slots; choose() takes the lowest
+        self._behind = [0] * num_slots  # leading logical pages behind the bound request's window
         self.stats = SlotStats()
         self._block_views = [self._layer_block_views(layer) for layer in range(layout.num_layers)]
         self._own_references = self._reference_counts()
@@ -114,15 +123,36 @@ class SlotBinder:
             index = self._slot_already_mapping(first_block, index)
         return self._free[index]
 
-    def bind(self, first_block: int | None = None, slot: int | None = None) -> int:
-        """Take the free slot ``choose`` names."""
+    def bind(self, first_block: int | None = None, slot: int | None = None, behind: int = 0) -> int:
+        """Take the free slot ``choose`` names; its first ``behind`` logical pages are behind the
+        request's window (already unmapped by ``unmap_behind``)."""
         slot = self.choose(first_block, slot)
         self._free.remove(slot)
+        self._behind[slot] = behind
         return slot
 
     def release(self, slot: int) -> None:
         """Give a slot back; its mappings stay for the next request."""
         self._free.append(slot)
+        self._behind[slot] = 0
+
+    # --- pages behind a sliding window -----------------------------------------------------------
+    def unmap_behind(self, slot: int, num_pages: int, first: int = 0) -> None:
+        """Make logical pages ``[first, num_pages)`` of ``slot`` read nothing a request owns
+        (mapping state only; may be refused with MappingLimitError, changing nothing). Block
+        tables map nothing."""
+
+    def release_behind(self, slot: int, num_pages: int) -> None:
+        """The bound request no longer reads logical pages ``[0, num_pages)``: unmap them (or point
+        them at the hole page) and remember it. Refused (MappingLimitError) changing nothing."""
+        if num_pages > self._behind[slot]:
+            self.unmap_behind(slot, num_pages, self._behind[slot])
+            self._behind[slot] = num_pages
+
+    def set_behind(self, slot: int, num_pages: int) -> None:
+        """Record that ``slot``'s first ``num_pages`` logical pages are behind its request's
+        window (after ``unmap_behind``, when the request's blocks were replaced)."""
+        self._behind[slot] = num_pages
 
     # --- addressing: a block table needs no mapping ----------------------------------------------
     def _slot_already_mapping(self, first_block: int, default: int) -> int:
@@ -144,8 +174,10 @@ class SlotBinder:
     def reclaim_stale(self, keep: dict[int, int] | None = None) -> None:
         """Nothing is mapped, so nothing is stale."""
 
-    def check_request(self, slot: int, blocks: list[int]) -> None:
+    def check_request(self, slot: int, blocks: list[int], num_released: int = 0) -> None:
         """Assert that ``slot`` addresses ``blocks`` (always true of a block table)."""
+        assert self._behind[slot] == num_released, (
+            f"slot {slot} has {self._behind[slot]} pages behind its window, its request {num_released}")
 
     def kv_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise ConfigError("kv_backend='paged' (a block-table cache) has no slot views; use "
@@ -187,9 +219,15 @@ class SlotBinder:
 
 
 class SlotMapper(SlotBinder):
+    """``hole_page``: the backend's physical page that pages behind a window point at (None:
+    they are unmapped)."""
+
     def __init__(self, backend: VirtualMemoryBackend, layout: KVLayout, num_slots: int,
-                 max_tokens: int, num_blocks: int | None = None):
+                 max_tokens: int, num_blocks: int | None = None, hole_page: int | None = None):
         super().__init__(backend, layout, num_slots, max_tokens, num_blocks)
+        self.hole_page = hole_page if hole_page is not None and hole_page < backend.num_pages else None
+        if self.hole_page is not None:  # masked reads of it are multiplied by 0: no NaN there
+            backend.pool_window()[self.hole_page].zero_()
         self.slot_pages = layout.slot_pages(max_tokens)
         self.vrange = backend.reserve(num_slots * self.slot_pages)
         self.page_table = self.vrange.page_table  # the backend keeps it current
@@ -229,13 +267,13 @@ class SlotMapper(SlotBinder):
         logical = self.layout.logical_pages_for(num_tokens)
         target = min(logical + logical // 4 + 2, self.layout.logical_pages_for(self.max_tokens))
         slot_array = np.asarray(slots, dtype=np.int64)
-        needed = self._virtual(np.repeat(slot_array, logical), np.tile(np.arange(logical), len(slots)))
+        needed = self._readable_pages(slot_array, logical)
         if (self.page_table[needed] >= 0).all():
             self._read_pins.update((slot, logical) for slot in slots)
             return True
         # Fill up to ``target`` pages (a little past what this step reads), so the next steps'
         # longer reads rarely need another map call; consecutive pool pages coalesce.
-        virtual = self._virtual(np.repeat(slot_array, target), np.tile(np.arange(target), len(slots)))
+        virtual = self._readable_pages(slot_array, target)
         physical = self._filler_base + virtual % self.slot_pages
         unmapped = self.page_table[virtual] < 0
         try:
@@ -247,6 +285,15 @@ class SlotMapper(SlotBinder):
         self.stats.pages_filled += int(unmapped.sum())
         self._read_pins.update((slot, logical) for slot in slots)
         return True
+
+    def _readable_pages(self, slots: np.ndarray, num_logical: int) -> np.ndarray:
+        """Virtual pages of logical pages ``[0, num_logical)`` of ``slots`` that a batched read may
+        touch: none behind a slot's window (a batch of members whose windows start apart is
+        attended member by member, from each window start; ``DecodeBatch.window``)."""
+        logical = np.tile(np.arange(num_logical), len(slots))
+        owners = np.repeat(slots, num_logical)
+        ahead = logical >= np.asarray(self._behind, dtype=np.int64)[owners]
+        return self._virtual(owners[ahead], logical[ahead])
 
     def release_reads(self) -> None:
         """The step's batched reads are done: its filler pages may be reclaimed again."""
@@ -332,6 +379,10 @@ class SlotMapper(SlotBinder):
         spans = [(slot, 0) for slot in self._free if slot not in keep] + list(keep.items())
         virtual = [self._virtual_span(slot, start) for slot, start in spans]
         virtual = np.concatenate(virtual) if virtual else np.empty(0, dtype=np.int64)
+        self._unmap_mapped(virtual)
+
+    def _unmap_mapped(self, virtual: np.ndarray) -> None:
+        """Unmap those of ``virtual`` that are mapped."""
         virtual = virtual[self.page_table[virtual] >= 0]
         if len(virtual):
             calls = self.backend.stats.unmap_calls
@@ -339,11 +390,28 @@ class SlotMapper(SlotBinder):
             self.stats.unmap_calls += self.backend.stats.unmap_calls - calls
             self.stats.pages_unmapped += len(virtual)
 
-    def check_request(self, slot: int, blocks: list[int]) -> None:
-        mapped = self.mapped_blocks(slot, len(blocks))
-        expected = self.layout.physical_pages(np.asarray(blocks, dtype=np.int64))
+    def unmap_behind(self, slot: int, num_pages: int, first: int = 0) -> None:
+        logical = np.arange(first, num_pages, dtype=np.int64)
+        virtual = self._virtual(np.full(len(logical), slot, dtype=np.int64), logical)
+        if self.hole_page is None:
+            self._unmap_mapped(virtual)
+            return
+        virtual = virtual[self.page_table[virtual] != self.hole_page]
+        if len(virtual):
+            calls = self.backend.stats.map_calls
+            self.backend.map(self.vrange, virtual, np.full(len(virtual), self.hole_page, dtype=np.int64))
+            self.stats.map_calls += self.backend.stats.map_calls - calls
+
+    def check_request(self, slot: int, blocks: list[int], num_released: int = 0) -> None:
+        super().check_request(slot, blocks, num_released)
+        behind = self.mapped_blocks(slot, num_released)
+        assert ((behind == -1) | (behind == (-1 if self.hole_page is None else self.hole_page))).all(), (
+            f"slot {slot} maps {behind.tolist()} behind its request's window")
+        logical = np.arange(num_released, len(blocks), dtype=np.int64)
+        mapped = self.page_table[self._virtual(np.full(len(logical), slot, dtype=np.int64), logical)]
+        expected = self.layout.physical_pages(np.asarray(blocks[num_released:], dtype=np.int64))
         assert np.array_equal(mapped, expected), (
-            f"slot {slot} maps {mapped.tolist()}, its request owns {blocks}")
+            f"slot {slot} maps {mapped.tolist()} from page {num_released}, its request owns {blocks}")
 
     def mapped_blocks(self, slot: int, num_logical: int) -> np.ndarray:
         """The physical pages the first ``num_logical`` logical pages of ``slot`` point to."""

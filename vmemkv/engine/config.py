@@ -95,5 +95,6 @@ class EngineConfig:
     def cache_config(self, model) -> CacheConfig:
         """The KV cache for ``model`` (a Hugging Face causal LM) under this configuration; without
         ``num_blocks``, enough blocks for every slot at full length."""
-        return cache_config_for(model, check_token_ids=True, dtype=next(model.parameters()).dtype,
+        return cache_config_for(model, check_token_ids=True, release_behind_window=True,
+                                dtype=next(model.parameters()).dtype,
                                 **{name: getattr(self, name) for name in CACHE_FIELDS})

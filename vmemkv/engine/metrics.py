@@ -285,6 +285,9 @@ class _PrefixCacheExporter:
                  "Prompt tokens a cached page shared past the page hits, not served because the "
                  "shared part is shorter than a page")):
             yield CounterMetricFamily(f"vmemkv_prefix_cache_{name}", text, value=value)
+        yield CounterMetricFamily("vmemkv_kv_blocks_released_behind_window", "KV blocks given back "
+                                  "while their request ran, wholly behind its sliding window",
+                                  value=stats.blocks_released_behind_window)
 
 
 def _now(now: float | None) -> float:

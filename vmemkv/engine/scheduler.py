@@ -108,7 +108,8 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and self.manager.num_free_slots:
             seq = self.waiting[0]
-            needed = self.manager.blocks_for_tokens(len(seq.token_ids))
+            # what it will hold at most: with a sliding window, blocks behind it are released
+            needed = self.manager.blocks_for_tokens(len(seq.token_ids), self.config.max_num_batched_tokens)
             if self.running and self.manager.num_free_blocks - needed < self.watermark_blocks:
                 break
             problem = self._never_fits(seq, len(seq.token_ids))
@@ -169,5 +170,5 @@ class Scheduler:
 
     def _never_fits(self, seq: Sequence, num_tokens: int) -> str | None:
         """Why ``seq`` holding ``num_tokens`` tokens can never run, even alone; None if it can."""
-        problem = self.manager.why_never_fits(num_tokens)
+        problem = self.manager.why_never_fits(num_tokens, self.config.max_num_batched_tokens)
         return None if problem is None else f"request {seq.group.request_id!r}: {problem}"

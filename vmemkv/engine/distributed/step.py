@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ...attention import SequenceSpan
 from ...kv_metrics import KVMetricsCollector
 from ...manager import KVCacheManager
+from ...manager_state import backend_pages
 from ...vmm import create_backend
 from ..config import EngineConfig
 from .recorder import BackendRecorder, SwapRecorder
@@ -48,13 +49,10 @@ def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | Non
     # On this rank's own device (cuda:<local rank>; the config says only "cuda").
     cache = replace(config.cache_config(model), device=str(next(model.parameters()).device))
     layout = cache.make_layout()
-    # Sized as the manager sizes its own backend: the pool, plus one slot of filler pages for
-    # batched reads on CPU (manager_state.py). Every rank uses this same function, so any
-    # difference from the manager's own choice would still be the same on every rank.
-    filler = (layout.slot_pages(cache.max_model_len)
-              if cache.kv_backend == "vmem" and not str(cache.device).startswith("cuda") else 0)
+    # Sized as the manager sizes its own backend (the pool, filler pages for batched reads on
+    # CPU, the hole page behind windows on CUDA: manager_state.backend_pages).
     recorder = BackendRecorder(create_backend(cache.device, layout.page_size,
-                                              cache.num_blocks * layout.pages_per_block + filler))
+                                              backend_pages(cache, layout)[0]))
     manager = KVCacheManager(cache, backend=recorder, metrics=metrics, **manager_options)
     manager.swap = SwapRecorder(manager.swap, recorder)
     recorder.take_log()
