@@ -112,6 +112,8 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        if not self.waiting or budget <= 0 or not self.manager.num_free_slots:
+            return  # no one can be admitted (nor passed over)
         lpm = self.lpm
         admitted: list[Sequence] = []
         for seq in self._head_of_queue() if lpm is None else lpm.order(self.waiting, self.running):
