@@ -308,3 +308,42 @@ def test_cli_policy_lpm_and_its_knobs():
 def test_bad_lpm_settings_are_refused(fields):
     with pytest.raises(ConfigError):
         EngineConfig(**fields)
+
+
+# --- the A/B harness: the prefix-groups workload, the same policy for every variant --------------
+@pytest.mark.parametrize("quick", [True, False])
+def test_prefix_groups_pool_is_smaller_than_the_groups_working_set(quick):
+    from vmemkv.ab.workloads import make_workload, pages
+
+    workload = make_workload("prefix-groups", quick=quick)
+    page, engine = workload.tokens_per_page, workload.engine
+    groups: dict[str, list[list[int]]] = {}
+    for request_id, ids, _ in workload.requests:
+        groups.setdefault(request_id.rsplit("-", 1)[0], []).append(ids)
+    shared = {name: next(n for n in range(len(group[0]), 0, -1)
+                         if all(ids[:n] == group[0][:n] for ids in group))
+              for name, group in groups.items()}
+    system_pages = {name: n // page for name, n in shared.items()}
+    assert len(groups) >= 4 and min(system_pages.values()) >= 4
+    longest = max(pages(len(ids) + p.max_tokens, page) for _, ids, p in workload.requests)
+    assert engine["num_blocks"] >= engine["max_num_seqs"] * longest  # every slot can run
+    # but not every group's prefix (and the running requests' own pages) at once
+    own_pages = longest - min(system_pages.values())
+    working_set = sum(system_pages.values()) + engine["max_num_seqs"] * own_pages
+    assert engine["num_blocks"] < working_set
+    order = [request_id.rsplit("-", 1)[0] for request_id, _, _ in workload.requests]
+    assert all(a != b for a, b in zip(order, order[1:]))  # groups take turns
+
+
+def test_ab_runs_every_variant_under_the_policy_asked_and_lpm_hits_more():
+    from vmemkv.ab.runner import run_experiment
+
+    hit_rate = {}
+    for policy in ("fcfs", "lpm"):
+        result = run_experiment(["prefix-groups"], ["vmem", "paged"], repeats=1, quick=True,
+                                progress=False, policy=policy)
+        assert result["config"]["policy"] == policy and not result["failures"]
+        per_variant = result["results"]["prefix-groups"]
+        assert per_variant["paged"]["tokens_equal"]
+        hit_rate[policy] = per_variant["vmem"]["metrics"]["prefix_hit_rate"]["median"]
+    assert hit_rate["lpm"] > hit_rate["fcfs"]
