@@ -116,31 +116,30 @@ def test_priority_ranks_above_the_cached_prefix(make):
     assert run_all(scheduler) == ["X-high", "B-low", "C-low"]
 
 
-@pytest.mark.parametrize("bound", [0, 1, 3])
-def test_a_request_passed_over_bound_steps_goes_next(make, bound):
-    """X (nothing cached) arrives first; a request hitting the cache arrives every step. X is
-    overtaken in exactly ``bound`` steps, then admitted before every later arrival."""
-    scheduler = make(lpm_max_passed_over=bound)
+def stream_past_x(scheduler: Scheduler) -> list[str]:
+    """X (nothing cached) arrives first; then a request hitting the cache arrives every step, 8
+    in all. Returns the admission order over those 8 steps."""
     warm(scheduler)
     scheduler.add(request("X", unique(1)))
     order = []
     for i in range(8):
         scheduler.add(request(f"B{i}", PREFIX + [50, i + 1]))
         order += step(scheduler)
-    order += run_all(scheduler)
+    return order
+
+
+@pytest.mark.parametrize("bound", [0, 1, 3])
+def test_a_request_passed_over_bound_steps_goes_next(make, bound):
+    """X is overtaken in exactly ``bound`` steps, then admitted before every later arrival."""
+    scheduler = make(lpm_max_passed_over=bound)
+    order = stream_past_x(scheduler) + run_all(scheduler)
     assert order.index("X") == bound
     assert order == [f"B{i}" for i in range(bound)] + ["X"] + [f"B{i}" for i in range(bound, 8)]
 
 
 def test_without_a_bound_the_cache_keeps_winning(make):
     scheduler = make(lpm_max_passed_over=100)
-    warm(scheduler)
-    scheduler.add(request("X", unique(1)))
-    order = []
-    for i in range(8):
-        scheduler.add(request(f"B{i}", PREFIX + [50, i + 1]))
-        order += step(scheduler)
-    assert "X" not in order and order == [f"B{i}" for i in range(8)]
+    assert stream_past_x(scheduler) == [f"B{i}" for i in range(8)]
     assert run_all(scheduler) == ["X"]
 
 
@@ -245,6 +244,22 @@ def prefill_counter(engine: LLMEngine) -> list[int]:
     return counted
 
 
+def run_against_hf(engine: LLMEngine, prompts: list[list[int]]) -> list[str]:
+    """Run greedy requests to the end; every one's tokens equal HF's, and nothing is left held.
+    Returns the request ids in the order they finished."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    for i, prompt in enumerate(prompts):
+        assert final[str(i)].outputs[0].token_ids == hf_greedy("tiny-llama", tuple(prompt))
+    engine.manager.check()
+    assert engine.manager.num_blocks_in_use == 0
+    return list(final)
+
+
 @pytest.mark.parametrize("policy,kv_backend", [("lpm", "vmem"), ("lpm", "paged"), ("fcfs", "vmem")])
 def test_a_shared_uncached_system_prompt_is_computed_once(policy, kv_backend):
     engine = LLMEngine(EngineConfig(model="tiny-llama", max_num_seqs=8, max_model_len=256,
@@ -253,18 +268,9 @@ def test_a_shared_uncached_system_prompt_is_computed_once(policy, kv_backend):
     system = [(11 * j) % 250 + 1 for j in range(64)]  # 4 pages
     prompts = [system + [(5 * i + j) % 250 + 1 for j in range(8)] for i in range(6)]
     counted = prefill_counter(engine)
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    final = {}
-    while engine.has_unfinished_requests():
-        final.update({o.request_id: o for o in engine.step() if o.finished})
+    run_against_hf(engine, prompts)
     questions = 6 * 8
     assert counted[0] == (64 + questions if policy == "lpm" else 6 * 64 + questions)
-    for i, prompt in enumerate(prompts):
-        assert final[str(i)].outputs[0].token_ids == hf_greedy("tiny-llama", tuple(prompt))
-    engine.manager.check()
-    assert engine.manager.num_blocks_in_use == 0
     engine.close()
 
 
@@ -278,19 +284,10 @@ def test_lpm_greedy_tokens_equal_hf_under_cache_pressure():
     systems = [[(13 * j + g) % 250 + 1 for j in range(48)] for g in range(3)]
     # (questions whose greedy tokens never reach eos: HF's min_new_tokens bans it, ignore_eos not)
     prompts = [systems[i % 3] + [(3 * i + 5 * j) % 250 + 1 for j in range(6 + i)] for i in range(8)]
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    final = {}
-    while engine.has_unfinished_requests():
-        final.update({o.request_id: o for o in engine.step() if o.finished})
-    assert list(final) != sorted(final)  # reordered by the cache
-    for i, prompt in enumerate(prompts):
-        assert final[str(i)].outputs[0].token_ids == hf_greedy("tiny-llama", tuple(prompt))
-    # FCFS hits only the two pages of 0->3 and 3->6 on this pool (80 tokens): lpm hits 5 requests
+    finished = run_against_hf(engine, prompts)
+    assert finished != sorted(finished)  # reordered by the cache
+    # FCFS hits one page each for requests 3-7 on this pool (80 tokens): lpm hits 5 x 3 pages
     assert engine.manager.cache_stats().prefix_hit_tokens == 5 * 48
-    engine.manager.check()
-    assert engine.manager.num_blocks_in_use == 0
     engine.close()
 
 
