@@ -77,7 +77,7 @@ class LongestPrefixFirst:
         passed = {seq for seq, index in self._position.items() if index < last}
         passed.update(self._held)
         for seq in passed:
-            if seq.status is SequenceStatus.WAITING:  # not admitted, not failed
+            if seq.status is SequenceStatus.WAITING:  # not admitted (a failed one is pruned later)
                 self.passed_over[seq] = self.passed_over.get(seq, 0) + 1
         if len(self.passed_over) > self._prune_at:  # forget requests that left the queue
             self.passed_over = {seq: count for seq, count in self.passed_over.items()
