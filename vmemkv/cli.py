@@ -69,7 +69,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="flash: one FlashAttention-2 call per layer per step (CUDA, fp16/bf16); "
                             "triton: decodes in one Triton launch (CUDA); sdpa: per sequence; "
                             "auto: the first of these that runs here")
-    group.add_argument("--policy", default=None, choices=["fcfs", "priority"], help="scheduling policy")
+    group.add_argument("--policy", default=None, choices=["fcfs", "priority", "lpm"],
+                       help="admission order: fcfs, priority, or lpm (longest cached prefix first, "
+                            "priority still first, a request passed over N steps goes next)")
+    group.add_argument("--lpm-max-passed-over", type=int, default=None,
+                       help="lpm: steps a waiting request can be passed over before it goes next "
+                            "(default 8; 0 is FCFS)")
+    group.add_argument("--lpm-window", type=int, default=None,
+                       help="lpm: waiting requests ranked per step, from the queue's head (default 128)")
     group.add_argument("--lookahead-tokens", type=int, default=None,
                        help="map the page of a decoding request's next N tokens in the background (0: off)")
     group.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -104,6 +111,8 @@ def engine_config_from_args(args: argparse.Namespace):
         "kv_backend": args.kv_backend,
         "layout": args.layout,
         "policy": args.policy,
+        "lpm_max_passed_over": args.lpm_max_passed_over,
+        "lpm_window": args.lpm_window,
         "attention": args.attention,
         "lookahead_tokens": args.lookahead_tokens,
         "kv_events_endpoint": getattr(args, "kv_events_endpoint", None),  # serve only

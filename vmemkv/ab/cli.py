@@ -5,6 +5,7 @@ contiguous) or in block tables, measured side by side.
     vmemkv ab --quick --workloads chat          # smoke run, seconds
     vmemkv ab --model smollm2-135m-instruct     # a real model: real-text chat (chat-real) + pressure
     vmemkv ab --json                            # the JSON on stdout instead of the table
+    vmemkv ab --workloads prefix-groups --policy lpm   # cache-aware scheduling, both variants
     python -m vmemkv.ab.cli ...                 # the same without the `vmemkv` entry point
 
 Results go to ``--out`` (default ``experiments/results/local/ab``, which git ignores, so a run never
@@ -64,6 +65,9 @@ def add_ab_arguments(parser: argparse.ArgumentParser) -> None:
                              "Hub id (owner/name) already in the local Hugging Face cache. Models "
                              "load in float32")
     parser.add_argument("--seed", type=int, default=0, help="workload and model seed")
+    parser.add_argument("--policy", default="fcfs", choices=["fcfs", "priority", "lpm"],
+                        help="scheduling policy, the same for every variant (default fcfs; lpm: "
+                             "longest cached prefix first, see the prefix-groups workload)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for the CUDA VMM backend")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads during the runs (default 1: small ops on a "
@@ -86,7 +90,7 @@ def command_line(args: argparse.Namespace, repeats: int) -> str:
     """The command that reproduces the run, every option spelled out."""
     parts = ["vmemkv", "ab", "--workloads", args.workloads, "--variants", args.variants,
              "--repeats", str(repeats), "--model", args.model, "--seed", str(args.seed),
-             "--threads", str(args.threads), "--out", args.out]
+             "--threads", str(args.threads), "--policy", args.policy, "--out", args.out]
     if args.device != "cpu":
         parts += ["--device", args.device]
     if args.tokens_per_page is not None:
@@ -112,7 +116,7 @@ def run_ab(args: argparse.Namespace) -> int:
     result = run_experiment(workloads, variants, repeats=repeats, quick=args.quick,
                             model_name=args.model, seed=args.seed, threads=args.threads,
                             progress=not args.no_progress, device=args.device,
-                            tokens_per_page=args.tokens_per_page)
+                            tokens_per_page=args.tokens_per_page, policy=args.policy)
     machine = report.machine_info()
     machine["load_average_at_start"] = machine_before["load_average_1_5_15"]
     result["machine"] = machine

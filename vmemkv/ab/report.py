@@ -241,7 +241,8 @@ def markdown(result: dict) -> str:
              (f"Model `{config['model']}`, {config['repeats']} repeat(s) per variant (variants "
              f"alternating, rotated each repeat), seed {config['seed']}, torch threads "
              f"{config['torch_threads']}{', quick sizes' if config['quick'] else ''}, "
-             f"device {config.get('device', 'cpu')}, workloads sized for pages of "
+             f"device {config.get('device', 'cpu')}, policy {config.get('policy', 'fcfs')}, "
+             f"workloads sized for pages of "
              f"{config.get('workload_tokens_per_page', 16)} tokens; "
              f"whole run {result['runtime_s']:.0f} s."), "",
              "## Results", "", markdown_table(result), "",

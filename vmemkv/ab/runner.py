@@ -218,12 +218,14 @@ def workload_page(page_tokens: dict[str, int]) -> int:
 def run_experiment(workloads: list[str], variants: list[str], repeats: int = 3, quick: bool = False,
                    model_name: str = "tiny-llama", seed: int = 0, threads: int | None = 1,
                    progress: bool = True, device: str = "cpu",
-                   tokens_per_page: int | None = None) -> dict:
+                   tokens_per_page: int | None = None, policy: str = "fcfs") -> dict:
     """Every workload on every variant, ``repeats`` times, variants alternating; returns the
     results dict that ``report`` formats (medians with min-max, checks, raw runs).
 
     The workloads are sized for the engine's real page, read from each variant's warmup engine
-    (``tokens_per_page`` only asks for one: EngineConfig.tokens_per_page)."""
+    (``tokens_per_page`` only asks for one: EngineConfig.tokens_per_page). ``policy``, the
+    scheduling policy (EngineConfig.policy), is the same for every variant, so the A/B still
+    compares only the addressing."""
     from tqdm.auto import tqdm
 
     for name in variants:
@@ -233,7 +235,9 @@ def run_experiment(workloads: list[str], variants: list[str], repeats: int = 3, 
         make_workload(name, seed, quick)  # unknown names fail before the model loads
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    overrides = {} if tokens_per_page is None else {"tokens_per_page": tokens_per_page}
+    overrides = {"policy": policy}
+    if tokens_per_page is not None:
+        overrides["tokens_per_page"] = tokens_per_page
     previous_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -267,6 +271,7 @@ def run_experiment(workloads: list[str], variants: list[str], repeats: int = 3, 
     return summarize(built, variants, runs, time.perf_counter() - began,
                      {"workloads": workloads, "variants": variants, "repeats": repeats,
                       "quick": quick, "model": model_name, "seed": seed, "device": device,
+                      "policy": policy,
                       "torch_threads": threads or previous_threads,
                       "tokens_per_page": page_tokens, "workload_tokens_per_page": page})
 

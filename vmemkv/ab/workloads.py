@@ -225,6 +225,35 @@ def long_context(seed: int = 0, quick: bool = False,
                      "max_num_batched_tokens": 1024}, tokens_per_page=tokens_per_page)
 
 
+def prefix_groups(seed: int = 0, quick: bool = False,
+                  tokens_per_page: int = DEFAULT_TOKENS_PER_PAGE) -> Workload:
+    """Many groups sharing long system prompts, arriving interleaved (one request of each group in
+    turn), on a pool smaller than the groups' working set: the running requests plus about two
+    groups' system prompts. Which group runs next decides what the prefix cache keeps: the
+    workload that ``--policy lpm`` is for (FCFS cycles through the groups, evicting each prefix
+    before its group comes back)."""
+    rng = random.Random(f"prefix-groups-{seed}")
+    groups, per_group, slots, output = (6, 3, 2, 8) if quick else (8, 6, 4, 16)
+    system_pages = max(2, min(4 if quick else 8, 1024 // tokens_per_page))
+    system_len = system_pages * tokens_per_page
+    systems = [_tokens(rng, system_len) for _ in range(groups)]
+    requests = []
+    for q in range(per_group):
+        for g in range(groups):
+            question = _tokens(rng, rng.randint(8, 24))
+            requests.append((f"group-{g}-{q}", systems[g] + question, _greedy(output)))
+    longest = max(pages(len(ids) + output, tokens_per_page) for _, ids, _ in requests)
+    num_blocks = slots * longest + 2 * system_pages
+    return Workload("prefix-groups", f"{groups} groups x {per_group} questions (8-24 tokens) after "
+                    f"each group's {system_len}-token system prompt ({system_pages} pages), groups "
+                    f"taking turns, {output} output tokens, greedy, on a {num_blocks}-page pool "
+                    f"({slots} requests running plus about 2 of the {groups} system prompts)",
+                    requests, {"max_num_seqs": slots, "max_model_len": max(1024, system_len + 64),
+                               "num_blocks": num_blocks,
+                               "max_num_batched_tokens": slots * system_len},
+                    tokens_per_page=tokens_per_page)
+
+
 # --- real text: chat-real ----------------------------------------------------------------------------
 CHAT_PROMPTS = "chat_prompts.json"  # in vmemkv/ab/data/, package data
 
@@ -321,6 +350,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "pressure": pressure,
     "long-context": long_context,
     "chat-real": chat_real,
+    "prefix-groups": prefix_groups,
 }
 # Workloads built from text: make_workload passes them the model's tokenizer.
 TEXT_WORKLOADS = frozenset({"chat-real"})

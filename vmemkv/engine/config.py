@@ -42,7 +42,11 @@ class EngineConfig:
     # host memory for the prefix cache's host tier (evicted cached pages wait there); 0: none
     host_cache_bytes: int = CacheConfig.host_cache_bytes
     seed: int = 0
-    policy: Literal["fcfs", "priority"] = "fcfs"
+    # "lpm": longest cached prefix first (engine/lpm.py), priority still first; a request passed
+    # over in lpm_max_passed_over steps goes next; only the first lpm_window waiting are ranked
+    policy: Literal["fcfs", "priority", "lpm"] = "fcfs"
+    lpm_max_passed_over: int = 8
+    lpm_window: int = 128
     watermark: float = 0.01  # fraction of blocks kept free at admission to avoid instant preemption
     layout: Literal["token_major", "per_layer"] = CacheConfig.layout
     # virtually contiguous slots, or block tables
@@ -71,8 +75,12 @@ class EngineConfig:
                               "max_model_len at least 2")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ConfigError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
-        if self.policy not in ("fcfs", "priority"):
-            raise ConfigError(f"policy must be fcfs or priority, got {self.policy!r}")
+        if self.policy not in ("fcfs", "priority", "lpm"):
+            raise ConfigError(f"policy must be fcfs, priority or lpm, got {self.policy!r}")
+        if (type(self.lpm_max_passed_over) is not int or self.lpm_max_passed_over < 0
+                or type(self.lpm_window) is not int or self.lpm_window < 1):
+            raise ConfigError(f"lpm_max_passed_over must be an int >= 0 and lpm_window an int >= 1; "
+                              f"got {self.lpm_max_passed_over!r}, {self.lpm_window!r}")
         if self.attention not in ("auto", "flash", "triton", "sdpa"):
             raise ConfigError(f"attention must be auto, flash, triton or sdpa, got {self.attention!r}")
         if self.attention in ("flash", "triton") and not str(self.device).startswith("cuda"):

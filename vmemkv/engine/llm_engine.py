@@ -127,7 +127,8 @@ class LLMEngine:
             raise RequestTooLongError(
                 f"request {request_id!r} has {len(token_ids)} prompt tokens; max_model_len is {limit} "
                 "and at least one token must be generated: shorten the prompt or raise max_model_len")
-        problem = self.manager.why_never_fits(len(token_ids) + 1)  # the prompt and one new token
+        # the prompt and one new token (with a sliding window: the window and one prefill chunk)
+        problem = self.manager.why_never_fits(len(token_ids) + 1, self.config.max_num_batched_tokens)
         if problem is not None:
             raise RequestTooLongError(f"request {request_id!r}: {problem}")
 

@@ -4,7 +4,9 @@ Continuous batching under a per-step token budget (prefill is chunked to fit it)
 running sequences first, in priority order; when one cannot grow, the lowest-priority, latest
 sequence is preempted (swap or recompute, as configured) until it can. Then swapped sequences come
 back; then, only if none are left swapped, waiting sequences are admitted while slots, the budget
-and a free-block watermark allow. The KV cache manager does what it is told.
+and a free-block watermark allow: in arrival order (FCFS), by priority then arrival
+(``priority``), or longest cached prefix first with a bound on how long a request is passed over
+(``lpm``, ``lpm.py``). The KV cache manager does what it is told.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from ..errors import MappingLimitError
 from ..manager import KVCacheManager
 from .config import EngineConfig
+from .lpm import LongestPrefixFirst
 from .sequence import Sequence, SequenceStatus
 
 
@@ -38,6 +41,9 @@ class Scheduler:
         self.swapped: list[Sequence] = []
         self.num_preemptions = 0
         self.watermark_blocks = int(config.watermark * manager.num_blocks)
+        # --policy lpm: cache-aware admission order with a starvation bound (lpm.py)
+        self.lpm = (LongestPrefixFirst(manager, config.lpm_window, config.lpm_max_passed_over)
+                    if config.policy == "lpm" else None)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -59,7 +65,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput([], [])
         budget = self.config.max_num_batched_tokens
-        if self.config.policy == "priority":
+        if self.config.policy in ("priority", "lpm"):
             self.waiting.sort(key=Sequence.sort_key)
         self.running.sort(key=Sequence.sort_key)
         budget = self._schedule_running(budget, out)
@@ -106,15 +112,22 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
-        while self.waiting and budget > 0 and self.manager.num_free_slots:
-            seq = self.waiting[0]
+        if not self.waiting or budget <= 0 or not self.manager.num_free_slots:
+            return  # no one can be admitted (nor passed over)
+        lpm = self.lpm
+        admitted: list[Sequence] = []
+        for seq in self._head_of_queue() if lpm is None else lpm.order(self.waiting, self.running):
+            if budget <= 0 or not self.manager.num_free_slots:
+                break
+            if lpm is not None and lpm.holds_back(seq):
+                continue  # its next block is being computed: it will hit it instead
             # what it will hold at most: with a sliding window, blocks behind it are released
             needed = self.manager.blocks_for_tokens(len(seq.token_ids), self.config.max_num_batched_tokens)
             if self.running and self.manager.num_free_blocks - needed < self.watermark_blocks:
                 break
             problem = self._never_fits(seq, len(seq.token_ids))
             if problem is not None:
-                self.waiting.pop(0)
+                self.waiting.remove(seq)
                 out.failed.append((seq, problem))
                 continue
             try:
@@ -123,18 +136,28 @@ class Scheduler:
             except MappingLimitError as error:
                 if self.running or out.scheduled:
                     break  # mapping pressure: wait for running requests to leave
-                self.waiting.pop(0)  # alone and still refused: it can never be mapped
+                self.waiting.remove(seq)  # alone and still refused: it can never be mapped
                 out.failed.append((seq, str(error)))
                 continue
             if cached is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             seq.group.num_cached_tokens = max(seq.group.num_cached_tokens, cached)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             count = seq.kv.num_tokens - cached
             out.scheduled.append(ScheduledSeq(seq, count))
             budget -= count
+            admitted.append(seq)
+            if lpm is not None:
+                lpm.admitted(seq, cached)
+        if lpm is not None:
+            lpm.end_step(admitted)
+
+    def _head_of_queue(self):
+        """FCFS and priority: the waiting queue's head, until the loop stops taking it away."""
+        while self.waiting:
+            yield self.waiting[0]
 
     # --- mechanics -------------------------------------------------------------------------------
     def _allocate(self, seq: Sequence, count: int) -> bool:
