@@ -273,7 +273,7 @@ class EventMachine(RuleBasedStateMachine):
         hasher = self.m.hasher
         roots = [event.parent_block_hash] if event.parent_block_hash else [
             hasher.root(CacheKeys(cache_salt=salt)) for salt in SALTS]
-        assert any(hasher.page_hashes(event.token_ids, TOKENS_PER_PAGE, CacheKeys(), parent=root)
+        assert any(hasher.block_hashes(event.token_ids, TOKENS_PER_PAGE, CacheKeys(), parent=root)
                    == event.block_hashes for root in roots)
 
     def teardown(self):

@@ -227,7 +227,7 @@ def test_padded_layouts_address_the_right_bytes(case):
     # no write touched a padding byte of any page
     pages = window.view(-1, tpp, stride)
     assert bool((pages[:, :, layout.row_data_bytes:] == SENTINEL).all())
-    assert manager.snapshot_stats()["pages_copied"] == 1
+    assert manager.snapshot_stats()["blocks_copied"] == 1
     manager.check()
     del window, pages, row  # close() refuses while views of the memory are held
     manager.close()

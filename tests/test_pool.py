@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from vmemkv import BlockPool, OutOfPagesError, PageStateError
+from vmemkv import BlockPool, BlockStateError, OutOfBlocksError
 
 
 def h(i: int) -> bytes:
@@ -79,9 +79,9 @@ def test_acquire_of_a_clean_block_is_refused_without_side_effects():
     pool.allocate(2)
     cache(pool, [0])
     before = snapshot(pool)
-    with pytest.raises(PageStateError, match="clean"):
+    with pytest.raises(BlockStateError, match="clean"):
         pool.acquire([0, 3])  # 0 is cached (fine), 3 is clean: nothing changes
-    with pytest.raises(PageStateError, match="outside"):
+    with pytest.raises(BlockStateError, match="outside"):
         pool.acquire([1, 7])
     assert snapshot(pool) == before
 
@@ -111,9 +111,9 @@ def test_register_duplicates_and_rules():
     assert pool.register(0, h(1)) is True  # the same content again: fine
     assert pool.register(1, h(1)) is False  # another block already holds it
     assert pool.hash_of[1] is None and pool.lookup(h(1)) == 0
-    with pytest.raises(PageStateError, match="other hashed content"):
+    with pytest.raises(BlockStateError, match="other hashed content"):
         pool.register(0, h(2))
-    with pytest.raises(PageStateError, match="free"):
+    with pytest.raises(BlockStateError, match="free"):
         pool.register(3, h(3))
     pool.release([1])
     assert pool.num_clean == 2  # the duplicate was never hashed, so it came back clean
@@ -140,13 +140,13 @@ def test_double_free_raises_with_nothing_changed():
     pool.register(0, h(0))
     pool.acquire([0])
     before = snapshot(pool)
-    with pytest.raises(PageStateError, match="double free"):
+    with pytest.raises(BlockStateError, match="double free"):
         pool.release([2, 1, 1])  # 2 and the first 1 would be fine; nothing may change
-    with pytest.raises(PageStateError, match="double free"):
+    with pytest.raises(BlockStateError, match="double free"):
         pool.release([0, 0, 0])
-    with pytest.raises(PageStateError, match="double free"):
+    with pytest.raises(BlockStateError, match="double free"):
         pool.release([3])
-    with pytest.raises(PageStateError, match="outside"):
+    with pytest.raises(BlockStateError, match="outside"):
         pool.release([1, -1])
     assert snapshot(pool) == before
     pool.check()
@@ -157,18 +157,18 @@ def test_exhausting_the_pool_raises_with_nothing_changed():
     pool.allocate(2)
     cache(pool, [1])
     before = snapshot(pool)
-    with pytest.raises(OutOfPagesError, match="asked for 4 blocks, 3 free"):
+    with pytest.raises(OutOfBlocksError, match="asked for 4 blocks, 3 free"):
         pool.allocate(4)
     assert snapshot(pool) == before
     assert pool.allocate(3) == [2, 3, 1]
-    with pytest.raises(OutOfPagesError):
+    with pytest.raises(OutOfBlocksError):
         pool.allocate(1)
     assert pool.allocate(0) == []
     pool.check()
 
 
 def test_a_pool_needs_blocks():
-    with pytest.raises(PageStateError):
+    with pytest.raises(BlockStateError):
         BlockPool(0)
 
 
@@ -218,7 +218,7 @@ class PoolMachine(RuleBasedStateMachine):
         clean = self.clean()
         if n > len(clean) + len(self.lru):
             before = snapshot(self.pool)
-            with pytest.raises(OutOfPagesError):
+            with pytest.raises(OutOfBlocksError):
                 self.pool.allocate(n)
             assert snapshot(self.pool) == before
             return
@@ -238,7 +238,7 @@ class PoolMachine(RuleBasedStateMachine):
         blocks = data.draw(st.lists(st.sampled_from(candidates), max_size=4))
         if any(self.ref[p] == 0 and p not in self.hash_of for p in blocks):
             before = snapshot(self.pool)
-            with pytest.raises(PageStateError):
+            with pytest.raises(BlockStateError):
                 self.pool.acquire(blocks)
             assert snapshot(self.pool) == before
             return
@@ -254,7 +254,7 @@ class PoolMachine(RuleBasedStateMachine):
         if not blocks or any(count > self.ref[p] for p, count in Counter(blocks).items()):
             if blocks:  # a release of more references than held
                 before = snapshot(self.pool)
-                with pytest.raises(PageStateError):
+                with pytest.raises(BlockStateError):
                     self.pool.release(blocks)
                 assert snapshot(self.pool) == before
             return
@@ -271,7 +271,7 @@ class PoolMachine(RuleBasedStateMachine):
         digest = h(content)
         if block in self.hash_of:
             if self.hash_of[block] != digest:
-                with pytest.raises(PageStateError):
+                with pytest.raises(BlockStateError):
                     self.pool.register(block, digest)
             else:
                 assert self.pool.register(block, digest) is True
@@ -286,7 +286,7 @@ class PoolMachine(RuleBasedStateMachine):
     def register_free_block_is_refused(self, data):
         free = self.lru + self.clean()
         if free:
-            with pytest.raises(PageStateError):
+            with pytest.raises(BlockStateError):
                 self.pool.register(data.draw(st.sampled_from(free)), h(99))
 
     @rule()

@@ -129,7 +129,7 @@ def test_a_subscriber_rebuilds_the_cache_from_the_event_stream():
     roots = {engine.manager.hasher.root(CacheKeys(cache_salt=tenant_salt(key))) for key in KEYS}
     for block_hash, (parent, tokens) in rebuilt.items():
         candidates = [parent] if parent is not None else roots
-        assert any(engine.manager.hasher.page_hashes(tokens, 16, CacheKeys(), parent=root)
+        assert any(engine.manager.hasher.block_hashes(tokens, 16, CacheKeys(), parent=root)
                    == [block_hash] for root in candidates)
     # and the first block of each prompt still cached holds that prompt's first 16 tokens
     first_blocks = {tuple(tokens) for parent, tokens in rebuilt.values() if parent is None}
