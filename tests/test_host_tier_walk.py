@@ -24,11 +24,13 @@ class HostTierMachine(RuleBasedStateMachine):
     """Requests with shared prefixes and three tenants through a device pool too small for them,
     so blocks keep moving to the host tier and back."""
 
+    window: int | None = None  # CacheConfig.sliding_window
+
     def __init__(self):
         super().__init__()
         config = tiny_config(**{**FP32, "num_blocks": 6, "max_model_len": 24, "max_num_seqs": 2,
                                 "host_cache_bytes": 16 * BLOCK_BYTES,
-                                "swap_space_bytes": 3 * BLOCK_BYTES})
+                                "swap_space_bytes": 3 * BLOCK_BYTES, "sliding_window": self.window})
         self.events = KVEventBuffer()
         self.m = KVCacheManager(config, events=self.events)
         self.device_index: set[bytes] = set()
@@ -37,6 +39,14 @@ class HostTierMachine(RuleBasedStateMachine):
         self.swapped: set[str] = set()
         self.next_id = 0
         self.history: list[tuple[tuple[int, ...], str | None]] = []  # prompts admitted
+
+    def reads_back(self, request_id: str) -> bool:
+        """Its K/V reads back bit for bit (with a window: from the next query's window start;
+        blocks wholly before it may be released, unmapped)."""
+        start = 0
+        if self.window:
+            start = max(0, self.m.num_computed_tokens(request_id) - self.window + 1)
+        return read_kv_matches(self.m, request_id, TENANTS[self.salts[request_id]], start)
 
     def running(self) -> list[str]:
         return sorted(r for r in self.salts if r not in self.swapped)
@@ -75,7 +85,7 @@ class HostTierMachine(RuleBasedStateMachine):
             return
         self.history.append((tuple(tokens), salt))
         self.salts[request_id] = salt
-        assert read_kv_matches(self.m, request_id, TENANTS[salt])  # the hits, bit for bit
+        assert self.reads_back(request_id)  # the hits, bit for bit
         write_kv(self.m, request_id, cached, len(tokens), TENANTS[salt])
         self.m.commit(request_id)
 
@@ -126,7 +136,7 @@ class HostTierMachine(RuleBasedStateMachine):
     @invariant()
     def every_request_reads_its_own_kv_and_nothing_leaks(self):
         for request_id in self.running():
-            assert read_kv_matches(self.m, request_id, TENANTS[self.salts[request_id]])
+            assert self.reads_back(request_id)
         self.m.check()  # device blocks and host rows (swapped + tier + free = total)
 
     @invariant()
@@ -154,3 +164,17 @@ class HostTierMachine(RuleBasedStateMachine):
 test_host_tier_random_walk = pytest.mark.filterwarnings("ignore")(HostTierMachine.TestCase)
 HostTierMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                              suppress_health_check=[HealthCheck.too_slow])
+
+
+class WindowedHostTierMachine(HostTierMachine):
+    """The same walk for a sliding-window model: blocks behind each request's window go back to
+    the pool while it runs (and may be demoted to the host tier from there), windowed prefix hits
+    map only the window's blocks."""
+
+    window = 6
+
+
+test_host_tier_random_walk_with_a_sliding_window = pytest.mark.filterwarnings("ignore")(
+    WindowedHostTierMachine.TestCase)
+WindowedHostTierMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
