@@ -55,6 +55,7 @@ class HostTier:
         self.events = events
         self.stats = stats
         self._entries: OrderedDict[bytes, HostEntry] = OrderedDict()
+        self._claimed: frozenset[bytes] = frozenset()  # taken out for a promotion in progress
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -78,9 +79,12 @@ class HostTier:
     # --- demotion ----------------------------------------------------------------------------------
     def demote(self, store: SwapSpace, window: torch.Tensor, evicted: list[EvictedBlock]) -> None:
         """Copy evicted device blocks to host rows (rows of ``window`` still intact). A hash the
-        tier already holds is only made most recent."""
+        tier already holds is only made most recent; one it is promoting right now (the device
+        also held a copy, which this promotion's own allocation evicted) is not stored twice."""
         blocks, hashes, origins, dropped = [], [], [], []
         for block, block_hash, origin in evicted:
+            if block_hash in self._claimed:
+                continue
             if block_hash in self._entries:
                 self._entries.move_to_end(block_hash)
                 continue
@@ -111,12 +115,14 @@ class HostTier:
     def claim(self, hashes: list[bytes]) -> list[HostEntry]:
         """Take the entries of ``hashes`` (all held: ``leading_hits``) out of the LRU for a
         promotion about to happen; nothing can evict them until ``promote``."""
+        self._claimed = frozenset(hashes)
         return [self._entries.pop(block_hash) for block_hash in hashes]
 
     def promote(self, store: SwapSpace, window: torch.Tensor, hashes: list[bytes],
                 claimed: list[HostEntry], blocks: list[int]) -> list[BlockOrigin]:
         """Copy claimed entries into device ``blocks`` and free their rows; returns their
         origins, for the caller to register the blocks in the device pool."""
+        self._claimed = frozenset()
         if not claimed:
             return []
         store.load(window, [entry.row for entry in claimed], blocks)
