@@ -17,6 +17,9 @@ rendered through the model's tokenizer and its chat template, so every request o
 starts with the same system-prompt tokens and hits its pages in the prefix cache. It needs the
 model's tokenizer (``make_workload(..., tokenizer=...)``; the runner passes it); without one the
 text is taken as bytes, the built-in random-weight models' vocabulary.
+
+(Over 400 lines on purpose: one short function per workload beside the shared helpers and the
+registry, so their sizing reads side by side.)
 """
 
 from __future__ import annotations
