@@ -197,3 +197,92 @@ def test_quick_run_on_coarse_pages_still_hits_and_preempts(tmp_path, capsys):
 def test_unknown_names_are_refused(capsys):
     assert main(["--quick", "--workloads", "chat,nope"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+# --- the host tier and tensor parallelism, applied to every variant -----------------------------
+@pytest.mark.parametrize("page", PAGE_TOKENS)
+def test_multi_turn_resends_each_conversation_and_its_traffic_outgrows_the_pool(page):
+    workload = make_workload("multi-turn", quick=True, tokens_per_page=page)
+    prompts = dict((rid, ids) for rid, ids, _ in workload.requests)
+    turns = sorted(rid for rid in prompts if rid.startswith("turn-"))
+    for rid in turns:  # turn t re-sends turn t-1's prompt (and a recorded answer) first
+        chat, turn = map(int, rid.split("-")[1:])
+        if turn:
+            previous = prompts[f"turn-{chat}-{turn - 1}"]
+            assert prompts[rid][:len(previous)] == previous and len(prompts[rid]) > len(previous)
+    order = [rid for rid, _, _ in workload.requests]
+    assert order.index("traffic-0-0") < order.index("turn-0-1")  # traffic between two turns
+    engine = workload.engine
+    running = engine["max_num_seqs"] * max(pages(len(ids) + p.max_tokens, page)
+                                           for _, ids, p in workload.requests)
+    traffic = sum(pages(len(ids), page) for rid, ids, _ in workload.requests
+                  if rid.startswith("traffic-0-"))
+    # the running requests always fit (no preemption), but not one round of traffic beside them
+    assert running <= engine["num_blocks"] < running + traffic
+
+
+def test_the_host_tier_turns_multi_turn_evictions_into_hits_for_every_variant(capsys):
+    def run(host_cache_bytes: int) -> dict:
+        status = main(["--quick", "--json", "--no-progress", "--no-plots", "--variants",
+                       "vmem,paged", "--workloads", "multi-turn", "--out", "",
+                       "--host-cache-bytes", str(host_cache_bytes)])
+        result = json.loads(capsys.readouterr().out)
+        assert status == 0 and result["failures"] == []
+        assert result["config"]["host_cache_bytes"] == host_cache_bytes
+        return {v: {k: s["median"] for k, s in data["metrics"].items()}
+                for v, data in result["results"]["multi-turn"].items()}
+
+    without, with_tier = run(0), run(1 << 24)
+    for variant in ("vmem", "paged"):
+        assert without[variant]["evictions"] > 0
+        assert without[variant]["host_promotions"] == without[variant]["prefix_hit_rate_host"] == 0
+        assert with_tier[variant]["host_promotions"] > 0
+        assert with_tier[variant]["prefix_hit_rate_host"] > 0
+        assert with_tier[variant]["prefix_hit_rate"] > without[variant]["prefix_hit_rate"]
+    assert with_tier["vmem"]["prefix_hit_rate"] == with_tier["paged"]["prefix_hit_rate"]
+
+
+def test_bad_host_tier_and_rank_counts_are_refused(capsys):
+    assert main(["--quick", "--host-cache-bytes", "-1"]) == 2
+    assert main(["--quick", "--tensor-parallel-size", "0"]) == 2
+    assert capsys.readouterr().err.count("--tensor-parallel-size") == 2
+
+
+@pytest.mark.spawns
+def test_two_ranks_give_the_tokens_and_hits_of_one():
+    """One quick workload on the vmem variant, once on one rank and once on two (the engine
+    starts the second rank and every rank loads the model by name)."""
+    from vmemkv.ab.runner import run_once
+    from vmemkv.engine.models import load_model
+
+    model, tokenizer = load_model("tiny-llama")
+    workload = make_workload("shared-prefix", quick=True)
+    runs = [run_once(model, tokenizer, "tiny-llama", workload, VARIANTS["vmem"],
+                     overrides={"tensor_parallel_size": size, "tensor_parallel_check": True})
+            for size in (1, 2)]
+    assert runs[0].tokens == runs[1].tokens and len(runs[1].tokens) == len(workload.requests)
+    assert runs[1].metrics["prefix_hit_rate"] == runs[0].metrics["prefix_hit_rate"] > 0
+
+
+def test_host_tier_and_ranks_reach_every_variants_engine(monkeypatch):
+    """The options become the EngineConfig fields of every variant's engine (refused here before
+    it starts anything)."""
+    from vmemkv.ab import runner
+
+    class Built(Exception):
+        pass
+
+    configs = []
+
+    def engine(config, *model_and_tokenizer):
+        configs.append((config, model_and_tokenizer))
+        raise Built
+
+    monkeypatch.setattr(runner, "LLMEngine", engine)
+    with pytest.raises(Built):
+        main(["--quick", "--no-progress", "--variants", "paged", "--workloads", "chat", "--out", "",
+              "--host-cache-bytes", "4096", "--tensor-parallel-size", "2", "--policy", "lpm"])
+    (config, model_and_tokenizer), = configs
+    assert (config.host_cache_bytes, config.tensor_parallel_size, config.policy,
+            config.kv_backend) == (4096, 2, "lpm", "paged")
+    assert model_and_tokenizer == ()  # two ranks: each loads the model by name

@@ -6,6 +6,8 @@ contiguous) or in block tables, measured side by side.
     vmemkv ab --model smollm2-135m-instruct     # a real model: real-text chat (chat-real) + pressure
     vmemkv ab --json                            # the JSON on stdout instead of the table
     vmemkv ab --workloads prefix-groups --policy lpm   # cache-aware scheduling, both variants
+    vmemkv ab --workloads multi-turn --host-cache-bytes 67108864   # the prefix cache's host tier
+    vmemkv ab --tensor-parallel-size 2 --quick  # every variant on 2 ranks (model and KV heads split)
     python -m vmemkv.ab.cli ...                 # the same without the `vmemkv` entry point
 
 Results go to ``--out`` (default ``experiments/results/local/ab``, which git ignores, so a run never
@@ -68,6 +70,14 @@ def add_ab_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="fcfs", choices=["fcfs", "priority", "lpm"],
                         help="scheduling policy, the same for every variant (default fcfs; lpm: "
                              "longest cached prefix first, see the prefix-groups workload)")
+    parser.add_argument("--host-cache-bytes", type=int, default=0,
+                        help="host memory for the prefix cache's host tier, the same for every "
+                             "variant (default 0: none; evicted cached pages wait there and come "
+                             "back on a hit, see the multi-turn workload)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks the model and its KV heads are split across, the same for "
+                             "every variant (default 1; each engine then starts its ranks and "
+                             "every rank loads the model by name)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for the CUDA VMM backend")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads during the runs (default 1: small ops on a "
@@ -95,6 +105,10 @@ def command_line(args: argparse.Namespace, repeats: int) -> str:
         parts += ["--device", args.device]
     if args.tokens_per_page is not None:
         parts += ["--tokens-per-page", str(args.tokens_per_page)]
+    if args.host_cache_bytes:
+        parts += ["--host-cache-bytes", str(args.host_cache_bytes)]
+    if args.tensor_parallel_size != 1:
+        parts += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.quick:
         parts.append("--quick")
     return shlex.join(parts)
@@ -112,11 +126,16 @@ def run_ab(args: argparse.Namespace) -> int:
     repeats = args.repeats if args.repeats is not None else 1 if args.quick else DEFAULT_REPEATS
     if repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {repeats}")
+    if args.host_cache_bytes < 0 or args.tensor_parallel_size < 1:
+        raise ValueError(f"--host-cache-bytes must be at least 0 and --tensor-parallel-size at "
+                         f"least 1; got {args.host_cache_bytes}, {args.tensor_parallel_size}")
     machine_before = report.machine_info()
     result = run_experiment(workloads, variants, repeats=repeats, quick=args.quick,
                             model_name=args.model, seed=args.seed, threads=args.threads,
                             progress=not args.no_progress, device=args.device,
-                            tokens_per_page=args.tokens_per_page, policy=args.policy)
+                            tokens_per_page=args.tokens_per_page, policy=args.policy,
+                            host_cache_bytes=args.host_cache_bytes,
+                            tensor_parallel_size=args.tensor_parallel_size)
     machine = report.machine_info()
     machine["load_average_at_start"] = machine_before["load_average_1_5_15"]
     result["machine"] = machine

@@ -242,6 +242,8 @@ def markdown(result: dict) -> str:
              f"alternating, rotated each repeat), seed {config['seed']}, torch threads "
              f"{config['torch_threads']}{', quick sizes' if config['quick'] else ''}, "
              f"device {config.get('device', 'cpu')}, policy {config.get('policy', 'fcfs')}, "
+             f"host tier {config.get('host_cache_bytes', 0):,} bytes, tensor-parallel ranks "
+             f"{config.get('tensor_parallel_size', 1)}, "
              f"workloads sized for pages of "
              f"{config.get('workload_tokens_per_page', 16)} tokens; "
              f"whole run {result['runtime_s']:.0f} s."), "",

@@ -64,6 +64,7 @@ METRIC_KEYS = (
     "tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms",
     "itl_mean_ms", "itl_p50_ms", "itl_p99_ms",
     "peak_kv_bytes", "peak_kv_mib", "internal_fragmentation", "prefix_hit_rate",
+    "prefix_hit_rate_host", "host_demotions", "host_promotions",
     "preemptions", "preemptions_swap", "preemptions_recompute", "evictions", "forks", "pages_copied",
     "map_calls", "unmap_calls", "pages_mapped", "map_calls_saved",
     "backend_map_seconds", "backend_unmap_seconds", "map_background_seconds", "map_wait_seconds",
@@ -96,9 +97,13 @@ def engine_config(model_name: str, workload: Workload, variant: Variant, seed: i
 def run_once(model, tokenizer, model_name: str, workload: Workload, variant: Variant,
              seed: int = 0, repeat: int = 0, device: str = "cpu",
              tokens_per_page: int | None = None, overrides: dict | None = None) -> RunResult:
-    """A fresh engine (fresh KV manager and pool) on the shared model, the workload run once."""
+    """A fresh engine (fresh KV manager and pool) on the shared model, the workload run once.
+    Under tensor parallelism (``overrides["tensor_parallel_size"] > 1``) every rank loads the
+    model by name, its own shard, so the engine loads rank 0's too: the same weights (the same
+    name and seed) and tokenizer as ``model``, ``tokenizer``."""
     config = engine_config(model_name, workload, variant, seed, device, tokens_per_page, overrides)
-    engine = LLMEngine(config, model, tokenizer)
+    engine = (LLMEngine(config) if config.tensor_parallel_size > 1
+              else LLMEngine(config, model, tokenizer))
     try:
         page_tokens = engine.manager.tokens_per_page
         gc.collect()
@@ -155,7 +160,8 @@ def _metrics(workload: Workload, stats: dict,
     }
     for name, samples in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         m.update(_describe_ms(name, samples))
-    for key in ("peak_kv_bytes", "internal_fragmentation", "prefix_hit_rate", "preemptions",
+    for key in ("peak_kv_bytes", "internal_fragmentation", "prefix_hit_rate", "host_demotions",
+                "host_promotions", "preemptions",
                 "preemptions_swap", "preemptions_recompute", "evictions", "forks", "pages_copied",
                 "map_calls", "unmap_calls", "pages_mapped", "map_calls_saved",
                 "backend_map_seconds", "backend_unmap_seconds", "map_background_seconds",
@@ -163,6 +169,9 @@ def _metrics(workload: Workload, stats: dict,
                 "attention_seconds"):
         m[key] = float(stats.get(key, 0.0))
     m["peak_kv_mib"] = m["peak_kv_bytes"] / 2**20
+    # prompt tokens served from the host tier (promoted), a part of prefix_hit_rate
+    queried = stats.get("prefix_queried_tokens", 0)
+    m["prefix_hit_rate_host"] = stats.get("prefix_hit_tokens_host", 0) / queried if queried else 0.0
     # From the library's collector: backend map/unmap on the step thread, and the manager's
     # operations (outermost calls; inline mapping inside them included).
     m["inline_map_seconds"] = float(stats["inline_map_seconds"])
@@ -218,14 +227,17 @@ def workload_page(page_tokens: dict[str, int]) -> int:
 def run_experiment(workloads: list[str], variants: list[str], repeats: int = 3, quick: bool = False,
                    model_name: str = "tiny-llama", seed: int = 0, threads: int | None = 1,
                    progress: bool = True, device: str = "cpu",
-                   tokens_per_page: int | None = None, policy: str = "fcfs") -> dict:
+                   tokens_per_page: int | None = None, policy: str = "fcfs",
+                   host_cache_bytes: int = 0, tensor_parallel_size: int = 1) -> dict:
     """Every workload on every variant, ``repeats`` times, variants alternating; returns the
     results dict that ``report`` formats (medians with min-max, checks, raw runs).
 
     The workloads are sized for the engine's real page, read from each variant's warmup engine
-    (``tokens_per_page`` only asks for one: EngineConfig.tokens_per_page). ``policy``, the
-    scheduling policy (EngineConfig.policy), is the same for every variant, so the A/B still
-    compares only the addressing."""
+    (``tokens_per_page`` only asks for one: EngineConfig.tokens_per_page). ``policy`` (the
+    scheduling policy), ``host_cache_bytes`` (the prefix cache's host tier; 0: none) and
+    ``tensor_parallel_size`` (ranks the model and its KV heads are split across) are the
+    EngineConfig fields of the same names, the same for every variant, so the A/B still compares
+    only the addressing."""
     from tqdm.auto import tqdm
 
     for name in variants:
@@ -235,7 +247,8 @@ def run_experiment(workloads: list[str], variants: list[str], repeats: int = 3, 
         make_workload(name, seed, quick)  # unknown names fail before the model loads
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    overrides = {"policy": policy}
+    overrides = {"policy": policy, "host_cache_bytes": host_cache_bytes,
+                 "tensor_parallel_size": tensor_parallel_size}
     if tokens_per_page is not None:
         overrides["tokens_per_page"] = tokens_per_page
     previous_threads = torch.get_num_threads()
@@ -271,7 +284,8 @@ def run_experiment(workloads: list[str], variants: list[str], repeats: int = 3, 
     return summarize(built, variants, runs, time.perf_counter() - began,
                      {"workloads": workloads, "variants": variants, "repeats": repeats,
                       "quick": quick, "model": model_name, "seed": seed, "device": device,
-                      "policy": policy,
+                      "policy": policy, "host_cache_bytes": host_cache_bytes,
+                      "tensor_parallel_size": tensor_parallel_size,
                       "torch_threads": threads or previous_threads,
                       "tokens_per_page": page_tokens, "workload_tokens_per_page": page})
 

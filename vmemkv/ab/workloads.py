@@ -17,6 +17,9 @@ rendered through the model's tokenizer and its chat template, so every request o
 starts with the same system-prompt tokens and hits its pages in the prefix cache. It needs the
 model's tokenizer (``make_workload(..., tokenizer=...)``; the runner passes it); without one the
 text is taken as bytes, the built-in random-weight models' vocabulary.
+
+(Over 400 lines on purpose: one short function per workload beside the shared helpers and the
+registry, so their sizing reads side by side.)
 """
 
 from __future__ import annotations
@@ -254,6 +257,54 @@ def prefix_groups(seed: int = 0, quick: bool = False,
                     tokens_per_page=tokens_per_page)
 
 
+def multi_turn(seed: int = 0, quick: bool = False,
+               tokens_per_page: int = DEFAULT_TOKENS_PER_PAGE) -> Workload:
+    """Multi-turn chat, the workload the prefix cache's host tier is for (``--host-cache-bytes``):
+    conversations take turns, each turn re-sends its whole conversation (its own system prompt,
+    the earlier user messages and answers) plus a new user message, and between two rounds of
+    turns one-off traffic (fresh prompts) passes through a pool too small to keep every
+    conversation's pages: a conversation's pages are evicted before its next turn. Without the
+    tier its next turn recomputes them; with it they come back from host memory.
+
+    The requests are an offline batch (every turn known up front), so the answers a turn re-sends
+    are recorded tokens of the conversation, as a client replaying a chat log would send, not the
+    tokens the model generates: a turn can hit the whole pages of the previous turn's prompt. FCFS
+    admits in the order below (each round of turns, then its traffic), and the running requests
+    fit the pool, so the traffic, not the turns, does the evicting."""
+    rng = random.Random(f"multi-turn-{seed}")
+    if quick:
+        chats, turns, traffic, message, output = 2, 3, 3, 16, 8
+    else:
+        chats, turns, traffic, message, output = 4, 4, 4, 24, 16
+    system_pages = max(2, min(4 if quick else 8, 1024 // tokens_per_page))
+    system_len = system_pages * tokens_per_page
+    traffic_len = (system_pages + 2) * tokens_per_page - 1  # about one conversation's pages each
+    history = [_tokens(rng, system_len) for _ in range(chats)]
+    requests = []
+    for turn in range(turns):
+        for chat in range(chats):
+            prompt = history[chat] + _tokens(rng, message)
+            requests.append((f"turn-{chat}-{turn}", prompt, _greedy(output)))
+            history[chat] = prompt + _tokens(rng, message)  # the recorded answer
+        requests += [(f"traffic-{turn}-{i}", _tokens(rng, traffic_len), _greedy(4))
+                     for i in range(traffic)]
+    slots = 2
+    longest = max(pages(len(ids) + p.max_tokens, tokens_per_page) for _, ids, p in requests)
+    num_blocks = slots * longest + system_pages  # the running requests, little else
+    return Workload("multi-turn", f"{chats} conversations x {turns} turns, each turn re-sending "
+                    f"its conversation ({system_len}-token system prompt, then {message}-token "
+                    f"user messages and recorded answers) plus a new message, {output} output "
+                    f"tokens; {traffic} one-off requests of {traffic_len} tokens after each round "
+                    f"of turns; greedy, on a {num_blocks}-page pool ({slots} requests running): "
+                    "the traffic evicts the conversations' pages between turns",
+                    requests, {"max_num_seqs": slots,
+                               "max_model_len": max(1024, 256 * pages(longest * tokens_per_page,
+                                                                      256)),
+                               "num_blocks": num_blocks,
+                               "max_num_batched_tokens": max(512, longest * tokens_per_page)},
+                    tokens_per_page=tokens_per_page)
+
+
 # --- real text: chat-real ----------------------------------------------------------------------------
 CHAT_PROMPTS = "chat_prompts.json"  # in vmemkv/ab/data/, package data
 
@@ -351,6 +402,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "long-context": long_context,
     "chat-real": chat_real,
     "prefix-groups": prefix_groups,
+    "multi-turn": multi_turn,
 }
 # Workloads built from text: make_workload passes them the model's tokenizer.
 TEXT_WORKLOADS = frozenset({"chat-real"})

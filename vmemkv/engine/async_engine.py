@@ -4,6 +4,11 @@ The engine is not thread safe, so exactly one thread (started here) ever touches
 threads hand it commands (add, abort) through a queue guarded by a condition variable; the thread
 sleeps on that condition when there is no work. Each request's outputs go to an ``asyncio.Queue``
 on the event loop that called ``generate``, via ``loop.call_soon_threadsafe``.
+
+A step that raises stops the engine thread: open streams end with ``EngineDeadError`` and so does
+every later request (the server answers 503). ``on_failure``, when given, is then called with the
+error on the engine thread, so an owner can stop too (the server exits after a tensor-parallel
+rank failed: nothing can run again).
 """
 
 from __future__ import annotations
@@ -12,10 +17,11 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .distributed import TensorParallelError
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -49,8 +55,10 @@ class _Abort:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any,
+                 on_failure: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
+        self._on_failure = on_failure
         self._commands: deque[_Add | _Abort] = deque()
         self._wakeup = threading.Condition()
         self._streams: dict[str, _Stream] = {}  # only the engine thread touches it
@@ -150,11 +158,16 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
         except BaseException as exc:  # a step failed: the engine's state can't be trusted
-            logger.exception("engine step failed; the engine is stopped")
+            if isinstance(exc, TensorParallelError):  # its message says which rank and why
+                logger.error("vmemkv: the engine stopped: %s", exc)
+            else:
+                logger.exception("engine step failed; the engine is stopped")
             with self._wakeup:
                 self.error = exc
         finally:
             self._close_all()
+        if self.error is not None and self._on_failure is not None:
+            self._on_failure(self.error)
 
     def _wait_for_work(self) -> list[_Add | _Abort] | None:
         """Sleep until there is a command or a request to step; None when shutting down."""

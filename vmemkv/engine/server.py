@@ -5,6 +5,8 @@ events, or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Promethe
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid
 JSON, invalid parameters and prompts that are too long; 401 for a wrong or missing API key
 (when one is configured); 404 for an unknown model or route; 503 when the engine has stopped.
+``run_server`` exits (status 1) after a tensor-parallel engine stopped: a rank died or hung, every
+rank is stopped, and no request can run again, so a supervisor should restart the server.
 
 Tenants: several API keys may be accepted. With ``cache_salt_per_api_key`` each key's requests
 get a salt derived from the key (a hash of it, never the key itself) in their prefix-cache keys,
@@ -40,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..hashing import CacheKeys
 from .async_engine import AsyncEngine, EngineDeadError
 from .chat import has_chat_template
+from .distributed import TensorParallelError
 from .models import is_random_weight, random_weight_notice
 from .openai_inputs import (cache_keys, chat_prompt_ids, check_model, completion_prompt_ids,
                             sampling_params)
@@ -280,16 +283,33 @@ class _Server:
 def run_server(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_name: str | None = None, api_keys: Sequence[str] = (),
                cache_salt_per_api_key: bool = False) -> None:
-    """Serve ``engine`` (an ``LLMEngine``) until interrupted."""
+    """Serve ``engine`` (an ``LLMEngine``) until interrupted. Raises ``SystemExit(1)`` once the
+    server has stopped after a tensor-parallel engine failed (requests meanwhile get 503; the
+    engine's log says which rank failed and why, on one line)."""
     import uvicorn
 
-    async_engine = AsyncEngine(engine)
+    server: uvicorn.Server | None = None
+    ranks_failed: list[TensorParallelError] = []
+
+    def stop_if_ranks_failed(error: BaseException) -> None:  # on the engine thread
+        if isinstance(error, TensorParallelError):
+            ranks_failed.append(error)
+            if server is not None:
+                server.should_exit = True  # uvicorn's main loop polls it, then shuts down
+
+    async_engine = AsyncEngine(engine, on_failure=stop_if_ranks_failed)
     if not has_chat_template(engine.tokenizer):
         print(f"vmemkv: note: {engine.model_name} has no chat template; /v1/chat/completions "
               "formats messages as 'role: content' lines", file=sys.stderr)
     try:
         app = build_app(async_engine, served_model_name or engine.model_name, api_key, api_keys,
                         cache_salt_per_api_key)
-        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                               timeout_graceful_shutdown=5))
+        if not ranks_failed:
+            server.run()
     finally:
         async_engine.shutdown()
+    if ranks_failed:
+        raise SystemExit("vmemkv serve: exiting with status 1: the tensor-parallel engine "
+                         "stopped (every rank is stopped; restart the server)")
