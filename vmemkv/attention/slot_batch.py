@@ -29,10 +29,14 @@ from .variants import explicit_attention, needs_explicit
 if TYPE_CHECKING:  # packed imports this module
     from .packed import SequenceSpan
 
-# Batch when padding to the longest costs less than per-sequence calls: a per-sequence SDPA call
-# costs about as much as reading this many extra key rows in the batch (measured: ~60 us per
-# call vs ~0.15 us per padded key row, one thread).
-CALL_COST_IN_ROWS = 256
+# Batch when padding to the longest costs less than the per-sequence calls it saves. Measured on
+# CPU (one thread, caches flushed between calls as a forward's weights do, 4-32 decodes of 64-256
+# tokens): one per-sequence SDPA call costs ~10-12 us on both shapes measured, and one key row
+# costs about the same read batched or alone, ~1 ns per K/V element of the row (kv_heads x
+# head_dim): 0.05-0.09 us on tiny-llama (2 x 32), 0.18-0.22 us on SmolLM2-135M (3 x 64). So a call
+# is worth CALL_COST_IN_ELEMENTS / (kv_heads x head_dim) padded rows: 128 on tiny-llama, 42 on
+# SmolLM2 (the fit gives ~10,000; rounded down so that batching does not lose where it is a tie).
+CALL_COST_IN_ELEMENTS = 8192
 
 
 @dataclass
@@ -64,11 +68,18 @@ class DecodeBatch:
         return (self.read_len - window, None) if self.same_length else None
 
 
-def worth_batching(lengths: list[int]) -> bool:
-    """True when one call over ``len(lengths)`` rows padded to the longest beats one call each."""
+def call_cost_in_rows(row_elements: int) -> int:
+    """Padded key rows one per-sequence call is worth, for rows of ``row_elements`` K (or V)
+    elements (kv_heads x head_dim)."""
+    return max(1, CALL_COST_IN_ELEMENTS // row_elements)
+
+
+def worth_batching(lengths: list[int], row_elements: int) -> bool:
+    """True when one call over ``len(lengths)`` rows padded to the longest beats one call each;
+    ``row_elements``: kv_heads x head_dim of the cache."""
     if len(lengths) < 2:
         return False
-    return len(lengths) * max(lengths) <= sum(lengths) + CALL_COST_IN_ROWS * len(lengths)
+    return len(lengths) * max(lengths) <= sum(lengths) + call_cost_in_rows(row_elements) * len(lengths)
 
 
 def slot_runs(spans: list[SequenceSpan]) -> list[list[int]]:
