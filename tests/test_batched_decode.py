@@ -128,6 +128,25 @@ def test_filler_refused_by_the_mapping_budget_reads_per_sequence_and_changes_not
         manager.close()
 
 
+@pytest.mark.parametrize("slot_lengths,first_row", [
+    ({0: 5, 1: 40, 2: 17}, 0),  # rows in slot order: queries sliced, not gathered
+    ({2: 17, 0: 5, 1: 40}, None),  # rows out of slot order: gathered by index
+])
+def test_batch_rows_sliced_or_gathered_match_the_per_sequence_path(slot_lengths, first_row):
+    manager = KVCacheManager(config())
+    try:
+        spans = admit(manager, slot_lengths)
+        attention, (expected, got) = run_both(manager, spans, lambda batched: ContiguousAttention(
+            spans, manager.kv_views, CPU, reads=manager.batched_reads() if batched else None))
+        [batch] = attention.batches
+        assert batch.first_row == first_row
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        del attention, batch
+        assert_no_leaks(manager)
+    finally:
+        manager.close()
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_block_tables_gather_decodes_into_one_call(layout):
     manager = KVCacheManager(config(kv_backend="paged", layout=layout))

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -50,13 +51,17 @@ class DecodeBatch:
     rows: torch.Tensor | None = None  # packed query rows of the members, int64 [B]
     mask: torch.Tensor | None = None  # [B, 1, 1, read_len] bool, True where a key is read
     same_length: bool = False  # every member has read_len tokens
+    first_row: int | None = None  # the rows are first_row, first_row + 1, ...: sliced, not gathered
 
     def finish(self, spans: list[SequenceSpan], device: torch.device) -> None:
-        lengths = [spans[i].length for i in self.members]
-        self.same_length = min(lengths) == self.read_len
-        self.rows = torch.tensor([spans[i].query_start for i in self.members], device=device)
-        ends = torch.tensor(lengths, device=device)[:, None]
-        self.mask = (torch.arange(self.read_len, device=device) < ends)[:, None, None, :]
+        count = len(self.members)
+        lengths = np.fromiter((spans[i].length for i in self.members), np.int64, count)
+        rows = np.fromiter((spans[i].query_start for i in self.members), np.int64, count)
+        self.same_length = int(lengths.min()) == self.read_len
+        first = int(rows[0])
+        self.first_row = first if rows[-1] - first == count - 1 and (np.diff(rows) == 1).all() else None
+        self.rows = torch.from_numpy(rows).to(device)
+        self.mask = torch.from_numpy(np.arange(self.read_len) < lengths[:, None])[:, None, None, :].to(device)
 
     def window(self, window: int | None) -> tuple[int, torch.Tensor | None] | None:
         """``(start, mask)`` for a layer with this sliding window: keys are read from position
@@ -103,7 +108,9 @@ def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     ``[1, T, Hq, D]``."""
     num_rows, num_kv_heads = k.shape[0], k.shape[2]
     _, num_heads, _, head_dim = query.shape
-    q = query[0].index_select(1, batch.rows).transpose(0, 1)  # [B, Hq, D]
+    first = batch.first_row
+    q = (query[0, :, first: first + num_rows] if first is not None
+         else query[0].index_select(1, batch.rows)).transpose(0, 1)  # [B, Hq, D]
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     if needs_explicit(softcap, sinks):
@@ -113,7 +120,11 @@ def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
         q = q.reshape(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=mask, scale=scale)
-    output[0].index_copy_(0, batch.rows, out.reshape(num_rows, num_heads, head_dim))
+    out = out.reshape(num_rows, num_heads, head_dim)
+    if first is not None:
+        output[0, first: first + num_rows] = out
+    else:
+        output[0].index_copy_(0, batch.rows, out)
 
 
 def gather_padded(blocks: torch.Tensor, table: torch.Tensor, read_len: int, start: int = 0) -> torch.Tensor:
