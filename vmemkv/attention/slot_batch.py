@@ -54,14 +54,17 @@ class DecodeBatch:
     first_row: int | None = None  # the rows are first_row, first_row + 1, ...: sliced, not gathered
 
     def finish(self, spans: list[SequenceSpan], device: torch.device) -> None:
-        count = len(self.members)
-        lengths = np.fromiter((spans[i].length for i in self.members), np.int64, count)
-        rows = np.fromiter((spans[i].query_start for i in self.members), np.int64, count)
-        self.same_length = int(lengths.min()) == self.read_len
-        first = int(rows[0])
-        self.first_row = first if rows[-1] - first == count - 1 and (np.diff(rows) == 1).all() else None
-        self.rows = torch.from_numpy(rows).to(device)
-        self.mask = torch.from_numpy(np.arange(self.read_len) < lengths[:, None])[:, None, None, :].to(device)
+        # Plain Python over the members and two numpy arrays: each small torch op here costs
+        # several microseconds in a step (caches cold after the forward).
+        members = [spans[i] for i in self.members]
+        lengths = [span.length for span in members]
+        rows = [span.query_start for span in members]
+        self.same_length = min(lengths) == self.read_len
+        first = rows[0]
+        self.first_row = first if rows == list(range(first, first + len(rows))) else None
+        self.rows = torch.from_numpy(np.array(rows, dtype=np.int64)).to(device)
+        mask = np.arange(self.read_len) < np.array(lengths)[:, None, None, None]
+        self.mask = torch.from_numpy(mask).to(device)
 
     def window(self, window: int | None) -> tuple[int, torch.Tensor | None] | None:
         """``(start, mask)`` for a layer with this sliding window: keys are read from position
