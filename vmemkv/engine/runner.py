@@ -43,6 +43,7 @@ class LookaheadMapper:
         self.manager = manager
         self.margin = margin_tokens
         self.keep_free = keep_free
+        self.tokens_per_block = manager.layout.tokens_per_page  # as manager.blocks_for_tokens
         self._worker: ThreadPoolExecutor | None = None  # started by the first overlapped start
         self.background_seconds = 0.0  # lookahead mapping (on the worker when overlapped)
         self.wait_seconds = 0.0  # time the step still waited for it
@@ -54,14 +55,15 @@ class LookaheadMapper:
         or None."""
         # Only a sequence whose next `margin` positions reach a block past its reservation can
         # get one (the manager skips the others): ask about those alone.
-        manager, margin = self.manager, self.margin
-        blocks_for = manager.blocks_for_tokens
+        manager, margin, size = self.manager, self.margin, self.tokens_per_block
         decoding = []
         for item in scheduled:
             kv = item.seq.kv
             if kv.num_computed_tokens >= item.seq.num_prompt_tokens:
                 reserved = kv.num_tokens
-                if blocks_for(reserved + margin) > blocks_for(reserved):
+                # blocks_for_tokens(reserved + margin) > blocks_for_tokens(reserved), inlined:
+                # this loop runs over every running sequence each step
+                if -(-(reserved + margin) // size) > -(-reserved // size):
                     decoding.append(kv)
         if not decoding:
             return None
