@@ -134,12 +134,18 @@ def bench(model: str, batch: int, min_len: int, max_len: int, calls: int, seed: 
     max_err = {name: float((out - outputs[f"{name.split('/')[0]}/vmem-per-seq"]).abs().max())
                for name, out in outputs.items()}
     filler_map_calls = {layout: s.manager.slots.stats.map_calls - s.stats_before for layout, s in setups.items()}
+    # Which path the batching rule (slot_batch.worth_batching) chose for "vmem" and "paged".
+    chosen = {}
+    for layout, setup in setups.items():
+        for variant in ("vmem", "paged"):
+            chosen[f"{layout}/{variant}"] = "batched" if setup.attention(variant).batches else "per-seq"
+            setup.manager.slots.release_reads()
     for setup in setups.values():
         setup.manager.close()
     result = {"model": model, "batch": batch, "lengths": [min(lengths), max(lengths)],
               "dtype": str(dtype).removeprefix("torch."), "calls": calls,
               "ms": {name: statistics.median(t) * 1e3 for name, t in times.items()},
-              "max_err": max_err, "filler_map_calls": filler_map_calls}
+              "max_err": max_err, "filler_map_calls": filler_map_calls, "path": chosen}
     print(json.dumps(result), flush=True)
     return result
 
@@ -148,12 +154,13 @@ def markdown(results: list[dict], command: str, load: tuple) -> str:
     names = [f"{layout}/{v}" for layout in LAYOUTS for v in VARIANTS[:3]]
     lines = [f"`{command}` — one torch thread, load before {load[0]:.2f}; one layer's attention call "
              "(write + attend), ms, median over calls, caches flushed before each", "",
-             "| model | B | lengths | dtype | " + " | ".join(names) + " | contiguous floor |",
-             "|---|---|---|---|" + "---|" * len(names) + "---|"]
+             "| model | B | lengths | dtype | " + " | ".join(names) + " | contiguous floor | path chosen |",
+             "|---|---|---|---|" + "---|" * len(names) + "---|---|"]
     for r in results:
         ms = r["ms"]
+        paths = ", ".join(f"{name} {path}" for name, path in r["path"].items())
         lines.append(f"| {r['model']} | {r['batch']} | {r['lengths'][0]}-{r['lengths'][1]} | {r['dtype']} | "
-                     + " | ".join(f"{ms[n]:.3f}" for n in names) + f" | {ms['contiguous']:.3f} |")
+                     + " | ".join(f"{ms[n]:.3f}" for n in names) + f" | {ms['contiguous']:.3f} | {paths} |")
     return "\n".join(lines) + "\n"
 
 
