@@ -10,7 +10,7 @@ import torch
 from conftest import assert_no_leaks
 from vmemkv import CacheConfig, KVCacheManager
 from vmemkv.attention import BlockTableAttention, ContiguousAttention, SequenceSpan
-from vmemkv.attention.slot_batch import slot_runs, worth_batching
+from vmemkv.attention.slot_batch import call_cost_in_rows, slot_runs, worth_batching
 from vmemkv.vmm.cpu import CpuBackend
 
 CPU = torch.device("cpu")
@@ -128,6 +128,25 @@ def test_filler_refused_by_the_mapping_budget_reads_per_sequence_and_changes_not
         manager.close()
 
 
+@pytest.mark.parametrize("slot_lengths,first_row", [
+    ({0: 5, 1: 40, 2: 17}, 0),  # rows in slot order: queries sliced, not gathered
+    ({2: 17, 0: 5, 1: 40}, None),  # rows out of slot order: gathered by index
+])
+def test_batch_rows_sliced_or_gathered_match_the_per_sequence_path(slot_lengths, first_row):
+    manager = KVCacheManager(config())
+    try:
+        spans = admit(manager, slot_lengths)
+        attention, (expected, got) = run_both(manager, spans, lambda batched: ContiguousAttention(
+            spans, manager.kv_views, CPU, reads=manager.batched_reads() if batched else None))
+        [batch] = attention.batches
+        assert batch.first_row == first_row
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        del attention, batch
+        assert_no_leaks(manager)
+    finally:
+        manager.close()
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_block_tables_gather_decodes_into_one_call(layout):
     manager = KVCacheManager(config(kv_backend="paged", layout=layout))
@@ -156,9 +175,18 @@ def test_batching_rules():
     spans = [SequenceSpan(slot, i, 1, 10) for i, slot in enumerate([4, 0, 1, 7, 2])]
     spans.append(SequenceSpan(3, 5, 4, 0))  # a prefill in slot 3 splits the runs
     assert slot_runs(spans) == [[1, 2, 4], [0], [3]]
-    assert worth_batching([100, 120, 90])
-    assert not worth_batching([100])
-    assert not worth_batching([10, 10, 10, 5000])  # padding to the longest would cost more
+    tiny, smollm2 = 2 * 32, 3 * 64  # kv_heads x head_dim
+    assert worth_batching([100, 120, 90], tiny)
+    assert not worth_batching([100], tiny)
+    assert not worth_batching([10, 10, 10, 5000], tiny)  # padding to the longest would cost more
+    # Wider rows make padding dearer against a call: ~50 rows of padding per sequence pays on
+    # tiny-llama's shape, not on SmolLM2's (where the two measured a tie).
+    lengths = [83 + i * 115 // 31 for i in range(32)]  # 83..198
+    assert worth_batching(lengths, tiny)
+    assert not worth_batching(lengths, smollm2)
+    assert worth_batching([128] * 31 + [140], smollm2)  # little padding: batch on either shape
+    assert call_cost_in_rows(tiny) > call_cost_in_rows(smollm2) >= 1
+    assert call_cost_in_rows(10 ** 6) == 1
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -181,9 +181,13 @@ def test_abort_frees_pages():
     assert_clean(engine)
 
 
-@pytest.mark.parametrize("lookahead", [0, 1, 5])
-def test_overlapped_mapping_matches_hf(lookahead):
+@pytest.mark.parametrize("lookahead,overlap", [(0, False), (1, False), (5, False), (1, True), (5, True)])
+def test_overlapped_mapping_matches_hf(lookahead, overlap):
+    """Lookahead blocks mapped on the worker during the forward (overlap, the GPU's way), or at
+    once on the step thread (the CPU default): the same tokens either way."""
     engine = make_engine(lookahead_tokens=lookahead)
+    assert engine.runner.overlap_mapping is False  # CPU: no worker
+    engine.runner.overlap_mapping = overlap
     batch = prompts(4, lengths=(14, 15, 30, 47))  # all cross page boundaries while decoding
     assert_matches_hf("tiny-llama", batch, run(engine, batch))
     stats = engine.stats()
@@ -191,6 +195,9 @@ def test_overlapped_mapping_matches_hf(lookahead):
         assert stats["map_background_seconds"] > 0
     else:
         assert stats["map_background_seconds"] == 0
+    if not overlap:  # mapped on the step thread: nothing hidden, and no worker was started
+        assert stats["map_hidden_seconds"] == 0
+        assert engine.runner.lookahead is None or engine.runner.lookahead._worker is None
     assert_clean(engine)
 
 

@@ -40,11 +40,12 @@ class ContiguousAttention(PackedAttention):
             return []
         self.reads.release_reads()  # pins of a step whose forward did not finish
         batches = []
+        row_elements = self.kv_views(0)[0][0, 0].numel()  # kv_heads x head_dim
         for run in slot_runs(self.spans):
             lengths = [self.spans[i].length for i in run]
             # a run of consecutive slots: every row up to the longest must be mapped, or reading
             # it would fault, so positions past shorter requests get filler pages first
-            if worth_batching(lengths) and self.reads.make_readable(
+            if worth_batching(lengths, row_elements) and self.reads.make_readable(
                     [self.spans[i].slot for i in run], max(lengths)):
                 batch = DecodeBatch(run, max(lengths), lo=self.spans[run[0]].slot)
                 batch.finish(self.spans, self.device)

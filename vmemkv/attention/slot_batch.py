@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -29,10 +30,14 @@ from .variants import explicit_attention, needs_explicit
 if TYPE_CHECKING:  # packed imports this module
     from .packed import SequenceSpan
 
-# Batch when padding to the longest costs less than per-sequence calls: a per-sequence SDPA call
-# costs about as much as reading this many extra key rows in the batch (measured: ~60 us per
-# call vs ~0.15 us per padded key row, one thread).
-CALL_COST_IN_ROWS = 256
+# Batch when padding to the longest costs less than the per-sequence calls it saves. Measured on
+# CPU (one thread, caches flushed between calls as a forward's weights do, 4-32 decodes of 64-256
+# tokens): one per-sequence SDPA call costs ~10-12 us on both shapes measured, and one key row
+# costs about the same read batched or alone, ~1 ns per K/V element of the row (kv_heads x
+# head_dim): 0.05-0.09 us on tiny-llama (2 x 32), 0.18-0.22 us on SmolLM2-135M (3 x 64). So a call
+# is worth CALL_COST_IN_ELEMENTS / (kv_heads x head_dim) padded rows: 128 on tiny-llama, 42 on
+# SmolLM2 (the fit gives ~10,000; rounded down so that batching does not lose where it is a tie).
+CALL_COST_IN_ELEMENTS = 8192
 
 
 @dataclass
@@ -46,13 +51,20 @@ class DecodeBatch:
     rows: torch.Tensor | None = None  # packed query rows of the members, int64 [B]
     mask: torch.Tensor | None = None  # [B, 1, 1, read_len] bool, True where a key is read
     same_length: bool = False  # every member has read_len tokens
+    first_row: int | None = None  # the rows are first_row, first_row + 1, ...: sliced, not gathered
 
     def finish(self, spans: list[SequenceSpan], device: torch.device) -> None:
-        lengths = [spans[i].length for i in self.members]
+        # Plain Python over the members and two numpy arrays: each small torch op here costs
+        # several microseconds in a step (caches cold after the forward).
+        members = [spans[i] for i in self.members]
+        lengths = [span.length for span in members]
+        rows = [span.query_start for span in members]
         self.same_length = min(lengths) == self.read_len
-        self.rows = torch.tensor([spans[i].query_start for i in self.members], device=device)
-        ends = torch.tensor(lengths, device=device)[:, None]
-        self.mask = (torch.arange(self.read_len, device=device) < ends)[:, None, None, :]
+        first = rows[0]
+        self.first_row = first if rows == list(range(first, first + len(rows))) else None
+        self.rows = torch.from_numpy(np.array(rows, dtype=np.int64)).to(device)
+        mask = np.arange(self.read_len) < np.array(lengths)[:, None, None, None]
+        self.mask = torch.from_numpy(mask).to(device)
 
     def window(self, window: int | None) -> tuple[int, torch.Tensor | None] | None:
         """``(start, mask)`` for a layer with this sliding window: keys are read from position
@@ -64,11 +76,18 @@ class DecodeBatch:
         return (self.read_len - window, None) if self.same_length else None
 
 
-def worth_batching(lengths: list[int]) -> bool:
-    """True when one call over ``len(lengths)`` rows padded to the longest beats one call each."""
+def call_cost_in_rows(row_elements: int) -> int:
+    """Padded key rows one per-sequence call is worth, for rows of ``row_elements`` K (or V)
+    elements (kv_heads x head_dim)."""
+    return max(1, CALL_COST_IN_ELEMENTS // row_elements)
+
+
+def worth_batching(lengths: list[int], row_elements: int) -> bool:
+    """True when one call over ``len(lengths)`` rows padded to the longest beats one call each;
+    ``row_elements``: kv_heads x head_dim of the cache."""
     if len(lengths) < 2:
         return False
-    return len(lengths) * max(lengths) <= sum(lengths) + CALL_COST_IN_ROWS * len(lengths)
+    return len(lengths) * max(lengths) <= sum(lengths) + call_cost_in_rows(row_elements) * len(lengths)
 
 
 def slot_runs(spans: list[SequenceSpan]) -> list[list[int]]:
@@ -92,7 +111,9 @@ def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     ``[1, T, Hq, D]``."""
     num_rows, num_kv_heads = k.shape[0], k.shape[2]
     _, num_heads, _, head_dim = query.shape
-    q = query[0].index_select(1, batch.rows).transpose(0, 1)  # [B, Hq, D]
+    first = batch.first_row
+    q = (query[0, :, first: first + num_rows] if first is not None
+         else query[0].index_select(1, batch.rows)).transpose(0, 1)  # [B, Hq, D]
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     if needs_explicit(softcap, sinks):
@@ -102,7 +123,11 @@ def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
         q = q.reshape(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=mask, scale=scale)
-    output[0].index_copy_(0, batch.rows, out.reshape(num_rows, num_heads, head_dim))
+    out = out.reshape(num_rows, num_heads, head_dim)
+    if first is not None:
+        output[0, first: first + num_rows] = out
+    else:
+        output[0].index_copy_(0, batch.rows, out)
 
 
 def gather_padded(blocks: torch.Tensor, table: torch.Tensor, read_len: int, start: int = 0) -> torch.Tensor:

@@ -3,7 +3,8 @@
 ``StepRunner.run`` packs every scheduled sequence's new tokens into one ragged batch, asks the
 addressing strategy (``addressing.py``) for each sequence's span and the step's attention, gives
 decoding sequences about to cross a block boundary their next block and maps it on a worker thread
-while the forward runs (slots only), and runs the model (``ModelRunner``). It changes nothing the
+while the forward runs (slots only; on CPU at once on the step thread, see ``LookaheadMapper``), and
+runs the model (``ModelRunner``). It changes nothing the
 step's postprocessing (``postprocess.py``) owns: no commit, no fork, no token appended.
 """
 
@@ -31,35 +32,55 @@ class ForwardOutput:
 
 class LookaheadMapper:
     """Overlapped mapping: one worker maps lookahead blocks while the forward pass runs. A mapping
-    the worker is refused (the mapping budget) is cancelled on the step thread."""
+    the worker is refused (the mapping budget) is cancelled on the step thread.
+
+    Without overlap (``start(..., overlap=False)``, the CPU forward) the blocks are mapped at once
+    on the step thread: the CPU forward holds the cores, so the worker hides nothing there, and
+    waking it and sharing the GIL with it cost more than the mapping (measured on 2 shared cores,
+    tiny-llama, B = 32 and 64: 0.35-0.5 ms per step, 3-5 %). That time counts as waited."""
 
     def __init__(self, manager: KVCacheManager, margin_tokens: int, keep_free: int):
         self.manager = manager
         self.margin = margin_tokens
         self.keep_free = keep_free
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="vmemkv-map")
-        self.background_seconds = 0.0  # mapping done on the worker
-        self.wait_seconds = 0.0  # time the step still waited for the worker
+        self.tokens_per_block = manager.layout.tokens_per_page  # as manager.blocks_for_tokens
+        self._worker: ThreadPoolExecutor | None = None  # started by the first overlapped start
+        self.background_seconds = 0.0  # lookahead mapping (on the worker when overlapped)
+        self.wait_seconds = 0.0  # time the step still waited for it
 
-    def start(self, scheduled: list[ScheduledSeq]):
+    def start(self, scheduled: list[ScheduledSeq], overlap: bool = True):
         """Give decoding sequences about to cross a block boundary their next block now, and map
         it on the worker (it touches only positions past every sequence's reservation, which this
-        step's forward never reads). Returns what ``finish`` takes, or None."""
+        step's forward never reads), or here when not ``overlap``. Returns what ``finish`` takes,
+        or None."""
         # Only a sequence whose next `margin` positions reach a block past its reservation can
         # get one (the manager skips the others): ask about those alone.
-        manager, margin = self.manager, self.margin
-        blocks_for = manager.blocks_for_tokens
+        manager, margin, size = self.manager, self.margin, self.tokens_per_block
         decoding = []
         for item in scheduled:
             kv = item.seq.kv
             if kv.num_computed_tokens >= item.seq.num_prompt_tokens:
                 reserved = kv.num_tokens
-                if blocks_for(reserved + margin) > blocks_for(reserved):
+                # blocks_for_tokens(reserved + margin) > blocks_for_tokens(reserved), inlined:
+                # this loop runs over every running sequence each step
+                if -(-(reserved + margin) // size) > -(-reserved // size):
                     decoding.append(kv)
         if not decoding:
             return None
         jobs = manager.allocate_lookahead(decoding, margin, self.keep_free)
-        return (self._worker.submit(self._map, jobs), jobs) if jobs else None
+        if not jobs:
+            return None
+        if not overlap:
+            waited = time.perf_counter()
+            try:
+                self._map(jobs)
+            except MappingLimitError:
+                manager.cancel_lookahead(jobs)
+            self.wait_seconds += time.perf_counter() - waited
+            return None
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="vmemkv-map")
+        return self._worker.submit(self._map, jobs), jobs
 
     def finish(self, future, jobs) -> None:
         """Wait for the worker. A mapping it was refused only costs the head start: the blocks
@@ -77,7 +98,8 @@ class LookaheadMapper:
         self.background_seconds += time.perf_counter() - start
 
     def close(self) -> None:
-        self._worker.shutdown(wait=True)
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
 
 
 class StepRunner:
@@ -89,6 +111,8 @@ class StepRunner:
         self.addressing = addressing
         self.lookahead = lookahead
         self.device = model_runner.device
+        # A CPU forward leaves no core idle for the mapping worker: map lookahead blocks inline.
+        self.overlap_mapping = self.device.type != "cpu"
         self.attention_seconds = 0.0
         self.attention_copy_seconds = 0.0  # of which gathering K/V (block tables)
 
@@ -110,7 +134,7 @@ class StepRunner:
                 rows.append(begin + count - 1)
                 samplers.append(seq)
         attention = self.addressing.attention(spans)
-        mapping = self.lookahead.start(scheduled) if self.lookahead is not None else None
+        mapping = self.lookahead.start(scheduled, self.overlap_mapping) if self.lookahead is not None else None
         # Every row sampled (all decodes): take all logits, no gather.
         all_rows = len(rows) == len(input_ids)
         logits = self.model_runner.forward(input_ids, positions, attention,
