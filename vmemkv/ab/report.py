@@ -164,9 +164,12 @@ def summary(result: dict) -> str:
         shares = [_metric(result, w, "vmem", "mapping_share")["median"] for w in workloads]
         managers = [(_metric(result, w, "vmem", "kv_manager_share")["median"],
                      _metric(result, w, "paged", "kv_manager_share")["median"]) for w in workloads]
+        where = ("the lookahead worker maps the rest while the forward pass runs"
+                 if str(result["config"].get("device", "cpu")).startswith("cuda") else
+                 "on CPU, where the forward holds the cores, lookahead blocks are mapped on the "
+                 "step thread, so this is all of it")
         parts.append(f"What vmem pays for it: mapping on the step's critical path is at most "
-                     f"{100 * max(shares):.2f}% of step time (the lookahead worker maps the rest "
-                     f"while the forward pass runs), and all KV-manager work is "
+                     f"{100 * max(shares):.2f}% of step time ({where}), and all KV-manager work is "
                      f"{100 * min(v for v, _ in managers):.1f}-{100 * max(v for v, _ in managers):.1f}% "
                      f"of step time for vmem against {100 * min(p for _, p in managers):.1f}-"
                      f"{100 * max(p for _, p in managers):.1f}% for paged.")
