@@ -15,7 +15,8 @@ from typing import Sequence as Seq
 from .. import validation as check
 from ..errors import ConfigError, RequestTooLongError
 from ..hashing import CacheKeys
-from ..hf_support import check_attention_supported, text_config
+from ..hf_support import check_attention_supported, hybrid_layer_windows, text_config
+from ..hybrid import HybridKVCacheManager, hybrid_manager
 from ..kv_events import KVEventBuffer
 from ..kv_metrics import KVMetricsCollector
 from ..manager import KVCacheManager
@@ -63,9 +64,17 @@ class LLMEngine:
         self.kv_metrics = KVMetricsCollector()
         # KV events: the manager's pool fills the buffer, each step publishes it as one batch.
         self.kv_events = KVEventBuffer() if config.kv_events_endpoint else None
-        self.manager = (KVCacheManager(config.cache_config(model), metrics=self.kv_metrics,
-                                       events=self.kv_events) if tp is None
-                        else tp.shard_manager(model, self.kv_metrics, events=self.kv_events))
+        # Local and global layers (Gemma-2/3, GPT-OSS): one manager per layout group (hybrid.py),
+        # so the local layers' blocks behind the window go back to the pool (slots, one process).
+        cache = config.cache_config(model)
+        grouped = (tp is None and self.kv_events is None and cache.kv_backend == "vmem"
+                   and not cache.host_cache_bytes)
+        self.manager = grouped and hybrid_manager(
+            cache, hybrid_layer_windows(model.config, config.max_model_len),
+            config.max_num_batched_tokens, metrics=self.kv_metrics)
+        if not self.manager:
+            self.manager = (KVCacheManager(cache, metrics=self.kv_metrics, events=self.kv_events)
+                            if tp is None else tp.shard_manager(model, self.kv_metrics, events=self.kv_events))
         self.kv_event_publisher = (KVEventPublisher(config.kv_events_endpoint)
                                    if config.kv_events_endpoint else None)
         model_runner = ModelRunner(model) if tp is None else tp.model_runner(model)
@@ -78,7 +87,8 @@ class LLMEngine:
         self.decode_kernel = self.attention_choice.kind == "triton"
         # Overlapped mapping (slots only): decoding sequences' next block mapped during the forward.
         lookahead = (LookaheadMapper(self.manager, config.lookahead_tokens, self.scheduler.watermark_blocks)
-                     if self.addressing.uses_lookahead and config.lookahead_tokens > 0 else None)
+                     if self.addressing.uses_lookahead and config.lookahead_tokens > 0
+                     and not isinstance(self.manager, HybridKVCacheManager) else None)
         self.runner = StepRunner(model_runner, self.addressing, lookahead)
         self.metrics = EngineMetrics(kv_metrics=self.kv_metrics, cache_stats=self.manager.cache_stats)
         self.groups: dict[str, SequenceGroup] = {}
