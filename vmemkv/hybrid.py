@@ -19,9 +19,9 @@ Why two managers and two pools rather than groups inside one manager: every oper
 one-group manager (plan, check, apply; release; prefix hits; swap; the invariant check) is
 reused unchanged, so single-group models keep today's path and speed, and the local group's
 demand is bounded (slots x window, plus one step's chunk), so a static split of the bytes
-(``split_blocks``) costs little. The price: the split is a guess where chunks are large, and
-each group's pages hold whole tokens of fewer layers, so they may hold more tokens than the
-whole model's would (prefix hits and growth in coarser steps).
+(``layer_groups.split_blocks``) costs little. The price: the split is a guess where chunks are
+large, and each group's pages hold whole tokens of fewer layers, so they may hold more tokens
+than the whole model's would (prefix hits and growth in coarser steps).
 """
 
 from __future__ import annotations
@@ -35,76 +35,9 @@ from . import validation as check
 from .cache_config import CacheConfig, CacheStats, PreemptionEstimate
 from .errors import ConfigError
 from .kv_metrics import KVMetricsCollector
+from .layer_groups import LayerGroups, group_configs
 from .manager import KVCacheManager
 from .request import RELEASED, KVRequest
-from .window import peak_blocks
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerGroups:
-    """Which model layers are global (full attention) and which are local (one window)."""
-
-    global_layers: tuple[int, ...]
-    local_layers: tuple[int, ...]
-    window: int
-
-    @classmethod
-    def from_windows(cls, layer_windows: Sequence[int | None]) -> "LayerGroups":
-        """``layer_windows[i]``: layer ``i``'s sliding window, None for a global layer."""
-        windows = {w for w in layer_windows if w}
-        if len(windows) != 1:
-            raise ConfigError(f"a hybrid KV cache needs local layers of one window; got windows "
-                              f"{sorted(windows)}")
-        global_layers = tuple(i for i, w in enumerate(layer_windows) if not w)
-        if not global_layers:
-            raise ConfigError("every layer slides: use KVCacheManager with CacheConfig.sliding_window")
-        return cls(global_layers, tuple(i for i, w in enumerate(layer_windows) if w), windows.pop())
-
-
-def split_blocks(config: CacheConfig, groups: LayerGroups, chunk_tokens: int | None,
-                 local_blocks: int | None, global_group: CacheConfig,
-                 local_group: CacheConfig) -> tuple[int, int]:
-    """Blocks for the (global, local) groups out of the bytes of ``config.num_blocks`` blocks
-    of all layers.
-
-    The local group needs at most, per slot, the blocks a decode's window spans and one where a
-    chunk ends, plus one step's chunk (``chunk_tokens``, the most tokens computed in a step over
-    all requests); never more than would hold as many tokens as the whole pool. It gets that (or
-    ``local_blocks``), and the global group the rest of the bytes."""
-    whole = config.make_layout()
-    local, global_ = local_group.make_layout(), global_group.make_layout()
-    tokens = local.tokens_per_page
-    most = -(-config.num_blocks * whole.tokens_per_page // tokens)
-    if local_blocks is None:
-        decode_peak = peak_blocks(config.max_model_len, 1, groups.window, tokens)
-        chunk_blocks = -(-(chunk_tokens or config.max_model_len) // tokens)
-        local_blocks = config.max_num_seqs * (decode_peak + 1) + chunk_blocks
-    local_blocks = min(local_blocks, most)
-    left = config.num_blocks * whole.block_bytes - local_blocks * local.block_bytes
-    return max(left // global_.block_bytes, 1), local_blocks
-
-
-def group_configs(config: CacheConfig, groups: LayerGroups, chunk_tokens: int | None = None,
-                  local_blocks: int | None = None) -> tuple[CacheConfig, CacheConfig]:
-    """The (global, local) groups' configs: their layers, blocks (``split_blocks``) and share of
-    the swap space, and pages of one number of tokens (a group's rows are shorter than the whole
-    model's, so its pages may hold more tokens: both take the larger count, or a clear error)."""
-    num_global, num_local = len(groups.global_layers), len(groups.local_layers)
-    configs = [dataclasses.replace(config, num_layers=layers, sliding_window=window,
-                                   swap_space_bytes=config.swap_space_bytes * layers // config.num_layers)
-               for layers, window in ((num_global, None), (num_local, groups.window))]
-    tokens = [group.make_layout().tokens_per_page for group in configs]
-    if tokens[0] != tokens[1] and not config.page_size:
-        configs = [dataclasses.replace(group, tokens_per_page=max(tokens)) for group in configs]
-        tokens = [group.make_layout().tokens_per_page for group in configs]
-    if tokens[0] != tokens[1]:
-        raise ConfigError(f"the global layers' pages hold {tokens[0]} tokens and the local layers' "
-                          f"{tokens[1]}; give CacheConfig.tokens_per_page or max_padding that make "
-                          "them equal")
-    blocks = split_blocks(config, groups, chunk_tokens, local_blocks, *configs)
-    global_group, local_group = (dataclasses.replace(group, num_blocks=count)
-                                 for group, count in zip(configs, blocks))
-    return global_group, local_group
 
 
 def hybrid_manager(config: CacheConfig, layer_windows: Sequence[int | None] | None,
@@ -141,7 +74,7 @@ class GroupReads:
 class HybridKVCacheManager:
     """``HybridKVCacheManager(config, layer_windows, chunk_tokens=None, local_blocks=None,
     metrics=None)``: ``config`` describes the whole model (``num_layers`` all layers,
-    ``num_blocks`` blocks of all layers, shared by the groups as ``split_blocks`` says);
+    ``num_blocks`` blocks of all layers, shared as ``layer_groups.split_blocks`` says);
     ``layer_windows`` each layer's window (None: global).
 
     It answers what the engine asks of a ``KVCacheManager`` (admit, allocate, commit, free,
@@ -387,6 +320,11 @@ class HybridKVCacheManager:
     num_cached_blocks = property(lambda self: self.global_group.num_cached_blocks)
     block_bytes = property(lambda self: self.global_group.block_bytes)
 
+    @property
+    def kv_bytes_in_use(self) -> int:
+        """Bytes of the blocks held by requests, in both groups."""
+        return self.global_group.kv_bytes_in_use + self.local_group.kv_bytes_in_use
+
     def usage(self) -> float:
         return max(self.global_group.usage(), self.local_group.usage())
 
@@ -416,8 +354,7 @@ class HybridKVCacheManager:
         local = self.local_group.snapshot_stats()
         for key in ("blocks_total", "blocks_in_use", "blocks_cached", "blocks_clean"):
             out[f"local_{key}"] = local[key]
-        out["kv_bytes_in_use"] = sum(m.num_blocks_in_use * m.block_bytes
-                                     for m in (self.global_group, self.local_group))
+        out["kv_bytes_in_use"] = self.kv_bytes_in_use
         return out
 
     def check(self) -> None:

@@ -133,6 +133,11 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         return self.pool.num_in_use
 
     @property
+    def kv_bytes_in_use(self) -> int:
+        """Bytes of the blocks held by requests."""
+        return self.pool.num_in_use * self.layout.block_bytes
+
+    @property
     def num_cached_blocks(self) -> int:
         """Free blocks still holding prefix-cache content."""
         return self.pool.num_cached

@@ -105,6 +105,7 @@ class LLMEngine:
         self.step_seconds = 0.0
         self.num_steps = 0
         self.peak_blocks_in_use = 0
+        self.peak_kv_bytes = 0  # both layout groups' bytes where there are two
         self._fragmentation = [0, 0]  # sums over steps: bytes held past the tokens stored, bytes stored
 
     # The runner's counters, under the names stats() reports.
@@ -194,6 +195,7 @@ class LLMEngine:
         sequences beyond the bytes their tokens fill."""
         in_use = self.manager.num_blocks_in_use
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, in_use)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.manager.kv_bytes_in_use)
         tokens = sum(seq.kv.num_tokens for seq in self.scheduler.running)
         if tokens:
             layout = self.manager.layout
@@ -203,14 +205,13 @@ class LLMEngine:
 
     def stats(self) -> dict:
         wasted, stored = self._fragmentation
-        block_bytes = self.manager.block_bytes
         # manager_seconds, inline/background_map_seconds (and calls), manager_operations
         timing = self.kv_metrics.snapshot()
         timing["manager_operations"] = timing.pop("operations")
         return {**self.manager.snapshot_stats(), **timing, "preemptions": self.scheduler.num_preemptions,
                 "num_steps": self.num_steps, "attention_seconds": self.attention_seconds,
                 "attention_copy_seconds": self.attention_copy_seconds,
-                "peak_kv_bytes": self.peak_blocks_in_use * block_bytes,
+                "peak_kv_bytes": self.peak_kv_bytes,
                 "internal_fragmentation": wasted / stored if stored else 0.0,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "swapped": len(self.scheduler.swapped), "step_seconds": self.step_seconds,
