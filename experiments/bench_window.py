@@ -22,6 +22,15 @@ Two parts:
 
 Released blocks are counted over the ``fit`` requests' run.
 
+* ``hybrid`` (local and global layers, ``HybridKVCacheManager``): the manager alone on a
+  Gemma-3-like shape (5 local layers of window ``--window`` to 1 global, 2 KV heads of dim 32,
+  fp16), one request of the same length: the peak bytes it holds in each group against keeping
+  every block, and the requests that fit ``--pool-blocks`` blocks' bytes. Then the engine on a
+  random-weight tiny Gemma-2 (one local layer of window ``--engine-window``, one global),
+  ``--engine-requests`` requests of 32 + ``--engine-new-tokens`` tokens in ``--hybrid-pool-blocks``
+  blocks of both layers (prefill chunks of 64 tokens): layout groups with release against one group keeping every block
+  (vmem slots both), greedy tokens equal.
+
     python experiments/bench_window.py                  # readable tables
     python experiments/bench_window.py --json           # one JSON object
     python experiments/bench_window.py --out experiments/results   # window_cpu.md / .json
@@ -42,6 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vmemkv import CacheConfig, KVCacheManager, KVRequest  # noqa: E402
+from vmemkv.hybrid import HybridKVCacheManager  # noqa: E402
 
 from machine import cpu_model  # experiments/machine.py, beside this script  # noqa: E402
 
@@ -126,7 +136,7 @@ def tiny_mistral(window: int):
 
 
 def engine_run(kv_backend: str, release: bool, args) -> dict:
-    from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
+    from vmemkv.engine import EngineConfig, LLMEngine
     from vmemkv.engine.models import byte_tokenizer
 
     class Config(EngineConfig):
@@ -139,6 +149,16 @@ def engine_run(kv_backend: str, release: bool, args) -> dict:
                     watermark=0.0)
     engine = LLMEngine(config, model=tiny_mistral(args.engine_window), tokenizer=byte_tokenizer())
     assert engine.manager.tokens_per_page == 16
+    row = drive(engine, args, lambda: engine.manager.num_blocks_in_use, "peak_blocks_per_running_request")
+    return {"kv_backend": kv_backend, "release": release, **row}
+
+
+def drive(engine, args, held, peak_name: str) -> dict:
+    """Run ``--engine-requests`` greedy requests of 32 + ``--engine-new-tokens`` tokens to the
+    end; ``held()``: what the KV cache holds now (blocks or bytes), reported per running request
+    at its peak as ``peak_name``. Closes the engine."""
+    from vmemkv.engine import SamplingParams
+
     params = SamplingParams(max_tokens=args.engine_new_tokens, temperature=0, ignore_eos=True)
     for i in range(args.engine_requests):
         engine.add_request(str(i), [(13 * i + j) % 250 + 1 for j in range(32)], params)
@@ -151,22 +171,111 @@ def engine_run(kv_backend: str, release: bool, args) -> dict:
         running = len(engine.scheduler.running)
         most_running = max(most_running, running)
         if running:
-            peak_per_request = max(peak_per_request, engine.manager.num_blocks_in_use / running)
+            peak_per_request = max(peak_per_request, held() / running)
     seconds = time.perf_counter() - began
     stats = engine.manager.cache_stats()
     engine.close()
     tokens = args.engine_requests * args.engine_new_tokens
-    return {"kv_backend": kv_backend, "release": release, "seconds": round(seconds, 2),
-            "tokens_per_second": round(tokens / seconds, 1), "most_running": most_running,
-            "peak_blocks_per_running_request": round(peak_per_request, 1),
+    return {"seconds": round(seconds, 2), "tokens_per_second": round(tokens / seconds, 1),
+            "most_running": most_running, peak_name: round(peak_per_request, 1),
             "preemptions": stats.preemptions_swap + stats.preemptions_recompute,
             "blocks_released_behind_window": stats.blocks_released_behind_window,
             "tokens": [outputs[str(i)] for i in range(args.engine_requests)]}
 
 
+
 def engine_part(args) -> list[dict]:
     rows = [engine_run(kv_backend, release, args) for kv_backend, release in MODES]
     reference = rows[0]["tokens"]
+    for row in rows:
+        row["same_tokens"] = row.pop("tokens") == reference
+    return rows
+
+
+# --- local and global layers -------------------------------------------------------------------
+HYBRID_WINDOWS = [1] * 5 + [None]  # five local layers to one global (the window is set per run)
+
+
+def hybrid_manager_part(args) -> list[dict]:
+    """One request through the hybrid manager and through one group keeping every block."""
+    windows = [args.window if w else None for w in HYBRID_WINDOWS]
+    config = CacheConfig(num_layers=len(windows), num_kv_heads=2, head_dim=32, dtype=torch.float16,
+                         tokens_per_page=16, num_blocks=args.pool_blocks, max_num_seqs=1,
+                         max_model_len=args.prompt_len + args.new_tokens, hash_seed=b"bench-window")
+    rows = []
+    for grouped in (True, False):
+        m = HybridKVCacheManager(config, windows, chunk_tokens=args.chunk) if grouped else KVCacheManager(config)
+        groups = [m.global_group, m.local_group] if grouped else [m]
+        req = KVRequest("r", [(7 * j) % 200 + 1 for j in range(args.prompt_len)])
+        assert m.admit(req, token_budget=args.chunk) is not None
+        m.commit(req)
+        while req.num_tokens < args.prompt_len:
+            assert m.allocate(req, min(args.chunk, args.prompt_len - req.num_tokens))
+            m.commit(req)
+        peak_bytes, peak_local = 0, 0
+        for step in range(args.new_tokens):
+            req.token_ids.append(step % 200 + 1)
+            assert m.allocate(req, 1)
+            m.commit(req)
+            peak_bytes = max(peak_bytes, sum(g.num_blocks_in_use * g.block_bytes for g in groups))
+            if grouped:
+                local = m.local_request(req)
+                peak_local = max(peak_local, len(local.block_table) - local.num_released_blocks)
+        released = m.cache_stats().blocks_released_behind_window
+        budget = args.pool_blocks * config.make_layout().block_bytes
+        m.check()
+        m.free(req)
+        m.close()
+        window_blocks = -(-args.window // 16)
+        rows.append({
+            "layout_groups": "local + global" if grouped else "one (keep every block)",
+            "peak_kv_bytes_per_request": peak_bytes,
+            "peak_local_blocks": peak_local if grouped else "-",
+            "local_within_window_plus_2": peak_local <= window_blocks + 2 if grouped else "-",
+            "requests_that_fit_by_bytes": budget // peak_bytes,
+            "blocks_released_behind_window": released})
+    return rows
+
+
+def tiny_gemma2(window: int):
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                          query_pre_attn_scalar=32, max_position_embeddings=4096, bos_token_id=256,
+                          eos_token_id=None, pad_token_id=0, sliding_window=window)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.set_attn_implementation("eager")
+    return model
+
+
+def hybrid_engine_run(grouped: bool, args) -> dict:
+    import vmemkv.engine.llm_engine as llm_engine
+    from vmemkv.engine import EngineConfig, LLMEngine
+    from vmemkv.engine.models import byte_tokenizer
+
+    choose = llm_engine.hybrid_layer_windows
+    if not grouped:  # one group keeping every block: the engine as it is without layout groups
+        llm_engine.hybrid_layer_windows = lambda *a: None
+    try:
+        # prefill chunks of 64 tokens: the local group is sized for the window and one step's chunk
+        config = EngineConfig(max_num_seqs=args.engine_requests, max_model_len=32 + args.engine_new_tokens,
+                              tokens_per_page=16, num_blocks=args.hybrid_pool_blocks, watermark=0.0,
+                              max_num_batched_tokens=64)
+        engine = LLMEngine(config, model=tiny_gemma2(args.engine_window), tokenizer=byte_tokenizer())
+    finally:
+        llm_engine.hybrid_layer_windows = choose
+    m = engine.manager
+    groups = [m.global_group, m.local_group] if grouped else [m]
+    row = drive(engine, args, lambda: sum(g.num_blocks_in_use * g.block_bytes for g in groups),
+                "peak_kv_bytes_per_running_request")
+    return {"layout_groups": "local + global" if grouped else "one (keep every block)", **row}
+
+
+def hybrid_engine_part(args) -> list[dict]:
+    rows = [hybrid_engine_run(grouped, args) for grouped in (True, False)]
+    reference = rows[1]["tokens"]  # one group keeping every block
     for row in rows:
         row["same_tokens"] = row.pop("tokens") == reference
     return rows
@@ -191,6 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--engine-new-tokens", type=int, default=768)
     parser.add_argument("--engine-requests", type=int, default=6)
     parser.add_argument("--engine-pool-blocks", type=int, default=64)
+    parser.add_argument("--hybrid-pool-blocks", type=int, default=160)
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", type=Path, help="write window_cpu.md and window_cpu.json here")
@@ -201,14 +311,23 @@ def main(argv: list[str] | None = None) -> dict:
                            "torch": torch.__version__},
                "args": vars(args) | {"out": str(args.out) if args.out else None},
                "manager": manager_part(args)}
+    results["hybrid_manager"] = hybrid_manager_part(args)
     if not args.skip_engine:
         results["engine"] = engine_part(args)
+        results["hybrid_engine"] = hybrid_engine_part(args)
     text = (f"## Manager: {args.prompt_len} + {args.new_tokens} tokens, window {args.window}, "
             f"16-token blocks, pool of {args.pool_blocks} blocks\n\n{table(results['manager'])}\n")
     if "engine" in results:
         text += (f"\n## Engine: tiny Mistral, window {args.engine_window}, {args.engine_requests} "
                  f"requests of 32 + {args.engine_new_tokens} tokens, pool of "
                  f"{args.engine_pool_blocks} blocks\n\n{table(results['engine'])}\n")
+    text += (f"\n## Hybrid manager: 5 local layers (window {args.window}) to 1 global, "
+             f"{args.prompt_len} + {args.new_tokens} tokens, the bytes of {args.pool_blocks} blocks\n\n"
+             f"{table(results['hybrid_manager'])}\n")
+    if "hybrid_engine" in results:
+        text += (f"\n## Hybrid engine: tiny Gemma-2 (1 local layer, window {args.engine_window}, "
+                 f"1 global), {args.engine_requests} requests of 32 + {args.engine_new_tokens} tokens, "
+                 f"pool of {args.hybrid_pool_blocks} blocks (vmem)\n\n{table(results['hybrid_engine'])}\n")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "window_cpu.json").write_text(json.dumps(results, indent=2) + "\n")

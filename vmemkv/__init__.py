@@ -16,6 +16,7 @@ from .kv_metrics import KVMetricsCollector
 from .layout import KVLayout
 from .cache_config import CacheConfig, CacheStats, PreemptionEstimate
 from .manager import KVCacheManager, PrefixCacheBusyError, UnknownRequestError
+from .hybrid import HybridKVCacheManager
 from .pool import BlockPool
 from .request import KVRequest
 from .slots import NoFreeSlotError

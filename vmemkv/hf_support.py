@@ -114,6 +114,19 @@ def uniform_window(config: Any) -> int | None:
     return int(window)
 
 
+def hybrid_layer_windows(config: Any, max_len: int) -> list[int | None] | None:
+    """Each layer's window (None: the layer reads every token) when ``config`` mixes global
+    layers with local ones of one window shorter than ``max_len`` (Gemma-2/3, GPT-OSS, Cohere2):
+    what ``HybridKVCacheManager`` needs to give back the local layers' blocks behind the window.
+    None for any other model (every layer global, or every layer sliding: ``uniform_window``)."""
+    text = text_config(config)
+    window = getattr(text, "sliding_window", None)
+    kinds = layer_kinds(text)
+    if not window or window >= max_len or set(kinds) != {"sliding_attention", "full_attention"}:
+        return None
+    return [int(window) if kind == "sliding_attention" else None for kind in kinds]
+
+
 def check_attention_supported(config: Any, max_len: int, *, replaces_attention: bool,
                               who: str = "vmemkv", limit_name: str = "max_model_len") -> None:
     """Raise :class:`UnsupportedModelError` unless vmemkv reproduces ``config``'s attention for

@@ -133,6 +133,11 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         return self.pool.num_in_use
 
     @property
+    def kv_bytes_in_use(self) -> int:
+        """Bytes of the blocks held by requests."""
+        return self.pool.num_in_use * self.layout.block_bytes
+
+    @property
     def num_cached_blocks(self) -> int:
         """Free blocks still holding prefix-cache content."""
         return self.pool.num_cached
@@ -194,13 +199,15 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
     @timed
     def admit(self, request: "KVRequest | str", token_ids: Sequence[int] | None = None,
               num_new_tokens: int | None = None, keys: CacheKeys | None = None,
-              token_budget: int | None = None, slot: int | None = None) -> int | None:
+              token_budget: int | None = None, slot: int | None = None,
+              max_cached_tokens: int | None = None) -> int | None:
         """Bind a request to a slot (``slot`` when given), map its cached prefix, and reserve
         positions for ``num_new_tokens`` more tokens (default: the rest of its token ids; at most
         ``token_budget``, for chunked prefill). ``request`` is a KVRequest (its token ids and keys
         are its own), or an id with ``token_ids`` (and ``keys``), for which the manager makes the
         KVRequest (``request(id)``). Returns how many tokens are already computed, or None,
-        changing nothing, when no slot (or not ``slot``) or not enough blocks are free."""
+        changing nothing, when no slot (or not ``slot``) or not enough blocks are free.
+        ``max_cached_tokens`` caps the prefix hit (a hybrid model's groups agree on one length)."""
         self._check_open()
         req = self._admission_request(request, token_ids, keys)
         num_new_tokens = check.count(num_new_tokens, "num_new_tokens", optional=True)
@@ -212,7 +219,12 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         self._check_length(request_id, num_prompt)
         req._owner = self  # its hash chain is this manager's from now on
         hits = self._prefix_hits(req)
+        if max_cached_tokens is not None:
+            hits = self._capped_hits(req, hits, check.count(max_cached_tokens, "max_cached_tokens")
+                                     // self.tokens_per_page)
         host_hits = self._host_hits(req, hits, num_new_tokens, token_budget)  # promoted below
+        if max_cached_tokens is not None:
+            host_hits = host_hits[:max(0, max_cached_tokens // self.tokens_per_page - len(hits))]
         cached = (len(hits) + len(host_hits)) * self.tokens_per_page
         new = num_prompt - cached if num_new_tokens is None else num_new_tokens
         if token_budget is not None:

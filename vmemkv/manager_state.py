@@ -344,6 +344,15 @@ class ManagerState:
                                                self.window, self.tokens_per_page)
         return [RELEASED] * first + [lookup(h) for h in hashes[first:num_hits]]
 
+    def _capped_hits(self, req: KVRequest, hits: list[int], max_blocks: int) -> list[int]:
+        """``hits`` (``_prefix_hits``) cut to at most ``max_blocks`` blocks; with a window, the
+        longest windowed hit within them (a shorter prefix's window starts earlier)."""
+        if len(hits) <= max_blocks:
+            return hits
+        if self.window:
+            return self._windowed_hits(req._hashes[:max_blocks])
+        return hits[:max_blocks]
+
     def _release_behind_window(self, req: KVRequest) -> None:
         """Give back the running request's blocks wholly behind its next query's window (cached
         ones stay in the prefix cache's LRU) and unmap them from its slot. Opportunistic: if the

@@ -69,10 +69,7 @@ class PreemptionOps(ManagerState):
         self.stats.swap_out_bytes += len(private) * self.layout.block_bytes
         return mode
 
-    @timed
-    def swap_in(self, request: "KVRequest | str") -> bool:
-        """Bring a swapped request back into any free slot, bit-exact. Returns False, changing
-        nothing, without a free slot or enough blocks."""
+    def _swapped_request(self, request) -> KVRequest:
         try:
             req = self._known(request)
         except UnknownRequestError:
@@ -80,16 +77,35 @@ class PreemptionOps(ManagerState):
         if req is None or req._swapped is None:
             raise UnknownRequestError(f"request {getattr(request, 'request_id', request)!r} is not "
                                       "swapped out")
-        revive = {}  # swapped full blocks still in the prefix cache are taken, not copied back
+        return req
+
+    def _swap_in_revivals(self, req: KVRequest) -> tuple[dict[int, int], int]:
+        """Swapped full blocks still in the prefix cache (index -> block: taken, not copied
+        back) and how many fresh blocks the rest need."""
+        revive = {}
         for index, _ in req._swapped:
             if index < req._num_registered:
                 block = self.pool.lookup(req._hashes[index])
                 if block is not None:
                     revive[index] = block
+        return revive, len(req._swapped) - len(revive)
+
+    def can_swap_in(self, request: "KVRequest | str", slot: int | None = None) -> bool:
+        """Whether ``swap_in`` (into ``slot`` when given) would find a slot and the blocks now."""
+        req = self._swapped_request(request)
+        slot = check.slot_index(slot, self.slots.num_slots)
+        revive, needed = self._swap_in_revivals(req)
         revived_cached = sum(self.pool.ref[b] == 0 for b in revive.values())
-        needed = len(req._swapped) - len(revive)
-        if not self.slots.num_free or needed > self.pool.num_free - revived_cached:
+        return self._slot_available(slot) and needed <= self.pool.num_free - revived_cached
+
+    @timed
+    def swap_in(self, request: "KVRequest | str", slot: int | None = None) -> bool:
+        """Bring a swapped request back into any free slot (``slot`` when given), bit-exact.
+        Returns False, changing nothing, without a free slot or enough blocks."""
+        req = self._swapped_request(request)
+        if not self.can_swap_in(req, slot):
             return False
+        revive, _ = self._swap_in_revivals(req)
         copy = [(index, host) for index, host in req._swapped if index not in revive]
         fresh = self.pool.peek(len(copy), exclude=revive.values())
         blocks = list(req._blocks)
@@ -98,7 +114,7 @@ class PreemptionOps(ManagerState):
         for index, block in revive.items():
             blocks[index] = block
         behind = req._num_released
-        slot = self.slots.choose(blocks[0] if blocks and not behind else None)
+        slot = self.slots.choose(blocks[0] if blocks and not behind else None, slot)
         self.slots.unmap_behind(slot, behind)  # a free slot's stale mappings: nobody reads them
         self.slots.map_jobs([MapJob(slot, behind, blocks[behind:])])  # refused: it stays swapped
         self.slots.bind(slot=slot, behind=behind)

@@ -15,7 +15,8 @@ from typing import Sequence as Seq
 from .. import validation as check
 from ..errors import ConfigError, RequestTooLongError
 from ..hashing import CacheKeys
-from ..hf_support import check_attention_supported, text_config
+from ..hf_support import check_attention_supported, hybrid_layer_windows, text_config
+from ..hybrid import HybridKVCacheManager, hybrid_manager
 from ..kv_events import KVEventBuffer
 from ..kv_metrics import KVMetricsCollector
 from ..manager import KVCacheManager
@@ -63,9 +64,17 @@ class LLMEngine:
         self.kv_metrics = KVMetricsCollector()
         # KV events: the manager's pool fills the buffer, each step publishes it as one batch.
         self.kv_events = KVEventBuffer() if config.kv_events_endpoint else None
-        self.manager = (KVCacheManager(config.cache_config(model), metrics=self.kv_metrics,
-                                       events=self.kv_events) if tp is None
-                        else tp.shard_manager(model, self.kv_metrics, events=self.kv_events))
+        # Local and global layers (Gemma-2/3, GPT-OSS): one manager per layout group (hybrid.py),
+        # so the local layers' blocks behind the window go back to the pool (slots, one process).
+        cache = config.cache_config(model)
+        grouped = (tp is None and self.kv_events is None and cache.kv_backend == "vmem"
+                   and not cache.host_cache_bytes)
+        self.manager = grouped and hybrid_manager(
+            cache, hybrid_layer_windows(model.config, config.max_model_len),
+            config.max_num_batched_tokens, metrics=self.kv_metrics)
+        if not self.manager:
+            self.manager = (KVCacheManager(cache, metrics=self.kv_metrics, events=self.kv_events)
+                            if tp is None else tp.shard_manager(model, self.kv_metrics, events=self.kv_events))
         self.kv_event_publisher = (KVEventPublisher(config.kv_events_endpoint)
                                    if config.kv_events_endpoint else None)
         model_runner = ModelRunner(model) if tp is None else tp.model_runner(model)
@@ -78,7 +87,8 @@ class LLMEngine:
         self.decode_kernel = self.attention_choice.kind == "triton"
         # Overlapped mapping (slots only): decoding sequences' next block mapped during the forward.
         lookahead = (LookaheadMapper(self.manager, config.lookahead_tokens, self.scheduler.watermark_blocks)
-                     if self.addressing.uses_lookahead and config.lookahead_tokens > 0 else None)
+                     if self.addressing.uses_lookahead and config.lookahead_tokens > 0
+                     and not isinstance(self.manager, HybridKVCacheManager) else None)
         self.runner = StepRunner(model_runner, self.addressing, lookahead)
         self.metrics = EngineMetrics(kv_metrics=self.kv_metrics, cache_stats=self.manager.cache_stats)
         self.groups: dict[str, SequenceGroup] = {}
@@ -95,6 +105,7 @@ class LLMEngine:
         self.step_seconds = 0.0
         self.num_steps = 0
         self.peak_blocks_in_use = 0
+        self.peak_kv_bytes = 0  # both layout groups' bytes where there are two
         self._fragmentation = [0, 0]  # sums over steps: bytes held past the tokens stored, bytes stored
 
     # The runner's counters, under the names stats() reports.
@@ -184,6 +195,7 @@ class LLMEngine:
         sequences beyond the bytes their tokens fill."""
         in_use = self.manager.num_blocks_in_use
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, in_use)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.manager.kv_bytes_in_use)
         tokens = sum(seq.kv.num_tokens for seq in self.scheduler.running)
         if tokens:
             layout = self.manager.layout
@@ -193,14 +205,13 @@ class LLMEngine:
 
     def stats(self) -> dict:
         wasted, stored = self._fragmentation
-        block_bytes = self.manager.block_bytes
         # manager_seconds, inline/background_map_seconds (and calls), manager_operations
         timing = self.kv_metrics.snapshot()
         timing["manager_operations"] = timing.pop("operations")
         return {**self.manager.snapshot_stats(), **timing, "preemptions": self.scheduler.num_preemptions,
                 "num_steps": self.num_steps, "attention_seconds": self.attention_seconds,
                 "attention_copy_seconds": self.attention_copy_seconds,
-                "peak_kv_bytes": self.peak_blocks_in_use * block_bytes,
+                "peak_kv_bytes": self.peak_kv_bytes,
                 "internal_fragmentation": wasted / stored if stored else 0.0,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "swapped": len(self.scheduler.swapped), "step_seconds": self.step_seconds,

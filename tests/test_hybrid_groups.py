@@ -1,0 +1,345 @@
+"""Models mixing local (sliding-window) and global layers keep each kind in its own layout group
+(``HybridKVCacheManager``): the local group's blocks behind the window go back to its pool while
+the global group grows. The grouping, the routing of views, the bound on local blocks, prefix
+hits that need the global prefix and the local window, refusals that change nothing, a random
+walk with K/V read back bit-exact, and the engine on tiny Gemma-2 / Gemma-3 / GPT-OSS models
+against Hugging Face's greedy tokens over a long generation."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vmemkv import CacheConfig, ConfigError, KVRequest
+from vmemkv.hf_support import hybrid_layer_windows
+from vmemkv.hybrid import HybridKVCacheManager, hybrid_manager
+from vmemkv.layer_groups import LayerGroups
+from vmemkv.request import RELEASED
+
+from conftest import close_manager, read_kv_matches, write_kv
+from test_sliding_window_models import build, prompts, reference
+
+P = 16  # tokens per page of each group below (one 4 KiB page of 256 B rows)
+W = 20  # the local layers' window
+WINDOWS = [W, W, W, None]  # three local layers, one global (as Gemma-3 interleaves them)
+
+
+def make_hybrid(**overrides) -> HybridKVCacheManager:
+    options = dict(num_layers=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, num_blocks=40,
+                   max_num_seqs=3, max_model_len=256, swap_space_bytes=64 << 10, hash_seed=b"hybrid")
+    local_blocks = overrides.pop("local_blocks", None)
+    config = CacheConfig(**{**options, **overrides})
+    return HybridKVCacheManager(config, WINDOWS, chunk_tokens=32, local_blocks=local_blocks)
+
+
+def close(manager: HybridKVCacheManager) -> None:
+    close_manager(manager.global_group)
+    close_manager(manager.local_group)
+
+
+@pytest.fixture
+def hybrid():
+    manager = make_hybrid()
+    yield manager
+    close(manager)
+
+
+def write(manager: HybridKVCacheManager, req: KVRequest, start: int, end: int) -> None:
+    """Write positions [start, end) of every layer, as a forward pass would."""
+    write_kv(manager.global_group, req.request_id, start, end)
+    write_kv(manager.local_group, req.request_id, start, end)
+
+
+def reads_back(manager: HybridKVCacheManager, req: KVRequest) -> bool:
+    """Every global position and every local one from the first held block reads back its own
+    bytes."""
+    local = manager.local_request(req)
+    return (read_kv_matches(manager.global_group, req.request_id)
+            and read_kv_matches(manager.local_group, req.request_id, start=local.num_released_blocks * P))
+
+
+def run(manager: HybridKVCacheManager, request_id: str, token_ids: list[int]) -> KVRequest:
+    req = KVRequest(request_id, list(token_ids))
+    cached = manager.admit(req)
+    assert cached is not None
+    write(manager, req, cached, req.num_tokens)
+    manager.commit(req)
+    return req
+
+
+def decode(manager: HybridKVCacheManager, req: KVRequest, token: int) -> bool:
+    req.token_ids.append(token)
+    if not manager.allocate(req, 1):
+        req.token_ids.pop()
+        return False
+    write(manager, req, req.num_tokens - 1, req.num_tokens)
+    manager.commit(req)
+    return True
+
+
+def held(table) -> int:
+    return sum(block != RELEASED for block in table)
+
+
+# --- the groups ---------------------------------------------------------------------------------
+
+def test_layers_are_grouped_by_kind():
+    groups = LayerGroups.from_windows([8, None, 8, None, 8])
+    assert groups == LayerGroups((1, 3), (0, 2, 4), 8)
+    with pytest.raises(ConfigError, match="one window"):
+        LayerGroups.from_windows([8, 16, None])
+    with pytest.raises(ConfigError, match="every layer slides"):
+        LayerGroups.from_windows([8, 8])
+
+
+def test_hybrid_windows_come_from_the_model_config():
+    assert hybrid_layer_windows(build("gemma2").config, 64) == [3, None]
+    assert hybrid_layer_windows(build("gemma2").config, 3) is None  # the window covers everything
+    assert hybrid_layer_windows(build("mistral").config, 64) is None  # every layer slides
+
+
+def test_a_config_that_is_not_hybrid_is_refused():
+    config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, num_blocks=8, max_num_seqs=2,
+                         max_model_len=64, sliding_window=8)
+    with pytest.raises(ConfigError, match="per layer"):
+        HybridKVCacheManager(config, [8, None])
+    with pytest.raises(ConfigError, match="entries"):
+        HybridKVCacheManager(CacheConfig(**{**config.__dict__, "sliding_window": None}), [8])
+
+
+def test_the_engine_gets_a_hybrid_manager_only_where_the_groups_can_share_one_page():
+    options = dict(num_layers=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, num_blocks=8,
+                   max_num_seqs=2, max_model_len=64)
+    manager = hybrid_manager(CacheConfig(**options), WINDOWS)
+    assert isinstance(manager, HybridKVCacheManager)
+    manager.close()
+    assert hybrid_manager(CacheConfig(**options), None) is None  # not a hybrid model
+    # 16 KiB pages: 64 tokens of the one global layer, not a whole number of three layers' rows
+    odd = CacheConfig(**options, page_size=16 << 10)
+    assert hybrid_manager(odd, WINDOWS) is None
+    with pytest.raises(ConfigError, match="page size"):
+        HybridKVCacheManager(odd, WINDOWS)
+
+
+def test_each_layer_reads_its_groups_views(hybrid):
+    assert hybrid.tokens_per_page == P
+    for layer, (group, index) in enumerate([(hybrid.local_group, 0), (hybrid.local_group, 1),
+                                            (hybrid.local_group, 2), (hybrid.global_group, 0)]):
+        for view, own in zip(hybrid.kv_views(layer), group.kv_views(index)):
+            assert (view.data_ptr(), view.stride(), view.shape) == (own.data_ptr(), own.stride(), own.shape)
+
+
+# --- release, hits, refusals ------------------------------------------------------------------------
+
+def test_local_blocks_stay_within_the_window_while_the_global_group_grows(hybrid):
+    req = run(hybrid, "a", list(range(30)))
+    most_local = 0
+    for step in range(180):
+        assert decode(hybrid, req, step % 7)
+        global_table, local_table = hybrid.block_table(req, 3), hybrid.block_table(req, 0)
+        assert held(global_table) == -(-req.num_tokens // P)  # every global block
+        most_local = max(most_local, held(local_table))
+        assert held(local_table) <= -(-W // P) + 2
+        hybrid.check()
+    assert reads_back(hybrid, req)
+    assert most_local <= -(-W // P) + 2 and held(hybrid.block_table(req, 3)) == 14
+    assert hybrid.cache_stats().blocks_released_behind_window == hybrid.local_request(req).num_released_blocks > 0
+    hybrid.free(req)
+    hybrid.check()
+
+
+def test_a_prefix_hit_needs_the_global_prefix_and_the_local_window(hybrid):
+    first = run(hybrid, "a", list(range(100)))  # its next query reads from 81: local blocks 0-4 go
+    assert hybrid.local_request(first).num_released_blocks == 5
+    hybrid.free(first)
+    second = KVRequest("b", list(range(100)) + [7])
+    # global blocks 0-5 are cached; a query at 96 reads from 77: local blocks 4-5, still cached
+    assert hybrid.admit(second) == 96
+    assert hybrid.block_table(second, 0)[:5] == [RELEASED] * 4 + [hybrid.local_request(second).block_table[4]]
+    assert hybrid.local_request(second).block_table[4] != RELEASED
+    assert hybrid.block_table(second, 3)[:6] == hybrid.global_group.block_table(second)[:6]
+    write(hybrid, second, 96, 101)
+    hybrid.commit(second)
+    assert reads_back(hybrid, second)
+    hybrid.free(second)
+    hybrid.check()
+
+
+def test_a_hit_is_cut_to_the_local_window_that_is_still_cached():
+    manager = make_hybrid(local_blocks=7)
+    try:
+        hybrid_prefix = list(range(100))
+        hybrid_req = run(manager, "a", hybrid_prefix)
+        manager.free(hybrid_req)
+        filler = run(manager, "b", [500 + i for i in range(100)])  # evicts a's local blocks 4-5
+        manager.free(filler)
+        assert len(manager.global_group.match_prefix(hybrid_prefix + [1])[0]) == 6  # global: all hit
+        again = KVRequest("c", hybrid_prefix + [1])
+        cached = manager.admit(again)
+        assert cached < 96  # the local window of a 96-token hit is gone
+        write(manager, again, cached, again.num_tokens)
+        manager.commit(again)
+        assert reads_back(manager, again)
+        manager.free(again)
+        manager.check()
+    finally:
+        close(manager)
+
+
+def snapshot(manager: HybridKVCacheManager) -> tuple:
+    return tuple((group.pool.counters(), group.request_ids(), group.num_free_slots)
+                 for group in (manager.global_group, manager.local_group))
+
+
+def test_an_admission_the_local_group_cannot_take_changes_nothing():
+    manager = make_hybrid(local_blocks=4)
+    try:
+        running = run(manager, "a", list(range(40)))  # 3 blocks of 4 in the local group
+        before = snapshot(manager)
+        assert manager.global_group.can_admit(list(range(100, 140)))  # the global group has room
+        assert not manager.can_admit(KVRequest("x", list(range(100, 140))))
+        assert manager.admit(KVRequest("b", list(range(100, 140)))) is None
+        assert snapshot(manager) == before
+        manager.check()
+        manager.free(running)
+    finally:
+        close(manager)
+
+
+# --- a random walk ----------------------------------------------------------------------------------
+
+EXERCISED: Counter = Counter()  # operations that changed something, over every example
+OPS = st.lists(st.tuples(st.sampled_from(["admit", "admit", "decode", "decode", "free", "swap",
+                                          "recompute", "swap_in", "readmit", "fork"]),
+                         st.integers(0, 5), st.integers(1, 60)), min_size=10, max_size=30)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)  # the coverage check below is stable
+@given(ops=OPS)
+def test_random_walk_keeps_both_groups_in_step_and_bytes_exact(ops):
+    manager = make_hybrid(num_blocks=8)  # global: 8 blocks; local: 8 (as many tokens)
+    running: dict[str, KVRequest] = {}
+    swapped: dict[str, KVRequest] = {}
+    preempted: dict[str, KVRequest] = {}
+    counter = 0
+    try:
+        for op, pick, size in ops:
+            names = sorted(running)
+            name = names[pick % len(names)] if names else None
+            if op == "admit":
+                counter += 1
+                req = KVRequest(f"r{counter}", [(pick * 13 + i) % 40 for i in range(size)])  # shared prefixes
+                before = snapshot(manager)
+                cached = manager.admit(req)
+                if cached is None:
+                    assert snapshot(manager) == before
+                    continue
+                write(manager, req, cached, req.num_tokens)
+                manager.commit(req)
+                running[req.request_id] = req
+                EXERCISED["prefix hit" if cached else op] += 1
+            elif op == "decode" and name:
+                for step in range(size):
+                    before = snapshot(manager)
+                    if not decode(manager, running[name], step % 5):
+                        assert snapshot(manager) == before
+                        EXERCISED["refused decode"] += 1
+                        break
+                    EXERCISED[op] += 1
+            elif op == "free" and name:
+                manager.free(running.pop(name))
+                EXERCISED[op] += 1
+            elif op in ("swap", "recompute") and name:
+                req = running[name]
+                if op == "swap" and not manager.estimate_preemption(req).swap_fits:
+                    continue
+                assert manager.preempt(req, op) == op
+                (swapped if op == "swap" else preempted)[name] = running.pop(name)
+                EXERCISED[op] += 1
+            elif op == "swap_in" and swapped:
+                key = sorted(swapped)[pick % len(swapped)]
+                if manager.swap_in(swapped[key]):
+                    running[key] = swapped.pop(key)
+                    EXERCISED[op] += 1
+            elif op == "readmit" and preempted:
+                key = sorted(preempted)[pick % len(preempted)]
+                req = preempted[key]
+                cached = manager.admit(req)
+                if cached is not None:
+                    write(manager, req, cached, req.num_tokens)
+                    manager.commit(req)
+                    running[key] = preempted.pop(key)
+                    EXERCISED[op] += 1
+            elif op == "fork" and name:
+                counter += 1
+                child = manager.fork(running[name], KVRequest(f"r{counter}", []))
+                if child is not None:
+                    running[child.request_id] = child
+                    EXERCISED[op] += 1
+            manager.check()
+            EXERCISED["released"] += sum(manager.local_request(r).num_released_blocks > 0
+                                         for r in running.values())
+            for req in running.values():
+                assert reads_back(manager, req)
+                local = manager.local_request(req)
+                assert held(local.block_table) <= -(-W // P) + 2 or local.num_computed_tokens < local.num_tokens
+        for req in list(running.values()) + list(swapped.values()):
+            manager.free(req)
+        for req in preempted.values():
+            manager.discard(req)
+        manager.check()
+        assert manager.num_blocks_in_use == 0 and manager.local_group.num_blocks_in_use == 0
+    finally:
+        close(manager)
+
+
+def test_the_random_walk_exercised_every_operation():
+    """Run after the walk (file order): each operation succeeded, hits and releases happened."""
+    if not EXERCISED:
+        pytest.skip("the random walk did not run in this session")
+    expected = {"admit", "prefix hit", "decode", "refused decode", "free", "swap", "recompute",
+                "swap_in", "readmit", "fork", "released"}
+    assert expected <= {op for op, count in EXERCISED.items() if count}, EXERCISED
+
+
+# --- the engine ---------------------------------------------------------------------------------------
+
+LONG = 40  # new tokens: far past the window of 3
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt_oss"])
+def test_engine_releases_local_blocks_over_a_long_generation_and_matches_hf(name):
+    from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
+    from vmemkv.engine.models import byte_tokenizer
+
+    batch = prompts((20, 5, 11))
+    engine = LLMEngine(EngineConfig(max_num_seqs=3, max_model_len=96, tokens_per_page=4,
+                                    max_num_batched_tokens=8),
+                       model=build(name), tokenizer=byte_tokenizer())
+    manager = engine.manager
+    assert isinstance(manager, HybridKVCacheManager)
+    params = SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True)
+    for index, prompt in enumerate(batch):
+        engine.add_request(str(index), prompt, params)
+    tokens: dict[str, list[int]] = {}
+    bound = manager.local_group.blocks_for_tokens(96, 8)  # the window plus one chunk
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                tokens[output.request_id] = output.outputs[0].token_ids
+        for seq in engine.scheduler.running:
+            assert held(manager.local_request(seq.kv).block_table) <= bound
+        manager.check()
+    for index, prompt in enumerate(batch):
+        out = reference(name).generate(torch.tensor([prompt]), max_new_tokens=LONG, do_sample=False)
+        assert tokens[str(index)] == out[0, len(prompt):].tolist(), f"{name}: prompt {index} diverged"
+    stats = engine.stats()
+    assert stats["blocks_released_behind_window"] > 0
+    # the peak counts both groups: more than the global group's blocks alone
+    assert stats["peak_kv_bytes"] > engine.peak_blocks_in_use * manager.block_bytes
+    assert manager.num_blocks_in_use == 0 and manager.local_group.num_blocks_in_use == 0
+    engine.close()

@@ -1,0 +1,375 @@
+"""KV cache for models that mix sliding-window (local) and full-attention (global) layers
+(Gemma-2/3, GPT-OSS, Cohere2): one layout group per attention kind.
+
+Each group is a :class:`KVCacheManager` over its own layers: its own virtual tensors (slot
+reservations), its own pool, hash chain and page accounting. The local group has
+``CacheConfig.sliding_window`` set, so its blocks wholly behind the window go back to its pool
+while the request runs (``manager_state._release_behind_window``, unchanged); the global group
+keeps every block. A request is the caller's :class:`KVRequest` in the global group and a shadow
+``KVRequest`` sharing the same token list in the local group; both are bound to the same slot
+index, so attention addresses a layer's K/V by ``req.slot`` whichever group holds it.
+
+Operations ask both groups whether they fit (``_fits_admission``, ``can_allocate``,
+``can_swap_in``, free slots and blocks for a fork, swap room) before changing either; what only
+a mapping budget can still refuse after that is undone in the global group. Admission caps both
+groups' prefix hits to the length both can reuse (the global group's full prefix, the local
+group's window of it: ``ManagerState._capped_hits``).
+
+Why two managers and two pools rather than groups inside one manager: every operation of the
+one-group manager (plan, check, apply; release; prefix hits; swap; the invariant check) is
+reused unchanged, so single-group models keep today's path and speed, and the local group's
+demand is bounded (slots x window, plus one step's chunk), so a static split of the bytes
+(``layer_groups.split_blocks``) costs little. The price: the split is a guess where chunks are
+large, and each group's pages hold whole tokens of fewer layers, so they may hold more tokens
+than the whole model's would (prefix hits and growth in coarser steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from . import validation as check
+from .cache_config import CacheConfig, CacheStats, PreemptionEstimate
+from .errors import ConfigError
+from .kv_metrics import KVMetricsCollector
+from .layer_groups import LayerGroups, group_configs
+from .manager import KVCacheManager
+from .request import RELEASED, KVRequest
+
+
+def hybrid_manager(config: CacheConfig, layer_windows: Sequence[int | None] | None,
+                   chunk_tokens: int | None = None,
+                   metrics: KVMetricsCollector | None = None) -> "HybridKVCacheManager | None":
+    """A :class:`HybridKVCacheManager` for a model whose layers mix kinds (``layer_windows``
+    from ``hf_support.hybrid_layer_windows``), or None when they do not, or when its groups'
+    pages cannot hold one number of tokens (the caller then keeps every block in one group)."""
+    if not layer_windows:
+        return None
+    try:
+        group_configs(config, LayerGroups.from_windows(layer_windows), chunk_tokens)
+    except ConfigError:
+        return None
+    return HybridKVCacheManager(config, layer_windows, chunk_tokens, metrics=metrics)
+
+
+class GroupReads:
+    """``SlotReads`` over every group: a batch of consecutive slots is read in one call only
+    when each group can make its rows readable (a group that could keeps its filler pinned
+    until ``release_reads``, harmlessly)."""
+
+    def __init__(self, groups: list, num_layers: int):
+        self.groups, self.num_layers = groups, num_layers
+
+    def make_readable(self, slots: list[int], num_tokens: int) -> bool:
+        return all([group.make_readable(slots, num_tokens) for group in self.groups])
+
+    def release_reads(self) -> None:
+        for group in self.groups:
+            group.release_reads()
+
+
+class HybridKVCacheManager:
+    """``HybridKVCacheManager(config, layer_windows, chunk_tokens=None, local_blocks=None,
+    metrics=None)``: ``config`` describes the whole model (``num_layers`` all layers,
+    ``num_blocks`` blocks of all layers, shared as ``layer_groups.split_blocks`` says);
+    ``layer_windows`` each layer's window (None: global).
+
+    It answers what the engine asks of a ``KVCacheManager`` (admit, allocate, commit, free,
+    fork, preempt by swap or recompute, swap in, the views and the queries). Block counts
+    (``num_blocks``, ``num_free_blocks``, ``blocks_for_tokens``, ...) are the global group's,
+    the one that grows with a request; the local group is sized for its peak, and every
+    operation also checks it. No lookahead mapping, host tier or KV events yet."""
+
+    def __init__(self, config: CacheConfig, layer_windows: Sequence[int | None],
+                 chunk_tokens: int | None = None, local_blocks: int | None = None,
+                 metrics: KVMetricsCollector | None = None):
+        if len(layer_windows) != config.num_layers:
+            raise ConfigError(f"layer_windows has {len(layer_windows)} entries for "
+                              f"{config.num_layers} layers")
+        if config.sliding_window:
+            raise ConfigError("a hybrid config gives windows per layer (layer_windows), not "
+                              "CacheConfig.sliding_window")
+        if config.host_cache_bytes:
+            raise ConfigError("the hybrid KV cache has no host tier yet; set host_cache_bytes to 0")
+        self.groups = LayerGroups.from_windows(layer_windows)
+        self.global_group, self.local_group = (
+            KVCacheManager(group, metrics=metrics)
+            for group in group_configs(config, self.groups, chunk_tokens, local_blocks))
+        self.config = config
+        self.tokens_per_page = self.global_group.tokens_per_page
+        self._where = {}  # model layer -> (group manager, layer inside it)
+        for manager, layers in ((self.global_group, self.groups.global_layers),
+                                (self.local_group, self.groups.local_layers)):
+            for index, layer in enumerate(layers):
+                self._where[layer] = (manager, index)
+        self._local: dict[str, KVRequest] = {}  # request id -> its local group's request
+
+    # --- the two requests of one ------------------------------------------------------------------
+    def _pair(self, request: "KVRequest | str") -> tuple[KVRequest, KVRequest]:
+        """The global group's request (the caller's) and the local group's."""
+        req = self.global_group._known(request)
+        return req, self._local[req.request_id]
+
+    def _claim(self, req: KVRequest) -> KVRequest:
+        """Bind a request and its local twin (made once: it shares the request's token list and
+        keeps its own hash chain while the request waits or is recomputed) to the groups."""
+        local = self._local.get(req.request_id)
+        if local is None or local.token_ids is not req.token_ids:
+            local = self._local[req.request_id] = KVRequest(req.request_id, req.token_ids, req.keys)
+        for manager, request in ((self.global_group, req), (self.local_group, local)):
+            manager._check_not_foreign(request)
+            request._owner = manager
+        return local
+
+    def _hits(self, req: KVRequest, local: KVRequest) -> tuple[list[int], list[int]]:
+        """Both groups' prefix hits, cut to one length both can reuse: the global group's full
+        prefix and the local group's window of it."""
+        global_hits = self.global_group._prefix_hits(req)
+        local_hits = self.local_group._prefix_hits(local)
+        local_hits = self.local_group._capped_hits(local, local_hits, len(global_hits))
+        return global_hits[:len(local_hits)], local_hits
+
+    # --- admission and growth ---------------------------------------------------------------------
+    def match_prefix(self, req: KVRequest) -> tuple[list[int], list[bytes]]:
+        """The global group's cached blocks of the prefix both groups can reuse, and its hashes."""
+        global_hits, _ = self._hits(req, self._claim(req))
+        return global_hits, list(req.block_hashes)
+
+    def can_admit(self, req: KVRequest) -> bool:
+        global_hits, local_hits = self._hits(req, self._claim(req))
+        total = len(req.token_ids)
+        return (self.num_free_slots > 0 and self.global_group._fits_admission(global_hits, total)
+                and self.local_group._fits_admission(local_hits, total))
+
+    def admit(self, req: KVRequest, num_new_tokens: int | None = None,
+              token_budget: int | None = None) -> int | None:
+        """``KVCacheManager.admit`` in both groups, into one slot; None, changing nothing, when
+        either group has no room."""
+        local = self._claim(req)
+        global_hits, local_hits = self._hits(req, local)
+        cached = len(local_hits) * self.tokens_per_page
+        new = len(req.token_ids) - cached if num_new_tokens is None else num_new_tokens
+        if token_budget is not None:
+            new = min(new, token_budget)
+        if not (self.num_free_slots and self.global_group._fits_admission(global_hits, cached + new)
+                and self.local_group._fits_admission(local_hits, cached + new)):
+            return None
+        done = self.global_group.admit(req, num_new_tokens=num_new_tokens, token_budget=token_budget,
+                                       max_cached_tokens=cached)
+        if done is None:  # only the mapping budget refuses after the checks above
+            return None
+        if self.local_group.admit(local, num_new_tokens=num_new_tokens, token_budget=token_budget,
+                                  max_cached_tokens=cached, slot=req.slot) is None:
+            self.global_group.discard(req)  # the local group's mapping budget: undo the global half
+            return None
+        return done
+
+    def can_allocate(self, request: "KVRequest | str", num_new_tokens: int) -> bool:
+        req, local = self._pair(request)
+        return (self.global_group.can_allocate(req, num_new_tokens)
+                and self.local_group.can_allocate(local, num_new_tokens))
+
+    def blocks_needed(self, request: "KVRequest | str", num_new_tokens: int) -> int:
+        req, _ = self._pair(request)
+        return self.global_group.blocks_needed(req, num_new_tokens)
+
+    def allocate(self, request: "KVRequest | str", num_new_tokens: int, new_token_ids=()) -> bool:
+        """Reserve ``num_new_tokens`` more positions in both groups (appending ``new_token_ids``
+        once: both groups read the one list); False, changing nothing, when either lacks blocks."""
+        req, local = self._pair(request)
+        if not self.can_allocate(req, num_new_tokens):
+            return False
+        if not self.global_group.allocate(req, num_new_tokens, new_token_ids):
+            return False
+        if not self.local_group.allocate(local, num_new_tokens):
+            raise AssertionError("the local group refused an allocation it said fits")
+        return True
+
+    def commit(self, request: "KVRequest | str", num_computed_tokens: int | None = None) -> None:
+        """Commit both groups; the local group gives back its blocks behind the window."""
+        req, local = self._pair(request)
+        self.global_group.commit(req, num_computed_tokens)
+        self.local_group.commit(local, num_computed_tokens)
+
+    # --- freeing, sharing, preemption -------------------------------------------------------------
+    def free(self, request: "KVRequest | str") -> None:
+        req, local = self._pair(request)
+        self.global_group.free(req)
+        self.local_group.free(local)
+        del self._local[req.request_id]
+
+    def discard(self, request: "KVRequest | str") -> None:
+        request_id = request.request_id if isinstance(request, KVRequest) else check.request_id(request)
+        self.global_group.discard(request)
+        local = self._local.pop(request_id, None)
+        self.local_group.discard(request_id if local is None else local)
+
+    def fork(self, parent: "KVRequest | str", child: "KVRequest | str") -> KVRequest | None:
+        """``KVCacheManager.fork`` in both groups, into one slot; None, changing nothing,
+        without a slot or a block in either group."""
+        parent, local_parent = self._pair(parent)
+        partial = parent.num_tokens % self.tokens_per_page != 0
+        if not self.num_free_slots or (partial and not (self.global_group.num_free_blocks
+                                                        and self.local_group.num_free_blocks)):
+            return None
+        child = self.global_group.fork(parent, child)
+        if child is None:
+            return None
+        local_child = self.local_group.fork(local_parent, KVRequest(child.request_id, child.token_ids,
+                                                                    child.keys), slot=child.slot)
+        if local_child is None:
+            self.global_group.discard(child)  # the local group's mapping budget: undo
+            return None
+        self._local[child.request_id] = local_child
+        return child
+
+    def estimate_preemption(self, request: "KVRequest | str") -> PreemptionEstimate:
+        """Both groups' costs together (recompute: the global group's tokens, which are the
+        same computation)."""
+        req, local = self._pair(request)
+        both = self.global_group.estimate_preemption(req), self.local_group.estimate_preemption(local)
+        swap_bytes = both[0].swap_bytes + both[1].swap_bytes
+        return dataclasses.replace(both[0], swap_bytes=swap_bytes,
+                                   swap_seconds=both[0].swap_seconds + both[1].swap_seconds,
+                                   swap_fits=both[0].swap_fits and both[1].swap_fits)
+
+    def preempt(self, request: "KVRequest | str", mode: str = "auto") -> str:
+        """Preempt in both groups the same way (``auto``: by the estimate of both)."""
+        req, local = self._pair(request)
+        if mode == "auto":
+            mode = self.estimate_preemption(req).cheaper
+        if mode == "swap":  # refuse before either group changes
+            self.global_group.swap.check_room(self._private_blocks(self.global_group, req))
+            self.local_group.swap.check_room(self._private_blocks(self.local_group, local))
+        self.global_group.preempt(req, mode)
+        self.local_group.preempt(local, mode)
+        return mode
+
+    @staticmethod
+    def _private_blocks(manager: KVCacheManager, req: KVRequest) -> int:
+        return sum(b != RELEASED and manager.pool.ref[b] == 1 for b in manager._reserved_blocks(req))
+
+    def swap_in(self, request: "KVRequest | str") -> bool:
+        """Both groups back, into one slot; False, changing nothing, when either has no room."""
+        req, local = self._pair(request)
+        if not self.global_group.can_swap_in(req):
+            return False
+        slot = self.global_group.slots.choose()
+        if not self.local_group.can_swap_in(local, slot):
+            return False
+        if not self.global_group.swap_in(req, slot):
+            return False
+        if not self.local_group.swap_in(local, slot):
+            raise AssertionError("the local group refused a swap-in it said fits")
+        return True
+
+    def is_swapped(self, request: "KVRequest | str") -> bool:
+        return self.global_group.is_swapped(request)
+
+    # --- what attention and the engine read -------------------------------------------------------
+    def kv_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Model layer ``layer``'s K and V over every slot, from its group's virtual tensors."""
+        manager, index = self._where[check.layer_index(layer, self.config.num_layers)]
+        return manager.kv_views(index)
+
+    def block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        manager, index = self._where[check.layer_index(layer, self.config.num_layers)]
+        return manager.block_views(index)
+
+    def batched_reads(self) -> "GroupReads":
+        """Batched CPU reads over both groups' slots (``attention.contiguous.SlotReads``)."""
+        return GroupReads([self.global_group.batched_reads(), self.local_group.batched_reads()],
+                          self.config.num_layers)
+
+    def block_table(self, request: "KVRequest | str", layer: int) -> list[int]:
+        """The blocks of ``request`` in layer ``layer``'s group (RELEASED behind a window)."""
+        req, local = self._pair(request)
+        manager, _ = self._where[check.layer_index(layer, self.config.num_layers)]
+        return manager.block_table(req if manager is self.global_group else local)
+
+    def local_request(self, request: "KVRequest | str") -> KVRequest:
+        """The local group's request of ``request`` (its block table, released count)."""
+        return self._pair(request)[1]
+
+    def request(self, request_id: str) -> KVRequest:
+        return self.global_group.request(request_id)
+
+    def request_ids(self) -> list[str]:
+        return self.global_group.request_ids()
+
+    # --- sizes and accounting (the global group's blocks; see the class docstring) ---------------
+    @property
+    def layout(self):
+        """The global group's layout (the dtype and head shapes every layer shares)."""
+        return self.global_group.layout
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.global_group.num_free_slots
+
+    @property
+    def num_slots(self) -> int:
+        return self.global_group.num_slots
+
+    num_blocks = property(lambda self: self.global_group.num_blocks)
+    num_free_blocks = property(lambda self: self.global_group.num_free_blocks)
+    num_blocks_in_use = property(lambda self: self.global_group.num_blocks_in_use)
+    num_cached_blocks = property(lambda self: self.global_group.num_cached_blocks)
+    block_bytes = property(lambda self: self.global_group.block_bytes)
+
+    @property
+    def kv_bytes_in_use(self) -> int:
+        """Bytes of the blocks held by requests, in both groups."""
+        return self.global_group.kv_bytes_in_use + self.local_group.kv_bytes_in_use
+
+    def usage(self) -> float:
+        return max(self.global_group.usage(), self.local_group.usage())
+
+    def blocks_for_tokens(self, num_tokens: int, chunk_tokens: int | None = None) -> int:
+        return self.global_group.blocks_for_tokens(num_tokens, chunk_tokens)
+
+    def why_never_fits(self, num_tokens: int, chunk_tokens: int | None = None) -> str | None:
+        return (self.global_group.why_never_fits(num_tokens, chunk_tokens)
+                or self.local_group.why_never_fits(num_tokens, chunk_tokens))
+
+    def can_ever_fit(self, num_tokens: int, chunk_tokens: int | None = None) -> bool:
+        return self.why_never_fits(num_tokens, chunk_tokens) is None
+
+    def cache_stats(self) -> CacheStats:
+        """The global group's counters (prefix hits are the same length in both), with the
+        local group's blocks released behind the window and swap bytes."""
+        stats, local = self.global_group.cache_stats(), self.local_group.cache_stats()
+        stats.blocks_released_behind_window = local.blocks_released_behind_window
+        stats.swap_out_bytes += local.swap_out_bytes
+        stats.swap_in_bytes += local.swap_in_bytes
+        return stats
+
+    def snapshot_stats(self) -> dict:
+        """The global group's snapshot with the local group's block counts beside it
+        (``local_blocks_*``) and ``kv_bytes_in_use`` over both."""
+        out = {**self.global_group.snapshot_stats(), **dataclasses.asdict(self.cache_stats())}
+        local = self.local_group.snapshot_stats()
+        for key in ("blocks_total", "blocks_in_use", "blocks_cached", "blocks_clean"):
+            out[f"local_{key}"] = local[key]
+        out["kv_bytes_in_use"] = self.kv_bytes_in_use
+        return out
+
+    def check(self) -> None:
+        """Both groups' invariants, and that each request is in step across them."""
+        self.global_group.check()
+        self.local_group.check()
+        assert self.global_group.request_ids() == self.local_group.request_ids(), "groups hold different requests"
+        for request_id in self.global_group.request_ids():
+            req, local = self.global_group.request(request_id), self._local[request_id]
+            assert self.local_group.request(request_id) is local
+            assert req.slot == local.slot, f"{request_id}: slots {req.slot} and {local.slot}"
+            assert req.is_swapped == local.is_swapped
+            assert (req.num_tokens, req.num_computed_tokens) == (local.num_tokens, local.num_computed_tokens)
+            assert req.token_ids is local.token_ids
+
+    def close(self) -> None:
+        self.global_group.close()
+        self.local_group.close()
