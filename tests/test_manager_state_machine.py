@@ -197,12 +197,12 @@ class ManagerMachine(RuleBasedStateMachine):
         if not expected:
             self.refused_without_change(lambda: m.fork(parent, child))
             return
-        copied = m.stats.pages_copied
+        copied = m.stats.blocks_copied
         refused, forked = self.budgeted(lambda: m.fork(parent, child))
         if refused:
             return
         assert forked
-        assert m.stats.pages_copied == copied + partial
+        assert m.stats.blocks_copied == copied + partial
         parent_blocks, child_blocks = m.block_table(parent), m.block_table(child)
         shared = -(-self.reserved[parent] // TOKENS_PER_PAGE) - partial  # lookahead not shared
         assert child_blocks[:shared] == parent_blocks[:shared]
@@ -218,7 +218,7 @@ class ManagerMachine(RuleBasedStateMachine):
                                    max_size=len(rows)))
         sources = [running[i] for i in picks]
         before = manager_state(self.m)
-        copied = self.m.stats.pages_copied
+        copied = self.m.stats.blocks_copied
         refused, reordered = self.budgeted(lambda: self.m.reorder(rows, sources))
         if refused:
             return
@@ -231,7 +231,7 @@ class ManagerMachine(RuleBasedStateMachine):
             if self.reserved[source] % TOKENS_PER_PAGE:
                 partial_takers.setdefault(source, []).append(row)
         expected_copies = sum(len(takers) - (source in rows) for source, takers in partial_takers.items())
-        assert self.m.stats.pages_copied == copied + expected_copies
+        assert self.m.stats.blocks_copied == copied + expected_copies
         snapshot = {s: (list(self.tokens[s]), self.reserved[s]) for s in sources}
         for row, source in zip(rows, sources):
             self.tokens[row], self.reserved[row] = list(snapshot[source][0]), snapshot[source][1]
@@ -371,7 +371,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def teardown(self):
         stats = self.m.snapshot_stats()
         for key in ("prefix_hit_tokens", "reprefill_hit_tokens", "evictions", "forks",
-                    "pages_copied", "preemptions_swap", "preemptions_recompute", "swap_in_bytes",
+                    "blocks_copied", "preemptions_swap", "preemptions_recompute", "swap_in_bytes",
                     "blocks_released_behind_window"):
             self.totals[key] += stats[key]
         try:
