@@ -71,11 +71,11 @@ def first_block_slot(group: KVCacheManager, blocks: list[int], behind: int) -> i
 def _fits(plans: Iterable[Plan]) -> bool:
     charged = 0  # mappings the plans before this one add to the process's budget
     for group, jobs, behind in plans:
-        if not jobs:  # most decode steps: the next position is on a page already mapped
+        room = group.slots.mapping_room(charged)
+        if room is None or not jobs:  # no budget (CUDA, block tables); a page already mapped
             continue
         peak, added = group.slots.mapping_cost(jobs, behind)
-        room = group.slots.mapping_room(charged)
-        if room is not None and peak > room:
+        if peak > room:
             return False
         charged += added
     return True
