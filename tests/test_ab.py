@@ -286,3 +286,39 @@ def test_host_tier_and_ranks_reach_every_variants_engine(monkeypatch):
     assert (config.host_cache_bytes, config.tensor_parallel_size, config.policy,
             config.kv_backend) == (4096, 2, "lpm", "paged")
     assert model_and_tokenizer == ()  # two ranks: each loads the model by name
+
+
+# --- long generations on a sliding-window model ---------------------------------------------------
+@pytest.mark.parametrize("quick", [True, False])
+@pytest.mark.parametrize("page", (16, 64))
+def test_window_pool_holds_every_request_only_with_release(page, quick):
+    workload = make_workload("window", quick=quick, tokens_per_page=page)
+    count, window = len(workload.requests), workload.sliding_window
+    held = pages(window, page) + 3  # the window, its partial first page, the written one, lookahead
+    assert workload.engine["num_blocks"] == count * held
+    # every output is at least two windows long, and the whole lengths outgrow the pool
+    assert all(p.max_tokens >= 2 * window for _, _, p in workload.requests)
+    assert workload.pages_at_full_length(page) > workload.engine["num_blocks"]
+
+
+def test_window_needs_a_sliding_window_model(capsys):
+    assert main(["--quick", "--no-progress", "--out", "", "--workloads", "window",
+                 "--variants", "vmem"]) == 2  # tiny-llama: no window
+    assert "tiny-mistral" in capsys.readouterr().err
+
+
+def test_window_runs_every_request_at_once_holding_about_a_window_each(capsys):
+    """On tiny-mistral (window 128), both variants give back the blocks behind the window: all
+    requests run at once, none is preempted, each holds at most its window plus two pages (plus
+    the engine's lookahead page), and the greedy tokens agree."""
+    assert main(["--quick", "--json", "--no-progress", "--out", "", "--workloads", "window",
+                 "--variants", "vmem,paged", "--model", "tiny-mistral"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    workload = result["workloads"]["window"]
+    page = workload["tokens_per_page"]
+    page_bytes = page * 4 * 2 * 2 * 32 * 4  # tiny-mistral: 4 layers x K,V x 2 heads x dim 32, fp32
+    for variant in ("vmem", "paged"):
+        metrics = {key: spread["median"] for key, spread in result["results"]["window"][variant]["metrics"].items()}
+        assert metrics["preemptions"] == 0 and metrics["most_running"] == workload["num_requests"]
+        assert 0 < metrics["peak_kv_bytes_per_request"] <= (pages(128, page) + 3) * page_bytes
+    assert result["checks"]["window"]["tokens_equal"] == {"paged": True}

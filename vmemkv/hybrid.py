@@ -10,8 +10,9 @@ keeps every block. A request is the caller's :class:`KVRequest` in the global gr
 index, so attention addresses a layer's K/V by ``req.slot`` whichever group holds it.
 
 Operations ask both groups whether they fit (``_fits_admission``, ``can_allocate``,
-``can_swap_in``, free slots and blocks for a fork, swap room) before changing either; what only
-a mapping budget can still refuse after that is undone in the global group. Admission caps both
+``can_swap_in``, free slots and blocks for a fork, swap room), and whether the process's mapping
+budget takes both groups' new mappings (``hybrid_budget.check_budget``), before changing either:
+a refused operation changes neither group. Admission caps both
 groups' prefix hits to the length both can reuse (the global group's full prefix, the local
 group's window of it: ``ManagerState._capped_hits``).
 
@@ -34,6 +35,8 @@ import torch
 from . import validation as check
 from .cache_config import CacheConfig, CacheStats, PreemptionEstimate
 from .errors import ConfigError
+from .hybrid_budget import (admit_plan, check_budget, first_block_slot, fork_plan, grow_plan,
+                            swap_in_plan)
 from .kv_metrics import KVMetricsCollector
 from .layer_groups import LayerGroups, group_configs
 from .manager import KVCacheManager
@@ -147,7 +150,8 @@ class HybridKVCacheManager:
     def admit(self, req: KVRequest, num_new_tokens: int | None = None,
               token_budget: int | None = None) -> int | None:
         """``KVCacheManager.admit`` in both groups, into one slot; None, changing nothing, when
-        either group has no room."""
+        either group has no room (MappingLimitError, changing nothing, when the mapping budget
+        does not take both)."""
         local = self._claim(req)
         global_hits, local_hits = self._hits(req, local)
         cached = len(local_hits) * self.tokens_per_page
@@ -157,14 +161,15 @@ class HybridKVCacheManager:
         if not (self.num_free_slots and self.global_group._fits_admission(global_hits, cached + new)
                 and self.local_group._fits_admission(local_hits, cached + new)):
             return None
+        slot = first_block_slot(self.global_group, global_hits, 0)
+        check_budget([admit_plan(self.global_group, global_hits, cached + new, slot),
+                      admit_plan(self.local_group, local_hits, cached + new, slot)], "admit")
         done = self.global_group.admit(req, num_new_tokens=num_new_tokens, token_budget=token_budget,
                                        max_cached_tokens=cached)
-        if done is None:  # only the mapping budget refuses after the checks above
-            return None
-        if self.local_group.admit(local, num_new_tokens=num_new_tokens, token_budget=token_budget,
-                                  max_cached_tokens=cached, slot=req.slot) is None:
-            self.global_group.discard(req)  # the local group's mapping budget: undo the global half
-            return None
+        if done is None or self.local_group.admit(local, num_new_tokens=num_new_tokens,
+                                                  token_budget=token_budget, max_cached_tokens=cached,
+                                                  slot=req.slot) is None:
+            raise AssertionError("a group refused an admission both said fits")
         return done
 
     def can_allocate(self, request: "KVRequest | str", num_new_tokens: int) -> bool:
@@ -182,10 +187,11 @@ class HybridKVCacheManager:
         req, local = self._pair(request)
         if not self.can_allocate(req, num_new_tokens):
             return False
-        if not self.global_group.allocate(req, num_new_tokens, new_token_ids):
-            return False
-        if not self.local_group.allocate(local, num_new_tokens):
-            raise AssertionError("the local group refused an allocation it said fits")
+        check_budget([grow_plan(self.global_group, req, num_new_tokens),
+                      grow_plan(self.local_group, local, num_new_tokens)], "allocate")
+        if not (self.global_group.allocate(req, num_new_tokens, new_token_ids)
+                and self.local_group.allocate(local, num_new_tokens)):
+            raise AssertionError("a group refused an allocation both said fits")
         return True
 
     def commit(self, request: "KVRequest | str", num_computed_tokens: int | None = None) -> None:
@@ -209,20 +215,21 @@ class HybridKVCacheManager:
 
     def fork(self, parent: "KVRequest | str", child: "KVRequest | str") -> KVRequest | None:
         """``KVCacheManager.fork`` in both groups, into one slot; None, changing nothing,
-        without a slot or a block in either group."""
+        without a slot or a block in either group (MappingLimitError, changing nothing, when the
+        mapping budget does not take both)."""
         parent, local_parent = self._pair(parent)
         partial = parent.num_tokens % self.tokens_per_page != 0
         if not self.num_free_slots or (partial and not (self.global_group.num_free_blocks
                                                         and self.local_group.num_free_blocks)):
             return None
-        child = self.global_group.fork(parent, child)
-        if child is None:
-            return None
-        local_child = self.local_group.fork(local_parent, KVRequest(child.request_id, child.token_ids,
-                                                                    child.keys), slot=child.slot)
+        slot = first_block_slot(self.global_group, self.global_group._reserved_blocks(parent), 0)
+        check_budget([fork_plan(self.global_group, parent, slot),
+                      fork_plan(self.local_group, local_parent, slot)], "fork")
+        child = self.global_group.fork(parent, child, slot=slot)
+        local_child = None if child is None else self.local_group.fork(
+            local_parent, KVRequest(child.request_id, child.token_ids, child.keys), slot=slot)
         if local_child is None:
-            self.global_group.discard(child)  # the local group's mapping budget: undo
-            return None
+            raise AssertionError("a group refused a fork both said fits")
         self._local[child.request_id] = local_child
         return child
 
@@ -260,10 +267,10 @@ class HybridKVCacheManager:
         slot = self.global_group.slots.choose()
         if not self.local_group.can_swap_in(local, slot):
             return False
-        if not self.global_group.swap_in(req, slot):
-            return False
-        if not self.local_group.swap_in(local, slot):
-            raise AssertionError("the local group refused a swap-in it said fits")
+        check_budget([swap_in_plan(self.global_group, req, slot),
+                      swap_in_plan(self.local_group, local, slot)], "swap in")
+        if not (self.global_group.swap_in(req, slot) and self.local_group.swap_in(local, slot)):
+            raise AssertionError("a group refused a swap-in both said fits")
         return True
 
     def is_swapped(self, request: "KVRequest | str") -> bool:

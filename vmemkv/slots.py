@@ -14,8 +14,8 @@ bound there maps only the positions whose block differs. Stale mappings are harm
 request only reads below its length and maps its own block before writing a position. They are
 unmapped only when the OS mapping budget runs short (``reclaim_stale``).
 
-A little over 400 lines: a slot's mappings, its batched-read filler and its pages behind a window
-are one page table, kept consistent in one place.
+Under 500 lines: a slot's mappings, its batched-read filler, its pages behind a window and what
+mapping them would cost (``mapping_cost``) are one page table, kept consistent in one place.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 
 from .errors import ConfigError, MappingLimitError, VmemkvError
 from .layout import KVLayout
+from .vmm.cpu_limits import count_range_mappings
 from .vmm.base import VirtualMemoryBackend
 
 
@@ -170,6 +171,17 @@ class SlotBinder:
 
     def map_jobs(self, jobs: list[MapJob]) -> None:
         """Block tables are the requests' block lists: nothing to map."""
+
+    def mapping_cost(self, jobs: list[MapJob], behind: int = 0) -> tuple[int, int]:
+        """The kernel mappings ``unmap_behind(job.slot, behind)`` then ``map_jobs(jobs)`` would add,
+        without mapping: (the most held extra at any step, those held extra at the end). Block
+        tables map nothing."""
+        return 0, 0
+
+    def mapping_room(self, charged_elsewhere: int = 0) -> int | None:
+        """Mappings the backend may still add (after ``charged_elsewhere`` more elsewhere in the
+        process); None: no budget."""
+        return None
 
     def reclaim_stale(self, keep: dict[int, int] | None = None) -> None:
         """Nothing is mapped, so nothing is stale."""
@@ -328,6 +340,30 @@ class SlotMapper(SlotBinder):
         self.stats.pages_already_mapped += len(virtual) - int(stale.sum())
         if stale.any():
             self._map(jobs, virtual[stale], physical[stale])
+
+    def mapping_cost(self, jobs: list[MapJob], behind: int = 0) -> tuple[int, int]:
+        # One VMA per run of consecutive physical pages and per unmapped gap, so a change only
+        # moves the count of the pairs of neighbours it touches: count over the touched span.
+        table = self.page_table
+        virtual, physical = self._job_pages(jobs)
+        slots = np.unique([job.slot for job in jobs]).astype(np.int64)
+        released = self._virtual(np.repeat(slots, behind), np.tile(np.arange(behind), len(slots)))
+        touched = np.concatenate([virtual, released])
+        if not len(touched):
+            return 0, 0
+        start, end = max(int(touched.min()) - 1, 0), min(int(touched.max()) + 2, len(table))
+        old = table[start:end]
+        after_behind = old.copy()
+        after_behind[released - start] = -1 if self.hole_page is None else self.hole_page
+        after_jobs = after_behind.copy()
+        after_jobs[virtual - start] = physical
+        base = count_range_mappings(old)
+        first, last = count_range_mappings(after_behind) - base, count_range_mappings(after_jobs) - base
+        return max(first, last), last
+
+    def mapping_room(self, charged_elsewhere: int = 0) -> int | None:
+        room = getattr(self.backend, "mapping_room", None)
+        return None if room is None else room(charged_elsewhere)
 
     def _job_pages(self, jobs: list[MapJob]) -> tuple[np.ndarray, np.ndarray]:
         """The (virtual page, physical page) pairs the jobs ask for."""

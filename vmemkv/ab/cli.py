@@ -8,6 +8,7 @@ contiguous) or in block tables, measured side by side.
     vmemkv ab --workloads prefix-groups --policy lpm   # cache-aware scheduling, both variants
     vmemkv ab --workloads multi-turn --host-cache-bytes 67108864   # the prefix cache's host tier
     vmemkv ab --tensor-parallel-size 2 --quick  # every variant on 2 ranks (model and KV heads split)
+    vmemkv ab --workloads window --model tiny-mistral  # long generations, sliding window: KV per request
     python -m vmemkv.ab.cli ...                 # the same without the `vmemkv` entry point
 
 Results go to ``--out`` (default ``experiments/results/local/ab``, which git ignores, so a run never
@@ -15,8 +16,8 @@ overwrites the recorded results; ``--out experiments/results/ab`` records one): 
 ``ab.json`` and PNG plots (skipped with ``--no-plots`` or without matplotlib). The workloads are sized for the engine's real
 page (``tokens_per_page`` of each variant's KV layout: 16 on CPU by default, 1024 for tiny-llama
 in fp32 on 2 MiB CUDA pages). The exit status is 1 when a check fails (greedy tokens differ
-between variants, the pressure workload never preempts, vmem and paged disagree on the prefix hit
-rate).
+between variants, the pressure workload never preempts, the window workload preempts, vmem and
+paged disagree on the prefix hit rate).
 """
 
 from __future__ import annotations

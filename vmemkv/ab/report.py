@@ -18,6 +18,7 @@ COLUMNS = (
     ("TPOT p50 ms", "tpot_p50_ms", "{:.1f}", 1.0),
     ("ITL p99 ms", "itl_p99_ms", "{:.0f}", 1.0),
     ("peak KV MiB", "peak_kv_mib", "{:.2f}", 1.0),
+    ("KV/req KiB", "peak_kv_bytes_per_request", "{:.0f}", 1 / 1024),
     ("frag %", "internal_fragmentation", "{:.1f}", 100.0),
     ("hit %", "prefix_hit_rate", "{:.1f}", 100.0),
     ("preempt", "preemptions", "{:.0f}", 1.0),

@@ -63,7 +63,8 @@ METRIC_KEYS = (
     "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms",
     "tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms",
     "itl_mean_ms", "itl_p50_ms", "itl_p99_ms",
-    "peak_kv_bytes", "peak_kv_mib", "internal_fragmentation", "prefix_hit_rate",
+    "peak_kv_bytes", "peak_kv_mib", "peak_kv_bytes_per_request", "most_running",
+    "internal_fragmentation", "prefix_hit_rate",
     "prefix_hit_rate_host", "host_demotions", "host_promotions",
     "preemptions", "preemptions_swap", "preemptions_recompute", "evictions", "forks", "blocks_copied",
     "map_calls", "unmap_calls", "pages_mapped", "map_calls_saved",
@@ -109,12 +110,14 @@ def run_once(model, tokenizer, model_name: str, workload: Workload, variant: Var
         gc.collect()
         token_times: dict[tuple[str, int], list[float]] = {}
         finished: dict[str, object] = {}
+        per_request = PeakPerRequest()
         start, cpu_start = time.perf_counter(), time.process_time()
         for request_id, prompt, params in workload.requests:
             engine.add_request(request_id, list(prompt), params)
         while engine.has_unfinished_requests():
             outputs = engine.step()
             now = time.perf_counter()
+            per_request.sample(engine)
             for output in outputs:
                 if output.error:
                     raise RuntimeError(f"{workload.name}/{variant.name}: request "
@@ -132,6 +135,7 @@ def run_once(model, tokenizer, model_name: str, workload: Workload, variant: Var
     tokens = {rid: [list(c.token_ids) for c in sorted(out.outputs, key=lambda c: c.index)]
               for rid, out in finished.items()}
     metrics = _metrics(workload, stats, token_times, start, wall, cpu)
+    metrics.update(peak_kv_bytes_per_request=per_request.kv_bytes, most_running=per_request.running)
     return RunResult(workload.name, variant.name, repeat, metrics, tokens, page_tokens)
 
 
@@ -169,6 +173,7 @@ def _metrics(workload: Workload, stats: dict,
                 "attention_seconds"):
         m[key] = float(stats.get(key, 0.0))
     m["peak_kv_mib"] = m["peak_kv_bytes"] / 2**20
+    m["peak_kv_bytes_per_request"] = m["most_running"] = 0.0  # run_once samples them
     # prompt tokens served from the host tier (promoted), a part of prefix_hit_rate
     queried = stats.get("prefix_queried_tokens", 0)
     m["prefix_hit_rate_host"] = stats.get("prefix_hit_tokens_host", 0) / queried if queried else 0.0
@@ -188,6 +193,20 @@ def _metrics(workload: Workload, stats: dict,
     m["kv_manager_share"] = (m["manager_seconds"] + m["map_wait_seconds"]) / step
     assert set(m) == set(METRIC_KEYS), set(m) ^ set(METRIC_KEYS)
     return m
+
+
+class PeakPerRequest:
+    """The most KV bytes the running requests held per request, and the most requests running,
+    sampled after every step (a sliding-window model's requests hold about a window each)."""
+
+    def __init__(self) -> None:
+        self.kv_bytes = self.running = 0.0
+
+    def sample(self, engine: LLMEngine) -> None:
+        running = len(engine.scheduler.running)
+        if running:
+            self.kv_bytes = max(self.kv_bytes, engine.manager.kv_bytes_in_use / running)
+            self.running = max(self.running, float(running))
 
 
 def _describe_ms(name: str, samples: list[float]) -> dict[str, float]:
@@ -257,6 +276,8 @@ def run_experiment(workloads: list[str], variants: list[str], repeats: int = 3, 
     began = time.perf_counter()
     try:
         model, tokenizer = load_model(model_name, seed=seed, device=device)
+        for name in workloads:
+            make_workload(name, seed, quick).check_model(model)
         warmup = _warmup_workload()
         total = len(variants) * (1 + len(workloads) * repeats)
         runs: list[RunResult] = []
@@ -329,7 +350,8 @@ def summarize(workloads: dict[str, Workload], variants: list[str], runs: list[Ru
 
 def failures(workloads: dict[str, Workload], results: dict, checks: dict | None = None) -> list[str]:
     """What the run must not show: differing greedy tokens, a pressure workload that never
-    preempted, vmem and paged disagreeing on the prefix hit rate. A variant whose pages hold
+    preempted, a sliding-window workload that preempted (its pool holds every request only with
+    release behind the window), vmem and paged disagreeing on the prefix hit rate. A variant whose pages hold
     other than the workload's tokens per page (``checks[name]["other_page_size"]``) is not held
     to preempting: the pool was sized in the workload's pages."""
     problems = []
@@ -345,6 +367,11 @@ def failures(workloads: dict[str, Workload], results: dict, checks: dict | None 
             for variant, result in per_variant.items():
                 if variant not in other_pages and result["metrics"]["preemptions"]["min"] <= 0:
                     problems.append(f"{name}: {variant} never preempted; shrink num_blocks")
+        if workload.sliding_window is not None:
+            for variant, result in per_variant.items():
+                if result["metrics"]["preemptions"]["max"] > 0:
+                    problems.append(f"{name}: {variant} preempted: the pool holds every request "
+                                    "only if blocks behind the window go back to it")
         if "vmem" in per_variant and "paged" in per_variant:
             a = per_variant["vmem"]["metrics"]["prefix_hit_rate"]["median"]
             b = per_variant["paged"]["metrics"]["prefix_hit_rate"]["median"]

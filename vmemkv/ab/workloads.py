@@ -11,6 +11,9 @@ page (16 on CPU by default; 2 MiB CUDA pages hold 1024 tokens of tiny-llama in f
 system prompt spans whole pages, and the pressure workload's prompts end just short of a page
 boundary on a pool that cannot give every request its next page.
 
+``window`` needs a sliding-window model (``--model tiny-mistral``; the runner refuses others):
+its pool holds each request's window, not its whole length.
+
 ``chat-real`` is the exception to the random ids: real text stored in the package
 (``data/chat_prompts.json``: four assistants' system prompts, each with its own user questions),
 rendered through the model's tokenizer and its chat template, so every request of an assistant
@@ -51,6 +54,10 @@ class Workload:
     engine: dict = field(default_factory=dict)
     greedy: bool = True  # greedy: all variants must give identical tokens
     expect_preemption: bool = False  # the pool is sized to force preemptions
+    # The sliding window the pool was sized for (None: any model): the model must attend to at
+    # most this many tokens back, and no request may be preempted (blocks behind the window go
+    # back to the pool in every variant).
+    sliding_window: int | None = None
     tokens_per_page: int = DEFAULT_TOKENS_PER_PAGE  # the page the sizes above were chosen for
 
     @property
@@ -80,6 +87,20 @@ class Workload:
             engine["num_blocks"] = max(pages(pool_tokens, tokens_per_page), floor)
         return engine
 
+    def check_model(self, model) -> None:
+        """ValueError unless ``model`` suits this workload: one sized for a sliding window needs
+        every layer to attend at most that many tokens back (its pool holds no more)."""
+        if self.sliding_window is None:
+            return
+        config = model.config
+        window = getattr(config, "sliding_window", None)
+        kinds = set(getattr(config, "layer_types", None) or ["sliding_attention"])
+        if not window or window > self.sliding_window or kinds != {"sliding_attention"}:
+            raise ValueError(f"workload {self.name!r} needs a model whose every layer has a sliding "
+                             f"window of at most {self.sliding_window} tokens (its pool holds only "
+                             f"that); {config.model_type} has sliding_window={window}: use "
+                             "--model tiny-mistral")
+
     def describe(self) -> dict:
         prompts = [len(ids) for _, ids, _ in self.requests]
         return {"description": self.description, "num_requests": len(self.requests),
@@ -87,6 +108,7 @@ class Workload:
                 "prompt_tokens": self.num_prompt_tokens, "output_tokens": self.num_output_tokens,
                 "prompt_len_min": min(prompts), "prompt_len_max": max(prompts),
                 "greedy": self.greedy, "expect_preemption": self.expect_preemption,
+                "sliding_window": self.sliding_window,
                 "tokens_per_page": self.tokens_per_page, "engine": dict(self.engine)}
 
 
@@ -305,6 +327,34 @@ def multi_turn(seed: int = 0, quick: bool = False,
                     tokens_per_page=tokens_per_page)
 
 
+def window(seed: int = 0, quick: bool = False,
+           tokens_per_page: int = DEFAULT_TOKENS_PER_PAGE) -> Workload:
+    """Long generations on a sliding-window model (``--model tiny-mistral``, window
+    ``TINY_MISTRAL_WINDOW`` 128): every output is several windows long, and the pool holds each
+    request's window pages plus three (the partial page at the window start, the page being
+    written, a lookahead page), not its whole length, so all requests run at once only if the
+    blocks behind the window go back to the pool. Both kinds of variant give them back (the
+    block-table baseline as vLLM's hybrid manager does): the A/B compares peak KV per request and
+    preemptions (none may happen), and the greedy tokens."""
+    from ..engine.models import TINY_MISTRAL_WINDOW
+
+    rng = random.Random(f"window-{seed}")
+    count, output = (3, 384) if quick else (6, 768)
+    requests = [(f"window-{i}", _tokens(rng, rng.randint(24, 40)), _greedy(output))
+                for i in range(count)]
+    held = pages(TINY_MISTRAL_WINDOW, tokens_per_page) + 3
+    num_blocks = count * held
+    longest = max(len(ids) + p.max_tokens for _, ids, p in requests)
+    return Workload("window", f"{count} requests of 24-40 prompt + {output} output tokens on a "
+                    f"model with a {TINY_MISTRAL_WINDOW}-token sliding window, on a "
+                    f"{num_blocks}-page pool ({held} pages a request; "
+                    f"{pages(longest, tokens_per_page)} at full length): fits only with release "
+                    "behind the window, greedy", requests,
+                    {"max_num_seqs": count, "max_model_len": max(1024, 256 * pages(longest, 256)),
+                     "num_blocks": num_blocks, "max_num_batched_tokens": 512},
+                    tokens_per_page=tokens_per_page, sliding_window=TINY_MISTRAL_WINDOW)
+
+
 # --- real text: chat-real ----------------------------------------------------------------------------
 CHAT_PROMPTS = "chat_prompts.json"  # in vmemkv/ab/data/, package data
 
@@ -403,6 +453,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "chat-real": chat_real,
     "prefix-groups": prefix_groups,
     "multi-turn": multi_turn,
+    "window": window,  # on a sliding-window model only: --model tiny-mistral
 }
 # Workloads built from text: make_workload passes them the model's tokenizer.
 TEXT_WORKLOADS = frozenset({"chat-real"})

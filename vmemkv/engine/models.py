@@ -15,13 +15,14 @@ import os
 from typing import NoReturn
 
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig,
-                          PreTrainedTokenizerFast, Qwen2Config)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig,
+                          PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config)
 
 from ..errors import ConfigError
 from .hub import REAL_MODELS, ensure_real_model, hub_config, load_from_hub_cache
 
 BYTE_VOCAB = 256 + 2  # bytes, then <s>, </s>
+TINY_MISTRAL_WINDOW = 128
 
 # The tiny models use a larger init scale than the default 0.02 so that random weights give varied
 # greedy tokens (at 0.02 they repeat one or two tokens, which would make equality tests weak).
@@ -36,6 +37,14 @@ BUILTIN_MODELS: dict[str, PretrainedConfig] = {
                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
                               max_position_embeddings=4096, rope_theta=10000.0,
                               initializer_range=0.1),
+    # tiny-llama's shape with Mistral's sliding window: every layer attends to the last
+    # TINY_MISTRAL_WINDOW tokens, so blocks behind the window go back to the pool (the A/B's
+    # window workload).
+    "tiny-mistral": MistralConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                                  num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                                  max_position_embeddings=4096, rope_theta=10000.0,
+                                  initializer_range=0.1,
+                                  sliding_window=TINY_MISTRAL_WINDOW),
     # The shapes of real models, random weights, for benchmarks.
     "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                 num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,

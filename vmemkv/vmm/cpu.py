@@ -188,9 +188,11 @@ class CpuBackend(VirtualMemoryBackend):
         """VMAs this backend holds now (ranges, runs, gaps, the pool window)."""
         return self._mappings_used
 
-    def mapping_room(self) -> int:
-        """How many more VMAs this backend may use before map/unmap/reserve is refused."""
-        room = self._budget.limit - self._budget.used
+    def mapping_room(self, charged_elsewhere: int = 0) -> int:
+        """How many more VMAs this backend may use before map/unmap/reserve is refused; with
+        ``charged_elsewhere``, once other backends of the process hold that many more (a caller
+        planning mappings in several backends before making any)."""
+        room = self._budget.limit - self._budget.used - charged_elsewhere
         if self.max_mappings is not None:
             room = min(room, self.max_mappings - self._mappings_used)
         return room
