@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from . import validation as check
-from .errors import InvalidInputError, RequestStateError
+from .errors import InvalidInputError, MappingLimitError, RequestStateError
 from .kv_metrics import timed
 from .manager_state import ManagerState
 from .request import KVRequest
@@ -105,10 +105,12 @@ class SharingOps(ManagerState):
         plans = [blocks[:-1] + [next(fresh)] if copy else list(blocks)
                  for blocks, copy in zip(reserved, copied)]
         behind = [s._num_released for s in sources]  # a row takes its source's window
-        self.slots.map_jobs([MapJob(row._slot, count, blocks[count:], keep=len(row._blocks))
-                             for row, blocks, count in zip(rows, plans, behind)])
-        for row, count in zip(rows, behind):  # after the refusable step: a row reads these until
-            self.slots.unmap_behind(row._slot, count)  # now; a leading range unmaps, never splits
+        jobs = [MapJob(row._slot, count, blocks[count:], keep=len(row._blocks))
+                for row, blocks, count in zip(rows, plans, behind)]
+        self._check_reorder_room(jobs, behind)  # the unmaps below must not be refused
+        self.slots.map_jobs(jobs)
+        for row, count in zip(rows, behind):  # after map_jobs (a row reads these until now),
+            self.slots.unmap_behind(row._slot, count)  # within the room checked above
         snapshots = [(list(s._token_ids), s._num_tokens, s._num_computed, list(s._hashes),
                       s._num_registered, s._keys, s._num_checked) for s in sources]
         self.pool.take([blocks[-1] for blocks, copy in zip(plans, copied) if copy])
@@ -127,6 +129,30 @@ class SharingOps(ManagerState):
             row._num_released = count
             self.slots.set_behind(row._slot, count)
         return True
+
+    def _check_reorder_room(self, jobs: list[MapJob], behind: list[int]) -> None:
+        """Refuse (MappingLimitError, nothing changed) unless the mapping budget holds reorder's
+        mappings and then its unmaps behind each row's new window: those come after ``map_jobs``
+        (a row reads its old pages until then), so the budget is asked for both first. Stale
+        mappings are reclaimed first when they do not fit, as ``map_jobs`` would."""
+        def peak() -> int:
+            mapped = [self.slots.mapping_cost([job])[1] for job in jobs]
+            final = [self.slots.mapping_cost([job], count)[1] for job, count in zip(jobs, behind)]
+            held = total = sum(mapped)
+            for before, after in zip(mapped, final):
+                total += after - before
+                held = max(held, total)
+            return held
+        room = self.slots.mapping_room()
+        if room is None or peak() <= room:
+            return
+        self.slots.reclaim_stale({job.slot: job.keep for job in jobs})
+        needed, room = peak(), self.slots.mapping_room()
+        if needed > room:
+            raise MappingLimitError(
+                f"refused to reorder: it needs {needed} more kernel mappings (VMAs) and the budget "
+                f"has room for {room}; nothing was changed. Use a larger page_size, fewer slots or a "
+                "shorter max_model_len, or raise vm.max_map_count")
 
     @timed
     def truncate(self, request: "KVRequest | str", num_tokens: int) -> bool:
