@@ -14,8 +14,8 @@ bound there maps only the positions whose block differs. Stale mappings are harm
 request only reads below its length and maps its own block before writing a position. They are
 unmapped only when the OS mapping budget runs short (``reclaim_stale``).
 
-A little over 400 lines: a slot's mappings, its batched-read filler and its pages behind a window
-are one page table, kept consistent in one place.
+About 470 lines: a slot's mappings, its batched-read filler (and what is known readable) and its
+pages behind a window are one page table, kept consistent in one place.
 """
 
 from __future__ import annotations
@@ -265,7 +265,8 @@ class SlotMapper(SlotBinder):
         request's pages). Offset ``i`` of a slot maps filler page ``i``, so a slot's filler is one
         coalesced mapping. Those pages are then pinned against ``reclaim_stale`` (which the
         lookahead worker may run during the forward) until ``release_reads``. False (nothing
-        pinned for these slots) without filler pages or if the mapping budget refuses."""
+        pinned for these slots) without filler pages or if the mapping budget refuses. A run of
+        slots already made readable this far (``_mark_readable``) costs no page-table lookup."""
         if not self._has_filler:
             return False
         logical = self.layout.logical_pages_for(num_tokens)
@@ -297,9 +298,10 @@ class SlotMapper(SlotBinder):
         return True
 
     def _mark_readable(self, slots: list[int], num_logical: int) -> None:
-        """Remember that logical pages ``[behind, num_logical)`` of ``slots`` are mapped. The mark is cleared by whatever could unmap one of them: an unmap in the slot
-        (``_unmap_mapped``) and any change of its window start (``bind``, ``release``,
-        ``set_behind``); a map only points a mapped page elsewhere."""
+        """Remember that logical pages ``[behind, num_logical)`` of ``slots`` are mapped. The
+        mark is cleared by whatever could unmap one of them: an unmap in the slot
+        (``_unmap_mapped``) and a window start moved back (``release``, ``set_behind``); a map
+        only points a mapped page elsewhere."""
         for slot in slots:
             self._readable[slot] = max(self._readable[slot], num_logical)
 
