@@ -4,6 +4,7 @@ between running ones unread."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -221,3 +222,74 @@ def test_engine_with_gaps_between_running_slots_matches_hf(kv_backend, layout):
         assert engine.stats()["attention_copy_seconds"] > 0
     assert_clean(engine)
     engine.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_slot_whose_pages_were_unmapped_is_made_readable_again(layout):
+    """make_readable remembers how far each slot is mapped, so an unchanged run costs no page
+    table lookup; whatever unmaps a slot's pages or moves its window start back forgets it."""
+    manager = KVCacheManager(config(layout=layout))
+    slots = manager.slots
+    try:
+        admit(manager, {0: 5, 1: 40, 2: 17})
+
+        def readable(run: list[int], num_tokens: int) -> bool:
+            pages = slots._readable_pages(np.asarray(run), manager.layout.logical_pages_for(num_tokens))
+            return bool((slots.page_table[pages] >= 0).all())
+
+        assert slots.make_readable([0, 1, 2], 41) and readable([0, 1, 2], 41)
+        slots.release_reads()
+        filled = slots.stats.pages_filled
+        assert slots.make_readable([0, 1, 2], 41)  # remembered: nothing mapped again
+        assert slots.stats.pages_filled == filled
+        slots.release_reads()
+        slots.reclaim_stale({0: 1, 1: 6, 2: 3})  # unmaps the filler past each request's pages
+        assert not readable([0, 1, 2], 41)
+        assert slots.make_readable([0, 1, 2], 41) and readable([0, 1, 2], 41)
+        assert slots.stats.pages_filled > filled
+        slots.release_reads()
+        # slot 1's first pages go behind its window, then the slot is given back: its next
+        # request reads from position 0, whose pages are unmapped
+        slots.release_behind(1, 2)
+        assert slots.make_readable([0, 1, 2], 41)
+        slots.release_reads()
+        slots.release(1)
+        slots.bind(slot=1)
+        assert not readable([0, 1, 2], 41)
+        assert slots.make_readable([0, 1, 2], 41) and readable([0, 1, 2], 41)
+        slots.release_reads()
+    finally:
+        manager.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_make_readable_is_exact_under_random_unmaps_and_rebinds(layout):
+    """A seeded random run of the mapper's operations: after every make_readable that says yes,
+    every page the batched read touches is mapped."""
+    rng = np.random.default_rng(0)
+    manager = KVCacheManager(config(layout=layout, max_num_seqs=4))
+    slots, layout_ = manager.slots, manager.layout
+    try:
+        bound = {slot: slots.bind(slot=slot) for slot in range(4)}
+        for _ in range(300):
+            op = rng.integers(5)
+            slot = int(rng.integers(4))
+            if op == 0:  # a run of consecutive bound slots read up to some length
+                run = [s for s in range(slot, 4) if s in bound][:int(rng.integers(1, 5))]
+                run = run[:next((i for i, s in enumerate(run) if s != run[0] + i), len(run))]
+                num_tokens = int(rng.integers(1, 256))
+                if run and slots.make_readable(run, num_tokens):
+                    pages = slots._readable_pages(np.asarray(run), layout_.logical_pages_for(num_tokens))
+                    assert (slots.page_table[pages] >= 0).all()
+                slots.release_reads()
+            elif op == 1:
+                slots.reclaim_stale({s: int(rng.integers(0, 8)) for s in bound if rng.random() < 0.7})
+            elif op == 2 and slot in bound:
+                slots.release_behind(slot, int(rng.integers(0, 6)))
+            elif op == 3 and slot in bound:
+                slots.release(slot)
+                del bound[slot]
+            elif op == 4 and slot not in bound:
+                bound[slot] = slots.bind(slot=slot)
+    finally:
+        manager.close()

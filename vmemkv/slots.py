@@ -14,8 +14,9 @@ bound there maps only the positions whose block differs. Stale mappings are harm
 request only reads below its length and maps its own block before writing a position. They are
 unmapped only when the OS mapping budget runs short (``reclaim_stale``).
 
-Under 500 lines: a slot's mappings, its batched-read filler, its pages behind a window and what
-mapping them would cost (``mapping_cost``) are one page table, kept consistent in one place.
+About 530 lines: a slot's mappings, its batched-read filler (and what is known readable), its
+pages behind a window and what mapping them would cost (``mapping_cost``) are one page table,
+kept consistent in one place.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ class SlotBinder:
         self.num_blocks = num_blocks or backend.num_pages // layout.pages_per_block
         self._free = list(range(num_slots - 1, -1, -1))  # free slots; choose() takes the lowest
         self._behind = [0] * num_slots  # leading logical pages behind the bound request's window
+        # SlotMapper: logical pages [behind, n) of each slot known to be mapped (0: not known)
+        self._readable = [0] * num_slots
         self.stats = SlotStats()
         self._block_views = [self._layer_block_views(layer) for layer in range(layout.num_layers)]
         self._own_references = self._reference_counts()
@@ -129,13 +132,13 @@ class SlotBinder:
         request's window (already unmapped by ``unmap_behind``)."""
         slot = self.choose(first_block, slot)
         self._free.remove(slot)
-        self._behind[slot] = behind
+        self.set_behind(slot, behind)
         return slot
 
     def release(self, slot: int) -> None:
         """Give a slot back; its mappings stay for the next request."""
         self._free.append(slot)
-        self._behind[slot] = 0
+        self.set_behind(slot, 0)
 
     # --- pages behind a sliding window -----------------------------------------------------------
     def unmap_behind(self, slot: int, num_pages: int, first: int = 0) -> None:
@@ -153,6 +156,8 @@ class SlotBinder:
     def set_behind(self, slot: int, num_pages: int) -> None:
         """Record that ``slot``'s first ``num_pages`` logical pages are behind its request's
         window (after ``unmap_behind``, when the request's blocks were replaced)."""
+        if num_pages < self._behind[slot]:  # pages behind the old start may be unmapped
+            self._readable[slot] = 0
         self._behind[slot] = num_pages
 
     # --- addressing: a block table needs no mapping ----------------------------------------------
@@ -273,15 +278,21 @@ class SlotMapper(SlotBinder):
         request's pages). Offset ``i`` of a slot maps filler page ``i``, so a slot's filler is one
         coalesced mapping. Those pages are then pinned against ``reclaim_stale`` (which the
         lookahead worker may run during the forward) until ``release_reads``. False (nothing
-        pinned for these slots) without filler pages or if the mapping budget refuses."""
+        pinned for these slots) without filler pages or if the mapping budget refuses. A run of
+        slots already made readable this far (``_mark_readable``) costs no page-table lookup."""
         if not self._has_filler:
             return False
         logical = self.layout.logical_pages_for(num_tokens)
+        readable = self._readable
+        if all(readable[slot] >= logical for slot in slots):  # the steady decode step: no numpy
+            self._read_pins.update(dict.fromkeys(slots, logical))
+            return True
         target = min(logical + logical // 4 + 2, self.layout.logical_pages_for(self.max_tokens))
         slot_array = np.asarray(slots, dtype=np.int64)
         needed = self._readable_pages(slot_array, logical)
         if (self.page_table[needed] >= 0).all():
-            self._read_pins.update((slot, logical) for slot in slots)
+            self._mark_readable(slots, logical)
+            self._read_pins.update(dict.fromkeys(slots, logical))
             return True
         # Fill up to ``target`` pages (a little past what this step reads), so the next steps'
         # longer reads rarely need another map call; consecutive pool pages coalesce.
@@ -295,8 +306,17 @@ class SlotMapper(SlotBinder):
             return False
         self.stats.map_calls += self.backend.stats.map_calls - calls
         self.stats.pages_filled += int(unmapped.sum())
-        self._read_pins.update((slot, logical) for slot in slots)
+        self._mark_readable(slots, target)
+        self._read_pins.update(dict.fromkeys(slots, logical))
         return True
+
+    def _mark_readable(self, slots: list[int], num_logical: int) -> None:
+        """Remember that logical pages ``[behind, num_logical)`` of ``slots`` are mapped. The
+        mark is cleared by whatever could unmap one of them: an unmap in the slot
+        (``_unmap_mapped``) and a window start moved back (``release``, ``set_behind``); a map
+        only points a mapped page elsewhere."""
+        for slot in slots:
+            self._readable[slot] = max(self._readable[slot], num_logical)
 
     def _readable_pages(self, slots: np.ndarray, num_logical: int) -> np.ndarray:
         """Virtual pages of logical pages ``[0, num_logical)`` of ``slots`` that a batched read may
@@ -421,6 +441,8 @@ class SlotMapper(SlotBinder):
         """Unmap those of ``virtual`` that are mapped."""
         virtual = virtual[self.page_table[virtual] >= 0]
         if len(virtual):
+            for slot in np.unique(virtual // self.slot_pages).tolist():
+                self._readable[slot] = 0  # make_readable checks the page table again
             calls = self.backend.stats.unmap_calls
             self.backend.unmap(self.vrange, virtual)
             self.stats.unmap_calls += self.backend.stats.unmap_calls - calls
