@@ -300,7 +300,7 @@ def test_random_walk_keeps_both_groups_in_step_and_bytes_exact(ops):
 def test_the_random_walk_exercised_every_operation():
     """Run after the walk (file order): each operation succeeded, hits and releases happened."""
     if not EXERCISED:
-        pytest.skip("the random walk did not run in this session")
+        pytest.skip("the random walk did not run in this test run (run the whole file)")
     expected = {"admit", "prefix hit", "decode", "refused decode", "free", "swap", "recompute",
                 "swap_in", "readmit", "fork", "released"}
     assert expected <= {op for op, count in EXERCISED.items() if count}, EXERCISED
