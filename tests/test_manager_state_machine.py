@@ -438,3 +438,32 @@ def test_the_windowed_machines_released_blocks():
     for key in ("blocks_released_behind_window", "prefix_hit_tokens", "preemptions_swap",
                 "swap_in_bytes", "truncations_behind_window", "forks"):
         assert totals[key] > 0, f"the windowed walks never exercised {key}"
+
+
+class _Draws:
+    """Stands in for hypothesis' ``data`` in a replayed run: hands out the given values in order."""
+
+    def __init__(self, *values):
+        self.values = list(values)
+
+    def draw(self, strategy, label=None):
+        return self.values.pop(0)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_windowed_reorder_refused_its_unmaps_changes_nothing():
+    """A run the machine found: under a tight mapping budget, reorder mapped a row's new blocks,
+    then was refused the unmap behind another row's new window, leaving a page mapped behind a
+    window. The budget is now asked for both before anything is mapped."""
+    machine = TokenMajorWindowMachine()
+    steps = [lambda: machine.mapping_budget(extra=4),
+             lambda: machine.admit(budget=None, suffix=[0], system=0),
+             lambda: machine.admit(budget=None, suffix=[0] * 10, system=0),
+             lambda: machine.lookahead(data=_Draws(["r2"]), keep_free=0, margin=11),
+             lambda: machine.fork(data=_Draws("r1")),
+             lambda: machine.free(data=_Draws("r1")),
+             lambda: machine.reorder(data=_Draws(["r2", "r3"], 2, [1, 0]))]
+    for step in steps:
+        step()
+        machine.manager_agrees_with_the_model()
+    machine.teardown()
