@@ -71,8 +71,10 @@ def first_block_slot(group: KVCacheManager, blocks: list[int], behind: int) -> i
 def _fits(plans: Iterable[Plan]) -> bool:
     charged = 0  # mappings the plans before this one add to the process's budget
     for group, jobs, behind in plans:
+        if not jobs:  # nothing to map (a decode inside its block)
+            continue
         room = group.slots.mapping_room(charged)
-        if room is None or not jobs:  # no budget (CUDA, block tables); a page already mapped
+        if room is None:  # no budget (CUDA, block tables)
             continue
         peak, added = group.slots.mapping_cost(jobs, behind)
         if peak > room:

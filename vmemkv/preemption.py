@@ -93,19 +93,26 @@ class PreemptionOps(ManagerState):
     def can_swap_in(self, request: "KVRequest | str", slot: int | None = None) -> bool:
         """Whether ``swap_in`` (into ``slot`` when given) would find a slot and the blocks now."""
         req = self._swapped_request(request)
-        slot = check.slot_index(slot, self.slots.num_slots)
+        return self._revivals_if_it_fits(req, check.slot_index(slot, self.slots.num_slots)) is not None
+
+    def _revivals_if_it_fits(self, req: KVRequest, slot: int | None) -> dict[int, int] | None:
+        """The swapped request's blocks still cached in the pool (``_swap_in_revivals``), or None
+        when ``swap_in`` would find no slot (or not ``slot``) or not enough blocks."""
         revive, needed = self._swap_in_revivals(req)
         revived_cached = sum(self.pool.ref[b] == 0 for b in revive.values())
-        return self._slot_available(slot) and needed <= self.pool.num_free - revived_cached
+        if self._slot_available(slot) and needed <= self.pool.num_free - revived_cached:
+            return revive
+        return None
 
     @timed
     def swap_in(self, request: "KVRequest | str", slot: int | None = None) -> bool:
         """Bring a swapped request back into any free slot (``slot`` when given), bit-exact.
         Returns False, changing nothing, without a free slot or enough blocks."""
         req = self._swapped_request(request)
-        if not self.can_swap_in(req, slot):
+        slot = check.slot_index(slot, self.slots.num_slots)
+        revive = self._revivals_if_it_fits(req, slot)
+        if revive is None:
             return False
-        revive, _ = self._swap_in_revivals(req)
         copy = [(index, host) for index, host in req._swapped if index not in revive]
         fresh = self.pool.peek(len(copy), exclude=revive.values())
         blocks = list(req._blocks)
