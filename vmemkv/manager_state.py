@@ -412,14 +412,14 @@ class ManagerState:
         claimed = self.host_tier.claim(host_hits)  # the take's own demotions cannot evict them
         blocks = self.pool.take(planned)
         promoted = blocks[:len(host_hits)]
-        origins = self.host_tier.promote(self.swap, self._block_window(), host_hits, claimed, promoted)
+        origins = self.host_tier.promote(self.swap, self.block_window(), host_hits, claimed, promoted)
         for block, block_hash, origin in zip(promoted, host_hits, origins):
             self.pool.register(block, block_hash, origin.token_ids, origin.parent_hash, origin.root)
         return blocks
 
     def _demote(self, evicted: list[EvictedBlock]) -> None:
         """The pool's eviction hook: evicted cached blocks go to the host tier."""
-        self.host_tier.demote(self.swap, self._block_window(), evicted)
+        self.host_tier.demote(self.swap, self.block_window(), evicted)
 
     def _admission_request(self, request, token_ids, keys) -> KVRequest:
         """The KVRequest ``admit`` works on: the caller's (its tokens checked), or a new one."""
@@ -446,7 +446,8 @@ class ManagerState:
         self.stats.blocks_copied += 1
         return copy
 
-    def _block_window(self) -> torch.Tensor:
-        """The pool as ``[num_blocks, block_bytes]`` uint8 rows."""
+    def block_window(self) -> torch.Tensor:
+        """The pool as ``[num_blocks, block_bytes]`` uint8 rows: what swap, the host tier and
+        tensor-parallel replay copy blocks through."""
         pages = self.pool.num_blocks * self._layout.pages_per_block  # filler pages may follow
         return self.backend.pool_window()[:pages].view(self.pool.num_blocks, self._layout.block_bytes)

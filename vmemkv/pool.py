@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
 
-from .errors import BlockStateError as PageStateError, OutOfBlocksError as OutOfPagesError
+from .errors import BlockStateError, OutOfBlocksError
 from .kv_events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEventSink
 
 # shared_partial_tokens compares the prompt with at most this many cached pages (the newest) that
@@ -78,7 +78,7 @@ class BlockPool:
         """``events``: a sink told every change of the hash index; ``block_size`` (tokens per
         block) and ``medium`` (the tier) are what its events report."""
         if num_blocks <= 0:
-            raise PageStateError(f"a pool needs at least one block, got num_blocks={num_blocks}")
+            raise BlockStateError(f"a pool needs at least one block, got num_blocks={num_blocks}")
         self.num_blocks = num_blocks
         self.events = events
         self.block_size = block_size
@@ -137,7 +137,7 @@ class BlockPool:
             victims = (block for block in self._lru if block not in skip)
             blocks += itertools.islice(victims, n - len(blocks))
         if len(blocks) < n:
-            raise OutOfPagesError(self._short_message(n))
+            raise OutOfBlocksError(self._short_message(n))
         return blocks
 
     def allocate(self, n: int) -> list[int]:
@@ -148,7 +148,7 @@ class BlockPool:
             self.ref[block] = 1
             return [block]
         if n > self.num_free:
-            raise OutOfPagesError(self._short_message(n))
+            raise OutOfBlocksError(self._short_message(n))
         blocks = [heapq.heappop(self._clean) for _ in range(min(n, len(self._clean)))]
         evicted = []
         while len(blocks) < n:
@@ -193,7 +193,7 @@ class BlockPool:
             return []
         blocks = self.allocate(len(planned))
         if blocks != planned:
-            raise PageStateError(f"planned blocks {planned} but allocate gave {blocks}: the pool "
+            raise BlockStateError(f"planned blocks {planned} but allocate gave {blocks}: the pool "
                                  "changed between peek and take")
         return blocks
 
@@ -208,7 +208,7 @@ class BlockPool:
         for block in blocks:
             self._check_block(block)
             if self.ref[block] == 0 and self.hash_of[block] is None:
-                raise PageStateError(f"block {block} is clean (free, no content); allocate it instead")
+                raise BlockStateError(f"block {block} is clean (free, no content); allocate it instead")
         for block in blocks:
             if self.ref[block] == 0:
                 del self._lru[block]
@@ -224,7 +224,7 @@ class BlockPool:
             self._check_block(block)
             drops[block] = drops.get(block, 0) + 1
             if drops[block] > self.ref[block]:
-                raise PageStateError(
+                raise BlockStateError(
                     f"block {block} released {drops[block]} time(s) but holds {self.ref[block]} "
                     "reference(s): double free")
         for block in blocks:
@@ -251,10 +251,10 @@ class BlockPool:
         told to the events sink."""
         self._check_block(block)
         if self.ref[block] == 0:
-            raise PageStateError(f"block {block} is free; only an in-use block can be registered")
+            raise BlockStateError(f"block {block} is free; only an in-use block can be registered")
         if self.hash_of[block] is not None:
             if self.hash_of[block] != content_hash:
-                raise PageStateError(f"block {block} already holds other hashed content")
+                raise BlockStateError(f"block {block} already holds other hashed content")
             return True
         if content_hash in self.block_of_hash:
             return False
@@ -330,7 +330,7 @@ class BlockPool:
 
     def _check_block(self, block: int) -> None:
         if not 0 <= block < self.num_blocks:
-            raise PageStateError(f"block {block} is outside the pool of {self.num_blocks} blocks")
+            raise BlockStateError(f"block {block} is outside the pool of {self.num_blocks} blocks")
 
 
 def __getattr__(name: str):

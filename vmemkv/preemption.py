@@ -60,7 +60,7 @@ class PreemptionOps(ManagerState):
                    if b != RELEASED and self.pool.ref[b] == 1]
         self.swap.check_room(len(private))
         self._trim_lookahead(req)
-        host = self.swap.store(self._block_window(), [req._blocks[i] for i in private])
+        host = self.swap.store(self.block_window(), [req._blocks[i] for i in private])
         self.pool.release(reversed([req._blocks[i] for i in private]))
         req._swapped = list(zip(private, host))
         self.slots.release(req._slot)
@@ -127,7 +127,7 @@ class PreemptionOps(ManagerState):
         self.slots.bind(slot=slot, behind=behind)
         self.pool.acquire(revive.values())
         self.pool.take(fresh)
-        self.swap.load(self._block_window(), [host for _, host in copy], fresh)
+        self.swap.load(self.block_window(), [host for _, host in copy], fresh)
         self.swap.discard([host for index, host in req._swapped if index in revive])
         req._blocks = blocks
         for index, block in zip(range(behind, req._num_registered), req._blocks[behind:]):

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from ..engine.chat import chat_prompt_ids, has_chat_template
+from ..hf_support import uniform_window
 from ..engine.sampling_params import SamplingParams
 
 TOKEN_MIN, TOKEN_MAX = 1, 250
@@ -92,13 +93,12 @@ class Workload:
         every layer to attend at most that many tokens back (its pool holds no more)."""
         if self.sliding_window is None:
             return
-        config = model.config
-        window = getattr(config, "sliding_window", None)
-        kinds = set(getattr(config, "layer_types", None) or ["sliding_attention"])
-        if not window or window > self.sliding_window or kinds != {"sliding_attention"}:
+        window = uniform_window(model.config)
+        if window is None or window > self.sliding_window:
             raise ValueError(f"workload {self.name!r} needs a model whose every layer has a sliding "
                              f"window of at most {self.sliding_window} tokens (its pool holds only "
-                             f"that); {config.model_type} has sliding_window={window}: use "
+                             f"that); {model.config.model_type} has "
+                             f"sliding_window={getattr(model.config, 'sliding_window', None)}: use "
                              "--model tiny-mistral")
 
     def describe(self) -> dict:

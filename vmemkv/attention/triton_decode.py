@@ -277,7 +277,7 @@ def _launch(q, k, v, index, stride_index_b, seq_lens, scale, capacity, outer_str
                          "or pass CUDA tensors")
     check_variant(q, window, softcap, sinks)
     if sinks is not None:
-        sinks = sinks.float().contiguous()
+        sinks = sinks.contiguous()  # the kernels load them as float32
     if num_splits is None:
         longest = capacity if max_seq_len is None else max_seq_len
         num_splits = default_num_splits(batch, num_kv_heads, min(longest, window or longest), q.device)

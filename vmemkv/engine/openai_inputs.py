@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..hashing import CacheKeys
+from .chat import chat_prompt_ids as template_prompt_ids, has_chat_template
 from .openai_protocol import ChatMessage, OpenAIError, SamplingFields
 from .sampling_params import SamplingParams
 
@@ -32,14 +33,12 @@ def completion_prompt_ids(tokenizer: Any, prompt: str | list[int] | list[str] | 
 def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
     conversation = [{**m.model_dump(exclude_none=True), "content": message_text(m)}
                     for m in messages]
-    if getattr(tokenizer, "chat_template", None):
+    if has_chat_template(tokenizer):
         try:
-            encoded = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
-                                                    tokenize=True)
+            ids = template_prompt_ids(tokenizer, conversation)
         except Exception as exc:  # a template may reject a role order, e.g. two user turns
             raise OpenAIError(400, f"the chat template rejected the messages: {exc}",
                               param="messages") from exc
-        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
     else:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in conversation) + "assistant: "
         ids = tokenizer.encode(text)

@@ -59,14 +59,6 @@ def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | Non
     return manager, recorder
 
 
-def block_window(manager: KVCacheManager) -> torch.Tensor:
-    """The pool as ``[num_blocks, block_bytes]`` rows (what the swap space copies)."""
-    layout = manager.layout
-    num_blocks = manager.config.num_blocks
-    return manager.backend.pool_window()[:num_blocks * layout.pages_per_block].view(
-        num_blocks, layout.block_bytes)
-
-
 def broadcast(message: StepMessage | None, groups: Groups) -> int:
     """Rank 0 sends ``message`` (None: stop) to every rank; returns its pickled size in bytes.
 

@@ -22,7 +22,7 @@ from ..models import load_model
 from .group import Rendezvous, join, leave, rank_device
 from .recorder import replay, state_digest
 from .sharding import shard_model
-from .step import block_window, check_digests, receive, shard_manager
+from .step import check_digests, receive, shard_manager
 
 
 def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
@@ -37,7 +37,7 @@ def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
         runner = ModelRunner(model)
         addressing = choose_addressing(config, manager, runner.device,
                                        text_config(model.config).num_attention_heads)
-        swap, window, step = manager.swap.inner, block_window(manager), 0
+        swap, window, step = manager.swap.inner, manager.block_window(), 0
         while (message := receive(groups)) is not None:
             replay(message.log, recorder, swap, window)
             recorder.take_log()  # this rank's own calls are not replayed anywhere
