@@ -131,6 +131,7 @@ class OperationPlans(ManagerState):
                     list(revived.values()), fresh)
 
     def _swapped_request(self, request) -> KVRequest:
+        """The swapped-out request ``request`` names (UnknownRequestError for any other)."""
         try:
             req = self._known(request)
         except UnknownRequestError:
