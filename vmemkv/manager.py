@@ -38,7 +38,6 @@ from .manager_state import PrefixCacheBusyError, UnknownRequestError
 from .preemption import PreemptionOps
 from .request import RELEASED, KVRequest
 from .sharing import SharingOps
-from .slots import MapJob
 from .window import peak_blocks
 
 _NO_TOKENS = ()  # allocate's default: nothing to check or append
@@ -233,18 +232,13 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         if not self._slot_available(slot) or not self._fits_admission(hits, cached + new):
             return None
         # Plan (slot, blocks), map (the one step the mapping budget can refuse), then take.
-        behind = hits.count(RELEASED)  # a windowed hit: blocks before its window need not be held
-        live = hits[behind:]
-        fresh = self.pool.peek(self.layout.logical_pages_for(cached + new) - len(hits), exclude=live)
-        slot = self.slots.choose(hits[0] if hits and not behind else None, slot)
-        self.slots.unmap_behind(slot, behind)
-        self.slots.map_jobs([MapJob(slot, behind, live + fresh)])
-        self.slots.bind(slot=slot, behind=behind)
-        self.pool.acquire(live)
-        req._blocks = hits + self._take_promoting(fresh, host_hits)
+        plan = self._plan_admit(hits, cached + new, slot)
+        self._map_and_bind(plan)
+        self.pool.acquire(plan.share)
+        req._blocks = hits + self._take_promoting(plan.take, host_hits)
         req._num_tokens, req._num_computed = cached + new, cached
         req._num_registered = len(hits) + len(host_hits)
-        req._slot, req._swapped, req._num_released = slot, None, behind
+        req._slot, req._swapped, req._num_released = plan.slot, None, plan.behind
         self._requests[request_id] = req
         repeat = request_id in self._preempted
         self._preempted.discard(request_id)
@@ -280,7 +274,12 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
             self._check_length(req._request_id, total)
         if -(-total // self.tokens_per_page) - len(req._blocks) > self.pool.num_free:
             return False
-        self._grow(req, num_new_tokens)
+        plan = self._plan_grow(req, num_new_tokens)
+        if plan is not None:  # crosses into blocks not mapped yet
+            self.slots.map_blocks(plan.slot, plan.first, plan.mapped, plan.keep)  # may be refused
+            if plan.take:
+                req._blocks += self.pool.take(plan.take)
+        req._num_tokens = total
         if new_token_ids:
             tokens = req._token_ids
             if req._num_checked == len(tokens):

@@ -9,9 +9,10 @@ turn either form into the object: an object of this manager's that is running co
 ``KVCacheManager`` (``manager.py``) is this state plus three groups of operations, each in its own
 module: the core (admit, allocate, commit, free, lookahead, queries) in ``manager.py``, sharing
 (fork, reorder, truncate) in ``sharing.py``, preemption (estimate, preempt, swap in) in
-``preemption.py``. Every mutating operation plans first (``pool.peek``, ``slots.choose``), asks the
-one refusable step (``slots.map_jobs``), and only then changes anything (``pool.take``/``acquire``,
-``slots.bind``, the request), so a refusal leaves nothing half done.
+``preemption.py``. Every mutating operation plans first (``pool.peek``, ``slots.choose``; the plans
+of admit, allocate, fork and swap in are methods of their own in ``plans.py``, which the hybrid
+budget asks too), asks the one refusable step (``slots.map_jobs``), and only then changes anything
+(``pool.take``/``acquire``, ``slots.bind``, the request), so a refusal leaves nothing half done.
 
 The host block store ``swap`` holds both swapped-out blocks and the prefix cache's host tier
 (``host_tier``: blocks the pool evicts are demoted there, and an admission promotes its hits back,
@@ -287,21 +288,6 @@ class ManagerState:
         needed = self._layout.logical_pages_for(total) - len(hits)
         revived = sum(self.pool.ref[b] == 0 for b in hits if b != RELEASED)  # leave the free queue
         return needed <= self.pool.num_free - revived
-
-    def _grow(self, req: KVRequest, num_new_tokens: int) -> None:
-        """Reserve positions, mapping the pages they reach first (the one step that can be
-        refused). Lookahead blocks are normally mapped already; one whose background mapping
-        was refused is mapped here, so no position is ever written through a stale mapping."""
-        tokens_per_page = self.tokens_per_page
-        blocks = req._blocks
-        first = -(-req._num_tokens // tokens_per_page)
-        end = -(-(req._num_tokens + num_new_tokens) // tokens_per_page)
-        if end > first:
-            fresh = self.pool.peek(end - len(blocks)) if end > len(blocks) else []
-            self.slots.map_blocks(req._slot, first, blocks[first:end] + fresh, keep=len(blocks))
-            if fresh:
-                blocks += self.pool.take(fresh)
-        req._num_tokens += num_new_tokens
 
     def _register(self, req: KVRequest, index: int) -> None:
         """Offer full block ``index`` of ``req`` to the prefix cache, with its tokens and parent

@@ -14,12 +14,11 @@ from typing import Literal
 from . import validation as check
 from .cache_config import PreemptionEstimate
 from .kv_metrics import timed
-from .manager_state import ManagerState, UnknownRequestError
+from .plans import OperationPlans
 from .request import RELEASED, KVRequest
-from .slots import MapJob
 
 
-class PreemptionOps(ManagerState):
+class PreemptionOps(OperationPlans):
     """estimate_preemption, preempt, swap_in (mixed into KVCacheManager)."""
 
     @timed
@@ -69,27 +68,6 @@ class PreemptionOps(ManagerState):
         self.stats.swap_out_bytes += len(private) * self.layout.block_bytes
         return mode
 
-    def _swapped_request(self, request) -> KVRequest:
-        try:
-            req = self._known(request)
-        except UnknownRequestError:
-            req = None
-        if req is None or req._swapped is None:
-            raise UnknownRequestError(f"request {getattr(request, 'request_id', request)!r} is not "
-                                      "swapped out")
-        return req
-
-    def _swap_in_revivals(self, req: KVRequest) -> tuple[dict[int, int], int]:
-        """Swapped full blocks still in the prefix cache (index -> block: taken, not copied
-        back) and how many fresh blocks the rest need."""
-        revive = {}
-        for index, _ in req._swapped:
-            if index < req._num_registered:
-                block = self.pool.lookup(req._hashes[index])
-                if block is not None:
-                    revive[index] = block
-        return revive, len(req._swapped) - len(revive)
-
     def can_swap_in(self, request: "KVRequest | str", slot: int | None = None) -> bool:
         """Whether ``swap_in`` (into ``slot`` when given) would find a slot and the blocks now."""
         req = self._swapped_request(request)
@@ -113,27 +91,19 @@ class PreemptionOps(ManagerState):
         revive = self._revivals_if_it_fits(req, slot)
         if revive is None:
             return False
-        copy = [(index, host) for index, host in req._swapped if index not in revive]
-        fresh = self.pool.peek(len(copy), exclude=revive.values())
-        blocks = list(req._blocks)
-        for (index, _), block in zip(copy, fresh):
-            blocks[index] = block
-        for index, block in revive.items():
-            blocks[index] = block
-        behind = req._num_released
-        slot = self.slots.choose(blocks[0] if blocks and not behind else None, slot)
-        self.slots.unmap_behind(slot, behind)  # a free slot's stale mappings: nobody reads them
-        self.slots.map_jobs([MapJob(slot, behind, blocks[behind:])])  # refused: it stays swapped
-        self.slots.bind(slot=slot, behind=behind)
-        self.pool.acquire(revive.values())
-        self.pool.take(fresh)
-        self.swap.load(self.block_window(), [host for _, host in copy], fresh)
+        plan = self._plan_swap_in(req, slot, revive)
+        self._map_and_bind(plan)  # refused: it stays swapped
+        self.pool.acquire(plan.share)
+        self.pool.take(plan.take)
+        copied = [host for index, host in req._swapped if index not in revive]  # plan.take's order
+        self.swap.load(self.block_window(), copied, plan.take)
         self.swap.discard([host for index, host in req._swapped if index in revive])
-        req._blocks = blocks
+        behind = plan.behind
+        req._blocks = req._blocks[:behind] + plan.mapped
         for index, block in zip(range(behind, req._num_registered), req._blocks[behind:]):
             if self.pool.hash_of[block] is None:
                 self._register(req, index)
         req._swapped = None
-        req._slot = slot
-        self.stats.swap_in_bytes += len(copy) * self.layout.block_bytes
+        req._slot = plan.slot
+        self.stats.swap_in_bytes += len(copied) * self.layout.block_bytes
         return True

@@ -4,7 +4,8 @@ tail of a request, copying its new last block first if someone else can see it).
 
 Full blocks are immutable once written, so they are shared by reference (``pool.acquire``); only
 a partial last block, the one a request still writes, is ever copied. Part of
-:class:`vmemkv.KVCacheManager` (see ``manager_state.py`` for the state these methods work on).
+:class:`vmemkv.KVCacheManager` (see ``manager_state.py`` for the state these methods work on and
+``plans.py`` for fork's planning step).
 """
 
 from __future__ import annotations
@@ -12,15 +13,15 @@ from __future__ import annotations
 from typing import Sequence
 
 from . import validation as check
-from .errors import InvalidInputError, MappingLimitError, RequestStateError
+from .errors import InvalidInputError, RequestStateError
 from .kv_metrics import timed
-from .manager_state import ManagerState
+from .plans import OperationPlans, fit_or_reclaim
 from .request import KVRequest
 from .slots import MapJob
 from .window import first_needed_block
 
 
-class SharingOps(ManagerState):
+class SharingOps(OperationPlans):
     """fork, reorder, truncate (mixed into KVCacheManager)."""
 
     @timed
@@ -47,22 +48,19 @@ class SharingOps(ManagerState):
         partial = parent._num_tokens % self.tokens_per_page != 0
         if not self._slot_available(slot) or (partial and not self.pool.num_free):
             return None
-        reserved = self._reserved_blocks(parent)
-        shared = reserved[:-1] if partial else reserved
-        copy = self.pool.peek(1) if partial else []
-        behind = parent._num_released  # the child's window is the parent's: nothing to share there
-        slot = self.slots.choose(reserved[0] if reserved and not behind else None, slot)
-        self.slots.unmap_behind(slot, behind)
-        self.slots.map_jobs([MapJob(slot, behind, shared[behind:] + copy)])
-        self.slots.bind(slot=slot, behind=behind)
-        self.pool.acquire(shared[behind:])
-        if partial:
-            copy = [self._copy_of(reserved[-1], *self.pool.take(copy))]
+        plan = self._plan_fork(parent, slot)
+        self._map_and_bind(plan)
+        self.pool.acquire(plan.share)
+        behind = plan.behind  # the child's window is the parent's: nothing is shared behind it
+        copy = []
+        if plan.take:  # the parent's partial last block, the one after the shared ones
+            copy = [self._copy_of(parent._blocks[behind + len(plan.share)], *self.pool.take(plan.take))]
         if not isinstance(child, KVRequest):
             child = KVRequest(child_id, [], parent._keys)
         child._token_ids[:] = parent._token_ids
         child._keys, child._hashes, child._num_checked = parent._keys, list(parent._hashes), parent._num_checked
-        child._owner, child._blocks, child._slot, child._swapped = self, shared + copy, slot, None
+        child._owner, child._slot, child._swapped = self, plan.slot, None
+        child._blocks = parent._blocks[:behind] + plan.share + copy
         child._num_tokens, child._num_computed = parent._num_tokens, parent._num_computed
         child._num_registered, child._num_released = parent._num_registered, behind
         self._requests[child_id] = child
@@ -133,8 +131,8 @@ class SharingOps(ManagerState):
     def _check_reorder_room(self, jobs: list[MapJob], behind: list[int]) -> None:
         """Refuse (MappingLimitError, nothing changed) unless the mapping budget holds reorder's
         mappings and then its unmaps behind each row's new window: those come after ``map_jobs``
-        (a row reads its old pages until then), so the budget is asked for both first. Stale
-        mappings are reclaimed first when they do not fit, as ``map_jobs`` would."""
+        (a row reads its old pages until then), so the budget is asked for both first
+        (``plans.fit_or_reclaim``: stale mappings are reclaimed first when they do not fit)."""
         def peak() -> int:
             mapped = [self.slots.mapping_cost([job])[1] for job in jobs]
             final = [self.slots.mapping_cost([job], count)[1] for job, count in zip(jobs, behind)]
@@ -143,16 +141,17 @@ class SharingOps(ManagerState):
                 total += after - before
                 held = max(held, total)
             return held
-        room = self.slots.mapping_room()
-        if room is None or peak() <= room:
-            return
-        self.slots.reclaim_stale({job.slot: job.keep for job in jobs})
-        needed, room = peak(), self.slots.mapping_room()
-        if needed > room:
-            raise MappingLimitError(
-                f"refused to reorder: it needs {needed} more kernel mappings (VMAs) and the budget "
-                f"has room for {room}; nothing was changed. Use a larger page_size, fewer slots or a "
-                "shorter max_model_len, or raise vm.max_map_count")
+
+        def shortfall() -> str | None:
+            room = self.slots.mapping_room()
+            if room is None:
+                return None
+            needed = peak()
+            if needed <= room:
+                return None
+            return f"it needs {needed} more kernel mappings (VMAs) and the budget has room for {room}"
+
+        fit_or_reclaim(shortfall, [(self.slots, jobs)], "reorder")
 
     @timed
     def truncate(self, request: "KVRequest | str", num_tokens: int) -> bool:

@@ -1,0 +1,194 @@
+"""What a mutating manager operation will do, computed with no side effect: its plan.
+
+``admit``, ``allocate``, ``fork`` and ``swap_in`` each plan (which slot, which blocks they share,
+which fresh blocks ``pool.peek`` names, what they map), carry out the one refusable step (the
+mapping, which the process's budget of kernel mappings may refuse) and only then change the pool
+and the request. The planning step is a public method here, ``plan_admit``, ``plan_grow``,
+``plan_fork`` and ``plan_swap_in``, so that a caller that must ask several managers before
+applying any (``hybrid_budget``: both layout groups of a hybrid model) asks the very plan the
+operation then executes, instead of a copy kept in step by hand.
+
+``fit_or_reclaim`` is the mapping-budget check for operations that must ask it before their first
+change (reorder, whose unmaps follow its maps; a hybrid operation's two groups): fit, else
+reclaim stale mappings, else refuse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from . import validation as check
+from .errors import InvalidInputError, MappingLimitError
+from .manager_state import ManagerState, UnknownRequestError
+from .request import RELEASED, KVRequest
+from .slots import MapJob, SlotBinder
+
+
+@dataclass(slots=True)
+class Plan:
+    """One operation's change to a slot and the pool, planned: nothing has changed yet.
+
+    ``slot`` is the slot it binds (admit, fork, swap in) or grows in (allocate). It first makes
+    the slot's leading ``behind`` logical pages (behind the request's window) read nothing, then
+    points logical pages ``first ..`` at ``mapped`` (``keep``: pages someone owns meanwhile, as in
+    ``MapJob``). It takes one more reference on each block of ``share`` and takes the fresh
+    blocks ``take`` (``pool.peek``, in order) from the pool."""
+
+    slot: int
+    behind: int
+    first: int
+    mapped: list[int]
+    keep: int
+    share: list[int]
+    take: list[int]
+
+    @property
+    def jobs(self) -> list[MapJob]:
+        """The mapping as ``slots.map_jobs`` and ``slots.mapping_cost`` take it (empty: none)."""
+        return [MapJob(self.slot, self.first, self.mapped, self.keep)] if self.mapped else []
+
+
+class OperationPlans(ManagerState):
+    """The planning step of admit, allocate, fork and swap in, and the step that carries out a
+    planned binding (mixed into KVCacheManager through its operation groups).
+
+    ``plan_*`` check their arguments and plan; the operations, which checked theirs already,
+    call the same planning unchecked (``_plan_*``), so allocate's decode path pays nothing."""
+
+    # --- the plans, with their arguments checked --------------------------------------------------
+    def plan_admit(self, hits: list[int], num_tokens: int, slot: int | None = None) -> Plan:
+        """What ``admit`` does for a request of ``num_tokens`` reserved tokens whose prefix hits
+        (``match_prefix``, cut as ``admit`` cuts them) are ``hits``: binds ``slot`` (default: the
+        one it would choose), maps the live hits and fresh blocks after them. Call it only when
+        the admission fits (a free slot, enough free blocks): it plans, it does not check."""
+        if not isinstance(hits, list) or (hits and (min(hits) < RELEASED
+                                                     or max(hits) >= self.pool.num_blocks)):
+            raise InvalidInputError(f"hits must be a list of block ids from match_prefix (or "
+                                    f"RELEASED); got {hits!r:.80}")
+        return self._plan_admit(hits, check.count(num_tokens, "num_tokens"),
+                                check.slot_index(slot, self.slots.num_slots))
+
+    def plan_grow(self, request: "KVRequest | str", num_new_tokens: int) -> Plan | None:
+        """What ``allocate`` of ``num_new_tokens`` more positions maps in the request's slot and
+        takes from the pool; None when they stay inside its mapped blocks. Call it only when the
+        blocks fit."""
+        return self._plan_grow(self._running(request), check.count(num_new_tokens, "num_new_tokens"))
+
+    def plan_fork(self, parent: "KVRequest | str", slot: int | None = None) -> Plan:
+        """What ``fork`` of ``parent`` does: binds ``slot`` (default: the one it would choose),
+        shares the parent's full blocks and maps a fresh copy of its partial last block. Call it
+        only when a slot (and, for a partial block, a free block) is there."""
+        return self._plan_fork(self._running(parent), check.slot_index(slot, self.slots.num_slots))
+
+    def plan_swap_in(self, request: "KVRequest | str", slot: int | None = None) -> Plan:
+        """What ``swap_in`` does: binds ``slot`` (default: the one it would choose) and maps the
+        request's blocks, its swapped blocks still in the prefix cache revived (shared) and the
+        rest in fresh blocks. Call it only when the swap-in fits."""
+        req = self._swapped_request(request)
+        revived, _ = self._swap_in_revivals(req)
+        return self._plan_swap_in(req, check.slot_index(slot, self.slots.num_slots), revived)
+
+    # --- the planning the operations call --------------------------------------------------------
+    def _plan_admit(self, hits: list[int], num_tokens: int, slot: int | None) -> Plan:
+        behind = hits.count(RELEASED)  # a windowed hit: blocks before its window need not be held
+        live = hits[behind:]
+        fresh = self.pool.peek(self._layout.logical_pages_for(num_tokens) - len(hits), exclude=live)
+        return Plan(self._choose_slot(hits, behind, slot), behind, behind, live + fresh, 0, live, fresh)
+
+    def _plan_grow(self, req: KVRequest, num_new_tokens: int) -> Plan | None:
+        # Lookahead blocks are normally mapped already; one whose background mapping was refused
+        # is mapped again here, so no position is ever written through a stale mapping.
+        tokens_per_page, blocks = self.tokens_per_page, req._blocks
+        first = -(-req._num_tokens // tokens_per_page)
+        end = -(-(req._num_tokens + num_new_tokens) // tokens_per_page)
+        if end <= first:
+            return None
+        fresh = self.pool.peek(end - len(blocks)) if end > len(blocks) else []
+        return Plan(req._slot, 0, first, blocks[first:end] + fresh, len(blocks), [], fresh)
+
+    def _plan_fork(self, parent: KVRequest, slot: int | None) -> Plan:
+        reserved = self._reserved_blocks(parent)
+        partial = parent._num_tokens % self.tokens_per_page != 0
+        behind = parent._num_released  # the child's window is the parent's: nothing shared behind it
+        shared = reserved[behind:-1] if partial else reserved[behind:]
+        copy = self.pool.peek(1) if partial else []
+        return Plan(self._choose_slot(reserved, behind, slot), behind, behind, shared + copy, 0,
+                    shared, copy)
+
+    def _plan_swap_in(self, req: KVRequest, slot: int | None, revived: dict[int, int]) -> Plan:
+        """``revived``: ``_swap_in_revivals``'s blocks; fresh blocks take the other swapped
+        blocks' places in ``req._swapped``'s order."""
+        copies = [index for index, _ in req._swapped if index not in revived]
+        fresh = self.pool.peek(len(copies), exclude=revived.values())
+        blocks = list(req._blocks)
+        for index, block in zip(copies, fresh):
+            blocks[index] = block
+        for index, block in revived.items():
+            blocks[index] = block
+        behind = req._num_released
+        return Plan(self._choose_slot(blocks, behind, slot), behind, behind, blocks[behind:], 0,
+                    list(revived.values()), fresh)
+
+    def _swapped_request(self, request) -> KVRequest:
+        """The swapped-out request ``request`` names (UnknownRequestError for any other)."""
+        try:
+            req = self._known(request)
+        except UnknownRequestError:
+            req = None
+        if req is None or req._swapped is None:
+            raise UnknownRequestError(f"request {getattr(request, 'request_id', request)!r} is not "
+                                      "swapped out")
+        return req
+
+    def _swap_in_revivals(self, req: KVRequest) -> tuple[dict[int, int], int]:
+        """Swapped full blocks still in the prefix cache (index -> block: taken, not copied
+        back) and how many fresh blocks the rest need."""
+        revive = {}
+        for index, _ in req._swapped:
+            if index < req._num_registered:
+                block = self.pool.lookup(req._hashes[index])
+                if block is not None:
+                    revive[index] = block
+        return revive, len(req._swapped) - len(revive)
+
+    def _choose_slot(self, blocks: list[int], behind: int, slot: int | None = None) -> int:
+        """The free slot for a request whose block list is ``blocks`` (``slot`` when given): one
+        already mapping its first block when there is one (``SlotBinder.choose``); a request
+        with blocks behind its window maps none there, so any."""
+        return self.slots.choose(blocks[0] if blocks and not behind else None, slot)
+
+    def _map_and_bind(self, plan: Plan) -> None:
+        """Carry out a planned binding (admit, fork, swap in): the chosen slot's pages behind the
+        window read nothing (a free slot's stale mappings: nobody reads them), the plan is
+        mapped (the step the mapping budget may refuse, changing no mapping anyone owns), and
+        the slot is bound. The caller then changes the pool and the request."""
+        self.slots.unmap_behind(plan.slot, plan.behind)
+        self.slots.map_blocks(plan.slot, plan.first, plan.mapped, plan.keep)
+        self.slots.bind(slot=plan.slot, behind=plan.behind)
+
+
+def kept_pages(jobs: Iterable[MapJob]) -> dict[int, int]:
+    """``{slot: logical pages someone owns}`` over ``jobs`` (the most any job keeps)."""
+    keep: dict[int, int] = {}
+    for job in jobs:
+        keep[job.slot] = max(keep.get(job.slot, 0), job.keep)
+    return keep
+
+
+def fit_or_reclaim(shortfall: Callable[[], str | None],
+                   mappers: Iterable[tuple[SlotBinder, list[MapJob]]], what: str) -> None:
+    """Refuse (MappingLimitError) unless an operation's mappings fit the process's budget;
+    nothing is changed but mapping state no request owns. ``shortfall()`` says what does not fit
+    (None: it fits). When something does not, each mapper's stale mappings (free slots, and pages
+    past what its ``jobs`` keep of their slots) are reclaimed first, as ``SlotMapper.map_jobs``
+    would on a refusal, and the budget is asked again."""
+    if shortfall() is None:
+        return
+    for slots, jobs in mappers:
+        slots.reclaim_stale(kept_pages(jobs))
+    short = shortfall()
+    if short is not None:
+        raise MappingLimitError(
+            f"refused to {what}: {short}; nothing was changed. Use a larger page_size, fewer slots "
+            "or a shorter max_model_len, or raise vm.max_map_count")
