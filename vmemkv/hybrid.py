@@ -154,24 +154,32 @@ class HybridKVCacheManager:
                 and self.local_group._fits_admission(local_hits, total))
 
     def admit(self, req: KVRequest, num_new_tokens: int | None = None,
-              token_budget: int | None = None) -> int | None:
-        """``KVCacheManager.admit`` in both groups, into one slot; None, changing nothing, when
-        either group has no room (MappingLimitError, changing nothing, when the mapping budget
+              token_budget: int | None = None, slot: int | None = None,
+              max_cached_tokens: int | None = None) -> int | None:
+        """``KVCacheManager.admit`` in both groups, into one slot (``slot`` when given), its
+        prefix hit capped at ``max_cached_tokens``; None, changing nothing, when either group has
+        no room or ``slot`` is taken (MappingLimitError, changing nothing, when the mapping budget
         does not take both)."""
         local = self._claim(req)
         global_hits, local_hits = self._hits(req, local)
+        if max_cached_tokens is not None:
+            local_hits = self.local_group._capped_hits(
+                local, local_hits, check.count(max_cached_tokens, "max_cached_tokens") // self.tokens_per_page)
+            global_hits = global_hits[:len(local_hits)]
         cached = len(local_hits) * self.tokens_per_page
         new = len(req.token_ids) - cached if num_new_tokens is None else num_new_tokens
         if token_budget is not None:
             new = min(new, token_budget)
-        if not (self.num_free_slots and self.global_group._fits_admission(global_hits, cached + new)
+        slot = check.slot_index(slot, self.num_slots)
+        free = self.num_free_slots if slot is None else self.global_group.is_slot_free(slot)
+        if not (free and self.global_group._fits_admission(global_hits, cached + new)
                 and self.local_group._fits_admission(local_hits, cached + new)):
             return None
-        slot = first_block_slot(self.global_group, global_hits, 0)
+        slot = first_block_slot(self.global_group, global_hits, 0, slot)
         check_budget([admit_plan(self.global_group, global_hits, cached + new, slot),
                       admit_plan(self.local_group, local_hits, cached + new, slot)], "admit")
         done = self.global_group.admit(req, num_new_tokens=num_new_tokens, token_budget=token_budget,
-                                       max_cached_tokens=cached)
+                                       max_cached_tokens=cached, slot=slot)
         if done is None or self.local_group.admit(local, num_new_tokens=num_new_tokens,
                                                   token_budget=token_budget, max_cached_tokens=cached,
                                                   slot=req.slot) is None:
@@ -219,16 +227,19 @@ class HybridKVCacheManager:
         local = self._local.pop(request_id, None)
         self.local_group.discard(request_id if local is None else local)
 
-    def fork(self, parent: "KVRequest | str", child: "KVRequest | str") -> KVRequest | None:
-        """``KVCacheManager.fork`` in both groups, into one slot; None, changing nothing,
-        without a slot or a block in either group (MappingLimitError, changing nothing, when the
-        mapping budget does not take both)."""
+    def fork(self, parent: "KVRequest | str", child: "KVRequest | str",
+             slot: int | None = None) -> KVRequest | None:
+        """``KVCacheManager.fork`` in both groups, into one slot (``slot`` when given); None,
+        changing nothing, without a slot (or not ``slot``) or a block in either group
+        (MappingLimitError, changing nothing, when the mapping budget does not take both)."""
         parent, local_parent = self._pair(parent)
         partial = parent.num_tokens % self.tokens_per_page != 0
-        if not self.num_free_slots or (partial and not (self.global_group.num_free_blocks
-                                                        and self.local_group.num_free_blocks)):
+        slot = check.slot_index(slot, self.num_slots)
+        free = self.num_free_slots if slot is None else self.global_group.is_slot_free(slot)
+        if not free or (partial and not (self.global_group.num_free_blocks
+                                         and self.local_group.num_free_blocks)):
             return None
-        slot = first_block_slot(self.global_group, self.global_group._reserved_blocks(parent), 0)
+        slot = first_block_slot(self.global_group, self.global_group._reserved_blocks(parent), 0, slot)
         check_budget([fork_plan(self.global_group, parent, slot),
                       fork_plan(self.local_group, local_parent, slot)], "fork")
         child = self.global_group.fork(parent, child, slot=slot)
@@ -386,6 +397,12 @@ class HybridKVCacheManager:
     def close(self) -> None:
         self.global_group.close()
         self.local_group.close()
+
+    def is_slot_free(self, slot: int) -> bool:
+        return self.global_group.is_slot_free(slot)
+
+    def free_slots(self) -> list[int]:
+        return self.global_group.free_slots()
 
     # --- beam search and cropping, in both groups ------------------------------------------------
     def reorder(self, requests: "Sequence[KVRequest | str]", sources: "Sequence[KVRequest | str]") -> bool:

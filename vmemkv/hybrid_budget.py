@@ -106,9 +106,10 @@ def truncate_plan(group: KVCacheManager, req: KVRequest, num_tokens: int) -> Pla
     return group, [MapJob(req._slot, keep - 1, group.pool.peek(1), keep=len(req._blocks))], 0
 
 
-def first_block_slot(group: KVCacheManager, blocks: list[int], behind: int) -> int:
-    """The slot the group's ``slots.choose`` gives a request whose first block is ``blocks[0]``."""
-    return group.slots.choose(blocks[0] if blocks and not behind else None)
+def first_block_slot(group: KVCacheManager, blocks: list[int], behind: int, slot: int | None = None) -> int:
+    """The slot the group's ``slots.choose`` gives a request whose first block is ``blocks[0]``
+    (``slot`` when the caller names one)."""
+    return group.slots.choose(blocks[0] if blocks and not behind else None, slot)
 
 
 def _cost(group: KVCacheManager, jobs: list[MapJob], behind: "int | list[int]") -> tuple[int, int]:
