@@ -81,9 +81,10 @@ class GroupReads:
 
 class HybridKVCacheManager:
     """``HybridKVCacheManager(config, layer_windows, chunk_tokens=None, local_blocks=None,
-    metrics=None)``: ``config`` describes the whole model (``num_layers`` all layers,
+    metrics=None, backends=None)``: ``config`` describes the whole model (``num_layers`` all layers,
     ``num_blocks`` blocks of all layers, shared as ``layer_groups.split_blocks`` says);
-    ``layer_windows`` each layer's window (None: global).
+    ``layer_windows`` each layer's window (None: global); ``backends``: the (global, local)
+    groups' backends, sized for ``layer_groups.group_configs`` (tensor parallelism records them).
 
     It answers what the engine asks of a ``KVCacheManager`` (admit, allocate, commit, free,
     fork, preempt by swap or recompute, swap in, the views and the queries). Block counts
@@ -94,7 +95,7 @@ class HybridKVCacheManager:
 
     def __init__(self, config: CacheConfig, layer_windows: Sequence[int | None],
                  chunk_tokens: int | None = None, local_blocks: int | None = None,
-                 metrics: KVMetricsCollector | None = None):
+                 metrics: KVMetricsCollector | None = None, backends: Sequence | None = None):
         if len(layer_windows) != config.num_layers:
             raise ConfigError(f"layer_windows has {len(layer_windows)} entries for "
                               f"{config.num_layers} layers")
@@ -104,9 +105,10 @@ class HybridKVCacheManager:
         if config.host_cache_bytes:
             raise ConfigError("the hybrid KV cache has no host tier yet; set host_cache_bytes to 0")
         self.groups = LayerGroups.from_windows(layer_windows)
-        self.global_group, self.local_group = (
-            KVCacheManager(group, metrics=metrics)
-            for group in group_configs(config, self.groups, chunk_tokens, local_blocks))
+        self.global_group, self.local_group = (  # backends: (global, local), as group_configs
+            KVCacheManager(group, metrics=metrics, backend=backend)
+            for group, backend in zip(group_configs(config, self.groups, chunk_tokens, local_blocks),
+                                      backends or (None, None)))
         self.config = config
         self.tokens_per_page = self.global_group.tokens_per_page
         self._where = {}  # model layer -> (group manager, layer inside it)
