@@ -5,8 +5,9 @@ and global layers in two layout groups on every rank) with local blocks released
 window; a diverged rank and a killed worker stop the engine with a clear error. The recorder and
 its replay (two groups in one log) are checked without processes.
 
-The tests that start worker processes (``spawns``: two engines, each started once for its class,
-about 5 s of start-up each) run in the default suite; ``-m "not spawns"`` leaves them out."""
+The tests that start worker processes (``spawns``: two engines, each started once for its class;
+workers fork from a fork server that imported the engine once, so a start takes well under a
+second after the session's first) run in the default suite; ``-m "not spawns"`` leaves them out."""
 
 from __future__ import annotations
 

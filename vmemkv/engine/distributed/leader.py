@@ -62,7 +62,7 @@ class TensorParallelLeader:
             processes = []
         else:
             rendezvous = local_rendezvous(size)
-            context = mp.get_context("spawn")
+            context = _worker_context()
             processes = [context.Process(target=spawned_worker, args=(rank, config, rendezvous),
                                          daemon=True, name=f"vmemkv-tp-rank{rank}")
                          for rank in range(1, size)]
@@ -187,6 +187,16 @@ class LeaderModelRunner(ModelRunner):
         self.leader.send_step(input_ids, positions, attention, logit_rows)
         with self.leader.collective("running the forward"):
             return super().forward(input_ids, positions, attention, logit_rows)
+
+
+def _worker_context():
+    """Workers start from a fork server that imported vmemkv's engine (torch, transformers) once
+    per process: the next engine's workers start without importing it again (seconds on a small
+    machine; the tests start several engines). The fork server is a fresh process that never ran a
+    model, a CUDA call or a thread pool, so its children start as clean as spawned ones."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["vmemkv.engine.distributed.worker"])
+    return context
 
 
 def _terminate(processes: list) -> None:
