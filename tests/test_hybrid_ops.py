@@ -93,6 +93,7 @@ def test_reorder_input_errors_change_nothing(hybrid):
         hybrid.reorder([rows[0], rows[0]], rows)
     with pytest.raises(RequestStateError, match="distinct"):
         hybrid.reorder(rows, rows[:1])
+    assert state(hybrid) == before
     rows[0].token_ids.append(5)
     assert hybrid.allocate(rows[0], 1)  # reserved, not committed: not a source yet
     before = state(hybrid)
@@ -235,6 +236,8 @@ def test_random_walk_with_reorders_and_truncations(ops):
                 if manager.reorder(rows, sources):
                     assert [row.token_ids for row in rows] == expected
                     EXERCISED[op] += 1
+                    EXERCISED["reorder behind the window"] += any(
+                        manager.local_request(row).num_released_blocks for row in rows)
                 else:
                     assert (state(manager), {n: list(r.token_ids) for n, r in running.items()}) == before
                     EXERCISED["refused reorder"] += 1
@@ -265,6 +268,6 @@ def test_the_random_walk_exercised_reorders_and_truncations():
     """Run after the walk (file order)."""
     if not EXERCISED:
         pytest.skip("the random walk did not run in this test run (run the whole file)")
-    expected = {"admit", "decode", "fork", "reorder", "refused reorder", "truncate",
-                "truncate behind the window"}
+    expected = {"admit", "decode", "fork", "reorder", "refused reorder", "reorder behind the window",
+                "truncate", "truncate behind the window"}
     assert expected <= {op for op, count in EXERCISED.items() if count}, EXERCISED
