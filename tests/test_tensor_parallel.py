@@ -1,11 +1,11 @@
 """Tensor parallelism on CPU with gloo, two ranks: the same greedy tokens as one rank and as
 Hugging Face ``generate`` under prefix hits, forks (n > 1) and preemption by swap and by recompute,
-with every rank's page-mapping state compared every step; a hybrid model (tiny Gemma-2: local
-and global layers in two layout groups on every rank) with local blocks released behind the
-window; a diverged rank and a killed worker stop the engine with a clear error. The recorder and
+with every rank's page-mapping state compared every step; a windowed model (tiny-mistral) and a
+hybrid one (tiny Gemma-2: local and global layers in two layout groups on every rank) with blocks
+released behind the window; a diverged rank and a killed worker stop the engine with a clear error. The recorder and
 its replay (two groups in one log) are checked without processes.
 
-The tests that start worker processes (``spawns``: two engines, each started once for its class;
+The tests that start worker processes (``spawns``: the engines each started once for its class;
 workers fork from a fork server that imported the engine once, so a start takes well under a
 second after the session's first) run in the default suite; ``-m "not spawns"`` leaves them out."""
 
@@ -175,6 +175,23 @@ class TestHybridEngine:
                 engine.step()
         with pytest.raises(TensorParallelError):  # and it stays stopped
             engine.step()
+
+
+@pytest.mark.spawns
+def test_a_windowed_model_releases_blocks_on_every_rank_and_matches_hf():
+    """tiny-mistral (every layer slides, window 128): one windowed group, blocks behind the
+    window released on rank 0 and replayed; batched reads on rank 0 only (the worker reads each
+    sequence from its window start), the digests agree every step."""
+    engine = make_engine("tiny-mistral", max_num_seqs=3, max_model_len=256, **TP)
+    try:
+        batch = prompts(2, lengths=(150, 160))
+        outputs = run(engine, batch, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        assert engine.manager.cache_stats().blocks_released_behind_window > 0
+        for prompt, output in zip(batch, outputs):
+            assert output.outputs[0].token_ids == hf_greedy("tiny-mistral", tuple(prompt), 8)
+        assert_every_forward_checked(engine)
+    finally:
+        engine.close()
 
 
 # --- without processes ---------------------------------------------------------------------------
