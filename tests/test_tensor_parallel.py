@@ -2,8 +2,8 @@
 Hugging Face ``generate`` under prefix hits, forks (n > 1) and preemption by swap and by recompute,
 with every rank's page-mapping state compared every step; a windowed model (tiny-mistral) and a
 hybrid one (tiny Gemma-2: local and global layers in two layout groups on every rank) with blocks
-released behind the window; a diverged rank and a killed worker stop the engine with a clear error. The recorder and
-its replay (two groups in one log) are checked without processes.
+released behind the window; a diverged rank and a killed worker stop the engine with a clear
+error. The recorder and its replay (two groups in one log) are checked without processes.
 
 The tests that start worker processes (``spawns``: the engines each started once for its class;
 workers fork from a fork server that imported the engine once, so a start takes well under a
