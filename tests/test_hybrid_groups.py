@@ -81,6 +81,14 @@ def decode(manager: HybridKVCacheManager, req: KVRequest, token: int) -> bool:
     return True
 
 
+def free_all(manager: HybridKVCacheManager, requests: list[KVRequest]) -> None:
+    """Free every request; then both groups hold no block."""
+    for req in requests:
+        manager.free(req)
+    manager.check()
+    assert manager.num_blocks_in_use == 0 and manager.local_group.num_blocks_in_use == 0
+
+
 def held(table) -> int:
     return sum(block != RELEASED for block in table)
 
@@ -287,12 +295,9 @@ def test_random_walk_keeps_both_groups_in_step_and_bytes_exact(ops):
                 assert reads_back(manager, req)
                 local = manager.local_request(req)
                 assert held(local.block_table) <= -(-W // P) + 2 or local.num_computed_tokens < local.num_tokens
-        for req in list(running.values()) + list(swapped.values()):
-            manager.free(req)
         for req in preempted.values():
             manager.discard(req)
-        manager.check()
-        assert manager.num_blocks_in_use == 0 and manager.local_group.num_blocks_in_use == 0
+        free_all(manager, list(running.values()) + list(swapped.values()))
     finally:
         close(manager)
 

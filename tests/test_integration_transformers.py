@@ -1,7 +1,10 @@
 """``VmemkvCache`` in ``model.generate()`` gives the same tokens as transformers' ``DynamicCache``:
 greedy, seeded sampling, left padding, beam search (reordered by remapping pages), and prefix
 reuse across calls (which computes fewer tokens). After every test the manager's invariants hold
-and, once the cache is released, no page is held."""
+and, once the cache is released, no page is held. Sliding-window layers (tiny Gemma-2, Gemma-3,
+Mistral, window 3) hold at most the window's pages plus two on every decode step, answer
+``get_mask_sizes`` as ``DynamicSlidingWindowLayer``, and still give DynamicCache's tokens, greedy,
+padded and with beams."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from vmemkv.hf_support import layer_kinds
 from vmemkv.integrations.transformers_cache import VmemkvCache, cache_kwarg, manager_for
 from vmemkv.errors import ConfigError
 from vmemkv.slots import NoFreeSlotError
@@ -342,3 +346,136 @@ def test_crop_copies_a_shared_last_page(model):
     manager.check()
     del keys  # close() refuses while views are held
     manager.close()
+
+
+# --- sliding-window layers keep O(window) blocks ---------------------------------------------------
+
+WINDOW_MODELS = ["gemma2", "gemma3", "mistral"]  # local/global (hybrid groups), every layer local
+# 4 KV heads x 32 dims in float32: 1 KiB a token and layer, so a 4 KiB page holds 4 tokens of one
+# layer (each hybrid group holds one layer): a window of 3 spans at most 2 pages.
+WIDE_KV = dict(num_key_value_heads=4, head_dim=32)
+
+
+def window_model(name: str):
+    from test_sliding_window_models import GEMMA, build
+
+    extra = dict(query_pre_attn_scalar=32) if "gemma" in name else {}
+    model = build(name, **WIDE_KV, **extra)
+    assert GEMMA["head_dim"] != model.config.head_dim  # the override took
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def local_blocks_held(cache) -> list[int]:
+    """Blocks each row holds in its sliding layers' group (RELEASED entries do not count)."""
+    manager = cache.manager
+    tables = [manager.local_request(kv).block_table if hasattr(manager, "local_request") else kv.block_table
+              for kv in (row.kv for row in cache._rows)]
+    return [sum(block >= 0 for block in table) for table in tables]
+
+
+class DecodeBlockWatch:
+    """Before the model's last layer runs (the step's blocks are reserved, the last step's
+    committed), the most local blocks any row holds on a decode step."""
+
+    def __init__(self, model, cache):
+        self.cache, self.most, self.decode_steps = cache, 0, 0
+        self.handle = model.model.layers[-1].register_forward_pre_hook(self)
+
+    def __call__(self, module, args):
+        if self.cache._step_len == 1:
+            self.decode_steps += 1
+            self.most = max([self.most] + local_blocks_held(self.cache))
+
+    def close(self) -> None:
+        self.handle.remove()
+
+
+@pytest.mark.parametrize("name", WINDOW_MODELS)
+def test_sliding_layers_hold_the_window_and_match_dynamic_cache(name):
+    from test_sliding_window_models import WINDOW
+
+    model = window_model(name)
+    ids = torch.cat([prompt(20, 11), prompt(20, 12)]) % 250 + 1
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding on the second row
+    kwargs = dict(attention_mask=mask, max_new_tokens=40, do_sample=False)
+    want = generate(model, ids, **kwargs)
+    with VmemkvCache.from_model(model, max_batch_size=2, max_cache_len=96, tokens_per_page=4) as cache:
+        assert cache.manager.tokens_per_page == 4
+        assert cache.is_sliding == [kind == "sliding_attention" for kind in layer_kinds(model.config)]
+        watch = DecodeBlockWatch(model, cache)
+        try:
+            got = generate(model, ids, cache, **kwargs)
+        finally:
+            watch.close()
+        assert torch.equal(got, want), name
+        bound = -(-WINDOW // 4) + 2  # the window's pages plus two
+        assert watch.decode_steps == 39 and 0 < watch.most <= bound
+        # every layer keeping every token would hold all 60 positions: 15 blocks a row
+        assert cache.get_seq_length() == 59 and -(-59 // 4) > 3 * bound
+        assert cache.manager.cache_stats().blocks_released_behind_window > 0
+        cache.manager.check()
+
+
+@pytest.mark.parametrize("name", WINDOW_MODELS)
+def test_sliding_layers_beam_search_matches_dynamic_cache(name):
+    model = window_model(name)
+    ids = prompt(18, 13) % 250 + 1
+    kwargs = dict(max_new_tokens=24, num_beams=3, num_return_sequences=2, do_sample=False,
+                  length_penalty=1.0)
+    want = generate(model, ids, **kwargs)
+    with VmemkvCache.from_model(model, max_batch_size=3, max_cache_len=64, tokens_per_page=4) as cache:
+        reorders = []
+        original = cache.manager.reorder
+        cache.manager.reorder = lambda rows, sources: reorders.append(list(sources)) or original(rows, sources)
+        got = generate(model, ids, cache, **kwargs)
+        assert torch.equal(got, want), name
+        assert reorders, "beam search must reorder through the manager"
+        assert cache.manager.cache_stats().blocks_released_behind_window > 0
+        cache.manager.check()
+
+
+def test_mask_sizes_follow_dynamic_sliding_window_layer():
+    """A sliding layer answers get_mask_sizes as transformers' DynamicSlidingWindowLayer does at
+    every length (before and after the window fills), and a global layer gives every position."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    model = window_model("gemma2")
+    with VmemkvCache.from_model(model, max_batch_size=1, max_cache_len=64, tokens_per_page=4) as cache:
+        local = [i for i, layer in enumerate(cache.layers) if layer.is_sliding][0]
+        glob = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding][0]
+        reference = DynamicSlidingWindowLayer(sliding_window=model.config.sliding_window)
+        heads, dim = model.config.num_key_value_heads, model.config.head_dim
+        ids = prompt(12, 14) % 250 + 1
+        for step, count in enumerate([5, 1, 1, 3, 1, 1]):
+            start = cache.get_seq_length()
+            assert cache.get_mask_sizes(count, local) == reference.get_mask_sizes(count), (step, start)
+            assert cache.get_mask_sizes(count, glob) == (start + count, 0)
+            cache.observe(ids[:, start:start + count])
+            keys = torch.randn(1, heads, count, dim)
+            for layer in range(len(cache.layers)):
+                got_keys = cache.update(keys, keys, layer)[0]
+                if layer == local:  # the positions the mask sizes announced, the same values
+                    want_keys, _ = reference.update(keys, keys)
+                    torch.testing.assert_close(got_keys, want_keys)
+                del got_keys  # close() refuses while views are held
+
+
+@pytest.mark.parametrize("name", ["gemma2", "mistral"])
+def test_sliding_rows_start_from_one_prefix_hit(name):
+    """Rows whose cached prefixes differ start at the shortest hit: a row that hit more would
+    have released blocks behind its own window that the batch's first forward reads."""
+    model = window_model(name)
+    first = prompt(30, 15) % 250 + 1
+    batch = torch.cat([torch.cat([first, prompt(4, 16) % 250 + 1], dim=1),
+                       torch.cat([first[:, :14], prompt(20, 17) % 250 + 1], dim=1)])
+    kwargs = dict(max_new_tokens=12, do_sample=False)
+    want = generate(model, batch, **kwargs)
+    with VmemkvCache.from_model(model, max_batch_size=2, max_cache_len=96, tokens_per_page=4) as cache:
+        cache.generate(first, **kwargs)
+        got = cache.generate(batch, **kwargs)
+        assert torch.equal(got, want), name
+        # row 0 alone would hit 28 tokens, row 1 12: both start at 12
+        assert cache.last_call["cached_tokens"] == 2 * 12 == 2 * cache.last_call["common_cached_length"]
+        cache.manager.check()

@@ -149,8 +149,9 @@ def test_vmemkv_cache_matches_hf_generate(name):
                                  **{cache_kwarg(model): cache})
             assert out[0, len(prompt):].tolist() == hf_greedy(name, tuple(prompt))
             cache.release()
-        # a second prompt sharing the first's pages reuses them and still matches
-        shared = batch[1] + [5, 6, 7]
+        # a prompt continuing the last sequence reuses its pages (a hybrid model's groups hold 16
+        # tokens a page: the sequence, not only its prompt, fills one) and still matches
+        shared = out[0].tolist() + [5, 6, 7]
         out = cache.generate(torch.tensor([shared]), max_new_tokens=NEW_TOKENS, do_sample=False)
         assert cache.last_call["cached_tokens"] > 0
         assert out[0, len(shared):].tolist() == hf_greedy(name, tuple(shared))

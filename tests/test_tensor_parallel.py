@@ -1,10 +1,13 @@
 """Tensor parallelism on CPU with gloo, two ranks: the same greedy tokens as one rank and as
 Hugging Face ``generate`` under prefix hits, forks (n > 1) and preemption by swap and by recompute,
-with every rank's page-mapping state compared every step; a diverged rank and a killed worker
-stop the engine with a clear error. The recorder and its replay are checked without processes.
+with every rank's page-mapping state compared every step; a windowed model (tiny-mistral) and a
+hybrid one (tiny Gemma-2: local and global layers in two layout groups on every rank) with blocks
+released behind the window; a diverged rank and a killed worker stop the engine with a clear
+error. The recorder and its replay (two groups in one log) are checked without processes.
 
-The tests that start worker processes (``spawns``: two engines, about 4 s of start-up each) run in
-the default suite; ``-m "not spawns"`` leaves them out."""
+The tests that start worker processes (``spawns``: the engines each started once for its class;
+workers fork from a fork server that imported the engine once, so a start takes well under a
+second after the session's first) run in the default suite; ``-m "not spawns"`` leaves them out."""
 
 from __future__ import annotations
 
@@ -18,10 +21,11 @@ import torch
 from test_engine_correctness import hf_greedy, make_engine, prompts, run
 from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
 from vmemkv.engine.distributed import TensorParallelError
-from vmemkv.engine.distributed.recorder import BackendRecorder, replay, state_digest
+from vmemkv.engine.distributed.recorder import BackendRecorder, Recording, replay, state_digest
 from vmemkv.engine.distributed.sharding import check_shardable
-from vmemkv.engine.models import load_model, model_config
+from vmemkv.engine.models import byte_tokenizer, load_model, model_config
 from vmemkv.errors import ConfigError, UnsupportedModelError
+from vmemkv.hybrid import HybridKVCacheManager
 from vmemkv.swap import SwapSpace
 from vmemkv.vmm import create_backend
 
@@ -50,8 +54,9 @@ def swap_engine():
 
 
 @pytest.mark.spawns
-class TestOneEngineWithSwap:
-    """One engine for these (a process holds one tensor-parallel engine at a time)."""
+class TestOneEngine:
+    """One engine, started once, for these (a process holds one tensor-parallel engine at a time,
+    and starting one, its worker and their process group is most of a test's time)."""
 
     def test_ragged_batch_matches_one_rank_and_hf(self, swap_engine):
         batch = prompts(4)
@@ -60,7 +65,6 @@ class TestOneEngineWithSwap:
         assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in one_rank]
         assert_hf(batch, outputs)
         assert_every_forward_checked(swap_engine)
-
 
     def test_prefix_hits_and_forks_match_hf(self, swap_engine):
         system = prompts(1, lengths=(40,), offset=5)[0]
@@ -75,7 +79,6 @@ class TestOneEngineWithSwap:
         assert_hf(batch + [prompts(1, lengths=(21,))[0]], first + rest + forked)
         assert_every_forward_checked(swap_engine)
 
-
     def test_swap_preemption_matches_hf(self, swap_engine):
         batch = prompts(6, lengths=(30, 35, 40, 28, 33, 38))
         swapped = swap_engine.manager.cache_stats().preemptions_swap
@@ -84,9 +87,84 @@ class TestOneEngineWithSwap:
         assert_hf(batch, outputs, 20)
         assert_every_forward_checked(swap_engine)
 
-    def test_killed_worker_stops_the_engine_with_a_clear_error(self, swap_engine):
+    def test_recompute_preemption_matches_hf(self, swap_engine, monkeypatch):
+        # The scheduler reads the mode at each preemption: this engine recomputes for this test.
+        monkeypatch.setattr(swap_engine.scheduler.config, "preemption_mode", "recompute")
+        swap_engine.manager.reset_prefix_cache()  # the preempted requests recompute every token
+        batch = prompts(6, lengths=(30, 35, 40, 28, 33, 38), offset=40)
+        recomputed = swap_engine.manager.cache_stats().preemptions_recompute
+        outputs = run(swap_engine, batch, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+        assert swap_engine.manager.cache_stats().preemptions_recompute > recomputed
+        assert_hf(batch, outputs, 20)
+        assert_every_forward_checked(swap_engine)
+
+    def test_a_diverged_rank_stops_the_engine(self, swap_engine):
         """Last in the class: it ends this engine."""
         engine = swap_engine
+        # A mapping made on rank 0 behind the recorder's back, on the last slot's last page (which
+        # the next step does not touch): the next step's check must see it.
+        recorder = engine.tensor_parallel.recording.recorders[0]
+        table = recorder.ranges[0].page_table
+        recorder.inner.map(recorder.ranges[0], [len(table) - 1], [(int(table[-1]) + 1) % 12])
+        engine.add_request("late", prompts(1)[0], SamplingParams(max_tokens=2))
+        with pytest.raises(TensorParallelError, match="mapping state differs"):
+            engine.step()
+        with pytest.raises(TensorParallelError):  # and it stays stopped
+            engine.step()
+        assert not any(p.is_alive() for p in engine.tensor_parallel.processes)
+
+
+# --- a hybrid model: local and global layers in two layout groups on every rank -----------------
+
+@pytest.fixture(scope="class")
+def gemma2_dir(tmp_path_factory):
+    """A tiny Gemma-2 (one local layer with a window of 3, one global) saved where every rank
+    loads it by name (2 KV heads: one a rank)."""
+    from test_sliding_window_models import build
+
+    model = build("gemma2", head_dim=64, query_pre_attn_scalar=64)
+    directory = tmp_path_factory.mktemp("tiny-gemma2")
+    model.save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    return str(directory), model
+
+
+@pytest.fixture(scope="class")
+def gemma2_engine(gemma2_dir):
+    engine = make_engine(gemma2_dir[0], max_num_seqs=3, max_model_len=96,
+                         max_num_batched_tokens=16, **TP)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.spawns
+class TestHybridEngine:
+    def test_two_ranks_match_one_and_hf_with_local_blocks_released(self, gemma2_dir, gemma2_engine):
+        directory, model = gemma2_dir
+        engine = gemma2_engine
+        assert isinstance(engine.manager, HybridKVCacheManager)
+        assert engine.manager.tokens_per_page == 16  # 50 tokens: local blocks 0-1 go behind the window
+        batch = prompts(3, lengths=(20, 9, 31))
+        params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+        outputs = run(engine, batch, params)
+        one = make_engine(directory, max_num_seqs=3, max_model_len=96, max_num_batched_tokens=16)
+        assert isinstance(one.manager, HybridKVCacheManager)
+        one_rank = run(one, batch, params)
+        one.close()
+        tokens = [o.outputs[0].token_ids for o in outputs]
+        assert tokens == [o.outputs[0].token_ids for o in one_rank]
+        for prompt, got in zip(batch, tokens):
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)
+            assert got == out[0, len(prompt):].tolist()
+        # the local group gave blocks back on rank 0, and every rank replayed it (digests checked)
+        assert engine.manager.cache_stats().blocks_released_behind_window > 0
+        assert [len(r.ranges) for r in engine.tensor_parallel.recording.recorders] == [1, 1]
+        assert_every_forward_checked(engine)
+        assert engine.manager.local_group.num_blocks_in_use == 0
+
+    def test_killed_worker_stops_the_engine_with_a_clear_error(self, gemma2_engine):
+        """Last in the class: it ends this engine."""
+        engine = gemma2_engine
         engine.add_request("a", prompts(1)[0], SamplingParams(max_tokens=50, ignore_eos=True))
         engine.step()
         worker = engine.tensor_parallel.processes[0]
@@ -100,26 +178,18 @@ class TestOneEngineWithSwap:
 
 
 @pytest.mark.spawns
-def test_recompute_preemption_matches_hf_and_a_diverged_rank_stops_the_engine():
-    engine = make_engine(num_blocks=12, preemption_mode="recompute", enable_prefix_caching=False,
-                         watermark=0.0, **TP)
+def test_a_windowed_model_releases_blocks_on_every_rank_and_matches_hf():
+    """tiny-mistral (every layer slides, window 128): one windowed group, blocks behind the
+    window released on rank 0 and replayed; batched reads on rank 0 only (the worker reads each
+    sequence from its window start), the digests agree every step."""
+    engine = make_engine("tiny-mistral", max_num_seqs=3, max_model_len=256, **TP)
     try:
-        batch = prompts(6, lengths=(30, 35, 40, 28, 33, 38))
-        outputs = run(engine, batch, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
-        assert engine.manager.cache_stats().preemptions_recompute > 0
-        assert_hf(batch, outputs, 20)
+        batch = prompts(2, lengths=(150, 160))
+        outputs = run(engine, batch, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        assert engine.manager.cache_stats().blocks_released_behind_window > 0
+        for prompt, output in zip(batch, outputs):
+            assert output.outputs[0].token_ids == hf_greedy("tiny-mistral", tuple(prompt), 8)
         assert_every_forward_checked(engine)
-        # A mapping made on rank 0 behind the recorder's back, on the last slot's last page (which
-        # the next step does not touch): the next step's check must see it.
-        recorder = engine.tensor_parallel.recorder
-        table = recorder.ranges[0].page_table
-        recorder.inner.map(recorder.ranges[0], [len(table) - 1], [(int(table[-1]) + 1) % 12])
-        engine.add_request("late", prompts(1)[0], SamplingParams(max_tokens=2))
-        with pytest.raises(TensorParallelError, match="mapping state differs"):
-            engine.step()
-        with pytest.raises(TensorParallelError):  # and it stays stopped
-            engine.step()
-        assert not any(p.is_alive() for p in engine.tensor_parallel.processes)
     finally:
         engine.close()
 
@@ -127,35 +197,47 @@ def test_recompute_preemption_matches_hf_and_a_diverged_rank_stops_the_engine():
 # --- without processes ---------------------------------------------------------------------------
 
 def test_replayed_log_gives_the_same_mappings_bytes_and_swap_state():
+    """Two layout groups per rank (a hybrid model's): one log, each entry naming its group,
+    replayed onto the other rank's groups gives the same page tables, copied bytes and swap
+    state, and the digest covers both groups."""
     page = 4096
-    source, target = (BackendRecorder(create_backend("cpu", page, 8)) for _ in range(2))
-    swaps = [SwapSpace(4, page), SwapSpace(4, page)]
+    source, target = Recording(), Recording()
+    for recording in (source, target):
+        for _ in range(2):  # the global group's backend and swap space, then the local group's
+            recorder = BackendRecorder(create_backend("cpu", page, 8), recording)
+            recorder.swap_space = SwapSpace(4, page)
     try:
-        ranges = [recorder.reserve(6) for recorder in (source, target)]
-        for recorder in (source, target):  # each rank makes its reservations itself
-            recorder.take_log()
-        window = source.pool_window()
-        window[3].fill_(7)
-        source.map(ranges[0], [0, 1, 4], [3, 5, 6])
-        source.copy_pages([3], [2])
-        source.unmap(ranges[0], [1])
-        host = swaps[0].store(window, [2, 3])
-        source.record_swap(("swap_out", [2, 3], host))
-        target.pool_window()[3].fill_(7)  # the forward's writes, done by each rank itself
+        ranges = [[recorder.reserve(6) for recorder in recording.recorders] for recording in (source, target)]
+        for recording in (source, target):  # each rank makes its reservations itself
+            recording.take_log()
+        first, second = source.recorders
+        for recording in (source, target):  # the forward's writes, done by each rank itself
+            recording.recorders[1].pool_window()[3].fill_(7)
+        first.map(ranges[0][0], [0, 1, 4], [3, 5, 6])
+        second.map(ranges[0][1], [2], [3])
+        second.copy_pages([3], [2])
+        first.unmap(ranges[0][0], [1])
+        host = second.swap_space.store(second.pool_window(), [2, 3])
+        second.record_swap("swap_out", [2, 3], host)
         log, digest = source.take_log(digest=True)
-        assert [entry[0] for entry in log] == ["map", "copy", "unmap", "swap_out"]
-        replay(log, target, swaps[1], target.pool_window())
-        assert np.array_equal(ranges[0].page_table, ranges[1].page_table)
+        assert [entry[:2] for entry in log] == [(0, "map"), (1, "map"), (1, "copy"), (0, "unmap"),
+                                                (1, "swap_out")]
+        replay(log, target, [recorder.pool_window() for recorder in target.recorders])
+        for group in (0, 1):
+            assert np.array_equal(ranges[0][group].page_table, ranges[1][group].page_table)
+        swaps = [recording.recorders[1].swap_space for recording in (source, target)]
         assert torch.equal(swaps[0].storage[host], swaps[1].storage[host])  # the rows stored
-        assert torch.equal(target.pool_window()[2], torch.full((page,), 7, dtype=torch.uint8))
-        source.swap_space = swaps[0]
-        assert state_digest(source, swaps[0]) == state_digest(target, swaps[1])
+        assert torch.equal(target.recorders[1].pool_window()[2], torch.full((page,), 7, dtype=torch.uint8))
+        assert state_digest(source) == state_digest(target) == digest
+        target.recorders[1].inner.map(ranges[1][1], [5], [7])  # the local group diverges
+        assert state_digest(source) != state_digest(target)
         swaps[1].discard([0])
-        assert state_digest(source, swaps[0]) != state_digest(target, swaps[1])
-        assert digest is not None
+        target.recorders[1].inner.unmap(ranges[1][1], [5])
+        assert state_digest(source) != state_digest(target)  # its swap space too
     finally:
-        source.close()
-        target.close()
+        for recording in (source, target):
+            for recorder in recording.recorders:
+                recorder.close()
 
 
 def test_models_that_cannot_be_split_are_refused_before_anything_starts():

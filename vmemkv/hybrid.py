@@ -23,6 +23,10 @@ demand is bounded (slots x window, plus one step's chunk), so a static split of 
 (``layer_groups.split_blocks``) costs little. The price: the split is a guess where chunks are
 large, and each group's pages hold whole tokens of fewer layers, so they may hold more tokens
 than the whole model's would (prefix hits and growth in coarser steps).
+
+The module is over 400 lines because the class mirrors the whole ``KVCacheManager`` API (admit
+to reorder and truncate), each method a short plan-check-apply over both groups; the plans
+themselves live in ``hybrid_budget``.
 """
 
 from __future__ import annotations
@@ -34,13 +38,14 @@ import torch
 
 from . import validation as check
 from .cache_config import CacheConfig, CacheStats, PreemptionEstimate
-from .errors import ConfigError
+from .errors import ConfigError, RequestStateError
 from .hybrid_budget import (admit_plan, check_budget, first_block_slot, fork_plan, grow_plan,
-                            swap_in_plan)
+                            reorder_copies, reorder_plan, swap_in_plan, truncate_plan)
 from .kv_metrics import KVMetricsCollector
 from .layer_groups import LayerGroups, group_configs
 from .manager import KVCacheManager
 from .request import RELEASED, KVRequest
+from .window import first_needed_block
 
 
 def hybrid_manager(config: CacheConfig, layer_windows: Sequence[int | None] | None,
@@ -76,19 +81,21 @@ class GroupReads:
 
 class HybridKVCacheManager:
     """``HybridKVCacheManager(config, layer_windows, chunk_tokens=None, local_blocks=None,
-    metrics=None)``: ``config`` describes the whole model (``num_layers`` all layers,
+    metrics=None, backends=None)``: ``config`` describes the whole model (``num_layers`` all layers,
     ``num_blocks`` blocks of all layers, shared as ``layer_groups.split_blocks`` says);
-    ``layer_windows`` each layer's window (None: global).
+    ``layer_windows`` each layer's window (None: global); ``backends``: the (global, local)
+    groups' backends, sized for ``layer_groups.group_configs`` (tensor parallelism records them).
 
     It answers what the engine asks of a ``KVCacheManager`` (admit, allocate, commit, free,
     fork, preempt by swap or recompute, swap in, the views and the queries). Block counts
     (``num_blocks``, ``num_free_blocks``, ``blocks_for_tokens``, ...) are the global group's,
     the one that grows with a request; the local group is sized for its peak, and every
-    operation also checks it. No lookahead mapping, host tier or KV events yet."""
+    operation also checks it. Beam search (``reorder``) and cropping (``truncate``) change both
+    groups or neither. No lookahead mapping, host tier or KV events yet."""
 
     def __init__(self, config: CacheConfig, layer_windows: Sequence[int | None],
                  chunk_tokens: int | None = None, local_blocks: int | None = None,
-                 metrics: KVMetricsCollector | None = None):
+                 metrics: KVMetricsCollector | None = None, backends: Sequence | None = None):
         if len(layer_windows) != config.num_layers:
             raise ConfigError(f"layer_windows has {len(layer_windows)} entries for "
                               f"{config.num_layers} layers")
@@ -98,9 +105,10 @@ class HybridKVCacheManager:
         if config.host_cache_bytes:
             raise ConfigError("the hybrid KV cache has no host tier yet; set host_cache_bytes to 0")
         self.groups = LayerGroups.from_windows(layer_windows)
-        self.global_group, self.local_group = (
-            KVCacheManager(group, metrics=metrics)
-            for group in group_configs(config, self.groups, chunk_tokens, local_blocks))
+        self.global_group, self.local_group = (  # backends: (global, local), as group_configs
+            KVCacheManager(group, metrics=metrics, backend=backend)
+            for group, backend in zip(group_configs(config, self.groups, chunk_tokens, local_blocks),
+                                      backends or (None, None)))
         self.config = config
         self.tokens_per_page = self.global_group.tokens_per_page
         self._where = {}  # model layer -> (group manager, layer inside it)
@@ -148,24 +156,32 @@ class HybridKVCacheManager:
                 and self.local_group._fits_admission(local_hits, total))
 
     def admit(self, req: KVRequest, num_new_tokens: int | None = None,
-              token_budget: int | None = None) -> int | None:
-        """``KVCacheManager.admit`` in both groups, into one slot; None, changing nothing, when
-        either group has no room (MappingLimitError, changing nothing, when the mapping budget
+              token_budget: int | None = None, slot: int | None = None,
+              max_cached_tokens: int | None = None) -> int | None:
+        """``KVCacheManager.admit`` in both groups, into one slot (``slot`` when given), its
+        prefix hit capped at ``max_cached_tokens``; None, changing nothing, when either group has
+        no room or ``slot`` is taken (MappingLimitError, changing nothing, when the mapping budget
         does not take both)."""
         local = self._claim(req)
         global_hits, local_hits = self._hits(req, local)
+        if max_cached_tokens is not None:
+            local_hits = self.local_group._capped_hits(
+                local, local_hits, check.count(max_cached_tokens, "max_cached_tokens") // self.tokens_per_page)
+            global_hits = global_hits[:len(local_hits)]
         cached = len(local_hits) * self.tokens_per_page
         new = len(req.token_ids) - cached if num_new_tokens is None else num_new_tokens
         if token_budget is not None:
             new = min(new, token_budget)
-        if not (self.num_free_slots and self.global_group._fits_admission(global_hits, cached + new)
+        slot = check.slot_index(slot, self.num_slots)
+        free = self.num_free_slots if slot is None else self.global_group.is_slot_free(slot)
+        if not (free and self.global_group._fits_admission(global_hits, cached + new)
                 and self.local_group._fits_admission(local_hits, cached + new)):
             return None
-        slot = first_block_slot(self.global_group, global_hits, 0)
+        slot = first_block_slot(self.global_group, global_hits, 0, slot)
         check_budget([admit_plan(self.global_group, global_hits, cached + new, slot),
                       admit_plan(self.local_group, local_hits, cached + new, slot)], "admit")
         done = self.global_group.admit(req, num_new_tokens=num_new_tokens, token_budget=token_budget,
-                                       max_cached_tokens=cached)
+                                       max_cached_tokens=cached, slot=slot)
         if done is None or self.local_group.admit(local, num_new_tokens=num_new_tokens,
                                                   token_budget=token_budget, max_cached_tokens=cached,
                                                   slot=req.slot) is None:
@@ -213,16 +229,19 @@ class HybridKVCacheManager:
         local = self._local.pop(request_id, None)
         self.local_group.discard(request_id if local is None else local)
 
-    def fork(self, parent: "KVRequest | str", child: "KVRequest | str") -> KVRequest | None:
-        """``KVCacheManager.fork`` in both groups, into one slot; None, changing nothing,
-        without a slot or a block in either group (MappingLimitError, changing nothing, when the
-        mapping budget does not take both)."""
+    def fork(self, parent: "KVRequest | str", child: "KVRequest | str",
+             slot: int | None = None) -> KVRequest | None:
+        """``KVCacheManager.fork`` in both groups, into one slot (``slot`` when given); None,
+        changing nothing, without a slot (or not ``slot``) or a block in either group
+        (MappingLimitError, changing nothing, when the mapping budget does not take both)."""
         parent, local_parent = self._pair(parent)
         partial = parent.num_tokens % self.tokens_per_page != 0
-        if not self.num_free_slots or (partial and not (self.global_group.num_free_blocks
-                                                        and self.local_group.num_free_blocks)):
+        slot = check.slot_index(slot, self.num_slots)
+        free = self.num_free_slots if slot is None else self.global_group.is_slot_free(slot)
+        if not free or (partial and not (self.global_group.num_free_blocks
+                                         and self.local_group.num_free_blocks)):
             return None
-        slot = first_block_slot(self.global_group, self.global_group._reserved_blocks(parent), 0)
+        slot = first_block_slot(self.global_group, self.global_group._reserved_blocks(parent), 0, slot)
         check_budget([fork_plan(self.global_group, parent, slot),
                       fork_plan(self.local_group, local_parent, slot)], "fork")
         child = self.global_group.fork(parent, child, slot=slot)
@@ -380,3 +399,68 @@ class HybridKVCacheManager:
     def close(self) -> None:
         self.global_group.close()
         self.local_group.close()
+
+    def is_slot_free(self, slot: int) -> bool:
+        return self.global_group.is_slot_free(slot)
+
+    def free_slots(self) -> list[int]:
+        return self.global_group.free_slots()
+
+    # --- beam search and cropping, in both groups ------------------------------------------------
+    def reorder(self, requests: "Sequence[KVRequest | str]", sources: "Sequence[KVRequest | str]") -> bool:
+        """``KVCacheManager.reorder`` in both groups: row ``requests[i]`` becomes a copy of
+        ``sources[i]`` (each row keeps its window: pages behind its source's window stay
+        released). False, changing nothing, when either group lacks blocks for the copied
+        partial blocks (MappingLimitError, changing nothing, when the mapping budget does not
+        take both)."""
+        rows = self.global_group._running_list(requests, "requests")
+        sources = self.global_group._running_list(sources, "sources")
+        if len(rows) != len(sources) or len({id(row) for row in rows}) != len(rows):
+            raise RequestStateError(
+                f"reorder needs distinct requests, one source each; got "
+                f"{[r.request_id for r in rows]} from {[s.request_id for s in sources]}")
+        for source in sources:
+            self.global_group._require_committed(source)
+        local_rows = [self._local[row.request_id] for row in rows]
+        local_sources = [self._local[source.request_id] for source in sources]
+        copied = reorder_copies(self.tokens_per_page, rows, sources)
+        if sum(copied) > min(self.global_group.num_free_blocks, self.local_group.num_free_blocks):
+            return False
+        check_budget([reorder_plan(self.global_group, rows, sources, copied),
+                      reorder_plan(self.local_group, local_rows, local_sources, copied)], "reorder")
+        contents = [list(source.token_ids) for source in sources]
+        if not (self.global_group.reorder(rows, sources)
+                and self.local_group.reorder(local_rows, local_sources)):
+            raise AssertionError("a group refused a reorder both said fits")
+        # Each group copied its sources' token lists into its rows' lists, which both groups
+        # share: the second group read lists the first had already rewritten.
+        for row, tokens in zip(rows, contents):
+            row.token_ids[:] = tokens
+        return True
+
+    def truncate(self, request: "KVRequest | str", num_tokens: int) -> bool:
+        """``KVCacheManager.truncate`` in both groups: forget positions from ``num_tokens`` on.
+        RequestStateError, changing nothing, when the local layers' query at ``num_tokens``
+        would read positions already released behind their window; False, changing nothing,
+        when a group needs a block to copy a shared last block into and has none."""
+        req, local = self._pair(request)
+        req = self.global_group._running(req)
+        self.global_group._require_committed(req)
+        num_tokens = check.count(num_tokens, "num_tokens")
+        if num_tokens > req.num_tokens:
+            raise RequestStateError(f"request {req.request_id!r} has {req.num_tokens} tokens; "
+                                    f"cannot truncate it to {num_tokens}")
+        window = self.local_group.window
+        if local.num_released_blocks > first_needed_block(num_tokens, window, self.tokens_per_page):
+            raise RequestStateError(
+                f"request {req.request_id!r}: cannot truncate it to {num_tokens} tokens; its local "
+                f"layers released their first {local.num_released_blocks * self.tokens_per_page} "
+                f"positions behind their window of {window}, and a query at {num_tokens} reads some")
+        plans = [truncate_plan(self.global_group, req, num_tokens),
+                 truncate_plan(self.local_group, local, num_tokens)]
+        if None in plans:
+            return False
+        check_budget(plans, "truncate")
+        if not (self.global_group.truncate(req, num_tokens) and self.local_group.truncate(local, num_tokens)):
+            raise AssertionError("a group refused a truncation both said fits")
+        return True

@@ -6,8 +6,9 @@ OS limit on mappings, ``vm.max_map_count``, can refuse) and only then takes bloc
 applied one after the other are not: the second could be refused after the first took blocks,
 and cached blocks it evicted cannot be put back. So ``HybridKVCacheManager`` asks each group for
 the plan its operation will execute (``plans.py``: ``plan_admit``, ``plan_grow``, ``plan_fork``,
-``plan_swap_in``; the functions below are thin calls to them), and ``check_budget`` asks both
-groups' mappers whether the process's budget takes both, in order, before applying either.
+``plan_swap_in``; the functions below are thin calls to them; reorder and truncate are planned
+here), and ``check_budget`` asks both groups' mappers whether the process's budget takes both,
+in order, before applying either.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from .request import KVRequest
 from .slots import MapJob
 
 Plan = tuple[KVCacheManager, list[MapJob], int]  # group, jobs, pages behind the window first
+# reorder maps every row first and then unmaps behind each row's new window: one count per job
+ReorderPlan = tuple[KVCacheManager, list[MapJob], list[int]]
 
 
 def _group_plan(group: KVCacheManager, plan: OperationPlan | None) -> Plan:
@@ -47,12 +50,69 @@ def swap_in_plan(group: KVCacheManager, req: KVRequest, slot: int) -> Plan:
     return _group_plan(group, group.plan_swap_in(req, slot))
 
 
-def first_block_slot(group: KVCacheManager, blocks: list[int], behind: int) -> int:
-    """The slot the group's operations choose for a request whose block list is ``blocks``."""
-    return group._choose_slot(blocks, behind)
+def first_block_slot(group: KVCacheManager, blocks: list[int], behind: int,
+                     slot: int | None = None) -> int:
+    """The slot the group's operations choose for a request whose block list is ``blocks``
+    (``slot`` when the caller names one)."""
+    return group._choose_slot(blocks, behind, slot)
 
 
-def _fits(plans: Iterable[Plan]) -> bool:
+def reorder_copies(tokens_per_page: int, rows: list[KVRequest], sources: list[KVRequest]) -> list[bool]:
+    """Which rows of ``reorder`` get a copy of their source's partial block (``SharingOps.reorder``:
+    the partial block moves to the first row that takes it, itself first, when the source is a row
+    too; every other taker copies it)."""
+    owner: dict[int, int] = {}  # id(source) -> the row that takes its partial block
+    for i, (row, source) in enumerate(zip(rows, sources)):
+        if row is source:
+            owner[id(source)] = i
+    reordered = {id(row) for row in rows}
+    for i, source in enumerate(sources):
+        if id(source) in reordered:
+            owner.setdefault(id(source), i)
+    return [s._num_tokens % tokens_per_page != 0 and owner.get(id(s)) != i for i, s in enumerate(sources)]
+
+
+def reorder_plan(group: KVCacheManager, rows: list[KVRequest], sources: list[KVRequest],
+                 copied: list[bool]) -> ReorderPlan:
+    """What ``reorder`` maps: each row its source's blocks (a fresh block where it copies)."""
+    fresh = iter(group.pool.peek(sum(copied)))
+    jobs, behind = [], []
+    for row, source, copy in zip(rows, sources, copied):
+        blocks = group._reserved_blocks(source)
+        blocks = blocks[:-1] + [next(fresh)] if copy else blocks
+        count = source._num_released
+        jobs.append(MapJob(row._slot, count, blocks[count:], keep=len(row._blocks)))
+        behind.append(count)
+    return group, jobs, behind
+
+
+def truncate_plan(group: KVCacheManager, req: KVRequest, num_tokens: int) -> Plan | None:
+    """What ``truncate`` maps: a private copy of the new last block when it is partial and shared
+    or cached (the request writes it again), else nothing; None when that copy has no free block."""
+    keep = group.layout.logical_pages_for(num_tokens)
+    last = req._blocks[keep - 1] if keep and num_tokens % group.tokens_per_page else None
+    if last is None or (group.pool.ref[last] == 1 and group.pool.hash_of[last] is None):
+        return group, [], 0
+    if not group.pool.num_free:
+        return None
+    return group, [MapJob(req._slot, keep - 1, group.pool.peek(1), keep=len(req._blocks))], 0
+
+
+def _cost(group: KVCacheManager, jobs: list[MapJob], behind: "int | list[int]") -> tuple[int, int]:
+    """(The most mappings held extra at any step, those held extra at the end) of a plan: unmap
+    ``behind`` then map (an int), or map every job and then unmap behind each (reorder: a list)."""
+    if isinstance(behind, int):
+        return group.slots.mapping_cost(jobs, behind)
+    mapped = [group.slots.mapping_cost([job])[1] for job in jobs]
+    final = [group.slots.mapping_cost([job], count)[1] for job, count in zip(jobs, behind)]
+    held = total = sum(mapped)
+    for before, after in zip(mapped, final):
+        total += after - before
+        held = max(held, total)
+    return held, total
+
+
+def _fits(plans: "Iterable[Plan | ReorderPlan]") -> bool:
     charged = 0  # mappings the plans before this one add to the process's budget
     for group, jobs, behind in plans:
         if not jobs:  # nothing to map (a decode inside its block)
@@ -60,21 +120,21 @@ def _fits(plans: Iterable[Plan]) -> bool:
         room = group.slots.mapping_room(charged)
         if room is None:  # no budget (CUDA, block tables)
             continue
-        peak, added = group.slots.mapping_cost(jobs, behind)
+        peak, added = _cost(group, jobs, behind)
         if peak > room:
             return False
         charged += added
     return True
 
 
-def check_budget(plans: list[Plan], what: str) -> None:
+def check_budget(plans: "list[Plan | ReorderPlan]", what: str) -> None:
     """Refuse (MappingLimitError) unless every plan's mappings fit the budget, applied in order.
     Stale mappings (free slots, pages past what the planned slots keep) are reclaimed first when
     they do not (``plans.fit_or_reclaim``): mapping state that no request owns."""
     def shortfall() -> str | None:
         if _fits(plans):
             return None
-        costs = [group.slots.mapping_cost(jobs, behind)[0] for group, jobs, behind in plans]
+        costs = [_cost(group, jobs, behind)[0] for group, jobs, behind in plans]
         rooms = [group.slots.mapping_room() for group, _, _ in plans]
         return (f"the layout groups need {costs} more kernel mappings (VMAs) and have room for "
                 f"{rooms} (the process's budget is shared)")

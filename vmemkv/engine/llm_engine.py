@@ -65,16 +65,19 @@ class LLMEngine:
         # KV events: the manager's pool fills the buffer, each step publishes it as one batch.
         self.kv_events = KVEventBuffer() if config.kv_events_endpoint else None
         # Local and global layers (Gemma-2/3, GPT-OSS): one manager per layout group (hybrid.py),
-        # so the local layers' blocks behind the window go back to the pool (slots, one process).
+        # so the local layers' blocks behind the window go back to the pool (slots). Under tensor
+        # parallelism every rank builds the same groups (distributed/step.py).
         cache = config.cache_config(model)
-        grouped = (tp is None and self.kv_events is None and cache.kv_backend == "vmem"
+        grouped = (self.kv_events is None and cache.kv_backend == "vmem"
                    and not cache.host_cache_bytes)
-        self.manager = grouped and hybrid_manager(
-            cache, hybrid_layer_windows(model.config, config.max_model_len),
-            config.max_num_batched_tokens, metrics=self.kv_metrics)
-        if not self.manager:
-            self.manager = (KVCacheManager(cache, metrics=self.kv_metrics, events=self.kv_events)
-                            if tp is None else tp.shard_manager(model, self.kv_metrics, events=self.kv_events))
+        windows = hybrid_layer_windows(model.config, config.max_model_len) if grouped else None
+        if tp is not None:
+            self.manager = tp.shard_manager(model, self.kv_metrics, windows, events=self.kv_events)
+        else:
+            self.manager = hybrid_manager(cache, windows, config.max_num_batched_tokens,
+                                          metrics=self.kv_metrics)
+            if not self.manager:
+                self.manager = KVCacheManager(cache, metrics=self.kv_metrics, events=self.kv_events)
         self.kv_event_publisher = (KVEventPublisher(config.kv_events_endpoint)
                                    if config.kv_events_endpoint else None)
         model_runner = ModelRunner(model) if tp is None else tp.model_runner(model)

@@ -45,7 +45,17 @@ Rows whose ids are unknown (a forward with ``inputs_embeds``, a cache used witho
 after admission that the row's salt does not account for raises rather than registering wrong
 content. The manager is not thread-safe; one cache runs one ``generate`` at a time.
 
-Sliding-window layers get every token and the model's own mask applies the window. What is
+Sliding-window layers
+---------------------
+``from_model`` gives sliding-window layers O(window) memory: a model whose every layer slides
+(Mistral) gets a windowed manager, one mixing local and global layers (Gemma-2/3) a
+``HybridKVCacheManager`` whose local group holds only the local layers. Blocks wholly behind a
+row's window go back to the pool as it generates; ``update()`` returns a local layer's K/V from
+the window start, and ``get_mask_sizes`` / ``is_sliding`` answer as transformers'
+``DynamicSlidingWindowLayer`` does (the last ``window - 1`` positions before the step plus the
+new ones, at offset ``max(length - window + 1, 0)``), so the model's own mask lines up. Cropping
+(assisted decoding) back behind a released window is refused. ``manager_for(...,
+release_behind_window=False)`` keeps every token and lets the mask apply the window. What is
 not supported: chunked layers whose chunk is shorter than ``max_cache_len`` (refused with
 ``UnsupportedModelError``), hybrid layers (linear attention, SSM),
 ``torch.compile`` (the views change every step), offloading, encoder-decoder models.
@@ -61,13 +71,14 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..errors import ConfigError, InvalidStateError, OutOfBlocksError
+from ..hybrid import HybridKVCacheManager
 from ..manager import KVCacheManager
 from .transformers_layer import _VmemkvLayer
-from .transformers_model import cache_kwarg, manager_for
+from .transformers_model import cache_kwarg, layer_windows, manager_for
 from .transformers_prefix import _PrefixReuse
 from .transformers_rows import _RowBookkeeping, _Row
 
-__all__ = ["VmemkvCache", "cache_kwarg", "manager_for"]
+__all__ = ["VmemkvCache", "cache_kwarg", "layer_windows", "manager_for"]
 
 _HOOK_ATTR = "_vmemkv_token_hook"
 _MODEL_KEY_ATTR = "_vmemkv_model_key"
@@ -92,11 +103,13 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
 
     _instances = itertools.count()
 
-    def __init__(self, manager: KVCacheManager, model=None, *, model_key: str | None = None,
-                 owns_manager: bool = False):
+    def __init__(self, manager: "KVCacheManager | HybridKVCacheManager", model=None, *,
+                 model_key: str | None = None, owns_manager: bool = False):
         self.manager = manager
         self.owns_manager = owns_manager
-        self._num_layers = manager.layout.num_layers
+        self._num_layers = manager.config.num_layers
+        self._windows = layer_windows(manager)  # per layer; None: every token is kept
+        self._windowed = any(self._windows)
         super().__init__(layers=[_VmemkvLayer(self, i) for i in range(self._num_layers)])
         self._model = None
         self._model_key = model_key
@@ -111,6 +124,7 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
         self._step_len = 0
         self._write_from: list[int] = []
         self._uniform_write = True
+        self._uncommitted = False  # the last forward's positions are written, not committed yet
         self.peak_pages_in_use = 0
         self.last_call: dict = {}
         if model is not None:
@@ -169,15 +183,30 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
     get_max_cache_shape = get_max_length  # transformers < 5.2x
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        """(Key positions the next forward's attention gets, the first one's position): a
+        sliding layer's start at its window, as ``DynamicSlidingWindowLayer``."""
         if isinstance(query_length, torch.Tensor):  # transformers 4.x passes cache_position
             query_length = query_length.shape[0]
-        return self._length + query_length, 0
+        offset = self._window_start(layer_idx, self._length)
+        return self._length - offset + query_length, offset
+
+    def is_layer_sliding(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` keeps (and hands attention) only its window."""
+        return self._windows[layer_idx] is not None
+
+    def _window_start(self, layer_idx: int, length: int) -> int:
+        """The first position a sliding layer keeps once ``length`` are computed: the next
+        query, at ``length``, reads from there (0 for a layer that keeps every token)."""
+        window = self._windows[layer_idx]
+        return 0 if window is None else max(length - window + 1, 0)
 
     def layer_views(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer_idx``'s K and V of all rows, ``[batch, kv_heads, length, head_dim]``."""
+        """Layer ``layer_idx``'s K and V of all rows, ``[batch, kv_heads, length, head_dim]``
+        (a sliding layer's from its window start)."""
         keys, values = self.manager.kv_views(layer_idx)
         rows = slice(self._first_slot, self._first_slot + len(self._rows))
-        return keys[rows, :self._length].transpose(1, 2), values[rows, :self._length].transpose(1, 2)
+        kept = slice(self._window_start(layer_idx, self._length), self._length)
+        return keys[rows, kept].transpose(1, 2), values[rows, kept].transpose(1, 2)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,19 +238,23 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
         if layer_idx == self._num_layers - 1:
             self._end_step()
         rows = slice(first, first + batch)
-        return keys[rows, :end].transpose(1, 2), values[rows, :end].transpose(1, 2)
+        read = slice(self._window_start(layer_idx, start), end)  # what get_mask_sizes announced
+        return keys[rows, read].transpose(1, 2), values[rows, read].transpose(1, 2)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``i`` becomes a copy of row ``beam_idx[i]``, by remapping blocks."""
+        self._settle()
         sources = [int(i) for i in beam_idx.tolist()]
         if sources != list(range(len(self._rows))):
             self._reorder(list(range(len(self._rows))), sources)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self._settle()
         if repeats > 1 and self._rows:
             self._repeat_rows(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._settle()
         keep = [int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()]
         if keep == list(range(len(self._rows))):
             return
@@ -238,6 +271,7 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
         negative count; older versions a positive final length, also accepted), as assisted and
         prompt-lookup decoding do with rejected candidates. Blocks past the end are released; a
         shared or cached last block is copied before the rows write it again."""
+        self._settle()
         length = self._length + max_length if max_length <= 0 else max_length
         if length >= self._length:
             return
@@ -255,6 +289,7 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
     def release(self) -> None:
         """Free every row's request. Full blocks keep their content in the manager's prefix cache
         (LRU) for later prompts; the cache object is ready for another batch."""
+        self._settle()
         for row in self._rows:
             self.manager.free(row.kv)
         self._rows = []
@@ -276,6 +311,7 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
 
     # --- internals -------------------------------------------------------------------------------
     def _begin_step(self, key_states: torch.Tensor) -> None:
+        self._settle()
         layout = self.manager.layout
         batch, heads, count, dim = key_states.shape
         device = self.manager.kv_views(0)[0].device
@@ -314,11 +350,21 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
         self._uniform_write = all(w == start for w in self._write_from)
 
     def _end_step(self) -> None:
-        for row in self._rows:
-            self.manager.commit(row.kv)
+        # The commit waits for the next call that changes the rows (_settle): it releases blocks
+        # behind each sliding layer's window, and the last layer's attention, which runs after
+        # this update returns, still reads this step's window.
+        self._uncommitted = True
         self._length += self._step_len
         self._next_layer = 0
         self._note_peak()
+
+    def _settle(self) -> None:
+        """Commit the last forward's positions (full blocks join the prefix cache; blocks behind
+        a window go back to the pool)."""
+        if self._uncommitted:
+            for row in self._rows:
+                self.manager.commit(row.kv)
+            self._uncommitted = False
 
     def reset_peak(self) -> None:
         self.peak_pages_in_use = self.manager.num_blocks_in_use

@@ -17,11 +17,16 @@ class _VmemkvLayer(CacheLayerMixin):
 
     is_compileable = False
     is_croppable = True
-    is_sliding = False
 
     def __init__(self, cache: VmemkvCache, layer_idx: int):  # no super(): keys/values are views
         self._cache = cache
         self.layer_idx = layer_idx
+
+    @property
+    def is_sliding(self) -> bool:
+        """Whether the cache keeps only this layer's window (transformers then builds its mask
+        from this layer's ``get_mask_sizes``)."""
+        return self._cache.is_layer_sliding(self.layer_idx)
 
     @property
     def is_initialized(self) -> bool:

@@ -1,29 +1,54 @@
 """Shaping vmemkv for a Hugging Face model: :func:`manager_for` builds a :class:`KVCacheManager`
-for the model's KV (checking its attention is one ``VmemkvCache`` can serve) and
-:func:`cache_kwarg` names the keyword ``generate`` takes a cache by in this transformers version.
-Part of :mod:`vmemkv.integrations.transformers_cache`, which re-exports both."""
+for the model's KV (checking its attention is one ``VmemkvCache`` can serve; sliding-window
+layers get their own blocks, released behind the window), :func:`layer_windows` says which layers
+a manager keeps windowed, and :func:`cache_kwarg` names the keyword ``generate`` takes a cache by
+in this transformers version. Part of :mod:`vmemkv.integrations.transformers_cache`, which
+re-exports them."""
 
 from __future__ import annotations
 
 import inspect
 
-from ..hf_support import cache_config_for, check_attention_supported
+from ..hf_support import cache_config_for, check_attention_supported, hybrid_layer_windows
+from ..hybrid import HybridKVCacheManager, hybrid_manager
 from ..manager import KVCacheManager
 
 
 def manager_for(model, max_batch_size: int, max_cache_len: int, num_blocks: int | None = None,
-                **config) -> KVCacheManager:
-    """A :class:`KVCacheManager` shaped for ``model`` (layers, KV heads, head dim, dtype, device).
+                *, release_behind_window: bool = True,
+                **config) -> "KVCacheManager | HybridKVCacheManager":
+    """A manager shaped for ``model`` (layers, KV heads, head dim, dtype, device).
 
-    ``num_blocks`` defaults to every slot full plus one spare block per slot for copy-on-write,
-    so ``generate`` never runs out; pass fewer to cap memory (on CUDA the pool is allocated up
-    front). Other keyword arguments go to :class:`CacheConfig` (``tokens_per_page``,
-    ``enable_prefix_caching``, ``hash_seed``, ...)."""
+    With ``release_behind_window`` (the default) sliding-window layers hold O(window) blocks: a
+    model whose every layer slides with one window shorter than ``max_cache_len`` (Mistral) gets
+    a windowed :class:`KVCacheManager`, one mixing local and global layers (Gemma-2/3) a
+    :class:`HybridKVCacheManager` (when its groups' pages can hold one number of tokens; else
+    every layer keeps every token, as with ``release_behind_window=False``, and the model's mask
+    applies the window). ``num_blocks`` defaults to every slot full plus one spare block per slot
+    for copy-on-write, so ``generate`` never runs out; pass fewer to cap memory (on CUDA the pool
+    is allocated up front). Other keyword arguments go to :class:`CacheConfig`
+    (``tokens_per_page``, ``enable_prefix_caching``, ``hash_seed``, ...)."""
     # The model runs its own attention over the cache, so only windows and chunks matter here.
     check_attention_supported(model.config, max_cache_len, replaces_attention=False,
                               who="VmemkvCache", limit_name="max_cache_len")
-    return KVCacheManager(cache_config_for(model, max_batch_size, max_cache_len, num_blocks,
-                                           spare_blocks_per_slot=1, **config))
+    cache_config = cache_config_for(model, max_batch_size, max_cache_len, num_blocks,
+                                    spare_blocks_per_slot=1,
+                                    release_behind_window=release_behind_window, **config)
+    if release_behind_window:
+        hybrid = hybrid_manager(cache_config, hybrid_layer_windows(model.config, max_cache_len))
+        if hybrid is not None:
+            return hybrid
+    return KVCacheManager(cache_config)
+
+
+def layer_windows(manager: "KVCacheManager | HybridKVCacheManager") -> list[int | None]:
+    """Each layer's window as ``manager`` keeps it (None: every token is kept): blocks wholly
+    behind it are released, so a cache reads such a layer from its window start."""
+    if isinstance(manager, HybridKVCacheManager):
+        local = set(manager.groups.local_layers)
+        return [manager.groups.window if layer in local else None
+                for layer in range(manager.config.num_layers)]
+    return [manager.window] * manager.layout.num_layers
 
 
 def cache_kwarg(model) -> str:

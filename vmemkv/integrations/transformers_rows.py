@@ -3,8 +3,12 @@ consecutive slots. Admitting rows (with the cache keys that name their model and
 them step by step with the token ids fed, checking the attention mask, beam reorders (remapping
 pages) and row expansion (forks) live here, as a mixin of
 :class:`vmemkv.integrations.transformers_cache.VmemkvCache`, which owns the state they work on:
-``manager``, ``_rows``, ``_first_slot``, ``_length``, ``_tracked``, ``_model_key``, ``_prefix``,
-``_request_counter`` and ``peak_pages_in_use``."""
+``manager``, ``_rows``, ``_first_slot``, ``_length``, ``_tracked``, ``_windowed``, ``_model_key``,
+``_prefix``, ``_request_counter`` and ``peak_pages_in_use``.
+
+Rows of a manager that releases blocks behind a window all start with one prefix hit length:
+the batch's next forward starts at the shortest hit, and a row that hit more would have given
+back blocks that forward's window reads."""
 
 from __future__ import annotations
 
@@ -84,21 +88,36 @@ class _RowBookkeeping:
         if masked is None:  # a mask we cannot read: the KV context is unknown
             self._tracked, masked = False, [frozenset()] * batch
         first = self._find_slots(batch)
-        rows, cached = [], []
-        for i, ids in enumerate(token_ids):
-            row = _Row(KVRequest(self._new_request_id(), list(ids), self._keys(masked[i])), masked[i])
-            hit = self.manager.admit(row.kv, num_new_tokens=num_new_tokens, slot=first + i)
-            if hit is None:
-                for done in rows:
-                    self.manager.free(done.kv)
-                raise OutOfBlocksError(
-                    f"cannot admit row {i} of {batch} ({len(ids)} tokens): {self.manager.num_free_blocks} "
-                    f"pages free of {self.manager.num_blocks}; release rows or give the manager "
-                    "more num_blocks")
-            rows.append(row)
-            cached.append(hit)
-        self._rows, self._first_slot = rows, first
+        requests = [KVRequest(self._new_request_id(), list(ids), self._keys(masked[i]))
+                    for i, ids in enumerate(token_ids)]
+        common = None
+        if self._windowed:  # every row attends from one window start: one prefix hit length
+            common = min(len(self.manager.match_prefix(kv)[0]) for kv in requests) * self.manager.tokens_per_page
+        cached = self._admit_rows(requests, first, num_new_tokens, common)
+        if len(set(cached)) > 1 and self._windowed:  # a window of a shorter hit was not cached
+            for kv in requests:
+                self.manager.free(kv)
+            cached = self._admit_rows(requests, first, num_new_tokens, 0)
+        self._rows = [_Row(kv, hidden) for kv, hidden in zip(requests, masked)]
+        self._first_slot = first
         self._note_peak()
+        return cached
+
+    def _admit_rows(self, requests: list[KVRequest], first: int, num_new_tokens: int | None,
+                    max_cached_tokens: int | None) -> list[int]:
+        """Admit each request into slot ``first + i``; all or none (OutOfBlocksError)."""
+        cached = []
+        for i, kv in enumerate(requests):
+            hit = self.manager.admit(kv, num_new_tokens=num_new_tokens, slot=first + i,
+                                     max_cached_tokens=max_cached_tokens)
+            if hit is None:
+                for done in requests[:i]:
+                    self.manager.free(done)
+                raise OutOfBlocksError(
+                    f"cannot admit row {i} of {len(requests)} ({len(kv.token_ids)} tokens): "
+                    f"{self.manager.num_free_blocks} pages free of {self.manager.num_blocks}; release "
+                    "rows or give the manager more num_blocks")
+            cached.append(hit)
         return cached
 
 

@@ -1,6 +1,7 @@
 """The process group the ranks of one engine share, and how they find each other.
 
-Two launches: vmemkv starts ranks 1..N-1 itself (``torch.multiprocessing`` spawn, rendezvous on a
+Two launches: vmemkv starts ranks 1..N-1 itself (``torch.multiprocessing``, forked from a fork server
+that has imported vmemkv's engine once per process: ``leader._worker_context``; rendezvous on a
 free localhost port), or ``torchrun`` starts every rank (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``, ``MASTER_PORT`` in the environment; across machines too).
 

@@ -17,12 +17,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ...errors import ConfigError
 from ..config import EngineConfig
 from ..model_runner import ModelRunner
 from .group import (TensorParallelError, join, launched_by_torchrun, leave, local_rendezvous,
                     rank_device, torchrun_rendezvous)
 from .sharding import check_shardable, shard_model
-from .step import StepMessage, broadcast, check_digests, shard_manager
+from .step import StepMessage, broadcast, check_digests, hybrid_windows, shard_manager
 from .worker import run_worker, spawned_worker
 
 STOP_WAIT_S = 10.0  # how long close() waits for spawned workers to stop by themselves
@@ -35,7 +36,7 @@ class TensorParallelLeader:
         self.size = config.tensor_parallel_size
         self.groups = groups
         self.processes = processes  # spawned workers; empty under torchrun
-        self.recorder = None
+        self.recording = None  # every layout group's recorder and their log
         self.failure: TensorParallelError | None = None
         self.num_steps = 0
         self.broadcast_seconds = 0.0  # rank 0 taking the log, pickling and sending step messages
@@ -61,7 +62,7 @@ class TensorParallelLeader:
             processes = []
         else:
             rendezvous = local_rendezvous(size)
-            context = mp.get_context("spawn")
+            context = _worker_context()
             processes = [context.Process(target=spawned_worker, args=(rank, config, rendezvous),
                                          daemon=True, name=f"vmemkv-tp-rank{rank}")
                          for rank in range(1, size)]
@@ -79,10 +80,16 @@ class TensorParallelLeader:
                                       f"{type(e).__name__}: {e}") from e
         return cls(config, model, groups, processes)
 
-    def shard_manager(self, model, metrics, **manager_options):
+    def shard_manager(self, model, metrics, layer_windows=None, **manager_options):
         """Rank 0's manager, built exactly as every worker builds its own (``manager_options``:
-        what only rank 0's manager gets, such as an event sink)."""
-        manager, self.recorder = shard_manager(self.config, model, metrics, **manager_options)
+        what only rank 0's manager gets, such as an event sink). ``layer_windows``: the layout
+        groups the engine chose (None: one group), which must be what the workers build."""
+        workers = hybrid_windows(self.config, self.config.cache_config(model), model)
+        if layer_windows != workers:
+            raise ConfigError(f"the engine groups the layers by windows {layer_windows}, its "
+                              f"tensor-parallel workers by {workers}: distributed/step.py "
+                              "hybrid_windows must follow the engine's rule")
+        manager, self.recording = shard_manager(self.config, model, metrics, **manager_options)
         return manager
 
     def model_runner(self, model) -> "LeaderModelRunner":
@@ -93,7 +100,7 @@ class TensorParallelLeader:
         self.raise_if_failed()
         check = self.config.tensor_parallel_check
         start = time.perf_counter()
-        log, digest = self.recorder.take_log(digest=check)
+        log, digest = self.recording.take_log(digest=check)
         message = StepMessage(log, list(input_ids), list(positions), logit_rows,
                               list(attention.spans), digest)
         with self.collective("sending the step"):
@@ -180,6 +187,16 @@ class LeaderModelRunner(ModelRunner):
         self.leader.send_step(input_ids, positions, attention, logit_rows)
         with self.leader.collective("running the forward"):
             return super().forward(input_ids, positions, attention, logit_rows)
+
+
+def _worker_context():
+    """Workers start from a fork server that imported vmemkv's engine (torch, transformers) once
+    per process: the next engine's workers start without importing it again (seconds on a small
+    machine; the tests start several engines). The fork server is a fresh process that never ran a
+    model, a CUDA call or a thread pool, so its children start as clean as spawned ones."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["vmemkv.engine.distributed.worker"])
+    return context
 
 
 def _terminate(processes: list) -> None:

@@ -2,7 +2,9 @@
 
 Every rank builds its KV cache manager from the same configuration and the same sharded model
 config, with its backend wrapped in a ``BackendRecorder`` (``shard_manager``): layouts, page counts
-and reservations then agree, so rank 0's log names the same pages everywhere. Each forward, rank 0
+and reservations then agree, so rank 0's log names the same pages everywhere. A model mixing local
+and global layers gets a ``HybridKVCacheManager`` on every rank (``hybrid_windows``: the engine's
+rule), each group's backend recorded into one ``Recording``. Each forward, rank 0
 broadcasts a ``StepMessage``: the log since the last one, the packed batch's token ids and
 positions, the rows to take logits of, and each sequence's span (slot, rows, cached length, block
 table); a worker replays the log and rebuilds the step's attention from the spans with its own
@@ -18,12 +20,17 @@ import torch
 import torch.distributed as dist
 
 from ...attention import SequenceSpan
+from ...cache_config import CacheConfig
+from ...errors import ConfigError
+from ...hf_support import hybrid_layer_windows
+from ...hybrid import HybridKVCacheManager
 from ...kv_metrics import KVMetricsCollector
+from ...layer_groups import LayerGroups, group_configs
 from ...manager import KVCacheManager
 from ...manager_state import backend_pages
 from ...vmm import create_backend
 from ..config import EngineConfig
-from .recorder import BackendRecorder, SwapRecorder
+from .recorder import BackendRecorder, Recording, SwapRecorder
 from .group import Groups, TensorParallelError
 
 
@@ -40,23 +47,58 @@ class StepMessage:
     digest: int | None  # rank 0's state_digest after the log, when every step is checked
 
 
+def hybrid_windows(config: EngineConfig, cache: CacheConfig, model) -> list[int | None] | None:
+    """Each layer's window when the engine keeps local and global layers in two layout groups,
+    by the rule ``LLMEngine`` applies (slots, no KV events, no host tier), else None. Every rank
+    applies it to the same configuration, so every rank builds the same groups."""
+    if config.kv_events_endpoint or cache.kv_backend != "vmem" or cache.host_cache_bytes:
+        return None
+    return hybrid_layer_windows(model.config, config.max_model_len)
+
+
 def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | None = None,
-                  **manager_options) -> tuple[KVCacheManager, BackendRecorder]:
-    """This rank's manager over its share of the KV heads (``model`` is sharded already), its
-    backend and swap space recorded; the construction's own calls are not part of any step.
-    ``manager_options`` go to ``KVCacheManager`` as they are (rank 0's own, such as its event
-    sink)."""
+                  **manager_options) -> tuple["KVCacheManager | HybridKVCacheManager", Recording]:
+    """This rank's manager over its share of the KV heads (``model`` is sharded already), every
+    group's backend and swap space recorded; the construction's own calls are not part of any
+    step. ``manager_options`` go to a one-group ``KVCacheManager`` as they are (rank 0's own,
+    such as its event sink)."""
     # On this rank's own device (cuda:<local rank>; the config says only "cuda").
     cache = replace(config.cache_config(model), device=str(next(model.parameters()).device))
+    windows = hybrid_windows(config, cache, model)
+    recording = Recording()
+    try:
+        groups = group_configs(cache, LayerGroups.from_windows(windows), config.max_num_batched_tokens) \
+            if windows else None
+    except ConfigError:  # pages of the groups cannot hold one number of tokens (hybrid_manager)
+        groups = None
+    if groups:
+        manager = HybridKVCacheManager(cache, windows, config.max_num_batched_tokens, metrics=metrics,
+                                       backends=[_recorded_backend(group, recording) for group in groups])
+        managers = [manager.global_group, manager.local_group]
+    else:
+        manager = KVCacheManager(cache, backend=_recorded_backend(cache, recording), metrics=metrics,
+                                 **manager_options)
+        managers = [manager]
+    for group, recorder in zip(managers, recording.recorders):
+        group.swap = SwapRecorder(group.swap, recorder)
+    recording.take_log()
+    return manager, recording
+
+
+def group_managers(manager: "KVCacheManager | HybridKVCacheManager") -> list[KVCacheManager]:
+    """The managers of ``manager``'s layout groups, in the order their recorders were made."""
+    if isinstance(manager, HybridKVCacheManager):
+        return [manager.global_group, manager.local_group]
+    return [manager]
+
+
+def _recorded_backend(cache: CacheConfig, recording: Recording) -> BackendRecorder:
+    """A backend for a manager of ``cache``, sized as the manager sizes its own (the pool, filler
+    pages for batched reads on CPU, the hole page behind windows on CUDA:
+    ``manager_state.backend_pages``), recorded into ``recording``."""
     layout = cache.make_layout()
-    # Sized as the manager sizes its own backend (the pool, filler pages for batched reads on
-    # CPU, the hole page behind windows on CUDA: manager_state.backend_pages).
-    recorder = BackendRecorder(create_backend(cache.device, layout.page_size,
-                                              backend_pages(cache, layout)[0]))
-    manager = KVCacheManager(cache, backend=recorder, metrics=metrics, **manager_options)
-    manager.swap = SwapRecorder(manager.swap, recorder)
-    recorder.take_log()
-    return manager, recorder
+    return BackendRecorder(create_backend(cache.device, layout.page_size, backend_pages(cache, layout)[0]),
+                           recording)
 
 
 def broadcast(message: StepMessage | None, groups: Groups) -> int:

@@ -1,7 +1,7 @@
 """A worker rank (1..N-1): its shard of the model and of the KV cache, driven by rank 0's steps.
 
 It schedules nothing and decides nothing: it waits for a ``StepMessage``, replays rank 0's page
-operations on its own pool, optionally checks that its memory state matches rank 0's, and runs the
+operations on its own pool (every layout group's, for a hybrid model), optionally checks that its memory state matches rank 0's, and runs the
 same forward on its shard (the model's all-reduces pair with rank 0's). It stops when rank 0 sends
 the stop message, and exits with an error when rank 0 is gone or a collective times out, so no
 rank keeps running alone.
@@ -22,7 +22,7 @@ from ..models import load_model
 from .group import Rendezvous, join, leave, rank_device
 from .recorder import replay, state_digest
 from .sharding import shard_model
-from .step import check_digests, receive, shard_manager
+from .step import check_digests, group_managers, receive, shard_manager
 
 
 def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
@@ -33,24 +33,40 @@ def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
     groups = join(rendezvous, device, config.tensor_parallel_timeout)
     try:
         shard_model(model, rendezvous.rank, rendezvous.world_size)
-        manager, recorder = shard_manager(config, model)
+        manager, recording = shard_manager(config, model)
         runner = ModelRunner(model)
-        addressing = choose_addressing(config, manager, runner.device,
+        addressing = choose_addressing(config, _WithoutBatchedReads(manager), runner.device,
                                        text_config(model.config).num_attention_heads)
-        swap, window, step = manager.swap.inner, manager.block_window(), 0
+        windows, step = [group.block_window() for group in group_managers(manager)], 0
         while (message := receive(groups)) is not None:
-            replay(message.log, recorder, swap, window)
-            recorder.take_log()  # this rank's own calls are not replayed anywhere
+            replay(message.log, recording, windows)
+            recording.take_log()  # this rank's own calls are not replayed anywhere
             if message.digest is not None:
-                check_digests(state_digest(recorder, swap), groups, step)
+                check_digests(state_digest(recording), groups, step)
             runner.forward(message.input_ids, message.positions, addressing.attention(message.spans),
                            message.logit_rows)
             step += 1
-        del addressing, runner, window  # views of the cache, which close() refuses to cut
+        del addressing, runner, windows  # views of the cache, which close() refuses to cut
         gc.collect()
         manager.close()
     finally:
         leave()
+
+
+class _WithoutBatchedReads:
+    """This rank's manager as its attention sees it, without batched CPU reads: those map filler
+    pages by the slot mapper's own state (each slot's window start), which replay does not carry,
+    so a worker would map pages rank 0 did not. Sequences are read one by one from their window
+    start instead; rank 0's fillers still arrive through the log, so the page tables agree."""
+
+    def __init__(self, manager):
+        self._manager = manager
+
+    def batched_reads(self) -> None:
+        return None
+
+    def __getattr__(self, name: str):
+        return getattr(self._manager, name)
 
 
 def spawned_worker(rank: int, config: EngineConfig, rendezvous: Rendezvous) -> None:
