@@ -12,6 +12,7 @@ path), ``paged`` (block tables: gather into a padded tensor + one call), ``paged
 
     python experiments/bench_step.py                         # tiny-llama and smollm2-135m shape
     python experiments/bench_step.py --models tiny-llama --batch-sizes 1 8 32 --steps 10
+    python experiments/bench_step.py --models tiny-llama --variants vmem     # the engine alone
     python experiments/bench_step.py --models tiny-llama --batch-sizes 1 8 32 64 --steps 30 \
         --layouts token_major per_layer      # every variant under each KV layout (vmem@per_layer, ...)
 """
@@ -96,10 +97,10 @@ def decoding(engine: LLMEngine) -> bool:
     return not engine.scheduler.waiting and all(s.num_computed == len(s.token_ids) - 1 for s in running)
 
 
-def variant_names(layouts: list[str]) -> list[str]:
+def variant_names(layouts: list[str], variants: list[str] = VARIANTS) -> list[str]:
     """Every variant under each layout asked for (``vmem@per_layer``), or plain names for the
     engine's default layout."""
-    return [f"{v}@{layout}" if layout else v for layout in layouts or [""] for v in VARIANTS]
+    return [f"{v}@{layout}" if layout else v for layout in layouts or [""] for v in variants]
 
 
 def bench(model_name: str, batch: int, steps: int, prompt_len: tuple[int, int], seed: int,
@@ -159,22 +160,22 @@ def markdown(results: list[dict], command: str, load: tuple) -> str:
     names = list(results[0]["overhead"])
     vmem = [n for n in names if n.partition("@")[0] == "vmem"]
     paged = [n for n in names if n.partition("@")[0] == "paged"]
+    header = (["model", "B", "bare", *names]
+              + [f"{n} {what}" for n in vmem for what in ("overhead", "overhead of min", "map ms")]
+              + [f"{n} copy ms" for n in paged])
     lines = [f"`{command}` — one torch thread, load before {load[0]:.2f}; step and bare forward in ms "
              "(median over steps), overhead = (step - bare) / step, of the medians and of the fastest "
              "steps (the least disturbed on a shared machine); map ms per step inline / lookahead "
              "(on the worker on a GPU, on the step thread on CPU)", "",
-             "| model | B | bare | " + " | ".join(names) + " | "
-             + " | ".join(f"{n} overhead | {n} overhead of min | {n} map ms" for n in vmem)
-             + " | " + " | ".join(f"{n} copy ms" for n in paged) + " |",
-             "|---|---|---|" + "---|" * (len(names) + 3 * len(vmem) + len(paged))]
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         ms, maps = r["ms"], r["map_ms_per_step"]
-        lines.append(f"| {r['model']} | {r['batch']} | {ms['bare']:.2f} | "
-                     + " | ".join(f"{ms[v]:.2f}" for v in names) + " | "
-                     + " | ".join(f"{r['overhead'][n]:.0%} | {r['overhead_of_min'][n]:.0%} | "
-                                  f"{maps[n]['inline']:.3f} / {maps[n]['background']:.3f}"
-                                  for n in vmem) + " | "
-                     + " | ".join(f"{r['copy_ms_per_step'][n]:.2f}" for n in paged) + " |")
+        cells = ([r["model"], str(r["batch"]), f"{ms['bare']:.2f}"] + [f"{ms[v]:.2f}" for v in names]
+                 + [cell for n in vmem for cell in (
+                     f"{r['overhead'][n]:.0%}", f"{r['overhead_of_min'][n]:.0%}",
+                     f"{maps[n]['inline']:.3f} / {maps[n]['background']:.3f}")]
+                 + [f"{r['copy_ms_per_step'][n]:.2f}" for n in paged])
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -190,12 +191,14 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", choices=["token_major", "per_layer"],
                         help="run every variant under each KV layout, side by side (default: the "
                              "engine's default layout only)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                        help="the engines to time against the bare forward (default: all)")
     parser.add_argument("--out", default="experiments/results/local",
                         help="writes step_cpu.json and step_cpu.md here (untracked by default)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load = os.getloadavg()
-    names = variant_names(args.layouts)
+    names = variant_names(args.layouts, args.variants)
     results = [bench(m, b, args.steps, (args.min_prompt_len, args.max_prompt_len), args.seed, names)
                for m in args.models for b in args.batch_sizes]
     command = "python " + " ".join(sys.argv)

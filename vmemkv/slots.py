@@ -300,11 +300,9 @@ class SlotMapper(SlotBinder):
         physical = self._filler_base + virtual % self.slot_pages
         unmapped = self.page_table[virtual] < 0
         try:
-            calls = self.backend.stats.map_calls
-            self.backend.map(self.vrange, virtual[unmapped], physical[unmapped])
+            self._backend_map(virtual[unmapped], physical[unmapped])
         except MappingLimitError:
             return False
-        self.stats.map_calls += self.backend.stats.map_calls - calls
         self.stats.pages_filled += int(unmapped.sum())
         self._mark_readable(slots, target)
         self._read_pins.update(dict.fromkeys(slots, logical))
@@ -387,25 +385,26 @@ class SlotMapper(SlotBinder):
 
     def _job_pages(self, jobs: list[MapJob]) -> tuple[np.ndarray, np.ndarray]:
         """The (virtual page, physical page) pairs the jobs ask for."""
+        if self._one_page_blocks:  # token-major: plain lists, one array each (few short jobs)
+            virtual, physical = [], []
+            for job in jobs:
+                start = job.slot * self.slot_pages + job.first
+                virtual += range(start, start + len(job.blocks))
+                physical += job.blocks
+            return np.array(virtual, dtype=np.int64), np.array(physical, dtype=np.int64)
         virtual, physical = [], []
         for job in jobs:
             blocks = np.asarray(job.blocks, dtype=np.int64)
             logical = np.arange(job.first, job.first + len(blocks), dtype=np.int64)
-            if self._one_page_blocks:
-                virtual.append(job.slot * self.slot_pages + logical)
-                physical.append(blocks)
-            else:
-                virtual.append(self._virtual(np.full(len(blocks), job.slot, dtype=np.int64), logical))
-                physical.append(self.layout.physical_pages(blocks))
+            virtual.append(self._virtual(np.full(len(blocks), job.slot, dtype=np.int64), logical))
+            physical.append(self.layout.physical_pages(blocks))
         if not virtual:
             return np.empty(0, np.int64), np.empty(0, np.int64)
         return np.concatenate(virtual), np.concatenate(physical)
 
     def _map(self, jobs: list[MapJob], virtual: np.ndarray, physical: np.ndarray) -> None:
-        backend = self.backend
-        calls = backend.stats.map_calls
         try:
-            backend.map(self.vrange, virtual, physical)
+            self._backend_map(virtual, physical)
         except MappingLimitError:
             # The refused call changed nothing: make room and retry once. Stale are the free
             # slots the jobs do not bind and the jobs' slots past what their owners keep.
@@ -413,9 +412,15 @@ class SlotMapper(SlotBinder):
             for job in jobs:
                 keep[job.slot] = max(keep.get(job.slot, 0), job.keep)
             self.reclaim_stale(keep)
-            backend.map(self.vrange, virtual, physical)
-        self.stats.map_calls += backend.stats.map_calls - calls
+            self._backend_map(virtual, physical)
         self.stats.pages_mapped += len(virtual)
+
+    def _backend_map(self, virtual: np.ndarray, physical: np.ndarray) -> None:
+        """One backend map call, its system calls counted in ``stats.map_calls`` (raises what the
+        backend raises, counting nothing)."""
+        calls = self.backend.stats.map_calls
+        self.backend.map(self.vrange, virtual, physical)
+        self.stats.map_calls += self.backend.stats.map_calls - calls
 
     def _one_page_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """Per-thread scratch arrays for one-page maps (map_lookahead may run on another thread)."""
@@ -456,9 +461,7 @@ class SlotMapper(SlotBinder):
             return
         virtual = virtual[self.page_table[virtual] != self.hole_page]
         if len(virtual):
-            calls = self.backend.stats.map_calls
-            self.backend.map(self.vrange, virtual, np.full(len(virtual), self.hole_page, dtype=np.int64))
-            self.stats.map_calls += self.backend.stats.map_calls - calls
+            self._backend_map(virtual, np.full(len(virtual), self.hole_page, dtype=np.int64))
 
     def check_request(self, slot: int, blocks: list[int], num_released: int = 0) -> None:
         super().check_request(slot, blocks, num_released)

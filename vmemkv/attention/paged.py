@@ -51,7 +51,8 @@ class BlockTableAttention(PackedAttention):
             return []
         decoding = [i for i, span in enumerate(self.spans) if span.num_queries == 1]
         lengths = [self.spans[i].length for i in decoding]
-        if not worth_batching(lengths, self.block_views(0)[0][0, 0].numel()):  # kv_heads x head_dim
+        _, _, kv_heads, head_dim = self.block_views(0)[0].shape
+        if not worth_batching(lengths, kv_heads * head_dim):
             return []
         batch = DecodeBatch(decoding, max(lengths))
         batch.finish(self.spans, self.device)

@@ -48,23 +48,25 @@ class DecodeBatch:
     members: list[int]
     read_len: int
     lo: int = -1
-    rows: torch.Tensor | None = None  # packed query rows of the members, int64 [B]
-    mask: torch.Tensor | None = None  # [B, 1, 1, read_len] bool, True where a key is read
+    rows: torch.Tensor | None = None  # packed query rows of the members, int64 [B] (when not first_row)
+    mask: torch.Tensor | None = None  # [B, 1, 1, read_len] bool, True where a key is read; None: all
     same_length: bool = False  # every member has read_len tokens
     first_row: int | None = None  # the rows are first_row, first_row + 1, ...: sliced, not gathered
 
     def finish(self, spans: list[SequenceSpan], device: torch.device) -> None:
-        # Plain Python over the members and two numpy arrays: each small torch op here costs
-        # several microseconds in a step (caches cold after the forward).
+        # Plain Python over the members and numpy arrays: each small torch op here costs several
+        # microseconds in a step (caches cold after the forward).
         members = [spans[i] for i in self.members]
         lengths = [span.length for span in members]
         rows = [span.query_start for span in members]
         self.same_length = min(lengths) == self.read_len
         first = rows[0]
         self.first_row = first if rows == list(range(first, first + len(rows))) else None
-        self.rows = torch.from_numpy(np.array(rows, dtype=np.int64)).to(device)
-        mask = np.arange(self.read_len) < np.array(lengths)[:, None, None, None]
-        self.mask = torch.from_numpy(mask).to(device)
+        if self.first_row is None:  # rows are gathered by index; consecutive ones are sliced
+            self.rows = _to_device(np.array(rows, dtype=np.int64), device)
+        if not self.same_length:  # every key read is seen when all members are read_len long
+            mask = np.arange(self.read_len) < np.array(lengths)[:, None, None, None]
+            self.mask = _to_device(mask, device)
 
     def window(self, window: int | None) -> tuple[int, torch.Tensor | None] | None:
         """``(start, mask)`` for a layer with this sliding window: keys are read from position
@@ -74,6 +76,11 @@ class DecodeBatch:
         if not window or self.read_len <= window:
             return 0, self.mask
         return (self.read_len - window, None) if self.same_length else None
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    return tensor if device.type == "cpu" else tensor.to(device)
 
 
 def call_cost_in_rows(row_elements: int) -> int:
