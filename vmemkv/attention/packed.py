@@ -57,6 +57,10 @@ class PackedAttention:
         self.decodes = [i for i, span in enumerate(spans) if span.num_queries == 1] if decode_kernel else []
         self.batches = [] if decode_kernel else self.plan_batches()
         self.sdpa_spans = self._unbatched()
+        self._one_batch_is_all = (len(self.batches) == 1 and not self.sdpa_spans and not self.decodes
+                                  and self.batches[0].first_row == 0
+                                  and len(self.batches[0].members) == len(spans)
+                                  and all(span.num_queries == 1 for span in spans))
         if self.decodes:
             self.decode_max_len = max(spans[i].length for i in self.decodes)
         self._staged: StepMetadata | None = StepMetadata()
@@ -123,6 +127,12 @@ class PackedAttention:
             output[0].index_copy_(0, self.decode_rows,
                                   self.decode(layer, q, scale, window=window, softcap=softcap, sinks=sinks))
         one_by_one = self.sdpa_spans
+        if self._one_batch_is_all and (read := self.batches[0].window(window)) is not None:
+            # the common decode step: one batch whose rows are the packed rows, in order
+            output = attend(query, *self.batch_kv(layer, self.batches[0], read[0]), read[1],
+                            self.batches[0], scale, None, softcap, sinks)
+            self.seconds += time.perf_counter() - start
+            return output
         if self.batches:
             output = query.new_empty((1, num_tokens, num_heads, head_dim))
             for batch in self.batches:  # one call per batch, rows in and out by index

@@ -111,11 +111,12 @@ def slot_runs(spans: list[SequenceSpan]) -> list[list[int]]:
 
 
 def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-           batch: DecodeBatch, scale: float, output: torch.Tensor, softcap: float | None = None,
-           sinks: torch.Tensor | None = None) -> None:
+           batch: DecodeBatch, scale: float, output: torch.Tensor | None, softcap: float | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """``query`` ``[1, Hq, T, D]`` (packed); ``k``/``v`` ``[B, N, Hk, D]`` with ``mask``
     ``[B, 1, 1, N]`` or None (from ``batch.window``); writes the members' rows of ``output``
-    ``[1, T, Hq, D]``."""
+    ``[1, T, Hq, D]``. ``output=None`` (the batch's rows are all the packed rows, in order):
+    returns the attention ``[1, T, Hq, D]`` itself, no copy."""
     num_rows, num_kv_heads = k.shape[0], k.shape[2]
     _, num_heads, _, head_dim = query.shape
     first = batch.first_row
@@ -131,10 +132,13 @@ def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
         out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=mask, scale=scale)
     out = out.reshape(num_rows, num_heads, head_dim)
+    if output is None:
+        return out[None]
     if first is not None:
         output[0, first: first + num_rows] = out
     else:
         output[0].index_copy_(0, batch.rows, out)
+    return None
 
 
 def gather_padded(blocks: torch.Tensor, table: torch.Tensor, read_len: int, start: int = 0) -> torch.Tensor:

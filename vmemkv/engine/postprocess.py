@@ -38,14 +38,17 @@ class Postprocessor:
         self.new_sequence = new_sequence
         self.stream = stream
         self.sampler = Sampler()
+        self._ended: set[str] = set()
 
     def process(self, plan: SchedulerOutput, forward: ForwardOutput | None) -> list[SequenceGroup]:
         """Apply one step's results; returns the groups that progressed (or failed)."""
         touched: dict[str, SequenceGroup] = {}
+        self._ended: set[str] = set()  # groups a sequence of which finished or failed this step
         for seq, reason in plan.failed:
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
             seq.group.error = reason
             touched[seq.group.request_id] = seq.group
+            self._ended.add(seq.group.request_id)
         if not plan.scheduled:
             return list(touched.values())
         commit = self.manager.commit
@@ -120,12 +123,16 @@ class Postprocessor:
                 seq.detokenizer.flush()
             seq.finish_reason, seq.stop_reason = reason, stop_reason
             self.scheduler.remove(seq)
+            self._ended.add(seq.group.request_id)
 
     # --- outputs -----------------------------------------------------------------------------------
     def outputs(self, touched: list[SequenceGroup]) -> list[RequestOutput]:
-        """What ``step()`` returns: every touched group when streaming, else the finished ones."""
+        """What ``step()`` returns: every touched group when streaming, else the finished ones
+        (only a group a sequence of which ended this step can have finished)."""
+        ended = self._ended
         return [self._output(group) for group in touched
-                if self.stream or group.error is not None or group.is_finished]
+                if self.stream or (group.request_id in ended
+                                   and (group.error is not None or group.is_finished))]
 
     def _output(self, group: SequenceGroup) -> RequestOutput:
         finished = group.error is not None or group.is_finished
