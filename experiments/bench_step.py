@@ -146,6 +146,10 @@ def bench(model_name: str, batch: int, steps: int, prompt_len: tuple[int, int], 
               "ms": median, "overhead": {v: (median[v] - median["bare"]) / median[v] for v in names},
               "min_ms": fastest,
               "overhead_of_min": {v: (fastest[v] - fastest["bare"]) / fastest[v] for v in names},
+              # step i minus the bare forward timed just before it: drift and load that last
+              # longer than one step cancel (the steadier figure on a shared machine)
+              "paired_overhead": {v: statistics.median(t - b for t, b in zip(times[v], times["bare"]))
+                                  / statistics.median(times[v]) for v in names},
               "attention_share": {v: stats[v]["attention_seconds"] / stats[v]["step_seconds"] for v in names},
               "copy_ms_per_step": {v: stats[v]["attention_copy_seconds"] / stats[v]["num_steps"] * 1e3
                                    for v in names},
@@ -161,11 +165,13 @@ def markdown(results: list[dict], command: str, load: tuple) -> str:
     vmem = [n for n in names if n.partition("@")[0] == "vmem"]
     paged = [n for n in names if n.partition("@")[0] == "paged"]
     header = (["model", "B", "bare", *names]
-              + [f"{n} {what}" for n in vmem for what in ("overhead", "overhead of min", "map ms")]
+              + [f"{n} {what}" for n in vmem
+                 for what in ("overhead", "overhead of min", "paired overhead", "map ms")]
               + [f"{n} copy ms" for n in paged])
     lines = [f"`{command}` — one torch thread, load before {load[0]:.2f}; step and bare forward in ms "
              "(median over steps), overhead = (step - bare) / step, of the medians and of the fastest "
-             "steps (the least disturbed on a shared machine); map ms per step inline / lookahead "
+             "steps (the least disturbed on a shared machine), and paired (median of step i - the bare "
+             "forward timed just before it, over the median step); map ms per step inline / lookahead "
              "(on the worker on a GPU, on the step thread on CPU)", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
@@ -173,6 +179,7 @@ def markdown(results: list[dict], command: str, load: tuple) -> str:
         cells = ([r["model"], str(r["batch"]), f"{ms['bare']:.2f}"] + [f"{ms[v]:.2f}" for v in names]
                  + [cell for n in vmem for cell in (
                      f"{r['overhead'][n]:.0%}", f"{r['overhead_of_min'][n]:.0%}",
+                     f"{r['paired_overhead'][n]:.0%}",
                      f"{maps[n]['inline']:.3f} / {maps[n]['background']:.3f}")]
                  + [f"{r['copy_ms_per_step'][n]:.2f}" for n in paged])
         lines.append("| " + " | ".join(cells) + " |")
