@@ -4,12 +4,13 @@ functions of a cProfile run.
 The engine decodes ``B`` requests (the prompts of ``bench_step.py``). Two passes over the same
 kind of steps, on fresh engines:
 
-1. *phases* (µs per step, no profiler: each phase's method wrapped by a ``perf_counter`` pair):
-   schedule, the attention object's build, the lookahead mapping, the model forward (of which the
-   attention calls), postprocess (of which sampling), the outputs, the per-step bookkeeping;
-   ``step - forward`` is what the engine adds around the model.
-2. *functions* (cProfile, µs per step of own time, ``tottime``): the profiler slows Python
-   several-fold, so read it for the ranking, the phases for the sizes.
+1. *phases* (µs per step, medians over the steps, no profiler: each phase's method wrapped by a
+   ``perf_counter`` pair): schedule, the attention object's build, the lookahead mapping, the
+   model forward (of which the attention calls), postprocess (of which sampling), the outputs, the
+   per-step bookkeeping; ``step - model forward`` is what the engine adds around the model.
+2. *functions* (cProfile, µs per step of own time, ``tottime``; vmemkv's functions unless
+   ``--all-functions``): the profiler slows Python several-fold, so read it for the ranking, the
+   phases for the sizes.
 
     python experiments/profile_step.py --batch-sizes 8 32 --steps 60
     python experiments/profile_step.py --batch-sizes 32 --top 30 --markdown   # a markdown section
@@ -68,7 +69,9 @@ def _resolve(engine, path: str):
 
 
 def phases(model: str, batch: int, steps: int, seed: int) -> dict[str, float]:
-    """µs per step of each phase (wrapped methods), the attention calls, the step."""
+    """µs per step of each phase (wrapped methods), the attention calls and the step: medians over
+    the steps (a shared machine's stalls land in a few steps), and ``step - model forward`` the
+    median of that difference step by step."""
     engine = decoding_engine(model, batch, steps, seed)
     seconds: dict[str, float] = {}
 
@@ -87,24 +90,27 @@ def phases(model: str, batch: int, steps: int, seed: int) -> dict[str, float]:
         owner = _resolve(engine, path)
         if owner is not None:
             wrap(owner, name, label)
-    attention_before = engine.stats()["attention_seconds"]
-    step_times = []
+    per_step: dict[str, list[float]] = {}
     for _ in range(steps):
+        seconds.clear()
+        attention_before = engine.runner.attention_seconds
         start = time.perf_counter()
         engine.step()
-        step_times.append(time.perf_counter() - start)
-    seconds["  of which attention calls"] = engine.stats()["attention_seconds"] - attention_before
+        step = time.perf_counter() - start
+        seconds["  of which attention calls"] = engine.runner.attention_seconds - attention_before
+        seconds["step"] = step
+        seconds["step - model forward"] = step - seconds.get("model forward", 0.0)
+        for label, value in seconds.items():
+            per_step.setdefault(label, []).append(value)
     engine.close()
-    result = {label: seconds.get(label, 0.0) / steps * 1e6 for label, _, _ in PHASES}
-    result["  of which attention calls"] = seconds["  of which attention calls"] / steps * 1e6
-    result["step (mean)"] = sum(step_times) / steps * 1e6
-    result["step (median)"] = statistics.median(step_times) * 1e6
-    result["step - model forward"] = result["step (mean)"] - result["model forward"]
-    return result
+    labels = [label for label, _, _ in PHASES] + ["  of which attention calls", "step", "step - model forward"]
+    return {label: statistics.median(per_step.get(label, [0.0])) * 1e6 for label in labels}
 
 
-def top_functions(model: str, batch: int, steps: int, seed: int, top: int) -> list[tuple[str, float, float]]:
-    """(function, own µs per step, calls per step) of the ``top`` largest own times under cProfile."""
+def top_functions(model: str, batch: int, steps: int, seed: int, top: int,
+                  own_only: bool) -> list[tuple[str, float, float]]:
+    """(function, own µs per step, calls per step) of the ``top`` largest own times under cProfile;
+    ``own_only``: vmemkv's functions alone (what the engine adds; the model's are the same in both)."""
     engine = decoding_engine(model, batch, steps, seed)
     profile = cProfile.Profile()
     profile.enable()
@@ -114,6 +120,8 @@ def top_functions(model: str, batch: int, steps: int, seed: int, top: int) -> li
     engine.close()
     rows = []
     for (path, line, name), (_, calls, own, _, _) in pstats.Stats(profile).stats.items():
+        if own_only and "vmemkv" not in Path(path).parts:
+            continue
         where = f"{Path(path).parent.name}/{Path(path).name}:{line}" if line else "~"
         rows.append((f"{where}({name})", own / steps * 1e6, calls / steps))
     rows.sort(key=lambda row: -row[1])
@@ -124,7 +132,8 @@ def markdown(batch: int, phase: dict[str, float], functions: list[tuple[str, flo
     lines = [f"#### B = {batch}", "", "| phase | µs per step |", "|---|---:|"]
     lines += [f"| {label.strip() if not label.startswith('  ') else '&nbsp;&nbsp;' + label.strip()} "
               f"| {us:.0f} |" for label, us in phase.items()]
-    lines += ["", "| function (cProfile own time) | µs per step | calls per step |", "|---|---:|---:|"]
+    lines += ["", "| function (cProfile own time, µs inflated by the profiler) | µs per step | calls per step |",
+              "|---|---:|---:|"]
     lines += [f"| `{name}` | {us:.1f} | {calls:.1f} |" for name, us, calls in functions]
     return "\n".join(lines) + "\n"
 
@@ -136,6 +145,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--all-functions", action="store_true",
+                        help="rank every function (torch, transformers), not vmemkv's alone")
     parser.add_argument("--markdown", action="store_true", help="print markdown tables")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -143,7 +154,8 @@ def main() -> None:
           f"{Path(sys.modules['vmemkv'].__file__).parent}", flush=True)
     for batch in args.batch_sizes:
         phase = phases(args.model, batch, args.steps, args.seed)
-        functions = top_functions(args.model, batch, args.steps, args.seed, args.top)
+        functions = top_functions(args.model, batch, args.steps, args.seed, args.top,
+                                  not args.all_functions)
         if args.markdown:
             print(markdown(batch, phase, functions), flush=True)
         else:
