@@ -122,6 +122,9 @@ def bench(model_name: str, batch: int, steps: int, prompt_len: tuple[int, int], 
     text = model.config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     times: dict[str, list[float]] = {v: [] for v in (*names, "bare")}
+    # This thread's CPU time too: one torch thread, and lookahead mapping inline on CPU, so a
+    # step's work is all on this thread, and time the scheduler gave other processes is left out.
+    cpu_times: dict[str, list[float]] = {v: [] for v in (*names, "bare")}
     for _ in range(steps):
         seqs = sorted(engines[names[0]].scheduler.running, key=lambda s: int(s.seq_id))
         cached = [s.num_computed for s in seqs]
@@ -129,13 +132,15 @@ def bench(model_name: str, batch: int, steps: int, prompt_len: tuple[int, int], 
         bare = BareBatch(cached, text.num_hidden_layers, text.num_key_value_heads, head_dim,
                          next(model.parameters()).dtype)
         with torch.inference_mode():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             model(input_ids=ids, position_ids=torch.tensor([cached]), use_cache=False, bench_batch=bare)
             times["bare"].append(time.perf_counter() - start)
+            cpu_times["bare"].append(time.thread_time() - start_cpu)
         for variant, engine in engines.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             engine.step()
             times[variant].append(time.perf_counter() - start)
+            cpu_times[variant].append(time.thread_time() - start_cpu)
     stats = {v: engines[v].stats() for v in names}
     for engine in engines.values():
         engine.close()
@@ -146,10 +151,9 @@ def bench(model_name: str, batch: int, steps: int, prompt_len: tuple[int, int], 
               "ms": median, "overhead": {v: (median[v] - median["bare"]) / median[v] for v in names},
               "min_ms": fastest,
               "overhead_of_min": {v: (fastest[v] - fastest["bare"]) / fastest[v] for v in names},
-              # step i minus the bare forward timed just before it: drift and load that last
-              # longer than one step cancel (the steadier figure on a shared machine)
-              "paired_overhead": {v: statistics.median(t - b for t, b in zip(times[v], times["bare"]))
-                                  / statistics.median(times[v]) for v in names},
+              "paired_overhead": {v: _paired_overhead(times[v], times["bare"]) for v in names},
+              "cpu_ms": {k: statistics.median(t) * 1e3 for k, t in cpu_times.items()},
+              "cpu_paired_overhead": {v: _paired_overhead(cpu_times[v], cpu_times["bare"]) for v in names},
               "attention_share": {v: stats[v]["attention_seconds"] / stats[v]["step_seconds"] for v in names},
               "copy_ms_per_step": {v: stats[v]["attention_copy_seconds"] / stats[v]["num_steps"] * 1e3
                                    for v in names},
@@ -160,18 +164,26 @@ def bench(model_name: str, batch: int, steps: int, prompt_len: tuple[int, int], 
     return result
 
 
+def _paired_overhead(step: list[float], bare: list[float]) -> float:
+    """Median of (step i - the bare forward timed just before it) over the median step: drift and
+    load that last longer than one step cancel."""
+    return statistics.median(s - b for s, b in zip(step, bare)) / statistics.median(step)
+
+
 def markdown(results: list[dict], command: str, load: tuple) -> str:
     names = list(results[0]["overhead"])
     vmem = [n for n in names if n.partition("@")[0] == "vmem"]
     paged = [n for n in names if n.partition("@")[0] == "paged"]
     header = (["model", "B", "bare", *names]
               + [f"{n} {what}" for n in vmem
-                 for what in ("overhead", "overhead of min", "paired overhead", "map ms")]
+                 for what in ("overhead", "overhead of min", "paired overhead", "CPU-time paired overhead",
+                              "map ms")]
               + [f"{n} copy ms" for n in paged])
     lines = [f"`{command}` — one torch thread, load before {load[0]:.2f}; step and bare forward in ms "
              "(median over steps), overhead = (step - bare) / step, of the medians and of the fastest "
-             "steps (the least disturbed on a shared machine), and paired (median of step i - the bare "
-             "forward timed just before it, over the median step); map ms per step inline / lookahead "
+             "steps (the least disturbed on a shared machine), paired (median of step i - the bare "
+             "forward timed just before it, over the median step) in wall time and in this thread's "
+             "CPU time (other processes' turns left out); map ms per step inline / lookahead "
              "(on the worker on a GPU, on the step thread on CPU)", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
@@ -179,7 +191,7 @@ def markdown(results: list[dict], command: str, load: tuple) -> str:
         cells = ([r["model"], str(r["batch"]), f"{ms['bare']:.2f}"] + [f"{ms[v]:.2f}" for v in names]
                  + [cell for n in vmem for cell in (
                      f"{r['overhead'][n]:.0%}", f"{r['overhead_of_min'][n]:.0%}",
-                     f"{r['paired_overhead'][n]:.0%}",
+                     f"{r['paired_overhead'][n]:.0%}", f"{r['cpu_paired_overhead'][n]:.0%}",
                      f"{maps[n]['inline']:.3f} / {maps[n]['background']:.3f}")]
                  + [f"{r['copy_ms_per_step'][n]:.2f}" for n in paged])
         lines.append("| " + " | ".join(cells) + " |")
