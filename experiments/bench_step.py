@@ -2,7 +2,8 @@
 
 For each model and batch size, an engine decodes ``B`` requests (seeded random prompts); each timed
 step is matched by the *bare forward*: the same model weights on the same packed ``[1, B]`` tokens and
-positions, attending to contiguous per-layer K/V tensors ``[B, Hk, longest, D]`` with one masked SDPA
+positions, attending to contiguous per-layer K/V tensors ``[B, Hk, longest, D]`` (kept across
+steps, as the engine's are; ``--bare-cache fresh``: made just before each forward) with one masked SDPA
 call per layer (GQA folded into the query dimension) — no manager, no scheduler, no sampler, no
 cache writes beyond the new tokens. Engine overhead = (step - bare forward) / step.
 
@@ -41,20 +42,33 @@ VARIANTS = ("vmem", "vmem-per-seq", "paged", "paged-per-seq")
 
 
 class BareBatch:
-    """Contiguous K/V per layer for ``B`` decoding sequences of ``lengths`` cached tokens."""
+    """Contiguous K/V per layer for ``B`` decoding sequences of ``lengths`` cached tokens.
 
-    def __init__(self, lengths: list[int], num_layers: int, kv_heads: int, head_dim: int, dtype):
-        longest = max(lengths) + 1
-        self.cache = [(torch.randn(len(lengths), kv_heads, longest, head_dim, dtype=dtype),
-                       torch.randn(len(lengths), kv_heads, longest, head_dim, dtype=dtype))
+    ``capacity`` (tokens per sequence): the tensors are made once that long and kept across
+    steps (``advance`` moves the lengths on), so the bare forward reads K/V as long-lived as the
+    engine's; without it they are made for this step alone, filled just before the forward, and
+    read warm from the cache (``--bare-cache fresh``, the figures recorded before)."""
+
+    def __init__(self, lengths: list[int], num_layers: int, kv_heads: int, head_dim: int, dtype,
+                 capacity: int | None = None):
+        size = capacity or max(lengths) + 1
+        self.cache = [(torch.randn(len(lengths), kv_heads, size, head_dim, dtype=dtype),
+                       torch.randn(len(lengths), kv_heads, size, head_dim, dtype=dtype))
                       for _ in range(num_layers)]
-        positions = torch.tensor(lengths)
         self.rows = torch.arange(len(lengths))
+        self.advance(lengths)
+
+    def advance(self, lengths: list[int]) -> None:
+        """This step's cached lengths: the new tokens go at ``lengths``, reads stop after them."""
+        longest = max(lengths) + 1
+        positions = torch.tensor(lengths)
         self.positions = positions
         self.mask = (torch.arange(longest) <= positions[:, None])[:, None, None, :]
+        self.longest = longest
 
     def __call__(self, layer, query, key, value, scaling):
         k, v = self.cache[layer]
+        k, v = k[:, :, :self.longest], v[:, :, :self.longest]
         batch, kv_heads, _, head_dim = k.shape
         k[self.rows, :, self.positions] = key[0].transpose(0, 1)  # the new tokens, [B, Hk, D]
         v[self.rows, :, self.positions] = value[0].transpose(0, 1)
@@ -104,7 +118,7 @@ def variant_names(layouts: list[str], variants: list[str] = VARIANTS) -> list[st
 
 
 def bench(model_name: str, batch: int, steps: int, prompt_len: tuple[int, int], seed: int,
-          names: list[str]) -> dict:
+          names: list[str], bare_cache: str = "persistent") -> dict:
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(prompt_len[0], prompt_len[1] + 1, (batch,), generator=gen).tolist()
     prompts = [torch.randint(1, 250, (n,), generator=gen).tolist() for n in lengths]
@@ -125,12 +139,17 @@ def bench(model_name: str, batch: int, steps: int, prompt_len: tuple[int, int], 
     # This thread's CPU time too: one torch thread, and lookahead mapping inline on CPU, so a
     # step's work is all on this thread, and time the scheduler gave other processes is left out.
     cpu_times: dict[str, list[float]] = {v: [] for v in (*names, "bare")}
+    bare = None
     for _ in range(steps):
         seqs = sorted(engines[names[0]].scheduler.running, key=lambda s: int(s.seq_id))
         cached = [s.num_computed for s in seqs]
         ids = torch.tensor([[s.token_ids[-1] for s in seqs]])
-        bare = BareBatch(cached, text.num_hidden_layers, text.num_key_value_heads, head_dim,
-                         next(model.parameters()).dtype)
+        if bare_cache == "fresh" or bare is None:
+            bare = BareBatch(cached, text.num_hidden_layers, text.num_key_value_heads, head_dim,
+                             next(model.parameters()).dtype,
+                             None if bare_cache == "fresh" else max_len + 1)
+        else:
+            bare.advance(cached)
         with torch.inference_mode():
             start, start_cpu = time.perf_counter(), time.thread_time()
             model(input_ids=ids, position_ids=torch.tensor([cached]), use_cache=False, bench_batch=bare)
@@ -147,7 +166,8 @@ def bench(model_name: str, batch: int, steps: int, prompt_len: tuple[int, int], 
     median = {k: statistics.median(t) * 1e3 for k, t in times.items()}
     # On a shared machine the fastest step is the least disturbed one: overhead from minimums too.
     fastest = {k: min(t) * 1e3 for k, t in times.items()}
-    result = {"model": model_name, "batch": batch, "steps": steps, "mean_cached_len": sum(cached) / batch,
+    result = {"model": model_name, "batch": batch, "steps": steps, "bare_cache": bare_cache,
+              "mean_cached_len": sum(cached) / batch,
               "ms": median, "overhead": {v: (median[v] - median["bare"]) / median[v] for v in names},
               "min_ms": fastest,
               "overhead_of_min": {v: (fastest[v] - fastest["bare"]) / fastest[v] for v in names},
@@ -212,13 +232,18 @@ def main() -> None:
                              "engine's default layout only)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
                         help="the engines to time against the bare forward (default: all)")
+    parser.add_argument("--bare-cache", choices=["persistent", "fresh"], default="persistent",
+                        help="the bare forward's K/V: made once and kept across steps like the "
+                             "engine's (default), or made and filled just before each forward "
+                             "(read warm from the CPU cache: the figures recorded before)")
     parser.add_argument("--out", default="experiments/results/local",
                         help="writes step_cpu.json and step_cpu.md here (untracked by default)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load = os.getloadavg()
     names = variant_names(args.layouts, args.variants)
-    results = [bench(m, b, args.steps, (args.min_prompt_len, args.max_prompt_len), args.seed, names)
+    results = [bench(m, b, args.steps, (args.min_prompt_len, args.max_prompt_len), args.seed, names,
+                     args.bare_cache)
                for m in args.models for b in args.batch_sizes]
     command = "python " + " ".join(sys.argv)
     out = Path(args.out)
