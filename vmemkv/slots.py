@@ -14,7 +14,7 @@ bound there maps only the positions whose block differs. Stale mappings are harm
 request only reads below its length and maps its own block before writing a position. They are
 unmapped only when the OS mapping budget runs short (``reclaim_stale``).
 
-About 510 lines: a slot's mappings, its batched-read filler (and what is known readable), its
+About 540 lines: a slot's mappings, its batched-read filler (and what is known readable), its
 pages behind a window and what mapping them would cost (``mapping_cost``) are one page table,
 kept consistent in one place.
 """
