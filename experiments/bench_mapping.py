@@ -5,7 +5,9 @@ other pages, and unmapped, batch by batch. The main numbers use *scattered* phys
 random permutation: one system call per page, the worst case); *runs* map consecutive pages to
 consecutive pages, which the CPU backend coalesces into one call per batch. On the CPU backend the
 same run also measures the floors: ``map_each`` (a C loop, one plain mmap per page, no
-bookkeeping) and one Python ``ctypes`` mmap per page.
+bookkeeping) and one Python ``ctypes`` mmap per page, and what a decode step's lookahead block
+costs mapped over the bare reservation, over the batched-read filler, and over filler a read has
+touched (``measure_lookahead_once``).
 
     python experiments/bench_mapping.py                 # readable table
     python experiments/bench_mapping.py --json          # one JSON object
@@ -124,6 +126,52 @@ def measure_overhead_once(backend: VirtualMemoryBackend, vrange, calls: int = 20
     return {"noop_map_us_per_call": elapsed * 1e6 / calls}
 
 
+FILLER_CASES = ("reservation", "filler", "read_filler")
+
+
+def measure_lookahead_once(backend: CpuBackend, slots: int = 64, own: int = 4, filler: int = 12) -> dict:
+    """µs per page of what a decode step's lookahead does on CPU: map one block at each slot's
+    next logical page, over (``reservation``) the bare reservation, (``filler``) the batched-read
+    filler as ``SlotMapper.make_readable`` lays it out (offset ``i`` of every slot maps the same
+    filler page ``i``, one coalesced mapping per slot) never read, or (``read_filler``) that filler
+    after a batched read touched every byte of it. The pool's last ``filler`` pages are the filler,
+    its first ``slots * (own + 1)`` the requests' blocks."""
+    slot_pages = own + filler
+    out = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the read on one thread, as the engine's CPU forward: a read on
+    try:                      # two threads makes each remap flush the other CPU's TLB too (2x)
+        for case in FILLER_CASES:
+            _lookahead_case(backend, case, slots, own, filler, out)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _lookahead_case(backend: CpuBackend, case: str, slots: int, own: int, filler: int, out: dict) -> None:
+    """One of ``FILLER_CASES`` (see ``measure_lookahead_once``) into ``out``."""
+    slot_pages = own + filler
+    vrange = backend.reserve(slots * slot_pages)
+    try:
+        view = backend.tensor(vrange, torch.uint8, (slots * slot_pages * backend.page_size,), (1,))
+        for slot in range(slots):
+            base = slot * slot_pages
+            backend.map(vrange, np.arange(base, base + own, dtype=np.int64),
+                        np.arange(slot * own, (slot + 1) * own, dtype=np.int64))
+            if case != "reservation":  # offset i of every slot maps filler page i, as make_readable
+                offsets = np.arange(own, slot_pages, dtype=np.int64)
+                backend.map(vrange, base + offsets, backend.num_pages - filler + offsets - own)
+            if case == "read_filler":
+                view[(base + own) * backend.page_size:(base + slot_pages) * backend.page_size].sum()
+        blocks = slots * own + np.arange(slots, dtype=np.int64)
+        jobs = [(np.array([slot * slot_pages + own], np.int64), blocks[slot: slot + 1])
+                for slot in range(slots)]
+        out[f"lookahead_over_{case}_us_per_page"] = timed_us_per_page(
+            lambda v, p: backend.map(vrange, v, p), jobs, slots)
+    finally:
+        backend.release(vrange)
+
+
 def median_of(samples: list[dict]) -> dict:
     return {key: statistics.median(s[key] for s in samples) for key in samples[0]}
 
@@ -139,9 +187,10 @@ def bench_backend(backend: VirtualMemoryBackend, num_pages: int, reps: int, seed
         for _ in range(reps):  # interleaved, so drift on a shared VM hits every number alike
             for b in BATCH_SIZES:
                 per_batch[b].append(measure_backend_once(backend, vrange, b, rng))
-            if floors:
+            if floors:  # the CPU backend alone
                 floor_samples.append(measure_floors_once(backend, vrange, rng, ctypes_pages)
-                                     | measure_overhead_once(backend, vrange))
+                                     | measure_overhead_once(backend, vrange)
+                                     | measure_lookahead_once(backend))
         for b, samples in per_batch.items():
             for key, value in median_of(samples).items():
                 results[f"{key}_batch{b}"] = value
@@ -258,6 +307,12 @@ def markdown(r: dict) -> str:
         "",
         (f"A `map` call that needs no system call costs {r['noop_map_us_per_call']:.2f} µs "
          "(Python + C bookkeeping)."),
+        "",
+        ("A lookahead block (one page per slot, 64 slots) mapped over: the bare reservation "
+         f"{r['lookahead_over_reservation_us_per_page']:.2f} µs, the batched-read filler never read "
+         f"{r['lookahead_over_filler_us_per_page']:.2f} µs, filler a batched read touched "
+         f"{r['lookahead_over_read_filler_us_per_page']:.2f} µs per page (the kernel drops the "
+         "touched page's entries)."),
         "",
         (f"Batch 64, scattered: {r['map_batch64_over_floor']:.2f} × the C floor; runs: "
          f"{r['runs_map_batch64_over_floor']:.3f} × the floor (target ≤ 1.25 and < 1: "

@@ -2,8 +2,9 @@
 
 For each model and batch size, an engine decodes ``B`` requests (seeded random prompts); each timed
 step is matched by the *bare forward*: the same model weights on the same packed ``[1, B]`` tokens and
-positions, attending to contiguous per-layer K/V tensors ``[B, Hk, longest, D]`` with one masked SDPA
-call per layer (GQA folded into the query dimension) — no manager, no scheduler, no sampler, no
+positions, attending to contiguous per-layer K/V tensors ``[B, Hk, longest, D]`` (made and filled
+just before each forward; ``--bare-cache persistent``: made once and kept across steps, as the
+engine's are) with one masked SDPA call per layer (GQA folded into the query dimension) — no manager, no scheduler, no sampler, no
 cache writes beyond the new tokens. Engine overhead = (step - bare forward) / step.
 
 Variants, each timed on its own engine, alternating step by step so machine drift hits all alike:
@@ -12,6 +13,7 @@ path), ``paged`` (block tables: gather into a padded tensor + one call), ``paged
 
     python experiments/bench_step.py                         # tiny-llama and smollm2-135m shape
     python experiments/bench_step.py --models tiny-llama --batch-sizes 1 8 32 --steps 10
+    python experiments/bench_step.py --models tiny-llama --variants vmem     # the engine alone
     python experiments/bench_step.py --models tiny-llama --batch-sizes 1 8 32 64 --steps 30 \
         --layouts token_major per_layer      # every variant under each KV layout (vmem@per_layer, ...)
 """
@@ -40,20 +42,34 @@ VARIANTS = ("vmem", "vmem-per-seq", "paged", "paged-per-seq")
 
 
 class BareBatch:
-    """Contiguous K/V per layer for ``B`` decoding sequences of ``lengths`` cached tokens."""
+    """Contiguous K/V per layer for ``B`` decoding sequences of ``lengths`` cached tokens.
 
-    def __init__(self, lengths: list[int], num_layers: int, kv_heads: int, head_dim: int, dtype):
-        longest = max(lengths) + 1
-        self.cache = [(torch.randn(len(lengths), kv_heads, longest, head_dim, dtype=dtype),
-                       torch.randn(len(lengths), kv_heads, longest, head_dim, dtype=dtype))
+    ``capacity`` (tokens per sequence): the tensors are made once that long and kept across
+    steps (``advance`` moves the lengths on), as long-lived as the engine's
+    (``--bare-cache persistent``); without it they are made for this step alone and filled just
+    before the forward (the default, as recorded: the fill leaves K/V warm and pushes weights
+    out of the CPU cache, so the two baselines differ by a few percent either way)."""
+
+    def __init__(self, lengths: list[int], num_layers: int, kv_heads: int, head_dim: int, dtype,
+                 capacity: int | None = None):
+        size = capacity or max(lengths) + 1
+        self.cache = [(torch.randn(len(lengths), kv_heads, size, head_dim, dtype=dtype),
+                       torch.randn(len(lengths), kv_heads, size, head_dim, dtype=dtype))
                       for _ in range(num_layers)]
-        positions = torch.tensor(lengths)
         self.rows = torch.arange(len(lengths))
+        self.advance(lengths)
+
+    def advance(self, lengths: list[int]) -> None:
+        """This step's cached lengths: the new tokens go at ``lengths``, reads stop after them."""
+        longest = max(lengths) + 1
+        positions = torch.tensor(lengths)
         self.positions = positions
         self.mask = (torch.arange(longest) <= positions[:, None])[:, None, None, :]
+        self.longest = longest
 
     def __call__(self, layer, query, key, value, scaling):
         k, v = self.cache[layer]
+        k, v = k[:, :, :self.longest], v[:, :, :self.longest]
         batch, kv_heads, _, head_dim = k.shape
         k[self.rows, :, self.positions] = key[0].transpose(0, 1)  # the new tokens, [B, Hk, D]
         v[self.rows, :, self.positions] = value[0].transpose(0, 1)
@@ -96,14 +112,14 @@ def decoding(engine: LLMEngine) -> bool:
     return not engine.scheduler.waiting and all(s.num_computed == len(s.token_ids) - 1 for s in running)
 
 
-def variant_names(layouts: list[str]) -> list[str]:
+def variant_names(layouts: list[str], variants: list[str] = VARIANTS) -> list[str]:
     """Every variant under each layout asked for (``vmem@per_layer``), or plain names for the
     engine's default layout."""
-    return [f"{v}@{layout}" if layout else v for layout in layouts or [""] for v in VARIANTS]
+    return [f"{v}@{layout}" if layout else v for layout in layouts or [""] for v in variants]
 
 
 def bench(model_name: str, batch: int, steps: int, prompt_len: tuple[int, int], seed: int,
-          names: list[str]) -> dict:
+          names: list[str], bare_cache: str = "fresh") -> dict:
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(prompt_len[0], prompt_len[1] + 1, (batch,), generator=gen).tolist()
     prompts = [torch.randint(1, 250, (n,), generator=gen).tolist() for n in lengths]
@@ -121,30 +137,44 @@ def bench(model_name: str, batch: int, steps: int, prompt_len: tuple[int, int], 
     text = model.config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     times: dict[str, list[float]] = {v: [] for v in (*names, "bare")}
+    # This thread's CPU time too: one torch thread, and lookahead mapping inline on CPU, so a
+    # step's work is all on this thread, and time the scheduler gave other processes is left out.
+    cpu_times: dict[str, list[float]] = {v: [] for v in (*names, "bare")}
+    bare = None
     for _ in range(steps):
         seqs = sorted(engines[names[0]].scheduler.running, key=lambda s: int(s.seq_id))
         cached = [s.num_computed for s in seqs]
         ids = torch.tensor([[s.token_ids[-1] for s in seqs]])
-        bare = BareBatch(cached, text.num_hidden_layers, text.num_key_value_heads, head_dim,
-                         next(model.parameters()).dtype)
+        if bare_cache == "fresh" or bare is None:
+            bare = BareBatch(cached, text.num_hidden_layers, text.num_key_value_heads, head_dim,
+                             next(model.parameters()).dtype,
+                             None if bare_cache == "fresh" else max_len + 1)
+        else:
+            bare.advance(cached)
         with torch.inference_mode():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             model(input_ids=ids, position_ids=torch.tensor([cached]), use_cache=False, bench_batch=bare)
             times["bare"].append(time.perf_counter() - start)
+            cpu_times["bare"].append(time.thread_time() - start_cpu)
         for variant, engine in engines.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             engine.step()
             times[variant].append(time.perf_counter() - start)
+            cpu_times[variant].append(time.thread_time() - start_cpu)
     stats = {v: engines[v].stats() for v in names}
     for engine in engines.values():
         engine.close()
     median = {k: statistics.median(t) * 1e3 for k, t in times.items()}
     # On a shared machine the fastest step is the least disturbed one: overhead from minimums too.
     fastest = {k: min(t) * 1e3 for k, t in times.items()}
-    result = {"model": model_name, "batch": batch, "steps": steps, "mean_cached_len": sum(cached) / batch,
+    result = {"model": model_name, "batch": batch, "steps": steps, "bare_cache": bare_cache,
+              "mean_cached_len": sum(cached) / batch,
               "ms": median, "overhead": {v: (median[v] - median["bare"]) / median[v] for v in names},
               "min_ms": fastest,
               "overhead_of_min": {v: (fastest[v] - fastest["bare"]) / fastest[v] for v in names},
+              "paired_overhead": {v: _paired_overhead(times[v], times["bare"]) for v in names},
+              "cpu_ms": {k: statistics.median(t) * 1e3 for k, t in cpu_times.items()},
+              "cpu_paired_overhead": {v: _paired_overhead(cpu_times[v], cpu_times["bare"]) for v in names},
               "attention_share": {v: stats[v]["attention_seconds"] / stats[v]["step_seconds"] for v in names},
               "copy_ms_per_step": {v: stats[v]["attention_copy_seconds"] / stats[v]["num_steps"] * 1e3
                                    for v in names},
@@ -155,26 +185,37 @@ def bench(model_name: str, batch: int, steps: int, prompt_len: tuple[int, int], 
     return result
 
 
+def _paired_overhead(step: list[float], bare: list[float]) -> float:
+    """Median of (step i - the bare forward timed just before it) over the median step: drift and
+    load that last longer than one step cancel."""
+    return statistics.median(s - b for s, b in zip(step, bare)) / statistics.median(step)
+
+
 def markdown(results: list[dict], command: str, load: tuple) -> str:
     names = list(results[0]["overhead"])
     vmem = [n for n in names if n.partition("@")[0] == "vmem"]
     paged = [n for n in names if n.partition("@")[0] == "paged"]
+    header = (["model", "B", "bare", *names]
+              + [f"{n} {what}" for n in vmem
+                 for what in ("overhead", "overhead of min", "paired overhead", "CPU-time paired overhead",
+                              "map ms")]
+              + [f"{n} copy ms" for n in paged])
     lines = [f"`{command}` — one torch thread, load before {load[0]:.2f}; step and bare forward in ms "
              "(median over steps), overhead = (step - bare) / step, of the medians and of the fastest "
-             "steps (the least disturbed on a shared machine); map ms per step inline / lookahead "
+             "steps (the least disturbed on a shared machine), paired (median of step i - the bare "
+             "forward timed just before it, over the median step) in wall time and in this thread's "
+             "CPU time (other processes' turns left out); map ms per step inline / lookahead "
              "(on the worker on a GPU, on the step thread on CPU)", "",
-             "| model | B | bare | " + " | ".join(names) + " | "
-             + " | ".join(f"{n} overhead | {n} overhead of min | {n} map ms" for n in vmem)
-             + " | " + " | ".join(f"{n} copy ms" for n in paged) + " |",
-             "|---|---|---|" + "---|" * (len(names) + 3 * len(vmem) + len(paged))]
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         ms, maps = r["ms"], r["map_ms_per_step"]
-        lines.append(f"| {r['model']} | {r['batch']} | {ms['bare']:.2f} | "
-                     + " | ".join(f"{ms[v]:.2f}" for v in names) + " | "
-                     + " | ".join(f"{r['overhead'][n]:.0%} | {r['overhead_of_min'][n]:.0%} | "
-                                  f"{maps[n]['inline']:.3f} / {maps[n]['background']:.3f}"
-                                  for n in vmem) + " | "
-                     + " | ".join(f"{r['copy_ms_per_step'][n]:.2f}" for n in paged) + " |")
+        cells = ([r["model"], str(r["batch"]), f"{ms['bare']:.2f}"] + [f"{ms[v]:.2f}" for v in names]
+                 + [cell for n in vmem for cell in (
+                     f"{r['overhead'][n]:.0%}", f"{r['overhead_of_min'][n]:.0%}",
+                     f"{r['paired_overhead'][n]:.0%}", f"{r['cpu_paired_overhead'][n]:.0%}",
+                     f"{maps[n]['inline']:.3f} / {maps[n]['background']:.3f}")]
+                 + [f"{r['copy_ms_per_step'][n]:.2f}" for n in paged])
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -190,13 +231,20 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", choices=["token_major", "per_layer"],
                         help="run every variant under each KV layout, side by side (default: the "
                              "engine's default layout only)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                        help="the engines to time against the bare forward (default: all)")
+    parser.add_argument("--bare-cache", choices=["fresh", "persistent"], default="fresh",
+                        help="the bare forward's K/V: made and filled just before each forward "
+                             "(default, as recorded), or made once and kept across steps like "
+                             "the engine's (stricter: no fill before the forward disturbs its cache)")
     parser.add_argument("--out", default="experiments/results/local",
                         help="writes step_cpu.json and step_cpu.md here (untracked by default)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load = os.getloadavg()
-    names = variant_names(args.layouts)
-    results = [bench(m, b, args.steps, (args.min_prompt_len, args.max_prompt_len), args.seed, names)
+    names = variant_names(args.layouts, args.variants)
+    results = [bench(m, b, args.steps, (args.min_prompt_len, args.max_prompt_len), args.seed, names,
+                     args.bare_cache)
                for m in args.models for b in args.batch_sizes]
     command = "python " + " ".join(sys.argv)
     out = Path(args.out)

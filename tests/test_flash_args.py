@@ -15,11 +15,12 @@ import torch
 from flash_cases import case_manager, history_attention, mixed_step
 from vmemkv.attention.flash import FlashBlockTableAttention, FlashSlotAttention
 from vmemkv.attention.flash_args import (FlashUnsupportedError, block_varlen_args, fa2_block_size_supported,
-                                         flatten_slots, slot_geometry, slot_rows, slot_varlen_args,
+                                         fill_released, flatten_slots, slot_geometry, slot_rows, slot_varlen_args,
                                          slot_varlen_arguments)
 from vmemkv.attention.flash_kernels import FlashKernel
 from vmemkv.attention.flash_reference import reference_varlen, varlen_attention_reference
 from vmemkv.attention.packed import SequenceSpan
+from vmemkv.request import RELEASED
 
 REFERENCE_KERNEL = FlashKernel("reference", reference_varlen)
 SCALE = 0.3  # not head_dim ** -0.5: the scale must travel through
@@ -88,7 +89,26 @@ def test_builder_and_reference_reproduce_sdpa_over_block_tables(paged_manager):
     attention = FlashBlockTableAttention(spans, paged_manager.block_views, block_size, torch.device("cpu"),
                                          REFERENCE_KERNEL)
     torch.testing.assert_close(attention(1, query, key, value, SCALE), expected, rtol=1e-10, atol=1e-10)
+    assert "read_block_ids" not in attention.__dict__  # the kernel reads the tables: nothing staged
+    # a layer the kernel cannot run (sinks of -inf change nothing) takes per-sequence SDPA reads,
+    # whose block ids are uploaded then
+    no_sinks = torch.full((query.shape[1],), float("-inf"), dtype=query.dtype)
+    torch.testing.assert_close(attention(1, query, key, value, SCALE, sinks=no_sinks), expected,
+                               rtol=1e-10, atol=1e-10)
+    assert attention.read_block_ids.tolist() == [b for s in spans for b in s.block_table[: -(-s.length // block_size)]]
     assert fa2_block_size_supported(block_size) == (block_size == 256)
+
+
+def test_released_blocks_point_at_the_first_held_block_for_flash_only():
+    """FlashAttention may load a tile before a window's start: its table points the blocks released
+    behind the window at the first held block (written, finite; masked). The spans keep RELEASED."""
+    assert fill_released((RELEASED, RELEASED, 7, 9)) == [7, 7, 7, 9]
+    assert fill_released((3, 4)) == [3, 4] and fill_released(()) == []
+    assert fill_released((RELEASED,)) == [RELEASED]  # nothing held: nothing to point at
+    spans = [SequenceSpan(0, 0, 1, 40, (RELEASED, RELEASED, 5, 6, 8, 2)), SequenceSpan(1, 1, 1, 3, (4,))]
+    args = block_varlen_args(spans, 8)
+    assert args.block_table == [[5, 5, 5, 6, 8, 2], [4, 0, 0, 0, 0, 0]]
+    assert spans[0].block_table[:2] == (RELEASED, RELEASED)
 
 
 def test_fa2_block_sizes():

@@ -148,14 +148,16 @@ def test_step_metadata_is_one_buffer_of_aligned_views():
     staged.add("lens", [5, 6], torch.int32)
     staged.add("empty", [], torch.int32)
     staged.add("table", [[1, 2, 0], [4, 5, 6]], torch.int32)
-    tensors = staged.upload("cpu")
-    assert tensors["rows"].tolist() == [3, 1, 2] and tensors["rows"].dtype == torch.int64
-    assert tensors["lens"].tolist() == [5, 6] and tensors["lens"].dtype == torch.int32
-    assert tensors["empty"].shape == (0,)
-    assert tensors["table"].shape == (2, 3) and tensors["table"][1].tolist() == [4, 5, 6]
-    storages = {t.untyped_storage().data_ptr() for t in tensors.values()}
-    assert storages == {staged.host.untyped_storage().data_ptr()}  # one buffer, no copy on CPU
-    assert all(t.data_ptr() % 16 == 0 for t in tensors.values())
+    host, offsets = staged.pack()  # what a device upload copies in one transfer
+    packed = staged._views(host, offsets)
+    for tensors in (staged.upload("cpu"), packed):  # on CPU each array is its own tensor
+        assert tensors["rows"].tolist() == [3, 1, 2] and tensors["rows"].dtype == torch.int64
+        assert tensors["lens"].tolist() == [5, 6] and tensors["lens"].dtype == torch.int32
+        assert tensors["empty"].shape == (0,)
+        assert tensors["table"].shape == (2, 3) and tensors["table"][1].tolist() == [4, 5, 6]
+    storages = {t.untyped_storage().data_ptr() for t in packed.values()}
+    assert storages == {host.untyped_storage().data_ptr()}  # one buffer
+    assert all(t.data_ptr() % 16 == 0 for t in packed.values())
     with pytest.raises(ValueError, match="int32 or int64"):
         staged.add("bad", [1.5], torch.float32)
 

@@ -154,6 +154,26 @@ def test_growing_into_a_lookahead_block_whose_mapping_was_refused_maps_it(budget
     assert all_read_back(m)
 
 
+def test_few_and_many_page_map_jobs_map_the_same_pages_and_skip_mapped_ones(make_manager):
+    """map_jobs keeps a few token-major pages (a step's lookahead) in plain Python and many in
+    numpy: both map exactly the pages whose block differs and count the others as already mapped."""
+    from vmemkv.slots import SMALL_MAP, MapJob
+
+    for pages in (3, SMALL_MAP + 5):
+        slots = make_manager(**FP32, num_blocks=128, max_model_len=128).slots
+        first, second = list(range(pages // 2)), list(range(50, 50 + pages - pages // 2))
+        jobs = [MapJob(0, 0, first), MapJob(1, 1, second)]
+        slots.map_jobs(jobs)
+        mapped, already = slots.stats.pages_mapped, slots.stats.pages_already_mapped
+        second[0] = 99  # one page changes; the others are mapped as asked already
+        slots.map_jobs(jobs)
+        assert slots.stats.pages_mapped - mapped == 1
+        assert slots.stats.pages_already_mapped - already == pages - 1
+        assert slots.mapped_blocks(0, len(first)).tolist() == first
+        assert slots.mapped_blocks(1, 1 + len(second)).tolist() == [-1] + second
+        slots.reclaim_stale()  # the pages belong to no request: unmapped before the leak check
+
+
 # --- 5. refusals that say "nothing was changed" change nothing -----------------------------------------
 def test_swap_refused_for_lack_of_swap_space_keeps_the_lookahead_blocks(make_manager):
     m = make_manager(**FP32, swap_space_bytes=0)

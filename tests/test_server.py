@@ -26,6 +26,7 @@ openai = pytest.importorskip("openai", reason="these tests use the openai client
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from vmemkv.cache_config import CacheStats
 from vmemkv.engine.async_engine import AsyncEngine, EngineDeadError
 from vmemkv.engine.detokenizer import IncrementalDetokenizer
 from vmemkv.engine.metrics import EngineMetrics
@@ -668,7 +669,8 @@ def test_async_engine_shutdown_ends_open_streams():
 # ---- EngineMetrics on its own -------------------------------------------------------------------
 
 def test_metrics_hooks_summary_and_render():
-    metrics = EngineMetrics()
+    # the hit rate is read from the manager's counters when scraped, not copied each step
+    metrics = EngineMetrics(cache_stats=lambda: CacheStats(prefix_queried_tokens=10, prefix_hit_tokens=5))
     EngineMetrics()  # a second one has its own registry: no duplicate-name error
     metrics.on_request_added("a", 10, now=0.0)
     metrics.on_first_token("a", now=0.5)
@@ -677,8 +679,8 @@ def test_metrics_hooks_summary_and_render():
     metrics.on_request_finished("a", "stop", now=1.2)
     metrics.on_request_added("b", 4, now=1.0)
     metrics.on_request_finished("b", "abort", now=1.5)  # no token: no TTFT, no TPOT
-    metrics.on_step(1, 2, 3, 0.25, 0.5, 4, now=1.5)
-    metrics.on_step(1, 2, 3, 0.25, 0.5, 4, now=1.6)  # a total, not an increment
+    metrics.on_step(1, 2, 3, 0.25, 4, now=1.5)
+    metrics.on_step(1, 2, 3, 0.25, 4, now=1.6)  # a total, not an increment
 
     summary = metrics.summary()
     assert summary["num_requests_finished"] == {"stop": 1, "abort": 1}

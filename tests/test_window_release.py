@@ -372,10 +372,11 @@ def test_a_windowed_manager_on_cuda_reserves_a_hole_page(fake):
 
 @pytest.mark.parametrize("kind", ["sdpa", "flash"])
 def test_the_block_table_a_kernel_gets_for_released_blocks(kind):
-    """The block-table baseline's spans: RELEASED (-1) stays where reads start at the window
-    (a stray read of it fails); FlashAttention, which may load a tile before the window start,
-    gets the request's first held block there (written K/V, finite; those rows are masked)."""
+    """The block-table baseline's spans keep RELEASED (-1) where reads start at the window (a
+    stray read of it fails); FlashAttention, which may load a tile before the window start, gets
+    the request's first held block there in its arguments (written K/V, finite; masked rows)."""
     from vmemkv.attention.choice import AttentionChoice
+    from vmemkv.attention.flash_args import block_varlen_args
     from vmemkv.engine.addressing import BlockTableAddressing
 
     m = make_manager(kv_backend="paged")
@@ -384,8 +385,10 @@ def test_the_block_table_a_kernel_gets_for_released_blocks(kind):
     m.commit(req)  # no K/V written: only the tables matter here
     choice = AttentionChoice("flash", kernel=object()) if kind == "flash" else AttentionChoice("sdpa")
     addressing = BlockTableAddressing(m, torch.device("cpu"), choice)
-    span = addressing.span(req, 0, 1, req.num_computed_tokens)
-    behind = (req.block_table[3],) * 3 if kind == "flash" else (RELEASED,) * 3
-    assert span.block_table == behind + req.block_table[3:]
+    span = addressing.span(req, 0, 1, req.num_computed_tokens - 1)  # its last token's query
+    assert span.block_table == (RELEASED,) * 3 + req.block_table[3:]
+    if kind == "flash":
+        table = block_varlen_args([span], m.tokens_per_page).block_table[0]
+        assert table == [req.block_table[3]] * 3 + list(req.block_table[3:])
     m.free(req)
     close_manager(m)

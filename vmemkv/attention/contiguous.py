@@ -40,7 +40,8 @@ class ContiguousAttention(PackedAttention):
             return []
         self.reads.release_reads()  # pins of a step whose forward did not finish
         batches = []
-        row_elements = self.kv_views(0)[0][0, 0].numel()  # kv_heads x head_dim
+        _, _, kv_heads, head_dim = self.kv_views(0)[0].shape
+        row_elements = kv_heads * head_dim
         for run in slot_runs(self.spans):
             lengths = [self.spans[i].length for i in run]
             # a run of consecutive slots: every row up to the longest must be mapped, or reading

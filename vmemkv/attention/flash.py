@@ -109,7 +109,11 @@ class FlashSlotAttention(_VarlenCall, ContiguousAttention):
 
 class FlashBlockTableAttention(_VarlenCall, BlockTableAttention):
     """Block tables: the pool's block views and each sequence's table (FlashAttention-2 needs
-    ``tokens_per_page % 256 == 0``; the engine checks that before choosing this class)."""
+    ``tokens_per_page % 256 == 0``; the engine checks that before choosing this class). The
+    kernel reads the block tables: the block ids of per-sequence SDPA reads are uploaded only
+    if a layer the kernel cannot run asks for them."""
+
+    stage_sdpa_reads = False
 
     def __init__(self, spans: list[SequenceSpan],
                  block_views: Callable[[int], tuple[torch.Tensor, torch.Tensor]],

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..request import RELEASED
 from .packed import SequenceSpan
 
 INT32_MAX = 2**31 - 1
@@ -145,9 +146,23 @@ def fa2_block_size_supported(block_size: int) -> bool:
     return block_size > 0 and block_size % FA2_BLOCK_MULTIPLE == 0
 
 
+def fill_released(table: "tuple[int, ...] | list[int]") -> list[int]:
+    """A block table for FlashAttention, which may load a tile before a sliding window's start:
+    the leading blocks released behind the window (``RELEASED``, -1) point at the first held
+    block (written, so finite; the masked rows are multiplied by 0). Reads that start at the
+    window (SDPA, Triton) keep ``RELEASED``, which no read takes."""
+    released = 0
+    while released < len(table) and table[released] == RELEASED:
+        released += 1
+    if not released or released == len(table):
+        return list(table)
+    return [table[released]] * released + list(table[released:])
+
+
 def block_varlen_args(spans: list[SequenceSpan], block_size: int) -> VarlenArgs:
     """Arguments for block tables: sequences in packed order (each carries its own table, so no
-    reordering), ``cu_seqlens_k`` the cumulative lengths, tables padded with block 0."""
+    reordering), ``cu_seqlens_k`` the cumulative lengths, tables padded with block 0, blocks
+    released behind a window pointing at the first held one (``fill_released``)."""
     if not spans:
         raise FlashUnsupportedError("no sequences in this step")
     cu_q, cu_k, used, tables = [0], [0], [], []
@@ -159,7 +174,7 @@ def block_varlen_args(spans: list[SequenceSpan], block_size: int) -> VarlenArgs:
         cu_q.append(cu_q[-1] + span.num_queries)
         cu_k.append(cu_k[-1] + span.length)
         used.append(span.length)
-        tables.append(list(span.block_table[:needed]))
+        tables.append(fill_released(span.block_table[:needed]))
     width = max(len(t) for t in tables)
     tables = [t + [0] * (width - len(t)) for t in tables]
     rows = [r for s in spans for r in range(s.query_start, s.query_start + s.num_queries)]

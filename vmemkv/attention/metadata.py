@@ -4,7 +4,7 @@ A step needs several small integer tensors (where to write each new token, the d
 ids, lengths, cu_seqlens, block tables). Each ``torch.tensor(list, device="cuda")`` is its own
 pageable copy and synchronizes the host; here they are laid out in one host buffer (pinned on
 CUDA), copied with one ``non_blocking`` transfer, and handed out as views of the device buffer.
-On CPU the host buffer is the result: no copy at all.
+On CPU each array becomes its tensor as it is (``torch.from_numpy``): no buffer, no copy.
 """
 
 from __future__ import annotations
@@ -33,17 +33,27 @@ class StepMetadata:
 
     def upload(self, device: torch.device | str) -> dict[str, torch.Tensor]:
         device = torch.device(device)
+        if device.type == "cpu":  # nothing to transfer: each array is its tensor (no staging copy)
+            return {name: torch.from_numpy(array).view(shape) for name, array, _, shape in self._parts}
+        host, offsets = self.pack(pinned=device.type == "cuda")
+        # The caching host allocator keeps a pinned block until the copy that reads it is done.
+        return self._views(host.to(device, non_blocking=True), offsets)
+
+    def pack(self, pinned: bool = False) -> tuple[torch.Tensor, list[int]]:
+        """Every array in one host buffer (``self.host``, kept alive as long as the step), each at
+        an aligned offset; returns the buffer and the offsets (``_views`` reads them)."""
         offsets, total = [], 0
         for _, array, _, _ in self._parts:
             offsets.append(total)
             total += -(-array.nbytes // _ALIGN) * _ALIGN
-        pinned = device.type == "cuda"
         host = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=pinned)
         staging = host.numpy()
         for (_, array, _, _), offset in zip(self._parts, offsets):
             staging[offset: offset + array.nbytes] = array.view(np.uint8)
-        # The caching host allocator keeps a pinned block until the copy that reads it is done.
-        buffer = host.to(device, non_blocking=True) if device.type != "cpu" else host
-        self.host = host  # keep the staging buffer alive as long as the step
+        self.host = host
+        return host, offsets
+
+    def _views(self, buffer: torch.Tensor, offsets: list[int]) -> dict[str, torch.Tensor]:
+        """Each array's typed view of a packed ``buffer`` (the host one or its device copy)."""
         return {name: buffer[offset: offset + array.nbytes].view(dtype).view(shape)
                 for (name, array, dtype, shape), offset in zip(self._parts, offsets)}

@@ -15,7 +15,7 @@ layers with soft-capping or sinks leave SDPA for ``explicit_attention``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,9 +25,9 @@ from .slot_batch import DecodeBatch, attend
 from .variants import causal_window_mask, explicit_attention, needs_explicit, window_start
 
 
-@dataclass(frozen=True)
-class SequenceSpan:
-    """One sequence's share of a packed forward pass."""
+class SequenceSpan(NamedTuple):
+    """One sequence's share of a packed forward pass (a named tuple: the step builds one per
+    sequence, and a tuple is made several times faster than a frozen dataclass)."""
 
     slot: int
     query_start: int  # first row in the packed batch
@@ -56,12 +56,23 @@ class PackedAttention:
         self.copy_seconds = 0.0  # of which gathering K/V into new tensors (block tables)
         self.decodes = [i for i, span in enumerate(spans) if span.num_queries == 1] if decode_kernel else []
         self.batches = [] if decode_kernel else self.plan_batches()
-        taken = set(self.decodes).union(*(batch.members for batch in self.batches))
-        self.sdpa_spans = [i for i in range(len(spans)) if i not in taken]
+        self.sdpa_spans = self._unbatched()
+        self._one_batch_is_all = (len(self.batches) == 1 and not self.sdpa_spans and not self.decodes
+                                  and self.batches[0].first_row == 0
+                                  and len(self.batches[0].members) == len(spans)
+                                  and all(span.num_queries == 1 for span in spans))
         if self.decodes:
             self.decode_max_len = max(spans[i].length for i in self.decodes)
         self._staged: StepMetadata | None = StepMetadata()
         self.stage(self._staged)
+
+    def _unbatched(self) -> list[int]:
+        """Span indices that neither the decode kernel nor a batch takes: SDPA one by one."""
+        taken = len(self.decodes) + sum(len(batch.members) for batch in self.batches)
+        if taken == len(self.spans):  # every span is taken (a decode step): no set to build
+            return []
+        taken = set(self.decodes).union(*(batch.members for batch in self.batches))
+        return [i for i in range(len(self.spans)) if i not in taken]
 
     def upload(self, **model_inputs: list[int]) -> dict[str, torch.Tensor]:
         """Send the staged index tensors to the device, together with ``model_inputs`` (int64
@@ -116,6 +127,12 @@ class PackedAttention:
             output[0].index_copy_(0, self.decode_rows,
                                   self.decode(layer, q, scale, window=window, softcap=softcap, sinks=sinks))
         one_by_one = self.sdpa_spans
+        if self._one_batch_is_all and (read := self.batches[0].window(window)) is not None:
+            # the common decode step: one batch whose rows are the packed rows, in order
+            output = attend(query, *self.batch_kv(layer, self.batches[0], read[0]), read[1],
+                            self.batches[0], scale, None, softcap, sinks)
+            self.seconds += time.perf_counter() - start
+            return output
         if self.batches:
             output = query.new_empty((1, num_tokens, num_heads, head_dim))
             for batch in self.batches:  # one call per batch, rows in and out by index
@@ -192,6 +209,8 @@ class PackedAttention:
     @staticmethod
     def token_positions(spans: list[SequenceSpan]) -> tuple[list[int], list[int]]:
         """(span index, absolute position) of every new token, in packed order."""
+        if all(span.num_queries == 1 for span in spans):  # a decode step: one token each
+            return list(range(len(spans))), [span.num_cached for span in spans]
         owners, positions = [], []
         for index, span in enumerate(spans):
             owners += [index] * span.num_queries

@@ -22,6 +22,10 @@ from .slot_batch import DecodeBatch, gather_padded, worth_batching
 class BlockTableAttention(PackedAttention):
     """``block_views(layer)`` gives that layer's K and V block tensors."""
 
+    # Stage the block ids per-sequence SDPA reads (``read``) with the step's upload; a subclass
+    # whose kernel reads the tables itself turns this off, and ``read`` uploads them if asked.
+    stage_sdpa_reads = True
+
     def __init__(self, spans: list[SequenceSpan],
                  block_views: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
                  tokens_per_page: int, device: torch.device, decode_kernel: bool = False):
@@ -40,7 +44,9 @@ class BlockTableAttention(PackedAttention):
         self._table_starts = [0]
         for table in tables:
             self._table_starts.append(self._table_starts[-1] + len(table))
-        staged.add("read_block_ids", [block for table in tables for block in table])
+        self._read_blocks = [block for table in tables for block in table]
+        if self.stage_sdpa_reads:
+            staged.add("read_block_ids", self._read_blocks)
         if self.decodes:  # the decode sequences' block tables, padded with block 0 (never read)
             width = max(len(tables[i]) for i in self.decodes)
             staged.add("decode_tables", [list(tables[i]) + [0] * (width - len(tables[i]))
@@ -51,7 +57,8 @@ class BlockTableAttention(PackedAttention):
             return []
         decoding = [i for i, span in enumerate(self.spans) if span.num_queries == 1]
         lengths = [self.spans[i].length for i in decoding]
-        if not worth_batching(lengths, self.block_views(0)[0][0, 0].numel()):  # kv_heads x head_dim
+        _, _, kv_heads, head_dim = self.block_views(0)[0].shape
+        if not worth_batching(lengths, kv_heads * head_dim):
             return []
         batch = DecodeBatch(decoding, max(lengths))
         batch.finish(self.spans, self.device)
@@ -79,13 +86,23 @@ class BlockTableAttention(PackedAttention):
         began = time.perf_counter()
         k_blocks, v_blocks = self.block_views(layer)
         first = start // self.tokens_per_page  # blocks wholly behind the window are not gathered
-        blocks = self.read_block_ids[self._table_starts[index] + first: self._table_starts[index + 1]]
+        blocks = self._read_block_ids()[self._table_starts[index] + first: self._table_starts[index + 1]]
         offset = first * self.tokens_per_page  # the first gathered row's position
         rows = slice(start - offset, self.spans[index].length - offset)
         k = k_blocks.index_select(0, blocks).flatten(0, 1)[rows]
         v = v_blocks.index_select(0, blocks).flatten(0, 1)[rows]
         self.copy_seconds += time.perf_counter() - began
         return k, v
+
+    def _read_block_ids(self) -> torch.Tensor:
+        ids = self.__dict__.get("read_block_ids")
+        if ids is None:  # not staged (stage_sdpa_reads off), or no upload yet: build it now
+            if self._staged is not None:
+                self.upload()
+            ids = self.__dict__.get("read_block_ids")
+            if ids is None:
+                ids = self.read_block_ids = torch.tensor(self._read_blocks, device=self.device)
+        return ids
 
     def decode(self, layer, q, scale, **variant):
         from .triton_decode import decode_attention_paged

@@ -48,23 +48,25 @@ class DecodeBatch:
     members: list[int]
     read_len: int
     lo: int = -1
-    rows: torch.Tensor | None = None  # packed query rows of the members, int64 [B]
-    mask: torch.Tensor | None = None  # [B, 1, 1, read_len] bool, True where a key is read
+    rows: torch.Tensor | None = None  # packed query rows of the members, int64 [B] (when not first_row)
+    mask: torch.Tensor | None = None  # [B, 1, 1, read_len] bool, True where a key is read; None: all
     same_length: bool = False  # every member has read_len tokens
     first_row: int | None = None  # the rows are first_row, first_row + 1, ...: sliced, not gathered
 
     def finish(self, spans: list[SequenceSpan], device: torch.device) -> None:
-        # Plain Python over the members and two numpy arrays: each small torch op here costs
-        # several microseconds in a step (caches cold after the forward).
+        # Plain Python over the members and numpy arrays: each small torch op here costs several
+        # microseconds in a step (caches cold after the forward).
         members = [spans[i] for i in self.members]
         lengths = [span.length for span in members]
         rows = [span.query_start for span in members]
         self.same_length = min(lengths) == self.read_len
         first = rows[0]
         self.first_row = first if rows == list(range(first, first + len(rows))) else None
-        self.rows = torch.from_numpy(np.array(rows, dtype=np.int64)).to(device)
-        mask = np.arange(self.read_len) < np.array(lengths)[:, None, None, None]
-        self.mask = torch.from_numpy(mask).to(device)
+        if self.first_row is None:  # rows are gathered by index; consecutive ones are sliced
+            self.rows = _to_device(np.array(rows, dtype=np.int64), device)
+        if not self.same_length:  # every key read is seen when all members are read_len long
+            mask = np.arange(self.read_len) < np.array(lengths)[:, None, None, None]
+            self.mask = _to_device(mask, device)
 
     def window(self, window: int | None) -> tuple[int, torch.Tensor | None] | None:
         """``(start, mask)`` for a layer with this sliding window: keys are read from position
@@ -74,6 +76,11 @@ class DecodeBatch:
         if not window or self.read_len <= window:
             return 0, self.mask
         return (self.read_len - window, None) if self.same_length else None
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    return tensor if device.type == "cpu" else tensor.to(device)
 
 
 def call_cost_in_rows(row_elements: int) -> int:
@@ -104,11 +111,12 @@ def slot_runs(spans: list[SequenceSpan]) -> list[list[int]]:
 
 
 def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-           batch: DecodeBatch, scale: float, output: torch.Tensor, softcap: float | None = None,
-           sinks: torch.Tensor | None = None) -> None:
+           batch: DecodeBatch, scale: float, output: torch.Tensor | None, softcap: float | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """``query`` ``[1, Hq, T, D]`` (packed); ``k``/``v`` ``[B, N, Hk, D]`` with ``mask``
     ``[B, 1, 1, N]`` or None (from ``batch.window``); writes the members' rows of ``output``
-    ``[1, T, Hq, D]``."""
+    ``[1, T, Hq, D]``. ``output=None`` (the batch's rows are all the packed rows, in order):
+    returns the attention ``[1, T, Hq, D]`` itself, no copy."""
     num_rows, num_kv_heads = k.shape[0], k.shape[2]
     _, num_heads, _, head_dim = query.shape
     first = batch.first_row
@@ -124,10 +132,13 @@ def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
         out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=mask, scale=scale)
     out = out.reshape(num_rows, num_heads, head_dim)
+    if output is None:
+        return out[None]
     if first is not None:
         output[0, first: first + num_rows] = out
     else:
         output[0].index_copy_(0, batch.rows, out)
+    return None
 
 
 def gather_padded(blocks: torch.Tensor, table: torch.Tensor, read_len: int, start: int = 0) -> torch.Tensor:

@@ -63,11 +63,8 @@ class BlockTableAddressing(Addressing):
     def __init__(self, manager: KVCacheManager, device, choice: AttentionChoice):
         super().__init__(manager, device, choice)
         tokens_per_page = manager.tokens_per_page
-        # FlashAttention may load a tile before a sliding window's start: its table points
-        # blocks released behind the window at the request's first held block (written, so
-        # finite: the masked rows are multiplied by 0). The other paths start reading at the
-        # window and keep RELEASED (-1), which no read takes.
-        self.fill_released = choice.kind == "flash"
+        # Blocks released behind a sliding window stay RELEASED (-1) in the spans; FlashAttention's
+        # arguments point them at the first held block (flash_args.fill_released).
         if choice.kind == "flash":
             kernel = choice.kernel
             self.attention = lambda spans: FlashBlockTableAttention(
@@ -78,10 +75,7 @@ class BlockTableAddressing(Addressing):
                 spans, manager.block_views, tokens_per_page, device, decode_kernel)
 
     def span(self, kv: KVRequest, begin: int, count: int, computed: int) -> SequenceSpan:
-        table, released = kv.block_table, kv.num_released_blocks
-        if released and self.fill_released and released < len(table):
-            table = (table[released],) * released + table[released:]
-        return SequenceSpan(kv.slot, begin, count, computed, table)
+        return SequenceSpan(kv.slot, begin, count, computed, kv.block_table)
 
 
 def choose_addressing(config: EngineConfig, manager: KVCacheManager, device,

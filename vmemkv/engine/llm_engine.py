@@ -190,7 +190,7 @@ class LLMEngine:
         are unfinished, so aborting the last one would leave the gauges stale)."""
         self.metrics.on_step(len(self.scheduler.running), len(self.scheduler.waiting),
                              len(self.scheduler.swapped), self.manager.usage(),
-                             self.manager.cache_stats().prefix_hit_rate, self.scheduler.num_preemptions)
+                             self.scheduler.num_preemptions)
 
     # --- introspection -------------------------------------------------------------------------
     def _record_memory(self) -> None:

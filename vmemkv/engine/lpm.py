@@ -38,7 +38,7 @@ class LongestPrefixFirst:
         self.passed_over: dict[Sequence, int] = {}  # steps each waiting request was passed over
         self._position: dict[Sequence, int] = {}  # this step's window: place in queue order
         self._cached_blocks: dict[Sequence, int] = {}
-        self._hashes: dict[Sequence, list[bytes]] = {}
+        self._next_hash: dict[Sequence, bytes | None] = {}  # its first uncached full block's
         self._in_flight: set[bytes] = set()  # hashes of blocks running requests are computing
         self._held: list[Sequence] = []
         self._prune_at = 2 * window
@@ -47,10 +47,11 @@ class LongestPrefixFirst:
         """The window of ``waiting`` (sorted by ``Sequence.sort_key``) in admission order."""
         window = waiting[: self.window]
         self._position = {seq: index for index, seq in enumerate(window)}
-        self._cached_blocks, self._hashes, self._held = {}, {}, []
-        for seq in window:
+        self._cached_blocks, self._next_hash, self._held = {}, {}, []
+        for seq in window:  # only the hit count and the next hash are kept, not the chain
             hits, hashes = self.manager.match_prefix(seq.kv)
-            self._cached_blocks[seq], self._hashes[seq] = len(hits), hashes
+            cached = self._cached_blocks[seq] = len(hits)
+            self._next_hash[seq] = hashes[cached] if cached < len(hashes) else None
         self._in_flight = self._blocks_in_flight(running)
         return sorted(window, key=self._rank)
 
@@ -58,9 +59,9 @@ class LongestPrefixFirst:
         """Whether ``seq`` waits this step for a block another request is computing."""
         if self._is_overdue(seq):
             return False
-        cached, hashes = self._cached_blocks[seq], self._hashes[seq]
+        cached = self._cached_blocks[seq]
         usable = (len(seq.kv.token_ids) - 1) // self.manager.tokens_per_page  # one token computed
-        if cached < usable and hashes[cached] in self._in_flight:
+        if cached < usable and self._next_hash[seq] in self._in_flight:
             self._held.append(seq)
             return True
         return False
@@ -68,7 +69,7 @@ class LongestPrefixFirst:
     def admitted(self, seq: Sequence, num_cached_tokens: int) -> None:
         """``seq`` was admitted: the blocks it computes are in flight for the requests after it."""
         self.passed_over.pop(seq, None)
-        self._in_flight.update(self._hashes[seq][num_cached_tokens // self.manager.tokens_per_page:])
+        self._in_flight.update(seq.kv.block_hashes[num_cached_tokens // self.manager.tokens_per_page:])
 
     def end_step(self, admitted: list[Sequence]) -> None:
         """Count the step against every window request still waiting that was held back or that

@@ -15,7 +15,8 @@ cache manager timed, read at scrape time: ``vmemkv_kv_manager_seconds_total`` an
 the lookahead worker, overlapped with the forward pass).
 
 Given the manager's ``cache_stats`` (a callable returning ``CacheStats``), it also exposes the
-prefix cache's token counts, read at scrape time: ``vmemkv_prefix_cache_queried_tokens_total``
+prefix cache's hit rate (``vmemkv_prefix_cache_hit_rate``, a gauge: nothing copied per step) and
+token counts, read at scrape time: ``vmemkv_prefix_cache_queried_tokens_total``
 and ``vmemkv_prefix_cache_hit_tokens_total{tier}`` (prompts at first admission; ``tier`` is
 ``device`` or ``host``, the host tier's blocks copied back), ``vmemkv_prefix_cache_reprefill_queried_tokens_total`` and
 ``vmemkv_prefix_cache_reprefill_hit_tokens_total`` (re-admissions after a recompute preemption,
@@ -40,7 +41,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..cache_config import CacheStats
 from ..errors import VmemkvError
@@ -107,10 +108,6 @@ class EngineMetrics:
         self.swapped = Gauge("vmemkv_num_requests_swapped", "Requests swapped out", registry=r)
         self.kv_usage = Gauge("vmemkv_kv_cache_usage_ratio", "Fraction of KV pages in use (0..1)",
                               registry=r)
-        self.prefix_hit_rate = Gauge("vmemkv_prefix_cache_hit_rate",
-                                     "Fraction of prompt tokens served from the prefix cache at "
-                                     "first admission (re-admissions after preemption apart)",
-                                     registry=r)
         self.throughput = Gauge("vmemkv_generation_throughput_tokens_per_second",
                                 f"Tokens generated per second over the last "
                                 f"{_THROUGHPUT_WINDOW_S:g} s", registry=r)
@@ -173,14 +170,13 @@ class EngineMetrics:
             self.tpot_s.append(tpot)
 
     def on_step(self, num_running: int, num_waiting: int, num_swapped: int, kv_usage: float,
-                prefix_hit_rate: float, num_preemptions_total: int, now: float | None = None) -> None:
+                num_preemptions_total: int, now: float | None = None) -> None:
         """Scheduler state after a step or an abort; ``num_preemptions_total`` is the engine's
-        running total."""
+        running total. (The prefix hit rate is read from ``cache_stats`` at scrape time.)"""
         self.running.set(num_running)
         self.waiting.set(num_waiting)
         self.swapped.set(num_swapped)
         self.kv_usage.set(kv_usage)
-        self.prefix_hit_rate.set(prefix_hit_rate)
         if num_preemptions_total > self._preemptions_seen:  # a counter only moves forward
             self.preemptions.inc(num_preemptions_total - self._preemptions_seen)
             self._preemptions_seen = num_preemptions_total
@@ -257,6 +253,9 @@ class _PrefixCacheExporter:
             stats = self.cache_stats()
         except VmemkvError:  # the manager is closed: nothing to report
             return
+        yield GaugeMetricFamily("vmemkv_prefix_cache_hit_rate", "Fraction of prompt tokens served "
+                                "from the prefix cache at first admission (re-admissions after "
+                                "preemption apart)", value=stats.prefix_hit_rate)
         hits = CounterMetricFamily("vmemkv_prefix_cache_hit_tokens", "Prompt tokens served from "
                                    "the prefix cache at first admission, by tier", labels=["tier"])
         hits.add_metric(["device"], stats.prefix_hit_tokens_device)

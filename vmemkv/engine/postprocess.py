@@ -38,14 +38,17 @@ class Postprocessor:
         self.new_sequence = new_sequence
         self.stream = stream
         self.sampler = Sampler()
+        self._ended: set[str] = set()
 
     def process(self, plan: SchedulerOutput, forward: ForwardOutput | None) -> list[SequenceGroup]:
         """Apply one step's results; returns the groups that progressed (or failed)."""
         touched: dict[str, SequenceGroup] = {}
+        self._ended: set[str] = set()  # groups a sequence of which finished or failed this step
         for seq, reason in plan.failed:
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
             seq.group.error = reason
             touched[seq.group.request_id] = seq.group
+            self._ended.add(seq.group.request_id)
         if not plan.scheduled:
             return list(touched.values())
         commit = self.manager.commit
@@ -99,8 +102,10 @@ class Postprocessor:
     def _append_token(self, seq: Sequence, token: int, logprobs: dict | None) -> None:
         """Add a sampled token and check the stop conditions (``process`` counts it in the
         metrics, once per request per step)."""
-        params = seq.group.params
-        seq.token_ids.append(token)
+        group = seq.group
+        params = group.params
+        token_ids = seq.kv.token_ids  # the one list (seq.token_ids), looked up once per token
+        token_ids.append(token)
         if params.logprobs is not None:
             seq.logprobs.append(logprobs)
         delta = seq.detokenizer.append(token)
@@ -112,20 +117,24 @@ class Postprocessor:
         elif (seq.detokenizer.stop
               and (matched := seq.detokenizer.check_stop(new_chars=len(delta))) is not None):
             reason, stop_reason = "stop", matched
-        elif (len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens
-              or len(seq.token_ids) >= self.config.max_model_len):
+        elif (len(token_ids) - len(group.prompt_token_ids) >= params.max_tokens  # output tokens
+              or len(token_ids) >= self.config.max_model_len):
             reason = "length"
         if reason is not None:
             if stop_reason is None or isinstance(stop_reason, int):
                 seq.detokenizer.flush()
             seq.finish_reason, seq.stop_reason = reason, stop_reason
             self.scheduler.remove(seq)
+            self._ended.add(group.request_id)
 
     # --- outputs -----------------------------------------------------------------------------------
     def outputs(self, touched: list[SequenceGroup]) -> list[RequestOutput]:
-        """What ``step()`` returns: every touched group when streaming, else the finished ones."""
+        """What ``step()`` returns: every touched group when streaming, else the finished ones
+        (only a group a sequence of which ended this step can have finished)."""
+        ended = self._ended
         return [self._output(group) for group in touched
-                if self.stream or group.error is not None or group.is_finished]
+                if self.stream or (group.request_id in ended
+                                   and (group.error is not None or group.is_finished))]
 
     def _output(self, group: SequenceGroup) -> RequestOutput:
         finished = group.error is not None or group.is_finished

@@ -58,13 +58,15 @@ class LookaheadMapper:
         manager, margin, size = self.manager, self.margin, self.tokens_per_block
         decoding = []
         for item in scheduled:
-            kv = item.seq.kv
-            if kv.num_computed_tokens >= item.seq.num_prompt_tokens:
-                reserved = kv.num_tokens
-                # blocks_for_tokens(reserved + margin) > blocks_for_tokens(reserved), inlined:
-                # this loop runs over every running sequence each step
-                if -(-(reserved + margin) // size) > -(-reserved // size):
-                    decoding.append(kv)
+            seq = item.seq
+            kv = seq.kv
+            reserved = kv.num_tokens
+            # blocks_for_tokens(reserved + margin) > blocks_for_tokens(reserved), inlined and
+            # asked first (true for about one sequence in tokens_per_block / margin): this loop
+            # runs over every running sequence each step
+            if (-(-(reserved + margin) // size) > -(-reserved // size)
+                    and kv.num_computed_tokens >= seq.num_prompt_tokens):
+                decoding.append(kv)
         if not decoding:
             return None
         jobs = manager.allocate_lookahead(decoding, margin, self.keep_free)
@@ -133,8 +135,15 @@ class StepRunner:
             if computed + count == len(token_ids):  # its next token is due
                 rows.append(begin + count - 1)
                 samplers.append(seq)
+        lookahead, overlap = self.lookahead, self.overlap_mapping
+        if lookahead is not None and not overlap:
+            # Inline (CPU): map the lookahead blocks before the attention makes slots readable, so
+            # that no filler page goes under a block mapped in the same step (mapping over a page
+            # that a batched read has touched costs 2-5x more than over the bare reservation).
+            lookahead.start(scheduled, overlap=False)
         attention = self.addressing.attention(spans)
-        mapping = self.lookahead.start(scheduled, self.overlap_mapping) if self.lookahead is not None else None
+        # Overlapped: the worker maps while the forward runs, after the attention is built.
+        mapping = lookahead.start(scheduled) if lookahead is not None and overlap else None
         # Every row sampled (all decodes): take all logits, no gather.
         all_rows = len(rows) == len(input_ids)
         logits = self.model_runner.forward(input_ids, positions, attention,

@@ -20,7 +20,7 @@ from .lpm import LongestPrefixFirst
 from .sequence import Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
@@ -77,9 +77,11 @@ class Scheduler:
     # --- the three queues ------------------------------------------------------------------------
     def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
         index = 0
+        scheduled = out.scheduled
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            count = min(seq.num_uncomputed, budget)
+            kv = seq.kv
+            count = min(len(kv.token_ids) - kv.num_computed_tokens, budget)  # seq.num_uncomputed
             while not self._allocate(seq, count):
                 victim = self.running[-1]
                 problem = self._never_fits(seq, seq.num_computed + count) if victim is seq else None
@@ -92,7 +94,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, count))
+                scheduled.append(ScheduledSeq(seq, count))
                 budget -= count
                 index += 1
         return budget
