@@ -40,10 +40,11 @@ from . import validation as check
 from .cache_config import CacheConfig, CacheStats, PreemptionEstimate
 from .errors import ConfigError, RequestStateError
 from .hybrid_budget import (admit_plan, check_budget, first_block_slot, fork_plan, grow_plan,
-                            reorder_copies, reorder_plan, swap_in_plan, truncate_plan)
+                            reorder_plan, swap_in_plan, truncate_plan)
 from .kv_metrics import KVMetricsCollector
 from .layer_groups import LayerGroups, group_configs
 from .manager import KVCacheManager
+from .plans import reorder_copies
 from .request import RELEASED, KVRequest
 from .window import first_needed_block
 

@@ -17,7 +17,7 @@ from typing import Iterable
 
 from .manager import KVCacheManager
 from .plans import Plan as OperationPlan
-from .plans import fit_or_reclaim
+from .plans import fit_or_reclaim, reorder_mapping_cost
 from .request import KVRequest
 from .slots import MapJob
 
@@ -57,32 +57,10 @@ def first_block_slot(group: KVCacheManager, blocks: list[int], behind: int,
     return group._choose_slot(blocks, behind, slot)
 
 
-def reorder_copies(tokens_per_page: int, rows: list[KVRequest], sources: list[KVRequest]) -> list[bool]:
-    """Which rows of ``reorder`` get a copy of their source's partial block (``SharingOps.reorder``:
-    the partial block moves to the first row that takes it, itself first, when the source is a row
-    too; every other taker copies it)."""
-    owner: dict[int, int] = {}  # id(source) -> the row that takes its partial block
-    for i, (row, source) in enumerate(zip(rows, sources)):
-        if row is source:
-            owner[id(source)] = i
-    reordered = {id(row) for row in rows}
-    for i, source in enumerate(sources):
-        if id(source) in reordered:
-            owner.setdefault(id(source), i)
-    return [s._num_tokens % tokens_per_page != 0 and owner.get(id(s)) != i for i, s in enumerate(sources)]
-
-
 def reorder_plan(group: KVCacheManager, rows: list[KVRequest], sources: list[KVRequest],
                  copied: list[bool]) -> ReorderPlan:
     """What ``reorder`` maps: each row its source's blocks (a fresh block where it copies)."""
-    fresh = iter(group.pool.peek(sum(copied)))
-    jobs, behind = [], []
-    for row, source, copy in zip(rows, sources, copied):
-        blocks = group._reserved_blocks(source)
-        blocks = blocks[:-1] + [next(fresh)] if copy else blocks
-        count = source._num_released
-        jobs.append(MapJob(row._slot, count, blocks[count:], keep=len(row._blocks)))
-        behind.append(count)
+    _, behind, jobs = group._plan_reorder(rows, sources, copied)
     return group, jobs, behind
 
 
@@ -100,16 +78,10 @@ def truncate_plan(group: KVCacheManager, req: KVRequest, num_tokens: int) -> Pla
 
 def _cost(group: KVCacheManager, jobs: list[MapJob], behind: "int | list[int]") -> tuple[int, int]:
     """(The most mappings held extra at any step, those held extra at the end) of a plan: unmap
-    ``behind`` then map (an int), or map every job and then unmap behind each (reorder: a list)."""
+    ``behind`` then map (an int), or reorder's map-then-unmap (a list)."""
     if isinstance(behind, int):
         return group.slots.mapping_cost(jobs, behind)
-    mapped = [group.slots.mapping_cost([job])[1] for job in jobs]
-    final = [group.slots.mapping_cost([job], count)[1] for job, count in zip(jobs, behind)]
-    held = total = sum(mapped)
-    for before, after in zip(mapped, final):
-        total += after - before
-        held = max(held, total)
-    return held, total
+    return reorder_mapping_cost(group.slots, jobs, behind)
 
 
 def _fits(plans: "Iterable[Plan | ReorderPlan]") -> bool:

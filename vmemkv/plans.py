@@ -8,6 +8,9 @@ and the request. The planning step is a public method here, ``plan_admit``, ``pl
 applying any (``hybrid_budget``: both layout groups of a hybrid model) asks the very plan the
 operation then executes, instead of a copy kept in step by hand.
 
+Reorder is planned here too (``reorder_copies``, ``_plan_reorder``, ``reorder_mapping_cost``) for
+``SharingOps.reorder`` and the hybrid budget alike.
+
 ``fit_or_reclaim`` is the mapping-budget check for operations that must ask it before their first
 change (reorder, whose unmaps follow its maps; a hybrid operation's two groups): fit, else
 reclaim stale mappings, else refuse.
@@ -152,6 +155,20 @@ class OperationPlans(ManagerState):
                     revive[index] = block
         return revive, len(req._swapped) - len(revive)
 
+    def _plan_reorder(self, rows: list[KVRequest], sources: list[KVRequest],
+                      copied: list[bool]) -> tuple[list[list[int]], list[int], list[MapJob]]:
+        """Reorder's plan: each row's new block list (its source's, with a fresh block where it
+        copies the partial block: ``reorder_copies``), the pages behind each row's new window
+        (its source's), and the mapping jobs. The caller checked ``sum(copied)`` blocks are free."""
+        fresh = iter(self.pool.peek(sum(copied)))
+        blocks = [self._reserved_blocks(source) for source in sources]
+        blocks = [row_blocks[:-1] + [next(fresh)] if copy else list(row_blocks)
+                  for row_blocks, copy in zip(blocks, copied)]
+        behind = [source._num_released for source in sources]  # a row takes its source's window
+        jobs = [MapJob(row._slot, count, row_blocks[count:], keep=len(row._blocks))
+                for row, row_blocks, count in zip(rows, blocks, behind)]
+        return blocks, behind, jobs
+
     def _choose_slot(self, blocks: list[int], behind: int, slot: int | None = None) -> int:
         """The free slot for a request whose block list is ``blocks`` (``slot`` when given): one
         already mapping its first block when there is one (``SlotBinder.choose``); a request
@@ -166,6 +183,37 @@ class OperationPlans(ManagerState):
         self.slots.unmap_behind(plan.slot, plan.behind)
         self.slots.map_blocks(plan.slot, plan.first, plan.mapped, plan.keep)
         self.slots.bind(slot=plan.slot, behind=plan.behind)
+
+
+def reorder_copies(tokens_per_page: int, rows: list[KVRequest],
+                   sources: list[KVRequest]) -> list[bool]:
+    """Which rows of ``reorder`` get a copy of their source's partial block. A source's partial
+    block moves (no copy) to the first row that takes it, itself first, but only when the source
+    is reordered too (its own reference is dropped): a source that keeps running keeps writing
+    that block, so whoever takes it gets a copy."""
+    owner: dict[int, int] = {}  # id(source) -> the row that takes its partial block
+    for i, (row, source) in enumerate(zip(rows, sources)):
+        if row is source:
+            owner[id(source)] = i
+    reordered = {id(row) for row in rows}
+    for i, source in enumerate(sources):
+        if id(source) in reordered:
+            owner.setdefault(id(source), i)
+    return [source._num_tokens % tokens_per_page != 0 and owner.get(id(source)) != i
+            for i, source in enumerate(sources)]
+
+
+def reorder_mapping_cost(slots: SlotBinder, jobs: list[MapJob], behind: list[int]) -> tuple[int, int]:
+    """(The most mappings held extra at any step, those held extra at the end) of reorder's
+    jobs: every row is mapped first, then unmapped behind its new window (a row reads its old
+    pages until the maps are done)."""
+    mapped = [slots.mapping_cost([job])[1] for job in jobs]
+    final = [slots.mapping_cost([job], count)[1] for job, count in zip(jobs, behind)]
+    held = total = sum(mapped)
+    for before, after in zip(mapped, final):
+        total += after - before
+        held = max(held, total)
+    return held, total
 
 
 def kept_pages(jobs: Iterable[MapJob]) -> dict[int, int]:

@@ -15,7 +15,7 @@ from typing import Sequence
 from . import validation as check
 from .errors import InvalidInputError, RequestStateError
 from .kv_metrics import timed
-from .plans import OperationPlans, fit_or_reclaim
+from .plans import OperationPlans, fit_or_reclaim, reorder_copies, reorder_mapping_cost
 from .request import KVRequest
 from .slots import MapJob
 from .window import first_needed_block
@@ -82,29 +82,12 @@ class SharingOps(OperationPlans):
                 f"{[r.request_id for r in rows]} from {[s.request_id for s in sources]}")
         for source in sources:
             self._require_committed(source)
-        # A source's partial block moves (no copy) to the first row that takes it, itself first,
-        # but only when the source is reordered too (its own reference is dropped below): a
-        # source that keeps running keeps writing that block, so whoever takes it gets a copy.
-        owner: dict[int, int] = {}  # id(source) -> the row that takes its partial block
-        for i, (row, source) in enumerate(zip(rows, sources)):
-            if row is source:
-                owner[id(source)] = i
-        reordered = {id(row) for row in rows}
-        for i, source in enumerate(sources):
-            if id(source) in reordered:
-                owner.setdefault(id(source), i)
-        copied = [s._num_tokens % self.tokens_per_page != 0 and owner.get(id(s)) != i
-                  for i, s in enumerate(sources)]
+        copied = reorder_copies(self.tokens_per_page, rows, sources)
         if sum(copied) > self.pool.num_free:
             return False
         # Plan every row's blocks, map all rows at once (refusable), then move the references.
-        fresh = iter(self.pool.peek(sum(copied)))
         reserved = [self._reserved_blocks(s) for s in sources]
-        plans = [blocks[:-1] + [next(fresh)] if copy else list(blocks)
-                 for blocks, copy in zip(reserved, copied)]
-        behind = [s._num_released for s in sources]  # a row takes its source's window
-        jobs = [MapJob(row._slot, count, blocks[count:], keep=len(row._blocks))
-                for row, blocks, count in zip(rows, plans, behind)]
+        plans, behind, jobs = self._plan_reorder(rows, sources, copied)
         self._check_reorder_room(jobs, behind)  # the unmaps below must not be refused
         self.slots.map_jobs(jobs)
         for row, count in zip(rows, behind):  # after map_jobs (a row reads these until now),
@@ -133,20 +116,11 @@ class SharingOps(OperationPlans):
         mappings and then its unmaps behind each row's new window: those come after ``map_jobs``
         (a row reads its old pages until then), so the budget is asked for both first
         (``plans.fit_or_reclaim``: stale mappings are reclaimed first when they do not fit)."""
-        def peak() -> int:
-            mapped = [self.slots.mapping_cost([job])[1] for job in jobs]
-            final = [self.slots.mapping_cost([job], count)[1] for job, count in zip(jobs, behind)]
-            held = total = sum(mapped)
-            for before, after in zip(mapped, final):
-                total += after - before
-                held = max(held, total)
-            return held
-
         def shortfall() -> str | None:
             room = self.slots.mapping_room()
             if room is None:
                 return None
-            needed = peak()
+            needed = reorder_mapping_cost(self.slots, jobs, behind)[0]
             if needed <= room:
                 return None
             return f"it needs {needed} more kernel mappings (VMAs) and the budget has room for {room}"
