@@ -8,8 +8,9 @@ relies on the engine's :func:`check_attention_supported`) and the transformers i
 The engine replaces the model's attention function with
 its own, which applies what transformers passes it per layer: the scaling, a sliding window
 (local and global layers in one model), logit soft-capping and attention sinks
-(``vmemkv.attention.variants``); ``VmemkvCache`` hands every token to the model's own attention,
-whose mask applies the window. A model that attends otherwise would run and silently give other
+(``vmemkv.attention.variants``); ``VmemkvCache`` hands a sliding layer's tokens from its window
+start (or every token, with ``release_behind_window=False``) to the model's own attention, whose
+mask applies the window. A model that attends otherwise would run and silently give other
 tokens than transformers, so both refuse it at load time with :func:`check_attention_supported`.
 This module reads config attributes (and a model's dtype and device) only; it does not import
 transformers.
@@ -62,7 +63,7 @@ def cache_config_for(model: Any, max_num_seqs: int, max_model_len: int,
     ``num_blocks`` defaults to every slot at full length plus ``spare_blocks_per_slot`` (room for
     copy-on-write copies); ``check_token_ids``: the manager checks token ids against the model's
     vocabulary; ``release_behind_window``: the caller's attention reads from each layer's window
-    start (the engine's does; ``VmemkvCache`` hands every token to the model), so when every
+    start (the engine's and ``VmemkvCache``'s do), so when every
     layer slides with one window shorter than ``max_model_len`` (:func:`uniform_window`), blocks
     behind it are released while a request runs (``CacheConfig.sliding_window``). Other keyword
     arguments are ``CacheConfig`` fields (``tokens_per_page``, ``enable_prefix_caching``,
