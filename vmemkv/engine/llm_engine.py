@@ -65,10 +65,10 @@ class LLMEngine:
         # KV events: the manager's pool fills the buffer, each step publishes it as one batch.
         self.kv_events = KVEventBuffer() if config.kv_events_endpoint else None
         # Local and global layers (Gemma-2/3, GPT-OSS): one manager per layout group (hybrid.py),
-        # so the local layers' blocks behind the window go back to the pool (slots, one process).
+        # so the local layers' blocks behind the window go back to the pool (slots or block
+        # tables; one process).
         cache = config.cache_config(model)
-        grouped = (tp is None and self.kv_events is None and cache.kv_backend == "vmem"
-                   and not cache.host_cache_bytes)
+        grouped = tp is None and self.kv_events is None and not cache.host_cache_bytes
         self.manager = grouped and hybrid_manager(
             cache, hybrid_layer_windows(model.config, config.max_model_len),
             config.max_num_batched_tokens, metrics=self.kv_metrics)
