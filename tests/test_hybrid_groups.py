@@ -220,12 +220,12 @@ def test_an_admission_the_local_group_cannot_take_changes_nothing(kv_backend):
 
 EXERCISED: dict[str, Counter] = {backend: Counter() for backend in BACKENDS}  # what changed something, per backend
 OPS = st.lists(st.tuples(st.sampled_from(["admit", "admit", "decode", "decode", "free", "swap",
-                                          "recompute", "swap_in", "readmit", "fork"]),
+                                          "recompute", "swap_in", "readmit", "fork", "lookahead"]),
                          st.integers(0, 5), st.integers(1, 60)), min_size=10, max_size=30)
 
 
 @pytest.mark.parametrize("kv_backend", BACKENDS)
-@settings(max_examples=40, deadline=None, derandomize=True)  # the coverage check below is stable
+@settings(max_examples=60, deadline=None, derandomize=True)  # the coverage check below is stable
 @given(ops=OPS)
 def test_random_walk_keeps_both_groups_in_step_and_bytes_exact(kv_backend, ops):
     manager = make_hybrid(num_blocks=8, kv_backend=kv_backend)  # global: 8 blocks; local: 8 (as many tokens)
@@ -281,6 +281,10 @@ def test_random_walk_keeps_both_groups_in_step_and_bytes_exact(kv_backend, ops):
                     manager.commit(req)
                     running[key] = preempted.pop(key)
                     EXERCISED[kv_backend][op] += 1
+            elif op == "lookahead" and running:  # next blocks given (and mapped) ahead of decodes
+                jobs = manager.allocate_lookahead([running[key] for key in names], size % (2 * P), pick % 3)
+                manager.map_lookahead(jobs)
+                EXERCISED[kv_backend][op] += bool(jobs)
             elif op == "fork" and name:
                 counter += 1
                 child = manager.fork(running[name], KVRequest(f"r{counter}", []))
@@ -310,7 +314,7 @@ def test_the_random_walk_exercised_every_operation():
     if not any(EXERCISED.values()):
         pytest.skip("the random walk did not run in this test run (run the whole file)")
     expected = {"admit", "prefix hit", "decode", "refused decode", "free", "swap", "recompute",
-                "swap_in", "readmit", "fork", "released"}
+                "swap_in", "readmit", "fork", "lookahead", "released"}
     for backend, exercised in EXERCISED.items():
         if exercised:  # (a -k filter may have run one backend's walk)
                 assert expected <= {op for op, count in exercised.items() if count}, (backend, exercised)

@@ -38,7 +38,7 @@ def state(manager) -> tuple:
         group = getattr(manager, name)
         for request_id in group.request_ids():
             req = group.request(request_id)
-            if not req.is_swapped:
+            if not req.is_swapped and group.config.kv_backend == "vmem":  # block tables map nothing
                 mapped[name, request_id] = group.slots.mapped_blocks(req.slot, len(req.block_table)).tolist()
     return (manager_state(manager.global_group), manager_state(manager.local_group), mapped,
             manager.request_ids(), manager.local_group.request_ids())

@@ -41,6 +41,7 @@ from .kv_metrics import KVMetricsCollector
 from .layer_groups import LayerGroups, group_configs
 from .manager import KVCacheManager
 from .request import RELEASED, KVRequest
+from .slots import MapJob
 
 
 def hybrid_manager(config: CacheConfig, layer_windows: Sequence[int | None] | None,
@@ -74,6 +75,18 @@ class GroupReads:
             group.release_reads()
 
 
+@dataclasses.dataclass
+class GroupLookahead:
+    """``allocate_lookahead``'s jobs for each group (``MapJob`` lists, one per request, in the
+    same order); false when there are none."""
+
+    global_jobs: list[MapJob]
+    local_jobs: list[MapJob]
+
+    def __bool__(self) -> bool:
+        return bool(self.global_jobs)
+
+
 class HybridKVCacheManager:
     """``HybridKVCacheManager(config, layer_windows, chunk_tokens=None, local_blocks=None,
     metrics=None)``: ``config`` describes the whole model (``num_layers`` all layers,
@@ -84,7 +97,8 @@ class HybridKVCacheManager:
     fork, preempt by swap or recompute, swap in, the views and the queries). Block counts
     (``num_blocks``, ``num_free_blocks``, ``blocks_for_tokens``, ...) are the global group's,
     the one that grows with a request; the local group is sized for its peak, and every
-    operation also checks it. No lookahead mapping, host tier or KV events yet."""
+    operation also checks it. Lookahead (the engine's overlapped mapping) gives a decoding
+    request its next blocks in both groups or in neither (``allocate_lookahead``)."""
 
     def __init__(self, config: CacheConfig, layer_windows: Sequence[int | None],
                  chunk_tokens: int | None = None, local_blocks: int | None = None,
@@ -199,6 +213,49 @@ class HybridKVCacheManager:
         req, local = self._pair(request)
         self.global_group.commit(req, num_computed_tokens)
         self.local_group.commit(local, num_computed_tokens)
+
+    # --- lookahead: decoding requests' next blocks, mapped while the forward runs ---------------------
+    def allocate_lookahead(self, requests: "Sequence[KVRequest | str]", margin_tokens: int,
+                           keep_free: int = 0) -> "GroupLookahead":
+        """``KVCacheManager.allocate_lookahead`` in both groups, all or nothing per request: a
+        request gets its next blocks in both groups or in neither (its two halves have as many
+        logical blocks, so it needs as many in each). ``keep_free`` counts the global group's
+        blocks; the local group keeps the same share of its own pool free. Plan first (which
+        requests both groups can serve, in order), then take: nothing is taken back."""
+        margin_tokens = check.count(margin_tokens, "margin_tokens")
+        keep_free = check.count(keep_free, "keep_free")
+        groups = (self.global_group, self.local_group)
+        keep = (keep_free, -(-keep_free * self.local_group.num_blocks // self.global_group.num_blocks))
+        clean = [group.pool.num_clean for group in groups]
+        free = [group.pool.num_free for group in groups]
+        layout, limit = self.global_group.layout, self.config.max_model_len
+        chosen = []
+        for req, local in map(self._pair, requests):
+            needed = layout.logical_pages_for(min(req.num_tokens + margin_tokens, limit)) - len(req._blocks)
+            if needed <= 0 or not all(needed <= clean[g] and free[g] - needed >= keep[g] for g in (0, 1)):
+                continue
+            for g in (0, 1):
+                clean[g] -= needed
+                free[g] -= needed
+            chosen.append((req, local))
+        jobs = GroupLookahead(*(group.allocate_lookahead([pair[g] for pair in chosen], margin_tokens, keep[g])
+                                for g, group in enumerate(groups)))
+        if not len(jobs.global_jobs) == len(jobs.local_jobs) == len(chosen):
+            raise AssertionError("a group refused a lookahead block both said it had")
+        return jobs
+
+    def map_lookahead(self, jobs: "GroupLookahead") -> None:
+        """Map both groups' jobs (any thread, as ``KVCacheManager.map_lookahead``). If this
+        raises, call ``cancel_lookahead(jobs)`` on the step thread: both groups give their
+        blocks back (a group that had mapped its jobs keeps those mappings, past every
+        reservation: stale, as a freed slot's, and remapped before anyone writes there)."""
+        self.global_group.map_lookahead(jobs.global_jobs)
+        self.local_group.map_lookahead(jobs.local_jobs)
+
+    def cancel_lookahead(self, jobs: "GroupLookahead") -> None:
+        """Give back both groups' lookahead blocks (right after ``map_lookahead`` raised)."""
+        self.global_group.cancel_lookahead(jobs.global_jobs)
+        self.local_group.cancel_lookahead(jobs.local_jobs)
 
     # --- freeing, sharing, preemption -------------------------------------------------------------
     def free(self, request: "KVRequest | str") -> None:
@@ -375,6 +432,7 @@ class HybridKVCacheManager:
             assert req.slot == local.slot, f"{request_id}: slots {req.slot} and {local.slot}"
             assert req.is_swapped == local.is_swapped
             assert (req.num_tokens, req.num_computed_tokens) == (local.num_tokens, local.num_computed_tokens)
+            assert len(req._blocks) == len(local._blocks), f"{request_id}: lookahead in one group only"
             assert req.token_ids is local.token_ids
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ from .. import validation as check
 from ..errors import ConfigError, RequestTooLongError
 from ..hashing import CacheKeys
 from ..hf_support import check_attention_supported, hybrid_layer_windows, text_config
-from ..hybrid import HybridKVCacheManager, hybrid_manager
+from ..hybrid import hybrid_manager
 from ..kv_events import KVEventBuffer
 from ..kv_metrics import KVMetricsCollector
 from ..manager import KVCacheManager
@@ -87,8 +87,7 @@ class LLMEngine:
         self.decode_kernel = self.attention_choice.kind == "triton"
         # Overlapped mapping (slots only): decoding sequences' next block mapped during the forward.
         lookahead = (LookaheadMapper(self.manager, config.lookahead_tokens, self.scheduler.watermark_blocks)
-                     if self.addressing.uses_lookahead and config.lookahead_tokens > 0
-                     and not isinstance(self.manager, HybridKVCacheManager) else None)
+                     if self.addressing.uses_lookahead and config.lookahead_tokens > 0 else None)
         self.runner = StepRunner(model_runner, self.addressing, lookahead)
         self.metrics = EngineMetrics(kv_metrics=self.kv_metrics, cache_stats=self.manager.cache_stats)
         self.groups: dict[str, SequenceGroup] = {}
