@@ -31,9 +31,9 @@ WINDOWS = [W, W, W, None]  # three local layers, one global (as Gemma-3 interlea
 def make_hybrid(**overrides) -> HybridKVCacheManager:
     options = dict(num_layers=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, num_blocks=40,
                    max_num_seqs=3, max_model_len=256, swap_space_bytes=64 << 10, hash_seed=b"hybrid")
-    local_blocks = overrides.pop("local_blocks", None)
+    local_blocks, events = overrides.pop("local_blocks", None), overrides.pop("events", None)
     config = CacheConfig(**{**options, **overrides})
-    return HybridKVCacheManager(config, WINDOWS, chunk_tokens=32, local_blocks=local_blocks)
+    return HybridKVCacheManager(config, WINDOWS, chunk_tokens=32, local_blocks=local_blocks, events=events)
 
 
 def close(manager: HybridKVCacheManager) -> None:

@@ -37,6 +37,7 @@ from .cache_config import CacheConfig, CacheStats, PreemptionEstimate
 from .errors import ConfigError
 from .hybrid_budget import (admit_plan, check_budget, first_block_slot, fork_plan, grow_plan,
                             swap_in_plan)
+from .kv_events import KVEventSink, group_sink
 from .kv_metrics import KVMetricsCollector
 from .layer_groups import LayerGroups, group_configs
 from .manager import KVCacheManager
@@ -45,8 +46,8 @@ from .slots import MapJob
 
 
 def hybrid_manager(config: CacheConfig, layer_windows: Sequence[int | None] | None,
-                   chunk_tokens: int | None = None,
-                   metrics: KVMetricsCollector | None = None) -> "HybridKVCacheManager | None":
+                   chunk_tokens: int | None = None, metrics: KVMetricsCollector | None = None,
+                   events: KVEventSink | None = None) -> "HybridKVCacheManager | None":
     """A :class:`HybridKVCacheManager` for a model whose layers mix kinds (``layer_windows``
     from ``hf_support.hybrid_layer_windows``), or None when they do not, or when its groups'
     pages cannot hold one number of tokens (the caller then keeps every block in one group)."""
@@ -56,7 +57,7 @@ def hybrid_manager(config: CacheConfig, layer_windows: Sequence[int | None] | No
         group_configs(config, LayerGroups.from_windows(layer_windows), chunk_tokens)
     except ConfigError:
         return None
-    return HybridKVCacheManager(config, layer_windows, chunk_tokens, metrics=metrics)
+    return HybridKVCacheManager(config, layer_windows, chunk_tokens, metrics=metrics, events=events)
 
 
 class GroupReads:
@@ -91,18 +92,22 @@ class HybridKVCacheManager:
     """``HybridKVCacheManager(config, layer_windows, chunk_tokens=None, local_blocks=None,
     metrics=None)``: ``config`` describes the whole model (``num_layers`` all layers,
     ``num_blocks`` blocks of all layers, shared as ``layer_groups.split_blocks`` says);
-    ``layer_windows`` each layer's window (None: global).
+    ``layer_windows`` each layer's window (None: global); ``events``, a KV event sink told both
+    groups' blocks, each event tagged with its group (``kv_events.group_sink``: ``group_idx`` 0
+    for the global group, 1 for the local one).
 
     It answers what the engine asks of a ``KVCacheManager`` (admit, allocate, commit, free,
     fork, preempt by swap or recompute, swap in, the views and the queries). Block counts
     (``num_blocks``, ``num_free_blocks``, ``blocks_for_tokens``, ...) are the global group's,
     the one that grows with a request; the local group is sized for its peak, and every
     operation also checks it. Lookahead (the engine's overlapped mapping) gives a decoding
-    request its next blocks in both groups or in neither (``allocate_lookahead``)."""
+    request its next blocks in both groups or in neither (``allocate_lookahead``). Both groups
+    hash with one seed, so a block's content has one hash in either group, and each group's
+    pool tells ``events`` its own blocks (``group_idx``)."""
 
     def __init__(self, config: CacheConfig, layer_windows: Sequence[int | None],
                  chunk_tokens: int | None = None, local_blocks: int | None = None,
-                 metrics: KVMetricsCollector | None = None):
+                 metrics: KVMetricsCollector | None = None, events: KVEventSink | None = None):
         if len(layer_windows) != config.num_layers:
             raise ConfigError(f"layer_windows has {len(layer_windows)} entries for "
                               f"{config.num_layers} layers")
@@ -112,9 +117,10 @@ class HybridKVCacheManager:
         if config.host_cache_bytes:
             raise ConfigError("the hybrid KV cache has no host tier yet; set host_cache_bytes to 0")
         self.groups = LayerGroups.from_windows(layer_windows)
+        # each group's pool (and host tier) tells the events sink its blocks, tagged with the group
         self.global_group, self.local_group = (
-            KVCacheManager(group, metrics=metrics)
-            for group in group_configs(config, self.groups, chunk_tokens, local_blocks))
+            KVCacheManager(group, metrics=metrics, events=group_sink(events, index, group.sliding_window))
+            for index, group in enumerate(group_configs(config, self.groups, chunk_tokens, local_blocks)))
         self.config = config
         self.tokens_per_page = self.global_group.tokens_per_page
         self._where = {}  # model layer -> (group manager, layer inside it)
