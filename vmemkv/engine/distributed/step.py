@@ -54,7 +54,7 @@ def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | Non
     recorder = BackendRecorder(create_backend(cache.device, layout.page_size,
                                               backend_pages(cache, layout)[0]))
     manager = KVCacheManager(cache, backend=recorder, metrics=metrics, **manager_options)
-    manager.swap = SwapRecorder(manager.swap, recorder)
+    manager.swap = manager.host_tier.store = SwapRecorder(manager.swap, recorder)  # one store
     recorder.take_log()
     return manager, recorder
 
