@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vmemkv.attention.paged import BlockTableAttention
 from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
 from vmemkv.engine.addressing import GroupedBlockTableAddressing
 from vmemkv.engine.llm_engine import run_to_completion
@@ -19,6 +20,7 @@ from vmemkv.request import RELEASED
 from test_sliding_window_models import build, prompts, reference
 
 LONG = 40  # new tokens: far past the window of 3
+WRITE = BlockTableAttention.write
 BACKENDS = ["vmem", "paged"]
 
 
@@ -40,9 +42,7 @@ def hybrid_engine(name: str, monkeypatch, **overrides) -> LLMEngine:
 def writes_only_held_blocks(monkeypatch, manager: HybridKVCacheManager) -> None:
     """On block tables, check every K/V write of every layer: it lands in a block its layer's
     group holds privately (reference count 1), never in a free block or another group's id."""
-    from vmemkv.attention.paged import BlockTableAttention
-
-    write = BlockTableAttention.write
+    write = WRITE  # not a write patched for an earlier engine of the same test
 
     def checked(self, layer, key, value):
         group = manager._where[layer][0]

@@ -14,7 +14,9 @@ Operations ask both groups whether they fit (``_fits_admission``, ``can_allocate
 budget takes both groups' new mappings (``hybrid_budget.check_budget``), before changing either:
 a refused operation changes neither group. Admission caps both
 groups' prefix hits to the length both can reuse (the global group's full prefix, the local
-group's window of it: ``ManagerState._capped_hits``).
+group's window of it: ``ManagerState._capped_hits``), extended by host-tier hits only as far as
+both groups' host tiers continue it (each group has its own ``HostTier`` over its own host block
+store, the host bytes split by layers: ``layer_groups.group_configs``).
 
 Why two managers and two pools rather than groups inside one manager: every operation of the
 one-group manager (plan, check, apply; release; prefix hits; swap; the invariant check) is
@@ -23,6 +25,9 @@ demand is bounded (slots x window, plus one step's chunk), so a static split of 
 (``layer_groups.split_blocks``) costs little. The price: the split is a guess where chunks are
 large, and each group's pages hold whole tokens of fewer layers, so they may hold more tokens
 than the whole model's would (prefix hits and growth in coarser steps).
+
+About 420 lines: the whole manager API, each operation asked of both groups before either
+changes, is one class; its lookahead is apart (``hybrid_lookahead.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 from . import validation as check
 from .cache_config import CacheConfig, CacheStats, PreemptionEstimate
 from .errors import ConfigError
+from .hybrid_lookahead import HybridLookaheadOps
 from .hybrid_budget import (admit_plan, check_budget, first_block_slot, fork_plan, grow_plan,
                             swap_in_plan)
 from .kv_events import KVEventSink, group_sink
@@ -42,7 +48,6 @@ from .kv_metrics import KVMetricsCollector
 from .layer_groups import LayerGroups, group_configs
 from .manager import KVCacheManager
 from .request import RELEASED, KVRequest
-from .slots import MapJob
 
 
 def hybrid_manager(config: CacheConfig, layer_windows: Sequence[int | None] | None,
@@ -58,6 +63,16 @@ def hybrid_manager(config: CacheConfig, layer_windows: Sequence[int | None] | No
     except ConfigError:
         return None
     return HybridKVCacheManager(config, layer_windows, chunk_tokens, metrics=metrics, events=events)
+
+
+def _group_reach(group: KVCacheManager, req: KVRequest, max_blocks: int, num_new_tokens: int | None,
+                 token_budget: int | None) -> tuple[list[int], int]:
+    """What ``group.admit(req, ..., max_cached_tokens=max_blocks * tokens_per_page)`` reuses, by
+    the same steps, changing nothing: its device hits, and how many blocks with the host tier's
+    hits it promotes after them (as many as fit)."""
+    hits = group._capped_hits(req, group._prefix_hits(req), max_blocks)
+    host = group._host_hits(req, hits, num_new_tokens, token_budget)
+    return hits, len(hits) + min(len(host), max(0, max_blocks - len(hits)))
 
 
 class GroupReads:
@@ -76,19 +91,7 @@ class GroupReads:
             group.release_reads()
 
 
-@dataclasses.dataclass
-class GroupLookahead:
-    """``allocate_lookahead``'s jobs for each group (``MapJob`` lists, one per request, in the
-    same order); false when there are none."""
-
-    global_jobs: list[MapJob]
-    local_jobs: list[MapJob]
-
-    def __bool__(self) -> bool:
-        return bool(self.global_jobs)
-
-
-class HybridKVCacheManager:
+class HybridKVCacheManager(HybridLookaheadOps):
     """``HybridKVCacheManager(config, layer_windows, chunk_tokens=None, local_blocks=None,
     metrics=None)``: ``config`` describes the whole model (``num_layers`` all layers,
     ``num_blocks`` blocks of all layers, shared as ``layer_groups.split_blocks`` says);
@@ -103,7 +106,9 @@ class HybridKVCacheManager:
     operation also checks it. Lookahead (the engine's overlapped mapping) gives a decoding
     request its next blocks in both groups or in neither (``allocate_lookahead``). Both groups
     hash with one seed, so a block's content has one hash in either group, and each group's
-    pool tells ``events`` its own blocks (``group_idx``)."""
+    pool (and host tier) tells ``events`` its own blocks (``group_idx``). With
+    ``host_cache_bytes``, each group demotes its evicted blocks to its own host tier, and an
+    admission promotes a host hit only where both groups' tiers hold it (``_admission_prefix``)."""
 
     def __init__(self, config: CacheConfig, layer_windows: Sequence[int | None],
                  chunk_tokens: int | None = None, local_blocks: int | None = None,
@@ -114,8 +119,6 @@ class HybridKVCacheManager:
         if config.sliding_window:
             raise ConfigError("a hybrid config gives windows per layer (layer_windows), not "
                               "CacheConfig.sliding_window")
-        if config.host_cache_bytes:
-            raise ConfigError("the hybrid KV cache has no host tier yet; set host_cache_bytes to 0")
         self.groups = LayerGroups.from_windows(layer_windows)
         # each group's pool (and host tier) tells the events sink its blocks, tagged with the group
         self.global_group, self.local_group = (
@@ -155,6 +158,25 @@ class HybridKVCacheManager:
         local_hits = self.local_group._capped_hits(local, local_hits, len(global_hits))
         return global_hits[:len(local_hits)], local_hits
 
+    def _admission_prefix(self, req: KVRequest, local: KVRequest, num_new_tokens: int | None,
+                          token_budget: int | None) -> tuple[int, list[int], list[int]]:
+        """The blocks of the prompt both groups reuse, and each group's device hits within them:
+        the device hits both hold (``_hits``), extended as far as both groups' host tiers
+        continue the prefix and both admissions would promote (``_group_reach``), so an
+        admission promotes only what both groups can."""
+        global_hits, local_hits = self._hits(req, local)
+        device = len(local_hits)
+        if self.global_group.host_tier.capacity and self.local_group.host_tier.capacity:
+            blocks = (len(req.token_ids) - 1) // self.tokens_per_page
+            while blocks > device:  # shrinks to the longest length both reach
+                (global_at, global_count), (local_at, local_count) = (
+                    _group_reach(group, request, blocks, num_new_tokens, token_budget)
+                    for group, request in ((self.global_group, req), (self.local_group, local)))
+                if global_count == local_count == blocks:
+                    return blocks, global_at, local_at
+                blocks = min(global_count, local_count)
+        return device, global_hits, local_hits
+
     # --- admission and growth ---------------------------------------------------------------------
     def match_prefix(self, req: KVRequest) -> tuple[list[int], list[bytes]]:
         """The global group's cached blocks of the prefix both groups can reuse, and its hashes."""
@@ -173,8 +195,8 @@ class HybridKVCacheManager:
         either group has no room (MappingLimitError, changing nothing, when the mapping budget
         does not take both)."""
         local = self._claim(req)
-        global_hits, local_hits = self._hits(req, local)
-        cached = len(local_hits) * self.tokens_per_page
+        blocks, global_hits, local_hits = self._admission_prefix(req, local, num_new_tokens, token_budget)
+        cached = blocks * self.tokens_per_page
         new = len(req.token_ids) - cached if num_new_tokens is None else num_new_tokens
         if token_budget is not None:
             new = min(new, token_budget)
@@ -186,9 +208,9 @@ class HybridKVCacheManager:
                       admit_plan(self.local_group, local_hits, cached + new, slot)], "admit")
         done = self.global_group.admit(req, num_new_tokens=num_new_tokens, token_budget=token_budget,
                                        max_cached_tokens=cached)
-        if done is None or self.local_group.admit(local, num_new_tokens=num_new_tokens,
-                                                  token_budget=token_budget, max_cached_tokens=cached,
-                                                  slot=req.slot) is None:
+        if done != cached or self.local_group.admit(local, num_new_tokens=num_new_tokens,
+                                                    token_budget=token_budget, max_cached_tokens=cached,
+                                                    slot=req.slot) != cached:
             raise AssertionError("a group refused an admission both said fits")
         return done
 
@@ -219,49 +241,6 @@ class HybridKVCacheManager:
         req, local = self._pair(request)
         self.global_group.commit(req, num_computed_tokens)
         self.local_group.commit(local, num_computed_tokens)
-
-    # --- lookahead: decoding requests' next blocks, mapped while the forward runs ---------------------
-    def allocate_lookahead(self, requests: "Sequence[KVRequest | str]", margin_tokens: int,
-                           keep_free: int = 0) -> "GroupLookahead":
-        """``KVCacheManager.allocate_lookahead`` in both groups, all or nothing per request: a
-        request gets its next blocks in both groups or in neither (its two halves have as many
-        logical blocks, so it needs as many in each). ``keep_free`` counts the global group's
-        blocks; the local group keeps the same share of its own pool free. Plan first (which
-        requests both groups can serve, in order), then take: nothing is taken back."""
-        margin_tokens = check.count(margin_tokens, "margin_tokens")
-        keep_free = check.count(keep_free, "keep_free")
-        groups = (self.global_group, self.local_group)
-        keep = (keep_free, -(-keep_free * self.local_group.num_blocks // self.global_group.num_blocks))
-        clean = [group.pool.num_clean for group in groups]
-        free = [group.pool.num_free for group in groups]
-        layout, limit = self.global_group.layout, self.config.max_model_len
-        chosen = []
-        for req, local in map(self._pair, requests):
-            needed = layout.logical_pages_for(min(req.num_tokens + margin_tokens, limit)) - len(req._blocks)
-            if needed <= 0 or not all(needed <= clean[g] and free[g] - needed >= keep[g] for g in (0, 1)):
-                continue
-            for g in (0, 1):
-                clean[g] -= needed
-                free[g] -= needed
-            chosen.append((req, local))
-        jobs = GroupLookahead(*(group.allocate_lookahead([pair[g] for pair in chosen], margin_tokens, keep[g])
-                                for g, group in enumerate(groups)))
-        if not len(jobs.global_jobs) == len(jobs.local_jobs) == len(chosen):
-            raise AssertionError("a group refused a lookahead block both said it had")
-        return jobs
-
-    def map_lookahead(self, jobs: "GroupLookahead") -> None:
-        """Map both groups' jobs (any thread, as ``KVCacheManager.map_lookahead``). If this
-        raises, call ``cancel_lookahead(jobs)`` on the step thread: both groups give their
-        blocks back (a group that had mapped its jobs keeps those mappings, past every
-        reservation: stale, as a freed slot's, and remapped before anyone writes there)."""
-        self.global_group.map_lookahead(jobs.global_jobs)
-        self.local_group.map_lookahead(jobs.local_jobs)
-
-    def cancel_lookahead(self, jobs: "GroupLookahead") -> None:
-        """Give back both groups' lookahead blocks (right after ``map_lookahead`` raised)."""
-        self.global_group.cancel_lookahead(jobs.global_jobs)
-        self.local_group.cancel_lookahead(jobs.local_jobs)
 
     # --- freeing, sharing, preemption -------------------------------------------------------------
     def free(self, request: "KVRequest | str") -> None:
@@ -409,12 +388,13 @@ class HybridKVCacheManager:
         return self.why_never_fits(num_tokens, chunk_tokens) is None
 
     def cache_stats(self) -> CacheStats:
-        """The global group's counters (prefix hits are the same length in both), with the
-        local group's blocks released behind the window and swap bytes."""
+        """The global group's counters (prefix hits are the same length in both; host-tier
+        block counts are the global group's), with the local group's blocks released behind the
+        window, and the bytes both groups copied to and from the host."""
         stats, local = self.global_group.cache_stats(), self.local_group.cache_stats()
         stats.blocks_released_behind_window = local.blocks_released_behind_window
-        stats.swap_out_bytes += local.swap_out_bytes
-        stats.swap_in_bytes += local.swap_in_bytes
+        for name in ("swap_out_bytes", "swap_in_bytes", "host_bytes_demoted", "host_bytes_promoted"):
+            setattr(stats, name, getattr(stats, name) + getattr(local, name))
         return stats
 
     def snapshot_stats(self) -> dict:
@@ -422,7 +402,8 @@ class HybridKVCacheManager:
         (``local_blocks_*``) and ``kv_bytes_in_use`` over both."""
         out = {**self.global_group.snapshot_stats(), **dataclasses.asdict(self.cache_stats())}
         local = self.local_group.snapshot_stats()
-        for key in ("blocks_total", "blocks_in_use", "blocks_cached", "blocks_clean"):
+        for key in ("blocks_total", "blocks_in_use", "blocks_cached", "blocks_clean",
+                    "host_blocks_cached", "host_blocks_total"):
             out[f"local_{key}"] = local[key]
         out["kv_bytes_in_use"] = self.kv_bytes_in_use
         return out

@@ -68,8 +68,7 @@ class LLMEngine:
         # so the local layers' blocks behind the window go back to the pool (slots or block
         # tables; one process).
         cache = config.cache_config(model)
-        grouped = tp is None and not cache.host_cache_bytes
-        self.manager = grouped and hybrid_manager(
+        self.manager = tp is None and hybrid_manager(
             cache, hybrid_layer_windows(model.config, config.max_model_len),
             config.max_num_batched_tokens, metrics=self.kv_metrics, events=self.kv_events)
         if not self.manager:
