@@ -6,6 +6,8 @@ layers read through that group's own table (``addressing.GroupedBlockTableAddres
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from vmemkv.attention.paged import BlockTableAttention
 from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
 from vmemkv.engine.addressing import GroupedBlockTableAddressing
 from vmemkv.engine.llm_engine import run_to_completion
-from vmemkv.engine.models import byte_tokenizer
+from vmemkv.engine.models import byte_tokenizer, load_model
 from vmemkv.hybrid import HybridKVCacheManager
 from vmemkv.request import RELEASED
 
@@ -60,14 +62,20 @@ def hf_tokens(name: str, prompt: list[int], new_tokens: int = LONG) -> list[int]
 
 def generate(engine: LLMEngine, batch: list[list[int]], first: int = 0) -> dict:
     """Each prompt's final output, by request id (``first``, ``first + 1``, ...)."""
-    params = SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True)
+    return generate_n(engine, batch, LONG, first)
+
+
+def generate_n(engine: LLMEngine, batch: list[list[int]], new_tokens: int, first: int = 0) -> dict:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     return run_to_completion(engine, [(str(first + i), p, params) for i, p in enumerate(batch)])
 
 
 def close_clean(engine: LLMEngine) -> None:
     manager = engine.manager
     manager.check()
-    assert manager.num_blocks_in_use == 0 and manager.local_group.num_blocks_in_use == 0
+    assert manager.num_blocks_in_use == 0
+    if isinstance(manager, HybridKVCacheManager):
+        assert manager.local_group.num_blocks_in_use == 0
     engine.close()
 
 
@@ -126,4 +134,30 @@ def test_engine_preemption_matches_hf(kv_backend, mode, monkeypatch):
     for index, prompt in enumerate(batch):
         assert final[str(index)].outputs[0].token_ids == hf_tokens("gemma2", prompt), f"prompt {index} diverged"
     assert engine.stats()["blocks_released_behind_window"] > 0
+    close_clean(engine)
+
+
+@functools.cache
+def tiny_gemma2_reference(prompt: tuple[int, ...], new_tokens: int) -> list[int]:
+    model, _ = load_model("tiny-gemma2")  # its own instance: the engine's switches attention
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                         pad_token_id=0, eos_token_id=[])  # no eos: the engine's ignore_eos
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("release", [True, False])
+@pytest.mark.parametrize("kv_backend", BACKENDS)
+def test_the_built_in_tiny_gemma2_matches_hf_releasing_or_keeping_every_block(kv_backend, release):
+    """The A/B's hybrid model (two local layers of window 128, two global): generations well past
+    the window give HF's tokens in two layout groups, and in one that keeps every block."""
+    model, tokenizer = load_model("tiny-gemma2")
+    engine = LLMEngine(EngineConfig(model="tiny-gemma2", max_num_seqs=3, max_model_len=256,
+                                    kv_backend=kv_backend, release_behind_window=release),
+                       model, tokenizer)
+    assert isinstance(engine.manager, HybridKVCacheManager) == release
+    batch = prompts((30, 12, 21))
+    final = generate_n(engine, batch, 160)
+    for index, prompt in enumerate(batch):
+        assert final[str(index)].outputs[0].token_ids == tiny_gemma2_reference(tuple(prompt), 160)
+    assert (engine.stats()["blocks_released_behind_window"] > 0) == release
     close_clean(engine)

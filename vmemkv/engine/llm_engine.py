@@ -68,7 +68,7 @@ class LLMEngine:
         # so the local layers' blocks behind the window go back to the pool (slots or block
         # tables; one process).
         cache = config.cache_config(model)
-        self.manager = tp is None and hybrid_manager(
+        self.manager = tp is None and config.release_behind_window and hybrid_manager(
             cache, hybrid_layer_windows(model.config, config.max_model_len),
             config.max_num_batched_tokens, metrics=self.kv_metrics, events=self.kv_events)
         if not self.manager:
