@@ -6,6 +6,8 @@ used to come after the first had taken blocks (evicting cached ones that cannot 
 is pinched so that its part of admit, fork, allocate or swap-in is refused, and the whole state
 of both groups (pools, hash indexes, stats, requests, slots, mappings) is compared before and
 after; then, with room again, the operation goes through and every request reads back its K/V.
+Slots only: block tables map nothing, so no mapping budget can refuse them (the refusals both
+backends share, for lack of blocks, are in ``test_hybrid_groups.py``).
 """
 
 from __future__ import annotations
