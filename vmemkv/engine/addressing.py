@@ -88,10 +88,11 @@ class BlockTableAddressing(Addressing):
 
 class GroupedAttention:
     """A hybrid model's step attention: one attention per layout group, each over its group's
-    spans (its own block tables), and each layer sent to its group's (``group_of[layer]``)."""
+    spans (its own block tables), and each layer sent to its group's (``group_of[layer]``).
+    ``spans``: the step's spans as the addressing made them (one per group for each sequence)."""
 
-    def __init__(self, parts: list, group_of: list[int]):
-        self.parts, self.group_of = parts, group_of
+    def __init__(self, parts: list, group_of: list[int], spans: list):
+        self.parts, self.group_of, self.spans = parts, group_of, spans
 
     def upload(self, **model_inputs: list[int]) -> dict:
         inputs = self.parts[0].upload(**model_inputs)
@@ -119,7 +120,8 @@ class GroupedBlockTableAddressing(BlockTableAddressing):
             group_of[layer] = 1
         one_group = self.attention
         self.attention = lambda spans: GroupedAttention(
-            [one_group([pair[0] for pair in spans]), one_group([pair[1] for pair in spans])], group_of)
+            [one_group([pair[0] for pair in spans]), one_group([pair[1] for pair in spans])], group_of,
+            spans)
 
     def span(self, kv: KVRequest, begin: int, count: int, computed: int) -> tuple[SequenceSpan, SequenceSpan]:
         return (super().span(kv, begin, count, computed),
