@@ -138,5 +138,6 @@ def choose_addressing(config: EngineConfig, manager: KVCacheManager, device,
                               manager.tokens_per_page, None if paged else manager.kv_views(0))
     if not paged:
         return SlotAddressing(manager, device, choice)
-    grouped = isinstance(manager, HybridKVCacheManager)
+    # layout groups: a HybridKVCacheManager, or a view of one (a tensor-parallel worker's)
+    grouped = hasattr(manager, "local_request")
     return (GroupedBlockTableAddressing if grouped else BlockTableAddressing)(manager, device, choice)
