@@ -158,12 +158,35 @@ def slot_rows(manager: KVCacheManager, layer: int, kv: int, slot: int) -> np.nda
     return views[layer][kv][slot]
 
 
+def block_rows(manager: KVCacheManager, layer: int, kv: int) -> np.ndarray:
+    """One layer's K or V blocks ``[num_blocks, tokens_per_page, heads, dim]`` as an int32 numpy
+    view (no copy), for block-table addressing (``kv_backend="paged"``)."""
+    views = _numpy_views.get(manager)
+    if views is None:
+        views = _numpy_views[manager] = [
+            [manager.block_views(layer)[kv].view(torch.int32).numpy() for kv in (0, 1)]
+            for layer in range(manager.layout.num_layers)]
+    return views[layer][kv]
+
+
+def _table_rows(manager: KVCacheManager, request_id: str, start: int, end: int):
+    """(blocks, offsets) of positions [start, end) through the request's block table."""
+    positions = np.arange(start, end)
+    table = np.asarray(manager.block_table(request_id))
+    return table[positions // manager.tokens_per_page], positions % manager.tokens_per_page
+
+
 def write_kv(manager: KVCacheManager, request_id: str, start: int, end: int, salt: int = 0) -> None:
-    """Write the pattern of positions [start, end) through the request's slot views, as a
-    forward pass would."""
+    """Write the pattern of positions [start, end) through the request's slot views (through
+    its block table with ``kv_backend="paged"``), as a forward pass would."""
     if start >= end:
         return
     keys = prefix_keys(manager.token_ids(request_id)[:end], salt)[start:]
+    if manager.config.kv_backend == "paged":
+        rows = _table_rows(manager, request_id, start, end)
+        for layer, kv, pattern in kv_patterns(manager, keys):
+            block_rows(manager, layer, kv)[rows] = pattern
+        return
     slot = manager.slot_of(request_id)
     for layer, kv, pattern in kv_patterns(manager, keys):
         slot_rows(manager, layer, kv, slot)[start:end] = pattern
@@ -176,6 +199,10 @@ def read_kv_matches(manager: KVCacheManager, request_id: str, salt: int = 0, sta
     if length <= start:
         return True
     keys = prefix_keys(manager.token_ids(request_id)[:length], salt)
+    if manager.config.kv_backend == "paged":
+        rows = _table_rows(manager, request_id, start, length)
+        return all(np.array_equal(block_rows(manager, layer, kv)[rows], pattern[start:])
+                   for layer, kv, pattern in kv_patterns(manager, keys))
     slot = manager.slot_of(request_id)
     return all(np.array_equal(slot_rows(manager, layer, kv, slot)[start:length], pattern[start:])
                for layer, kv, pattern in kv_patterns(manager, keys))

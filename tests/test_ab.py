@@ -15,7 +15,8 @@ import pytest
 from vmemkv.ab import METRIC_KEYS, VARIANTS, WORKLOADS, make_workload, report
 from vmemkv.ab.cli import main
 from vmemkv.ab.runner import failures
-from vmemkv.ab.workloads import TOKEN_MAX, TOKEN_MIN, pages
+from vmemkv.ab.variants import DEFAULT_VARIANTS, KEEP_VARIANTS, default_variants
+from vmemkv.ab.workloads import TOKEN_MAX, TOKEN_MIN, full_length_pages, pages
 
 QUICK_WORKLOADS = ("shared-prefix", "pressure")
 # 16: CPU's default page; 1024: tiny-llama in fp32 on a 2 MiB CUDA page.
@@ -92,8 +93,8 @@ def test_a_variant_on_another_page_is_not_held_to_preempting():
     workload = make_workload("pressure", quick=True)
     none = {"preemptions": {"median": 0.0, "min": 0.0, "max": 0.0},
             "prefix_hit_rate": {"median": 0.0, "min": 0.0, "max": 0.0}}
-    results = {"pressure": {v: {"metrics": none, "tokens_equal": True} for v in VARIANTS}}
-    assert len(failures({"pressure": workload}, results)) == len(VARIANTS)
+    results = {"pressure": {v: {"metrics": none, "tokens_equal": True} for v in DEFAULT_VARIANTS}}
+    assert len(failures({"pressure": workload}, results)) == len(DEFAULT_VARIANTS)
     checks = {"pressure": {"other_page_size": {"vmem-per-layer": 8192, "paged-per-layer": 8192}}}
     assert [f.split(":")[1].split()[0] for f in failures({"pressure": workload}, results, checks)] \
         == ["vmem", "paged"]
@@ -123,7 +124,7 @@ def test_quick_run_reports_every_metric_for_every_variant(quick_run):
     _, result, _ = quick_run
     assert set(result["results"]) == set(QUICK_WORKLOADS)
     for per_variant in result["results"].values():
-        assert set(per_variant) == set(VARIANTS)
+        assert set(per_variant) == set(DEFAULT_VARIANTS)  # no keep variants without a window
         for data in per_variant.values():
             assert set(data["metrics"]) == set(METRIC_KEYS)
             for spread in data["metrics"].values():
@@ -142,7 +143,7 @@ def test_greedy_tokens_are_identical_across_variants(quick_run):
 def test_vmem_and_paged_hit_the_prefix_cache_alike(quick_run):
     _, result, _ = quick_run
     rates = {v: result["results"]["shared-prefix"][v]["metrics"]["prefix_hit_rate"]["median"]
-             for v in VARIANTS}
+             for v in DEFAULT_VARIANTS}
     assert rates["vmem"] > 0
     assert rates["vmem"] == rates["paged"] == rates["vmem-per-layer"]
 
@@ -310,9 +311,9 @@ def test_window_needs_a_sliding_window_model(capsys):
 def test_window_runs_every_request_at_once_holding_about_a_window_each(capsys):
     """On tiny-mistral (window 128), both variants give back the blocks behind the window: all
     requests run at once, none is preempted, each holds at most its window plus two pages (plus
-    the engine's lookahead page), and the greedy tokens agree."""
+    the engine's lookahead page), and the greedy tokens agree; keeping every block, fewer fit."""
     assert main(["--quick", "--json", "--no-progress", "--out", "", "--workloads", "window",
-                 "--variants", "vmem,paged", "--model", "tiny-mistral"]) == 0
+                 "--variants", "vmem,paged,vmem-keep", "--model", "tiny-mistral"]) == 0
     result = json.loads(capsys.readouterr().out)
     workload = result["workloads"]["window"]
     page = workload["tokens_per_page"]
@@ -321,4 +322,62 @@ def test_window_runs_every_request_at_once_holding_about_a_window_each(capsys):
         metrics = {key: spread["median"] for key, spread in result["results"]["window"][variant]["metrics"].items()}
         assert metrics["preemptions"] == 0 and metrics["most_running"] == workload["num_requests"]
         assert 0 < metrics["peak_kv_bytes_per_request"] <= (pages(128, page) + 3) * page_bytes
-    assert result["checks"]["window"]["tokens_equal"] == {"paged": True}
+    assert result["checks"]["window"]["tokens_equal"] == {"paged": True, "vmem-keep": True}
+    keep = {key: spread["median"] for key, spread in result["results"]["window"]["vmem-keep"]["metrics"].items()}
+    assert keep["requests_fit"] < workload["num_requests"] and keep["preemptions"] > 0
+
+
+# --- local and global layers (the engine's two layout groups) ------------------------------------
+@pytest.mark.parametrize("quick", [True, False])
+@pytest.mark.parametrize("page", (16, 64))
+def test_hybrid_pool_holds_every_request_only_with_release(page, quick):
+    """The pool, split as the engine splits it (``layer_groups.group_configs``), gives the global
+    layers every request at full length; keeping every block, fewer requests fit."""
+    import torch
+
+    from vmemkv import CacheConfig
+    from vmemkv.layer_groups import LayerGroups, group_configs
+
+    workload = make_workload("hybrid", quick=quick, tokens_per_page=page)
+    engine, count = workload.engine, len(workload.requests)
+    config = CacheConfig(num_layers=4, num_kv_heads=2, head_dim=32, dtype=torch.float32,  # tiny-gemma2
+                         tokens_per_page=page, num_blocks=engine["num_blocks"],
+                         max_num_seqs=engine["max_num_seqs"], max_model_len=engine["max_model_len"])
+    windows = [workload.sliding_window, None] * 2
+    global_group, _ = group_configs(config, LayerGroups.from_windows(windows),
+                                    engine["max_num_batched_tokens"])
+    each = full_length_pages(workload.requests, page)
+    assert global_group.num_blocks >= sum(each) + count  # and a lookahead page each
+    assert max(each) * count > engine["num_blocks"]  # whole-model pages, every block kept
+    assert all(p.max_tokens >= 2 * workload.sliding_window for _, _, p in workload.requests)
+
+
+def test_hybrid_needs_a_model_with_local_and_global_layers(capsys):
+    assert main(["--quick", "--no-progress", "--out", "", "--workloads", "hybrid",
+                 "--variants", "vmem", "--model", "tiny-mistral"]) == 2  # every layer slides
+    assert "tiny-gemma2" in capsys.readouterr().err
+
+
+def test_the_keep_every_block_variants_join_sliding_window_workloads_only():
+    assert default_variants(["chat", "pressure"]) == list(DEFAULT_VARIANTS)
+    assert default_variants(["hybrid"]) == default_variants(["window"]) == [*DEFAULT_VARIANTS, *KEEP_VARIANTS]
+
+
+def test_hybrid_fits_every_request_only_releasing_on_both_backends(capsys):
+    """tiny-gemma2 (two local layers, window 128, two global): releasing, the local layers hold
+    a window each, all requests run at once with no preemption, the same tokens; keeping every
+    block costs more KV per request and fits fewer, on slots and on block tables alike."""
+    assert main(["--quick", "--json", "--no-progress", "--out", "", "--workloads", "hybrid",
+                 "--model", "tiny-gemma2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    count = result["workloads"]["hybrid"]["num_requests"]
+    medians = {v: {key: spread["median"] for key, spread in data["metrics"].items()}
+               for v, data in result["results"]["hybrid"].items()}
+    assert set(medians) == {*DEFAULT_VARIANTS, *KEEP_VARIANTS}
+    for base in ("vmem", "paged"):
+        release, keep = medians[base], medians[f"{base}-keep"]
+        assert release["preemptions"] == 0 and release["most_running"] == count <= release["requests_fit"]
+        assert keep["requests_fit"] < count and keep["preemptions"] > 0
+        assert keep["peak_kv_bytes_per_request"] > 1.4 * release["peak_kv_bytes_per_request"]
+    assert all(result["checks"]["hybrid"]["tokens_equal"].values())
+    assert "keeping every block (vmem-keep: fits" in report.summary(result)

@@ -20,6 +20,27 @@ from vmemkv.kv_events import MEDIUM_DEVICE
 PREFIXES = [[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9, 9, 9]]
 
 
+def swap_out_or_in(manager, request, name: str, swapped: set[str]) -> None:
+    """Swap ``request`` (``name`` in ``swapped`` while it is out) back in, or out when the host
+    store has its rows."""
+    if name in swapped:
+        if manager.swap_in(request):
+            swapped.discard(name)
+    elif manager.estimate_preemption(request).swap_fits:
+        manager.preempt(request, "swap")
+        swapped.add(name)
+
+
+def apply_event(index: set[bytes], event) -> None:
+    """A ``BlockStored`` or ``BlockRemoved`` applied to the hashes rebuilt for its tier."""
+    if isinstance(event, BlockStored):
+        assert not index & set(event.block_hashes), "stored twice without a removal"
+        index.update(event.block_hashes)
+    else:
+        assert set(event.block_hashes) <= index, "removed a hash never stored"
+        index.difference_update(event.block_hashes)
+
+
 class HostTierMachine(RuleBasedStateMachine):
     """Requests with shared prefixes and three tenants through a device pool too small for them,
     so blocks keep moving to the host tier and back."""
@@ -120,12 +141,7 @@ class HostTierMachine(RuleBasedStateMachine):
     def swap_out_or_in(self, data):
         """Swap a running request out (when the host store has its rows), or a swapped one in."""
         request_id = data.draw(st.sampled_from(sorted(self.salts)))
-        if request_id in self.swapped:
-            if self.m.swap_in(request_id):
-                self.swapped.discard(request_id)
-        elif self.m.estimate_preemption(request_id).swap_fits:
-            self.m.preempt(request_id, "swap")
-            self.swapped.add(request_id)
+        swap_out_or_in(self.m, request_id, request_id, self.swapped)
 
     @precondition(lambda self: self.m.num_blocks_in_use == 0)
     @rule()
@@ -147,13 +163,7 @@ class HostTierMachine(RuleBasedStateMachine):
                 self.device_index.clear()
                 self.host_index.clear()
                 continue
-            index = self.device_index if event.medium == MEDIUM_DEVICE else self.host_index
-            if isinstance(event, BlockStored):
-                assert not index & set(event.block_hashes), "stored twice without a removal"
-                index.update(event.block_hashes)
-            else:
-                assert set(event.block_hashes) <= index, "removed a hash never stored"
-                index.difference_update(event.block_hashes)
+            apply_event(self.device_index if event.medium == MEDIUM_DEVICE else self.host_index, event)
         assert self.device_index == set(self.m.pool.block_of_hash)
         assert self.host_index == set(self.m.host_tier.hashes())
 

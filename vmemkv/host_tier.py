@@ -44,13 +44,15 @@ class HostEntry:
 
 
 class HostTier:
-    """At most ``capacity`` cached blocks in host rows, by hash, least recently used first.
-    ``block_size`` (tokens per block) is what its events report."""
+    """At most ``capacity`` cached blocks in rows of ``store`` (the host block store it shares
+    with swap preemption), by hash, least recently used first. ``block_size`` (tokens per block)
+    is what its events report."""
 
-    def __init__(self, capacity: int, block_bytes: int, block_size: int,
+    def __init__(self, capacity: int, store: SwapSpace, block_size: int,
                  events: KVEventSink | None, stats: CacheStats):
         self.capacity = capacity
-        self.block_bytes = block_bytes
+        self.store = store
+        self.block_bytes = store.block_bytes
         self.block_size = block_size
         self.events = events
         self.stats = stats
@@ -77,11 +79,11 @@ class HostTier:
         return run
 
     # --- demotion ----------------------------------------------------------------------------------
-    def demote(self, store: SwapSpace, window: torch.Tensor, evicted: list[EvictedBlock]) -> None:
+    def demote(self, window: torch.Tensor, evicted: list[EvictedBlock]) -> None:
         """Copy evicted device blocks to host rows (rows of ``window`` still intact). A hash the
         tier already holds is only made most recent; one it is promoting right now (the device
         also held a copy, which this promotion's own allocation evicted) is not stored twice."""
-        blocks, hashes, origins, dropped = [], [], [], []
+        store, blocks, hashes, origins, dropped = self.store, [], [], [], []
         for block, block_hash, origin in evicted:
             if block_hash in self._claimed:
                 continue
@@ -118,24 +120,24 @@ class HostTier:
         self._claimed = frozenset(hashes)
         return [self._entries.pop(block_hash) for block_hash in hashes]
 
-    def promote(self, store: SwapSpace, window: torch.Tensor, hashes: list[bytes],
-                claimed: list[HostEntry], blocks: list[int]) -> list[BlockOrigin]:
+    def promote(self, window: torch.Tensor, hashes: list[bytes], claimed: list[HostEntry],
+                blocks: list[int]) -> list[BlockOrigin]:
         """Copy claimed entries into device ``blocks`` and free their rows; returns their
         origins, for the caller to register the blocks in the device pool."""
         self._claimed = frozenset()
         if not claimed:
             return []
-        store.load(window, [entry.row for entry in claimed], blocks)
+        self.store.load(window, [entry.row for entry in claimed], blocks)
         self._tell(BlockRemoved(list(hashes), MEDIUM_HOST))
         self.stats.host_promotions += len(claimed)
         self.stats.host_bytes_promoted += len(claimed) * self.block_bytes
         return [entry.origin for entry in claimed]
 
     # --- reset and invariants ----------------------------------------------------------------------
-    def clear(self, store: SwapSpace) -> int:
+    def clear(self) -> int:
         """Forget every entry (the pool's reset sends the one ``AllBlocksCleared``)."""
         dropped = len(self._entries)
-        store.discard([entry.row for entry in self._entries.values()])
+        self.store.discard([entry.row for entry in self._entries.values()])
         self._entries.clear()
         return dropped
 

@@ -14,7 +14,9 @@ Operations ask both groups whether they fit (``_fits_admission``, ``can_allocate
 budget takes both groups' new mappings (``hybrid_budget.check_budget``), before changing either:
 a refused operation changes neither group. Admission caps both
 groups' prefix hits to the length both can reuse (the global group's full prefix, the local
-group's window of it: ``ManagerState._capped_hits``).
+group's window of it: ``ManagerState._capped_hits``), extended by host-tier hits only as far as
+both groups' host tiers continue it (each group has its own ``HostTier`` over its own host block
+store, the host bytes split by layers: ``layer_groups.group_configs``).
 
 Why two managers and two pools rather than groups inside one manager: every operation of the
 one-group manager (plan, check, apply; release; prefix hits; swap; the invariant check) is
@@ -26,7 +28,7 @@ than the whole model's would (prefix hits and growth in coarser steps).
 
 The module is over 400 lines because the class mirrors the whole ``KVCacheManager`` API (admit
 to reorder and truncate), each method a short plan-check-apply over both groups; the plans
-themselves live in ``hybrid_budget``.
+themselves live in ``hybrid_budget``, its lookahead in ``hybrid_lookahead``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from .cache_config import CacheConfig, CacheStats, PreemptionEstimate
 from .errors import ConfigError, RequestStateError
 from .hybrid_budget import (admit_plan, check_budget, first_block_slot, fork_plan, grow_plan,
                             reorder_plan, swap_in_plan, truncate_plan)
+from .hybrid_lookahead import HybridLookaheadOps
+from .kv_events import KVEventSink, group_sink
 from .kv_metrics import KVMetricsCollector
 from .layer_groups import LayerGroups, group_configs
 from .manager import KVCacheManager
@@ -50,8 +54,8 @@ from .window import first_needed_block
 
 
 def hybrid_manager(config: CacheConfig, layer_windows: Sequence[int | None] | None,
-                   chunk_tokens: int | None = None,
-                   metrics: KVMetricsCollector | None = None) -> "HybridKVCacheManager | None":
+                   chunk_tokens: int | None = None, metrics: KVMetricsCollector | None = None,
+                   events: KVEventSink | None = None) -> "HybridKVCacheManager | None":
     """A :class:`HybridKVCacheManager` for a model whose layers mix kinds (``layer_windows``
     from ``hf_support.hybrid_layer_windows``), or None when they do not, or when its groups'
     pages cannot hold one number of tokens (the caller then keeps every block in one group)."""
@@ -61,7 +65,17 @@ def hybrid_manager(config: CacheConfig, layer_windows: Sequence[int | None] | No
         group_configs(config, LayerGroups.from_windows(layer_windows), chunk_tokens)
     except ConfigError:
         return None
-    return HybridKVCacheManager(config, layer_windows, chunk_tokens, metrics=metrics)
+    return HybridKVCacheManager(config, layer_windows, chunk_tokens, metrics=metrics, events=events)
+
+
+def _group_reach(group: KVCacheManager, req: KVRequest, max_blocks: int, num_new_tokens: int | None,
+                 token_budget: int | None) -> tuple[list[int], int]:
+    """What ``group.admit(req, ..., max_cached_tokens=max_blocks * tokens_per_page)`` reuses, by
+    the same steps, changing nothing: its device hits, and how many blocks with the host tier's
+    hits it promotes after them (as many as fit)."""
+    hits = group._capped_hits(req, group._prefix_hits(req), max_blocks)
+    host = group._host_hits(req, hits, num_new_tokens, token_budget)
+    return hits, len(hits) + min(len(host), max(0, max_blocks - len(hits)))
 
 
 class GroupReads:
@@ -80,36 +94,45 @@ class GroupReads:
             group.release_reads()
 
 
-class HybridKVCacheManager:
+class HybridKVCacheManager(HybridLookaheadOps):
     """``HybridKVCacheManager(config, layer_windows, chunk_tokens=None, local_blocks=None,
     metrics=None, backends=None)``: ``config`` describes the whole model (``num_layers`` all layers,
     ``num_blocks`` blocks of all layers, shared as ``layer_groups.split_blocks`` says);
     ``layer_windows`` each layer's window (None: global); ``backends``: the (global, local)
-    groups' backends, sized for ``layer_groups.group_configs`` (tensor parallelism records them).
+    groups' backends, sized for ``layer_groups.group_configs`` (tensor parallelism records them);
+    ``events``, a KV event sink told both groups' blocks, each event tagged with its group
+    (``kv_events.group_sink``: ``group_idx`` 0 for the global group, 1 for the local one).
 
     It answers what the engine asks of a ``KVCacheManager`` (admit, allocate, commit, free,
     fork, preempt by swap or recompute, swap in, the views and the queries). Block counts
     (``num_blocks``, ``num_free_blocks``, ``blocks_for_tokens``, ...) are the global group's,
     the one that grows with a request; the local group is sized for its peak, and every
     operation also checks it. Beam search (``reorder``) and cropping (``truncate``) change both
-    groups or neither. No lookahead mapping, host tier or KV events yet."""
+    groups or neither. Lookahead (the engine's overlapped mapping) gives a decoding request its
+    next blocks in both groups or in neither (``allocate_lookahead``). Both groups hash with one
+    seed, so a block's content has one hash in either group, and each group's pool (and host
+    tier) tells ``events`` its own blocks (``group_idx``). With ``host_cache_bytes``, each group
+    demotes its evicted blocks to its own host tier, and an admission promotes a host hit only
+    where both groups' tiers hold it (``_admission_prefix``)."""
 
     def __init__(self, config: CacheConfig, layer_windows: Sequence[int | None],
                  chunk_tokens: int | None = None, local_blocks: int | None = None,
-                 metrics: KVMetricsCollector | None = None, backends: Sequence | None = None):
+                 metrics: KVMetricsCollector | None = None, backends: Sequence | None = None,
+                 events: KVEventSink | None = None):
         if len(layer_windows) != config.num_layers:
             raise ConfigError(f"layer_windows has {len(layer_windows)} entries for "
                               f"{config.num_layers} layers")
         if config.sliding_window:
             raise ConfigError("a hybrid config gives windows per layer (layer_windows), not "
                               "CacheConfig.sliding_window")
-        if config.host_cache_bytes:
-            raise ConfigError("the hybrid KV cache has no host tier yet; set host_cache_bytes to 0")
         self.groups = LayerGroups.from_windows(layer_windows)
-        self.global_group, self.local_group = (  # backends: (global, local), as group_configs
-            KVCacheManager(group, metrics=metrics, backend=backend)
-            for group, backend in zip(group_configs(config, self.groups, chunk_tokens, local_blocks),
-                                      backends or (None, None)))
+        # backends: (global, local), as group_configs; each group's pool (and host tier) tells the
+        # events sink its blocks, tagged with the group
+        self.global_group, self.local_group = (
+            KVCacheManager(group, metrics=metrics, backend=backend,
+                           events=group_sink(events, index, group.sliding_window))
+            for index, (group, backend) in enumerate(zip(
+                group_configs(config, self.groups, chunk_tokens, local_blocks), backends or (None, None))))
         self.config = config
         self.tokens_per_page = self.global_group.tokens_per_page
         self._where = {}  # model layer -> (group manager, layer inside it)
@@ -144,6 +167,29 @@ class HybridKVCacheManager:
         local_hits = self.local_group._capped_hits(local, local_hits, len(global_hits))
         return global_hits[:len(local_hits)], local_hits
 
+    def _admission_prefix(self, req: KVRequest, local: KVRequest, num_new_tokens: int | None,
+                          token_budget: int | None, max_cached_tokens: int | None = None
+                          ) -> tuple[int, list[int], list[int]]:
+        """The blocks of the prompt both groups reuse (at most ``max_cached_tokens``' worth), and
+        each group's device hits within them: the device hits both hold (``_hits``), extended as
+        far as both groups' host tiers continue the prefix and both admissions would promote
+        (``_group_reach``), so an admission promotes only what both groups can."""
+        global_hits, local_hits = self._hits(req, local)
+        most = (len(req.token_ids) - 1 if max_cached_tokens is None else max_cached_tokens) // self.tokens_per_page
+        local_hits = self.local_group._capped_hits(local, local_hits, most)
+        global_hits = global_hits[:len(local_hits)]
+        device = len(local_hits)
+        if self.global_group.host_tier.capacity and self.local_group.host_tier.capacity:
+            blocks = most
+            while blocks > device:  # shrinks to the longest length both reach
+                (global_at, global_count), (local_at, local_count) = (
+                    _group_reach(group, request, blocks, num_new_tokens, token_budget)
+                    for group, request in ((self.global_group, req), (self.local_group, local)))
+                if global_count == local_count == blocks:
+                    return blocks, global_at, local_at
+                blocks = min(global_count, local_count)
+        return device, global_hits, local_hits
+
     # --- admission and growth ---------------------------------------------------------------------
     def match_prefix(self, req: KVRequest) -> tuple[list[int], list[bytes]]:
         """The global group's cached blocks of the prefix both groups can reuse, and its hashes."""
@@ -164,12 +210,10 @@ class HybridKVCacheManager:
         no room or ``slot`` is taken (MappingLimitError, changing nothing, when the mapping budget
         does not take both)."""
         local = self._claim(req)
-        global_hits, local_hits = self._hits(req, local)
-        if max_cached_tokens is not None:
-            local_hits = self.local_group._capped_hits(
-                local, local_hits, check.count(max_cached_tokens, "max_cached_tokens") // self.tokens_per_page)
-            global_hits = global_hits[:len(local_hits)]
-        cached = len(local_hits) * self.tokens_per_page
+        limit = None if max_cached_tokens is None else check.count(max_cached_tokens, "max_cached_tokens")
+        blocks, global_hits, local_hits = self._admission_prefix(req, local, num_new_tokens, token_budget,
+                                                                 limit)
+        cached = blocks * self.tokens_per_page
         new = len(req.token_ids) - cached if num_new_tokens is None else num_new_tokens
         if token_budget is not None:
             new = min(new, token_budget)
@@ -183,9 +227,9 @@ class HybridKVCacheManager:
                       admit_plan(self.local_group, local_hits, cached + new, slot)], "admit")
         done = self.global_group.admit(req, num_new_tokens=num_new_tokens, token_budget=token_budget,
                                        max_cached_tokens=cached, slot=slot)
-        if done is None or self.local_group.admit(local, num_new_tokens=num_new_tokens,
-                                                  token_budget=token_budget, max_cached_tokens=cached,
-                                                  slot=req.slot) is None:
+        if done != cached or self.local_group.admit(local, num_new_tokens=num_new_tokens,
+                                                    token_budget=token_budget, max_cached_tokens=cached,
+                                                    slot=req.slot) != cached:
             raise AssertionError("a group refused an admission both said fits")
         return done
 
@@ -366,12 +410,13 @@ class HybridKVCacheManager:
         return self.why_never_fits(num_tokens, chunk_tokens) is None
 
     def cache_stats(self) -> CacheStats:
-        """The global group's counters (prefix hits are the same length in both), with the
-        local group's blocks released behind the window and swap bytes."""
+        """The global group's counters (prefix hits are the same length in both; host-tier
+        block counts are the global group's), with the local group's blocks released behind the
+        window, and the bytes both groups copied to and from the host."""
         stats, local = self.global_group.cache_stats(), self.local_group.cache_stats()
         stats.blocks_released_behind_window = local.blocks_released_behind_window
-        stats.swap_out_bytes += local.swap_out_bytes
-        stats.swap_in_bytes += local.swap_in_bytes
+        for name in ("swap_out_bytes", "swap_in_bytes", "host_bytes_demoted", "host_bytes_promoted"):
+            setattr(stats, name, getattr(stats, name) + getattr(local, name))
         return stats
 
     def snapshot_stats(self) -> dict:
@@ -379,7 +424,8 @@ class HybridKVCacheManager:
         (``local_blocks_*``) and ``kv_bytes_in_use`` over both."""
         out = {**self.global_group.snapshot_stats(), **dataclasses.asdict(self.cache_stats())}
         local = self.local_group.snapshot_stats()
-        for key in ("blocks_total", "blocks_in_use", "blocks_cached", "blocks_clean"):
+        for key in ("blocks_total", "blocks_in_use", "blocks_cached", "blocks_clean",
+                    "host_blocks_cached", "host_blocks_total"):
             out[f"local_{key}"] = local[key]
         out["kv_bytes_in_use"] = self.kv_bytes_in_use
         return out
@@ -395,6 +441,7 @@ class HybridKVCacheManager:
             assert req.slot == local.slot, f"{request_id}: slots {req.slot} and {local.slot}"
             assert req.is_swapped == local.is_swapped
             assert (req.num_tokens, req.num_computed_tokens) == (local.num_tokens, local.num_computed_tokens)
+            assert len(req._blocks) == len(local._blocks), f"{request_id}: lookahead in one group only"
             assert req.token_ids is local.token_ids
 
     def close(self) -> None:

@@ -26,6 +26,18 @@ The shapes are vLLM's (``vllm/distributed/kv_events.py``), so routers written fo
 ``["BlockRemoved", block_hashes, medium]`` or ``["AllBlocksCleared"]`` (msgspec's array-like,
 tagged structs). Hashes are the 32-byte digests of ``hashing.py``, sent as msgpack binary.
 
+**Layout groups.** A hybrid model's KV cache (``hybrid.HybridKVCacheManager``) keeps its local
+(sliding-window) and global layers in two pools, each with its own prefix cache, so one content
+hash may be cached in one group and not the other. As vLLM's hybrid KV cache does, each group's
+``BlockStored`` carries ``group_idx`` (0: global layers, 1: local), ``kv_cache_spec_kind``
+(``"full_attention"``, ``"sliding_window"``) and ``kv_cache_spec_sliding_window`` (the window, or
+None), and each ``BlockRemoved`` its ``group_idx`` (``group_sink`` tags them). A model with one
+group sends them as None, and its encoding is the one above, unchanged. Where set, they follow
+vLLM's field order: ``BlockStored`` continues after ``medium`` with ``lora_name``, ``extra_keys``
+(both None here), ``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``;
+``BlockRemoved`` with ``group_idx``. Replaying the events of one (group, medium) rebuilds that
+group's tier.
+
 A sink is any callable taking one event: pass it as ``KVCacheManager(config, events=sink)``. It is
 called on the thread that changes the cache, inside the manager's operation, so it must be quick
 and must not call back into the manager. ``KVEventBuffer`` is a sink that keeps events until a
@@ -36,7 +48,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .errors import ConfigError
 
@@ -54,12 +66,16 @@ class BlockStored:
     block_size: int  # tokens per block
     lora_id: int | None = None  # vmemkv has no adapters yet
     medium: str = MEDIUM_DEVICE
+    group_idx: int | None = None  # the layout group (hybrid models only: see the module docstring)
+    kv_cache_spec_kind: str | None = None  # "full_attention" or "sliding_window"
+    kv_cache_spec_sliding_window: int | None = None
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: list[bytes]
     medium: str = MEDIUM_DEVICE
+    group_idx: int | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +101,30 @@ def check_sink(events: object) -> KVEventSink | None:
     return events
 
 
+SPEC_FULL_ATTENTION = "full_attention"  # vLLM's KVCacheSpecKind values for the two groups
+SPEC_SLIDING_WINDOW = "sliding_window"
+
+
+def group_sink(events: KVEventSink | None, group_idx: int,
+               sliding_window: int | None = None) -> KVEventSink | None:
+    """A sink for one layout group's pool and host tier: ``events`` told each of its events with
+    the group (``group_idx``, and the kind and window of its layers on ``BlockStored``)."""
+    events = check_sink(events)
+    if events is None:
+        return None
+    kind = SPEC_SLIDING_WINDOW if sliding_window else SPEC_FULL_ATTENTION
+
+    def tell(event: KVCacheEvent) -> None:
+        if isinstance(event, BlockStored):
+            event = replace(event, group_idx=group_idx, kv_cache_spec_kind=kind,
+                            kv_cache_spec_sliding_window=sliding_window)
+        elif isinstance(event, BlockRemoved):
+            event = replace(event, group_idx=group_idx)
+        events(event)
+
+    return tell
+
+
 class KVEventBuffer:
     """A sink that keeps events in order until ``drain()``. A block stored right after its parent
     joins the parent's ``BlockStored`` (one event per run of blocks, as vLLM sends a prefill).
@@ -98,11 +138,10 @@ class KVEventBuffer:
         if (isinstance(event, BlockStored) and isinstance(last, BlockStored)
                 and event.parent_block_hash is not None
                 and event.parent_block_hash == last.block_hashes[-1]
-                and (event.block_size, event.lora_id, event.medium)
-                == (last.block_size, last.lora_id, last.medium)):
-            self._events[-1] = BlockStored(last.block_hashes + event.block_hashes,
-                                           last.parent_block_hash, last.token_ids + event.token_ids,
-                                           last.block_size, last.lora_id, last.medium)
+                and (event.block_size, event.lora_id, event.medium, event.group_idx)
+                == (last.block_size, last.lora_id, last.medium, last.group_idx)):
+            self._events[-1] = replace(last, block_hashes=last.block_hashes + event.block_hashes,
+                                       token_ids=last.token_ids + event.token_ids)
             return
         self._events.append(event)
 
@@ -120,10 +159,15 @@ class KVEventBuffer:
 def encode_event(event: KVCacheEvent) -> list:
     """One event as vLLM's array-like msgpack struct (the tag first, then the fields in order)."""
     if isinstance(event, BlockStored):
-        return ["BlockStored", list(event.block_hashes), event.parent_block_hash,
-                list(event.token_ids), event.block_size, event.lora_id, event.medium]
+        fields = ["BlockStored", list(event.block_hashes), event.parent_block_hash,
+                  list(event.token_ids), event.block_size, event.lora_id, event.medium]
+        if event.group_idx is not None:  # lora_name and extra_keys (None), then the group
+            fields += [None, None, event.group_idx, event.kv_cache_spec_kind,
+                       event.kv_cache_spec_sliding_window]
+        return fields
     if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", list(event.block_hashes), event.medium]
+        fields = ["BlockRemoved", list(event.block_hashes), event.medium]
+        return fields if event.group_idx is None else fields + [event.group_idx]
     if isinstance(event, AllBlocksCleared):
         return ["AllBlocksCleared"]
     raise TypeError(f"not a KV event: {type(event).__name__}")
@@ -140,9 +184,10 @@ def decode_event(fields: list) -> KVCacheEvent:
     tag, rest = fields[0], fields[1:]
     if tag == "BlockStored":
         hashes, parent, token_ids, block_size, lora_id, medium = rest[:6]
-        return BlockStored(list(hashes), parent, list(token_ids), block_size, lora_id, medium)
+        group = rest[8:11] if len(rest) > 8 else ()  # past lora_name and extra_keys
+        return BlockStored(list(hashes), parent, list(token_ids), block_size, lora_id, medium, *group)
     if tag == "BlockRemoved":
-        return BlockRemoved(list(rest[0]), rest[1])
+        return BlockRemoved(list(rest[0]), rest[1], *rest[2:3])
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     raise ValueError(f"unknown KV event tag {tag!r}")

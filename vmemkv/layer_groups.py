@@ -7,6 +7,7 @@ between the groups). ``hybrid.HybridKVCacheManager`` runs one manager per group.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Sequence
 
 from .cache_config import CacheConfig
@@ -61,11 +62,18 @@ def split_blocks(config: CacheConfig, groups: LayerGroups, chunk_tokens: int | N
 def group_configs(config: CacheConfig, groups: LayerGroups, chunk_tokens: int | None = None,
                   local_blocks: int | None = None) -> tuple[CacheConfig, CacheConfig]:
     """The (global, local) groups' configs: their layers, blocks (``split_blocks``) and share of
-    the swap space, and pages of one number of tokens (a group's rows are shorter than the whole
-    model's, so its pages may hold more tokens: both take the larger count, or a clear error)."""
+    the swap space and host tier, and pages of one number of tokens (a group's rows are shorter than the whole
+    model's, so its pages may hold more tokens: both take the larger count, or a clear error),
+    and one hash seed."""
     num_global, num_local = len(groups.global_layers), len(groups.local_layers)
-    configs = [dataclasses.replace(config, num_layers=layers, sliding_window=window,
-                                   swap_space_bytes=config.swap_space_bytes * layers // config.num_layers)
+    # One hash seed for both: a block's hash names its content in either group (as vLLM's groups
+    # share a request's block hashes), so KV events of both groups speak of one hash per content.
+    seed = config.hash_seed if config.hash_seed is not None else os.urandom(32)
+    # Host bytes (swap space, the host tier) by layers: as many host blocks in each group, for a
+    # request's two halves swap out together and a host hit is promoted only where both hold it.
+    configs = [dataclasses.replace(config, num_layers=layers, sliding_window=window, hash_seed=seed,
+                                   swap_space_bytes=config.swap_space_bytes * layers // config.num_layers,
+                                   host_cache_bytes=config.host_cache_bytes * layers // config.num_layers)
                for layers, window in ((num_global, None), (num_local, groups.window))]
     tokens = [group.make_layout().tokens_per_page for group in configs]
     if tokens[0] != tokens[1] and not config.page_size:

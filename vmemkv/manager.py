@@ -362,7 +362,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
             raise PrefixCacheBusyError(
                 f"cannot reset the prefix cache: {self.pool.num_in_use} blocks are held by "
                 f"{len(self._requests)} request(s); free or finish them first")
-        return self.pool.reset_cache() + self.host_tier.clear(self.swap)
+        return self.pool.reset_cache() + self.host_tier.clear()
 
     # --- what attention and the engine read ---------------------------------------------------
     def kv_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

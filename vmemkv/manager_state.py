@@ -127,7 +127,7 @@ class ManagerState:
         self.swap = SwapSpace(config.swap_space_bytes // block_bytes + host_tier_blocks, block_bytes,
                               pin_memory=str(config.device).startswith("cuda"))
         self.stats = CacheStats()
-        self.host_tier = HostTier(host_tier_blocks, block_bytes, self.tokens_per_page, self.events,
+        self.host_tier = HostTier(host_tier_blocks, self.swap, self.tokens_per_page, self.events,
                                   self.stats)
         if host_tier_blocks:
             self.pool.on_evict = self._demote
@@ -398,14 +398,14 @@ class ManagerState:
         claimed = self.host_tier.claim(host_hits)  # the take's own demotions cannot evict them
         blocks = self.pool.take(planned)
         promoted = blocks[:len(host_hits)]
-        origins = self.host_tier.promote(self.swap, self.block_window(), host_hits, claimed, promoted)
+        origins = self.host_tier.promote(self.block_window(), host_hits, claimed, promoted)
         for block, block_hash, origin in zip(promoted, host_hits, origins):
             self.pool.register(block, block_hash, origin.token_ids, origin.parent_hash, origin.root)
         return blocks
 
     def _demote(self, evicted: list[EvictedBlock]) -> None:
         """The pool's eviction hook: evicted cached blocks go to the host tier."""
-        self.host_tier.demote(self.swap, self.block_window(), evicted)
+        self.host_tier.demote(self.block_window(), evicted)
 
     def _admission_request(self, request, token_ids, keys) -> KVRequest:
         """The KVRequest ``admit`` works on: the caller's (its tokens checked), or a new one."""

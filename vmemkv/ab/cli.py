@@ -9,6 +9,7 @@ contiguous) or in block tables, measured side by side.
     vmemkv ab --workloads multi-turn --host-cache-bytes 67108864   # the prefix cache's host tier
     vmemkv ab --tensor-parallel-size 2 --quick  # every variant on 2 ranks (model and KV heads split)
     vmemkv ab --workloads window --model tiny-mistral  # long generations, sliding window: KV per request
+    vmemkv ab --workloads hybrid --model tiny-gemma2   # local + global layers: KV per request, requests at once
     python -m vmemkv.ab.cli ...                 # the same without the `vmemkv` entry point
 
 Results go to ``--out`` (default ``experiments/results/local/ab``, which git ignores, so a run never
@@ -16,8 +17,9 @@ overwrites the recorded results; ``--out experiments/results/ab`` records one): 
 ``ab.json`` and PNG plots (skipped with ``--no-plots`` or without matplotlib). The workloads are sized for the engine's real
 page (``tokens_per_page`` of each variant's KV layout: 16 on CPU by default, 1024 for tiny-llama
 in fp32 on 2 MiB CUDA pages). The exit status is 1 when a check fails (greedy tokens differ
-between variants, the pressure workload never preempts, the window workload preempts, vmem and
-paged disagree on the prefix hit rate).
+between variants, the pressure workload never preempts, a sliding-window workload (window,
+hybrid) preempts where blocks behind the window are released or runs every request at once where
+they are kept, vmem and paged disagree on the prefix hit rate).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ DEFAULT_REPEATS = 3
 def add_ab_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``vmemkv ab`` options. It brings its own ``--model``: don't combine with
     ``vmemkv.cli.add_engine_args`` (each workload sets its own engine sizes)."""
-    from .runner import VARIANTS
+    from .variants import DEFAULT_VARIANTS, KEEP_VARIANTS, VARIANTS
     from .workloads import DEFAULT_WORKLOADS, REAL_MODEL_WORKLOADS, WORKLOADS
 
     parser.add_argument("--workloads", default=None,
@@ -43,8 +45,10 @@ def add_ab_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{','.join(REAL_MODEL_WORKLOADS)} on a real model such as "
                              "smollm2-135m-instruct, where chat-real is real text from "
                              "vmemkv/ab/data/chat_prompts.json through its chat template)")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated, from {', '.join(VARIANTS)} (default: all)")
+    parser.add_argument("--variants", default=None,
+                        help=f"comma-separated, from {', '.join(VARIANTS)} (default: "
+                             f"{','.join(DEFAULT_VARIANTS)}, and {','.join(KEEP_VARIANTS)} with "
+                             "a sliding-window workload: window, hybrid)"),
     parser.add_argument("--repeats", type=int, default=None,
                         help=f"timed runs per variant and workload (default {DEFAULT_REPEATS}; "
                              "1 with --quick)")
@@ -117,12 +121,15 @@ def command_line(args: argparse.Namespace, repeats: int) -> str:
 
 def run_ab(args: argparse.Namespace) -> int:
     from . import report
-    from .runner import VARIANTS, run_experiment
+    from .runner import run_experiment
+    from .variants import VARIANTS, default_variants
     from .workloads import WORKLOADS, default_workloads
 
     if args.workloads is None:
         args.workloads = ",".join(default_workloads(args.model))
     workloads = _names(args.workloads, WORKLOADS, "workload(s)")
+    if args.variants is None:
+        args.variants = ",".join(default_variants(workloads))
     variants = _names(args.variants, VARIANTS, "variant(s)")
     repeats = args.repeats if args.repeats is not None else 1 if args.quick else DEFAULT_REPEATS
     if repeats < 1:

@@ -1,4 +1,7 @@
-"""Formats an A/B result: the table, an honest summary, ``ab.md``, ``ab.json`` and PNG plots."""
+"""Formats an A/B result: the table, an honest summary, ``ab.md``, ``ab.json`` and PNG plots.
+
+(About 420 lines: the summary's sentences, one per comparison the variants run allow, beside the
+table, the files and the plots they describe.)"""
 
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ COLUMNS = (
     ("ITL p99 ms", "itl_p99_ms", "{:.0f}", 1.0),
     ("peak KV MiB", "peak_kv_mib", "{:.2f}", 1.0),
     ("KV/req KiB", "peak_kv_bytes_per_request", "{:.0f}", 1 / 1024),
+    ("running", "most_running", "{:.0f}", 1.0),
+    ("fit", "requests_fit", "{:.0f}", 1.0),
     ("frag %", "internal_fragmentation", "{:.1f}", 100.0),
     ("hit %", "prefix_hit_rate", "{:.1f}", 100.0),
     ("preempt", "preemptions", "{:.0f}", 1.0),
@@ -29,7 +34,8 @@ COLUMNS = (
 )
 # Columns that also show their min-max over repeats.
 WITH_RANGE = {"output_tokens_per_s", "output_tokens_per_cpu_s"}
-COLORS = {"vmem": "#1f77b4", "paged": "#ff7f0e", "vmem-per-layer": "#2ca02c", "paged-per-layer": "#d62728"}
+COLORS = {"vmem": "#1f77b4", "paged": "#ff7f0e", "vmem-per-layer": "#2ca02c", "paged-per-layer": "#d62728",
+          "vmem-keep": "#9467bd", "paged-keep": "#8c564b"}
 
 
 # --- machine ---------------------------------------------------------------------------------------
@@ -222,6 +228,7 @@ def summary(result: dict) -> str:
         parts.append(_throughput_verdict(
             result, "vmem-per-layer", "paged-per-layer",
             lead="In the per-layer layout (the same bytes, other addressing), throughput"))
+    parts += _release_against_keep(result)
     failures = result.get("failures") or []
     parts.append("Greedy token ids were identical across variants on every greedy workload."
                  if not failures else "PROBLEMS: " + "; ".join(failures) + ".")
@@ -232,6 +239,30 @@ def summary(result: dict) -> str:
                      "TPOT) carry other processes' noise; tokens per CPU-second is the steadier "
                      "comparison.")
     return " ".join(parts)
+
+
+def _release_against_keep(result: dict) -> list[str]:
+    """On each sliding-window workload: KV per request and the requests the pool fits, releasing
+    the blocks behind the window against keeping every block, per KV backend."""
+    sentences = []
+    variants = result["config"]["variants"]
+    for w in result["results"]:
+        if not result["workloads"][w].get("sliding_window"):
+            continue
+        pairs = []
+        for base in ("vmem", "paged"):
+            keep = f"{base}-keep"
+            if base not in variants or keep not in variants:
+                continue
+            kv, fit, preempted = ({v: _metric(result, w, v, key)["median"] for v in (base, keep)}
+                                  for key in ("peak_kv_bytes_per_request", "requests_fit", "preemptions"))
+            pairs.append(f"{base} holds {kv[base] / 1024:.0f} KiB per request releasing (the "
+                         f"pool fits {fit[base]:.0f}), {kv[keep] / 1024:.0f} KiB "
+                         f"({kv[keep] / kv[base]:.2f}x) keeping every block ({keep}: fits "
+                         f"{fit[keep]:.0f}, {preempted[keep]:.0f} preemptions)")
+        if pairs:
+            sentences.append(f"On {w}, {'; '.join(pairs)}.")
+    return sentences
 
 
 # --- files ---------------------------------------------------------------------------------------
@@ -269,6 +300,9 @@ def markdown(result: dict) -> str:
               "completion's consecutive tokens."),
               ("- tok/CPU-s: output tokens per CPU-second of this process (all threads), steadier "
               "than wall time when other processes share the cores."),
+              ("- KV/req KiB: the most KV bytes held per running request (both layout groups of a "
+              "hybrid model); running: the most requests running at once; fit: the pool's bytes "
+              "over KV/req, the requests it holds at that size side by side."),
               ("- peak KV MiB: the most pool pages held at once x page bytes; frag %: bytes held by "
               "running sequences past the bytes their tokens fill, over the bytes filled "
               "(averaged over steps)."),

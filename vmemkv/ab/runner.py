@@ -28,33 +28,9 @@ from ..engine.llm_engine import LLMEngine
 from ..engine.metrics import percentile
 from ..engine.models import load_model
 from ..engine.sampling_params import SamplingParams
+from .variants import REFERENCE_VARIANT, VARIANTS, Variant
 from .workloads import Workload, make_workload
 
-
-@dataclass(frozen=True)
-class Variant:
-    name: str
-    kv_backend: str
-    layout: str
-    description: str
-
-    def engine_fields(self) -> dict:
-        return {"kv_backend": self.kv_backend, "layout": self.layout}
-
-
-VARIANTS: dict[str, Variant] = {
-    "vmem": Variant("vmem", "vmem", "token_major",
-                    "virtually contiguous slots, token-major pages (all layers of each token)"),
-    "paged": Variant("paged", "paged", "token_major",
-                     "block tables over the same pool (blocks gathered into a copy for CPU SDPA)"),
-    "vmem-per-layer": Variant("vmem-per-layer", "vmem", "per_layer",
-                              "virtually contiguous, vAttention's per-layer K/V tensors "
-                              "(2 x layers map calls per page)"),
-    "paged-per-layer": Variant("paged-per-layer", "paged", "per_layer",
-                               "block tables over the per-layer pool (the same bytes as "
-                               "vmem-per-layer; blocks gathered into a copy for CPU SDPA)"),
-}
-REFERENCE_VARIANT = "vmem"  # token ids of the other variants are compared with this one's
 
 # Every run's metrics dict has exactly these keys (all numbers).
 METRIC_KEYS = (
@@ -63,7 +39,7 @@ METRIC_KEYS = (
     "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms",
     "tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms",
     "itl_mean_ms", "itl_p50_ms", "itl_p99_ms",
-    "peak_kv_bytes", "peak_kv_mib", "peak_kv_bytes_per_request", "most_running",
+    "peak_kv_bytes", "peak_kv_mib", "peak_kv_bytes_per_request", "most_running", "requests_fit",
     "internal_fragmentation", "prefix_hit_rate",
     "prefix_hit_rate_host", "host_demotions", "host_promotions",
     "preemptions", "preemptions_swap", "preemptions_recompute", "evictions", "forks", "blocks_copied",
@@ -107,6 +83,8 @@ def run_once(model, tokenizer, model_name: str, workload: Workload, variant: Var
               else LLMEngine(config, model, tokenizer))
     try:
         page_tokens = engine.manager.tokens_per_page
+        cache = engine.manager.config  # the whole model's, also for a hybrid model's two groups
+        pool_bytes = cache.num_blocks * cache.make_layout().block_bytes
         gc.collect()
         token_times: dict[tuple[str, int], list[float]] = {}
         finished: dict[str, object] = {}
@@ -135,7 +113,8 @@ def run_once(model, tokenizer, model_name: str, workload: Workload, variant: Var
     tokens = {rid: [list(c.token_ids) for c in sorted(out.outputs, key=lambda c: c.index)]
               for rid, out in finished.items()}
     metrics = _metrics(workload, stats, token_times, start, wall, cpu)
-    metrics.update(peak_kv_bytes_per_request=per_request.kv_bytes, most_running=per_request.running)
+    metrics.update(peak_kv_bytes_per_request=per_request.kv_bytes, most_running=per_request.running,
+                   requests_fit=pool_bytes // per_request.kv_bytes if per_request.kv_bytes else 0.0)
     return RunResult(workload.name, variant.name, repeat, metrics, tokens, page_tokens)
 
 
@@ -173,7 +152,7 @@ def _metrics(workload: Workload, stats: dict,
                 "attention_seconds"):
         m[key] = float(stats.get(key, 0.0))
     m["peak_kv_mib"] = m["peak_kv_bytes"] / 2**20
-    m["peak_kv_bytes_per_request"] = m["most_running"] = 0.0  # run_once samples them
+    m["peak_kv_bytes_per_request"] = m["most_running"] = m["requests_fit"] = 0.0  # run_once samples them
     # prompt tokens served from the host tier (promoted), a part of prefix_hit_rate
     queried = stats.get("prefix_queried_tokens", 0)
     m["prefix_hit_rate_host"] = stats.get("prefix_hit_tokens_host", 0) / queried if queried else 0.0
@@ -197,7 +176,8 @@ def _metrics(workload: Workload, stats: dict,
 
 class PeakPerRequest:
     """The most KV bytes the running requests held per request, and the most requests running,
-    sampled after every step (a sliding-window model's requests hold about a window each)."""
+    sampled after every step (a sliding-window model's requests hold about a window each). The
+    pool's bytes over the first: ``requests_fit``, how many such requests the pool holds."""
 
     def __init__(self) -> None:
         self.kv_bytes = self.running = 0.0
@@ -351,7 +331,8 @@ def summarize(workloads: dict[str, Workload], variants: list[str], runs: list[Ru
 def failures(workloads: dict[str, Workload], results: dict, checks: dict | None = None) -> list[str]:
     """What the run must not show: differing greedy tokens, a pressure workload that never
     preempted, a sliding-window workload that preempted (its pool holds every request only with
-    release behind the window), vmem and paged disagreeing on the prefix hit rate. A variant whose pages hold
+    release behind the window) or whose keep-every-block variant ran every request at once (then
+    the pool shows nothing), vmem and paged disagreeing on the prefix hit rate. A variant whose pages hold
     other than the workload's tokens per page (``checks[name]["other_page_size"]``) is not held
     to preempting: the pool was sized in the workload's pages."""
     problems = []
@@ -369,9 +350,13 @@ def failures(workloads: dict[str, Workload], results: dict, checks: dict | None 
                     problems.append(f"{name}: {variant} never preempted; shrink num_blocks")
         if workload.sliding_window is not None:
             for variant, result in per_variant.items():
-                if result["metrics"]["preemptions"]["max"] > 0:
+                metrics = result["metrics"]
+                if VARIANTS[variant].release and metrics["preemptions"]["max"] > 0:
                     problems.append(f"{name}: {variant} preempted: the pool holds every request "
                                     "only if blocks behind the window go back to it")
+                if not VARIANTS[variant].release and metrics["requests_fit"]["max"] >= len(workload.requests):
+                    problems.append(f"{name}: {variant} fits every request keeping every block: "
+                                    "the pool is too large to show what release saves")
         if "vmem" in per_variant and "paged" in per_variant:
             a = per_variant["vmem"]["metrics"]["prefix_hit_rate"]["median"]
             b = per_variant["paged"]["metrics"]["prefix_hit_rate"]["median"]

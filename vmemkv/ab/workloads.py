@@ -12,7 +12,9 @@ system prompt spans whole pages, and the pressure workload's prompts end just sh
 boundary on a pool that cannot give every request its next page.
 
 ``window`` needs a sliding-window model (``--model tiny-mistral``; the runner refuses others):
-its pool holds each request's window, not its whole length.
+its pool holds each request's window, not its whole length. ``hybrid`` needs a model mixing
+local and global layers (``--model tiny-gemma2``): its pool holds the global layers' whole
+lengths and the local layers' windows.
 
 ``chat-real`` is the exception to the random ids: real text stored in the package
 (``data/chat_prompts.json``: four assistants' system prompts, each with its own user questions),
@@ -36,7 +38,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from ..engine.chat import chat_prompt_ids, has_chat_template
-from ..hf_support import uniform_window
+from ..hf_support import hybrid_layer_windows, uniform_window
+from ..window import peak_blocks
 from ..engine.sampling_params import SamplingParams
 
 TOKEN_MIN, TOKEN_MAX = 1, 250
@@ -60,6 +63,9 @@ class Workload:
     # back to the pool in every variant).
     sliding_window: int | None = None
     tokens_per_page: int = DEFAULT_TOKENS_PER_PAGE  # the page the sizes above were chosen for
+    # The model mixes local layers (of at most ``sliding_window``) and global ones (the engine's
+    # two layout groups), rather than every layer sliding.
+    hybrid: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -72,8 +78,7 @@ class Workload:
 
     def pages_at_full_length(self, tokens_per_page: int) -> int:
         """Pages every sequence needs at full length at once, nothing shared."""
-        return sum(pages(len(ids) + p.max_tokens, tokens_per_page) * p.n
-                   for _, ids, p in self.requests)
+        return sum(full_length_pages(self.requests, tokens_per_page))
 
     def engine_for(self, tokens_per_page: int) -> dict:
         """The engine sizes for a variant whose pages hold ``tokens_per_page`` tokens: this
@@ -82,9 +87,8 @@ class Workload:
         engine = dict(self.engine)
         if tokens_per_page != self.tokens_per_page:
             pool_tokens = engine["num_blocks"] * self.tokens_per_page
-            floor = (max(pages(len(ids) + p.max_tokens, tokens_per_page) * p.n
-                         for _, ids, p in self.requests)
-                     if self.expect_preemption else self.pages_at_full_length(tokens_per_page))
+            each = full_length_pages(self.requests, tokens_per_page)
+            floor = max(each) if self.expect_preemption else sum(each)
             engine["num_blocks"] = max(pages(pool_tokens, tokens_per_page), floor)
         return engine
 
@@ -92,6 +96,14 @@ class Workload:
         """ValueError unless ``model`` suits this workload: one sized for a sliding window needs
         every layer to attend at most that many tokens back (its pool holds no more)."""
         if self.sliding_window is None:
+            return
+        if self.hybrid:
+            windows = hybrid_layer_windows(model.config, self.engine["max_model_len"])
+            if not windows or max(w for w in windows if w) > self.sliding_window:
+                raise ValueError(f"workload {self.name!r} needs a model mixing local layers (a "
+                                 f"sliding window of at most {self.sliding_window} tokens) with "
+                                 f"global ones; {model.config.model_type} does not: use "
+                                 "--model tiny-gemma2")
             return
         window = uniform_window(model.config)
         if window is None or window > self.sliding_window:
@@ -127,11 +139,15 @@ def pages(tokens: int, tokens_per_page: int) -> int:
     return -(-tokens // tokens_per_page)
 
 
+def full_length_pages(requests: list[Request], tokens_per_page: int) -> list[int]:
+    """The pages each request's sequences (all ``n`` of them) need at full length."""
+    return [pages(len(ids) + p.max_tokens, tokens_per_page) * p.n for _, ids, p in requests]
+
+
 def _roomy_pool(requests: list[Request], tokens_per_page: int, min_tokens: int = 8192) -> int:
     """A pool with no pressure: every sequence at full length at once (nothing shared), and at
     least ``min_tokens`` tokens (512 pages of 16, as these workloads always had)."""
-    need = sum(pages(len(ids) + p.max_tokens, tokens_per_page) * p.n for _, ids, p in requests)
-    return max(need, pages(min_tokens, tokens_per_page))
+    return max(sum(full_length_pages(requests, tokens_per_page)), pages(min_tokens, tokens_per_page))
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -222,7 +238,7 @@ def pressure(seed: int = 0, quick: bool = False,
     prompt_pages = sum(pages(len(ids), tokens_per_page) for _, ids, _ in requests)
     num_blocks = prompt_pages + count // 2
     prompt_tokens = sum(len(ids) for _, ids, _ in requests)
-    working_set = sum(pages(len(ids) + output, tokens_per_page) for _, ids, _ in requests)
+    working_set = sum(full_length_pages(requests, tokens_per_page))
     low, high = (n * tokens_per_page for n in page_range)
     return Workload("pressure", f"{count} requests of {low - slack}-{high - 1} prompt + "
                     f"{output} output tokens ({working_set} pages of {tokens_per_page} tokens at "
@@ -267,7 +283,7 @@ def prefix_groups(seed: int = 0, quick: bool = False,
         for g in range(groups):
             question = _tokens(rng, rng.randint(8, 24))
             requests.append((f"group-{g}-{q}", systems[g] + question, _greedy(output)))
-    longest = max(pages(len(ids) + output, tokens_per_page) for _, ids, _ in requests)
+    longest = max(full_length_pages(requests, tokens_per_page))
     num_blocks = slots * longest + 2 * system_pages
     return Workload("prefix-groups", f"{groups} groups x {per_group} questions (8-24 tokens) after "
                     f"each group's {system_len}-token system prompt ({system_pages} pages), groups "
@@ -311,7 +327,7 @@ def multi_turn(seed: int = 0, quick: bool = False,
         requests += [(f"traffic-{turn}-{i}", _tokens(rng, traffic_len), _greedy(4))
                      for i in range(traffic)]
     slots = 2
-    longest = max(pages(len(ids) + p.max_tokens, tokens_per_page) for _, ids, p in requests)
+    longest = max(full_length_pages(requests, tokens_per_page))
     num_blocks = slots * longest + system_pages  # the running requests, little else
     return Workload("multi-turn", f"{chats} conversations x {turns} turns, each turn re-sending "
                     f"its conversation ({system_len}-token system prompt, then {message}-token "
@@ -353,6 +369,42 @@ def window(seed: int = 0, quick: bool = False,
                     {"max_num_seqs": count, "max_model_len": max(1024, 256 * pages(longest, 256)),
                      "num_blocks": num_blocks, "max_num_batched_tokens": 512},
                     tokens_per_page=tokens_per_page, sliding_window=TINY_MISTRAL_WINDOW)
+
+
+def hybrid(seed: int = 0, quick: bool = False,
+           tokens_per_page: int = DEFAULT_TOKENS_PER_PAGE) -> Workload:
+    """Long generations on a model mixing local and global layers (``--model tiny-gemma2``: half
+    its layers local, window ``TINY_GEMMA2_WINDOW`` 128, alternating with global ones). The engine
+    keeps the two kinds in two layout groups: the global layers hold every block, the local ones
+    their window. The pool is sized for exactly that: every request at full length in the global
+    layers (and a lookahead page each), plus the local group's share (``layer_groups.split_blocks``:
+    each slot's window and a chunk), so all requests run at once only when the local layers give
+    back their blocks behind the window; a variant keeping every block (``vmem-keep``,
+    ``paged-keep``) fits fewer at once and preempts. The A/B compares KV per request, how many
+    requests ran at once, and the greedy tokens."""
+    from ..engine.models import TINY_GEMMA2_WINDOW
+
+    rng = random.Random(f"hybrid-{seed}")
+    count, output = (3, 384) if quick else (6, 768)
+    requests = [(f"hybrid-{i}", _tokens(rng, rng.randint(24, 40)), _greedy(output))
+                for i in range(count)]
+    longest = max(len(ids) + p.max_tokens for _, ids, p in requests)
+    max_model_len, chunk = max(1024, 256 * pages(longest, 256)), 128
+    # split_blocks' local share, and the global layers' blocks: both groups' blocks are half a
+    # whole-model block (two of tiny-gemma2's four layers), so the pool is half their sum
+    local = count * (peak_blocks(max_model_len, 1, TINY_GEMMA2_WINDOW, tokens_per_page) + 1) + pages(
+        chunk, tokens_per_page)
+    global_ = sum(full_length_pages(requests, tokens_per_page)) + count
+    num_blocks = -(-(local + global_) // 2)
+    return Workload("hybrid", f"{count} requests of 24-40 prompt + {output} output tokens on a "
+                    f"model with local ({TINY_GEMMA2_WINDOW}-token window) and global layers, on "
+                    f"a {num_blocks}-page pool (every request's global layers at full length, the "
+                    f"local layers' windows; {max(full_length_pages(requests, tokens_per_page))} "
+                    "pages a request keeping every block): fits only with release behind the "
+                    "window, greedy", requests,
+                    {"max_num_seqs": count, "max_model_len": max_model_len,
+                     "num_blocks": num_blocks, "max_num_batched_tokens": chunk},
+                    tokens_per_page=tokens_per_page, sliding_window=TINY_GEMMA2_WINDOW, hybrid=True)
 
 
 # --- real text: chat-real ----------------------------------------------------------------------------
@@ -454,6 +506,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "prefix-groups": prefix_groups,
     "multi-turn": multi_turn,
     "window": window,  # on a sliding-window model only: --model tiny-mistral
+    "hybrid": hybrid,  # on a model with local and global layers only: --model tiny-gemma2
 }
 # Workloads built from text: make_workload passes them the model's tokenizer.
 TEXT_WORKLOADS = frozenset({"chat-real"})

@@ -5,7 +5,8 @@ contiguous attention (or FlashAttention over the slots), and decoding sequences 
 block mapped ahead of time (``lookahead``). ``kv_backend="paged"``: every sequence is a block table,
 read by the block-table attention (or FlashAttention over block tables). ``choose_addressing``
 resolves the backend and the attention kernel (``config.attention``) into one of the two
-strategies below; the step never branches on either again.
+strategies below (block tables of a hybrid model: one table per layout group); the step never
+branches on either again.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from ..attention import BlockTableAttention, ContiguousAttention, SequenceSpan
 from ..attention.choice import AttentionChoice, choose_attention
 from ..attention.flash import FlashBlockTableAttention, FlashSlotAttention
+from ..hybrid import HybridKVCacheManager
 from ..manager import KVCacheManager
 from ..request import KVRequest
 from .config import EngineConfig
@@ -78,6 +80,48 @@ class BlockTableAddressing(Addressing):
         return SequenceSpan(kv.slot, begin, count, computed, kv.block_table)
 
 
+class GroupedAttention:
+    """A hybrid model's step attention: one attention per layout group, each over its group's
+    spans (its own block tables), and each layer sent to its group's (``group_of[layer]``).
+    ``spans``: the step's spans as the addressing made them (one per group for each sequence)."""
+
+    def __init__(self, parts: list, group_of: list[int], spans: list):
+        self.parts, self.group_of, self.spans = parts, group_of, spans
+
+    def upload(self, **model_inputs: list[int]) -> dict:
+        inputs = self.parts[0].upload(**model_inputs)
+        for part in self.parts[1:]:
+            part.upload()
+        return inputs
+
+    def __call__(self, layer: int, *args, **kwargs):
+        return self.parts[self.group_of[layer]](layer, *args, **kwargs)
+
+    seconds = property(lambda self: sum(part.seconds for part in self.parts))
+    copy_seconds = property(lambda self: sum(part.copy_seconds for part in self.parts))
+
+
+class GroupedBlockTableAddressing(BlockTableAddressing):
+    """Block tables of a hybrid model (``HybridKVCacheManager``): each layout group has its own
+    pool, so a sequence has one block table per group (the local group's with its blocks behind
+    the window released), and each group's layers read through its own. A span is the pair."""
+
+    def __init__(self, manager: HybridKVCacheManager, device, choice: AttentionChoice):
+        super().__init__(manager, device, choice)
+        self.local_request = manager.local_request
+        group_of = [0] * manager.config.num_layers
+        for layer in manager.groups.local_layers:
+            group_of[layer] = 1
+        one_group = self.attention
+        self.attention = lambda spans: GroupedAttention(
+            [one_group([pair[0] for pair in spans]), one_group([pair[1] for pair in spans])], group_of,
+            spans)
+
+    def span(self, kv: KVRequest, begin: int, count: int, computed: int) -> tuple[SequenceSpan, SequenceSpan]:
+        return (super().span(kv, begin, count, computed),
+                super().span(self.local_request(kv), begin, count, computed))
+
+
 def choose_addressing(config: EngineConfig, manager: KVCacheManager, device,
                       num_query_heads: int) -> Addressing:
     """``config.kv_backend`` and ``config.attention`` resolved once for this device, dtype, shapes."""
@@ -86,4 +130,8 @@ def choose_addressing(config: EngineConfig, manager: KVCacheManager, device,
     choice = choose_attention(config.attention, device, config.kv_backend, layout.dtype,
                               num_query_heads, layout.num_kv_heads, layout.head_dim,
                               manager.tokens_per_page, None if paged else manager.kv_views(0))
-    return (BlockTableAddressing if paged else SlotAddressing)(manager, device, choice)
+    if not paged:
+        return SlotAddressing(manager, device, choice)
+    # layout groups: a HybridKVCacheManager, or a view of one (a tensor-parallel worker's)
+    grouped = hasattr(manager, "local_request")
+    return (GroupedBlockTableAddressing if grouped else BlockTableAddressing)(manager, device, choice)

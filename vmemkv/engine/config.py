@@ -56,6 +56,10 @@ class EngineConfig:
     # "triton": decodes in one Triton launch that reads the cache in place, prefill by SDPA (CUDA);
     # "sdpa": PyTorch SDPA per sequence; "auto": flash if it runs here, else triton, else sdpa.
     attention: Literal["auto", "flash", "triton", "sdpa"] = "auto"
+    # Sliding windows: give back the blocks behind each layer's window while a request runs (one
+    # window for every layer, or local and global layers in two layout groups: hybrid.py); False
+    # keeps every block (O(length) KV per request: the A/B's keep-everything baseline).
+    release_behind_window: bool = True
     # Decoding requests get the block their next `lookahead_tokens` tokens need mapped on a
     # background thread while the current step computes (0: map only when needed, inline).
     lookahead_tokens: int = 1
@@ -91,6 +95,9 @@ class EngineConfig:
         if self.tensor_parallel_size < 1 or self.tensor_parallel_timeout <= 0:
             raise ConfigError(f"tensor_parallel_size must be at least 1 and tensor_parallel_timeout "
                               f"positive; got {self.tensor_parallel_size}, {self.tensor_parallel_timeout}")
+        if type(self.release_behind_window) is not bool:
+            raise ConfigError(f"release_behind_window must be True or False, got "
+                              f"{self.release_behind_window!r}")
         self.torch_dtype  # validates the name
 
     @property
@@ -103,6 +110,7 @@ class EngineConfig:
     def cache_config(self, model) -> CacheConfig:
         """The KV cache for ``model`` (a Hugging Face causal LM) under this configuration; without
         ``num_blocks``, enough blocks for every slot at full length."""
-        return cache_config_for(model, check_token_ids=True, release_behind_window=True,
+        return cache_config_for(model, check_token_ids=True,
+                                release_behind_window=self.release_behind_window,
                                 dtype=next(model.parameters()).dtype,
                                 **{name: getattr(self, name) for name in CACHE_FIELDS})

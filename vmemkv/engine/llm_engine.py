@@ -15,8 +15,8 @@ from typing import Sequence as Seq
 from .. import validation as check
 from ..errors import ConfigError, RequestTooLongError
 from ..hashing import CacheKeys
-from ..hf_support import check_attention_supported, hybrid_layer_windows, text_config
-from ..hybrid import HybridKVCacheManager, hybrid_manager
+from ..hf_support import check_attention_supported, text_config
+from ..hybrid import hybrid_manager
 from ..kv_events import KVEventBuffer
 from ..kv_metrics import KVMetricsCollector
 from ..manager import KVCacheManager
@@ -26,6 +26,7 @@ from .chat import end_of_turn_token_ids
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .distributed import TensorParallelLeader
+from .distributed.step import hybrid_windows
 from .kv_event_publisher import KVEventPublisher
 from .metrics import EngineMetrics
 from .model_runner import ModelRunner
@@ -65,17 +66,15 @@ class LLMEngine:
         # KV events: the manager's pool fills the buffer, each step publishes it as one batch.
         self.kv_events = KVEventBuffer() if config.kv_events_endpoint else None
         # Local and global layers (Gemma-2/3, GPT-OSS): one manager per layout group (hybrid.py),
-        # so the local layers' blocks behind the window go back to the pool (slots). Under tensor
-        # parallelism every rank builds the same groups (distributed/step.py).
+        # so the local layers' blocks behind the window go back to the pool (slots or block
+        # tables). Under tensor parallelism every rank builds the same groups (distributed/step.py).
         cache = config.cache_config(model)
-        grouped = (self.kv_events is None and cache.kv_backend == "vmem"
-                   and not cache.host_cache_bytes)
-        windows = hybrid_layer_windows(model.config, config.max_model_len) if grouped else None
+        windows = hybrid_windows(config, cache, model)
         if tp is not None:
             self.manager = tp.shard_manager(model, self.kv_metrics, windows, events=self.kv_events)
         else:
             self.manager = hybrid_manager(cache, windows, config.max_num_batched_tokens,
-                                          metrics=self.kv_metrics)
+                                          metrics=self.kv_metrics, events=self.kv_events)
             if not self.manager:
                 self.manager = KVCacheManager(cache, metrics=self.kv_metrics, events=self.kv_events)
         self.kv_event_publisher = (KVEventPublisher(config.kv_events_endpoint)
@@ -90,8 +89,7 @@ class LLMEngine:
         self.decode_kernel = self.attention_choice.kind == "triton"
         # Overlapped mapping (slots only): decoding sequences' next block mapped during the forward.
         lookahead = (LookaheadMapper(self.manager, config.lookahead_tokens, self.scheduler.watermark_blocks)
-                     if self.addressing.uses_lookahead and config.lookahead_tokens > 0
-                     and not isinstance(self.manager, HybridKVCacheManager) else None)
+                     if self.addressing.uses_lookahead and config.lookahead_tokens > 0 else None)
         self.runner = StepRunner(model_runner, self.addressing, lookahead)
         self.metrics = EngineMetrics(kv_metrics=self.kv_metrics, cache_stats=self.manager.cache_stats)
         self.groups: dict[str, SequenceGroup] = {}

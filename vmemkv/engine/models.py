@@ -15,14 +15,15 @@ import os
 from typing import NoReturn
 
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig,
-                          PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma2Config, LlamaConfig,
+                          MistralConfig, PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config)
 
 from ..errors import ConfigError
 from .hub import REAL_MODELS, ensure_real_model, hub_config, load_from_hub_cache
 
 BYTE_VOCAB = 256 + 2  # bytes, then <s>, </s>
 TINY_MISTRAL_WINDOW = 128
+TINY_GEMMA2_WINDOW = 128
 
 # The tiny models use a larger init scale than the default 0.02 so that random weights give varied
 # greedy tokens (at 0.02 they repeat one or two tokens, which would make equality tests weak).
@@ -45,6 +46,15 @@ BUILTIN_MODELS: dict[str, PretrainedConfig] = {
                                   max_position_embeddings=4096, rope_theta=10000.0,
                                   initializer_range=0.1,
                                   sliding_window=TINY_MISTRAL_WINDOW),
+    # tiny-llama's shape in Gemma-2's architecture: local (window TINY_GEMMA2_WINDOW) and global
+    # layers alternating, logit soft-capping, q/k scaled by query_pre_attn_scalar. The engine keeps
+    # the two kinds of layer in separate layout groups (the A/B's hybrid workload).
+    "tiny-gemma2": Gemma2Config(vocab_size=512, hidden_size=256, intermediate_size=512,
+                                num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                                head_dim=32, query_pre_attn_scalar=32, max_position_embeddings=4096,
+                                rope_theta=10000.0, initializer_range=0.1,
+                                tie_word_embeddings=False,  # tied, it repeats the last token
+                                sliding_window=TINY_GEMMA2_WINDOW),
     # The shapes of real models, random weights, for benchmarks.
     "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                 num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,

@@ -49,9 +49,9 @@ class StepMessage:
 
 def hybrid_windows(config: EngineConfig, cache: CacheConfig, model) -> list[int | None] | None:
     """Each layer's window when the engine keeps local and global layers in two layout groups,
-    by the rule ``LLMEngine`` applies (slots, no KV events, no host tier), else None. Every rank
+    by the rule ``LLMEngine`` applies (blocks behind the window released), else None. Every rank
     applies it to the same configuration, so every rank builds the same groups."""
-    if config.kv_events_endpoint or cache.kv_backend != "vmem" or cache.host_cache_bytes:
+    if not config.release_behind_window:
         return None
     return hybrid_layer_windows(model.config, config.max_model_len)
 
@@ -60,7 +60,7 @@ def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | Non
                   **manager_options) -> tuple["KVCacheManager | HybridKVCacheManager", Recording]:
     """This rank's manager over its share of the KV heads (``model`` is sharded already), every
     group's backend and swap space recorded; the construction's own calls are not part of any
-    step. ``manager_options`` go to a one-group ``KVCacheManager`` as they are (rank 0's own,
+    step. ``manager_options`` go to the manager (one group's or the hybrid's) as they are (rank 0's own,
     such as its event sink)."""
     # On this rank's own device (cuda:<local rank>; the config says only "cuda").
     cache = replace(config.cache_config(model), device=str(next(model.parameters()).device))
@@ -73,6 +73,7 @@ def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | Non
         groups = None
     if groups:
         manager = HybridKVCacheManager(cache, windows, config.max_num_batched_tokens, metrics=metrics,
+                                       **manager_options,
                                        backends=[_recorded_backend(group, recording) for group in groups])
         managers = [manager.global_group, manager.local_group]
     else:
@@ -80,7 +81,7 @@ def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | Non
                                  **manager_options)
         managers = [manager]
     for group, recorder in zip(managers, recording.recorders):
-        group.swap = SwapRecorder(group.swap, recorder)
+        group.swap = group.host_tier.store = SwapRecorder(group.swap, recorder)  # one store
     recording.take_log()
     return manager, recording
 

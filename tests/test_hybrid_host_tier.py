@@ -1,0 +1,268 @@
+"""The prefix cache's host tier on a hybrid model: each layout group demotes its evicted blocks to
+its own ``HostTier`` over its own host block store (the host bytes split by layers, so both hold
+as many blocks), and an admission promotes a host hit only as far as both groups can. Specs (a
+prefix evicted from both groups is promoted in both, bytes exact; a hit one group's tier lacks is
+promoted in neither; a refused admission leaves both tiers), the host-tier random walk on the two
+groups (every request reads back its own K/V, nothing leaks, each (group, tier)'s events rebuild
+its hashes), and the engine against Hugging Face's tokens on both KV backends."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from conftest import read_kv_matches, write_kv
+from test_host_tier_walk import apply_event, swap_out_or_in
+from test_hybrid_groups import BACKENDS, P, close, make_hybrid
+from vmemkv import AllBlocksCleared, CacheKeys, KVEventBuffer, KVRequest
+from vmemkv.kv_events import MEDIUM_DEVICE
+
+GROUP_BLOCK_BYTES = 16 * 4 * 2 * 2 * 16 * 4  # P tokens x 4 layers x K/V x 2 heads x 16 dim x fp32
+TENANTS = {None: 0, "tenant-a": 1, "tenant-b": 2}  # cache salt -> K/V pattern salt
+
+
+def make_tiered(host_blocks: int = 16, **overrides):
+    """A hybrid manager whose two host tiers each hold ``host_blocks`` blocks."""
+    return make_hybrid(host_cache_bytes=host_blocks * GROUP_BLOCK_BYTES, **overrides)
+
+
+def pairs(manager, req: KVRequest):
+    return ((manager.global_group, req), (manager.local_group, manager.local_request(req)))
+
+
+def start(manager, request_id: str, tokens: list[int], salt: str | None = None) -> KVRequest | None:
+    """Admit, check the hit reads back, write the rest (salted by tenant), commit."""
+    req = KVRequest(request_id, list(tokens), CacheKeys(cache_salt=salt))
+    cached = manager.admit(req)
+    if cached is None:
+        return None
+    assert reads_back(manager, req, salt, cached)
+    for group, request in pairs(manager, req):
+        write_kv(group, request.request_id, cached, len(tokens), TENANTS[salt])
+    manager.commit(req)
+    return req
+
+
+def reads_back(manager, req: KVRequest, salt: str | None, upto: int | None = None) -> bool:
+    """Both groups' computed positions read back their own (tenant's) pattern; the local one
+    from the first block it holds."""
+    local = manager.local_request(req)
+    return (read_kv_matches(manager.global_group, req.request_id, TENANTS[salt])
+            and read_kv_matches(manager.local_group, req.request_id, TENANTS[salt],
+                                start=local.num_released_blocks * P))
+
+
+def traffic(manager, name: str, num_blocks: int) -> None:
+    """Fresh tokens computed and freed: they push cached blocks out of both device pools."""
+    req = start(manager, name, [1000 + sum(map(ord, name))] * (num_blocks * P))
+    if req is not None:
+        manager.free(req)
+
+
+def evicted_prefix(manager) -> list[int]:
+    """A prompt of three full blocks and a partial one, computed, freed, then pushed out of both
+    device pools by other traffic (into the host tiers)."""
+    prompt = list(range(3 * P + 5))
+    manager.free(start(manager, "a", prompt))
+    traffic(manager, "x", 8)
+    assert not manager.global_group.match_prefix(prompt)[0]  # the device forgot it
+    return prompt
+
+
+def tiers(manager) -> tuple:
+    return tuple(group.host_tier.hashes() for group in (manager.global_group, manager.local_group))
+
+
+@pytest.mark.parametrize("kv_backend", BACKENDS)
+def test_a_prefix_evicted_from_both_groups_is_promoted_in_both(kv_backend):
+    manager = make_tiered(num_blocks=8, kv_backend=kv_backend)
+    try:
+        prompt = evicted_prefix(manager)
+        assert all(len(hashes) >= 3 for hashes in tiers(manager))
+        again = start(manager, "b", prompt + [9])
+        assert manager.global_group.num_computed_tokens(again.request_id) == len(prompt) + 1
+        stats = [group.cache_stats() for group in (manager.global_group, manager.local_group)]
+        assert [s.host_promotions for s in stats] == [3, 3]
+        assert manager.cache_stats().prefix_hit_tokens_host == 3 * P
+        assert reads_back(manager, again, None)
+        manager.check()
+    finally:
+        close(manager)
+
+
+@pytest.fixture
+def tiered():
+    manager = make_tiered(num_blocks=8)
+    yield manager
+    manager.check()
+    close(manager)
+
+
+def test_a_host_hit_one_groups_tier_lacks_is_promoted_in_neither(tiered):
+    prompt = evicted_prefix(tiered)
+    held = tiered.global_group.host_tier.hashes()
+    tiered.local_group.host_tier.clear()  # as if the local tier had dropped them
+    req = KVRequest("b", prompt + [9])
+    assert tiered.admit(req) == 0  # nothing both groups hold: computed again
+    assert set(held) <= set(tiered.global_group.host_tier.hashes())  # none claimed or promoted
+    assert tiered.global_group.cache_stats().host_promotions == 0
+    tiered.free(req)
+
+
+def test_a_refused_admission_leaves_both_tiers_as_they_were(tiered):
+    prompt = evicted_prefix(tiered)
+    running = start(tiered, "busy", list(range(500, 500 + 6 * P)))  # 6 of 8 global blocks
+    groups = (tiered.global_group, tiered.local_group)
+    before = tiers(tiered), [group.pool.counters() for group in groups]
+    assert tiered.admit(KVRequest("b", prompt + [9])) is None  # 4 blocks, 2 free
+    assert (tiers(tiered), [group.pool.counters() for group in groups]) == before
+    tiered.free(running)
+
+
+# --- the host-tier walk on two groups ---------------------------------------------------------------
+
+PREFIXES = [[], list(range(1, 1 + P)), list(range(1, 1 + 2 * P)), [9] * (P + 6)]
+
+
+class HybridHostTierMachine(RuleBasedStateMachine):
+    """Requests with shared prefixes and three tenants through two device pools too small for
+    them, so blocks keep moving to both groups' host tiers and back."""
+
+    def __init__(self):
+        super().__init__()
+        self.events = KVEventBuffer()
+        self.m = make_tiered(host_blocks=10, num_blocks=6, max_num_seqs=2, max_model_len=96,
+                             swap_space_bytes=3 * GROUP_BLOCK_BYTES, events=self.events)
+        self.index: dict[tuple[int, str], set[bytes]] = {}  # (group, medium) -> hashes
+        self.running: dict[str, tuple[KVRequest, str | None]] = {}
+        self.swapped: set[str] = set()
+        self.history: list[tuple[tuple[int, ...], str | None]] = []
+        self.next_id = 0
+
+    def begin(self, tokens, salt):
+        if not self.m.num_free_slots and self.running:  # the oldest finishes to make room
+            self.finish(next(iter(self.running)))
+        self.next_id += 1
+        req = start(self.m, f"r{self.next_id}", tokens, salt)
+        if req is not None:
+            self.running[req.request_id] = (req, salt)
+            self.history.append((tuple(tokens), salt))
+
+    def finish(self, request_id):
+        self.m.free(self.running.pop(request_id)[0])
+        self.swapped.discard(request_id)
+
+    @rule(data=st.data(), again=st.booleans(), traffic_blocks=st.integers(0, 5))
+    def admit(self, data, again, traffic_blocks):
+        """A new prompt, or (``again``) one seen before, after other traffic that may have pushed
+        its blocks to the host tiers (a chat's next turn re-sends the conversation)."""
+        if again and self.history:
+            tokens, salt = data.draw(st.sampled_from(self.history))
+            if traffic_blocks:
+                self.other_traffic(traffic_blocks)
+        else:
+            tokens = data.draw(st.sampled_from(PREFIXES)) + data.draw(
+                st.lists(st.integers(0, 3), min_size=1, max_size=20))
+            salt = data.draw(st.sampled_from(list(TENANTS)))
+        self.begin(list(tokens), salt)
+
+    @rule(num_blocks=st.integers(1, 5))
+    def other_traffic(self, num_blocks):
+        if not self.m.num_free_slots and self.running:
+            self.finish(next(iter(self.running)))
+        self.next_id += 1
+        traffic(self.m, f"t{self.next_id}", num_blocks)
+
+    @precondition(lambda self: set(self.running) - self.swapped)
+    @rule(data=st.data(), steps=st.integers(1, 20))
+    def decode(self, data, steps):
+        request_id = data.draw(st.sampled_from(sorted(set(self.running) - self.swapped)))
+        req, salt = self.running[request_id]
+        for step in range(steps):
+            if req.num_tokens >= 96:
+                break
+            req.token_ids.append(step % 4)
+            if not self.m.allocate(req, 1):
+                req.token_ids.pop()
+                break
+            for group, request in pairs(self.m, req):
+                write_kv(group, request_id, req.num_tokens - 1, req.num_tokens, TENANTS[salt])
+            self.m.commit(req)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), action=st.sampled_from(["free", "swap"]))
+    def free_or_swap(self, data, action):
+        """Free a request, or swap it out (when both host stores have its rows) or back in."""
+        request_id = data.draw(st.sampled_from(sorted(self.running)))
+        req = self.running[request_id][0]
+        if action == "free":
+            self.finish(request_id)
+        else:
+            swap_out_or_in(self.m, req, request_id, self.swapped)
+
+    @invariant()
+    def every_request_reads_its_own_kv_and_nothing_leaks(self):
+        for request_id, (req, salt) in self.running.items():
+            if request_id not in self.swapped:
+                assert reads_back(self.m, req, salt)
+        self.m.check()
+
+    @invariant()
+    def events_rebuild_each_groups_tiers(self):
+        batch = self.events.drain()
+        for event in batch.events if batch else ():
+            assert not isinstance(event, AllBlocksCleared)
+            apply_event(self.index.setdefault((event.group_idx, event.medium), set()), event)
+        for group_idx, group in enumerate((self.m.global_group, self.m.local_group)):
+            assert self.index.get((group_idx, MEDIUM_DEVICE), set()) == set(group.pool.block_of_hash)
+            assert self.index.get((group_idx, "CPU"), set()) == set(group.host_tier.hashes())
+
+    def teardown(self):
+        WALKED["runs"] += 1
+        for name in ("global", "local"):
+            WALKED[name] += getattr(self.m, f"{name}_group").cache_stats().host_promotions
+        close(self.m)
+
+
+WALKED = {"runs": 0, "global": 0, "local": 0}  # walks run, and each group's host promotions
+test_host_tier_random_walk_on_two_groups = pytest.mark.filterwarnings("ignore")(
+    HybridHostTierMachine.TestCase)
+HybridHostTierMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
+                                                   suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_the_walk_promoted_in_both_groups():
+    """Run after the walk (file order): host hits were promoted in both groups."""
+    if not WALKED["runs"]:
+        pytest.skip("the walk did not run in this test run (run the whole file)")
+    assert WALKED["global"] > 0 and WALKED["local"] > 0, WALKED
+
+
+# --- the engine -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv_backend", BACKENDS)
+def test_the_engine_hits_an_evicted_prompt_in_both_groups_host_tiers(kv_backend, monkeypatch):
+    from test_hybrid_engine import generate, hf_tokens, hybrid_engine
+    from test_sliding_window_models import prompts
+
+    shared = prompts((48,), offset=3)[0]  # three full 16-token pages
+    others = prompts((40,) * 6, offset=11)
+    turn = shared + [7, 8, 9]
+    runs = {}
+    for host_cache_bytes in (0, 1 << 20):
+        engine = hybrid_engine("gemma2", monkeypatch, kv_backend=kv_backend, num_blocks=12,
+                               max_num_seqs=2, host_cache_bytes=host_cache_bytes)
+        generate(engine, [shared])
+        for i in range(0, len(others), 2):  # two at a time: the device pools forget `shared`
+            generate(engine, others[i:i + 2], first=10 + i)
+        final = generate(engine, [turn], first=50)["50"]
+        assert final.outputs[0].token_ids == hf_tokens("gemma2", turn)
+        runs[host_cache_bytes] = final, engine.manager.cache_stats(), engine.manager.local_group.cache_stats()
+        engine.manager.check()
+        assert engine.manager.num_blocks_in_use == 0 and engine.manager.local_group.num_blocks_in_use == 0
+        engine.close()
+    (plain, _, _), (tiered, stats, local) = runs[0], runs[1 << 20]
+    assert plain.num_cached_tokens == 0 and tiered.num_cached_tokens == 48
+    assert stats.prefix_hit_tokens_host == 48 and stats.host_promotions == local.host_promotions == 3

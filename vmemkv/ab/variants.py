@@ -1,0 +1,52 @@
+"""The A/B's variants: what each one sets in the engine (KV backend, layout, release behind a
+sliding window), everything else being the same for all of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .workloads import make_workload
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    kv_backend: str
+    layout: str
+    description: str
+    release: bool = True  # blocks behind a sliding window go back to the pool (else: every block kept)
+
+    def engine_fields(self) -> dict:
+        return {"kv_backend": self.kv_backend, "layout": self.layout,
+                "release_behind_window": self.release}
+
+
+VARIANTS: dict[str, Variant] = {
+    "vmem": Variant("vmem", "vmem", "token_major",
+                    "virtually contiguous slots, token-major pages (all layers of each token)"),
+    "paged": Variant("paged", "paged", "token_major",
+                     "block tables over the same pool (blocks gathered into a copy for CPU SDPA)"),
+    "vmem-per-layer": Variant("vmem-per-layer", "vmem", "per_layer",
+                              "virtually contiguous, vAttention's per-layer K/V tensors "
+                              "(2 x layers map calls per page)"),
+    "paged-per-layer": Variant("paged-per-layer", "paged", "per_layer",
+                               "block tables over the per-layer pool (the same bytes as "
+                               "vmem-per-layer; blocks gathered into a copy for CPU SDPA)"),
+    # The baselines for sliding-window models: O(length) KV per request, as without release.
+    "vmem-keep": Variant("vmem-keep", "vmem", "token_major",
+                         "vmem keeping every block: no release behind a sliding window, local "
+                         "and global layers in one layout group", release=False),
+    "paged-keep": Variant("paged-keep", "paged", "token_major",
+                          "block tables keeping every block: no release behind a sliding window, "
+                          "local and global layers in one group", release=False),
+}
+REFERENCE_VARIANT = "vmem"  # token ids of the other variants are compared with this one's
+DEFAULT_VARIANTS = ("vmem", "paged", "vmem-per-layer", "paged-per-layer")
+KEEP_VARIANTS = ("vmem-keep", "paged-keep")
+
+
+def default_variants(workloads: list[str]) -> list[str]:
+    """Every layout and backend; with a sliding-window workload, the keep-every-block variants
+    too (on the others they would only repeat vmem and paged)."""
+    windowed = any(make_workload(name, quick=True).sliding_window is not None for name in workloads)
+    return list(DEFAULT_VARIANTS) + (list(KEEP_VARIANTS) if windowed else [])
