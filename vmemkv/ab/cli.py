@@ -18,8 +18,9 @@ overwrites the recorded results; ``--out experiments/results/ab`` records one): 
 page (``tokens_per_page`` of each variant's KV layout: 16 on CPU by default, 1024 for tiny-llama
 in fp32 on 2 MiB CUDA pages). The exit status is 1 when a check fails (greedy tokens differ
 between variants, the pressure workload never preempts, a sliding-window workload (window,
-hybrid) preempts where blocks behind the window are released or runs every request at once where
-they are kept, vmem and paged disagree on the prefix hit rate).
+hybrid) preempts where blocks behind the window are released or its pool fits every request at
+the peak KV per request of a variant that keeps them, vmem and paged disagree on the prefix hit
+rate; the pressure checks skip variants whose pages hold other than the workload's tokens).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def add_ab_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", default=None,
                         help=f"comma-separated, from {', '.join(VARIANTS)} (default: "
                              f"{','.join(DEFAULT_VARIANTS)}, and {','.join(KEEP_VARIANTS)} with "
-                             "a sliding-window workload: window, hybrid)"),
+                             "a sliding-window workload: window, hybrid)")
     parser.add_argument("--repeats", type=int, default=None,
                         help=f"timed runs per variant and workload (default {DEFAULT_REPEATS}; "
                              "1 with --quick)")
