@@ -136,7 +136,6 @@ def measure_lookahead_once(backend: CpuBackend, slots: int = 64, own: int = 4, f
     filler page ``i``, one coalesced mapping per slot) never read, or (``read_filler``) that filler
     after a batched read touched every byte of it. The pool's last ``filler`` pages are the filler,
     its first ``slots * (own + 1)`` the requests' blocks."""
-    slot_pages = own + filler
     out = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the read on one thread, as the engine's CPU forward: a read on

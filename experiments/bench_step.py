@@ -137,8 +137,10 @@ def bench(model_name: str, batch: int, steps: int, prompt_len: tuple[int, int], 
     text = model.config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     times: dict[str, list[float]] = {v: [] for v in (*names, "bare")}
-    # This thread's CPU time too: one torch thread, and lookahead mapping inline on CPU, so a
-    # step's work is all on this thread, and time the scheduler gave other processes is left out.
+    # This thread's CPU time too: with one torch thread, and lookahead mapping inline on CPU, a
+    # step's work is all on this thread, and time the scheduler gave other processes is left out;
+    # with more torch threads the process's CPU time (summed over its threads) instead.
+    cpu_clock = time.thread_time if torch.get_num_threads() == 1 else time.process_time
     cpu_times: dict[str, list[float]] = {v: [] for v in (*names, "bare")}
     bare = None
     for _ in range(steps):
@@ -152,15 +154,15 @@ def bench(model_name: str, batch: int, steps: int, prompt_len: tuple[int, int], 
         else:
             bare.advance(cached)
         with torch.inference_mode():
-            start, start_cpu = time.perf_counter(), time.thread_time()
+            start, start_cpu = time.perf_counter(), cpu_clock()
             model(input_ids=ids, position_ids=torch.tensor([cached]), use_cache=False, bench_batch=bare)
             times["bare"].append(time.perf_counter() - start)
-            cpu_times["bare"].append(time.thread_time() - start_cpu)
+            cpu_times["bare"].append(cpu_clock() - start_cpu)
         for variant, engine in engines.items():
-            start, start_cpu = time.perf_counter(), time.thread_time()
+            start, start_cpu = time.perf_counter(), cpu_clock()
             engine.step()
             times[variant].append(time.perf_counter() - start)
-            cpu_times[variant].append(time.thread_time() - start_cpu)
+            cpu_times[variant].append(cpu_clock() - start_cpu)
     stats = {v: engines[v].stats() for v in names}
     for engine in engines.values():
         engine.close()

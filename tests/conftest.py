@@ -48,7 +48,8 @@ def tiny_config(**overrides) -> CacheConfig:
 
 def close_manager(manager: KVCacheManager) -> None:
     """Drop the numpy views made here, then close (close refuses while views are held)."""
-    _numpy_views.pop(manager, None)
+    _slot_views.pop(manager, None)
+    _block_views.pop(manager, None)
     manager.close()
 
 
@@ -144,15 +145,16 @@ def kv_patterns(manager: KVCacheManager, keys: list[int]):
             yield layer, kv, base | np.int32((2 * layer + kv) << 8)
 
 
-_numpy_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_slot_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # manager -> slot views
+_block_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # manager -> block views
 
 
 def slot_rows(manager: KVCacheManager, layer: int, kv: int, slot: int) -> np.ndarray:
     """The slot's positions of one layer's K or V as an int32 numpy view (no copy); touch only
     mapped positions."""
-    views = _numpy_views.get(manager)
+    views = _slot_views.get(manager)
     if views is None:  # numpy views over every slot, made once: creating them touches nothing
-        views = _numpy_views[manager] = [
+        views = _slot_views[manager] = [
             [manager.kv_views(layer)[kv].view(torch.int32).numpy() for kv in (0, 1)]
             for layer in range(manager.layout.num_layers)]
     return views[layer][kv][slot]
@@ -161,9 +163,9 @@ def slot_rows(manager: KVCacheManager, layer: int, kv: int, slot: int) -> np.nda
 def block_rows(manager: KVCacheManager, layer: int, kv: int) -> np.ndarray:
     """One layer's K or V blocks ``[num_blocks, tokens_per_page, heads, dim]`` as an int32 numpy
     view (no copy), for block-table addressing (``kv_backend="paged"``)."""
-    views = _numpy_views.get(manager)
+    views = _block_views.get(manager)
     if views is None:
-        views = _numpy_views[manager] = [
+        views = _block_views[manager] = [
             [manager.block_views(layer)[kv].view(torch.int32).numpy() for kv in (0, 1)]
             for layer in range(manager.layout.num_layers)]
     return views[layer][kv]

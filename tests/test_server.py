@@ -118,7 +118,7 @@ class FakeEngine:
             if finished:
                 del self.requests[request.request_id]
                 self.metrics.on_request_finished(request.request_id, request.seqs[0].finish_reason)
-        self.metrics.on_step(len(self.requests), 0, 0, 0.5, 0.0, 0)
+        self.metrics.on_step(len(self.requests), 0, 0, 0.5, 0)
         return outputs
 
     def _advance(self, request: _FakeRequest, seq: _FakeSequence) -> None:

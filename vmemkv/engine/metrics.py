@@ -170,7 +170,7 @@ class EngineMetrics:
             self.tpot_s.append(tpot)
 
     def on_step(self, num_running: int, num_waiting: int, num_swapped: int, kv_usage: float,
-                num_preemptions_total: int, now: float | None = None) -> None:
+                num_preemptions_total: int, *, now: float | None = None) -> None:
         """Scheduler state after a step or an abort; ``num_preemptions_total`` is the engine's
         running total. (The prefix hit rate is read from ``cache_stats`` at scrape time.)"""
         self.running.set(num_running)

@@ -53,7 +53,7 @@ class ModelRunner:
         ``logit_rows=None``: every row.
 
         Token ids, positions and logit rows travel to the device with the attention's index
-        tensors, in the step's one host-to-device transfer (``attention.upload``; pinned memory on
+        tensors, in one host-to-device transfer per layout group (``attention.upload``; pinned memory on
         CUDA, without blocking the host)."""
         inputs = attention.upload(input_ids=input_ids, positions=positions,
                                   logit_rows=[] if logit_rows is None else logit_rows)

@@ -43,7 +43,7 @@ class StepMessage:
     input_ids: list[int]
     positions: list[int]
     logit_rows: list[int] | None
-    spans: list[SequenceSpan]
+    spans: list[SequenceSpan | tuple[SequenceSpan, SequenceSpan]]  # (global, local): hybrid, block tables
     digest: int | None  # rank 0's state_digest after the log, when every step is checked
 
 

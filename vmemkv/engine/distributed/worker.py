@@ -37,16 +37,16 @@ def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
         runner = ModelRunner(model)
         addressing = choose_addressing(config, _WithoutBatchedReads(manager), runner.device,
                                        text_config(model.config).num_attention_heads)
-        windows, step = [group.block_window() for group in group_managers(manager)], 0
+        block_windows, step = [group.block_window() for group in group_managers(manager)], 0
         while (message := receive(groups)) is not None:
-            replay(message.log, recording, windows)
+            replay(message.log, recording, block_windows)
             recording.take_log()  # this rank's own calls are not replayed anywhere
             if message.digest is not None:
                 check_digests(state_digest(recording), groups, step)
             runner.forward(message.input_ids, message.positions, addressing.attention(message.spans),
                            message.logit_rows)
             step += 1
-        del addressing, runner, windows  # views of the cache, which close() refuses to cut
+        del addressing, runner, block_windows  # views of the cache, which close() refuses to cut
         gc.collect()
         manager.close()
     finally:
