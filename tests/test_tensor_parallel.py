@@ -3,7 +3,7 @@ Hugging Face ``generate`` under prefix hits, forks (n > 1) and preemption by swa
 with every rank's page-mapping state compared every step; a windowed model (tiny-mistral) and a
 hybrid one (tiny Gemma-2: local and global layers in two layout groups on every rank) with blocks
 released behind the window; a diverged rank and a killed worker stop the engine with a clear
-error. The recorder and its replay (two groups in one log) are checked without processes.
+error. Workers read the slot runs rank 0 read in one call, in one call too. The recorder and its replay (two groups in one log) are checked without processes.
 
 The tests that start worker processes (``spawns``: the engines each started once for its class;
 workers fork from a fork server that imported the engine once, so a start takes well under a
@@ -65,6 +65,9 @@ class TestOneEngine:
         assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in one_rank]
         assert_hf(batch, outputs)
         assert_every_forward_checked(swap_engine)
+        # the decodes were read in one call per slot run on rank 0, and on the worker with it
+        # (its page tables checked equal every step: it mapped no filler of its own)
+        assert swap_engine.tensor_parallel.batched_read_runs > 0
 
     def test_prefix_hits_and_forks_match_hf(self, swap_engine):
         system = prompts(1, lengths=(40,), offset=5)[0]

@@ -68,12 +68,11 @@ class LLMEngine:
         # Local and global layers (Gemma-2/3, GPT-OSS): one manager per layout group (hybrid.py),
         # so the local layers' blocks behind the window go back to the pool (slots or block
         # tables). Under tensor parallelism every rank builds the same groups (distributed/step.py).
-        cache = config.cache_config(model)
-        windows = hybrid_windows(config, cache, model)
         if tp is not None:
-            self.manager = tp.shard_manager(model, self.kv_metrics, windows, events=self.kv_events)
+            self.manager = tp.shard_manager(model, self.kv_metrics, events=self.kv_events)
         else:
-            self.manager = hybrid_manager(cache, windows, config.max_num_batched_tokens,
+            cache = config.cache_config(model)
+            self.manager = hybrid_manager(cache, hybrid_windows(config, model), config.max_num_batched_tokens,
                                           metrics=self.kv_metrics, events=self.kv_events)
             if not self.manager:
                 self.manager = KVCacheManager(cache, metrics=self.kv_metrics, events=self.kv_events)

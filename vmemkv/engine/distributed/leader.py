@@ -17,13 +17,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ...errors import ConfigError
 from ..config import EngineConfig
 from ..model_runner import ModelRunner
 from .group import (TensorParallelError, join, launched_by_torchrun, leave, local_rendezvous,
                     rank_device, torchrun_rendezvous)
 from .sharding import check_shardable, shard_model
-from .step import StepMessage, broadcast, check_digests, hybrid_windows, shard_manager
+from .step import StepMessage, batched_reads_of, broadcast, check_digests, shard_manager
 from .worker import run_worker, spawned_worker
 
 STOP_WAIT_S = 10.0  # how long close() waits for spawned workers to stop by themselves
@@ -41,6 +40,7 @@ class TensorParallelLeader:
         self.num_steps = 0
         self.broadcast_seconds = 0.0  # rank 0 taking the log, pickling and sending step messages
         self.broadcast_bytes = 0
+        self.batched_read_runs = 0  # CPU slot runs rank 0 read in one call, and every worker with it
         self.closed = False
         # A program that never closes its engine still stops its workers cleanly on exit.
         atexit.register(self.close)
@@ -80,15 +80,10 @@ class TensorParallelLeader:
                                       f"{type(e).__name__}: {e}") from e
         return cls(config, model, groups, processes)
 
-    def shard_manager(self, model, metrics, layer_windows=None, **manager_options):
-        """Rank 0's manager, built exactly as every worker builds its own (``manager_options``:
-        what only rank 0's manager gets, such as an event sink). ``layer_windows``: the layout
-        groups the engine chose (None: one group), which must be what the workers build."""
-        workers = hybrid_windows(self.config, self.config.cache_config(model), model)
-        if layer_windows != workers:
-            raise ConfigError(f"the engine groups the layers by windows {layer_windows}, its "
-                              f"tensor-parallel workers by {workers}: distributed/step.py "
-                              "hybrid_windows must follow the engine's rule")
+    def shard_manager(self, model, metrics, **manager_options):
+        """Rank 0's manager, built exactly as every worker builds its own (one layout group, or
+        two for a hybrid model: ``step.hybrid_windows``), ``manager_options``: what only rank 0's
+        manager gets, such as an event sink."""
         manager, self.recording = shard_manager(self.config, model, metrics, **manager_options)
         return manager
 
@@ -102,7 +97,8 @@ class TensorParallelLeader:
         start = time.perf_counter()
         log, digest = self.recording.take_log(digest=check)
         message = StepMessage(log, list(input_ids), list(positions), logit_rows,
-                              list(attention.spans), digest)
+                              list(attention.spans), digest, batched_reads_of(attention))
+        self.batched_read_runs += len(message.batched_reads)
         with self.collective("sending the step"):
             self.broadcast_bytes += broadcast(message, self.groups)
             self.broadcast_seconds += time.perf_counter() - start
@@ -157,7 +153,8 @@ class TensorParallelLeader:
 
     def stats(self) -> dict:
         return {"tensor_parallel_size": self.size, "tp_broadcast_seconds": self.broadcast_seconds,
-                "tp_broadcast_bytes": self.broadcast_bytes, "tp_steps": self.num_steps}
+                "tp_broadcast_bytes": self.broadcast_bytes, "tp_steps": self.num_steps,
+                "tp_batched_read_runs": self.batched_read_runs}
 
 
 class _Collective:

@@ -14,7 +14,7 @@ addressing.
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -45,9 +45,21 @@ class StepMessage:
     logit_rows: list[int] | None
     spans: list[SequenceSpan | tuple[SequenceSpan, SequenceSpan]]  # (global, local): hybrid, block tables
     digest: int | None  # rank 0's state_digest after the log, when every step is checked
+    # CPU slot runs rank 0 read in one call ((slots, tokens) its batched reads made readable; the
+    # filler pages that took arrive through the log): a worker batches those runs, and no others
+    batched_reads: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
 
 
-def hybrid_windows(config: EngineConfig, cache: CacheConfig, model) -> list[int | None] | None:
+def batched_reads_of(attention) -> list[tuple[tuple[int, ...], int]]:
+    """The slot runs ``attention`` reads in one call on CPU, as ``(slots, tokens)`` its batched
+    reads made readable (none for block tables, GPU kernels or a hybrid model on block tables)."""
+    if getattr(attention, "reads", None) is None:
+        return []
+    return [(tuple(attention.spans[i].slot for i in batch.members), batch.read_len)
+            for batch in attention.batches]
+
+
+def hybrid_windows(config: EngineConfig, model) -> list[int | None] | None:
     """Each layer's window when the engine keeps local and global layers in two layout groups,
     by the rule ``LLMEngine`` applies (blocks behind the window released), else None. Every rank
     applies it to the same configuration, so every rank builds the same groups."""
@@ -64,7 +76,7 @@ def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | Non
     such as its event sink)."""
     # On this rank's own device (cuda:<local rank>; the config says only "cuda").
     cache = replace(config.cache_config(model), device=str(next(model.parameters()).device))
-    windows = hybrid_windows(config, cache, model)
+    windows = hybrid_windows(config, model)
     recording = Recording()
     try:
         groups = group_configs(cache, LayerGroups.from_windows(windows), config.max_num_batched_tokens) \

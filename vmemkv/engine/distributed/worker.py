@@ -35,7 +35,8 @@ def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
         shard_model(model, rendezvous.rank, rendezvous.world_size)
         manager, recording = shard_manager(config, model)
         runner = ModelRunner(model)
-        addressing = choose_addressing(config, _WithoutBatchedReads(manager), runner.device,
+        reads = _ReplayedReads(manager)
+        addressing = choose_addressing(config, reads, runner.device,
                                        text_config(model.config).num_attention_heads)
         block_windows, step = [group.block_window() for group in group_managers(manager)], 0
         while (message := receive(groups)) is not None:
@@ -43,6 +44,7 @@ def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
             recording.take_log()  # this rank's own calls are not replayed anywhere
             if message.digest is not None:
                 check_digests(state_digest(recording), groups, step)
+            reads.runs = set(message.batched_reads)
             runner.forward(message.input_ids, message.positions, addressing.attention(message.spans),
                            message.logit_rows)
             step += 1
@@ -53,17 +55,27 @@ def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
         leave()
 
 
-class _WithoutBatchedReads:
-    """This rank's manager as its attention sees it, without batched CPU reads: those map filler
-    pages by the slot mapper's own state (each slot's window start), which replay does not carry,
-    so a worker would map pages rank 0 did not. Sequences are read one by one from their window
-    start instead; rank 0's fillers still arrive through the log, so the page tables agree."""
+class _ReplayedReads:
+    """This rank's manager as its attention sees it, with rank 0's batched CPU reads: a run of
+    slots is read in one call exactly when rank 0 read it so (``StepMessage.batched_reads``).
+    Rank 0's reads mapped filler pages where the run needed them, by its slot mapper's own
+    state; those mappings arrive through the log, so this rank maps nothing of its own and the
+    page tables stay equal (a run rank 0 did not batch is read sequence by sequence here)."""
 
     def __init__(self, manager):
-        self._manager = manager
+        self._manager, self.runs = manager, set()
+        reads = manager.batched_reads()
+        self.num_layers = reads.num_layers if reads is not None else 0
+        self._has_reads = reads is not None
 
-    def batched_reads(self) -> None:
-        return None
+    def batched_reads(self) -> "_ReplayedReads | None":
+        return self if self._has_reads else None
+
+    def make_readable(self, slots: list[int], num_tokens: int) -> bool:
+        return (tuple(slots), num_tokens) in self.runs
+
+    def release_reads(self) -> None:
+        pass
 
     def __getattr__(self, name: str):
         return getattr(self._manager, name)
