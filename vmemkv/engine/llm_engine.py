@@ -192,15 +192,24 @@ class LLMEngine:
     # --- introspection -------------------------------------------------------------------------
     def _record_memory(self) -> None:
         """Peak KV blocks held, and internal fragmentation: bytes of blocks held by running
-        sequences beyond the bytes their tokens fill."""
+        sequences beyond the bytes their tokens fill (tokens in blocks given back behind a window
+        are neither; each layout group of a hybrid model counted with its own blocks)."""
         in_use = self.manager.num_blocks_in_use
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, in_use)
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.manager.kv_bytes_in_use)
-        tokens = sum(seq.kv.num_tokens for seq in self.scheduler.running)
-        if tokens:
-            layout = self.manager.layout
+        running = [seq.kv for seq in self.scheduler.running]
+        if not running:
+            return
+        local = getattr(self.manager, "local_request", None)  # a hybrid model's local group
+        groups = ([(self.manager, running)] if local is None else
+                  [(self.manager.global_group, running),
+                   (self.manager.local_group, [local(kv) for kv in running])])
+        for group, requests in groups:
+            layout = group.layout
+            tokens = sum(kv.num_tokens - kv.num_released_blocks * layout.tokens_per_page
+                         for kv in requests)
             stored = tokens * layout.token_bytes
-            self._fragmentation[0] += max(in_use * layout.block_bytes - stored, 0)
+            self._fragmentation[0] += max(group.num_blocks_in_use * layout.block_bytes - stored, 0)
             self._fragmentation[1] += stored
 
     def stats(self) -> dict:
