@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from . import validation as check
-from .errors import InvalidInputError, MappingLimitError
+from .errors import InvalidInputError, MappingLimitError, RequestStateError
 from .manager_state import ManagerState, UnknownRequestError
 from .request import RELEASED, KVRequest
 from .slots import MapJob, SlotBinder
@@ -50,6 +50,21 @@ class Plan:
     def jobs(self) -> list[MapJob]:
         """The mapping as ``slots.map_jobs`` and ``slots.mapping_cost`` take it (empty: none)."""
         return [MapJob(self.slot, self.first, self.mapped, self.keep)] if self.mapped else []
+
+
+@dataclass(slots=True)
+class Admission:
+    """What ``admit`` reuses and reserves for one request, before its plan: the device prefix
+    ``hits`` (``RELEASED`` behind the window), the host tier's blocks it copies in after them
+    (``promote``, hashes) out of ``host_blocks`` host hits (with a window, hits wholly behind the
+    next query's window are reused without a copy: ``RELEASED``), the tokens already computed
+    (``cached``) and the tokens reserved (``num_tokens``)."""
+
+    hits: list[int]
+    promote: list[bytes]
+    host_blocks: int
+    cached: int
+    num_tokens: int
 
 
 class OperationPlans(ManagerState):
@@ -89,10 +104,33 @@ class OperationPlans(ManagerState):
         request's blocks, its swapped blocks still in the prefix cache revived (shared) and the
         rest in fresh blocks. Call it only when the swap-in fits."""
         req = self._swapped_request(request)
-        revived, _ = self._swap_in_revivals(req)
-        return self._plan_swap_in(req, check.slot_index(slot, self.slots.num_slots), revived)
+        return self._plan_swap_in(req, check.slot_index(slot, self.slots.num_slots),
+                                  self._swap_in_revivals(req))
 
     # --- the planning the operations call --------------------------------------------------------
+    def _admission(self, req: KVRequest, num_new_tokens: int | None, token_budget: int | None,
+                   max_cached_tokens: int | None) -> Admission:
+        """What ``admit`` of ``req`` reuses and reserves (arguments checked by the caller);
+        raises for a request already admitted or too long. Changes nothing but binding ``req``'s
+        hash chain to this manager."""
+        request_id, num_prompt, tokens_per_page = req._request_id, len(req._token_ids), self.tokens_per_page
+        if request_id in self._requests:
+            raise RequestStateError(f"request {request_id!r} is already admitted")
+        self._check_length(request_id, num_prompt)
+        req._owner = self  # its hash chain is this manager's from now on
+        hits = self._prefix_hits(req)
+        if max_cached_tokens is not None:
+            hits = self._capped_hits(req, hits, max_cached_tokens // tokens_per_page)
+        host_hits = self._host_hits(req, hits, num_new_tokens, token_budget)
+        if max_cached_tokens is not None:
+            host_hits = host_hits[:max(0, max_cached_tokens // tokens_per_page - len(hits))]
+        cached = (len(hits) + len(host_hits)) * tokens_per_page
+        new = num_prompt - cached if num_new_tokens is None else num_new_tokens
+        if token_budget is not None:
+            new = min(new, token_budget)
+        self._check_length(request_id, cached + new)
+        return Admission(hits, host_hits, len(host_hits), cached, cached + new)
+
     def _plan_admit(self, hits: list[int], num_tokens: int, slot: int | None) -> Plan:
         behind = hits.count(RELEASED)  # a windowed hit: blocks before its window need not be held
         live = hits[behind:]
@@ -144,16 +182,16 @@ class OperationPlans(ManagerState):
                                       "swapped out")
         return req
 
-    def _swap_in_revivals(self, req: KVRequest) -> tuple[dict[int, int], int]:
+    def _swap_in_revivals(self, req: KVRequest) -> dict[int, int]:
         """Swapped full blocks still in the prefix cache (index -> block: taken, not copied
-        back) and how many fresh blocks the rest need."""
+        back); the rest need fresh blocks."""
         revive = {}
         for index, _ in req._swapped:
             if index < req._num_registered:
                 block = self.pool.lookup(req._hashes[index])
                 if block is not None:
                     revive[index] = block
-        return revive, len(req._swapped) - len(revive)
+        return revive
 
     def _plan_reorder(self, rows: list[KVRequest], sources: list[KVRequest],
                       copied: list[bool]) -> tuple[list[list[int]], list[int], list[MapJob]]:
