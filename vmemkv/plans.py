@@ -26,6 +26,7 @@ from .errors import InvalidInputError, MappingLimitError, RequestStateError
 from .manager_state import ManagerState, UnknownRequestError
 from .request import RELEASED, KVRequest
 from .slots import MapJob, SlotBinder
+from .window import first_needed_block
 
 
 @dataclass(slots=True)
@@ -129,7 +130,14 @@ class OperationPlans(ManagerState):
         if token_budget is not None:
             new = min(new, token_budget)
         self._check_length(request_id, cached + new)
-        return Admission(hits, host_hits, len(host_hits), cached, cached + new)
+        promote = host_hits
+        if host_hits and self.window:
+            # Host hits wholly behind the next query's window would be copied in only to be
+            # released at the first commit: they (and the device hits before them) stay RELEASED.
+            skip = first_needed_block(cached, self.window, tokens_per_page) - len(hits)
+            if skip > 0:
+                hits, promote = [RELEASED] * (len(hits) + skip), host_hits[skip:]
+        return Admission(hits, promote, len(host_hits), cached, cached + new)
 
     def _plan_admit(self, hits: list[int], num_tokens: int, slot: int | None) -> Plan:
         behind = hits.count(RELEASED)  # a windowed hit: blocks before its window need not be held
