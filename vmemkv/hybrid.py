@@ -27,8 +27,9 @@ large, and each group's pages hold whole tokens of fewer layers, so they may hol
 than the whole model's would (prefix hits and growth in coarser steps).
 
 The module is over 400 lines because the class mirrors the whole ``KVCacheManager`` API (admit
-to reorder and truncate), each method a short plan-check-apply over both groups; the plans
-themselves live in ``hybrid_budget``, its lookahead in ``hybrid_lookahead``.
+to reorder and truncate), each method a short plan-check-apply over both groups: each group
+plans once (``plans.py``), ``hybrid_budget`` checks both plans, each group executes its plan;
+reorder and truncate are planned in ``hybrid_budget``, the lookahead in ``hybrid_lookahead``.
 """
 
 from __future__ import annotations

@@ -4,9 +4,12 @@
 which fresh blocks ``pool.peek`` names, what they map), carry out the one refusable step (the
 mapping, which the process's budget of kernel mappings may refuse) and only then change the pool
 and the request. The planning step is a public method here, ``plan_admit``, ``plan_grow``,
-``plan_fork`` and ``plan_swap_in``, so that a caller that must ask several managers before
-applying any (``hybrid_budget``: both layout groups of a hybrid model) asks the very plan the
-operation then executes, instead of a copy kept in step by hand.
+``plan_fork`` and ``plan_swap_in``; the step that carries a plan out is a method of its own
+(``_execute_admit``, ``_execute_grow``, ``_execute_fork``, ``_execute_swap_in``), which the public
+operation calls on the plan it just made. A caller that must ask several managers before applying
+any (``HybridKVCacheManager``: both layout groups) plans each once (``_admission`` and
+``_plan_*``), checks them together (``hybrid_budget``) and has each manager execute the plan it
+checked.
 
 Reorder is planned here too (``reorder_copies``, ``_plan_reorder``, ``reorder_mapping_cost``) for
 ``SharingOps.reorder`` and the hybrid budget alike.

@@ -14,7 +14,7 @@ from typing import Literal
 from . import validation as check
 from .cache_config import PreemptionEstimate
 from .kv_metrics import timed
-from .plans import OperationPlans
+from .plans import OperationPlans, Plan
 from .request import RELEASED, KVRequest
 
 
@@ -95,7 +95,7 @@ class PreemptionOps(OperationPlans):
         self._execute_swap_in(req, self._plan_swap_in(req, slot, revive), revive)
         return True
 
-    def _execute_swap_in(self, req: KVRequest, plan, revive: dict[int, int]) -> None:
+    def _execute_swap_in(self, req: KVRequest, plan: Plan, revive: dict[int, int]) -> None:
         """Carry out ``plan`` (``_plan_swap_in`` of ``revive``: ``_revivals_if_it_fits``); the
         mapping may be refused (MappingLimitError), leaving the request swapped."""
         self._map_and_bind(plan)  # refused: it stays swapped

@@ -15,7 +15,7 @@ from typing import Sequence
 from . import validation as check
 from .errors import InvalidInputError, RequestStateError
 from .kv_metrics import timed
-from .plans import OperationPlans, fit_or_reclaim, reorder_copies, reorder_mapping_cost
+from .plans import OperationPlans, Plan, fit_or_reclaim, reorder_copies, reorder_mapping_cost
 from .request import KVRequest
 from .slots import MapJob
 from .window import first_needed_block
@@ -57,7 +57,7 @@ class SharingOps(OperationPlans):
         return child_id
 
     def _execute_fork(self, parent: KVRequest, child: "KVRequest | str", child_id: str,
-                      plan) -> KVRequest:
+                      plan: Plan) -> KVRequest:
         """Carry out ``plan`` (``_plan_fork`` of ``parent``; the mapping may be refused,
         changing nothing) and start the child (``_fork_child_id`` checked it)."""
         self._map_and_bind(plan)
