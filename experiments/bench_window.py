@@ -22,14 +22,16 @@ Two parts:
 
 Released blocks are counted over the ``fit`` requests' run.
 
-* ``hybrid`` (local and global layers, ``HybridKVCacheManager``): the manager alone on a
-  Gemma-3-like shape (5 local layers of window ``--window`` to 1 global, 2 KV heads of dim 32,
-  fp16), one request of the same length: the peak bytes it holds in each group against keeping
-  every block, and the requests that fit ``--pool-blocks`` blocks' bytes. Then the engine on a
-  random-weight tiny Gemma-2 (one local layer of window ``--engine-window``, one global),
-  ``--engine-requests`` requests of 32 + ``--engine-new-tokens`` tokens in ``--hybrid-pool-blocks``
-  blocks of both layers (prefill chunks of 64 tokens): layout groups with release against one group keeping every block
-  (vmem slots both), greedy tokens equal.
+* ``hybrid`` (local and global layers, ``HybridKVCacheManager``), on vmem slots and on block
+  tables: the manager alone on a Gemma-3-like shape (5 local layers of window ``--window`` to 1
+  global, 2 KV heads of dim 32, fp16), one request of the same length: the peak bytes it holds in
+  each group against keeping every block, and the requests that fit ``--pool-blocks`` blocks'
+  bytes. Then the engine on a random-weight tiny Gemma-2 (one local layer of window
+  ``--engine-window``, one global), ``--engine-requests`` requests of 32 + ``--engine-new-tokens``
+  tokens in ``--hybrid-pool-blocks`` blocks of both layers (prefill chunks of 64 tokens): layout
+  groups with release against one group keeping every block (``EngineConfig.
+  release_behind_window=False``, the CLI's ``--keep-blocks-behind-window``), greedy tokens equal
+  across all four.
 
     python experiments/bench_window.py                  # readable tables
     python experiments/bench_window.py --json           # one JSON object
@@ -55,7 +57,8 @@ from vmemkv.hybrid import HybridKVCacheManager  # noqa: E402
 
 from machine import cpu_model  # experiments/machine.py, beside this script  # noqa: E402
 
-MODES = [("vmem", True), ("vmem", False), ("paged", True), ("paged", False)]
+MODES = [("vmem", True), ("vmem", False), ("paged", True), ("paged", False)]  # (kv_backend, release)
+GROUPS_LABEL = {True: "local + global", False: "one (keep every block)"}
 
 
 # --- the manager alone ---------------------------------------------------------------------------------
@@ -197,44 +200,47 @@ HYBRID_WINDOWS = [1] * 5 + [None]  # five local layers to one global (the window
 
 
 def hybrid_manager_part(args) -> list[dict]:
-    """One request through the hybrid manager and through one group keeping every block."""
+    """One request through the hybrid manager and through one group keeping every block, on
+    each KV backend (grouped: the hybrid manager, which releases behind the window)."""
+    return [hybrid_manager_run(kv_backend, grouped, args) for kv_backend, grouped in MODES]
+
+
+def hybrid_manager_run(kv_backend: str, grouped: bool, args) -> dict:
     windows = [args.window if w else None for w in HYBRID_WINDOWS]
     config = CacheConfig(num_layers=len(windows), num_kv_heads=2, head_dim=32, dtype=torch.float16,
                          tokens_per_page=16, num_blocks=args.pool_blocks, max_num_seqs=1,
-                         max_model_len=args.prompt_len + args.new_tokens, hash_seed=b"bench-window")
-    rows = []
-    for grouped in (True, False):
-        m = HybridKVCacheManager(config, windows, chunk_tokens=args.chunk) if grouped else KVCacheManager(config)
-        groups = [m.global_group, m.local_group] if grouped else [m]
-        req = KVRequest("r", [(7 * j) % 200 + 1 for j in range(args.prompt_len)])
-        assert m.admit(req, token_budget=args.chunk) is not None
+                         max_model_len=args.prompt_len + args.new_tokens, kv_backend=kv_backend,
+                         hash_seed=b"bench-window")
+    m = HybridKVCacheManager(config, windows, chunk_tokens=args.chunk) if grouped else KVCacheManager(config)
+    groups = [m.global_group, m.local_group] if grouped else [m]
+    req = KVRequest("r", [(7 * j) % 200 + 1 for j in range(args.prompt_len)])
+    assert m.admit(req, token_budget=args.chunk) is not None
+    m.commit(req)
+    while req.num_tokens < args.prompt_len:
+        assert m.allocate(req, min(args.chunk, args.prompt_len - req.num_tokens))
         m.commit(req)
-        while req.num_tokens < args.prompt_len:
-            assert m.allocate(req, min(args.chunk, args.prompt_len - req.num_tokens))
-            m.commit(req)
-        peak_bytes, peak_local = 0, 0
-        for step in range(args.new_tokens):
-            req.token_ids.append(step % 200 + 1)
-            assert m.allocate(req, 1)
-            m.commit(req)
-            peak_bytes = max(peak_bytes, sum(g.num_blocks_in_use * g.block_bytes for g in groups))
-            if grouped:
-                local = m.local_request(req)
-                peak_local = max(peak_local, len(local.block_table) - local.num_released_blocks)
-        released = m.cache_stats().blocks_released_behind_window
-        budget = args.pool_blocks * config.make_layout().block_bytes
-        m.check()
-        m.free(req)
-        m.close()
-        window_blocks = -(-args.window // 16)
-        rows.append({
-            "layout_groups": "local + global" if grouped else "one (keep every block)",
-            "peak_kv_bytes_per_request": peak_bytes,
-            "peak_local_blocks": peak_local if grouped else "-",
-            "local_within_window_plus_2": peak_local <= window_blocks + 2 if grouped else "-",
-            "requests_that_fit_by_bytes": budget // peak_bytes,
-            "blocks_released_behind_window": released})
-    return rows
+    peak_bytes, peak_local = 0, 0
+    for step in range(args.new_tokens):
+        req.token_ids.append(step % 200 + 1)
+        assert m.allocate(req, 1)
+        m.commit(req)
+        peak_bytes = max(peak_bytes, sum(g.num_blocks_in_use * g.block_bytes for g in groups))
+        if grouped:
+            local = m.local_request(req)
+            peak_local = max(peak_local, len(local.block_table) - local.num_released_blocks)
+    released = m.cache_stats().blocks_released_behind_window
+    budget = args.pool_blocks * config.make_layout().block_bytes
+    m.check()
+    m.free(req)
+    m.close()
+    window_blocks = -(-args.window // 16)
+    return {
+        "kv_backend": kv_backend, "layout_groups": GROUPS_LABEL[grouped],
+        "peak_kv_bytes_per_request": peak_bytes,
+        "peak_local_blocks": peak_local if grouped else "-",
+        "local_within_window_plus_2": peak_local <= window_blocks + 2 if grouped else "-",
+        "requests_that_fit_by_bytes": budget // peak_bytes,
+        "blocks_released_behind_window": released}
 
 
 def tiny_gemma2(window: int):
@@ -250,32 +256,28 @@ def tiny_gemma2(window: int):
     return model
 
 
-def hybrid_engine_run(grouped: bool, args) -> dict:
-    import vmemkv.engine.llm_engine as llm_engine
+def hybrid_engine_run(kv_backend: str, grouped: bool, args) -> dict:
     from vmemkv.engine import EngineConfig, LLMEngine
     from vmemkv.engine.models import byte_tokenizer
 
-    choose = llm_engine.hybrid_layer_windows
-    if not grouped:  # one group keeping every block: the engine as it is without layout groups
-        llm_engine.hybrid_layer_windows = lambda *a: None
-    try:
-        # prefill chunks of 64 tokens: the local group is sized for the window and one step's chunk
-        config = EngineConfig(max_num_seqs=args.engine_requests, max_model_len=32 + args.engine_new_tokens,
-                              tokens_per_page=16, num_blocks=args.hybrid_pool_blocks, watermark=0.0,
-                              max_num_batched_tokens=64)
-        engine = LLMEngine(config, model=tiny_gemma2(args.engine_window), tokenizer=byte_tokenizer())
-    finally:
-        llm_engine.hybrid_layer_windows = choose
+    # prefill chunks of 64 tokens: the local group is sized for the window and one step's chunk;
+    # release_behind_window=False: one group keeping every block (no layout groups)
+    config = EngineConfig(max_num_seqs=args.engine_requests, max_model_len=32 + args.engine_new_tokens,
+                          tokens_per_page=16, num_blocks=args.hybrid_pool_blocks, watermark=0.0,
+                          max_num_batched_tokens=64, kv_backend=kv_backend,
+                          release_behind_window=grouped)
+    engine = LLMEngine(config, model=tiny_gemma2(args.engine_window), tokenizer=byte_tokenizer())
     m = engine.manager
+    assert isinstance(m, HybridKVCacheManager) == grouped, type(m)
     groups = [m.global_group, m.local_group] if grouped else [m]
     row = drive(engine, args, lambda: sum(g.num_blocks_in_use * g.block_bytes for g in groups),
                 "peak_kv_bytes_per_running_request")
-    return {"layout_groups": "local + global" if grouped else "one (keep every block)", **row}
+    return {"kv_backend": kv_backend, "layout_groups": GROUPS_LABEL[grouped], **row}
 
 
 def hybrid_engine_part(args) -> list[dict]:
-    rows = [hybrid_engine_run(grouped, args) for grouped in (True, False)]
-    reference = rows[1]["tokens"]  # one group keeping every block
+    rows = [hybrid_engine_run(kv_backend, grouped, args) for kv_backend, grouped in MODES]
+    reference = rows[1]["tokens"]  # vmem, one group keeping every block
     for row in rows:
         row["same_tokens"] = row.pop("tokens") == reference
     return rows
@@ -327,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "hybrid_engine" in results:
         text += (f"\n## Hybrid engine: tiny Gemma-2 (1 local layer, window {args.engine_window}, "
                  f"1 global), {args.engine_requests} requests of 32 + {args.engine_new_tokens} tokens, "
-                 f"pool of {args.hybrid_pool_blocks} blocks (vmem)\n\n{table(results['hybrid_engine'])}\n")
+                 f"pool of {args.hybrid_pool_blocks} blocks (vmem slots and block tables)\n\n{table(results['hybrid_engine'])}\n")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "window_cpu.json").write_text(json.dumps(results, indent=2) + "\n")

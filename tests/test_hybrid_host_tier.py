@@ -15,9 +15,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from conftest import read_kv_matches, write_kv
 from test_host_tier_walk import apply_event, swap_out_or_in
-from test_hybrid_groups import BACKENDS, P, close, make_hybrid
+from test_hybrid_groups import BACKENDS, P, W, close, make_hybrid
 from vmemkv import AllBlocksCleared, CacheKeys, KVEventBuffer, KVRequest
 from vmemkv.kv_events import MEDIUM_DEVICE
+from vmemkv.window import first_needed_block
 
 GROUP_BLOCK_BYTES = 16 * 4 * 2 * 2 * 16 * 4  # P tokens x 4 layers x K/V x 2 heads x 16 dim x fp32
 TENANTS = {None: 0, "tenant-a": 1, "tenant-b": 2}  # cache salt -> K/V pattern salt
@@ -84,8 +85,39 @@ def test_a_prefix_evicted_from_both_groups_is_promoted_in_both(kv_backend):
         again = start(manager, "b", prompt + [9])
         assert manager.global_group.num_computed_tokens(again.request_id) == len(prompt) + 1
         stats = [group.cache_stats() for group in (manager.global_group, manager.local_group)]
-        assert [s.host_promotions for s in stats] == [3, 3]
+        behind = first_needed_block(3 * P, W, P)  # the local query at 3P reads from this block on
+        assert [s.host_promotions for s in stats] == [3, 3 - behind]
         assert manager.cache_stats().prefix_hit_tokens_host == 3 * P
+        assert reads_back(manager, again, None)
+        manager.check()
+    finally:
+        close(manager)
+
+
+@pytest.mark.parametrize("kv_backend", BACKENDS)
+def test_the_local_group_promotes_only_the_blocks_its_window_reads(kv_backend):
+    """A host hit far longer than the window: the global group copies every block back, the local
+    group only those its next query's window reads (the rest would be released at the first
+    commit); the ones it skips stay in its host tier, and both groups read back their K/V."""
+    manager = make_tiered(num_blocks=16, kv_backend=kv_backend)
+    try:
+        prompt = list(range(6 * P + 5))
+        manager.free(start(manager, "a", prompt))
+        traffic(manager, "x", 12)
+        traffic(manager, "y", 12)
+        assert not manager.global_group.match_prefix(prompt)[0]  # the device forgot it
+        local_tier = set(manager.local_group.host_tier.hashes())
+        again = start(manager, "b", prompt + [9])
+        assert manager.global_group.num_computed_tokens("b") == len(prompt) + 1
+        behind = first_needed_block(6 * P, W, P)
+        assert behind >= 3  # the window reads the last blocks of the hit only
+        stats = [group.cache_stats() for group in (manager.global_group, manager.local_group)]
+        assert [s.host_promotions for s in stats] == [6, 6 - behind]
+        local = manager.local_request(again)
+        skipped = set(local.block_hashes[:behind]) & local_tier  # host hits behind the window
+        assert skipped and all(manager.local_group.pool.lookup(h) is None for h in skipped)  # not copied
+        assert local.num_released_blocks >= behind
+        assert manager.cache_stats().prefix_hit_tokens_host == 6 * P
         assert reads_back(manager, again, None)
         manager.check()
     finally:
@@ -260,9 +292,12 @@ def test_the_engine_hits_an_evicted_prompt_in_both_groups_host_tiers(kv_backend,
         final = generate(engine, [turn], first=50)["50"]
         assert final.outputs[0].token_ids == hf_tokens("gemma2", turn)
         runs[host_cache_bytes] = final, engine.manager.cache_stats(), engine.manager.local_group.cache_stats()
+        window, page = engine.manager.local_group.window, engine.manager.local_group.tokens_per_page
         engine.manager.check()
         assert engine.manager.num_blocks_in_use == 0 and engine.manager.local_group.num_blocks_in_use == 0
         engine.close()
     (plain, _, _), (tiered, stats, local) = runs[0], runs[1 << 20]
     assert plain.num_cached_tokens == 0 and tiered.num_cached_tokens == 48
-    assert stats.prefix_hit_tokens_host == 48 and stats.host_promotions == local.host_promotions == 3
+    behind = first_needed_block(48, window, page)  # the local layers' window reads only the rest
+    assert stats.prefix_hit_tokens_host == 48 and stats.host_promotions == 3
+    assert local.host_promotions == 3 - behind

@@ -1,12 +1,14 @@
 """The plan an operation executes is the plan its callers are shown (``plans.py``).
 
-``HybridKVCacheManager`` asks each layout group's plan (``hybrid_budget``: ``admit_plan``,
-``grow_plan``, ``fork_plan``, ``swap_in_plan``) to check the mapping budget of both groups before
-either changes; the groups then carry out their operations. If the plan asked and the plan carried
-out ever differed, the budget check would approve mappings nobody makes and miss the ones made.
-A random walk over a hybrid model records, per operation and per group, the jobs handed to the
-budget check, the jobs the group's mapper is then told to map, the pages behind the window it
-unmaps, and the pages the backend actually maps, and asserts they agree. Then: planning changes
+``HybridKVCacheManager`` plans each layout group's operation once (``_plan_admit``,
+``_plan_grow``, ``_plan_fork``, ``_plan_swap_in``), shows the plans to the mapping budget of both
+groups (``hybrid_budget.planned``, ``check_budget``) before either changes, and then has each group
+execute the plan it was given (``_execute_admit``, ``_execute_grow``, ...). If the plan budgeted
+and the plan carried out ever differed, the budget check would approve mappings nobody makes and
+miss the ones made. A random walk over a hybrid model records, per operation and per group, the
+plan objects budgeted and executed (the same object), the jobs handed to the budget check, the
+jobs the group's mapper is then told to map, the pages behind the window it unmaps, and the pages
+the backend actually maps, and asserts they agree. Then: planning changes
 nothing, the ``plan_*`` methods check their arguments, and ``fit_or_reclaim``'s three outcomes.
 """
 
@@ -34,7 +36,11 @@ class Recorder:
     def __init__(self, manager, monkeypatch):
         self.groups = {"global": manager.global_group, "local": manager.local_group}
         self.reset()
-        check_budget = vmemkv.hybrid.check_budget
+        check_budget, planned = vmemkv.hybrid.check_budget, vmemkv.hybrid.planned
+
+        def recording_planned(group, plan):
+            self.plan_objects[self.name_of(group)] = plan
+            return planned(group, plan)
 
         def recording_check_budget(plans, what):
             for group, jobs, behind in plans:
@@ -43,12 +49,16 @@ class Recorder:
             check_budget(plans, what)
 
         monkeypatch.setattr(vmemkv.hybrid, "check_budget", recording_check_budget)
+        monkeypatch.setattr(vmemkv.hybrid, "planned", recording_planned)
         for name, group in self.groups.items():
             self._wrap(name, group.slots, group.backend, monkeypatch)
+            self._wrap_execution(name, group, monkeypatch)
 
     def reset(self) -> None:
         self.what = None
         self.planned: dict[str, tuple[list[MapJob], int]] = {}
+        self.plan_objects: dict = {}  # group name -> the Plan shown to the budget
+        self.executed: dict = {}  # group name -> the Plan the group carried out
         self.told = {name: [] for name in self.groups}  # MapJobs the mapper was told to map
         self.behind = {name: [] for name in self.groups}  # unmap_behind page counts
         self.backend_pairs = {name: [] for name in self.groups}  # (virtual, physical) mapped
@@ -56,6 +66,21 @@ class Recorder:
 
     def name_of(self, group) -> str:
         return next(name for name, g in self.groups.items() if g is group)
+
+    def _wrap_execution(self, name, group, monkeypatch) -> None:
+        """Record the plan each group's binding step (admit, fork, swap in) or growth executes."""
+        map_and_bind, execute_grow = group._map_and_bind, group._execute_grow
+
+        def recording_map_and_bind(plan):
+            self.executed[name] = plan
+            return map_and_bind(plan)
+
+        def recording_execute_grow(req, plan, *args):
+            self.executed[name] = plan
+            return execute_grow(req, plan, *args)
+
+        monkeypatch.setattr(group, "_map_and_bind", recording_map_and_bind)
+        monkeypatch.setattr(group, "_execute_grow", recording_execute_grow)
 
     def _wrap(self, name, slots, backend, monkeypatch) -> None:
         map_blocks, map_jobs, unmap_behind, backend_map = (slots.map_blocks, slots.map_jobs,
@@ -97,6 +122,8 @@ class Recorder:
         mapped only planned pages, and every planned page maps its planned block now."""
         assert set(self.planned) == set(self.groups), f"{self.what}: not every group was planned"
         for name, group in self.groups.items():
+            assert self.executed[name] is self.plan_objects[name], (
+                f"{self.what} in the {name} group: executed another plan than the one budgeted")
             jobs, behind = self.planned[name]
             assert self.told[name] == jobs, (
                 f"{self.what} in the {name} group: planned {jobs}, mapped {self.told[name]}")
@@ -187,19 +214,19 @@ def test_the_hybrid_budget_is_asked_the_plan_each_group_then_executes(seed, monk
 
 
 def test_a_budget_plan_that_drifted_from_the_groups_is_caught(monkeypatch):
-    """The check above can fail: a hand-kept fork plan that names another block for the copy of
-    the partial page than the group's fork takes is caught at the first fork."""
+    """The check above can fail: a budget shown a fork plan that names another block for the
+    copy of the partial page than the group's fork takes is caught at the first fork."""
     manager = make_hybrid()
     try:
         recorder = Recorder(manager, monkeypatch)
-        fork_plan = vmemkv.hybrid.fork_plan
+        planned = vmemkv.hybrid.planned
 
-        def drifted_fork_plan(group, parent, slot):
-            group, jobs, behind = fork_plan(group, parent, slot)
+        def drifted_planned(group, plan):
+            group, jobs, behind = planned(group, plan)
             other = group.pool.peek(2)[1]
             return group, [MapJob(j.slot, j.first, j.blocks[:-1] + [other], j.keep) for j in jobs], behind
 
-        monkeypatch.setattr(vmemkv.hybrid, "fork_plan", drifted_fork_plan)
+        monkeypatch.setattr(vmemkv.hybrid, "planned", drifted_planned)
         parent = KVRequest("a", list(range(23)))  # a partial last page: the fork copies it
         assert manager.admit(parent) == 0
         write(manager, parent, 0, parent.num_tokens)

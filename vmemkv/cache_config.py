@@ -46,7 +46,11 @@ class CacheConfig:
     kv_backend: Literal["vmem", "paged"] = "vmem"
     enable_prefix_caching: bool = True
     hash_algorithm: str = "sha256"
-    hash_seed: bytes | None = None  # random per process when None
+    # The prefix hash chain's seed. None: a random one per manager (a hybrid model's layout
+    # groups share theirs), so hashes cannot be predicted from outside and two managers' KV
+    # events never name one hash for different caches; give the same bytes to managers whose
+    # hashes must agree (KV events from several engines behind one router).
+    hash_seed: bytes | None = None
     swap_space_bytes: int = 0
     # Host memory for the prefix cache's host tier (host_tier.py): cached blocks evicted from the
     # device pool wait there (LRU) and are copied back on a hit. 0: no tier. Its rows sit in the

@@ -77,6 +77,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "(default 8; 0 is FCFS)")
     group.add_argument("--lpm-window", type=int, default=None,
                        help="lpm: waiting requests ranked per step, from the queue's head (default 128)")
+    group.add_argument("--keep-blocks-behind-window", action="store_true",
+                       help="sliding-window models: keep every KV block instead of giving back the "
+                            "blocks behind each layer's window (O(length) KV per request: the "
+                            "baseline for comparing)")
     group.add_argument("--lookahead-tokens", type=int, default=None,
                        help="map the page of a decoding request's next N tokens in the background (0: off)")
     group.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -115,6 +119,7 @@ def engine_config_from_args(args: argparse.Namespace):
         "lpm_window": args.lpm_window,
         "attention": args.attention,
         "lookahead_tokens": args.lookahead_tokens,
+        "release_behind_window": False if args.keep_blocks_behind_window else None,
         "kv_events_endpoint": getattr(args, "kv_events_endpoint", None),  # serve only
         "tensor_parallel_size": args.tensor_parallel_size,
     }

@@ -2,8 +2,9 @@
 
 ``h_0 = H(root, tokens of block 0, keys of block 0)``, ``h_i = H(h_{i-1}, tokens of block i, keys
 of block i)``, where ``root = H(seed, adapter id, cache salt)``. The chain makes a block's hash name
-its whole prefix, so equal hashes mean equal KV. ``seed`` is random per process unless configured, so
-hashes cannot be predicted (or collided on purpose) from outside.
+its whole prefix, so equal hashes mean equal KV. ``seed`` is random per hasher (so per manager)
+unless configured (``CacheConfig.hash_seed``), so hashes cannot be predicted (or collided on
+purpose) from outside.
 """
 
 from __future__ import annotations

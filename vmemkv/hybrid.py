@@ -27,8 +27,9 @@ large, and each group's pages hold whole tokens of fewer layers, so they may hol
 than the whole model's would (prefix hits and growth in coarser steps).
 
 The module is over 400 lines because the class mirrors the whole ``KVCacheManager`` API (admit
-to reorder and truncate), each method a short plan-check-apply over both groups; the plans
-themselves live in ``hybrid_budget``, its lookahead in ``hybrid_lookahead``.
+to reorder and truncate), each method a short plan-check-apply over both groups: each group
+plans once (``plans.py``), ``hybrid_budget`` checks both plans, each group executes its plan;
+reorder and truncate are planned in ``hybrid_budget``, the lookahead in ``hybrid_lookahead``.
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ import torch
 from . import validation as check
 from .cache_config import CacheConfig, CacheStats, PreemptionEstimate
 from .errors import ConfigError, RequestStateError
-from .hybrid_budget import (admit_plan, check_budget, first_block_slot, fork_plan, grow_plan,
-                            reorder_plan, swap_in_plan, truncate_plan)
+from .hybrid_budget import check_budget, planned, reorder_plan, truncate_plan
 from .hybrid_lookahead import HybridLookaheadOps
 from .kv_events import KVEventSink, group_sink
 from .kv_metrics import KVMetricsCollector
@@ -69,13 +69,13 @@ def hybrid_manager(config: CacheConfig, layer_windows: Sequence[int | None] | No
 
 
 def _group_reach(group: KVCacheManager, req: KVRequest, max_blocks: int, num_new_tokens: int | None,
-                 token_budget: int | None) -> tuple[list[int], int]:
-    """What ``group.admit(req, ..., max_cached_tokens=max_blocks * tokens_per_page)`` reuses, by
-    the same steps, changing nothing: its device hits, and how many blocks with the host tier's
-    hits it promotes after them (as many as fit)."""
+                 token_budget: int | None) -> int:
+    """How many prompt blocks ``group.admit(req, ..., max_cached_tokens=max_blocks *
+    tokens_per_page)`` reuses, by the same steps, changing nothing: its device hits and the
+    host tier's hits after them (as many as fit)."""
     hits = group._capped_hits(req, group._prefix_hits(req), max_blocks)
     host = group._host_hits(req, hits, num_new_tokens, token_budget)
-    return hits, len(hits) + min(len(host), max(0, max_blocks - len(hits)))
+    return len(hits) + min(len(host), max(0, max_blocks - len(hits)))
 
 
 class GroupReads:
@@ -113,7 +113,7 @@ class HybridKVCacheManager(HybridLookaheadOps):
     seed, so a block's content has one hash in either group, and each group's pool (and host
     tier) tells ``events`` its own blocks (``group_idx``). With ``host_cache_bytes``, each group
     demotes its evicted blocks to its own host tier, and an admission promotes a host hit only
-    where both groups' tiers hold it (``_admission_prefix``)."""
+    where both groups' tiers hold it (``_admission_blocks``)."""
 
     def __init__(self, config: CacheConfig, layer_windows: Sequence[int | None],
                  chunk_tokens: int | None = None, local_blocks: int | None = None,
@@ -140,6 +140,7 @@ class HybridKVCacheManager(HybridLookaheadOps):
                                 (self.local_group, self.groups.local_layers)):
             for index, layer in enumerate(layers):
                 self._where[layer] = (manager, index)
+        self._groups = (self.global_group, self.local_group)
         self._local: dict[str, KVRequest] = {}  # request id -> its local group's request
 
     # --- the two requests of one ------------------------------------------------------------------
@@ -167,28 +168,25 @@ class HybridKVCacheManager(HybridLookaheadOps):
         local_hits = self.local_group._capped_hits(local, local_hits, len(global_hits))
         return global_hits[:len(local_hits)], local_hits
 
-    def _admission_prefix(self, req: KVRequest, local: KVRequest, num_new_tokens: int | None,
-                          token_budget: int | None, max_cached_tokens: int | None = None
-                          ) -> tuple[int, list[int], list[int]]:
-        """The blocks of the prompt both groups reuse (at most ``max_cached_tokens``' worth), and
-        each group's device hits within them: the device hits both hold (``_hits``), extended as
-        far as both groups' host tiers continue the prefix and both admissions would promote
-        (``_group_reach``), so an admission promotes only what both groups can."""
-        global_hits, local_hits = self._hits(req, local)
+    def _admission_blocks(self, req: KVRequest, local: KVRequest, num_new_tokens: int | None,
+                          token_budget: int | None, max_cached_tokens: int | None = None) -> int:
+        """The blocks of the prompt both groups reuse (at most ``max_cached_tokens``' worth): the
+        device hits both hold (``_hits``), extended as far as both groups' host tiers continue
+        the prefix and both admissions would promote (``_group_reach``), so an admission
+        promotes only what both groups can."""
+        _, local_hits = self._hits(req, local)
         most = (len(req.token_ids) - 1 if max_cached_tokens is None else max_cached_tokens) // self.tokens_per_page
-        local_hits = self.local_group._capped_hits(local, local_hits, most)
-        global_hits = global_hits[:len(local_hits)]
-        device = len(local_hits)
+        device = len(self.local_group._capped_hits(local, local_hits, most))
         if self.global_group.host_tier.capacity and self.local_group.host_tier.capacity:
             blocks = most
             while blocks > device:  # shrinks to the longest length both reach
-                (global_at, global_count), (local_at, local_count) = (
+                global_count, local_count = (
                     _group_reach(group, request, blocks, num_new_tokens, token_budget)
                     for group, request in ((self.global_group, req), (self.local_group, local)))
                 if global_count == local_count == blocks:
-                    return blocks, global_at, local_at
+                    return blocks
                 blocks = min(global_count, local_count)
-        return device, global_hits, local_hits
+        return device
 
     # --- admission and growth ---------------------------------------------------------------------
     def match_prefix(self, req: KVRequest) -> tuple[list[int], list[bytes]]:
@@ -211,27 +209,25 @@ class HybridKVCacheManager(HybridLookaheadOps):
         does not take both)."""
         local = self._claim(req)
         limit = None if max_cached_tokens is None else check.count(max_cached_tokens, "max_cached_tokens")
-        blocks, global_hits, local_hits = self._admission_prefix(req, local, num_new_tokens, token_budget,
-                                                                 limit)
-        cached = blocks * self.tokens_per_page
-        new = len(req.token_ids) - cached if num_new_tokens is None else num_new_tokens
-        if token_budget is not None:
-            new = min(new, token_budget)
         slot = check.slot_index(slot, self.num_slots)
+        cached = self._admission_blocks(req, local, num_new_tokens, token_budget, limit) * self.tokens_per_page
+        admissions = [group._admission(request, num_new_tokens, token_budget, cached)
+                      for group, request in ((self.global_group, req), (self.local_group, local))]
+        if any(admission.cached != cached for admission in admissions):
+            raise AssertionError("the groups' admissions reuse prefixes of different lengths")
         free = self.num_free_slots if slot is None else self.global_group.is_slot_free(slot)
-        if not (free and self.global_group._fits_admission(global_hits, cached + new)
-                and self.local_group._fits_admission(local_hits, cached + new)):
+        if not (free and all(group._fits_admission(admission.hits, admission.num_tokens)
+                             for group, admission in zip(self._groups, admissions))):
             return None
-        slot = first_block_slot(self.global_group, global_hits, 0, slot)
-        check_budget([admit_plan(self.global_group, global_hits, cached + new, slot),
-                      admit_plan(self.local_group, local_hits, cached + new, slot)], "admit")
-        done = self.global_group.admit(req, num_new_tokens=num_new_tokens, token_budget=token_budget,
-                                       max_cached_tokens=cached, slot=slot)
-        if done != cached or self.local_group.admit(local, num_new_tokens=num_new_tokens,
-                                                    token_budget=token_budget, max_cached_tokens=cached,
-                                                    slot=req.slot) != cached:
-            raise AssertionError("a group refused an admission both said fits")
-        return done
+        global_admission, local_admission = admissions
+        global_plan = self.global_group._plan_admit(global_admission.hits, global_admission.num_tokens, slot)
+        local_plan = self.local_group._plan_admit(local_admission.hits, local_admission.num_tokens,
+                                                  global_plan.slot)
+        check_budget([planned(self.global_group, global_plan), planned(self.local_group, local_plan)],
+                     "admit")
+        self.global_group._execute_admit(req, global_admission, global_plan)
+        self.local_group._execute_admit(local, local_admission, local_plan)
+        return cached
 
     def can_allocate(self, request: "KVRequest | str", num_new_tokens: int) -> bool:
         req, local = self._pair(request)
@@ -242,17 +238,23 @@ class HybridKVCacheManager(HybridLookaheadOps):
         req, _ = self._pair(request)
         return self.global_group.blocks_needed(req, num_new_tokens)
 
-    def allocate(self, request: "KVRequest | str", num_new_tokens: int, new_token_ids=()) -> bool:
+    def allocate(self, request: "KVRequest | str", num_new_tokens: int,
+                 new_token_ids: Sequence[int] | None = None) -> bool:
         """Reserve ``num_new_tokens`` more positions in both groups (appending ``new_token_ids``
         once: both groups read the one list); False, changing nothing, when either lacks blocks."""
         req, local = self._pair(request)
+        req = self.global_group._running(req)
+        num_new_tokens = check.count(num_new_tokens, "num_new_tokens")
+        new_token_ids = () if new_token_ids is None else self.global_group._token_ids(new_token_ids,
+                                                                                      "new_token_ids")
+        self.global_group._check_length(req.request_id, req.num_tokens + num_new_tokens)
         if not self.can_allocate(req, num_new_tokens):
             return False
-        check_budget([grow_plan(self.global_group, req, num_new_tokens),
-                      grow_plan(self.local_group, local, num_new_tokens)], "allocate")
-        if not (self.global_group.allocate(req, num_new_tokens, new_token_ids)
-                and self.local_group.allocate(local, num_new_tokens)):
-            raise AssertionError("a group refused an allocation both said fits")
+        plans = [group._plan_grow(request, num_new_tokens)
+                 for group, request in ((self.global_group, req), (self.local_group, local))]
+        check_budget([planned(group, plan) for group, plan in zip(self._groups, plans)], "allocate")
+        self.global_group._execute_grow(req, plans[0], num_new_tokens, new_token_ids)
+        self.local_group._execute_grow(local, plans[1], num_new_tokens)  # the tokens are appended
         return True
 
     def commit(self, request: "KVRequest | str", num_computed_tokens: int | None = None) -> None:
@@ -280,21 +282,22 @@ class HybridKVCacheManager(HybridLookaheadOps):
         changing nothing, without a slot (or not ``slot``) or a block in either group
         (MappingLimitError, changing nothing, when the mapping budget does not take both)."""
         parent, local_parent = self._pair(parent)
-        partial = parent.num_tokens % self.tokens_per_page != 0
+        parent = self.global_group._running(parent)
         slot = check.slot_index(slot, self.num_slots)
+        child_id = self.global_group._fork_child_id(parent, child)
+        self.local_group._fork_child_id(local_parent, child_id)
+        partial = parent.num_tokens % self.tokens_per_page != 0
         free = self.num_free_slots if slot is None else self.global_group.is_slot_free(slot)
         if not free or (partial and not (self.global_group.num_free_blocks
                                          and self.local_group.num_free_blocks)):
             return None
-        slot = first_block_slot(self.global_group, self.global_group._reserved_blocks(parent), 0, slot)
-        check_budget([fork_plan(self.global_group, parent, slot),
-                      fork_plan(self.local_group, local_parent, slot)], "fork")
-        child = self.global_group.fork(parent, child, slot=slot)
-        local_child = None if child is None else self.local_group.fork(
-            local_parent, KVRequest(child.request_id, child.token_ids, child.keys), slot=slot)
-        if local_child is None:
-            raise AssertionError("a group refused a fork both said fits")
-        self._local[child.request_id] = local_child
+        global_plan = self.global_group._plan_fork(parent, slot)
+        local_plan = self.local_group._plan_fork(local_parent, global_plan.slot)
+        check_budget([planned(self.global_group, global_plan), planned(self.local_group, local_plan)],
+                     "fork")
+        child = self.global_group._execute_fork(parent, child, child_id, global_plan)
+        self._local[child_id] = self.local_group._execute_fork(
+            local_parent, KVRequest(child_id, child.token_ids, child.keys), child_id, local_plan)
         return child
 
     def estimate_preemption(self, request: "KVRequest | str") -> PreemptionEstimate:
@@ -326,15 +329,19 @@ class HybridKVCacheManager(HybridLookaheadOps):
     def swap_in(self, request: "KVRequest | str") -> bool:
         """Both groups back, into one slot; False, changing nothing, when either has no room."""
         req, local = self._pair(request)
-        if not self.global_group.can_swap_in(req):
+        req = self.global_group._swapped_request(req)
+        global_revive = self.global_group._revivals_if_it_fits(req, None)
+        if global_revive is None:
             return False
-        slot = self.global_group.slots.choose()
-        if not self.local_group.can_swap_in(local, slot):
+        global_plan = self.global_group._plan_swap_in(req, None, global_revive)
+        local_revive = self.local_group._revivals_if_it_fits(local, global_plan.slot)
+        if local_revive is None:
             return False
-        check_budget([swap_in_plan(self.global_group, req, slot),
-                      swap_in_plan(self.local_group, local, slot)], "swap in")
-        if not (self.global_group.swap_in(req, slot) and self.local_group.swap_in(local, slot)):
-            raise AssertionError("a group refused a swap-in both said fits")
+        local_plan = self.local_group._plan_swap_in(local, global_plan.slot, local_revive)
+        check_budget([planned(self.global_group, global_plan), planned(self.local_group, local_plan)],
+                     "swap in")
+        self.global_group._execute_swap_in(req, global_plan, global_revive)
+        self.local_group._execute_swap_in(local, local_plan, local_revive)
         return True
 
     def is_swapped(self, request: "KVRequest | str") -> bool:

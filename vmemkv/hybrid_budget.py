@@ -4,11 +4,11 @@ either group changes.
 Each group's ``KVCacheManager`` is all or nothing on its own: it plans, maps (the one step the
 OS limit on mappings, ``vm.max_map_count``, can refuse) and only then takes blocks. Two groups
 applied one after the other are not: the second could be refused after the first took blocks,
-and cached blocks it evicted cannot be put back. So ``HybridKVCacheManager`` asks each group for
-the plan its operation will execute (``plans.py``: ``plan_admit``, ``plan_grow``, ``plan_fork``,
-``plan_swap_in``; the functions below are thin calls to them; reorder and truncate are planned
-here), and ``check_budget`` asks both groups' mappers whether the process's budget takes both,
-in order, before applying either.
+and cached blocks it evicted cannot be put back. So ``HybridKVCacheManager`` plans each group's
+operation once (``plans.py``: ``_plan_admit``, ``_plan_grow``, ``_plan_fork``, ``_plan_swap_in``;
+``planned`` shows one to the budget; reorder and truncate are planned here), ``check_budget``
+asks both groups' mappers whether the process's budget takes both, in order, and only then does
+each group execute the plan the budget approved (``_execute_admit``, ``_execute_grow``, ...).
 """
 
 from __future__ import annotations
@@ -26,35 +26,10 @@ Plan = tuple[KVCacheManager, list[MapJob], int]  # group, jobs, pages behind the
 ReorderPlan = tuple[KVCacheManager, list[MapJob], list[int]]
 
 
-def _group_plan(group: KVCacheManager, plan: OperationPlan | None) -> Plan:
+def planned(group: KVCacheManager, plan: OperationPlan | None) -> Plan:
+    """The budget's view of one group's plan (``plans.py``: the plan its operation then
+    executes; None: nothing to map)."""
     return (group, [], 0) if plan is None else (group, plan.jobs, plan.behind)
-
-
-def admit_plan(group: KVCacheManager, hits: list[int], num_tokens: int, slot: int) -> Plan:
-    """What ``admit`` with these (capped) prefix hits maps into ``slot``."""
-    return _group_plan(group, group.plan_admit(hits, num_tokens, slot))
-
-
-def grow_plan(group: KVCacheManager, req: KVRequest, num_new_tokens: int) -> Plan:
-    """What ``allocate`` of ``num_new_tokens`` more positions maps."""
-    return _group_plan(group, group.plan_grow(req, num_new_tokens))
-
-
-def fork_plan(group: KVCacheManager, parent: KVRequest, slot: int) -> Plan:
-    """What ``fork`` of ``parent`` maps into ``slot``: its full blocks and a copy of its last."""
-    return _group_plan(group, group.plan_fork(parent, slot))
-
-
-def swap_in_plan(group: KVCacheManager, req: KVRequest, slot: int) -> Plan:
-    """What ``swap_in`` maps into ``slot``: blocks still cached are revived, the rest fresh."""
-    return _group_plan(group, group.plan_swap_in(req, slot))
-
-
-def first_block_slot(group: KVCacheManager, blocks: list[int], behind: int,
-                     slot: int | None = None) -> int:
-    """The slot the group's operations choose for a request whose block list is ``blocks``
-    (``slot`` when the caller names one)."""
-    return group._choose_slot(blocks, behind, slot)
 
 
 def reorder_plan(group: KVCacheManager, rows: list[KVRequest], sources: list[KVRequest],

@@ -35,6 +35,7 @@ from .hashing import CacheKeys
 from .lookahead import LookaheadOps
 from .kv_metrics import timed
 from .manager_state import PrefixCacheBusyError, UnknownRequestError
+from .plans import Admission, Plan
 from .preemption import PreemptionOps
 from .request import RELEASED, KVRequest
 from .sharing import SharingOps
@@ -212,33 +213,24 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         num_new_tokens = check.count(num_new_tokens, "num_new_tokens", optional=True)
         token_budget = check.count(token_budget, "token_budget", optional=True)
         slot = check.slot_index(slot, self.slots.num_slots)
-        request_id, num_prompt = req._request_id, len(req._token_ids)
-        if request_id in self._requests:
-            raise RequestStateError(f"request {request_id!r} is already admitted")
-        self._check_length(request_id, num_prompt)
-        req._owner = self  # its hash chain is this manager's from now on
-        hits = self._prefix_hits(req)
-        if max_cached_tokens is not None:
-            hits = self._capped_hits(req, hits, check.count(max_cached_tokens, "max_cached_tokens")
-                                     // self.tokens_per_page)
-        host_hits = self._host_hits(req, hits, num_new_tokens, token_budget)  # promoted below
-        if max_cached_tokens is not None:
-            host_hits = host_hits[:max(0, max_cached_tokens // self.tokens_per_page - len(hits))]
-        cached = (len(hits) + len(host_hits)) * self.tokens_per_page
-        new = num_prompt - cached if num_new_tokens is None else num_new_tokens
-        if token_budget is not None:
-            new = min(new, token_budget)
-        self._check_length(request_id, cached + new)
-        if not self._slot_available(slot) or not self._fits_admission(hits, cached + new):
+        admission = self._admission(req, num_new_tokens, token_budget, check.count(
+            max_cached_tokens, "max_cached_tokens", optional=True))
+        if not self._slot_available(slot) or not self._fits_admission(admission.hits, admission.num_tokens):
             return None
-        # Plan (slot, blocks), map (the one step the mapping budget can refuse), then take.
-        plan = self._plan_admit(hits, cached + new, slot)
+        return self._execute_admit(req, admission, self._plan_admit(admission.hits, admission.num_tokens, slot))
+
+    def _execute_admit(self, req: KVRequest, admission: Admission, plan: Plan) -> int:
+        """Carry out ``plan`` (``_plan_admit`` of ``admission``: ``_admission``): map (the one
+        step the mapping budget can refuse, changing nothing), then take the blocks, copying the
+        host tier's hits in. Returns the tokens already computed."""
         self._map_and_bind(plan)
         self.pool.acquire(plan.share)
-        req._blocks = hits + self._take_promoting(plan.take, host_hits)
-        req._num_tokens, req._num_computed = cached + new, cached
-        req._num_registered = len(hits) + len(host_hits)
+        cached, tokens_per_page = admission.cached, self.tokens_per_page
+        req._blocks = admission.hits + self._take_promoting(plan.take, admission.promote)
+        req._num_tokens, req._num_computed = admission.num_tokens, cached
+        req._num_registered = cached // tokens_per_page
         req._slot, req._swapped, req._num_released = plan.slot, None, plan.behind
+        request_id, num_prompt = req._request_id, len(req._token_ids)
         self._requests[request_id] = req
         repeat = request_id in self._preempted
         self._preempted.discard(request_id)
@@ -247,15 +239,16 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
                 self.stats.reprefill_queried_tokens += num_prompt
                 self.stats.reprefill_hit_tokens += cached
             else:
+                host = admission.host_blocks * tokens_per_page
                 self.stats.prefix_queried_tokens += num_prompt
                 self.stats.prefix_hit_tokens += cached
-                self.stats.prefix_hit_tokens_device += len(hits) * self.tokens_per_page
-                self.stats.prefix_hit_tokens_host += len(host_hits) * self.tokens_per_page
+                self.stats.prefix_hit_tokens_device += cached - host
+                self.stats.prefix_hit_tokens_host += host
                 tokens = req._token_ids
-                hit_blocks = len(hits) + len(host_hits)
+                hit_blocks = cached // tokens_per_page
                 self.stats.prefix_partial_page_tokens += self.pool.shared_partial_tokens(
                     req._hashes[hit_blocks - 1] if hit_blocks else self._chain_root(req._keys),
-                    tokens[cached:min(cached + self.tokens_per_page, len(tokens) - 1)])
+                    tokens[cached:min(cached + tokens_per_page, len(tokens) - 1)])
         return cached
 
     @timed
@@ -275,17 +268,26 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         if -(-total // self.tokens_per_page) - len(req._blocks) > self.pool.num_free:
             return False
         plan = self._plan_grow(req, num_new_tokens)
+        if plan is None and not new_token_ids:
+            req._num_tokens = total  # a decode inside its block (the engine's): one call less
+        else:
+            self._execute_grow(req, plan, num_new_tokens, new_token_ids)
+        return True
+
+    def _execute_grow(self, req: KVRequest, plan: Plan | None, num_new_tokens: int,
+                      new_token_ids: Sequence[int] = _NO_TOKENS) -> None:
+        """Carry out ``plan`` (``_plan_grow``; the mapping may be refused, changing nothing) and
+        append the checked ``new_token_ids``."""
         if plan is not None:  # crosses into blocks not mapped yet
             self.slots.map_blocks(plan.slot, plan.first, plan.mapped, plan.keep)  # may be refused
             if plan.take:
                 req._blocks += self.pool.take(plan.take)
-        req._num_tokens = total
+        req._num_tokens += num_new_tokens
         if new_token_ids:
             tokens = req._token_ids
             if req._num_checked == len(tokens):
                 req._num_checked += len(new_token_ids)
             tokens += new_token_ids
-        return True
 
     @timed
     def commit(self, request: "KVRequest | str", num_computed_tokens: int | None = None) -> None:

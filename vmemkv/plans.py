@@ -4,9 +4,12 @@
 which fresh blocks ``pool.peek`` names, what they map), carry out the one refusable step (the
 mapping, which the process's budget of kernel mappings may refuse) and only then change the pool
 and the request. The planning step is a public method here, ``plan_admit``, ``plan_grow``,
-``plan_fork`` and ``plan_swap_in``, so that a caller that must ask several managers before
-applying any (``hybrid_budget``: both layout groups of a hybrid model) asks the very plan the
-operation then executes, instead of a copy kept in step by hand.
+``plan_fork`` and ``plan_swap_in``; the step that carries a plan out is a method of its own
+(``_execute_admit``, ``_execute_grow``, ``_execute_fork``, ``_execute_swap_in``), which the public
+operation calls on the plan it just made. A caller that must ask several managers before applying
+any (``HybridKVCacheManager``: both layout groups) plans each once (``_admission`` and
+``_plan_*``), checks them together (``hybrid_budget``) and has each manager execute the plan it
+checked.
 
 Reorder is planned here too (``reorder_copies``, ``_plan_reorder``, ``reorder_mapping_cost``) for
 ``SharingOps.reorder`` and the hybrid budget alike.
@@ -22,10 +25,11 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from . import validation as check
-from .errors import InvalidInputError, MappingLimitError
+from .errors import InvalidInputError, MappingLimitError, RequestStateError
 from .manager_state import ManagerState, UnknownRequestError
 from .request import RELEASED, KVRequest
 from .slots import MapJob, SlotBinder
+from .window import first_needed_block
 
 
 @dataclass(slots=True)
@@ -50,6 +54,21 @@ class Plan:
     def jobs(self) -> list[MapJob]:
         """The mapping as ``slots.map_jobs`` and ``slots.mapping_cost`` take it (empty: none)."""
         return [MapJob(self.slot, self.first, self.mapped, self.keep)] if self.mapped else []
+
+
+@dataclass(slots=True)
+class Admission:
+    """What ``admit`` reuses and reserves for one request, before its plan: the device prefix
+    ``hits`` (``RELEASED`` behind the window), the host tier's blocks it copies in after them
+    (``promote``, hashes) out of ``host_blocks`` host hits (with a window, hits wholly behind the
+    next query's window are reused without a copy: ``RELEASED``), the tokens already computed
+    (``cached``) and the tokens reserved (``num_tokens``)."""
+
+    hits: list[int]
+    promote: list[bytes]
+    host_blocks: int
+    cached: int
+    num_tokens: int
 
 
 class OperationPlans(ManagerState):
@@ -89,10 +108,40 @@ class OperationPlans(ManagerState):
         request's blocks, its swapped blocks still in the prefix cache revived (shared) and the
         rest in fresh blocks. Call it only when the swap-in fits."""
         req = self._swapped_request(request)
-        revived, _ = self._swap_in_revivals(req)
-        return self._plan_swap_in(req, check.slot_index(slot, self.slots.num_slots), revived)
+        return self._plan_swap_in(req, check.slot_index(slot, self.slots.num_slots),
+                                  self._swap_in_revivals(req))
 
     # --- the planning the operations call --------------------------------------------------------
+    def _admission(self, req: KVRequest, num_new_tokens: int | None, token_budget: int | None,
+                   max_cached_tokens: int | None) -> Admission:
+        """What ``admit`` of ``req`` reuses and reserves (arguments checked by the caller);
+        raises for a request already admitted or too long. Changes nothing but binding ``req``'s
+        hash chain to this manager."""
+        request_id, num_prompt, tokens_per_page = req._request_id, len(req._token_ids), self.tokens_per_page
+        if request_id in self._requests:
+            raise RequestStateError(f"request {request_id!r} is already admitted")
+        self._check_length(request_id, num_prompt)
+        req._owner = self  # its hash chain is this manager's from now on
+        hits = self._prefix_hits(req)
+        if max_cached_tokens is not None:
+            hits = self._capped_hits(req, hits, max_cached_tokens // tokens_per_page)
+        host_hits = self._host_hits(req, hits, num_new_tokens, token_budget)
+        if max_cached_tokens is not None:
+            host_hits = host_hits[:max(0, max_cached_tokens // tokens_per_page - len(hits))]
+        cached = (len(hits) + len(host_hits)) * tokens_per_page
+        new = num_prompt - cached if num_new_tokens is None else num_new_tokens
+        if token_budget is not None:
+            new = min(new, token_budget)
+        self._check_length(request_id, cached + new)
+        promote = host_hits
+        if host_hits and self.window:
+            # Host hits wholly behind the next query's window would be copied in only to be
+            # released at the first commit: they (and the device hits before them) stay RELEASED.
+            skip = first_needed_block(cached, self.window, tokens_per_page) - len(hits)
+            if skip > 0:
+                hits, promote = [RELEASED] * (len(hits) + skip), host_hits[skip:]
+        return Admission(hits, promote, len(host_hits), cached, cached + new)
+
     def _plan_admit(self, hits: list[int], num_tokens: int, slot: int | None) -> Plan:
         behind = hits.count(RELEASED)  # a windowed hit: blocks before its window need not be held
         live = hits[behind:]
@@ -144,16 +193,16 @@ class OperationPlans(ManagerState):
                                       "swapped out")
         return req
 
-    def _swap_in_revivals(self, req: KVRequest) -> tuple[dict[int, int], int]:
+    def _swap_in_revivals(self, req: KVRequest) -> dict[int, int]:
         """Swapped full blocks still in the prefix cache (index -> block: taken, not copied
-        back) and how many fresh blocks the rest need."""
+        back); the rest need fresh blocks."""
         revive = {}
         for index, _ in req._swapped:
             if index < req._num_registered:
                 block = self.pool.lookup(req._hashes[index])
                 if block is not None:
                     revive[index] = block
-        return revive, len(req._swapped) - len(revive)
+        return revive
 
     def _plan_reorder(self, rows: list[KVRequest], sources: list[KVRequest],
                       copied: list[bool]) -> tuple[list[list[int]], list[int], list[MapJob]]:

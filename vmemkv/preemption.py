@@ -14,7 +14,7 @@ from typing import Literal
 from . import validation as check
 from .cache_config import PreemptionEstimate
 from .kv_metrics import timed
-from .plans import OperationPlans
+from .plans import OperationPlans, Plan
 from .request import RELEASED, KVRequest
 
 
@@ -76,7 +76,8 @@ class PreemptionOps(OperationPlans):
     def _revivals_if_it_fits(self, req: KVRequest, slot: int | None) -> dict[int, int] | None:
         """The swapped request's blocks still cached in the pool (``_swap_in_revivals``), or None
         when ``swap_in`` would find no slot (or not ``slot``) or not enough blocks."""
-        revive, needed = self._swap_in_revivals(req)
+        revive = self._swap_in_revivals(req)
+        needed = len(req._swapped) - len(revive)
         revived_cached = sum(self.pool.ref[b] == 0 for b in revive.values())
         if self._slot_available(slot) and needed <= self.pool.num_free - revived_cached:
             return revive
@@ -91,7 +92,12 @@ class PreemptionOps(OperationPlans):
         revive = self._revivals_if_it_fits(req, slot)
         if revive is None:
             return False
-        plan = self._plan_swap_in(req, slot, revive)
+        self._execute_swap_in(req, self._plan_swap_in(req, slot, revive), revive)
+        return True
+
+    def _execute_swap_in(self, req: KVRequest, plan: Plan, revive: dict[int, int]) -> None:
+        """Carry out ``plan`` (``_plan_swap_in`` of ``revive``: ``_revivals_if_it_fits``); the
+        mapping may be refused (MappingLimitError), leaving the request swapped."""
         self._map_and_bind(plan)  # refused: it stays swapped
         self.pool.acquire(plan.share)
         self.pool.take(plan.take)
@@ -106,4 +112,3 @@ class PreemptionOps(OperationPlans):
         req._swapped = None
         req._slot = plan.slot
         self.stats.swap_in_bytes += len(copied) * self.layout.block_bytes
-        return True

@@ -15,7 +15,7 @@ from typing import Sequence
 from . import validation as check
 from .errors import InvalidInputError, RequestStateError
 from .kv_metrics import timed
-from .plans import OperationPlans, fit_or_reclaim, reorder_copies, reorder_mapping_cost
+from .plans import OperationPlans, Plan, fit_or_reclaim, reorder_copies, reorder_mapping_cost
 from .request import KVRequest
 from .slots import MapJob
 from .window import first_needed_block
@@ -33,6 +33,16 @@ class SharingOps(OperationPlans):
         or a new id, for which the manager makes one. Returns the child's KVRequest, or None,
         changing nothing, without a slot (or not ``slot``) or a block."""
         parent = self._running(parent)
+        slot = check.slot_index(slot, self.slots.num_slots)
+        child_id = self._fork_child_id(parent, child)
+        partial = parent._num_tokens % self.tokens_per_page != 0
+        if not self._slot_available(slot) or (partial and not self.pool.num_free):
+            return None
+        return self._execute_fork(parent, child, child_id, self._plan_fork(parent, slot))
+
+    def _fork_child_id(self, parent: KVRequest, child: "KVRequest | str") -> str:
+        """The id of a fork's ``child`` once it is checked (a KVRequest not admitted, with a
+        token list of its own, or a new id); the parent must be committed."""
         if isinstance(child, KVRequest):
             self._check_not_foreign(child)
             if child._token_ids is parent._token_ids:
@@ -41,14 +51,15 @@ class SharingOps(OperationPlans):
             child_id = child._request_id
         else:
             child_id = check.request_id(child, "child")
-        slot = check.slot_index(slot, self.slots.num_slots)
         if child_id in self._requests:
             raise RequestStateError(f"request {child_id!r} already exists")
         self._require_committed(parent)
-        partial = parent._num_tokens % self.tokens_per_page != 0
-        if not self._slot_available(slot) or (partial and not self.pool.num_free):
-            return None
-        plan = self._plan_fork(parent, slot)
+        return child_id
+
+    def _execute_fork(self, parent: KVRequest, child: "KVRequest | str", child_id: str,
+                      plan: Plan) -> KVRequest:
+        """Carry out ``plan`` (``_plan_fork`` of ``parent``; the mapping may be refused,
+        changing nothing) and start the child (``_fork_child_id`` checked it)."""
         self._map_and_bind(plan)
         self.pool.acquire(plan.share)
         behind = plan.behind  # the child's window is the parent's: nothing is shared behind it
