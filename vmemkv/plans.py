@@ -28,7 +28,7 @@ from . import validation as check
 from .errors import InvalidInputError, MappingLimitError, RequestStateError
 from .manager_state import ManagerState, UnknownRequestError
 from .request import RELEASED, KVRequest
-from .slots import MapJob, SlotBinder
+from .slots import MapJob, SlotBinder, kept_pages
 from .window import first_needed_block
 
 
@@ -218,6 +218,15 @@ class OperationPlans(ManagerState):
                 for row, row_blocks, count in zip(rows, blocks, behind)]
         return blocks, behind, jobs
 
+    def _truncate_copy(self, req: KVRequest, num_tokens: int) -> int | None:
+        """The logical page ``truncate`` to ``num_tokens`` must copy to a private block before the
+        request writes it again (its new last block, when partial and shared or cached), or None."""
+        keep = self.layout.logical_pages_for(num_tokens)
+        last = req._blocks[keep - 1] if keep and num_tokens % self.tokens_per_page else None
+        if last is None or (self.pool.ref[last] == 1 and self.pool.hash_of[last] is None):
+            return None
+        return keep - 1
+
     def _choose_slot(self, blocks: list[int], behind: int, slot: int | None = None) -> int:
         """The free slot for a request whose block list is ``blocks`` (``slot`` when given): one
         already mapping its first block when there is one (``SlotBinder.choose``); a request
@@ -263,14 +272,6 @@ def reorder_mapping_cost(slots: SlotBinder, jobs: list[MapJob], behind: list[int
         total += after - before
         held = max(held, total)
     return held, total
-
-
-def kept_pages(jobs: Iterable[MapJob]) -> dict[int, int]:
-    """``{slot: logical pages someone owns}`` over ``jobs`` (the most any job keeps)."""
-    keep: dict[int, int] = {}
-    for job in jobs:
-        keep[job.slot] = max(keep.get(job.slot, 0), job.keep)
-    return keep
 
 
 def fit_or_reclaim(shortfall: Callable[[], str | None],

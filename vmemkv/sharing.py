@@ -156,16 +156,15 @@ class SharingOps(OperationPlans):
                 f"first {req._num_released * self.tokens_per_page} positions were released behind "
                 f"its sliding window of {self.window}, and a query at {num_tokens} reads some")
         blocks = req._blocks
-        keep = self.layout.logical_pages_for(num_tokens)
-        last = blocks[keep - 1] if keep and num_tokens % self.tokens_per_page else None
-        private = last is None or (self.pool.ref[last] == 1 and self.pool.hash_of[last] is None)
-        if not private:
+        page = self._truncate_copy(req, num_tokens)
+        if page is not None:
             if not self.pool.num_free:
                 return False
-            copy = self.pool.peek(1)
-            self.slots.map_blocks(req._slot, keep - 1, copy, keep=len(blocks))
-            blocks[keep - 1] = self._copy_of(last, self.pool.take(copy)[0])
+            copy, last = self.pool.peek(1), blocks[page]
+            self.slots.map_blocks(req._slot, page, copy, keep=len(blocks))
+            blocks[page] = self._copy_of(last, self.pool.take(copy)[0])
             self.pool.release([last])
+        keep = self.layout.logical_pages_for(num_tokens)
         self.pool.release(reversed(blocks[keep:]))
         del blocks[keep:]
         full = num_tokens // self.tokens_per_page

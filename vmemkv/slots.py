@@ -24,6 +24,7 @@ from __future__ import annotations
 import sys
 import threading
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -63,6 +64,14 @@ class MapJob:
 
     def __post_init__(self) -> None:
         self.keep = max(self.keep, self.first + len(self.blocks))
+
+
+def kept_pages(jobs: Iterable[MapJob]) -> dict[int, int]:
+    """``{slot: logical pages someone owns}`` over ``jobs`` (the most any job keeps)."""
+    keep: dict[int, int] = {}
+    for job in jobs:
+        keep[job.slot] = max(keep.get(job.slot, 0), job.keep)
+    return keep
 
 
 @dataclass
@@ -430,10 +439,7 @@ class SlotMapper(SlotBinder):
         except MappingLimitError:
             # The refused call changed nothing: make room and retry once. Stale are the free
             # slots the jobs do not bind and the jobs' slots past what their owners keep.
-            keep: dict[int, int] = {}
-            for job in jobs:
-                keep[job.slot] = max(keep.get(job.slot, 0), job.keep)
-            self.reclaim_stale(keep)
+            self.reclaim_stale(kept_pages(jobs))
             self._backend_map(virtual, physical)
         self.stats.pages_mapped += len(virtual)
 
