@@ -59,6 +59,18 @@ def test_another_object_with_a_swapped_id_is_refused_before_anything(hybrid):
     hybrid.check()
 
 
+def test_a_request_of_another_manager_is_refused_before_anything(hybrid):
+    other = make_hybrid()
+    foreign = KVRequest("f", list(range(40)))
+    other.match_prefix(foreign)  # its hash chain is the other manager's now
+    for call in (hybrid.match_prefix, hybrid.can_admit, hybrid.admit):
+        with pytest.raises(InvalidInputError, match="another KVCacheManager"):
+            call(foreign)
+    assert hybrid._local == {}
+    hybrid.check()
+    close(other)
+
+
 def test_admit_takes_a_kv_request():
     manager = make_hybrid()
     with pytest.raises(InvalidInputError, match="KVRequest"):
