@@ -41,13 +41,13 @@ import torch
 
 from . import validation as check
 from .cache_config import CacheConfig, CacheStats, PreemptionEstimate
-from .errors import ConfigError, RequestStateError
+from .errors import ConfigError, InvalidInputError, RequestStateError
 from .hybrid_budget import check_budget, planned, reorder_plan, truncate_plan
 from .hybrid_lookahead import HybridLookaheadOps
 from .kv_events import KVEventSink, group_sink
 from .kv_metrics import KVMetricsCollector
 from .layer_groups import LayerGroups, group_configs
-from .manager import KVCacheManager
+from .manager import KVCacheManager, PrefixCacheBusyError
 from .plans import reorder_copies
 from .request import RELEASED, KVRequest
 from .window import first_needed_block
@@ -141,7 +141,7 @@ class HybridKVCacheManager(HybridLookaheadOps):
             for index, layer in enumerate(layers):
                 self._where[layer] = (manager, index)
         self._groups = (self.global_group, self.local_group)
-        self._local: dict[str, KVRequest] = {}  # request id -> its local group's request
+        self._local: dict[str, KVRequest] = {}  # admitted (running or swapped) id -> its local twin
 
     # --- the two requests of one ------------------------------------------------------------------
     def _pair(self, request: "KVRequest | str") -> tuple[KVRequest, KVRequest]:
@@ -149,16 +149,30 @@ class HybridKVCacheManager(HybridLookaheadOps):
         req = self.global_group._known(request)
         return req, self._local[req.request_id]
 
-    def _claim(self, req: KVRequest) -> KVRequest:
-        """Bind a request and its local twin (made once: it shares the request's token list and
-        keeps its own hash chain while the request waits or is recomputed) to the groups."""
-        local = self._local.get(req.request_id)
-        if local is None or local.token_ids is not req.token_ids:
-            local = self._local[req.request_id] = KVRequest(req.request_id, req.token_ids, req.keys)
-        for manager, request in ((self.global_group, req), (self.local_group, local)):
-            manager._check_not_foreign(request)
-            request._owner = manager
+    def _twin(self, req: KVRequest) -> KVRequest:
+        """A new local-group request for ``req``, stored nowhere (``admit`` and ``fork`` store a
+        twin once both groups took it): it shares ``req``'s token list and starts from its hash
+        chain, which is the local group's too (both groups hash with one seed into pages of one
+        number of tokens), so a waiting request retried every step is hashed once. Binds both to
+        their groups, as ``KVCacheManager.match_prefix`` binds a request."""
+        if not isinstance(req, KVRequest):
+            raise InvalidInputError(f"request is a {type(req).__name__} ({req!r:.40}); a hybrid "
+                                    "manager admits a vmemkv.KVRequest")
+        self.global_group._check_not_foreign(req)
+        req._owner = self.global_group
+        if self.config.enable_prefix_caching:  # the chain _prefix_hits reads, hashed here once
+            self.global_group._extend_chain(req, (len(req.token_ids) - 1) // self.tokens_per_page)
+        local = KVRequest(req.request_id, req.token_ids, req.keys)
+        local._hashes, local._num_checked = list(req._hashes), req._num_checked
+        local._owner = self.local_group
         return local
+
+    def _claim(self, req: KVRequest) -> KVRequest:
+        """``_twin`` for an admission: RequestStateError, before anything, for an id already
+        admitted (running or swapped), whichever object carries it."""
+        if isinstance(req, KVRequest) and req.request_id in self.global_group._requests:
+            raise RequestStateError(f"request {req.request_id!r} is already admitted")
+        return self._twin(req)
 
     def _hits(self, req: KVRequest, local: KVRequest) -> tuple[list[int], list[int]]:
         """Both groups' prefix hits, cut to one length both can reuse: the global group's full
@@ -191,11 +205,11 @@ class HybridKVCacheManager(HybridLookaheadOps):
     # --- admission and growth ---------------------------------------------------------------------
     def match_prefix(self, req: KVRequest) -> tuple[list[int], list[bytes]]:
         """The global group's cached blocks of the prefix both groups can reuse, and its hashes."""
-        global_hits, _ = self._hits(req, self._claim(req))
+        global_hits, _ = self._hits(req, self._twin(req))
         return global_hits, list(req.block_hashes)
 
     def can_admit(self, req: KVRequest) -> bool:
-        global_hits, local_hits = self._hits(req, self._claim(req))
+        global_hits, local_hits = self._hits(req, self._twin(req))
         total = len(req.token_ids)
         return (self.num_free_slots > 0 and self.global_group._fits_admission(global_hits, total)
                 and self.local_group._fits_admission(local_hits, total))
@@ -227,6 +241,7 @@ class HybridKVCacheManager(HybridLookaheadOps):
                      "admit")
         self.global_group._execute_admit(req, global_admission, global_plan)
         self.local_group._execute_admit(local, local_admission, local_plan)
+        self._local[req.request_id] = local
         return cached
 
     def can_allocate(self, request: "KVRequest | str", num_new_tokens: int) -> bool:
@@ -271,10 +286,32 @@ class HybridKVCacheManager(HybridLookaheadOps):
         del self._local[req.request_id]
 
     def discard(self, request: "KVRequest | str") -> None:
+        """``KVCacheManager.discard`` in both groups: the local twin goes only with the request
+        the global group freed (another KVRequest object with a running request's id frees
+        neither); an id that is not admitted is forgotten by both (its recompute preemption)."""
         request_id = request.request_id if isinstance(request, KVRequest) else check.request_id(request)
-        self.global_group.discard(request)
-        local = self._local.pop(request_id, None)
-        self.local_group.discard(request_id if local is None else local)
+        held = self.global_group._requests.get(request_id)
+        freed = held is not None and (held is request or not isinstance(request, KVRequest))
+        self.global_group.discard(request)  # refuses a foreign request before any change
+        if freed:
+            self.local_group.discard(self._local.pop(request_id))
+        elif held is None:
+            self.local_group.discard(request_id)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget both groups' cached content (and host tiers). PrefixCacheBusyError, changing
+        nothing, while either group holds blocks. Returns the global group's cached blocks
+        dropped (block counts are the global group's)."""
+        for name, group in (("global", self.global_group), ("local", self.local_group)):
+            group._check_open()
+            if group.pool.num_in_use:
+                raise PrefixCacheBusyError(
+                    f"cannot reset the prefix cache: the {name} layers' group has "
+                    f"{group.pool.num_in_use} blocks held by {len(group.request_ids())} request(s); "
+                    "free or finish them first")
+        dropped = self.global_group.reset_prefix_cache()
+        self.local_group.reset_prefix_cache()
+        return dropped
 
     def fork(self, parent: "KVRequest | str", child: "KVRequest | str",
              slot: int | None = None) -> KVRequest | None:
@@ -320,6 +357,8 @@ class HybridKVCacheManager(HybridLookaheadOps):
             self.local_group.swap.check_room(self._private_blocks(self.local_group, local))
         self.global_group.preempt(req, mode)
         self.local_group.preempt(local, mode)
+        if mode == "recompute":  # holds nothing now; its next admission makes a new twin
+            del self._local[req.request_id]
         return mode
 
     @staticmethod
@@ -377,6 +416,25 @@ class HybridKVCacheManager(HybridLookaheadOps):
 
     def request_ids(self) -> list[str]:
         return self.global_group.request_ids()
+
+    # Per-request counts: the same in both groups (``check``), so the global group's.
+    def slot_of(self, request: "KVRequest | str") -> int:
+        return self.global_group.slot_of(request)
+
+    def num_tokens(self, request: "KVRequest | str") -> int:
+        return self.global_group.num_tokens(request)
+
+    def num_computed_tokens(self, request: "KVRequest | str") -> int:
+        return self.global_group.num_computed_tokens(request)
+
+    def token_ids(self, request: "KVRequest | str") -> list[int]:
+        return self.global_group.token_ids(request)
+
+    def can_swap_in(self, request: "KVRequest | str") -> bool:
+        """Whether ``swap_in`` would find a slot and both groups' blocks now."""
+        req, local = self._pair(request)
+        return (self.global_group.can_swap_in(req)
+                and self.local_group.can_swap_in(local, self.global_group.slots.choose()))
 
     # --- sizes and accounting (the global group's blocks; see the class docstring) ---------------
     @property
@@ -442,6 +500,8 @@ class HybridKVCacheManager(HybridLookaheadOps):
         self.global_group.check()
         self.local_group.check()
         assert self.global_group.request_ids() == self.local_group.request_ids(), "groups hold different requests"
+        assert set(self._local) == set(self.global_group.request_ids()), (
+            f"local twins of requests not admitted: {sorted(set(self._local) - set(self.global_group.request_ids()))}")
         for request_id in self.global_group.request_ids():
             req, local = self.global_group.request(request_id), self._local[request_id]
             assert self.local_group.request(request_id) is local
@@ -450,6 +510,8 @@ class HybridKVCacheManager(HybridLookaheadOps):
             assert (req.num_tokens, req.num_computed_tokens) == (local.num_tokens, local.num_computed_tokens)
             assert len(req._blocks) == len(local._blocks), f"{request_id}: lookahead in one group only"
             assert req.token_ids is local.token_ids
+            common = min(len(req._hashes), len(local._hashes))
+            assert req._hashes[:common] == local._hashes[:common], f"{request_id}: hash chains differ"
 
     def close(self) -> None:
         self.global_group.close()

@@ -48,8 +48,11 @@ class HybridLookaheadOps:
         clean = [group.pool.num_clean for group in groups]
         free = [group.pool.num_free for group in groups]
         layout, limit = self.global_group.layout, self.config.max_model_len
+        # A request listed twice is served once, as by one group (whose second look finds the
+        # blocks already taken); planning it twice would promise its blocks twice.
+        running = {req.request_id: req for req in self.global_group._running_list(requests, "requests")}
         chosen = []
-        for req, local in map(self._pair, requests):
+        for req, local in map(self._pair, running.values()):
             needed = layout.logical_pages_for(min(req.num_tokens + margin_tokens, limit)) - len(req._blocks)
             if needed <= 0 or not all(needed <= clean[g] and free[g] - needed >= keep[g] for g in (0, 1)):
                 continue

@@ -76,7 +76,7 @@ from ..manager import KVCacheManager
 from .transformers_layer import _VmemkvLayer
 from .transformers_model import cache_kwarg, layer_windows, manager_for
 from .transformers_prefix import _PrefixReuse
-from .transformers_rows import _RowBookkeeping, _Row
+from .transformers_rows import _RowBookkeeping, _Row, blocks_free
 
 __all__ = ["VmemkvCache", "cache_kwarg", "layer_windows", "manager_for"]
 
@@ -125,7 +125,10 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
         self._write_from: list[int] = []
         self._uniform_write = True
         self._uncommitted = False  # the last forward's positions are written, not committed yet
+        # Peaks since construction or reset_peak(): blocks (a hybrid manager's global group's, as
+        # its block counts) and bytes of the blocks held (in every group).
         self.peak_pages_in_use = 0
+        self.peak_kv_bytes = 0
         self.last_call: dict = {}
         if model is not None:
             self.attach(model)
@@ -278,7 +281,7 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
         for row in self._rows:
             if not self.manager.truncate(row.kv, max(length, 0)):  # shortens kv.token_ids too
                 raise OutOfBlocksError(f"cropping row {row.kv.request_id!r} needs one free block to "
-                                       "copy its shared last block; the pool has none")
+                                       f"copy its shared last block; {blocks_free(self.manager)}")
         self._length = max(length, 0)
 
     def reset(self) -> None:
@@ -368,10 +371,12 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
 
     def reset_peak(self) -> None:
         self.peak_pages_in_use = self.manager.num_blocks_in_use
+        self.peak_kv_bytes = self.manager.kv_bytes_in_use
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one block (all layers' K and V of ``tokens_per_page`` tokens)."""
+        """Bytes of one block (all layers' K and V of ``tokens_per_page`` tokens; a hybrid
+        manager's global group's, its global layers only: ``peak_kv_bytes`` counts both groups)."""
         return self.manager.block_bytes
 
     def __repr__(self) -> str:

@@ -35,7 +35,11 @@ def manager_for(model, max_batch_size: int, max_cache_len: int, num_blocks: int 
                                     spare_blocks_per_slot=1,
                                     release_behind_window=release_behind_window, **config)
     if release_behind_window:
-        hybrid = hybrid_manager(cache_config, hybrid_layer_windows(model.config, max_cache_len))
+        # A forward computes every row's new tokens before any block behind the window goes
+        # back (at the commit after it): the local layers' group holds one forward's tokens,
+        # up to every row's whole prompt at once.
+        hybrid = hybrid_manager(cache_config, hybrid_layer_windows(model.config, max_cache_len),
+                                chunk_tokens=max_batch_size * max_cache_len)
         if hybrid is not None:
             return hybrid
     return KVCacheManager(cache_config)

@@ -4,7 +4,7 @@ them step by step with the token ids fed, checking the attention mask, beam reor
 pages) and row expansion (forks) live here, as a mixin of
 :class:`vmemkv.integrations.transformers_cache.VmemkvCache`, which owns the state they work on:
 ``manager``, ``_rows``, ``_first_slot``, ``_length``, ``_tracked``, ``_windowed``, ``_model_key``,
-``_prefix``, ``_request_counter`` and ``peak_pages_in_use``.
+``_prefix``, ``_request_counter``, ``peak_pages_in_use`` and ``peak_kv_bytes``.
 
 Rows of a manager that releases blocks behind a window all start with one prefix hit length:
 the batch's next forward starts at the shortest hit, and a row that hit more would have given
@@ -20,8 +20,30 @@ import torch
 
 from ..errors import ConfigError, OutOfBlocksError
 from ..hashing import CacheKeys
+from ..hybrid import HybridKVCacheManager
 from ..request import KVRequest
 from ..slots import NoFreeSlotError
+
+
+def pools(manager) -> list:
+    """The managers whose pools hold a cache's blocks: a hybrid manager's two groups (global,
+    local), else the manager itself."""
+    if isinstance(manager, HybridKVCacheManager):
+        return [manager.global_group, manager.local_group]
+    return [manager]
+
+
+def blocks_free(manager) -> str:
+    """The free blocks, for an error message. A hybrid manager's row needs as many new blocks in
+    each group (one page size, one prefix-hit length, one reservation), so the group with the
+    fewest free blocks is the short one: it is named first."""
+    if not isinstance(manager, HybridKVCacheManager):
+        return f"{manager.num_free_blocks} pages free of {manager.num_blocks}"
+    (short, group), (other, rest) = sorted(
+        [("global", manager.global_group), ("local", manager.local_group)],
+        key=lambda named: named[1].num_free_blocks)
+    return (f"the {short} layers' group has {group.num_free_blocks} pages free of {group.num_blocks} "
+            f"(the {other} layers' group {rest.num_free_blocks} of {rest.num_blocks})")
 
 
 @dataclass
@@ -111,12 +133,12 @@ class _RowBookkeeping:
             hit = self.manager.admit(kv, num_new_tokens=num_new_tokens, slot=first + i,
                                      max_cached_tokens=max_cached_tokens)
             if hit is None:
+                free = blocks_free(self.manager)  # as the refusal found them
                 for done in requests[:i]:
                     self.manager.free(done)
                 raise OutOfBlocksError(
-                    f"cannot admit row {i} of {len(requests)} ({len(kv.token_ids)} tokens): "
-                    f"{self.manager.num_free_blocks} pages free of {self.manager.num_blocks}; release "
-                    "rows or give the manager more num_blocks")
+                    f"cannot admit row {i} of {len(requests)} ({len(kv.token_ids)} tokens): {free}; "
+                    "release rows or give the manager more num_blocks")
             cached.append(hit)
         return cached
 
@@ -155,21 +177,26 @@ class _RowBookkeeping:
                 if not self.manager.allocate(kv, max(grow, 0), new):  # appends new to kv.token_ids
                     raise OutOfBlocksError(
                         f"row {i} needs {self.manager.blocks_needed(kv, grow)} more block(s); "
-                        f"{self.manager.num_free_blocks} free of {self.manager.num_blocks}. Release "
-                        "rows or give the manager more num_blocks; call cache.release() before reuse")
+                        f"{blocks_free(self.manager)}. Release rows or give the manager more "
+                        "num_blocks; call cache.release() before reuse")
         self._note_peak()
 
 
     def _reorder(self, targets: list[int], sources: list[int]) -> None:
         """Rows ``targets[i]`` become copies of rows ``sources[i]`` (as they were)."""
         kvs = [row.kv for row in self._rows]
-        before, copied = self.manager.num_blocks_in_use, self.manager.cache_stats().blocks_copied
+        groups = pools(self.manager)
+        before = [(group.num_blocks_in_use, group.cache_stats().blocks_copied) for group in groups]
         if not self.manager.reorder([kvs[t] for t in targets], [kvs[s] for s in sources]):
             raise OutOfBlocksError(
                 f"reordering {len(targets)} rows needs blocks for the copied partial blocks; "
-                f"{self.manager.num_free_blocks} free; give the manager more num_blocks")
-        self.peak_pages_in_use = max(self.peak_pages_in_use,
-                                     before + self.manager.cache_stats().blocks_copied - copied)
+                f"{blocks_free(self.manager)}; give the manager more num_blocks")
+        # the copies were held next to the blocks they replaced, within the call
+        held = [in_use + group.cache_stats().blocks_copied - copied
+                for group, (in_use, copied) in zip(groups, before)]
+        self.peak_pages_in_use = max(self.peak_pages_in_use, held[0])
+        self.peak_kv_bytes = max(self.peak_kv_bytes,
+                                 sum(count * group.block_bytes for count, group in zip(held, groups)))
         # each row keeps its KVRequest (the manager copied the source's content into it); the
         # mask travels with the content
         masks = [row.masked for row in self._rows]
@@ -193,7 +220,7 @@ class _RowBookkeeping:
                 for row in forked:
                     self.manager.free(row.kv)
                 raise OutOfBlocksError(f"expanding {len(old)} rows x {repeats} needs a block per "
-                                       f"partial block copy; {self.manager.num_free_blocks} free")
+                                       f"partial block copy; {blocks_free(self.manager)}")
             forked.append(_Row(child, parent.masked))
         if in_place:
             self._rows = old + forked
@@ -206,3 +233,4 @@ class _RowBookkeeping:
 
     def _note_peak(self) -> None:
         self.peak_pages_in_use = max(self.peak_pages_in_use, self.manager.num_blocks_in_use)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.manager.kv_bytes_in_use)
