@@ -29,7 +29,7 @@ than the whole model's would (prefix hits and growth in coarser steps).
 The module is over 400 lines because the class mirrors the whole ``KVCacheManager`` API (admit
 to reorder and truncate), each method a short plan-check-apply over both groups: each group
 plans once (``plans.py``), ``hybrid_budget`` checks both plans, each group executes its plan;
-reorder and truncate are planned in ``hybrid_budget``, the lookahead in ``hybrid_lookahead``.
+the lookahead lives in ``hybrid_lookahead``.
 """
 
 from __future__ import annotations
