@@ -191,8 +191,8 @@ def bench_beam(model, args, num_beams: int) -> list[dict]:
         out, seconds, times = timed(run, args.repeats)
         rows.append({"method": method, "seconds": seconds, "times": times,
                      "tokens_computed": run.tokens,
-                     "peak_kv_bytes": cache.peak_pages_in_use * cache.page_bytes,
-                     "peak_transient_bytes": cache.peak_pages_in_use * cache.page_bytes,
+                     "peak_kv_bytes": cache.peak_kv_bytes,  # every layout group's
+                     "peak_transient_bytes": cache.peak_kv_bytes,
                      "peak_pages": cache.peak_pages_in_use, "page_bytes": cache.page_bytes,
                      "pages_copied": run.pages_copied, "equal": torch.equal(out, want)})
         cache.release()
@@ -272,9 +272,9 @@ def bench_shared_prefix(model, args, new_tokens: int) -> list[dict]:
         for ids in prompts:
             cache.reset_peak()
             outs.append(cache.generate(ids, keep=True, **kw))
-            peaks.append(cache.peak_pages_in_use * cache.page_bytes)
+            peaks.append(cache.peak_kv_bytes)
             residents.append((cache.manager.num_blocks_in_use + cache.manager.num_cached_blocks)
-                             * cache.page_bytes)
+                             * cache.page_bytes)  # one layout group: the workloads here are Llama
             cache.release()
         return outs, peaks, peaks, counter.tokens, residents
     (*result, residents), seconds, times = timed(vmemkv, args.repeats)
