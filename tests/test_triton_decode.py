@@ -299,6 +299,13 @@ def test_check_bounds_refuses_lengths_slots_and_blocks_out_of_range():
     decode_attention_paged(q, k, k, tables, lens, 1.0, check_bounds=True)
     with pytest.raises(ValueError, match="block table entries in use"):
         decode_attention_paged(q, k, k, tables, torch.tensor([16, 9], dtype=torch.int32), 1.0, check_bounds=True)
+    # behind a window of 4 the first block of each sequence is not read: released (-1) there is fine
+    released = torch.tensor([[-1, 1], [-1, 2]], dtype=torch.int32)
+    decode_attention_paged(q, k, k, released, torch.tensor([16, 14], dtype=torch.int32), 1.0,
+                           check_bounds=True, window=4)
+    with pytest.raises(ValueError, match="block table entries in use"):  # a window of 9 reads it
+        decode_attention_paged(q, k, k, released, torch.tensor([16, 14], dtype=torch.int32), 1.0,
+                               check_bounds=True, window=9)
 
 
 @pytest.mark.skipif(INTERPRETS, reason="the CPU cases run in this process")

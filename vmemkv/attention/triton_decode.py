@@ -376,7 +376,8 @@ def decode_attention_paged(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
     contiguous); ``block_tables`` ``[B, max_blocks]`` int32 (int64 accepted); token ``t`` of
     sequence ``b`` is ``k_blocks[block_tables[b, t // block_size], t % block_size]``. Entries past
     a sequence's length are never read. Other arguments as in ``decode_attention_contiguous``;
-    ``check_bounds=True`` also checks the entries each sequence uses against ``num_blocks``.
+    ``check_bounds=True`` also checks the entries each sequence reads (from its window start)
+    against ``num_blocks``.
     """
     check_inputs(q, k_blocks, v_blocks, seq_lens, ("k_blocks", "v_blocks"), out)
     batch = q.shape[0]
@@ -392,7 +393,10 @@ def decode_attention_paged(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
     capacity = block_tables.shape[1] * block_size
     if check_bounds and batch:
         check_values("seq_lens", seq_lens, 0, capacity, "max_blocks * block_size")
-        used = torch.arange(block_tables.shape[1], device=q.device)[None, :] * block_size < seq_lens[:, None]
+        starts = torch.arange(block_tables.shape[1], device=q.device)[None, :] * block_size
+        used = starts < seq_lens[:, None]
+        if window is not None:  # blocks wholly behind the window are never read (may be RELEASED)
+            used &= starts + block_size > seq_lens[:, None] - window
         check_values("block table entries in use", block_tables[used], 0, num_blocks - 1, "num_blocks - 1")
     return _launch(q, k_blocks, v_blocks, block_tables, block_tables.stride(0), seq_lens, scale, capacity,
                    (k_blocks.stride(0), v_blocks.stride(0)), paged=True, block_size=block_size, out=out,
