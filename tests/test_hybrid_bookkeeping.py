@@ -71,6 +71,31 @@ def test_a_request_of_another_manager_is_refused_before_anything(hybrid):
     close(other)
 
 
+@pytest.mark.parametrize("bad", [dict(num_new_tokens=-5), dict(num_new_tokens=1.5),
+                                 dict(num_new_tokens="x"), dict(token_budget=-3), dict(slot=99),
+                                 dict(max_cached_tokens=-1)])
+def test_bad_admission_arguments_are_refused_before_anything(hybrid, bad):
+    req = KVRequest("r1", list(range(40)))
+    before = blocks(hybrid)
+    with pytest.raises(InvalidInputError):
+        hybrid.admit(req, **bad)
+    assert blocks(hybrid) == before and hybrid._local == {} and req._owner is None
+    other = make_hybrid()  # the request binds to no manager: another one still admits it
+    assert other.admit(req) == 0
+    other.check()
+    close(other)
+    hybrid.check()
+
+
+def test_a_closed_hybrid_manager_answers_no_query():
+    from vmemkv import ManagerClosedError
+    manager = make_hybrid()
+    close(manager)
+    for call in (manager.match_prefix, manager.can_admit, manager.admit):
+        with pytest.raises(ManagerClosedError):
+            call(KVRequest("r1", list(range(40))))
+
+
 def test_admit_takes_a_kv_request():
     manager = make_hybrid()
     with pytest.raises(InvalidInputError, match="KVRequest"):

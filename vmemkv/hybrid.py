@@ -10,9 +10,12 @@ keeps every block. A request is the caller's :class:`KVRequest` in the global gr
 index, so attention addresses a layer's K/V by ``req.slot`` whichever group holds it.
 
 Operations ask both groups whether they fit (``_fits_admission``, ``can_allocate``,
-``can_swap_in``, free slots and blocks for a fork, swap room), and whether the process's mapping
-budget takes both groups' new mappings (``hybrid_budget.check_budget``), before changing either:
-a refused operation changes neither group. Admission caps both
+``_revivals_if_it_fits`` for a swap-in, free slots and blocks for a fork, swap room), and whether
+the process's mapping budget takes both groups' new mappings (``hybrid_budget.check_budget``),
+before changing either: a refused operation changes neither group. (The budget is asked, not
+reserved: another manager in the process mapping between the check and the second group's
+change, or a CUDA map failing, which has no budget to ask, would leave the groups apart; the
+engine's steps do not overlap its own mapping.) Admission caps both
 groups' prefix hits to the length both can reuse (the global group's full prefix, the local
 group's window of it: ``ManagerState._capped_hits``), extended by host-tier hits only as far as
 both groups' host tiers continue it (each group has its own ``HostTier`` over its own host block
@@ -96,7 +99,7 @@ class GroupReads:
 
 class HybridKVCacheManager(HybridLookaheadOps):
     """``HybridKVCacheManager(config, layer_windows, chunk_tokens=None, local_blocks=None,
-    metrics=None, backends=None)``: ``config`` describes the whole model (``num_layers`` all layers,
+    metrics=None, events=None, backends=None)``: ``config`` describes the whole model (``num_layers`` all layers,
     ``num_blocks`` blocks of all layers, shared as ``layer_groups.split_blocks`` says);
     ``layer_windows`` each layer's window (None: global); ``backends``: the (global, local)
     groups' backends, sized for ``layer_groups.group_configs`` (tensor parallelism records them);
@@ -155,6 +158,7 @@ class HybridKVCacheManager(HybridLookaheadOps):
         chain, which is the local group's too (both groups hash with one seed into pages of one
         number of tokens), so a waiting request retried every step is hashed once. Binds both to
         their groups, as ``KVCacheManager.match_prefix`` binds a request."""
+        self.global_group._check_open()
         if not isinstance(req, KVRequest):
             raise InvalidInputError(f"request is a {type(req).__name__} ({req!r:.40}); a hybrid "
                                     "manager admits a vmemkv.KVRequest")
@@ -221,9 +225,12 @@ class HybridKVCacheManager(HybridLookaheadOps):
         prefix hit capped at ``max_cached_tokens``; None, changing nothing, when either group has
         no room or ``slot`` is taken (MappingLimitError, changing nothing, when the mapping budget
         does not take both)."""
-        local = self._claim(req)
-        limit = None if max_cached_tokens is None else check.count(max_cached_tokens, "max_cached_tokens")
+        self.global_group._check_open()
+        num_new_tokens = check.count(num_new_tokens, "num_new_tokens", optional=True)
+        token_budget = check.count(token_budget, "token_budget", optional=True)
+        limit = check.count(max_cached_tokens, "max_cached_tokens", optional=True)
         slot = check.slot_index(slot, self.num_slots)
+        local = self._claim(req)  # after the arguments: a refused call binds nothing
         cached = self._admission_blocks(req, local, num_new_tokens, token_budget, limit) * self.tokens_per_page
         admissions = [group._admission(request, num_new_tokens, token_budget, cached)
                       for group, request in ((self.global_group, req), (self.local_group, local))]
@@ -559,7 +566,8 @@ class HybridKVCacheManager(HybridLookaheadOps):
         """``KVCacheManager.truncate`` in both groups: forget positions from ``num_tokens`` on.
         RequestStateError, changing nothing, when the local layers' query at ``num_tokens``
         would read positions already released behind their window; False, changing nothing,
-        when a group needs a block to copy a shared last block into and has none."""
+        when a group needs a block to copy a shared last block into and has none
+        (MappingLimitError, changing nothing, when the mapping budget does not take both)."""
         req, local = self._pair(request)
         req = self.global_group._running(req)
         self.global_group._require_committed(req)

@@ -85,7 +85,10 @@ def check_budget(plans: "list[GroupJobs | ReorderJobs]", what: str) -> None:
         if misfit is None:
             return None
         index, peak, room = misfit
-        return (f"layout group {index} needs {peak} more kernel mappings (VMAs) and has room for "
-                f"{room} after the groups before it (the process's budget is shared)")
+        group = ("the global layout group", "the local layout group")[index] if len(plans) == 2 \
+            else f"layout group {index}"
+        after = " after the global group's" if index else ""
+        return (f"{group} needs {peak} more kernel mappings (VMAs) and has room for {room}{after} "
+                "(the process's budget is shared)")
 
     fit_or_reclaim(shortfall, [(group.slots, jobs) for group, jobs, _ in plans], what)

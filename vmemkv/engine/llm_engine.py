@@ -191,9 +191,12 @@ class LLMEngine:
 
     # --- introspection -------------------------------------------------------------------------
     def _record_memory(self) -> None:
-        """Peak KV blocks held, and internal fragmentation: bytes of blocks held by running
-        sequences beyond the bytes their tokens fill (tokens in blocks given back behind a window
-        are neither; each layout group of a hybrid model counted with its own blocks)."""
+        """Peak KV blocks held, and internal fragmentation: bytes of the blocks in use beyond the
+        bytes the running sequences' tokens fill (tokens in blocks given back behind a window are
+        neither; each layout group of a hybrid model counted with its own blocks). An estimate:
+        blocks in use include lookahead blocks and swapped requests' shared ones, and a prefix
+        shared by several sequences is one block but counted in each one's tokens (a group's
+        figure is clipped at zero)."""
         in_use = self.manager.num_blocks_in_use
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, in_use)
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.manager.kv_bytes_in_use)

@@ -214,8 +214,10 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new K/V (``[batch, kv_heads, new, head_dim]``) after the cached positions
-        and return views of all positions so far. The first layer reserves blocks for the step;
-        the last one commits it (full blocks join the prefix cache)."""
+        and return views of all positions so far (a sliding layer's from its window start). The
+        first layer reserves blocks for the step; the step is committed (full blocks join the
+        prefix cache, blocks behind a window are released) by the next call that changes the
+        rows, once every layer's attention has read them (``_settle``)."""
         if layer_idx != self._next_layer:
             if layer_idx == 0:
                 raise InvalidStateError(

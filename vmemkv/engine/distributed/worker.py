@@ -60,7 +60,9 @@ class _ReplayedReads:
     slots is read in one call exactly when rank 0 read it so (``StepMessage.batched_reads``).
     Rank 0's reads mapped filler pages where the run needed them, by its slot mapper's own
     state; those mappings arrive through the log, so this rank maps nothing of its own and the
-    page tables stay equal (a run rank 0 did not batch is read sequence by sequence here)."""
+    page tables stay equal (a run rank 0 did not batch is read sequence by sequence here). This
+    rank asks only for runs its own ``worth_batching`` picks, with its share of the KV heads: the
+    rule batches more rows as a row gets smaller, so it picks at least rank 0's runs."""
 
     def __init__(self, manager):
         self._manager, self.runs = manager, set()
