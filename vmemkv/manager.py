@@ -17,8 +17,9 @@ accepts its id, looked up in the manager's registry)::
     ...
     manager.free(req)
 
-A little over 400 lines: the core operations and the queries a scheduler asks belong together;
-the other groups of operations are in their own modules (see ``KVCacheManager``).
+About 500 lines: the core operations (with their batched forms for an engine's step) and the
+queries a scheduler asks belong together; the other groups of operations are in their own modules
+(see ``KVCacheManager``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 
 from . import validation as check
 from .cache_config import CacheConfig, CacheStats, PreemptionEstimate
-from .errors import ManagerClosedError, RequestStateError
+from .errors import ManagerClosedError, MappingLimitError, RequestStateError
 from .hashing import CacheKeys
 from .lookahead import LookaheadOps
 from .kv_metrics import timed
@@ -272,14 +273,8 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         total = req._num_tokens + num_new_tokens
         if total > self.config.max_model_len:
             self._check_length(req._request_id, total)
-        if -(-total // self.tokens_per_page) - len(req._blocks) > self.pool.num_free:
+        if not self._grow(req, num_new_tokens):
             return False
-        plan = self._plan_grow(req, num_new_tokens)
-        if plan is not None:  # crosses into blocks not mapped yet
-            self.slots.map_blocks(plan.slot, plan.first, plan.mapped, plan.keep)  # may be refused
-            if plan.take:
-                req._blocks += self.pool.take(plan.take)
-        req._num_tokens = total
         if new_token_ids:
             tokens = req._token_ids
             if req._num_checked == len(tokens):
@@ -288,19 +283,61 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         return True
 
     @timed
+    def allocate_each(self, requests: "Sequence[KVRequest | str]", counts: Sequence[int]) -> int:
+        """``allocate(requests[i], counts[i])`` for each i in order, as one operation (a
+        scheduler's step: one call, not one per sequence through the timing wrapper), until one
+        is refused: returns how many got their positions. The refused one (no blocks, or the
+        mapping budget) and those after it are unchanged; bad input raises before any change."""
+        if len(requests) != len(counts):
+            raise ValueError(f"{len(requests)} requests but {len(counts)} counts")
+        reqs = [self._running(request) for request in requests]
+        counts = [check.count(count, "num_new_tokens") for count in counts]
+        for req, count in zip(reqs, counts):
+            if req._num_tokens + count > self.config.max_model_len:
+                self._check_length(req._request_id, req._num_tokens + count)
+        grow = self._grow
+        for done, (req, count) in enumerate(zip(reqs, counts)):
+            try:
+                if not grow(req, count):
+                    return done
+            except MappingLimitError:
+                return done
+        return len(reqs)
+
+    @timed
     def commit(self, request: "KVRequest | str", num_computed_tokens: int | None = None) -> None:
         """Mark positions up to ``num_computed_tokens`` (default: all reserved) as written. Blocks
         that are now full join the prefix cache and are never written again."""
         req = self._running(request)
         done = req._num_tokens if num_computed_tokens is None else check.count(
             num_computed_tokens, "num_computed_tokens")
+        self._check_commit(req, done)
+        self._commit(req, done)
+
+    @timed
+    def commit_all(self, requests: "Sequence[KVRequest | str]") -> None:
+        """``commit(request)`` for each request (every reserved position written), as one
+        operation (an engine's step: one call, not one per sequence through the timing
+        wrapper). Every request is checked before any is committed."""
+        reqs = [self._running(request) for request in requests]
+        for req in reqs:
+            self._check_commit(req, req._num_tokens)
+        for req in reqs:
+            self._commit(req, req._num_tokens)
+
+    def _check_commit(self, req: KVRequest, done: int) -> None:
+        """Refuse (raise) marking ``done`` tokens of ``req`` computed before anything changes."""
         if not req._num_computed <= done <= min(req._num_tokens, len(req._token_ids)):
             raise RequestStateError(
                 f"request {req._request_id!r}: cannot mark {done} tokens computed; it has "
                 f"{req._num_computed} computed, {req._num_tokens} reserved, {len(req._token_ids)} known")
+        if self.config.enable_prefix_caching:
+            self._check_tokens(req, done // self.tokens_per_page * self.tokens_per_page)
+
+    def _commit(self, req: KVRequest, done: int) -> None:
         full = done // self.tokens_per_page
         if self.config.enable_prefix_caching and full > req._num_registered:
-            self._extend_chain(req, full)  # checks the new tokens before any change
+            self._extend_chain(req, full)  # its tokens were checked by _check_commit
             blocks, hash_of = req._blocks, self.pool.hash_of
             for index in range(req._num_registered, full):
                 if hash_of[blocks[index]] is None:
@@ -309,6 +346,20 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         req._num_computed = done
         if self.window:
             self._release_behind_window(req)
+
+    def _grow(self, req: KVRequest, num_new_tokens: int) -> bool:
+        """Reserve ``num_new_tokens`` more positions of a checked request, or refuse (False, or
+        the mapping budget's MappingLimitError) changing nothing."""
+        total = req._num_tokens + num_new_tokens
+        if -(-total // self.tokens_per_page) - len(req._blocks) > self.pool.num_free:
+            return False
+        plan = self._plan_grow(req, num_new_tokens)
+        if plan is not None:  # crosses into blocks not mapped yet
+            self.slots.map_blocks(plan.slot, plan.first, plan.mapped, plan.keep)  # may be refused
+            if plan.take:
+                req._blocks += self.pool.take(plan.take)
+        req._num_tokens = total
+        return True
 
     # --- freeing ------------------------------------------------------------------------------------
     @timed
