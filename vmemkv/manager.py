@@ -320,10 +320,18 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         operation (an engine's step: one call, not one per sequence through the timing
         wrapper). Every request is checked before any is committed."""
         reqs = [self._running(request) for request in requests]
+        tokens_per_page, caching, window = self.tokens_per_page, self.config.enable_prefix_caching, self.window
+        for req in reqs:  # _check_commit, called only where it has something to check
+            done = req._num_tokens
+            if (not req._num_computed <= done <= len(req._token_ids)
+                    or (caching and done // tokens_per_page * tokens_per_page > req._num_checked)):
+                self._check_commit(req, done)
         for req in reqs:
-            self._check_commit(req, req._num_tokens)
-        for req in reqs:
-            self._commit(req, req._num_tokens)
+            done = req._num_tokens
+            if window or (caching and done // tokens_per_page > req._num_registered):
+                self._commit(req, done)
+            else:  # the common decode commit: no block filled, nothing behind a window
+                req._num_computed = done
 
     def _check_commit(self, req: KVRequest, done: int) -> None:
         """Refuse (raise) marking ``done`` tokens of ``req`` computed before anything changes."""
@@ -331,8 +339,9 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
             raise RequestStateError(
                 f"request {req._request_id!r}: cannot mark {done} tokens computed; it has "
                 f"{req._num_computed} computed, {req._num_tokens} reserved, {len(req._token_ids)} known")
-        if self.config.enable_prefix_caching:
-            self._check_tokens(req, done // self.tokens_per_page * self.tokens_per_page)
+        end = done // self.tokens_per_page * self.tokens_per_page
+        if self.config.enable_prefix_caching and end > req._num_checked:
+            self._check_tokens(req, end)
 
     def _commit(self, req: KVRequest, done: int) -> None:
         full = done // self.tokens_per_page
@@ -350,8 +359,11 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
     def _grow(self, req: KVRequest, num_new_tokens: int) -> bool:
         """Reserve ``num_new_tokens`` more positions of a checked request, or refuse (False, or
         the mapping budget's MappingLimitError) changing nothing."""
-        total = req._num_tokens + num_new_tokens
-        if -(-total // self.tokens_per_page) - len(req._blocks) > self.pool.num_free:
+        total, tokens_per_page = req._num_tokens + num_new_tokens, self.tokens_per_page
+        if -(-total // tokens_per_page) <= -(-req._num_tokens // tokens_per_page):
+            req._num_tokens = total  # within its last block: nothing to take or map (_plan_grow)
+            return True
+        if -(-total // tokens_per_page) - len(req._blocks) > self.pool.num_free:
             return False
         plan = self._plan_grow(req, num_new_tokens)
         if plan is not None:  # crosses into blocks not mapped yet
