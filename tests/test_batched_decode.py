@@ -7,11 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import assert_no_leaks
 from vmemkv import CacheConfig, KVCacheManager
 from vmemkv.attention import BlockTableAttention, ContiguousAttention, SequenceSpan
-from vmemkv.attention.slot_batch import call_cost_in_rows, slot_runs, worth_batching
+from vmemkv.attention.slot_batch import (DecodeBatch, attend, call_cost_in_rows, slot_runs,
+                                         worth_batching)
 from vmemkv.vmm.cpu import CpuBackend
 
 CPU = torch.device("cpu")
@@ -170,6 +172,27 @@ def test_block_tables_gather_decodes_into_one_call(layout):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     finally:
         manager.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_additive_mask_gives_sdpa_bit_for_bit_what_the_bool_mask_gives(dtype):
+    spans = [SequenceSpan(slot, slot, 1, cached) for slot, cached in enumerate([5, 40, 17])]
+    batch = DecodeBatch([0, 1, 2], read_len=41, lo=0)
+    batch.finish(spans, CPU)
+    assert batch.mask is not None and not batch.same_length
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 8, 3, 32, generator=generator).to(dtype)
+    k, v = (torch.randn(3, 41, 2, 32, generator=generator).to(dtype) for _ in range(2))
+    additive = batch.sdpa_mask(batch.mask, dtype)
+    assert additive.dtype == dtype and batch.sdpa_mask(batch.mask, dtype) is additive  # once a step
+    assert torch.equal(additive == 0, batch.mask) and torch.isneginf(additive[~batch.mask]).all()
+    other = torch.ones(3, 1, 1, 41, dtype=torch.bool)
+    assert batch.sdpa_mask(other, dtype) is other and batch.sdpa_mask(None, dtype) is None
+    got = attend(query, k, v, batch.mask, batch, 32 ** -0.5, None)  # through the additive mask
+    q = query[0].transpose(0, 1).reshape(3, 2, 4, 32)
+    expected = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
+                                              attn_mask=batch.mask, scale=32 ** -0.5)
+    assert torch.equal(got, expected.reshape(1, 3, 8, 32))
 
 
 def test_batching_rules():

