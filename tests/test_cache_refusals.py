@@ -7,10 +7,14 @@ pool is pinched so that row 0 fits and row 1 does not (with one layout group, an
 manager whose local group is the short one); the whole state is compared before and after, and
 then, with room again, the same step or crop goes through and every row reads back its K/V. The
 cache is driven by hand (``observe`` + ``update`` per layer), with K/V that name their row and
-position, so what is read back shows where it was written.
+position, so what is read back shows where it was written. ``can_truncate``, which the crop asks
+first, is checked against truncating the requests one after another (random forks, cached and
+uncached blocks, few free blocks).
 """
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -232,4 +236,30 @@ def test_can_truncate_checks_every_request_and_changes_nothing():
     assert manager_state(manager) == before
     for request in ("a", "b", blocker):
         manager.free(request)
+    manager.close()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_can_truncate_answers_what_truncating_in_order_does(seed):
+    # Reference: truncate the requests one after another; can_truncate must have said whether
+    # every one of them would go through (forks share blocks, prefix caching hashes full ones).
+    rng = random.Random(seed)
+    manager = single(num_blocks=16, max_num_seqs=8, enable_prefix_caching=rng.random() < 0.7)
+    names = []
+    for i in range(rng.randint(1, 3)):  # at most 3 x 3 blocks, and 3 forks' partial blocks
+        name = f"r{i}"
+        assert manager.admit(name, [rng.randrange(50) for _ in range(rng.randint(5, 12))]) is not None
+        manager.commit(name)
+        names.append(name)
+        if rng.random() < 0.6 and manager.num_free_blocks:
+            manager.fork(name, f"{name}-fork")
+            names.append(f"{name}-fork")
+    blocker = block_all_but(manager, rng.randint(0, min(2, manager.num_free_blocks)))
+    rng.shuffle(names)
+    length = rng.randint(0, min(manager.num_tokens(name) for name in names))
+    predicted = manager.can_truncate(names, length)
+    assert predicted == all(manager.truncate(name, length) for name in names)
+    manager.check()
+    for name in names + [blocker]:
+        manager.free(name)
     manager.close()
