@@ -38,7 +38,7 @@ the lookahead lives in ``hybrid_lookahead``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -53,22 +53,25 @@ from .layer_groups import LayerGroups, group_configs
 from .manager import KVCacheManager, PrefixCacheBusyError
 from .plans import reorder_copies
 from .request import RELEASED, KVRequest
-from .window import first_needed_block
 
 
 def hybrid_manager(config: CacheConfig, layer_windows: Sequence[int | None] | None,
                    chunk_tokens: int | None = None, metrics: KVMetricsCollector | None = None,
-                   events: KVEventSink | None = None) -> "HybridKVCacheManager | None":
+                   events: KVEventSink | None = None,
+                   backends: "Callable[[CacheConfig], object] | None" = None) -> "HybridKVCacheManager | None":
     """A :class:`HybridKVCacheManager` for a model whose layers mix kinds (``layer_windows``
     from ``hf_support.hybrid_layer_windows``), or None when they do not, or when its groups'
-    pages cannot hold one number of tokens (the caller then keeps every block in one group)."""
+    pages cannot hold one number of tokens (the caller then keeps every block in one group).
+    ``backends``: makes each group's backend from the group's config (global, then local), as
+    tensor parallelism records them; default: each group makes its own."""
     if not layer_windows:
         return None
     try:
-        group_configs(config, LayerGroups.from_windows(layer_windows), chunk_tokens)
+        configs = group_configs(config, LayerGroups.from_windows(layer_windows), chunk_tokens)
     except ConfigError:
         return None
-    return HybridKVCacheManager(config, layer_windows, chunk_tokens, metrics=metrics, events=events)
+    return HybridKVCacheManager(config, layer_windows, chunk_tokens, metrics=metrics, events=events,
+                                backends=None if backends is None else [backends(group) for group in configs])
 
 
 def _group_reach(group: KVCacheManager, req: KVRequest, max_blocks: int, num_new_tokens: int | None,
@@ -116,7 +119,9 @@ class HybridKVCacheManager(HybridLookaheadOps):
     seed, so a block's content has one hash in either group, and each group's pool (and host
     tier) tells ``events`` its own blocks (``group_idx``). With ``host_cache_bytes``, each group
     demotes its evicted blocks to its own host tier, and an admission promotes a host hit only
-    where both groups' tiers hold it (``_admission_blocks``)."""
+    where both groups' tiers hold it (``_admission_blocks``). ``layout_groups`` lists the groups'
+    managers, (global, local), as ``KVCacheManager.layout_groups`` lists itself; ``layer_group``
+    names the one holding a model layer."""
 
     def __init__(self, config: CacheConfig, layer_windows: Sequence[int | None],
                  chunk_tokens: int | None = None, local_blocks: int | None = None,
@@ -143,7 +148,7 @@ class HybridKVCacheManager(HybridLookaheadOps):
                                 (self.local_group, self.groups.local_layers)):
             for index, layer in enumerate(layers):
                 self._where[layer] = (manager, index)
-        self._groups = (self.global_group, self.local_group)
+        self.layout_groups = (self.global_group, self.local_group)  # as KVCacheManager.layout_groups
         self._local: dict[str, KVRequest] = {}  # admitted (running or swapped) id -> its local twin
 
     # --- the two requests of one ------------------------------------------------------------------
@@ -238,7 +243,7 @@ class HybridKVCacheManager(HybridLookaheadOps):
             raise AssertionError("the groups' admissions reuse prefixes of different lengths")
         free = self.num_free_slots if slot is None else self.global_group.is_slot_free(slot)
         if not (free and all(group._fits_admission(admission.hits, admission.num_tokens)
-                             for group, admission in zip(self._groups, admissions))):
+                             for group, admission in zip(self.layout_groups, admissions))):
             return None
         global_admission, local_admission = admissions
         global_plan = self.global_group._plan_admit(global_admission.hits, global_admission.num_tokens, slot)
@@ -274,7 +279,7 @@ class HybridKVCacheManager(HybridLookaheadOps):
             return False
         plans = [group._plan_grow(request, num_new_tokens)
                  for group, request in ((self.global_group, req), (self.local_group, local))]
-        check_budget([planned(group, plan) for group, plan in zip(self._groups, plans)], "allocate")
+        check_budget([planned(group, plan) for group, plan in zip(self.layout_groups, plans)], "allocate")
         self.global_group._execute_grow(req, plans[0], num_new_tokens, new_token_ids)
         self.local_group._execute_grow(local, plans[1], num_new_tokens)  # the tokens are appended
         return True
@@ -394,6 +399,11 @@ class HybridKVCacheManager(HybridLookaheadOps):
         return self.global_group.is_swapped(request)
 
     # --- what attention and the engine read -------------------------------------------------------
+    def layer_group(self, layer: int) -> KVCacheManager:
+        """The manager of the layout group holding model layer ``layer`` (its window is the
+        layer's: None for a global layer)."""
+        return self._where[check.layer_index(layer, self.config.num_layers)][0]
+
     def kv_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Model layer ``layer``'s K and V over every slot, from its group's virtual tensors."""
         manager, index = self._where[check.layer_index(layer, self.config.num_layers)]
@@ -537,14 +547,7 @@ class HybridKVCacheManager(HybridLookaheadOps):
         released). False, changing nothing, when either group lacks blocks for the copied
         partial blocks (MappingLimitError, changing nothing, when the mapping budget does not
         take both)."""
-        rows = self.global_group._running_list(requests, "requests")
-        sources = self.global_group._running_list(sources, "sources")
-        if len(rows) != len(sources) or len({id(row) for row in rows}) != len(rows):
-            raise RequestStateError(
-                f"reorder needs distinct requests, one source each; got "
-                f"{[r.request_id for r in rows]} from {[s.request_id for s in sources]}")
-        for source in sources:
-            self.global_group._require_committed(source)
+        rows, sources = self.global_group._check_reorder_rows(requests, sources)
         local_rows = [self._local[row.request_id] for row in rows]
         local_sources = [self._local[source.request_id] for source in sources]
         copied = reorder_copies(self.tokens_per_page, rows, sources)
@@ -569,18 +572,7 @@ class HybridKVCacheManager(HybridLookaheadOps):
         when a group needs a block to copy a shared last block into and has none
         (MappingLimitError, changing nothing, when the mapping budget does not take both)."""
         req, local = self._pair(request)
-        req = self.global_group._running(req)
-        self.global_group._require_committed(req)
-        num_tokens = check.count(num_tokens, "num_tokens")
-        if num_tokens > req.num_tokens:
-            raise RequestStateError(f"request {req.request_id!r} has {req.num_tokens} tokens; "
-                                    f"cannot truncate it to {num_tokens}")
-        window = self.local_group.window
-        if local.num_released_blocks > first_needed_block(num_tokens, window, self.tokens_per_page):
-            raise RequestStateError(
-                f"request {req.request_id!r}: cannot truncate it to {num_tokens} tokens; its local "
-                f"layers released their first {local.num_released_blocks * self.tokens_per_page} "
-                f"positions behind their window of {window}, and a query at {num_tokens} reads some")
+        num_tokens = self._check_truncate(req, local, num_tokens)
         plans = [truncate_plan(self.global_group, req, num_tokens),
                  truncate_plan(self.local_group, local, num_tokens)]
         if None in plans:
@@ -589,3 +581,19 @@ class HybridKVCacheManager(HybridLookaheadOps):
         if not (self.global_group.truncate(req, num_tokens) and self.local_group.truncate(local, num_tokens)):
             raise AssertionError("a group refused a truncation both said fits")
         return True
+
+    def _check_truncate(self, req: KVRequest, local: KVRequest, num_tokens: int) -> int:
+        """``num_tokens`` checked for truncating ``req`` (and its twin ``local``) in both groups
+        (``SharingOps._check_truncate``: the local layers' window is the one that can refuse)."""
+        num_tokens = self.global_group._check_truncate(req, num_tokens)
+        return self.local_group._check_truncate(local, num_tokens, "local layers' ")
+
+    def can_truncate(self, requests: "Sequence[KVRequest | str]", num_tokens: int) -> bool:
+        """``KVCacheManager.can_truncate`` in both groups: whether truncating every one of
+        ``requests`` to ``num_tokens``, one after another, finds each group's copies a free block
+        (each request checked as ``truncate`` checks it). Changes nothing."""
+        pairs = list({id(pair[0]): pair for pair in map(self._pair, requests)}.values())  # once each
+        for req, local in pairs:
+            num_tokens = self._check_truncate(req, local, num_tokens)
+        return all(group._truncations_fit([pair[index] for pair in pairs], num_tokens)
+                   for index, group in enumerate(self.layout_groups))

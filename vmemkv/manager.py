@@ -152,6 +152,12 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
     def num_slots(self) -> int:
         return self.slots.num_slots
 
+    @property
+    def layout_groups(self) -> tuple["KVCacheManager", ...]:
+        """The managers of this manager's layout groups, each with its own pool and virtual
+        tensors: this one (a ``HybridKVCacheManager`` answers its global and local groups)."""
+        return (self,)
+
     def free_slots(self) -> list[int]:
         self._check_open()
         return sorted(self.slots.free_slots())

@@ -10,6 +10,7 @@ a partial last block, the one a request still writes, is ever copied. Part of
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Sequence
 
 from . import validation as check
@@ -85,14 +86,7 @@ class SharingOps(OperationPlans):
         only when more than one request takes it. Each request keeps its object and its token
         list, whose contents are replaced. Returns False, changing nothing, when the copies need
         more free blocks than there are."""
-        rows = self._running_list(requests, "requests")
-        sources = self._running_list(sources, "sources")
-        if len(rows) != len(sources) or len({id(row) for row in rows}) != len(rows):
-            raise RequestStateError(
-                f"reorder needs distinct requests, one source each; got "
-                f"{[r.request_id for r in rows]} from {[s.request_id for s in sources]}")
-        for source in sources:
-            self._require_committed(source)
+        rows, sources = self._check_reorder_rows(requests, sources)
         copied = reorder_copies(self.tokens_per_page, rows, sources)
         if sum(copied) > self.pool.num_free:
             return False
@@ -122,6 +116,20 @@ class SharingOps(OperationPlans):
             self.slots.set_behind(row._slot, count)
         return True
 
+    def _check_reorder_rows(self, requests: "Sequence[KVRequest | str]",
+                            sources: "Sequence[KVRequest | str]") -> tuple[list[KVRequest], list[KVRequest]]:
+        """``reorder``'s rows and sources, running; RequestStateError unless the rows are
+        distinct, one source each, and every source is committed."""
+        rows = self._running_list(requests, "requests")
+        sources = self._running_list(sources, "sources")
+        if len(rows) != len(sources) or len({id(row) for row in rows}) != len(rows):
+            raise RequestStateError(
+                f"reorder needs distinct requests, one source each; got "
+                f"{[r.request_id for r in rows]} from {[s.request_id for s in sources]}")
+        for source in sources:
+            self._require_committed(source)
+        return rows, sources
+
     def _check_reorder_room(self, jobs: list[MapJob], behind: list[int]) -> None:
         """Refuse (MappingLimitError, nothing changed) unless the mapping budget holds reorder's
         mappings and then its unmaps behind each row's new window: those come after ``map_jobs``
@@ -145,16 +153,7 @@ class SharingOps(OperationPlans):
         or cached, it is copied to a private block first, since the request will write it again.
         Returns False, changing nothing, when that copy finds no free block."""
         req = self._running(request)
-        self._require_committed(req)
-        num_tokens = check.count(num_tokens, "num_tokens")
-        if not num_tokens <= req._num_tokens:
-            raise RequestStateError(f"request {req._request_id!r} has {req._num_tokens} tokens; "
-                                    f"cannot truncate it to {num_tokens}")
-        if req._num_released > first_needed_block(num_tokens, self.window, self.tokens_per_page):
-            raise RequestStateError(
-                f"request {req._request_id!r}: cannot truncate it to {num_tokens} tokens; its "
-                f"first {req._num_released * self.tokens_per_page} positions were released behind "
-                f"its sliding window of {self.window}, and a query at {num_tokens} reads some")
+        num_tokens = self._check_truncate(req, num_tokens)
         blocks = req._blocks
         page = self._truncate_copy(req, num_tokens)
         if page is not None:
@@ -173,4 +172,54 @@ class SharingOps(OperationPlans):
         req._num_checked = min(req._num_checked, num_tokens)
         req._num_registered = min(req._num_registered, full)
         req._num_tokens = req._num_computed = num_tokens
+        return True
+
+    def _check_truncate(self, req: KVRequest, num_tokens: int, layers: str = "") -> int:
+        """``num_tokens`` checked for ``truncate(req, num_tokens)``: RequestStateError unless
+        ``req`` is running, committed, has that many tokens, and keeps every position a query at
+        ``num_tokens`` reads (none released behind its window). ``layers`` names whose window,
+        for the message (a hybrid manager's "local layers' ")."""
+        req = self._running(req)
+        self._require_committed(req)
+        num_tokens = check.count(num_tokens, "num_tokens")
+        if not num_tokens <= req._num_tokens:
+            raise RequestStateError(f"request {req._request_id!r} has {req._num_tokens} tokens; "
+                                    f"cannot truncate it to {num_tokens}")
+        if req._num_released > first_needed_block(num_tokens, self.window, self.tokens_per_page):
+            raise RequestStateError(
+                f"request {req._request_id!r}: cannot truncate it to {num_tokens} tokens; its "
+                f"{layers}first {req._num_released * self.tokens_per_page} positions were released "
+                f"behind its sliding window of {self.window}, and a query at {num_tokens} reads some")
+        return num_tokens
+
+    @timed
+    def can_truncate(self, requests: "Sequence[KVRequest | str]", num_tokens: int) -> bool:
+        """Whether ``truncate(r, num_tokens)`` for every ``r`` of ``requests``, one after another,
+        finds a free block for every copy it makes (each request checked as ``truncate`` checks
+        it: RequestStateError). Changes nothing."""
+        rows = list({id(row): row for row in map(self._running, requests)}.values())  # once each
+        for row in rows:
+            num_tokens = self._check_truncate(row, num_tokens)
+        return self._truncations_fit(rows, num_tokens)
+
+    def _truncations_fit(self, rows: list[KVRequest], num_tokens: int) -> bool:
+        """Whether truncating ``rows`` to ``num_tokens`` in order finds a free block for each copy
+        (``_truncate_copy``'s rule: the new last block, partial and shared or cached). A block an
+        earlier row gives back is free for a later one, and a last block an earlier row copied
+        away from may be the later row's alone."""
+        keep = self.layout.logical_pages_for(num_tokens)
+        partial = keep and num_tokens % self.tokens_per_page
+        free, dropped = self.pool.num_free, Counter()  # references the earlier rows give back
+        for row in rows:
+            given_back = row._blocks[keep:]
+            last = row._blocks[keep - 1] if partial else None
+            if last is not None and (self.pool.ref[last] - dropped[last] > 1
+                                     or self.pool.hash_of[last] is not None):
+                if not free:
+                    return False
+                free -= 1
+                given_back = given_back + [last]
+            for block in given_back:
+                dropped[block] += 1
+                free += self.pool.ref[block] == dropped[block]
         return True

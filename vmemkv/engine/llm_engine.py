@@ -203,12 +203,9 @@ class LLMEngine:
         running = [seq.kv for seq in self.scheduler.running]
         if not running:
             return
-        local = getattr(self.manager, "local_request", None)  # a hybrid model's local group
-        groups = ([(self.manager, running)] if local is None else
-                  [(self.manager.global_group, running),
-                   (self.manager.local_group, [local(kv) for kv in running])])
-        for group, requests in groups:
+        for group in self.manager.layout_groups:  # each group's requests: the same ids
             layout = group.layout
+            requests = (group.request(kv.request_id) for kv in running)
             tokens = sum(kv.num_tokens - kv.num_released_blocks * layout.tokens_per_page
                          for kv in requests)
             stored = tokens * layout.token_bytes

@@ -275,16 +275,22 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
         """Drop the last ``-max_length`` positions of every row (transformers 5.2x passes 0 or a
         negative count; older versions a positive final length, also accepted), as assisted and
         prompt-lookup decoding do with rejected candidates. Blocks past the end are released; a
-        shared or cached last block is copied before the rows write it again."""
+        shared or cached last block is copied before the rows write it again. Every row or none:
+        OutOfBlocksError, changing nothing, when the copies find too few free blocks."""
         self._settle()
         length = self._length + max_length if max_length <= 0 else max_length
         if length >= self._length:
             return
+        length = max(length, 0)
+        if not self.manager.can_truncate([row.kv for row in self._rows], length):
+            raise OutOfBlocksError(f"cropping {len(self._rows)} row(s) to {length} positions needs a "
+                                   "free block for each shared or cached last block it copies; "
+                                   f"{blocks_free(self.manager)}")
         for row in self._rows:
-            if not self.manager.truncate(row.kv, max(length, 0)):  # shortens kv.token_ids too
-                raise OutOfBlocksError(f"cropping row {row.kv.request_id!r} needs one free block to "
-                                       f"copy its shared last block; {blocks_free(self.manager)}")
-        self._length = max(length, 0)
+            if not self.manager.truncate(row.kv, length):  # shortens kv.token_ids too
+                raise AssertionError(f"cropping row {row.kv.request_id!r} was refused after "
+                                     "can_truncate said every row fits")
+        self._length = length
 
     def reset(self) -> None:
         """Free every row (same as :meth:`release`)."""

@@ -48,11 +48,10 @@ def manager_for(model, max_batch_size: int, max_cache_len: int, num_blocks: int 
 def layer_windows(manager: "KVCacheManager | HybridKVCacheManager") -> list[int | None]:
     """Each layer's window as ``manager`` keeps it (None: every token is kept): blocks wholly
     behind it are released, so a cache reads such a layer from its window start."""
-    if isinstance(manager, HybridKVCacheManager):
-        local = set(manager.groups.local_layers)
-        return [manager.groups.window if layer in local else None
-                for layer in range(manager.config.num_layers)]
-    return [manager.window] * manager.layout.num_layers
+    groups = manager.layout_groups
+    if len(groups) == 1:  # one group holds every layer
+        return [groups[0].window] * groups[0].layout.num_layers
+    return [manager.layer_group(layer).window for layer in range(manager.config.num_layers)]
 
 
 def cache_kwarg(model) -> str:

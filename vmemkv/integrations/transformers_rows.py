@@ -20,28 +20,19 @@ import torch
 
 from ..errors import ConfigError, OutOfBlocksError
 from ..hashing import CacheKeys
-from ..hybrid import HybridKVCacheManager
 from ..request import KVRequest
 from ..slots import NoFreeSlotError
-
-
-def pools(manager) -> list:
-    """The managers whose pools hold a cache's blocks: a hybrid manager's two groups (global,
-    local), else the manager itself."""
-    if isinstance(manager, HybridKVCacheManager):
-        return [manager.global_group, manager.local_group]
-    return [manager]
 
 
 def blocks_free(manager) -> str:
     """The free blocks, for an error message. A hybrid manager's row needs as many new blocks in
     each group (one page size, one prefix-hit length, one reservation), so the group with the
     fewest free blocks is the short one: it is named first."""
-    if not isinstance(manager, HybridKVCacheManager):
+    groups = manager.layout_groups
+    if len(groups) == 1:
         return f"{manager.num_free_blocks} pages free of {manager.num_blocks}"
-    (short, group), (other, rest) = sorted(
-        [("global", manager.global_group), ("local", manager.local_group)],
-        key=lambda named: named[1].num_free_blocks)
+    (short, group), (other, rest) = sorted(zip(("global", "local"), groups),
+                                           key=lambda named: named[1].num_free_blocks)
     return (f"the {short} layers' group has {group.num_free_blocks} pages free of {group.num_blocks} "
             f"(the {other} layers' group {rest.num_free_blocks} of {rest.num_blocks})")
 
@@ -158,34 +149,40 @@ class _RowBookkeeping:
                     "the prompt (left padding)")
 
     def _reserve(self, count: int, ids: list[list[int]] | None) -> None:
-        """Reserve positions up to ``length + count`` in every row, recording their token ids."""
+        """Reserve positions up to ``length + count`` in every row, recording their token ids:
+        every row or none (each row's ids checked and each group's blocks counted first)."""
         end = self._length + count
-        for i, row in enumerate(self._rows):
-            kv = row.kv
-            known = len(kv.token_ids)  # the ids the request has: the prompt, then what was fed
-            if ids is None:
-                new = [0] * max(end - known, 0)
-            else:
-                if known > self._length:  # admitted with more ids than computed: they must agree
-                    agreed = kv.token_ids[self._length:min(known, end)]
-                    if ids[i][:len(agreed)] != agreed:
-                        raise ConfigError(f"row {i} is fed other token ids than the prompt it was "
-                                          "admitted with")
-                new = ids[i][max(known - self._length, 0):]
-            grow = end - kv.num_tokens
-            if grow > 0 or new:
-                if not self.manager.allocate(kv, max(grow, 0), new):  # appends new to kv.token_ids
-                    raise OutOfBlocksError(
-                        f"row {i} needs {self.manager.blocks_needed(kv, grow)} more block(s); "
-                        f"{blocks_free(self.manager)}. Release rows or give the manager more "
-                        "num_blocks; call cache.release() before reuse")
+        growth = [self._growth(i, row.kv, end, ids) for i, row in enumerate(self._rows)]
+        needed = [sum(group.blocks_needed(group.request(row.kv.request_id), grow)
+                      for row, (grow, _) in zip(self._rows, growth))
+                  for group in self.manager.layout_groups]
+        if any(blocks > group.num_free_blocks for blocks, group in zip(needed, self.manager.layout_groups)):
+            raise OutOfBlocksError(
+                f"growing {len(self._rows)} row(s) to {end} positions needs {max(needed)} more "
+                f"block(s); {blocks_free(self.manager)}. Release rows or give the manager more "
+                "num_blocks; call cache.release() before reuse")
+        for i, (row, (grow, new)) in enumerate(zip(self._rows, growth)):
+            if (grow or new) and not self.manager.allocate(row.kv, grow, new):  # appends new to token_ids
+                raise AssertionError(f"row {i}'s growth was refused after every group said it fits")
         self._note_peak()
+
+    def _growth(self, i: int, kv: KVRequest, end: int, ids: list[list[int]] | None) -> tuple[int, list[int]]:
+        """(Positions to reserve, token ids to append) for row ``i`` to reach ``end``;
+        ConfigError when the ids fed disagree with the prompt it was admitted with."""
+        known = len(kv.token_ids)  # the ids the request has: the prompt, then what was fed
+        if ids is None:
+            return max(end - kv.num_tokens, 0), [0] * max(end - known, 0)
+        if known > self._length:  # admitted with more ids than computed: they must agree
+            agreed = kv.token_ids[self._length:min(known, end)]
+            if ids[i][:len(agreed)] != agreed:
+                raise ConfigError(f"row {i} is fed other token ids than the prompt it was admitted with")
+        return max(end - kv.num_tokens, 0), ids[i][max(known - self._length, 0):]
 
 
     def _reorder(self, targets: list[int], sources: list[int]) -> None:
         """Rows ``targets[i]`` become copies of rows ``sources[i]`` (as they were)."""
         kvs = [row.kv for row in self._rows]
-        groups = pools(self.manager)
+        groups = self.manager.layout_groups
         before = [(group.num_blocks_in_use, group.cache_stats().blocks_copied) for group in groups]
         if not self.manager.reorder([kvs[t] for t in targets], [kvs[s] for s in sources]):
             raise OutOfBlocksError(

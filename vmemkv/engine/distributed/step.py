@@ -21,11 +21,9 @@ import torch.distributed as dist
 
 from ...attention import SequenceSpan
 from ...cache_config import CacheConfig
-from ...errors import ConfigError
 from ...hf_support import hybrid_layer_windows
-from ...hybrid import HybridKVCacheManager
+from ...hybrid import HybridKVCacheManager, hybrid_manager
 from ...kv_metrics import KVMetricsCollector
-from ...layer_groups import LayerGroups, group_configs
 from ...manager import KVCacheManager
 from ...manager_state import backend_pages
 from ...vmm import create_backend
@@ -76,33 +74,17 @@ def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | Non
     such as its event sink)."""
     # On this rank's own device (cuda:<local rank>; the config says only "cuda").
     cache = replace(config.cache_config(model), device=str(next(model.parameters()).device))
-    windows = hybrid_windows(config, model)
     recording = Recording()
-    try:
-        groups = group_configs(cache, LayerGroups.from_windows(windows), config.max_num_batched_tokens) \
-            if windows else None
-    except ConfigError:  # pages of the groups cannot hold one number of tokens (hybrid_manager)
-        groups = None
-    if groups:
-        manager = HybridKVCacheManager(cache, windows, config.max_num_batched_tokens, metrics=metrics,
-                                       **manager_options,
-                                       backends=[_recorded_backend(group, recording) for group in groups])
-        managers = [manager.global_group, manager.local_group]
-    else:
+    manager = hybrid_manager(cache, hybrid_windows(config, model), config.max_num_batched_tokens,
+                             metrics=metrics, **manager_options,
+                             backends=lambda group: _recorded_backend(group, recording))
+    if manager is None:
         manager = KVCacheManager(cache, backend=_recorded_backend(cache, recording), metrics=metrics,
                                  **manager_options)
-        managers = [manager]
-    for group, recorder in zip(managers, recording.recorders):
+    for group, recorder in zip(manager.layout_groups, recording.recorders):
         group.swap = group.host_tier.store = SwapRecorder(group.swap, recorder)  # one store
     recording.take_log()
     return manager, recording
-
-
-def group_managers(manager: "KVCacheManager | HybridKVCacheManager") -> list[KVCacheManager]:
-    """The managers of ``manager``'s layout groups, in the order their recorders were made."""
-    if isinstance(manager, HybridKVCacheManager):
-        return [manager.global_group, manager.local_group]
-    return [manager]
 
 
 def _recorded_backend(cache: CacheConfig, recording: Recording) -> BackendRecorder:

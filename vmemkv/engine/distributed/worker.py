@@ -22,7 +22,7 @@ from ..models import load_model
 from .group import Rendezvous, join, leave, rank_device
 from .recorder import replay, state_digest
 from .sharding import shard_model
-from .step import check_digests, group_managers, receive, shard_manager
+from .step import check_digests, receive, shard_manager
 
 
 def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
@@ -38,7 +38,7 @@ def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
         reads = _ReplayedReads(manager)
         addressing = choose_addressing(config, reads, runner.device,
                                        text_config(model.config).num_attention_heads)
-        block_windows, step = [group.block_window() for group in group_managers(manager)], 0
+        block_windows, step = [group.block_window() for group in manager.layout_groups], 0
         while (message := receive(groups)) is not None:
             replay(message.log, recording, block_windows)
             recording.take_log()  # this rank's own calls are not replayed anywhere
