@@ -11,8 +11,8 @@ any (``HybridKVCacheManager``: both layout groups) plans each once (``_admission
 ``_plan_*``), checks them together (``hybrid_budget``) and has each manager execute the plan it
 checked.
 
-Reorder is planned here too (``reorder_copies``, ``_plan_reorder``, ``reorder_mapping_cost``) for
-``SharingOps.reorder`` and the hybrid budget alike.
+Reorder and truncate are planned here too (``reorder_copies``, ``_plan_reorder``,
+``reorder_mapping_cost``; ``_truncate_copy``) for ``SharingOps`` and the hybrid budget alike.
 
 ``fit_or_reclaim`` is the mapping-budget check for operations that must ask it before their first
 change (reorder, whose unmaps follow its maps; a hybrid operation's two groups): fit, else
