@@ -88,7 +88,8 @@ def run(shape: str, batch: list[list[int]], new_tokens: int = NEW_TOKENS, **over
 
     options = dict(device=DEVICE, dtype=str(SHAPES[shape]["dtype"]).removeprefix("torch."), max_num_seqs=4,
                    max_model_len=256, max_num_batched_tokens=64, swap_space_bytes=64 << 20)
-    engine = LLMEngine(EngineConfig(**{**options, **overrides}), model=gemma2(shape), tokenizer=byte_tokenizer())
+    engine = LLMEngine(EngineConfig(**{**options, **overrides}), model=gemma2(shape),
+                       tokenizer=byte_tokenizer())
     try:
         manager = engine.manager
         hybrid = isinstance(manager, HybridKVCacheManager)
