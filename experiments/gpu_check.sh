@@ -46,7 +46,7 @@ BUDGET_S=280  # 5 minutes less a margin for timeouts' kill grace and the summary
 # Step limits in seconds, in run order. Their sum must stay within BUDGET_S.
 STEP_NAMES=(install environment test_vmm_cuda gpu_marked_tests bench_mapping bench_kernels ab_quick)
 # gpu_marked_tests holds the engine runs on the GPU (test_window_release_gpu: six runs of about
-# 600 decode steps; test_hybrid_gpu: eight runs of about 45 steps plus the Triton kernel's first
+# 600 decode steps; test_hybrid_gpu: nine runs of about 45 steps plus the Triton kernel's first
 # compilations; test_gpu_engine, the kernel tests): expected 65-95 s, none of it measured yet, so
 # it runs verbose with --durations (the log then says what each test took, and where a timeout
 # stopped) and takes seconds from steps whose CPU-side share is small (test_vmm_cuda's 32 CPU

@@ -19,7 +19,7 @@ Tiny random-weight Gemma-2s, shaped so that 2 MiB pages hold few tokens:
   attention would differ by rounding, not by a bug).
 
 Expected time on an H200: about 10-20 s for the file (inside gpu_check.sh's gpu_marked_tests
-step): eight short engine runs (2-3 requests, 24-40 new tokens, about 40-50 steps of a 4-layer
+step): nine short engine runs (3 requests, 24-40 new tokens, about 40-50 steps of a 4-layer
 model each), one set of ``generate`` references, and the Triton decode kernel's first compilations.
 """
 
