@@ -9,6 +9,7 @@ cannot run raises ``ConfigError`` saying why, rather than silently running somet
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +40,10 @@ class AttentionChoice:
 
 def choose_attention(requested: str, device: torch.device, kv_backend: str, dtype: torch.dtype,
                      num_q_heads: int, num_kv_heads: int, head_dim: int, tokens_per_page: int,
-                     kv_views: tuple[torch.Tensor, torch.Tensor] | None) -> AttentionChoice:
-    """``kv_views``: layer 0's slot views (vmem), ``None`` for block tables."""
+                     kv_views: tuple[torch.Tensor, torch.Tensor] | None,
+                     other_kv_views: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> AttentionChoice:
+    """``kv_views``: layer 0's slot views (vmem), ``None`` for block tables; ``other_kv_views``:
+    the other layers' (layout groups flatten differently: flash runs only if every one can)."""
     if requested not in KINDS:
         raise ConfigError(f"attention must be one of {', '.join(KINDS)}, got {requested!r}")
     if device.type != "cuda":
@@ -53,7 +56,7 @@ def choose_attention(requested: str, device: torch.device, kv_backend: str, dtyp
     if requested in ("auto", "flash"):
         try:
             return _flash_choice(device, kv_backend, dtype, num_q_heads, num_kv_heads, head_dim,
-                                 tokens_per_page, kv_views)
+                                 tokens_per_page, kv_views, other_kv_views)
         except FlashUnsupportedError as exc:
             if requested == "flash":
                 raise ConfigError(f"attention='flash' cannot run here: {exc}") from exc
@@ -68,7 +71,7 @@ def choose_attention(requested: str, device: torch.device, kv_backend: str, dtyp
 
 
 def _flash_choice(device, kv_backend, dtype, num_q_heads, num_kv_heads, head_dim, tokens_per_page,
-                  kv_views) -> AttentionChoice:
+                  kv_views, other_kv_views=()) -> AttentionChoice:
     reason = shape_supported(dtype, head_dim, num_q_heads, num_kv_heads)
     if not reason and torch.cuda.get_device_capability(device) < (8, 0):
         reason = "FlashAttention-2 needs an sm80 (Ampere) or newer GPU"
@@ -83,7 +86,10 @@ def _flash_choice(device, kv_backend, dtype, num_q_heads, num_kv_heads, head_dim
     if not paged:
         rows = slot_geometry(*kv_views)  # raises FlashUnsupportedError when not uniform
         num_rows = flatten_slots(kv_views[0], rows).shape[0]
-        safe = kvcache_batch_index_safe(tuple(kv_views[0].shape), kv_views[0].stride())
+        for views in other_kv_views:  # another layout group's rows per slot may differ: checked
+            slot_geometry(*views)     # here, and used per layer (addressing.layer_geometries)
+        safe = all(kvcache_batch_index_safe(tuple(k.shape), k.stride())
+                   for k, _ in (kv_views, *other_kv_views))
     kernel, why = flash_kernel_for(paged, safe)
     if kernel is None:
         raise FlashUnsupportedError(f"no FlashAttention-2 kernel with what this needs ({why})")

@@ -14,6 +14,7 @@ from __future__ import annotations
 from ..attention import BlockTableAttention, ContiguousAttention, SequenceSpan
 from ..attention.choice import AttentionChoice, choose_attention
 from ..attention.flash import FlashBlockTableAttention, FlashSlotAttention
+from ..attention.flash_args import flat_rows, slot_geometry
 from ..hybrid import HybridKVCacheManager
 from ..manager import KVCacheManager
 from ..request import KVRequest
@@ -47,9 +48,17 @@ class SlotAddressing(Addressing):
     def __init__(self, manager: KVCacheManager, device, choice: AttentionChoice):
         super().__init__(manager, device, choice)
         if choice.kind == "flash":
-            kernel, rows_per_slot, num_rows = choice.kernel, choice.rows_per_slot, choice.num_rows
-            self.attention = lambda spans: FlashSlotAttention(
-                spans, manager.kv_views, device, kernel, rows_per_slot, num_rows)
+            kernel, geometry = choice.kernel, layer_geometries(manager)
+            distinct = sorted(set(geometry))
+            if len(distinct) == 1:
+                rows_per_slot, num_rows = distinct[0]
+                self.attention = lambda spans: FlashSlotAttention(
+                    spans, manager.kv_views, device, kernel, rows_per_slot, num_rows)
+            else:  # layout groups whose slots flatten differently: one varlen geometry each
+                group_of = [distinct.index(layer) for layer in geometry]
+                self.attention = lambda spans: GroupedAttention(
+                    [FlashSlotAttention(spans, manager.kv_views, device, kernel, rows, num)
+                     for rows, num in distinct], group_of, spans)
         else:
             decode_kernel, reads = choice.kind == "triton", manager.batched_reads()
             self.attention = lambda spans: ContiguousAttention(
@@ -57,6 +66,18 @@ class SlotAddressing(Addressing):
 
     def span(self, kv: KVRequest, begin: int, count: int, computed: int) -> SequenceSpan:
         return SequenceSpan(kv.slot, begin, count, computed)
+
+
+def layer_geometries(manager: KVCacheManager) -> list[tuple[int, int]]:
+    """Each model layer's flattened slot views for FlashAttention: (rows per slot, rows). One
+    pair for every layer of a manager; layout groups of a hybrid model with different numbers
+    of layers differ in the per-layer layout (a slot's rows span its group's layers)."""
+    geometry = []
+    for layer in range(manager.config.num_layers):
+        k_view, v_view = manager.kv_views(layer)
+        rows = slot_geometry(k_view, v_view)
+        geometry.append((rows, flat_rows(k_view, rows)))
+    return geometry
 
 
 class BlockTableAddressing(Addressing):
@@ -128,9 +149,10 @@ def choose_addressing(config: EngineConfig, manager: KVCacheManager, device,
     """``config.kv_backend`` and ``config.attention`` resolved once for this device, dtype, shapes."""
     layout = manager.layout
     paged = config.kv_backend == "paged"
+    views = [] if paged else [manager.kv_views(layer) for layer in range(manager.config.num_layers)]
     choice = choose_attention(config.attention, device, config.kv_backend, layout.dtype,
                               num_query_heads, layout.num_kv_heads, layout.head_dim,
-                              manager.tokens_per_page, None if paged else manager.kv_views(0))
+                              manager.tokens_per_page, views[0] if views else None, views[1:])
     if not paged:
         return SlotAddressing(manager, device, choice)
     # layout groups: a HybridKVCacheManager, or a view of one (a tensor-parallel worker's)
