@@ -47,6 +47,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCach
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vmemkv.integrations.transformers_cache import VmemkvCache, cache_kwarg
 
+from machine import write_results  # experiments/machine.py, beside this script
+
 MiB = 1 << 20
 
 
@@ -373,9 +375,7 @@ def main(argv: list[str] | None = None) -> dict:
             results["rows"] += bench_shared_prefix(model, args, new_tokens)
     text = table(results)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "generate_cpu.json").write_text(json.dumps(results, indent=2) + "\n")
-        (args.out / "generate_cpu.md").write_text(text)
+        write_results(args.out, "generate_cpu", results, text)
     print(json.dumps(results, indent=2) if args.json else text)
     return results
 

@@ -50,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from vmemkv import CacheConfig, KVCacheManager  # noqa: E402
-from machine import cpu_model  # experiments/machine.py, beside this script
+from machine import cpu_model, write_results  # experiments/machine.py, beside this script
 
 TARGETS_US = {"append_cross": 10.0, "append": 2.0}
 OPS = ("admit_hit", "admit_cold", "append_cross", "append", "append_by_object", "commit_full_page",
@@ -448,9 +448,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     table = markdown(results)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "manager_cpu.json").write_text(json.dumps(results, indent=2) + "\n")
-        (args.out / "manager_cpu.md").write_text(table)
+        write_results(args.out, "manager_cpu", results, table)
     print(json.dumps(results) if args.json else table)
     return results
 

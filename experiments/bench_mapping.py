@@ -40,7 +40,7 @@ import torch
 
 from vmemkv.vmm import CpuBackend, VirtualMemoryBackend
 from vmemkv.vmm.cpu import load_native
-from machine import cpu_model  # experiments/machine.py, beside this script
+from machine import cpu_model, write_results  # experiments/machine.py, beside this script
 
 EXIT_SKIPPED = 3  # nothing to measure here (no CUDA with --cuda-only); gpu_check.sh: "skipped"
 BATCH_SIZES = (1, 16, 64, 256)
@@ -278,9 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     # The tables need the CPU numbers; with --cuda-only the JSON is the whole report.
     table = None if args.cuda_only else markdown(results)
     if args.out and table is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "mapping_cpu.json").write_text(json.dumps(results, indent=2) + "\n")
-        (args.out / "mapping_cpu.md").write_text(table)
+        write_results(args.out, "mapping_cpu", results, table)
     print(json.dumps(results) if args.json or table is None else table)
     return 1 if "cuda_error" in results else 0
 

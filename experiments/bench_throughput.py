@@ -44,7 +44,7 @@ import torch
 from vmemkv.engine import LLM, SamplingParams
 from vmemkv.engine.hub import REAL_MODELS, ensure_real_model
 from vmemkv.engine.models import load_model, model_config
-from machine import cpu_model  # experiments/machine.py, beside this script
+from machine import cpu_model, write_results  # experiments/machine.py, beside this script
 
 SYSTEMS = ("vmemkv", "hf_generate", "generate_batch")
 SPECIAL_IDS = (256, 257)  # <s>, </s> of the built-in models
@@ -622,9 +622,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     table = markdown(results)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{args.out_name}.json").write_text(json.dumps(results, indent=2) + "\n")
-        (args.out / f"{args.out_name}.md").write_text(table)
+        write_results(args.out, args.out_name, results, table)
     print(json.dumps(results) if args.json else table)
     return results
 

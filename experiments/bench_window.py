@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vmemkv import CacheConfig, KVCacheManager, KVRequest  # noqa: E402
 from vmemkv.hybrid import HybridKVCacheManager  # noqa: E402
 
-from machine import cpu_model  # experiments/machine.py, beside this script  # noqa: E402
+from machine import cpu_model, write_results  # experiments/machine.py, beside this script  # noqa: E402
 
 MODES = [("vmem", True), ("vmem", False), ("paged", True), ("paged", False)]  # (kv_backend, release)
 GROUPS_LABEL = {True: "local + global", False: "one (keep every block)"}
@@ -331,9 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
                  f"1 global), {args.engine_requests} requests of 32 + {args.engine_new_tokens} tokens, "
                  f"pool of {args.hybrid_pool_blocks} blocks (vmem slots and block tables)\n\n{table(results['hybrid_engine'])}\n")
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "window_cpu.json").write_text(json.dumps(results, indent=2) + "\n")
-        (args.out / "window_cpu.md").write_text(text)
+        write_results(args.out, "window_cpu", results, text)
     print(json.dumps(results) if args.json else text)
     return results
 
