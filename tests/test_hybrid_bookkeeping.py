@@ -15,7 +15,7 @@ from vmemkv import CacheConfig, InvalidInputError, KVCacheManager, KVRequest, Pr
 from vmemkv.errors import OutOfBlocksError, RequestStateError
 from vmemkv.integrations.transformers_cache import VmemkvCache
 
-from test_hybrid_groups import P, close, decode, make_hybrid, reads_back, run
+from test_hybrid_groups import P, close, decode, make_hybrid, reads_back, run, write
 
 
 @pytest.fixture(params=["vmem", "paged"])
@@ -281,3 +281,36 @@ def test_a_gemma2_batch_prefilled_in_one_forward_fits_and_matches_hf():
         assert torch.equal(got, want)
         assert cache.manager.local_group.num_blocks >= 4 * 56 // 4
         cache.manager.check()
+
+
+# --- an engine step's batched calls ---------------------------------------------------------------
+
+def test_allocate_each_grants_a_prefix_in_both_groups_and_leaves_the_refused_unchanged(hybrid):
+    a, b = run(hybrid, "a", list(range(30))), run(hybrid, "b", list(range(100, 130)))
+    free = hybrid.global_group.num_free_blocks
+    with pytest.raises(InvalidInputError):  # bad input raises before any change
+        hybrid.allocate_each([a, b], [1, -1])
+    assert (a.num_tokens, b.num_tokens, hybrid.global_group.num_free_blocks) == (30, 30, free)
+    a.token_ids.append(7)
+    b.token_ids.extend(range(200, 400))  # 13 more blocks: more than the local group has free
+    assert hybrid.local_group.num_free_blocks < 13
+    assert hybrid.allocate_each([a, b], [1, 200]) == 1
+    assert a.num_tokens == 31 and b.num_tokens == 30
+    assert hybrid.local_request(a).num_tokens == 31 and hybrid.local_request(b).num_tokens == 30
+    hybrid.check()
+
+
+def test_commit_all_checks_every_request_in_both_groups_before_committing_any(hybrid):
+    a, b = run(hybrid, "a", list(range(30))), run(hybrid, "b", list(range(100, 130)))
+    for req in (a, b):
+        req.token_ids.append(5)
+        assert hybrid.allocate(req, 1)
+        write(hybrid, req, 30, 31)
+    del b.token_ids[-1]  # b reserved a position whose token id is gone: its commit is refused
+    with pytest.raises(RequestStateError):
+        hybrid.commit_all([a, b])
+    assert a.num_computed_tokens == hybrid.local_request(a).num_computed_tokens == 30
+    b.token_ids.append(5)
+    hybrid.commit_all([a, b])
+    assert [r.num_computed_tokens for r in (a, b, hybrid.local_request(a), hybrid.local_request(b))] == [31] * 4
+    hybrid.check()

@@ -104,7 +104,7 @@ def test_commit_all_is_one_commit_per_request_and_checks_them_all_first(make_man
 # --- the scheduler ---------------------------------------------------------------------------------
 class PerCallManager:
     """A manager without the batched entries: the scheduler then allocates one call per
-    sequence (as for a hybrid manager)."""
+    sequence (as for a caller's own manager)."""
 
     def __init__(self, manager: KVCacheManager):
         self._manager = manager

@@ -44,7 +44,7 @@ import torch
 
 from . import validation as check
 from .cache_config import CacheConfig, CacheStats, PreemptionEstimate
-from .errors import ConfigError, InvalidInputError, RequestStateError
+from .errors import ConfigError, InvalidInputError, MappingLimitError, RequestStateError
 from .hybrid_budget import check_budget, planned, reorder_plan, truncate_plan
 from .hybrid_lookahead import HybridLookaheadOps
 from .kv_events import KVEventSink, group_sink
@@ -284,11 +284,43 @@ class HybridKVCacheManager(HybridLookaheadOps):
         self.local_group._execute_grow(local, plans[1], num_new_tokens)  # the tokens are appended
         return True
 
+    def allocate_each(self, requests: "Sequence[KVRequest | str]", counts: Sequence[int]) -> int:
+        """``allocate(requests[i], counts[i])`` in order until one is refused (each in both
+        groups or neither); returns how many got their positions. Bad input raises before any
+        change (``KVCacheManager.allocate_each``)."""
+        if len(requests) != len(counts):
+            raise InvalidInputError(f"{len(requests)} requests but {len(counts)} counts")
+        reqs = [self.global_group._running(self._pair(request)[0]) for request in requests]
+        counts = [check.count(count, "num_new_tokens") for count in counts]
+        for req, count in zip(reqs, counts):
+            self.global_group._check_length(req.request_id, req.num_tokens + count)
+        for done, (req, count) in enumerate(zip(reqs, counts)):
+            try:
+                if not self.allocate(req, count):
+                    return done
+            except MappingLimitError:  # refused by the mapping budget, nothing changed
+                return done
+        return len(reqs)
+
     def commit(self, request: "KVRequest | str", num_computed_tokens: int | None = None) -> None:
         """Commit both groups; the local group gives back its blocks behind the window."""
-        req, local = self._pair(request)
-        self.global_group.commit(req, num_computed_tokens)
-        self.local_group.commit(local, num_computed_tokens)
+        self._commit_pairs([self._pair(request)], num_computed_tokens)
+
+    def commit_all(self, requests: "Sequence[KVRequest | str]") -> None:
+        """``commit(request)`` for each request, every one checked in both groups first."""
+        self._commit_pairs([self._pair(request) for request in requests], None)
+
+    def _commit_pairs(self, pairs: list[tuple[KVRequest, KVRequest]], done: int | None) -> None:
+        """Check every request's commit in both groups, then commit them (a refusal, raised,
+        changes neither group)."""
+        if done is not None:
+            done = check.count(done, "num_computed_tokens")
+        for req, local in pairs:
+            for group, request in ((self.global_group, req), (self.local_group, local)):
+                group._check_commit(group._running(request), request.num_tokens if done is None else done)
+        for req, local in pairs:
+            self.global_group.commit(req, done)
+            self.local_group.commit(local, done)
 
     # --- freeing, sharing, preemption -------------------------------------------------------------
     def free(self, request: "KVRequest | str") -> None:

@@ -104,7 +104,7 @@ class Scheduler:
         (``allocate_each``), up to the first one that does not fit; returns (its index, the
         budget left). The caller's loop goes on from there, preempting for it: the same outcome
         as one ``allocate`` per sequence, which costs more (measured 2-3 % of a B = 32-64 decode
-        step with commits). Managers without the batched call (hybrid) are left to the loop."""
+        step with commits). A manager without the batched call (a caller's own) is left to the loop."""
         allocate_each = getattr(self.manager, "allocate_each", None)
         if allocate_each is None:
             return 0, budget
