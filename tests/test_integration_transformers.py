@@ -14,7 +14,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from vmemkv.hf_support import layer_kinds
 from vmemkv.integrations.transformers_cache import VmemkvCache, cache_kwarg, manager_for
-from vmemkv.errors import ConfigError
+from vmemkv.errors import ConfigError, InvalidInputError
 from vmemkv.slots import NoFreeSlotError
 
 VOCAB = 512
@@ -311,6 +311,19 @@ def test_prompt_lookup_decoding_crops_and_matches(model, cache):
     got = generate(model, ids, cache, max_new_tokens=30, do_sample=False, prompt_lookup_num_tokens=4)
     assert torch.equal(got, want)
     assert crops, "prompt-lookup decoding never cropped the cache"
+    cache.manager.check()
+
+
+def test_crop_takes_a_count_given_as_a_tensor_as_transformers_5_17_gives_it(model, cache):
+    # 5.17's assisted and prompt-lookup decoding crop by `-n_matches`, a 0-d integer tensor.
+    generate(model, prompt(10, 3), cache, max_new_tokens=4, do_sample=False)
+    length = cache.get_seq_length()
+    cache.crop(torch.tensor(-2))
+    assert cache.get_seq_length() == length - 2
+    for bad in (torch.tensor([-1, -1]), torch.tensor(-1.0), torch.tensor(True)):
+        with pytest.raises(InvalidInputError, match="one-element integer tensor"):
+            cache.crop(bad)
+    assert cache.get_seq_length() == length - 2
     cache.manager.check()
 
 

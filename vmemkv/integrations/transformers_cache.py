@@ -70,7 +70,7 @@ from typing import Self
 import torch
 from transformers.cache_utils import Cache
 
-from ..errors import ConfigError, InvalidStateError, OutOfBlocksError
+from ..errors import ConfigError, InvalidInputError, InvalidStateError, OutOfBlocksError
 from ..hybrid import HybridKVCacheManager
 from ..manager import KVCacheManager
 from .transformers_layer import _VmemkvLayer
@@ -90,6 +90,16 @@ def _observe_tokens(module, args, kwargs):
     if isinstance(cache, VmemkvCache):
         ids = kwargs.get("input_ids", args[0] if args else None)
         cache.observe(ids, kwargs.get("attention_mask"))
+
+
+def _whole_number(value: int | torch.Tensor, what: str) -> int:
+    """``value`` as an int: transformers passes some counts as one-element integer tensors."""
+    if not isinstance(value, torch.Tensor):
+        return value  # ints, and anything the manager's own checks refuse with a clear error
+    if value.numel() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
+        raise InvalidInputError(f"{what} is a tensor of shape {tuple(value.shape)} and dtype "
+                                f"{value.dtype}; pass an int or a one-element integer tensor")
+    return int(value.item())
 
 
 class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
@@ -271,13 +281,15 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
             self.manager.free(row.kv)
         del self._rows[len(keep):]
 
-    def crop(self, max_length: int) -> None:
+    def crop(self, max_length: int | torch.Tensor) -> None:
         """Drop the last ``-max_length`` positions of every row (transformers 5.2x passes 0 or a
-        negative count; older versions a positive final length, also accepted), as assisted and
-        prompt-lookup decoding do with rejected candidates. Blocks past the end are released; a
-        shared or cached last block is copied before the rows write it again. Every row or none:
-        OutOfBlocksError, changing nothing, when the copies find too few free blocks."""
+        negative count, 5.17's assisted decoding a 0-d integer tensor; older versions a positive
+        final length, also accepted), as assisted and prompt-lookup decoding do with rejected
+        candidates. Blocks past the end are released; a shared or cached last block is copied
+        before the rows write it again. Every row or none: OutOfBlocksError, changing nothing, when
+        the copies find too few free blocks."""
         self._settle()
+        max_length = _whole_number(max_length, "crop's max_length")
         length = self._length + max_length if max_length <= 0 else max_length
         if length >= self._length:
             return
