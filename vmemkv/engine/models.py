@@ -138,4 +138,14 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu
         model, tokenizer = load_from_hub_cache(name, dtype)
     else:
         _unknown(name)
+    _compute_soft_capping(model)
     return model.to(device).eval(), tokenizer
+
+
+def _compute_soft_capping(model) -> None:
+    """transformers before 5.2x let SDPA, which has no attention-logit soft-capping, serve
+    Gemma-2-style models (5.24 refuses it): HF's own forward then is not the model's. Eager
+    attention computes the cap, so HF's output stays the reference the engine is checked against."""
+    text = model.config.get_text_config()
+    if getattr(text, "attn_logit_softcapping", None) and model.config._attn_implementation == "sdpa":
+        model.set_attn_implementation("eager")
