@@ -19,6 +19,10 @@ import torch
 # process instead of a child pytest (tests/test_triton_decode.py). With a GPU it is never set.
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton_compat import patch_interpreter_index
+
+    patch_interpreter_index()  # Triton 3.6 (the GPU image's) under NumPy 2
 
 from vmemkv import CacheConfig, KVCacheManager  # noqa: E402
 
