@@ -1,30 +1,38 @@
 #!/usr/bin/env bash
-# One-shot GPU check: install, environment, the GPU tests, the GPU benchmarks and a quick A/B,
-# in one run within 5 minutes on one H200 (so that a fix and a rerun fit a short slot).
+# One-shot GPU check: install, environment, the GPU tests, a quick A/B and the GPU benchmarks, in
+# one run within 4 minutes on one H200, so that a fix and a rerun fit the device's 15-minute lease
+# (its start included) with a minute to spare in each run.
 #
 #   bash experiments/gpu_check.sh              # writes under $OUT (else ./gpu_out)
-#   bash experiments/gpu_check.sh --dry-run    # or GPU_CHECK_DRY=1: every step on CPU, quickly
-#   bash experiments/gpu_check.sh --list       # the steps and their time limits, as JSON
+#   bash experiments/gpu_check.sh --dry-run    # or GPU_CHECK_DRY=1: every step on CPU
+#   bash experiments/gpu_check.sh --list       # the steps, their limits and GPU estimates, as JSON
 #
-# Each step runs under `timeout`; the limits below add up to at most BUDGET_S (checked before
-# anything runs), so the whole run fits 5 minutes whatever happens. A failing step does not stop
-# the others, except the install: without a build nothing else means anything.
-# Each step prints one JSON line {"step", "status", "seconds", "limit_s"}; status is ok,
-# "skipped: ..." (no CUDA here, or nothing to measure), "no tests", FAIL (rc=N) or TIMEOUT.
+# The steps run most informative first, so that a run cut short loses the least: the CUDA VMM
+# backend, FlashAttention over slots, the Triton kernels, the engine against HF generate, the
+# quick A/B, then the benchmarks. Each runs under its own `timeout`; the limits plus each step's
+# kill grace add up to at most BUDGET_S (checked before anything runs), and a step never gets more
+# than what is left of BUDGET_S, so the whole run ends within it whatever happens. A failing step
+# does not stop the others, except the install: without a build nothing else means anything.
+# Each step prints one JSON line {"step", "status", "seconds", "limit_s", "gpu_estimate_s"};
+# status is ok, "skipped: ..." (no CUDA here, or nothing to measure), "no tests", FAIL (rc=N),
+# TIMEOUT, "NOT RUN (out of time)" or KILLED (the whole check was stopped from outside).
 #
 # Files under $OUT, at most 8 (that is all that comes back from the device):
 #   gpu_check.log      every step's command and output, in order
-#   summary.json       the step lines, rewritten after every step (complete even if killed)
+#   summary.json       the step lines, rewritten before and after every step, so that a run cut
+#                      short still says which step was running ("status": "running")
 #   bench_mapping.json, bench_kernels.json   the benchmarks' JSON (stdout)
 #   ab.json, ab.md     the quick A/B (vmem vs paged on the device's 2 MiB pages)
 #
 # Dry run: no install (pip only prepares the package metadata, and the C extension is compiled
 # into a temporary directory, so the environment is left as it was), CUDA hidden
 # (CUDA_VISIBLE_DEVICES=""), so the GPU steps run their skip paths, and the A/B runs on CPU with
-# 2 MiB pages (1024 tokens per page, as tiny-llama gets on CUDA).
+# 2 MiB pages (1024 tokens per page, as tiny-llama gets on CUDA). The CPU does other work at
+# another speed than the GPU, so the dry run's limits and budget are DRY_SCALE times the GPU's:
+# its times say what the CPU side costs, not what the device will take.
 #
-# Exit status: 0 when every step is ok or skipped, 1 when a step failed or timed out, 2 when the
-# install failed (nothing else was run).
+# Exit status: 0 when every step is ok or skipped, 1 when a step failed, timed out or was not run,
+# 2 when the install failed (nothing else was run).
 
 set -u
 
@@ -42,34 +50,69 @@ for arg in "$@"; do
   esac
 done
 
-BUDGET_S=280  # 5 minutes less a margin for timeouts' kill grace and the summary
-# Step limits in seconds, in run order. Their sum must stay within BUDGET_S.
-STEP_NAMES=(install environment test_vmm_cuda gpu_marked_tests bench_mapping bench_kernels ab_quick)
-# gpu_marked_tests holds the engine runs on the GPU (test_window_release_gpu: six runs of about
-# 600 decode steps; test_hybrid_gpu: nine runs of about 45 steps plus the Triton kernel's first
-# compilations; test_gpu_engine, the kernel tests): expected 65-95 s, none of it measured yet, so
-# it runs verbose with --durations (the log then says what each test took, and where a timeout
-# stopped) and takes seconds from steps whose CPU-side share is small (test_vmm_cuda's 32 CPU
-# tests take 1 s here).
+BUDGET_S=240     # 5 minutes less a minute to spare: limits + kill graces must fit
+KILL_GRACE_S=3   # after its limit a step gets TERM, then KILL this many seconds later
+DRY_SCALE=4      # the dry run's limits and budget, times the GPU's (see above)
+STEP_NAMES=(install environment vmm_cuda flash_gpu triton_gpu engine_gpu ab_quick bench_mapping bench_kernels)
+# Limits in seconds, and beside each the GPU time expected from the work the step does (none of it
+# measured yet: the first run's log has each test's time, from --durations, to rebalance them by).
+# A pytest step's fixed cost there: starting Python, importing torch, transformers and triton, and
+# collecting (5-7 s on the image's 16 cores), then creating a CUDA context (1-3 s).
 declare -A LIMIT=(
-  [install]=40 [environment]=15 [test_vmm_cuda]=30 [gpu_marked_tests]=95
-  [bench_mapping]=20 [bench_kernels]=30 [ab_quick]=45
+  [install]=20          # 8 s: pip's editable install, one C file compiled (4 s on 2 cores here)
+  [environment]=12      # 6 s: nvidia-smi, importing torch and vmemkv, one CUDA context
+  [vmm_cuda]=20         # 10 s: 52 tests, 32 of them CPU-side against the real cuda-bindings (1 s
+                        #   here); the other 20 create, map and copy a few 2 MiB pages, ms each
+  [flash_gpu]=35        # 25 s: 18 cases of FlashAttention-2 (torch's own, no compiling) against
+                        #   float64 SDPA and the Triton kernel (about 8 first compilations, 1-2 s
+                        #   each), and 2 engine runs of tiny-llama
+  [triton_gpu]=30       # 20 s: 6 cases, about 8 compilations of the decode and combine kernels
+  [engine_gpu]=50       # 40 s: 14 tests, ~18 engine runs against HF generate: test_window_release_gpu six of
+                        #   ~600 decode steps (tiny models: 3-5 ms a step, launch-bound), the rest
+                        #   ~45-160 steps each, plus the Triton kernel's window/soft-cap variants
+  [ab_quick]=25         # 15 s: 3 workloads x 2 variants, one repeat, tiny-llama on 2 MiB pages
+  [bench_mapping]=8     # 4 s: map/unmap of a few hundred 2 MiB pages, 3 repeats
+  [bench_kernels]=13    # 10 s: 12 shapes x 2 kernels by do_bench, buffers up to 8 GiB, 2 compilations
+)
+declare -A GPU_ESTIMATE=(
+  [install]=8 [environment]=6 [vmm_cuda]=10 [flash_gpu]=25 [triton_gpu]=20 [engine_gpu]=40
+  [ab_quick]=15 [bench_mapping]=4 [bench_kernels]=10
+)
+# Each pytest step's arguments. Every GPU test is selected by one of them (tests/test_first_contact.py
+# checks); test_vmm_cuda.py runs whole: its CPU-side tests run against the real cuda-bindings.
+HOST_TIER_GPU=tests/test_host_tier.py::test_on_cuda_demotion_and_promotion_are_ordered_with_the_compute_stream
+declare -A TEST_ARGS=(
+  [vmm_cuda]="tests/test_vmm_cuda.py $HOST_TIER_GPU"
+  [flash_gpu]="-m gpu tests/test_flash_attention_gpu.py"
+  [triton_gpu]="-m gpu tests/test_triton_decode.py"
+  [engine_gpu]="-m gpu tests/test_gpu_engine.py tests/test_hybrid_gpu.py tests/test_window_release_gpu.py"
 )
 # The A/B's workloads: its two checks (prefix hits, preemption) and copy-on-write forks.
 AB_WORKLOADS="${GPU_CHECK_AB_WORKLOADS:-shared-prefix,pressure,parallel-n4}"
 
 total_limits=0
-for name in "${STEP_NAMES[@]}"; do total_limits=$(( total_limits + LIMIT[$name] )); done
+for name in "${STEP_NAMES[@]}"; do total_limits=$(( total_limits + LIMIT[$name] + KILL_GRACE_S )); done
 if (( LIST )); then
-  printf '{"budget_s": %d, "limits_sum_s": %d, "steps": {' "$BUDGET_S" "$total_limits"
+  printf '{"budget_s": %d, "kill_grace_s": %d, "limits_sum_s": %d, "dry_scale": %d, "steps": [' \
+    "$BUDGET_S" "$KILL_GRACE_S" "$total_limits" "$DRY_SCALE"
   sep=""
-  for name in "${STEP_NAMES[@]}"; do printf '%s"%s": %d' "$sep" "$name" "${LIMIT[$name]}"; sep=", "; done
-  printf '}}\n'
+  for name in "${STEP_NAMES[@]}"; do
+    args=""
+    for arg in ${TEST_ARGS[$name]:-}; do args+="${args:+, }\"$arg\""; done
+    printf '%s{"step": "%s", "limit_s": %d, "gpu_estimate_s": %d, "pytest_args": [%s]}' \
+      "$sep" "$name" "${LIMIT[$name]}" "${GPU_ESTIMATE[$name]}" "$args"
+    sep=", "
+  done
+  printf ']}\n'
   exit 0
 fi
 if (( total_limits > BUDGET_S )); then
-  echo "gpu_check: the step limits add up to ${total_limits}s, more than the ${BUDGET_S}s budget; fix LIMIT" >&2
+  echo "gpu_check: the step limits and kill graces add up to ${total_limits}s, more than the ${BUDGET_S}s budget; fix LIMIT" >&2
   exit 2
+fi
+if (( DRY )); then
+  BUDGET_S=$(( BUDGET_S * DRY_SCALE ))
+  for name in "${STEP_NAMES[@]}"; do LIMIT[$name]=$(( LIMIT[$name] * DRY_SCALE )); done
 fi
 
 OUT_DIR="${OUT:-$ROOT/gpu_out}"
@@ -86,26 +129,49 @@ if (( DRY )); then
 fi
 HAVE_CUDA=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
 
-START_S=$SECONDS
+START_S=0  # $SECONDS counts from the script's start: the budget includes the lines above
 LINES=()
 FAILED=0
+CURRENT=""  # the step running now, as a JSON line, for a summary written mid-step
 
 write_summary() {
   local IFS=,
+  local steps=("${LINES[@]}")
+  [[ -n "$CURRENT" ]] && steps+=("$CURRENT")
   printf '{"dry_run": %s, "cuda": %s, "budget_s": %d, "seconds": %d, "steps": [%s]}\n' \
     "$( (( DRY )) && echo true || echo false)" "$( (( HAVE_CUDA )) && echo true || echo false)" \
-    "$BUDGET_S" "$(( SECONDS - START_S ))" "${LINES[*]}" >"$SUMMARY"
+    "$BUDGET_S" "$(( SECONDS - START_S ))" "${steps[*]}" >"$SUMMARY"
+}
+
+step_line() {  # name status seconds limit
+  printf '{"step": "%s", "status": "%s", "seconds": %d, "limit_s": %d, "gpu_estimate_s": %d}' \
+    "$1" "$2" "$3" "$4" "${GPU_ESTIMATE[$1]}"
 }
 
 record() {  # name status seconds limit
   local line
-  line=$(printf '{"step": "%s", "status": "%s", "seconds": %d, "limit_s": %d}' "$1" "$2" "$3" "$4")
+  line=$(step_line "$@")
+  CURRENT=""
   LINES+=("$line")
   echo "$line"
   echo "=== result: $line" >>"$LOG"
   case "$2" in ok|skipped*|"no tests") ;; *) FAILED=1 ;; esac
   write_summary
 }
+
+# Stopped from outside (the device's own time limit, ^C): the running step is recorded as KILLED
+# and every step not reached as NOT RUN, then the summary is written once more.
+on_signal() {
+  local name
+  [[ -n "${STEP_PID:-}" ]] && kill -TERM "$STEP_PID" 2>/dev/null
+  if [[ -n "$CURRENT" ]]; then
+    name=$(sed 's/^{"step": "\([^"]*\)".*/\1/' <<<"$CURRENT")
+    record "$name" "KILLED" "$(( SECONDS - STEP_T0 ))" "${LIMIT[$name]}"
+  fi
+  echo "gpu_check: KILLED after $(( SECONDS - START_S ))s" | tee -a "$LOG"
+  exit 1
+}
+trap on_signal TERM INT HUP
 
 # json_skip FILE: the "skipped" reason of a JSON object on the file's last line, if any.
 json_skip() {
@@ -123,16 +189,31 @@ EOF
 
 # run_step NAME NEEDS_CUDA STDOUT_FILE CMD...  (STDOUT_FILE "-": stdout into the log too)
 # Exit status 3 from a command means "skipped, nothing to do here" (bench_mapping --cuda-only).
+# A step gets its limit, or what is left of the budget if that is less; with under 5 s left it
+# is not run at all.
 run_step() {
   local name="$1" needs_cuda="$2" stdout_file="$3"; shift 3
-  local limit=${LIMIT[$name]} t0=$SECONDS rc status offset skip
+  local limit=${LIMIT[$name]} left rc status offset skip
+  STEP_T0=$SECONDS
+  left=$(( BUDGET_S - (SECONDS - START_S) - KILL_GRACE_S ))
+  (( left < limit )) && limit=$left
+  if (( limit < 5 )); then
+    record "$name" "NOT RUN (out of time)" 0 "${LIMIT[$name]}"
+    return
+  fi
   offset=$(wc -c <"$LOG")
   { echo; echo "=== $name (limit ${limit}s): $*"; } >>"$LOG"
+  CURRENT=$(step_line "$name" running 0 "$limit")
+  write_summary
+  # In the background and waited for, so that a TERM to this script is handled at once (bash
+  # runs traps only between commands, and `wait` returns on a signal).
   if [[ "$stdout_file" == "-" ]]; then
-    timeout --kill-after=5 "$limit" "$@" >>"$LOG" 2>&1
+    timeout --kill-after="$KILL_GRACE_S" "$limit" "$@" >>"$LOG" 2>&1 &
   else
-    timeout --kill-after=5 "$limit" "$@" >"$stdout_file" 2>>"$LOG"
+    timeout --kill-after="$KILL_GRACE_S" "$limit" "$@" >"$stdout_file" 2>>"$LOG" &
   fi
+  STEP_PID=$!
+  wait "$STEP_PID"
   rc=$?
   case "$rc" in
     0) status="ok" ;;
@@ -152,7 +233,7 @@ run_step() {
     echo "--- $name: last lines of its output (all of it in $LOG):"
     tail -c +"$(( offset + 1 ))" "$LOG" | tail -n 25
   fi
-  record "$name" "$status" "$(( SECONDS - t0 ))" "$limit"
+  record "$name" "$status" "$(( SECONDS - STEP_T0 ))" "$limit"
 }
 
 echo "gpu_check: repo $ROOT, output in $OUT_DIR, python $(command -v "$PY"), CUDA $HAVE_CUDA, dry run $DRY"
@@ -206,18 +287,17 @@ if torch.cuda.is_available():
 import vmemkv  # the one import that must work
 EOF"
 
-# --- GPU tests --------------------------------------------------------------------------------
-# Every GPU test is marked `@pytest.mark.gpu`; test_vmm_cuda.py also runs whole (the backend's
-# CPU-side tests against the real cuda-bindings). No --continue-on-collection-errors: test modules
-# whose packages are missing skip themselves, so a collection error is a real failure.
-PYTEST=("$PY" -m pytest -q -rs -p no:cacheprovider)
-run_step test_vmm_cuda 1 - "${PYTEST[@]}" tests/test_vmm_cuda.py
-run_step gpu_marked_tests 1 - "${PYTEST[@]}" -v --durations=20 -m gpu --ignore=tests/test_vmm_cuda.py tests
-
-# --- benchmarks -------------------------------------------------------------------------------
-run_step bench_mapping 1 "$OUT_DIR/bench_mapping.json" \
-  "$PY" experiments/bench_mapping.py --json --cuda-only --reps 3
-run_step bench_kernels 1 "$OUT_DIR/bench_kernels.json" "$PY" experiments/bench_kernels.py --json
+# --- GPU tests, most informative first ---------------------------------------------------------
+# Every GPU test is marked `@pytest.mark.gpu`; test_vmm_cuda.py runs whole (the backend's CPU-side
+# tests against the real cuda-bindings). Each step is its own process, so that a CUDA error that
+# poisons one context (an illegal address) fails that step alone. Verbose with --durations: the
+# log says what each test took, and where a timeout stopped. No --continue-on-collection-errors:
+# test modules whose packages are missing skip themselves, so a collection error is a failure.
+PYTEST=("$PY" -m pytest -q -rs -p no:cacheprovider -v --durations=15)
+for name in vmm_cuda flash_gpu triton_gpu engine_gpu; do
+  # shellcheck disable=SC2086  # TEST_ARGS are space-separated words without spaces
+  run_step "$name" 1 - "${PYTEST[@]}" ${TEST_ARGS[$name]}
+done
 
 # --- the quick A/B ----------------------------------------------------------------------------
 # vmem against paged only: on 2 MiB CUDA pages the per-layer layout holds 8x the tokens of a
@@ -229,6 +309,11 @@ if (( HAVE_CUDA )); then
 else  # the same command on CPU with the device's page (2 MiB: 1024 tokens of tiny-llama, fp32)
   run_step ab_quick 0 - "${AB[@]}" --device cpu --tokens-per-page 1024
 fi
+
+# --- benchmarks -------------------------------------------------------------------------------
+run_step bench_mapping 1 "$OUT_DIR/bench_mapping.json" \
+  "$PY" experiments/bench_mapping.py --json --cuda-only --reps 3
+run_step bench_kernels 1 "$OUT_DIR/bench_kernels.json" "$PY" experiments/bench_kernels.py --json
 
 echo "gpu_check: done in $(( SECONDS - START_S ))s (budget ${BUDGET_S}s); $(ls -1 "$OUT_DIR" | wc -l) files in $OUT_DIR"
 cat "$SUMMARY"
