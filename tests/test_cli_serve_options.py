@@ -26,6 +26,15 @@ def test_salt_per_key_without_a_key_is_a_clear_error(capsys, monkeypatch):
     assert "--cache-salt-per-api-key needs --api-key or --api-keys-file" in capsys.readouterr().err
 
 
+def test_serve_without_the_server_packages_says_what_to_install(capsys, monkeypatch):
+    # As on the GPU image, which has neither fastapi nor uvicorn.
+    monkeypatch.setitem(sys.modules, "fastapi", None)
+    monkeypatch.delitem(sys.modules, "vmemkv.engine.server", raising=False)
+    assert main(["serve", "--device", "cpu"]) == 2
+    assert "vmemkv serve needs fastapi, which is not installed: python -m pip install fastapi uvicorn" \
+        in capsys.readouterr().err
+
+
 def test_kv_events_endpoint_reaches_the_engine_config():
     args = build_parser().parse_args(["serve", "--device", "cpu", "--kv-events-endpoint",
                                       "tcp://*:5557"])

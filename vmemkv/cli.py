@@ -251,11 +251,17 @@ def read_api_keys(path: str | None) -> list[str]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from vmemkv.engine.server import run_server
-
     api_keys = read_api_keys(args.api_keys_file)
     if args.cache_salt_per_api_key and not (args.api_key or api_keys):
         raise ValueError("--cache-salt-per-api-key needs --api-key or --api-keys-file")
+    try:
+        from vmemkv.engine.server import run_server
+    except ModuleNotFoundError as exc:  # a machine without the server's packages (the GPU image)
+        if exc.name not in ("fastapi", "uvicorn", "starlette"):
+            raise
+        from vmemkv.errors import ConfigError
+        raise ConfigError(f"vmemkv serve needs {exc.name}, which is not installed: "
+                          "python -m pip install fastapi uvicorn") from None
     run_server(_build_engine(args), host=args.host, port=args.port, api_key=args.api_key,
                served_model_name=args.served_model_name, api_keys=api_keys,
                cache_salt_per_api_key=args.cache_salt_per_api_key)
