@@ -101,7 +101,9 @@ def test_test_modules_needing_optional_packages_skip_instead_of_erroring(first_c
     assert "tests/test_server.py" in files and "tests/test_vmm_cpu.py" in files
     _, result = first_contact_child
     assert result.returncode in (0, 5), result.stdout + result.stderr  # 5: nothing left to run
-    assert "error" not in result.stdout.lower(), result.stdout
+    # collection errors, not test names that say "error"
+    assert not any(line.startswith("ERROR") or " error" in line for line in result.stdout.splitlines()
+                   if "::" not in line), result.stdout
     assert "SKIPPED" in result.stdout
 
 
