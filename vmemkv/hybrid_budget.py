@@ -48,7 +48,7 @@ def truncate_plan(group: KVCacheManager, req: KVRequest, num_tokens: int) -> Gro
         return group, [], 0
     if not group.pool.num_free:
         return None
-    return group, [MapJob(req._slot, page, group.pool.peek(1), keep=len(req._blocks))], 0
+    return group, [MapJob(req.allocation.slot, page, group.pool.peek(1), keep=len(req.allocation.blocks))], 0
 
 
 def _cost(group: KVCacheManager, jobs: list[MapJob], behind: "int | list[int]") -> tuple[int, int]:

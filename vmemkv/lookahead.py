@@ -39,14 +39,14 @@ class LookaheadOps(ManagerState):
         running = self._running_list(requests, "requests")
         jobs = []
         for req in running:
-            end = min(req._num_tokens + margin_tokens, self.config.max_model_len)
-            needed = self.layout.logical_pages_for(end) - len(req._blocks)
+            end = min(req.allocation.num_tokens + margin_tokens, self.config.max_model_len)
+            needed = self.layout.logical_pages_for(end) - len(req.allocation.blocks)
             if needed <= 0 or needed > self.pool.num_clean or self.pool.num_free - needed < keep_free:
                 continue
-            first = len(req._blocks)
+            first = len(req.allocation.blocks)
             new = self.pool.allocate(needed)
-            req._blocks += new
-            jobs.append(MapJob(req._slot, first, new))
+            req.allocation.add_lookahead(new)
+            jobs.append(MapJob(req.allocation.slot, first, new))
         return jobs
 
     def map_lookahead(self, jobs: list[MapJob]) -> None:
@@ -64,11 +64,10 @@ class LookaheadOps(ManagerState):
     def cancel_lookahead(self, jobs: list[MapJob]) -> None:
         """Give back the blocks of lookahead jobs whose mapping was refused; call it right after
         ``map_lookahead`` raised, before the requests change."""
-        by_slot = {req._slot: req for req in self._requests.values() if req._swapped is None}
+        by_slot = {req.allocation.slot: req for req in self._requests.values() if req.allocation.swapped is None}
         for job in jobs:
             req = by_slot.get(job.slot)
-            if req is None or req._blocks[job.first:] != job.blocks:
+            if req is None or req.allocation.blocks[job.first:] != job.blocks:
                 raise RequestStateError(f"lookahead job {job} is not the tail of its request's "
                                      "blocks any more; cancel right after map_lookahead raised")
-            self.pool.release(reversed(job.blocks))
-            del req._blocks[job.first:]
+            self.pool.release(reversed(req.allocation.drop_from(job.first)))

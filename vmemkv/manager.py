@@ -233,10 +233,8 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         self._map_and_bind(plan)
         self.pool.acquire(plan.share)
         cached, tokens_per_page = admission.cached, self.tokens_per_page
-        req._blocks = admission.hits + self._take_promoting(plan.take, admission.promote)
-        req._num_tokens, req._num_computed = admission.num_tokens, cached
-        req._num_registered = cached // tokens_per_page
-        req._slot, req._swapped, req._num_released = plan.slot, None, plan.behind
+        req.allocation.bind(plan.slot, admission.hits + self._take_promoting(plan.take, admission.promote),
+                            admission.num_tokens, cached, cached // tokens_per_page, plan.behind)
         request_id, num_prompt = req._request_id, len(req._token_ids)
         self._requests[request_id] = req
         repeat = request_id in self._preempted
@@ -269,7 +267,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         num_new_tokens = check.count(num_new_tokens, "num_new_tokens")
         if new_token_ids is not _NO_TOKENS:
             new_token_ids = self._token_ids(new_token_ids, "new_token_ids")
-        total = req._num_tokens + num_new_tokens
+        total = req.allocation.num_tokens + num_new_tokens
         if total > self.config.max_model_len:
             self._check_length(req._request_id, total)
         return self._grow(req, num_new_tokens, new_token_ids)
@@ -279,12 +277,13 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         """Reserve ``num_new_tokens`` more positions of a checked request (appending the checked
         ``new_token_ids``), or refuse (False, or the mapping budget's MappingLimitError) changing
         nothing."""
-        total = req._num_tokens + num_new_tokens
-        if -(-total // self.tokens_per_page) - len(req._blocks) > self.pool.num_free:
+        allocation = req.allocation
+        total = allocation.num_tokens + num_new_tokens
+        if -(-total // self.tokens_per_page) - len(allocation.blocks) > self.pool.num_free:
             return False
         plan = self._plan_grow(req, num_new_tokens)
         if plan is None and not new_token_ids:
-            req._num_tokens = total  # a decode inside its block (the engine's): one call less
+            allocation.grow(num_new_tokens)  # a decode inside its block (the engine's): one call less
         else:
             self._execute_grow(req, plan, num_new_tokens, new_token_ids)
         return True
@@ -293,11 +292,12 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
                       new_token_ids: Sequence[int] = _NO_TOKENS) -> None:
         """Carry out ``plan`` (``_plan_grow``; the mapping may be refused, changing nothing) and
         append the checked ``new_token_ids``."""
+        new_blocks = []
         if plan is not None:  # crosses into blocks not mapped yet
             self.slots.map_blocks(plan.slot, plan.first, plan.mapped, plan.keep)  # may be refused
             if plan.take:
-                req._blocks += self.pool.take(plan.take)
-        req._num_tokens += num_new_tokens
+                new_blocks = self.pool.take(plan.take)
+        req.allocation.grow(num_new_tokens, new_blocks)
         if new_token_ids:
             tokens = req._token_ids
             if req._num_checked == len(tokens):
@@ -315,8 +315,8 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         reqs = [self._running(request) for request in requests]
         counts = [check.count(count, "num_new_tokens") for count in counts]
         for req, count in zip(reqs, counts):
-            if req._num_tokens + count > self.config.max_model_len:
-                self._check_length(req._request_id, req._num_tokens + count)
+            if req.allocation.num_tokens + count > self.config.max_model_len:
+                self._check_length(req._request_id, req.allocation.num_tokens + count)
         grow = self._grow
         for done, (req, count) in enumerate(zip(reqs, counts)):
             try:
@@ -331,7 +331,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         """Mark positions up to ``num_computed_tokens`` (default: all reserved) as written. Blocks
         that are now full join the prefix cache and are never written again."""
         req = self._running(request)
-        done = req._num_tokens if num_computed_tokens is None else check.count(
+        done = req.allocation.num_tokens if num_computed_tokens is None else check.count(
             num_computed_tokens, "num_computed_tokens")
         self._check_commit(req, done)
         self._commit(req, done)
@@ -344,37 +344,37 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         reqs = [self._running(request) for request in requests]
         tokens_per_page, caching, window = self.tokens_per_page, self.config.enable_prefix_caching, self.window
         for req in reqs:  # _check_commit, called only where it has something to check
-            done = req._num_tokens
-            if (not req._num_computed <= done <= len(req._token_ids)
+            done = req.allocation.num_tokens
+            if (not req.allocation.num_computed <= done <= len(req._token_ids)
                     or (caching and done // tokens_per_page * tokens_per_page > req._num_checked)):
                 self._check_commit(req, done)
         for req in reqs:
-            done = req._num_tokens
-            if window or (caching and done // tokens_per_page > req._num_registered):
+            done = req.allocation.num_tokens
+            if window or (caching and done // tokens_per_page > req.allocation.num_registered):
                 self._commit(req, done)
             else:  # the common decode commit: no block filled, nothing behind a window
-                req._num_computed = done
+                req.allocation.commit(done)
 
     def _check_commit(self, req: KVRequest, done: int) -> None:
         """Refuse (raise) marking ``done`` tokens of ``req`` computed before anything changes."""
-        if not req._num_computed <= done <= min(req._num_tokens, len(req._token_ids)):
+        if not req.allocation.num_computed <= done <= min(req.allocation.num_tokens, len(req._token_ids)):
             raise RequestStateError(
                 f"request {req._request_id!r}: cannot mark {done} tokens computed; it has "
-                f"{req._num_computed} computed, {req._num_tokens} reserved, {len(req._token_ids)} known")
+                f"{req.allocation.num_computed} computed, {req.allocation.num_tokens} reserved, {len(req._token_ids)} known")
         end = done // self.tokens_per_page * self.tokens_per_page
         if self.config.enable_prefix_caching and end > req._num_checked:
             self._check_tokens(req, end)
 
     def _commit(self, req: KVRequest, done: int) -> None:
-        full = done // self.tokens_per_page
-        if self.config.enable_prefix_caching and full > req._num_registered:
+        full, allocation = done // self.tokens_per_page, req.allocation
+        if self.config.enable_prefix_caching and full > allocation.num_registered:
             self._extend_chain(req, full)  # its tokens were checked by _check_commit
-            blocks, hash_of = req._blocks, self.pool.hash_of
-            for index in range(req._num_registered, full):
+            blocks, hash_of = allocation.blocks, self.pool.hash_of
+            for index in range(allocation.num_registered, full):
                 if hash_of[blocks[index]] is None:
                     self._register(req, index)
-            req._num_registered = full
-        req._num_computed = done
+            allocation.register(full)
+        allocation.commit(done)
         if self.window:
             self._release_behind_window(req)
 
@@ -394,15 +394,15 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         request_id = req._request_id
         del self._requests[request_id]
         self._preempted.discard(request_id)
-        if req._swapped is not None:
-            swapped = {index for index, _ in req._swapped}
-            self.swap.discard([host for _, host in req._swapped])
-            self.pool.release(reversed([b for i, b in enumerate(req._blocks)
+        if req.allocation.swapped is not None:
+            swapped = {index for index, _ in req.allocation.swapped}
+            self.swap.discard([host for _, host in req.allocation.swapped])
+            self.pool.release(reversed([b for i, b in enumerate(req.allocation.blocks)
                                         if i not in swapped and b != RELEASED]))
         else:
-            self.pool.release(reversed(req._blocks[req._num_released:]))
-            self.slots.release(req._slot)
-        req._reset_allocation()
+            self.pool.release(reversed(req.allocation.blocks[req.allocation.num_released:]))
+            self.slots.release(req.allocation.slot)
+        req.allocation.reset()
 
     @timed
     def discard(self, request: "KVRequest | str") -> None:
@@ -452,18 +452,18 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
 
     @timed
     def slot_of(self, request: "KVRequest | str") -> int:
-        return self._running(request)._slot
+        return self._running(request).allocation.slot
 
     @timed
     def num_tokens(self, request: "KVRequest | str") -> int:
-        return self._running(request)._num_tokens
+        return self._running(request).allocation.num_tokens
 
     def num_computed_tokens(self, request: "KVRequest | str") -> int:
-        return self._known(request)._num_computed
+        return self._known(request).allocation.num_computed
 
     @timed
     def block_table(self, request: "KVRequest | str") -> list[int]:
-        return list(self._running(request)._blocks)
+        return list(self._running(request).allocation.blocks)
 
     def token_ids(self, request: "KVRequest | str") -> list[int]:
         """A copy of the request's token ids (a KVRequest's own list is ``request.token_ids``)."""
@@ -472,9 +472,9 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
     def is_swapped(self, request: "KVRequest | str") -> bool:
         self._check_open()
         if isinstance(request, KVRequest):
-            return self._requests.get(request._request_id) is request and request._swapped is not None
+            return self._requests.get(request._request_id) is request and request.allocation.swapped is not None
         req = self._requests.get(check.request_id(request))
-        return req is not None and req._swapped is not None
+        return req is not None and req.allocation.swapped is not None
 
     def request_ids(self) -> list[str]:
         self._check_open()

@@ -1,8 +1,8 @@
 """What every part of the KV cache manager shares: its parts, its requests, and the small steps
 the operations are built from.
 
-The requests are the callers' :class:`vmemkv.KVRequest` objects (``request.py``), whose private
-allocation fields only the manager writes; ``_requests`` registers the admitted ones by id, for
+The requests are the callers' :class:`vmemkv.KVRequest` objects (``request.py``), whose
+allocation (``allocation.py``) only the manager changes, through its transitions; ``_requests`` registers the admitted ones by id, for
 callers that name a request by its id and for the invariant check. ``_running`` and ``_known``
 turn either form into the object: an object of this manager's that is running costs no lookup.
 
@@ -150,26 +150,26 @@ class ManagerState:
         writers: dict[int, str] = {}
         for req in self._requests.values():
             assert req._owner is self, f"{req.request_id} belongs to another manager"
-            swapped = {i for i, _ in req._swapped} if req._swapped is not None else set()
-            released = req._num_released
-            assert all(b == RELEASED for b in req._blocks[:released]), f"{req.request_id}: released run"
-            assert RELEASED not in req._blocks[released:], f"{req.request_id}: a hole past the released run"
-            assert released <= first_needed_block(req._num_computed, self.window, self.tokens_per_page), (
+            swapped = {i for i, _ in req.allocation.swapped} if req.allocation.swapped is not None else set()
+            released = req.allocation.num_released
+            assert all(b == RELEASED for b in req.allocation.blocks[:released]), f"{req.request_id}: released run"
+            assert RELEASED not in req.allocation.blocks[released:], f"{req.request_id}: a hole past the released run"
+            assert released <= first_needed_block(req.allocation.num_computed, self.window, self.tokens_per_page), (
                 f"{req.request_id}: released {released} blocks, its next query reads one of them")
-            held = [b for i, b in enumerate(req._blocks) if i not in swapped and i >= released]
+            held = [b for i, b in enumerate(req.allocation.blocks) if i not in swapped and i >= released]
             np.add.at(refs, np.asarray(held, dtype=np.int64), 1)
-            assert req._num_computed <= req._num_tokens <= len(req._blocks) * self.tokens_per_page
+            assert req.allocation.num_computed <= req.allocation.num_tokens <= len(req.allocation.blocks) * self.tokens_per_page
             # Blocks past the reservation are lookahead: mapped early, private, unhashed (below).
-            assert len(req._blocks) >= self._layout.logical_pages_for(req._num_tokens), (
-                f"{req.request_id}: {len(req._blocks)} blocks for {req._num_tokens} tokens")
-            assert req._num_registered <= len(req._hashes)
-            if req._swapped is not None:
-                assert len(req._blocks) == self._layout.logical_pages_for(req._num_tokens)
-                assert req._slot is None
+            assert len(req.allocation.blocks) >= self._layout.logical_pages_for(req.allocation.num_tokens), (
+                f"{req.request_id}: {len(req.allocation.blocks)} blocks for {req.allocation.num_tokens} tokens")
+            assert req.allocation.num_registered <= len(req._hashes)
+            if req.allocation.swapped is not None:
+                assert len(req.allocation.blocks) == self._layout.logical_pages_for(req.allocation.num_tokens)
+                assert req.allocation.slot is None
                 continue
-            bound.append(req._slot)
-            self.slots.check_request(req._slot, req._blocks, released)
-            for block in req._blocks[req._num_computed // self.tokens_per_page:]:  # writable pages
+            bound.append(req.allocation.slot)
+            self.slots.check_request(req.allocation.slot, req.allocation.blocks, released)
+            for block in req.allocation.blocks[req.allocation.num_computed // self.tokens_per_page:]:  # writable pages
                 assert self.pool.hash_of[block] is None, f"{req.request_id} can write hashed block {block}"
                 assert self.pool.ref[block] == 1, f"{req.request_id} can write shared block {block}"
                 assert block not in writers, f"block {block} writable by {writers.get(block)} and {req.request_id}"
@@ -178,8 +178,8 @@ class ManagerState:
         assert len(set(bound)) == len(bound), "two requests share a slot"
         assert not set(bound) & set(self.slots.free_slots()), "a bound slot is also free"
         assert len(bound) + self.slots.num_free == self.slots.num_slots, "a slot was lost"
-        swapped_host = [host for r in self._requests.values() if r._swapped is not None
-                        for _, host in r._swapped]
+        swapped_host = [host for r in self._requests.values() if r.allocation.swapped is not None
+                        for _, host in r.allocation.swapped]
         self.host_tier.check()
         tier_rows = self.host_tier.rows()
         assert not set(swapped_host) & set(tier_rows), "a host row is both swapped and cached"
@@ -195,14 +195,14 @@ class ManagerState:
     def _running(self, request) -> KVRequest:
         """The running request ``request`` names: a KVRequest (no lookup) or its id."""
         if request.__class__ is KVRequest:
-            if request._owner is self and request._slot is not None and not self._closed:
+            if request._owner is self and request.allocation.slot is not None and not self._closed:
                 return request  # the hot path
         elif type(request) is str:
             req = self._requests.get(request)
-            if req is not None and req._slot is not None and not self._closed:
+            if req is not None and req.allocation.slot is not None and not self._closed:
                 return req
         req = self._known(request)
-        if req._swapped is not None:
+        if req.allocation.swapped is not None:
             raise UnknownRequestError(f"request {req.request_id!r} is swapped out, not running; "
                                       "swap_in() it first")
         return req
@@ -274,15 +274,15 @@ class ManagerState:
         return self.slots.num_free > 0 if slot is None else self.slots.is_free(slot)
 
     def _require_committed(self, req: KVRequest) -> None:
-        if req._num_computed != req._num_tokens:
+        if req.allocation.num_computed != req.allocation.num_tokens:
             raise RequestStateError(
-                f"request {req.request_id!r} has {req._num_tokens - req._num_computed} reserved "
+                f"request {req.request_id!r} has {req.allocation.num_tokens - req.allocation.num_computed} reserved "
                 "tokens not yet computed; commit() them first")
 
     # --- steps the operations share --------------------------------------------------------------
     def _blocks_needed(self, req: KVRequest, num_new_tokens: int) -> int:
         """New blocks for ``num_new_tokens`` more positions (lookahead blocks count as held)."""
-        return max(-(-(req._num_tokens + num_new_tokens) // self.tokens_per_page) - len(req._blocks), 0)
+        return max(-(-(req.allocation.num_tokens + num_new_tokens) // self.tokens_per_page) - len(req.allocation.blocks), 0)
 
     def _fits_admission(self, hits: list[int], total: int) -> bool:
         needed = self._layout.logical_pages_for(total) - len(hits)
@@ -294,19 +294,18 @@ class ManagerState:
         (for KV events and the partial-page hit count)."""
         tokens = req._token_ids[index * self.tokens_per_page:(index + 1) * self.tokens_per_page]
         parent = req._hashes[index - 1] if index else None
-        self.pool.register(req._blocks[index], req._hashes[index], tokens, parent,
+        self.pool.register(req.allocation.blocks[index], req._hashes[index], tokens, parent,
                            None if index else self._chain_root(req._keys))
 
     def _reserved_blocks(self, req: KVRequest) -> list[int]:
         """The request's blocks without lookahead ones."""
-        return req._blocks[: self._layout.logical_pages_for(req._num_tokens)]
+        return req.allocation.blocks[: self._layout.logical_pages_for(req.allocation.num_tokens)]
 
     def _trim_lookahead(self, req: KVRequest) -> None:
         """Release blocks past the reservation (given early by allocate_lookahead)."""
-        needed = self._layout.logical_pages_for(req._num_tokens)
-        if len(req._blocks) > needed:
-            self.pool.release(reversed(req._blocks[needed:]))
-            del req._blocks[needed:]
+        needed = self._layout.logical_pages_for(req.allocation.num_tokens)
+        if len(req.allocation.blocks) > needed:
+            self.pool.release(reversed(req.allocation.drop_from(needed)))
 
     def _cached_blocks(self, hashes: list[bytes], num_tokens: int) -> list[int]:
         """The cached blocks of the leading ``hashes`` (at least one of ``num_tokens`` left); with
@@ -343,21 +342,19 @@ class ManagerState:
         """Give back the running request's blocks wholly behind its next query's window (cached
         ones stay in the prefix cache's LRU) and unmap them from its slot. Opportunistic: if the
         mapping budget refuses the unmap, nothing changes and a later commit tries again."""
-        released = req._num_released
-        first = min(first_needed_block(req._num_computed, self.window, self.tokens_per_page),
-                    len(req._blocks))
+        allocation = req.allocation
+        released = allocation.num_released
+        first = min(first_needed_block(allocation.num_computed, self.window, self.tokens_per_page),
+                    len(allocation.blocks))
         if first <= released:
             return
         try:
-            self.slots.release_behind(req._slot, first)
+            self.slots.release_behind(allocation.slot, first)
         except MappingLimitError:
             return
-        blocks = req._blocks
         # oldest first into the LRU queue: a windowed prefix hit needs the blocks near its end,
         # so the earliest ones are the first to be evicted
-        self.pool.release(blocks[released:first])
-        blocks[released:first] = [RELEASED] * (first - released)
-        req._num_released = first
+        self.pool.release(allocation.release_behind(first))
         self.stats.blocks_released_behind_window += first - released
 
     def _live(self, blocks: list[int]) -> list[int]:

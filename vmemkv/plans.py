@@ -151,18 +151,18 @@ class OperationPlans(ManagerState):
     def _plan_grow(self, req: KVRequest, num_new_tokens: int) -> Plan | None:
         # Lookahead blocks are normally mapped already; one whose background mapping was refused
         # is mapped again here, so no position is ever written through a stale mapping.
-        tokens_per_page, blocks = self.tokens_per_page, req._blocks
-        first = -(-req._num_tokens // tokens_per_page)
-        end = -(-(req._num_tokens + num_new_tokens) // tokens_per_page)
+        tokens_per_page, blocks = self.tokens_per_page, req.allocation.blocks
+        first = -(-req.allocation.num_tokens // tokens_per_page)
+        end = -(-(req.allocation.num_tokens + num_new_tokens) // tokens_per_page)
         if end <= first:
             return None
         fresh = self.pool.peek(end - len(blocks)) if end > len(blocks) else []
-        return Plan(req._slot, 0, first, blocks[first:end] + fresh, len(blocks), [], fresh)
+        return Plan(req.allocation.slot, 0, first, blocks[first:end] + fresh, len(blocks), [], fresh)
 
     def _plan_fork(self, parent: KVRequest, slot: int | None) -> Plan:
         reserved = self._reserved_blocks(parent)
-        partial = parent._num_tokens % self.tokens_per_page != 0
-        behind = parent._num_released  # the child's window is the parent's: nothing shared behind it
+        partial = parent.allocation.num_tokens % self.tokens_per_page != 0
+        behind = parent.allocation.num_released  # the child's window is the parent's: nothing shared behind it
         shared = reserved[behind:-1] if partial else reserved[behind:]
         copy = self.pool.peek(1) if partial else []
         return Plan(self._choose_slot(reserved, behind, slot), behind, behind, shared + copy, 0,
@@ -170,15 +170,15 @@ class OperationPlans(ManagerState):
 
     def _plan_swap_in(self, req: KVRequest, slot: int | None, revived: dict[int, int]) -> Plan:
         """``revived``: ``_swap_in_revivals``'s blocks; fresh blocks take the other swapped
-        blocks' places in ``req._swapped``'s order."""
-        copies = [index for index, _ in req._swapped if index not in revived]
+        blocks' places in ``req.allocation.swapped``'s order."""
+        copies = [index for index, _ in req.allocation.swapped if index not in revived]
         fresh = self.pool.peek(len(copies), exclude=revived.values())
-        blocks = list(req._blocks)
+        blocks = list(req.allocation.blocks)
         for index, block in zip(copies, fresh):
             blocks[index] = block
         for index, block in revived.items():
             blocks[index] = block
-        behind = req._num_released
+        behind = req.allocation.num_released
         return Plan(self._choose_slot(blocks, behind, slot), behind, behind, blocks[behind:], 0,
                     list(revived.values()), fresh)
 
@@ -188,7 +188,7 @@ class OperationPlans(ManagerState):
             req = self._known(request)
         except UnknownRequestError:
             req = None
-        if req is None or req._swapped is None:
+        if req is None or req.allocation.swapped is None:
             raise UnknownRequestError(f"request {getattr(request, 'request_id', request)!r} is not "
                                       "swapped out")
         return req
@@ -197,8 +197,8 @@ class OperationPlans(ManagerState):
         """Swapped full blocks still in the prefix cache (index -> block: taken, not copied
         back); the rest need fresh blocks."""
         revive = {}
-        for index, _ in req._swapped:
-            if index < req._num_registered:
+        for index, _ in req.allocation.swapped:
+            if index < req.allocation.num_registered:
                 block = self.pool.lookup(req._hashes[index])
                 if block is not None:
                     revive[index] = block
@@ -213,8 +213,8 @@ class OperationPlans(ManagerState):
         blocks = [self._reserved_blocks(source) for source in sources]
         blocks = [row_blocks[:-1] + [next(fresh)] if copy else list(row_blocks)
                   for row_blocks, copy in zip(blocks, copied)]
-        behind = [source._num_released for source in sources]  # a row takes its source's window
-        jobs = [MapJob(row._slot, count, row_blocks[count:], keep=len(row._blocks))
+        behind = [source.allocation.num_released for source in sources]  # a row takes its source's window
+        jobs = [MapJob(row.allocation.slot, count, row_blocks[count:], keep=len(row.allocation.blocks))
                 for row, row_blocks, count in zip(rows, blocks, behind)]
         return blocks, behind, jobs
 
@@ -222,7 +222,7 @@ class OperationPlans(ManagerState):
         """The logical page ``truncate`` to ``num_tokens`` must copy to a private block before the
         request writes it again (its new last block, when partial and shared or cached), or None."""
         keep = self.layout.logical_pages_for(num_tokens)
-        last = req._blocks[keep - 1] if keep and num_tokens % self.tokens_per_page else None
+        last = req.allocation.blocks[keep - 1] if keep and num_tokens % self.tokens_per_page else None
         if last is None or (self.pool.ref[last] == 1 and self.pool.hash_of[last] is None):
             return None
         return keep - 1
@@ -257,7 +257,7 @@ def reorder_copies(tokens_per_page: int, rows: list[KVRequest],
     for i, source in enumerate(sources):
         if id(source) in reordered:
             owner.setdefault(id(source), i)
-    return [source._num_tokens % tokens_per_page != 0 and owner.get(id(source)) != i
+    return [source.allocation.num_tokens % tokens_per_page != 0 and owner.get(id(source)) != i
             for i, source in enumerate(sources)]
 
 

@@ -27,12 +27,12 @@ class PreemptionOps(OperationPlans):
         private = [b for b in self._live(self._reserved_blocks(req)) if self.pool.ref[b] == 1]
         swap_bytes = len(private) * self.layout.block_bytes
         surviving = 0
-        for block in req._blocks:  # a prefix kept alive by other requests will hit again
+        for block in req.allocation.blocks:  # a prefix kept alive by other requests will hit again
             if block != RELEASED and self.pool.ref[block] > 1 and self.pool.hash_of[block] is not None:
                 surviving += self.tokens_per_page
             else:
                 break
-        recompute = max(req._num_computed - surviving, 0)
+        recompute = max(req.allocation.num_computed - surviving, 0)
         return PreemptionEstimate(
             swap_bytes, recompute, 2 * swap_bytes / self.config.swap_bytes_per_second,
             recompute / self.config.prefill_tokens_per_second, len(private) <= self.swap.num_free)
@@ -59,11 +59,10 @@ class PreemptionOps(OperationPlans):
                    if b != RELEASED and self.pool.ref[b] == 1]
         self.swap.check_room(len(private))
         self._trim_lookahead(req)
-        host = self.swap.store(self.block_window(), [req._blocks[i] for i in private])
-        self.pool.release(reversed([req._blocks[i] for i in private]))
-        req._swapped = list(zip(private, host))
-        self.slots.release(req._slot)
-        req._slot = None
+        host = self.swap.store(self.block_window(), [req.allocation.blocks[i] for i in private])
+        self.pool.release(reversed([req.allocation.blocks[i] for i in private]))
+        self.slots.release(req.allocation.slot)
+        req.allocation.swap_out(list(zip(private, host)))
         self.stats.preemptions_swap += 1
         self.stats.swap_out_bytes += len(private) * self.layout.block_bytes
         return mode
@@ -77,7 +76,7 @@ class PreemptionOps(OperationPlans):
         """The swapped request's blocks still cached in the pool (``_swap_in_revivals``), or None
         when ``swap_in`` would find no slot (or not ``slot``) or not enough blocks."""
         revive = self._swap_in_revivals(req)
-        needed = len(req._swapped) - len(revive)
+        needed = len(req.allocation.swapped) - len(revive)
         revived_cached = sum(self.pool.ref[b] == 0 for b in revive.values())
         if self._slot_available(slot) and needed <= self.pool.num_free - revived_cached:
             return revive
@@ -101,14 +100,12 @@ class PreemptionOps(OperationPlans):
         self._map_and_bind(plan)  # refused: it stays swapped
         self.pool.acquire(plan.share)
         self.pool.take(plan.take)
-        copied = [host for index, host in req._swapped if index not in revive]  # plan.take's order
+        copied = [host for index, host in req.allocation.swapped if index not in revive]  # plan.take's order
         self.swap.load(self.block_window(), copied, plan.take)
-        self.swap.discard([host for index, host in req._swapped if index in revive])
-        behind = plan.behind
-        req._blocks = req._blocks[:behind] + plan.mapped
-        for index, block in zip(range(behind, req._num_registered), req._blocks[behind:]):
+        self.swap.discard([host for index, host in req.allocation.swapped if index in revive])
+        behind, allocation = plan.behind, req.allocation
+        allocation.swap_in(plan.slot, allocation.blocks[:behind] + plan.mapped)
+        for index, block in zip(range(behind, allocation.num_registered), allocation.blocks[behind:]):
             if self.pool.hash_of[block] is None:
                 self._register(req, index)
-        req._swapped = None
-        req._slot = plan.slot
         self.stats.swap_in_bytes += len(copied) * self.layout.block_bytes

@@ -13,8 +13,9 @@ know about a request, so no component keeps its own copy in sync by counters:
   as far as an operation needs (the prompt's full blocks at admission, a filled block at commit)
   and never recomputed: a waiting request retried every step, or re-admitted after a recompute
   preemption, is hashed once.
-* the **allocation**: slot, blocks, reserved and computed counts, swapped state. Only the manager
-  writes it. With a sliding window (``CacheConfig.sliding_window``) the leading blocks wholly
+* the **allocation** (``allocation``, an :class:`vmemkv.allocation.Allocation`): slot, blocks,
+  reserved and computed counts, swapped state. Only the manager changes it, through the
+  allocation's transitions. With a sliding window (``CacheConfig.sliding_window``) the leading blocks wholly
   behind the window of every future query are given back while the request runs: their entries
   in the block list become ``RELEASED`` (-1), always a leading run of ``num_released_blocks``.
   The caller reads the allocation through the read-only properties below. ``free`` and a recompute
@@ -28,11 +29,11 @@ object (no lookup by id); they also accept its ``request_id``, looked up in the 
 from __future__ import annotations
 
 from . import validation as check
+from .allocation import RELEASED, Allocation
 from .errors import InvalidInputError
 from .hashing import CacheKeys
 
-# The block-list entry of a block given back behind a sliding window (no block held there).
-RELEASED = -1
+__all__ = ["RELEASED", "KVRequest"]
 
 
 class KVRequest:
@@ -40,8 +41,7 @@ class KVRequest:
     keeps (not a copy) and the caller appends to; ``keys`` defaults to ``CacheKeys()``."""
 
     __slots__ = ("_request_id", "_token_ids", "_keys", "_hashes", "_num_checked", "_owner",
-                 "_blocks", "_num_tokens", "_num_computed", "_num_registered", "_slot", "_swapped",
-                 "_num_released")
+                 "_allocation")
 
     def __init__(self, request_id: str, token_ids: list[int] | None = None,
                  keys: CacheKeys | None = None):
@@ -57,17 +57,7 @@ class KVRequest:
         self._hashes: list[bytes] = []  # chain hashes of the leading full blocks hashed so far
         self._num_checked = 0  # leading token ids the manager has checked
         self._owner = None  # the manager it belongs to, from its first admission on
-        self._reset_allocation()
-
-    def _reset_allocation(self) -> None:
-        """Hold nothing (new, freed, or preempted by recompute); the hash chain stays."""
-        self._blocks: list[int] = []  # one reference held on each (lookahead blocks at the end)
-        self._num_released = 0  # leading entries of _blocks that are RELEASED (behind the window)
-        self._num_tokens = 0  # positions reserved (written or about to be)
-        self._num_computed = 0  # positions whose K/V is written
-        self._num_registered = 0  # leading full blocks already offered to the prefix cache
-        self._slot: int | None = None  # set while running
-        self._swapped: list[tuple[int, int]] | None = None  # (index in blocks, host block) while swapped
+        self._allocation = Allocation()  # reset on free and recompute; the hash chain stays
 
     # --- what the caller gave ---------------------------------------------------------------------
     @property
@@ -86,6 +76,11 @@ class KVRequest:
 
     # --- what the manager keeps (read-only) -------------------------------------------------------
     @property
+    def allocation(self) -> Allocation:
+        """What it holds in the KV cache (the manager's to change; read the properties below)."""
+        return self._allocation
+
+    @property
     def block_hashes(self) -> tuple[bytes, ...]:
         """The chain hashes of the leading full blocks hashed so far."""
         return tuple(self._hashes)
@@ -93,39 +88,40 @@ class KVRequest:
     @property
     def num_tokens(self) -> int:
         """Positions reserved in the KV cache (0 unless admitted)."""
-        return self._num_tokens
+        return self._allocation.num_tokens
 
     @property
     def num_computed_tokens(self) -> int:
         """Positions whose K/V is written (committed)."""
-        return self._num_computed
+        return self._allocation.num_computed
 
     @property
     def slot(self) -> int | None:
         """The slot while running; None otherwise."""
-        return self._slot
+        return self._allocation.slot
 
     @property
     def block_table(self) -> tuple[int, ...]:
         """The blocks held, in position order (lookahead blocks past the reservation included);
         blocks released behind a sliding window are ``RELEASED`` (-1)."""
-        return tuple(self._blocks)
+        return tuple(self._allocation.blocks)
 
     @property
     def num_released_blocks(self) -> int:
         """Leading blocks given back behind the sliding window (``RELEASED`` in ``block_table``)."""
-        return self._num_released
+        return self._allocation.num_released
 
     @property
     def is_running(self) -> bool:
-        return self._slot is not None
+        return self._allocation.slot is not None
 
     @property
     def is_swapped(self) -> bool:
-        return self._swapped is not None
+        return self._allocation.swapped is not None
 
     def __repr__(self) -> str:
-        state = "running" if self._slot is not None else "swapped" if self._swapped is not None else "idle"
+        allocation = self._allocation
+        state = "running" if allocation.slot is not None else "swapped" if allocation.swapped is not None else "idle"
         return (f"KVRequest({self._request_id!r}, {len(self._token_ids)} tokens, {state}, "
-                f"{self._num_computed}/{self._num_tokens} computed/reserved, "
+                f"{allocation.num_computed}/{allocation.num_tokens} computed/reserved, "
                 f"{len(self._hashes)} block hashes)")

@@ -36,7 +36,7 @@ class SharingOps(OperationPlans):
         parent = self._running(parent)
         slot = check.slot_index(slot, self.slots.num_slots)
         child_id = self._fork_child_id(parent, child)
-        partial = parent._num_tokens % self.tokens_per_page != 0
+        partial = parent.allocation.num_tokens % self.tokens_per_page != 0
         if not self._slot_available(slot) or (partial and not self.pool.num_free):
             return None
         return self._execute_fork(parent, child, child_id, self._plan_fork(parent, slot))
@@ -66,15 +66,14 @@ class SharingOps(OperationPlans):
         behind = plan.behind  # the child's window is the parent's: nothing is shared behind it
         copy = []
         if plan.take:  # the parent's partial last block, the one after the shared ones
-            copy = [self._copy_of(parent._blocks[behind + len(plan.share)], *self.pool.take(plan.take))]
+            copy = [self._copy_of(parent.allocation.blocks[behind + len(plan.share)], *self.pool.take(plan.take))]
         if not isinstance(child, KVRequest):
             child = KVRequest(child_id, [], parent._keys)
         child._token_ids[:] = parent._token_ids
         child._keys, child._hashes, child._num_checked = parent._keys, list(parent._hashes), parent._num_checked
-        child._owner, child._slot, child._swapped = self, plan.slot, None
-        child._blocks = parent._blocks[:behind] + plan.share + copy
-        child._num_tokens, child._num_computed = parent._num_tokens, parent._num_computed
-        child._num_registered, child._num_released = parent._num_registered, behind
+        child._owner = self
+        child.allocation.copy_from(parent.allocation, plan.slot,
+                                   parent.allocation.blocks[:behind] + plan.share + copy, behind)
         self._requests[child_id] = child
         self.stats.forks += 1
         return child
@@ -96,24 +95,22 @@ class SharingOps(OperationPlans):
         self._check_reorder_room(jobs, behind)  # the unmaps below must not be refused
         self.slots.map_jobs(jobs)
         for row, count in zip(rows, behind):  # after map_jobs (a row reads these until now),
-            self.slots.unmap_behind(row._slot, count)  # within the room checked above
-        snapshots = [(list(s._token_ids), s._num_tokens, s._num_computed, list(s._hashes),
-                      s._num_registered, s._keys, s._num_checked) for s in sources]
+            self.slots.unmap_behind(row.allocation.slot, count)  # within the room checked above
+        snapshots = [(list(s._token_ids), s.allocation.snapshot(), list(s._hashes), s._keys, s._num_checked)
+                     for s in sources]
         self.pool.take([blocks[-1] for blocks, copy in zip(plans, copied) if copy])
         for blocks, source_blocks, copy, count in zip(plans, reserved, copied, behind):
             self.pool.acquire(blocks[count:-1] if copy else blocks[count:])
             if copy:
                 self._copy_of(source_blocks[-1], blocks[-1])
         for row in rows:  # their old blocks, lookahead included
-            self.pool.release(reversed(row._blocks[row._num_released:]))
-        for row, blocks, count, (tokens, num_tokens, num_computed, hashes, registered, keys, checked) in zip(
-                rows, plans, behind, snapshots):
+            self.pool.release(reversed(row.allocation.blocks[row.allocation.num_released:]))
+        for row, blocks, count, (tokens, source, hashes, keys, checked) in zip(rows, plans, behind, snapshots):
             # the keys travel with the content: later block hashes continue the source's chain
             row._token_ids[:] = tokens  # in place: the caller's list stays the request's
-            row._keys, row._blocks, row._num_tokens, row._num_computed = keys, blocks, num_tokens, num_computed
-            row._hashes, row._num_registered, row._num_checked = hashes, registered, checked
-            row._num_released = count
-            self.slots.set_behind(row._slot, count)
+            row._keys, row._hashes, row._num_checked = keys, hashes, checked
+            row.allocation.copy_from(source, row.allocation.slot, blocks, count)
+            self.slots.set_behind(row.allocation.slot, count)
         return True
 
     def _check_reorder_rows(self, requests: "Sequence[KVRequest | str]",
@@ -154,24 +151,20 @@ class SharingOps(OperationPlans):
         Returns False, changing nothing, when that copy finds no free block."""
         req = self._running(request)
         num_tokens = self._check_truncate(req, num_tokens)
-        blocks = req._blocks
+        allocation = req.allocation
         page = self._truncate_copy(req, num_tokens)
         if page is not None:
             if not self.pool.num_free:
                 return False
-            copy, last = self.pool.peek(1), blocks[page]
-            self.slots.map_blocks(req._slot, page, copy, keep=len(blocks))
-            blocks[page] = self._copy_of(last, self.pool.take(copy)[0])
-            self.pool.release([last])
-        keep = self.layout.logical_pages_for(num_tokens)
-        self.pool.release(reversed(blocks[keep:]))
-        del blocks[keep:]
+            copy, last = self.pool.peek(1), allocation.blocks[page]
+            self.slots.map_blocks(allocation.slot, page, copy, keep=len(allocation.blocks))
+            self.pool.release([allocation.replace_block(page, self._copy_of(last, self.pool.take(copy)[0]))])
         full = num_tokens // self.tokens_per_page
+        dropped = allocation.truncate(num_tokens, self.layout.logical_pages_for(num_tokens), full)
+        self.pool.release(reversed(dropped))
         del req._token_ids[num_tokens:]  # in place: the caller's list stays the request's
         del req._hashes[full:]
         req._num_checked = min(req._num_checked, num_tokens)
-        req._num_registered = min(req._num_registered, full)
-        req._num_tokens = req._num_computed = num_tokens
         return True
 
     def _check_truncate(self, req: KVRequest, num_tokens: int, layers: str = "") -> int:
@@ -182,13 +175,13 @@ class SharingOps(OperationPlans):
         req = self._running(req)
         self._require_committed(req)
         num_tokens = check.count(num_tokens, "num_tokens")
-        if not num_tokens <= req._num_tokens:
-            raise RequestStateError(f"request {req._request_id!r} has {req._num_tokens} tokens; "
+        if not num_tokens <= req.allocation.num_tokens:
+            raise RequestStateError(f"request {req._request_id!r} has {req.allocation.num_tokens} tokens; "
                                     f"cannot truncate it to {num_tokens}")
-        if req._num_released > first_needed_block(num_tokens, self.window, self.tokens_per_page):
+        if req.allocation.num_released > first_needed_block(num_tokens, self.window, self.tokens_per_page):
             raise RequestStateError(
                 f"request {req._request_id!r}: cannot truncate it to {num_tokens} tokens; its "
-                f"{layers}first {req._num_released * self.tokens_per_page} positions were released "
+                f"{layers}first {req.allocation.num_released * self.tokens_per_page} positions were released "
                 f"behind its sliding window of {self.window}, and a query at {num_tokens} reads some")
         return num_tokens
 
@@ -211,8 +204,8 @@ class SharingOps(OperationPlans):
         partial = keep and num_tokens % self.tokens_per_page
         free, dropped = self.pool.num_free, Counter()  # references the earlier rows give back
         for row in rows:
-            given_back = row._blocks[keep:]
-            last = row._blocks[keep - 1] if partial else None
+            given_back = row.allocation.blocks[keep:]
+            last = row.allocation.blocks[keep - 1] if partial else None
             if last is not None and (self.pool.ref[last] - dropped[last] > 1
                                      or self.pool.hash_of[last] is not None):
                 if not free:
