@@ -79,7 +79,7 @@ def test_bad_admission_arguments_are_refused_before_anything(hybrid, bad):
     before = blocks(hybrid)
     with pytest.raises(InvalidInputError):
         hybrid.admit(req, **bad)
-    assert blocks(hybrid) == before and hybrid._local == {} and req._owner is None
+    assert blocks(hybrid) == before and hybrid._local == {} and req.chain.owner is None
     other = make_hybrid()  # the request binds to no manager: another one still admits it
     assert other.admit(req) == 0
     other.check()

@@ -168,12 +168,12 @@ class HybridKVCacheManager(HybridLookaheadOps):
             raise InvalidInputError(f"request is a {type(req).__name__} ({req!r:.40}); a hybrid "
                                     "manager admits a vmemkv.KVRequest")
         self.global_group._check_not_foreign(req)
-        req._owner = self.global_group
+        req.chain.claim(self.global_group)
         if self.config.enable_prefix_caching:  # the chain _prefix_hits reads, hashed here once
             self.global_group._extend_chain(req, (len(req.token_ids) - 1) // self.tokens_per_page)
         local = KVRequest(req.request_id, req.token_ids, req.keys)
-        local._hashes, local._num_checked = list(req._hashes), req._num_checked
-        local._owner = self.local_group
+        local.chain.copy_from(req.chain)
+        local.chain.claim(self.local_group)
         return local
 
     def _claim(self, req: KVRequest) -> KVRequest:
@@ -559,8 +559,8 @@ class HybridKVCacheManager(HybridLookaheadOps):
             assert (req.num_tokens, req.num_computed_tokens) == (local.num_tokens, local.num_computed_tokens)
             assert len(req.allocation.blocks) == len(local.allocation.blocks), f"{request_id}: lookahead in one group only"
             assert req.token_ids is local.token_ids
-            common = min(len(req._hashes), len(local._hashes))
-            assert req._hashes[:common] == local._hashes[:common], f"{request_id}: hash chains differ"
+            common = min(len(req.chain.hashes), len(local.chain.hashes))
+            assert req.chain.hashes[:common] == local.chain.hashes[:common], f"{request_id}: hash chains differ"
 
     def close(self) -> None:
         self.global_group.close()

@@ -87,9 +87,9 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         if isinstance(token_ids, KVRequest):
             req = token_ids
             self._check_not_foreign(req)
-            req._owner = self  # its hash chain is this manager's from now on
-            hashes = list(self._extend_chain(req, len(req._token_ids) // self.tokens_per_page))
-            return self._cached_blocks(hashes, len(req._token_ids)), hashes
+            req.chain.claim(self)  # its hash chain is this manager's from now on
+            hashes = list(self._extend_chain(req, len(req.token_ids) // self.tokens_per_page))
+            return self._cached_blocks(hashes, len(req.token_ids)), hashes
         token_ids = self._token_ids(token_ids, "token_ids")
         hashes = self.hasher.block_hashes(token_ids, self.tokens_per_page, check.cache_keys(keys))
         return self._cached_blocks(hashes, len(token_ids)), hashes
@@ -100,9 +100,9 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         self._check_open()
         if isinstance(token_ids, KVRequest):
             self._check_not_foreign(token_ids)
-            token_ids._owner = self
-            self._check_tokens(token_ids, len(token_ids._token_ids))
-            hits, total = self._prefix_hits(token_ids), len(token_ids._token_ids)
+            token_ids.chain.claim(self)
+            self._check_tokens(token_ids, len(token_ids.token_ids))
+            hits, total = self._prefix_hits(token_ids), len(token_ids.token_ids)
         else:
             hits, _ = self.match_prefix(token_ids, keys)
             total = len(token_ids)
@@ -235,7 +235,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         cached, tokens_per_page = admission.cached, self.tokens_per_page
         req.allocation.bind(plan.slot, admission.hits + self._take_promoting(plan.take, admission.promote),
                             admission.num_tokens, cached, cached // tokens_per_page, plan.behind)
-        request_id, num_prompt = req._request_id, len(req._token_ids)
+        request_id, num_prompt = req.request_id, len(req.token_ids)
         self._requests[request_id] = req
         repeat = request_id in self._preempted
         self._preempted.discard(request_id)
@@ -249,10 +249,10 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
                 self.stats.prefix_hit_tokens += cached
                 self.stats.prefix_hit_tokens_device += cached - host
                 self.stats.prefix_hit_tokens_host += host
-                tokens = req._token_ids
+                tokens = req.token_ids
                 hit_blocks = cached // tokens_per_page
                 self.stats.prefix_partial_page_tokens += self.pool.shared_partial_tokens(
-                    req._hashes[hit_blocks - 1] if hit_blocks else self._chain_root(req._keys),
+                    req.chain.hashes[hit_blocks - 1] if hit_blocks else self._chain_root(req.keys),
                     tokens[cached:min(cached + tokens_per_page, len(tokens) - 1)])
         return cached
 
@@ -269,7 +269,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
             new_token_ids = self._token_ids(new_token_ids, "new_token_ids")
         total = req.allocation.num_tokens + num_new_tokens
         if total > self.config.max_model_len:
-            self._check_length(req._request_id, total)
+            self._check_length(req.request_id, total)
         return self._grow(req, num_new_tokens, new_token_ids)
 
     def _grow(self, req: KVRequest, num_new_tokens: int,
@@ -299,9 +299,9 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
                 new_blocks = self.pool.take(plan.take)
         req.allocation.grow(num_new_tokens, new_blocks)
         if new_token_ids:
-            tokens = req._token_ids
-            if req._num_checked == len(tokens):
-                req._num_checked += len(new_token_ids)
+            tokens = req.token_ids
+            if req.chain.num_checked == len(tokens):  # every earlier token checked: these are too
+                req.chain.mark_checked(len(tokens) + len(new_token_ids))
             tokens += new_token_ids
 
     @timed
@@ -316,7 +316,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         counts = [check.count(count, "num_new_tokens") for count in counts]
         for req, count in zip(reqs, counts):
             if req.allocation.num_tokens + count > self.config.max_model_len:
-                self._check_length(req._request_id, req.allocation.num_tokens + count)
+                self._check_length(req.request_id, req.allocation.num_tokens + count)
         grow = self._grow
         for done, (req, count) in enumerate(zip(reqs, counts)):
             try:
@@ -345,8 +345,8 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         tokens_per_page, caching, window = self.tokens_per_page, self.config.enable_prefix_caching, self.window
         for req in reqs:  # _check_commit, called only where it has something to check
             done = req.allocation.num_tokens
-            if (not req.allocation.num_computed <= done <= len(req._token_ids)
-                    or (caching and done // tokens_per_page * tokens_per_page > req._num_checked)):
+            if (not req.allocation.num_computed <= done <= len(req.token_ids)
+                    or (caching and done // tokens_per_page * tokens_per_page > req.chain.num_checked)):
                 self._check_commit(req, done)
         for req in reqs:
             done = req.allocation.num_tokens
@@ -357,12 +357,12 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
 
     def _check_commit(self, req: KVRequest, done: int) -> None:
         """Refuse (raise) marking ``done`` tokens of ``req`` computed before anything changes."""
-        if not req.allocation.num_computed <= done <= min(req.allocation.num_tokens, len(req._token_ids)):
+        if not req.allocation.num_computed <= done <= min(req.allocation.num_tokens, len(req.token_ids)):
             raise RequestStateError(
-                f"request {req._request_id!r}: cannot mark {done} tokens computed; it has "
-                f"{req.allocation.num_computed} computed, {req.allocation.num_tokens} reserved, {len(req._token_ids)} known")
+                f"request {req.request_id!r}: cannot mark {done} tokens computed; it has "
+                f"{req.allocation.num_computed} computed, {req.allocation.num_tokens} reserved, {len(req.token_ids)} known")
         end = done // self.tokens_per_page * self.tokens_per_page
-        if self.config.enable_prefix_caching and end > req._num_checked:
+        if self.config.enable_prefix_caching and end > req.chain.num_checked:
             self._check_tokens(req, end)
 
     def _commit(self, req: KVRequest, done: int) -> None:
@@ -386,12 +386,12 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         its token ids and hash chain and may be admitted again."""
         self._check_open()
         if request.__class__ is KVRequest:
-            req = request if self._requests.get(request._request_id) is request else None
+            req = request if self._requests.get(request.request_id) is request else None
         else:
             req = self._requests.get(request) if type(request) is str else None
         if req is None:
             self._known(request)  # raises what is wrong with it
-        request_id = req._request_id
+        request_id = req.request_id
         del self._requests[request_id]
         self._preempted.discard(request_id)
         if req.allocation.swapped is not None:
@@ -412,7 +412,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         self._check_open()
         if isinstance(request, KVRequest):
             self._check_not_foreign(request)
-            request_id = request._request_id
+            request_id = request.request_id
             held = self._requests.get(request_id) is request
         else:
             request_id = check.request_id(request)
@@ -472,7 +472,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
     def is_swapped(self, request: "KVRequest | str") -> bool:
         self._check_open()
         if isinstance(request, KVRequest):
-            return self._requests.get(request._request_id) is request and request.allocation.swapped is not None
+            return self._requests.get(request.request_id) is request and request.allocation.swapped is not None
         req = self._requests.get(check.request_id(request))
         return req is not None and req.allocation.swapped is not None
 

@@ -149,7 +149,7 @@ class ManagerState:
         bound = []
         writers: dict[int, str] = {}
         for req in self._requests.values():
-            assert req._owner is self, f"{req.request_id} belongs to another manager"
+            assert req.chain.owner is self, f"{req.request_id} belongs to another manager"
             swapped = {i for i, _ in req.allocation.swapped} if req.allocation.swapped is not None else set()
             released = req.allocation.num_released
             assert all(b == RELEASED for b in req.allocation.blocks[:released]), f"{req.request_id}: released run"
@@ -162,7 +162,7 @@ class ManagerState:
             # Blocks past the reservation are lookahead: mapped early, private, unhashed (below).
             assert len(req.allocation.blocks) >= self._layout.logical_pages_for(req.allocation.num_tokens), (
                 f"{req.request_id}: {len(req.allocation.blocks)} blocks for {req.allocation.num_tokens} tokens")
-            assert req.allocation.num_registered <= len(req._hashes)
+            assert req.allocation.num_registered <= len(req.chain.hashes)
             if req.allocation.swapped is not None:
                 assert len(req.allocation.blocks) == self._layout.logical_pages_for(req.allocation.num_tokens)
                 assert req.allocation.slot is None
@@ -195,7 +195,7 @@ class ManagerState:
     def _running(self, request) -> KVRequest:
         """The running request ``request`` names: a KVRequest (no lookup) or its id."""
         if request.__class__ is KVRequest:
-            if request._owner is self and request.allocation.slot is not None and not self._closed:
+            if request.chain.owner is self and request.allocation.slot is not None and not self._closed:
                 return request  # the hot path
         elif type(request) is str:
             req = self._requests.get(request)
@@ -221,8 +221,8 @@ class ManagerState:
         self._check_open()
         if isinstance(request, KVRequest):
             self._check_not_foreign(request)
-            if self._requests.get(request._request_id) is not request:
-                raise UnknownRequestError(f"request {request._request_id!r} is not admitted (new, "
+            if self._requests.get(request.request_id) is not request:
+                raise UnknownRequestError(f"request {request.request_id!r} is not admitted (new, "
                                           "freed, or preempted by recompute); admit() it first")
             return request
         if type(request) is not str:
@@ -234,32 +234,33 @@ class ManagerState:
         return req
 
     def _check_not_foreign(self, request: KVRequest) -> None:
-        if request._owner is not None and request._owner is not self:
+        if request.chain.owner is not None and request.chain.owner is not self:
             raise InvalidInputError(
-                f"request {request._request_id!r} belongs to another KVCacheManager (its block "
+                f"request {request.request_id!r} belongs to another KVCacheManager (its block "
                 "hashes were made with that manager's hasher); make a new KVRequest for this one")
 
     def _check_tokens(self, req: KVRequest, end: int) -> None:
         """Check the request's token ids up to ``end`` that were not checked yet (the caller
         appends to the list; each id is checked once, when the manager first reads it)."""
-        if end > req._num_checked:
-            check.token_ids(req._token_ids[req._num_checked:end],
-                            f"request {req._request_id!r}'s token_ids", self.config.vocab_size)
-            req._num_checked = end
+        if end > req.chain.num_checked:
+            check.token_ids(req.token_ids[req.chain.num_checked:end],
+                            f"request {req.request_id!r}'s token_ids", self.config.vocab_size)
+            req.chain.mark_checked(end)
 
     def _extend_chain(self, req: KVRequest, num_blocks: int) -> list[bytes]:
         """The request's hash chain, extended to its first ``num_blocks`` full blocks (as far as
         its tokens go): only blocks never hashed are hashed."""
-        hashes = req._hashes
+        chain = req.chain
+        hashes = chain.hashes
         if num_blocks > len(hashes):
             tokens_per_page = self.tokens_per_page
-            if num_blocks * tokens_per_page > req._num_checked:
-                self._check_tokens(req, min(num_blocks * tokens_per_page, len(req._token_ids)))
-            hashes += self.hasher.block_hashes(req._token_ids, tokens_per_page, req._keys,
-                                               start_block=len(hashes),
-                                               parent=hashes[-1] if hashes else None,
-                                               end_block=num_blocks)
-        return hashes
+            if num_blocks * tokens_per_page > chain.num_checked:
+                self._check_tokens(req, min(num_blocks * tokens_per_page, len(req.token_ids)))
+            chain.extend(self.hasher.block_hashes(req.token_ids, tokens_per_page, chain.keys,
+                                                  start_block=len(hashes),
+                                                  parent=hashes[-1] if hashes else None,
+                                                  end_block=num_blocks))
+        return chain.hashes
 
     def _token_ids(self, token_ids, what: str) -> list[int]:
         return check.token_ids(token_ids, what, self.config.vocab_size)
@@ -292,10 +293,10 @@ class ManagerState:
     def _register(self, req: KVRequest, index: int) -> None:
         """Offer full block ``index`` of ``req`` to the prefix cache, with its tokens and parent
         (for KV events and the partial-page hit count)."""
-        tokens = req._token_ids[index * self.tokens_per_page:(index + 1) * self.tokens_per_page]
-        parent = req._hashes[index - 1] if index else None
-        self.pool.register(req.allocation.blocks[index], req._hashes[index], tokens, parent,
-                           None if index else self._chain_root(req._keys))
+        tokens = req.token_ids[index * self.tokens_per_page:(index + 1) * self.tokens_per_page]
+        parent = req.chain.hashes[index - 1] if index else None
+        self.pool.register(req.allocation.blocks[index], req.chain.hashes[index], tokens, parent,
+                           None if index else self._chain_root(req.keys))
 
     def _reserved_blocks(self, req: KVRequest) -> list[int]:
         """The request's blocks without lookahead ones."""
@@ -335,7 +336,7 @@ class ManagerState:
         if len(hits) <= max_blocks:
             return hits
         if self.window:
-            return self._windowed_hits(req._hashes[:max_blocks])
+            return self._windowed_hits(req.chain.hashes[:max_blocks])
         return hits[:max_blocks]
 
     def _release_behind_window(self, req: KVRequest) -> None:
@@ -365,7 +366,7 @@ class ManagerState:
         """``req``'s cached prefix blocks, hashing only blocks its chain does not cover yet."""
         if not self.config.enable_prefix_caching:
             return []
-        num_tokens = len(req._token_ids)
+        num_tokens = len(req.token_ids)
         return self._cached_blocks(self._extend_chain(req, (num_tokens - 1) // self.tokens_per_page),
                                    num_tokens)
 
@@ -377,8 +378,8 @@ class ManagerState:
         may need fewer blocks now. No side effect; ``admit`` sizes the admission the same way."""
         if not self.host_tier.capacity:
             return []
-        tokens_per_page, num_prompt = self.tokens_per_page, len(req._token_ids)
-        run = self.host_tier.leading_hits(req._hashes[len(hits):(num_prompt - 1) // tokens_per_page])
+        tokens_per_page, num_prompt = self.tokens_per_page, len(req.token_ids)
+        run = self.host_tier.leading_hits(req.chain.hashes[len(hits):(num_prompt - 1) // tokens_per_page])
         for keep in range(len(run), 0, -1):
             cached = (len(hits) + keep) * tokens_per_page
             new = num_prompt - cached if num_new_tokens is None else num_new_tokens
@@ -412,14 +413,14 @@ class ManagerState:
                     f"admit({request.request_id!r}): a KVRequest carries its own token ids and keys; "
                     "give them when you make it, or admit by id with token_ids")
             self._check_not_foreign(request)
-            self._check_tokens(request, len(request._token_ids))
+            self._check_tokens(request, len(request.token_ids))
             return request
         request_id = check.request_id(request)
         if token_ids is None:
             raise InvalidInputError(f"admit({request_id!r}) needs token_ids (or admit a KVRequest)")
         token_ids = self._token_ids(token_ids, "token_ids")
         req = KVRequest(request_id, list(token_ids), CacheKeys() if keys is None else keys)
-        req._num_checked = len(token_ids)
+        req.chain.mark_checked(len(token_ids))
         return req
 
     def _copy_of(self, source: int, copy: int) -> int:

@@ -117,11 +117,11 @@ class OperationPlans(ManagerState):
         """What ``admit`` of ``req`` reuses and reserves (arguments checked by the caller);
         raises for a request already admitted or too long. Changes nothing but binding ``req``'s
         hash chain to this manager."""
-        request_id, num_prompt, tokens_per_page = req._request_id, len(req._token_ids), self.tokens_per_page
+        request_id, num_prompt, tokens_per_page = req.request_id, len(req.token_ids), self.tokens_per_page
         if request_id in self._requests:
             raise RequestStateError(f"request {request_id!r} is already admitted")
         self._check_length(request_id, num_prompt)
-        req._owner = self  # its hash chain is this manager's from now on
+        req.chain.claim(self)  # its hash chain is this manager's from now on
         hits = self._prefix_hits(req)
         if max_cached_tokens is not None:
             hits = self._capped_hits(req, hits, max_cached_tokens // tokens_per_page)
@@ -199,7 +199,7 @@ class OperationPlans(ManagerState):
         revive = {}
         for index, _ in req.allocation.swapped:
             if index < req.allocation.num_registered:
-                block = self.pool.lookup(req._hashes[index])
+                block = self.pool.lookup(req.chain.hashes[index])
                 if block is not None:
                     revive[index] = block
         return revive

@@ -52,7 +52,7 @@ class PreemptionOps(OperationPlans):
             mode = self.estimate_preemption(req).cheaper
         if mode == "recompute":
             self.free(req)
-            self._preempted.add(req._request_id)
+            self._preempted.add(req.request_id)
             self.stats.preemptions_recompute += 1
             return mode
         private = [i for i, b in enumerate(self._reserved_blocks(req))

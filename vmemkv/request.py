@@ -33,15 +33,59 @@ from .allocation import RELEASED, Allocation
 from .errors import InvalidInputError
 from .hashing import CacheKeys
 
-__all__ = ["RELEASED", "KVRequest"]
+__all__ = ["RELEASED", "HashChain", "KVRequest"]
+
+
+class HashChain:
+    """What a manager knows of a request's tokens: the ``keys`` its block hashes depend on, the
+    chain ``hashes`` of its leading full blocks hashed so far, how many leading token ids it has
+    checked (``num_checked``), and the ``owner`` whose hasher made the chain. A manager reads
+    the fields and changes them only through the transitions below."""
+
+    __slots__ = ("keys", "hashes", "num_checked", "owner")
+
+    def __init__(self, keys: CacheKeys):
+        self.keys = keys
+        self.hashes: list[bytes] = []  # chain hashes of the leading full blocks hashed so far
+        self.num_checked = 0  # leading token ids a manager has checked
+        self.owner = None  # the manager it belongs to, from its first admission on
+
+    def claim(self, owner) -> None:
+        """The chain is ``owner``'s from now on (made, and extended, with its hasher)."""
+        self.owner = owner
+
+    def mark_checked(self, num_tokens: int) -> None:
+        """The leading ``num_tokens`` token ids are checked."""
+        self.num_checked = num_tokens
+
+    def extend(self, hashes: list[bytes]) -> None:
+        """``hashes`` continue the chain (the next full blocks')."""
+        self.hashes += hashes
+
+    def truncate(self, num_tokens: int, num_full_blocks: int) -> None:
+        """The tokens from ``num_tokens`` on are gone: so are the hashes past the first
+        ``num_full_blocks`` blocks and the check of those tokens."""
+        del self.hashes[num_full_blocks:]
+        self.num_checked = min(self.num_checked, num_tokens)
+
+    def copy_from(self, source: "HashChain") -> None:
+        """The request's tokens became ``source``'s (a fork child, a beam-search row): so do its
+        keys, hashes, checks and owner."""
+        self.keys, self.hashes = source.keys, list(source.hashes)
+        self.num_checked, self.owner = source.num_checked, source.owner
+
+    def snapshot(self) -> "HashChain":
+        """A copy, for a ``copy_from`` after the source itself changed."""
+        copy = HashChain(self.keys)
+        copy.copy_from(self)
+        return copy
 
 
 class KVRequest:
     """``KVRequest(request_id, token_ids=None, keys=None)``: ``token_ids`` is a list the request
     keeps (not a copy) and the caller appends to; ``keys`` defaults to ``CacheKeys()``."""
 
-    __slots__ = ("_request_id", "_token_ids", "_keys", "_hashes", "_num_checked", "_owner",
-                 "_allocation")
+    __slots__ = ("_request_id", "_token_ids", "_chain", "_allocation")
 
     def __init__(self, request_id: str, token_ids: list[int] | None = None,
                  keys: CacheKeys | None = None):
@@ -53,10 +97,7 @@ class KVRequest:
                 f"token_ids is a {type(token_ids).__name__}; a KVRequest keeps the list you give it "
                 "(you append to it as tokens come), so pass a list, such as list(token_ids)")
         self._token_ids = token_ids
-        self._keys = CacheKeys() if keys is None else check.cache_keys(keys)
-        self._hashes: list[bytes] = []  # chain hashes of the leading full blocks hashed so far
-        self._num_checked = 0  # leading token ids the manager has checked
-        self._owner = None  # the manager it belongs to, from its first admission on
+        self._chain = HashChain(CacheKeys() if keys is None else check.cache_keys(keys))
         self._allocation = Allocation()  # reset on free and recompute; the hash chain stays
 
     # --- what the caller gave ---------------------------------------------------------------------
@@ -72,9 +113,14 @@ class KVRequest:
 
     @property
     def keys(self) -> CacheKeys:
-        return self._keys
+        return self._chain.keys
 
     # --- what the manager keeps (read-only) -------------------------------------------------------
+    @property
+    def chain(self) -> HashChain:
+        """Its keys, block-hash chain and checked tokens (the manager's to change)."""
+        return self._chain
+
     @property
     def allocation(self) -> Allocation:
         """What it holds in the KV cache (the manager's to change; read the properties below)."""
@@ -83,7 +129,7 @@ class KVRequest:
     @property
     def block_hashes(self) -> tuple[bytes, ...]:
         """The chain hashes of the leading full blocks hashed so far."""
-        return tuple(self._hashes)
+        return tuple(self._chain.hashes)
 
     @property
     def num_tokens(self) -> int:
@@ -124,4 +170,4 @@ class KVRequest:
         state = "running" if allocation.slot is not None else "swapped" if allocation.swapped is not None else "idle"
         return (f"KVRequest({self._request_id!r}, {len(self._token_ids)} tokens, {state}, "
                 f"{allocation.num_computed}/{allocation.num_tokens} computed/reserved, "
-                f"{len(self._hashes)} block hashes)")
+                f"{len(self._chain.hashes)} block hashes)")

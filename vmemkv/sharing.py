@@ -46,10 +46,10 @@ class SharingOps(OperationPlans):
         token list of its own, or a new id); the parent must be committed."""
         if isinstance(child, KVRequest):
             self._check_not_foreign(child)
-            if child._token_ids is parent._token_ids:
-                raise InvalidInputError(f"fork child {child._request_id!r} has its parent's token "
+            if child.token_ids is parent.token_ids:
+                raise InvalidInputError(f"fork child {child.request_id!r} has its parent's token "
                                         "list; give it a list of its own (a fork appends its own tokens)")
-            child_id = child._request_id
+            child_id = child.request_id
         else:
             child_id = check.request_id(child, "child")
         if child_id in self._requests:
@@ -68,10 +68,9 @@ class SharingOps(OperationPlans):
         if plan.take:  # the parent's partial last block, the one after the shared ones
             copy = [self._copy_of(parent.allocation.blocks[behind + len(plan.share)], *self.pool.take(plan.take))]
         if not isinstance(child, KVRequest):
-            child = KVRequest(child_id, [], parent._keys)
-        child._token_ids[:] = parent._token_ids
-        child._keys, child._hashes, child._num_checked = parent._keys, list(parent._hashes), parent._num_checked
-        child._owner = self
+            child = KVRequest(child_id, [], parent.keys)
+        child.token_ids[:] = parent.token_ids
+        child.chain.copy_from(parent.chain)  # the parent's keys, hashes and owner (this manager)
         child.allocation.copy_from(parent.allocation, plan.slot,
                                    parent.allocation.blocks[:behind] + plan.share + copy, behind)
         self._requests[child_id] = child
@@ -96,8 +95,7 @@ class SharingOps(OperationPlans):
         self.slots.map_jobs(jobs)
         for row, count in zip(rows, behind):  # after map_jobs (a row reads these until now),
             self.slots.unmap_behind(row.allocation.slot, count)  # within the room checked above
-        snapshots = [(list(s._token_ids), s.allocation.snapshot(), list(s._hashes), s._keys, s._num_checked)
-                     for s in sources]
+        snapshots = [(list(s.token_ids), s.allocation.snapshot(), s.chain.snapshot()) for s in sources]
         self.pool.take([blocks[-1] for blocks, copy in zip(plans, copied) if copy])
         for blocks, source_blocks, copy, count in zip(plans, reserved, copied, behind):
             self.pool.acquire(blocks[count:-1] if copy else blocks[count:])
@@ -105,11 +103,11 @@ class SharingOps(OperationPlans):
                 self._copy_of(source_blocks[-1], blocks[-1])
         for row in rows:  # their old blocks, lookahead included
             self.pool.release(reversed(row.allocation.blocks[row.allocation.num_released:]))
-        for row, blocks, count, (tokens, source, hashes, keys, checked) in zip(rows, plans, behind, snapshots):
+        for row, blocks, count, (tokens, allocation, chain) in zip(rows, plans, behind, snapshots):
             # the keys travel with the content: later block hashes continue the source's chain
-            row._token_ids[:] = tokens  # in place: the caller's list stays the request's
-            row._keys, row._hashes, row._num_checked = keys, hashes, checked
-            row.allocation.copy_from(source, row.allocation.slot, blocks, count)
+            row.token_ids[:] = tokens  # in place: the caller's list stays the request's
+            row.chain.copy_from(chain)
+            row.allocation.copy_from(allocation, row.allocation.slot, blocks, count)
             self.slots.set_behind(row.allocation.slot, count)
         return True
 
@@ -162,9 +160,8 @@ class SharingOps(OperationPlans):
         full = num_tokens // self.tokens_per_page
         dropped = allocation.truncate(num_tokens, self.layout.logical_pages_for(num_tokens), full)
         self.pool.release(reversed(dropped))
-        del req._token_ids[num_tokens:]  # in place: the caller's list stays the request's
-        del req._hashes[full:]
-        req._num_checked = min(req._num_checked, num_tokens)
+        del req.token_ids[num_tokens:]  # in place: the caller's list stays the request's
+        req.chain.truncate(num_tokens, full)
         return True
 
     def _check_truncate(self, req: KVRequest, num_tokens: int, layers: str = "") -> int:
@@ -176,11 +173,11 @@ class SharingOps(OperationPlans):
         self._require_committed(req)
         num_tokens = check.count(num_tokens, "num_tokens")
         if not num_tokens <= req.allocation.num_tokens:
-            raise RequestStateError(f"request {req._request_id!r} has {req.allocation.num_tokens} tokens; "
+            raise RequestStateError(f"request {req.request_id!r} has {req.allocation.num_tokens} tokens; "
                                     f"cannot truncate it to {num_tokens}")
         if req.allocation.num_released > first_needed_block(num_tokens, self.window, self.tokens_per_page):
             raise RequestStateError(
-                f"request {req._request_id!r}: cannot truncate it to {num_tokens} tokens; its "
+                f"request {req.request_id!r}: cannot truncate it to {num_tokens} tokens; its "
                 f"{layers}first {req.allocation.num_released * self.tokens_per_page} positions were released "
                 f"behind its sliding window of {self.window}, and a query at {num_tokens} reads some")
         return num_tokens
