@@ -64,6 +64,10 @@ class CacheConfig:
     # the window of every future query are given back while a request runs. None keeps every
     # block (models with any full-attention layer, or windows differing between layers).
     sliding_window: int | None = None
+    # Every layer attends only within its query's chunk of ``attention_chunk_size`` positions
+    # (Llama-4's chunked local attention): the blocks of finished chunks are given back while a
+    # request runs. At most one of sliding_window and attention_chunk_size.
+    attention_chunk_size: int | None = None
 
     def make_layout(self) -> KVLayout:
         shape = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)

@@ -40,7 +40,6 @@ from .plans import Admission, Plan
 from .preemption import PreemptionOps
 from .request import RELEASED, KVRequest
 from .sharing import SharingOps
-from .window import peak_blocks
 
 _NO_TOKENS = ()  # allocate's default: nothing to check or append
 
@@ -170,8 +169,8 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         """The most blocks a request of ``num_tokens`` tokens holds at once. With a sliding
         window and ``chunk_tokens`` (the most tokens computed in one step: a prefill chunk),
         blocks behind the window are released as it runs, so it holds about the window plus a
-        chunk (``window.peak_blocks``); otherwise every block of its tokens."""
-        return peak_blocks(num_tokens, chunk_tokens, self.window, self.tokens_per_page)
+        chunk (``AttentionSpec.peak_blocks``); otherwise every block of its tokens."""
+        return self.spec.peak_blocks(num_tokens, chunk_tokens, self.tokens_per_page)
 
     def why_never_fits(self, num_tokens: int, chunk_tokens: int | None = None) -> str | None:
         """None when a request of ``num_tokens`` tokens (computed in chunks of at most
@@ -342,7 +341,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         operation (an engine's step: one call, not one per sequence through the timing
         wrapper). Every request is checked before any is committed."""
         reqs = [self._running(request) for request in requests]
-        tokens_per_page, caching, window = self.tokens_per_page, self.config.enable_prefix_caching, self.window
+        tokens_per_page, caching, releases = self.tokens_per_page, self.config.enable_prefix_caching, self.spec.releases
         for req in reqs:  # _check_commit, called only where it has something to check
             done = req.allocation.num_tokens
             if (not req.allocation.num_computed <= done <= len(req.token_ids)
@@ -350,7 +349,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
                 self._check_commit(req, done)
         for req in reqs:
             done = req.allocation.num_tokens
-            if window or (caching and done // tokens_per_page > req.allocation.num_registered):
+            if releases or (caching and done // tokens_per_page > req.allocation.num_registered):
                 self._commit(req, done)
             else:  # the common decode commit: no block filled, nothing behind a window
                 req.allocation.commit(done)
@@ -375,7 +374,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
                     self._register(req, index)
             allocation.register(full)
         allocation.commit(done)
-        if self.window:
+        if self.spec.releases:
             self._release_behind_window(req)
 
     # --- freeing ------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from .slots import SlotMapper, SlotBinder
 from .swap import SwapSpace
 from .vmm import create_backend
 from .vmm.base import VirtualMemoryBackend
-from .window import first_needed_block, windowed_prefix_hits
+from .attention_spec import AttentionSpec
 
 
 class PrefixCacheBusyError(VmemkvError):
@@ -70,7 +70,7 @@ def backend_pages(config: CacheConfig, layout: KVLayout) -> tuple[int, int | Non
     cuda = str(config.device).startswith("cuda")
     if config.kv_backend == "vmem" and not cuda:
         pages += layout.slot_pages(config.max_model_len)
-    if config.kv_backend == "vmem" and cuda and config.sliding_window:
+    if config.kv_backend == "vmem" and cuda and (config.sliding_window or config.attention_chunk_size):
         return pages + 1, pages
     return pages, None
 
@@ -95,9 +95,13 @@ class ManagerState:
         self.config = check.config(config)
         try:
             check.count(config.sliding_window, "CacheConfig.sliding_window", minimum=1, optional=True)
+            check.count(config.attention_chunk_size, "CacheConfig.attention_chunk_size", minimum=1,
+                        optional=True)
         except InvalidInputError as error:
             raise ConfigError(str(error)) from None
-        self.window = config.sliding_window  # blocks behind it are released (window.py)
+        # what the layers read, so what is released while a request runs (attention_spec.py)
+        self.spec = AttentionSpec.of(config.sliding_window, config.attention_chunk_size)
+        self.window = self.spec.window
         if metrics is not None and not isinstance(metrics, KVMetricsCollector):
             raise ConfigError(f"metrics must be a vmemkv.KVMetricsCollector or None; got "
                               f"{type(metrics).__name__}")
@@ -154,7 +158,7 @@ class ManagerState:
             released = req.allocation.num_released
             assert all(b == RELEASED for b in req.allocation.blocks[:released]), f"{req.request_id}: released run"
             assert RELEASED not in req.allocation.blocks[released:], f"{req.request_id}: a hole past the released run"
-            assert released <= first_needed_block(req.allocation.num_computed, self.window, self.tokens_per_page), (
+            assert released <= self.spec.first_needed_block(req.allocation.num_computed, self.tokens_per_page), (
                 f"{req.request_id}: released {released} blocks, its next query reads one of them")
             held = [b for i, b in enumerate(req.allocation.blocks) if i not in swapped and i >= released]
             np.add.at(refs, np.asarray(held, dtype=np.int64), 1)
@@ -310,8 +314,8 @@ class ManagerState:
 
     def _cached_blocks(self, hashes: list[bytes], num_tokens: int) -> list[int]:
         """The cached blocks of the leading ``hashes`` (at least one of ``num_tokens`` left); with
-        a sliding window, ``_windowed_hits``."""
-        if self.window:
+        a window or chunks, ``_windowed_hits``."""
+        if self.spec.releases:
             return self._windowed_hits(hashes[: (num_tokens - 1) // self.tokens_per_page])
         hits = []
         for h in hashes[: (num_tokens - 1) // self.tokens_per_page]:
@@ -322,12 +326,12 @@ class ManagerState:
         return hits
 
     def _windowed_hits(self, hashes: list[bytes]) -> list[int]:
-        """The longest prefix of ``hashes`` whose blocks the next query's window reads are all
-        cached (earlier blocks need not be: ``window.windowed_prefix_hits``), as a block list
-        with ``RELEASED`` before the window: ``[RELEASED] * first + cached blocks``."""
+        """The longest prefix of ``hashes`` whose blocks the next query reads are all cached
+        (earlier blocks need not be: ``AttentionSpec.prefix_hits``), as a block list with
+        ``RELEASED`` before its first read: ``[RELEASED] * first + cached blocks``."""
         lookup = self.pool.lookup
-        num_hits, first = windowed_prefix_hits(len(hashes), lambda i: lookup(hashes[i]) is not None,
-                                               self.window, self.tokens_per_page)
+        num_hits, first = self.spec.prefix_hits(len(hashes), lambda i: lookup(hashes[i]) is not None,
+                                                self.tokens_per_page)
         return [RELEASED] * first + [lookup(h) for h in hashes[first:num_hits]]
 
     def _capped_hits(self, req: KVRequest, hits: list[int], max_blocks: int) -> list[int]:
@@ -335,7 +339,7 @@ class ManagerState:
         longest windowed hit within them (a shorter prefix's window starts earlier)."""
         if len(hits) <= max_blocks:
             return hits
-        if self.window:
+        if self.spec.releases:
             return self._windowed_hits(req.chain.hashes[:max_blocks])
         return hits[:max_blocks]
 
@@ -345,7 +349,7 @@ class ManagerState:
         mapping budget refuses the unmap, nothing changes and a later commit tries again."""
         allocation = req.allocation
         released = allocation.num_released
-        first = min(first_needed_block(allocation.num_computed, self.window, self.tokens_per_page),
+        first = min(self.spec.first_needed_block(allocation.num_computed, self.tokens_per_page),
                     len(allocation.blocks))
         if first <= released:
             return

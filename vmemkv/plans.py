@@ -29,7 +29,6 @@ from .errors import InvalidInputError, MappingLimitError, RequestStateError
 from .manager_state import ManagerState, UnknownRequestError
 from .request import RELEASED, KVRequest
 from .slots import MapJob, SlotBinder, kept_pages
-from .window import first_needed_block
 
 
 @dataclass(slots=True)
@@ -134,10 +133,10 @@ class OperationPlans(ManagerState):
             new = min(new, token_budget)
         self._check_length(request_id, cached + new)
         promote = host_hits
-        if host_hits and self.window:
+        if host_hits and self.spec.releases:
             # Host hits wholly behind the next query's window would be copied in only to be
             # released at the first commit: they (and the device hits before them) stay RELEASED.
-            skip = first_needed_block(cached, self.window, tokens_per_page) - len(hits)
+            skip = self.spec.first_needed_block(cached, tokens_per_page) - len(hits)
             if skip > 0:
                 hits, promote = [RELEASED] * (len(hits) + skip), host_hits[skip:]
         return Admission(hits, promote, len(host_hits), cached, cached + new)

@@ -19,7 +19,6 @@ from .kv_metrics import timed
 from .plans import OperationPlans, Plan, fit_or_reclaim, reorder_copies, reorder_mapping_cost
 from .request import KVRequest
 from .slots import MapJob
-from .window import first_needed_block
 
 
 class SharingOps(OperationPlans):
@@ -175,11 +174,11 @@ class SharingOps(OperationPlans):
         if not num_tokens <= req.allocation.num_tokens:
             raise RequestStateError(f"request {req.request_id!r} has {req.allocation.num_tokens} tokens; "
                                     f"cannot truncate it to {num_tokens}")
-        if req.allocation.num_released > first_needed_block(num_tokens, self.window, self.tokens_per_page):
+        if req.allocation.num_released > self.spec.first_needed_block(num_tokens, self.tokens_per_page):
             raise RequestStateError(
                 f"request {req.request_id!r}: cannot truncate it to {num_tokens} tokens; its "
                 f"{layers}first {req.allocation.num_released * self.tokens_per_page} positions were released "
-                f"behind its sliding window of {self.window}, and a query at {num_tokens} reads some")
+                f"behind its {self.spec.describe()}, and a query at {num_tokens} reads some")
         return num_tokens
 
     @timed
