@@ -27,8 +27,14 @@ from .errors import UnsupportedModelError
 # ``sliding_window`` to the attention function (engine) and builds its mask (``VmemkvCache``).
 _EXACT_KINDS = frozenset({"full_attention", "sliding_attention"})
 # Layer kinds that only see the current chunk of W tokens: identical to full attention as long
-# as no sequence is longer than W. The config attribute holding W.
+# as no sequence is longer than W (what ``VmemkvCache``, which runs the model's attention over
+# every cached token, relies on; the engine applies the chunks: ``layer_chunks``). The config
+# attribute holding W.
 _BOUNDED_KINDS = {"chunked_attention": ("chunked attention", "attention_chunk_size")}
+CHUNKED_KIND = "chunked_attention"
+# Models whose own code applies the chunks (its chunked mask); other configs may list chunked
+# layers that their modelling code attends in full.
+_CHUNKING_MODEL_TYPES = frozenset({"llama4", "llama4_text"})
 
 # ALiBi position biases, which the model hands to its attention function as an extra argument.
 _ALIBI_MODEL_TYPES = frozenset({"bloom"})
@@ -105,6 +111,24 @@ def layer_kinds(config: Any) -> list[str]:
     return ["full_attention" if i < first else "sliding_attention" for i in range(num_layers)]
 
 
+def layer_chunks(config: Any) -> list[int | None] | None:
+    """Each layer's attention chunk (None: the layer is not chunked) when some layer of
+    ``config`` is chunked local (Llama-4's ``chunked_attention`` layers, in a model whose code
+    applies them); None otherwise."""
+    text = text_config(config)
+    kinds = layer_kinds(text)
+    chunk = getattr(text, "attention_chunk_size", None)
+    if CHUNKED_KIND not in kinds or not chunk or getattr(text, "model_type", None) not in _CHUNKING_MODEL_TYPES:
+        return None
+    return [int(chunk) if kind == CHUNKED_KIND else None for kind in kinds]
+
+
+def uniform_chunk(config: Any) -> int | None:
+    """The attention chunk every layer of ``config`` reads within, or None."""
+    chunks = layer_chunks(config)
+    return chunks[0] if chunks and None not in chunks else None
+
+
 def uniform_window(config: Any) -> int | None:
     """The window every layer of ``config`` slides with, or None when some layer attends to every
     token (a global layer) or the layers' windows differ."""
@@ -143,8 +167,9 @@ def check_attention_supported(config: Any, max_len: int, *, replaces_attention: 
     kinds = layer_kinds(text)
     problems: list[str] = []
     for kind in dict.fromkeys(kinds):
-        if kind in _EXACT_KINDS:
-            continue
+        if kind in _EXACT_KINDS or (kind == CHUNKED_KIND and replaces_attention
+                                    and model_type in _CHUNKING_MODEL_TYPES):
+            continue  # (the engine's attention applies the chunks itself: layer_chunks)
         layers = _ranges([i for i, k in enumerate(kinds) if k == kind])
         if kind not in _BOUNDED_KINDS:
             problems.append(f"{kind!r} layers ({layers}): only full attention is supported; "
@@ -157,6 +182,15 @@ def check_attention_supported(config: Any, max_len: int, *, replaces_attention: 
                             f"{max_len} and {who} keeps every token (full attention): "
                             f"use {limit_name} <= {size}")
     if replaces_attention:
+        no_rope = [i for i, rope in enumerate(getattr(text, "no_rope_layers", None) or []) if not rope]
+        floor_scale = getattr(text, "floor_scale", None)
+        if (getattr(text, "attn_temperature_tuning", False) and no_rope and floor_scale
+                and max_len > floor_scale):
+            # Llama-4 scales NoPE layers' queries by their position, which it reads from its
+            # cache; the engine's packed forward has none, so positions past floor_scale differ.
+            problems.append(f"attention temperature tuning on NoPE layers ({_ranges(no_rope)}), "
+                            f"which changes queries from position {floor_scale} on, but "
+                            f"{limit_name} is {max_len}: use {limit_name} <= {floor_scale}")
         if getattr(text, "use_bidirectional_attention", False):
             problems.append(f"bidirectional attention, which {who}'s causal attention does not "
                             "apply: use a causal model")

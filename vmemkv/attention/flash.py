@@ -59,10 +59,10 @@ class _VarlenCall:
 
     def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  scaling: float | None, window: int | None = None, softcap: float | None = None,
-                 sinks: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.kernel.runs(window, softcap, sinks):  # the SDPA / explicit path
+                 sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
+        if chunk or not self.kernel.runs(window, softcap, sinks):  # the SDPA / explicit path
             return super().__call__(layer, query, key, value, scaling, window=window,
-                                    softcap=softcap, sinks=sinks)
+                                    softcap=softcap, sinks=sinks, chunk=chunk)
         start = self._begin()
         self.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5

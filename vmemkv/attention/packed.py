@@ -9,7 +9,8 @@ table (paged).
 
 A layer may ask for a sliding window, soft-capping or sinks (``variants``): reads then start at
 the window start (``read(layer, index, start)``, a batch's earliest window start), and only
-layers with soft-capping or sinks leave SDPA for ``explicit_attention``.
+layers with soft-capping or sinks leave SDPA for ``explicit_attention``. A chunked local layer
+(``chunk``) attends every sequence on its own, from its first query's chunk start.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch.nn.functional as F
 
 from .metadata import StepMetadata
 from .slot_batch import DecodeBatch, attend
-from .variants import causal_window_mask, explicit_attention, needs_explicit, window_start
+from .variants import (causal_chunk_mask, causal_window_mask, chunk_start, explicit_attention,
+                       needs_explicit, window_start)
 
 
 class SequenceSpan(NamedTuple):
@@ -112,14 +114,20 @@ class PackedAttention:
 
     def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  scaling: float | None, window: int | None = None, softcap: float | None = None,
-                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
         """``query`` ``[1, Hq, T, D]``, ``key``/``value`` ``[1, Hk, T, D]`` (after RoPE); returns
-        ``[1, T, Hq, D]``. ``window``, ``softcap``, ``sinks``: the layer's variant (``variants``)."""
+        ``[1, T, Hq, D]``. ``window``, ``softcap``, ``sinks``, ``chunk``: the layer's variant
+        (``variants``)."""
         start = self._begin()
         # Write every new token first, so each sequence below reads a complete cache.
         self.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
         _, num_heads, num_tokens, head_dim = query.shape
         scale = scaling if scaling is not None else head_dim ** -0.5
+        if chunk:  # each sequence from its own chunk start; the spans tile the packed rows in order
+            attended = [self._attend_span(layer, index, query, scale, None, softcap, sinks, chunk)
+                        for index in range(len(self.spans))]
+            self.seconds += time.perf_counter() - start
+            return torch.cat(attended, dim=2).transpose(1, 2)
         output = None
         if self.decodes:  # one gather in, one kernel, one scatter out: no per-sequence ops
             output = query.new_empty((1, num_tokens, num_heads, head_dim))
@@ -154,25 +162,28 @@ class PackedAttention:
         return output
 
     def _attend_span(self, layer: int, index: int, query: torch.Tensor, scale: float,
-                     window: int | None, softcap: float | None, sinks: torch.Tensor | None
-                     ) -> torch.Tensor:
-        """Span ``index``'s attention over its keys from its window start, ``[1, Hq, num_queries, D]``:
-        SDPA, or ``explicit_attention`` for soft-capping and sinks."""
+                     window: int | None, softcap: float | None, sinks: torch.Tensor | None,
+                     chunk: int | None = None) -> torch.Tensor:
+        """Span ``index``'s attention over its keys from its window (or chunk) start,
+        ``[1, Hq, num_queries, D]``: SDPA, or ``explicit_attention`` for soft-capping and sinks."""
         span = self.spans[index]
         q = query[:, :, span.query_start: span.query_start + span.num_queries]
-        first = window_start(span.num_cached, window)
+        first = chunk_start(span.num_cached, chunk) if chunk else window_start(span.num_cached, window)
         k, v = self.read(layer, index, first)  # [length - first, Hk, D] each
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        mask = self._chunk_mask(span, first, chunk, q.device) if chunk else None
         if needs_explicit(softcap, sinks):
-            mask = self._mask(span, first, window, q.device)
+            mask = mask if chunk else self._mask(span, first, window, q.device)
             return explicit_attention(q, k, v, scale, mask, softcap, sinks)
         # Plain causal from position 0 is SDPA's own (top-left aligned) is_causal.
-        causal = span.num_cached == 0 and span.num_queries > 1 and not (window and span.length > window)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=None if causal else self._mask(span, first, window, q.device),
-            is_causal=causal, scale=scale, enable_gqa=True)
+        bounded = (window and span.length > window) or (chunk and span.length > chunk)
+        causal = span.num_cached == 0 and span.num_queries > 1 and not bounded
+        if not causal and not chunk:
+            mask = self._mask(span, first, window, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else mask,
+                                              is_causal=causal, scale=scale, enable_gqa=True)
 
     def plan_batches(self) -> list[DecodeBatch]:
         """Decoding spans this addressing reads together (called once per step; none here)."""
@@ -204,6 +215,15 @@ class PackedAttention:
         key = (span.num_cached, span.num_queries, window if window and span.length > window else None)
         if key not in self._masks:
             self._masks[key] = causal_window_mask(span.num_cached, span.num_queries, start, key[2], device)
+        return self._masks[key]
+
+    def _chunk_mask(self, span: SequenceSpan, start: int, chunk: int, device) -> torch.Tensor | None:
+        """``_mask`` for chunked local attention (``variants.causal_chunk_mask``)."""
+        if span.num_queries == 1:
+            return None  # a decode reads from its own chunk start: every key read is seen
+        key = (span.num_cached, span.num_queries, -chunk)  # apart from the window masks' keys
+        if key not in self._masks:
+            self._masks[key] = causal_chunk_mask(span.num_cached, span.num_queries, start, chunk, device)
         return self._masks[key]
 
     @staticmethod

@@ -1,10 +1,13 @@
 """What a layer's attention may ask beyond plain causal softmax, as transformers passes it to the
-attention interface: a sliding window, logit soft-capping, attention sinks.
+attention interface: a sliding window, logit soft-capping, attention sinks; and chunked local
+attention, which the model's config sets per layer (``hf_support.layer_chunks``).
 
 * **Sliding window** ``W`` (``sliding_window``): the query at position ``p`` sees keys
   ``max(0, p - W + 1) .. p`` (``masking_utils.sliding_window_overlay``: ``kv > q - W``). Every
   path reads from the window start (``window_start``) rather than masking the whole prefix, so
   positions wholly behind every query's window are never touched.
+* **Chunked local attention** ``C`` (Llama-4's ``attention_chunk_size``): the query at ``p`` sees
+  keys ``p // C * C .. p``, its own chunk (``chunk_start``); read from the chunk start likewise.
 * **Soft-capping** ``c`` (``softcap``, Gemma-2): scores become ``c * tanh(scores / c)`` before
   the mask and softmax.
 * **Sinks** (``s_aux``, GPT-OSS): one learned logit per query head joins the softmax's
@@ -24,6 +27,11 @@ def window_start(first_position: int, window: int | None) -> int:
     return max(0, first_position - window + 1) if window else 0
 
 
+def chunk_start(first_position: int, chunk: int) -> int:
+    """The first key position a query at ``first_position`` can see under chunks of ``chunk``."""
+    return first_position // chunk * chunk
+
+
 def needs_explicit(softcap: float | None, sinks: torch.Tensor | None) -> bool:
     """Whether these scores need ``explicit_attention`` (SDPA cannot apply them)."""
     return softcap is not None or sinks is not None
@@ -39,6 +47,15 @@ def causal_window_mask(num_cached: int, num_queries: int, start: int, window: in
     if window:
         visible &= keys > queries - window
     return visible
+
+
+def causal_chunk_mask(num_cached: int, num_queries: int, start: int, chunk: int,
+                      device: torch.device) -> torch.Tensor:
+    """``causal_window_mask`` for chunked local attention: a query sees the keys of its own chunk
+    up to itself."""
+    queries = torch.arange(num_queries, device=device)[:, None] + num_cached
+    keys = torch.arange(start, num_cached + num_queries, device=device)[None, :]
+    return (keys <= queries) & (keys >= queries - queries % chunk)
 
 
 def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,

@@ -15,7 +15,7 @@ import torch
 
 from ..cache_config import CacheConfig
 from ..errors import ConfigError
-from ..hf_support import cache_config_for
+from ..hf_support import cache_config_for, uniform_chunk
 
 # EngineConfig fields passed to CacheConfig as they are.
 CACHE_FIELDS = ("max_num_seqs", "max_model_len", "num_blocks", "device", "tokens_per_page",
@@ -110,7 +110,10 @@ class EngineConfig:
     def cache_config(self, model) -> CacheConfig:
         """The KV cache for ``model`` (a Hugging Face causal LM) under this configuration; without
         ``num_blocks``, enough blocks for every slot at full length."""
+        options = {name: getattr(self, name) for name in CACHE_FIELDS}
+        chunk = uniform_chunk(model.config)  # the engine's attention reads from chunk starts
+        if self.release_behind_window and chunk is not None and chunk < self.max_model_len:
+            options["attention_chunk_size"] = chunk
         return cache_config_for(model, check_token_ids=True,
                                 release_behind_window=self.release_behind_window,
-                                dtype=next(model.parameters()).dtype,
-                                **{name: getattr(self, name) for name in CACHE_FIELDS})
+                                dtype=next(model.parameters()).dtype, **options)

@@ -18,9 +18,11 @@ import torch
 from transformers import AttentionInterface
 
 from ..errors import UnsupportedModelError
+from ..hf_support import layer_chunks
 
 ATTENTION_NAME = "vmemkv"
 BATCH_KWARG = "vmemkv_attention"
+CHUNKS_KWARG = "vmemkv_layer_chunks"  # each layer's attention chunk (hf_support.layer_chunks)
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -33,8 +35,10 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         if kwargs.get(name) is not None:
             raise UnsupportedModelError(f"{type(module).__name__} passes {name!r} to its attention "
                                         "function, which the vmemkv engine does not apply")
+    chunks = kwargs.get(CHUNKS_KWARG)
+    variant = {"chunk": chunks[module.layer_idx]} if chunks else {}
     return attention(module.layer_idx, query, key, value, scaling, window=kwargs.get("sliding_window"),
-                     softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux")), None
+                     softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"), **variant), None
 
 
 AttentionInterface.register(ATTENTION_NAME, _attention)
@@ -45,6 +49,10 @@ class ModelRunner:
         self.model = model
         self.device = next(model.parameters()).device
         model.set_attn_implementation(ATTENTION_NAME)  # LLMEngine ran check_attention_supported
+        # Chunked local layers (Llama-4): transformers passes the chunks only in its mask, which
+        # the engine does not build, so the attention is told each layer's chunk.
+        chunks = layer_chunks(model.config)
+        self._extra = {CHUNKS_KWARG: chunks} if chunks else {}
 
     @torch.inference_mode()
     def forward(self, input_ids: list[int], positions: list[int], attention,
@@ -61,5 +69,5 @@ class ModelRunner:
         pos = inputs["positions"].view(1, -1)
         keep = 0 if logit_rows is None else inputs["logit_rows"]  # 0: all rows, no gather
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep,
-                         **{BATCH_KWARG: attention})
+                         **{BATCH_KWARG: attention}, **self._extra)
         return out.logits[0].float()
