@@ -557,7 +557,8 @@ class HybridKVCacheManager(HybridLookaheadOps):
             assert req.slot == local.slot, f"{request_id}: slots {req.slot} and {local.slot}"
             assert req.is_swapped == local.is_swapped
             assert (req.num_tokens, req.num_computed_tokens) == (local.num_tokens, local.num_computed_tokens)
-            assert len(req.allocation.blocks) == len(local.allocation.blocks), f"{request_id}: lookahead in one group only"
+            assert len(req.allocation.blocks) == len(local.allocation.blocks), (
+                f"{request_id}: lookahead in one group only")
             assert req.token_ids is local.token_ids
             common = min(len(req.chain.hashes), len(local.chain.hashes))
             assert req.chain.hashes[:common] == local.chain.hashes[:common], f"{request_id}: hash chains differ"

@@ -53,7 +53,8 @@ class HybridLookaheadOps:
         running = {req.request_id: req for req in self.global_group._running_list(requests, "requests")}
         chosen = []
         for req, local in map(self._pair, running.values()):
-            needed = layout.logical_pages_for(min(req.num_tokens + margin_tokens, limit)) - len(req.allocation.blocks)
+            end = min(req.num_tokens + margin_tokens, limit)
+            needed = layout.logical_pages_for(end) - len(req.allocation.blocks)
             if needed <= 0 or not all(needed <= clean[g] and free[g] - needed >= keep[g] for g in (0, 1)):
                 continue
             for g in (0, 1):

@@ -64,7 +64,8 @@ class LookaheadOps(ManagerState):
     def cancel_lookahead(self, jobs: list[MapJob]) -> None:
         """Give back the blocks of lookahead jobs whose mapping was refused; call it right after
         ``map_lookahead`` raised, before the requests change."""
-        by_slot = {req.allocation.slot: req for req in self._requests.values() if req.allocation.swapped is None}
+        by_slot = {req.allocation.slot: req for req in self._requests.values()
+                   if req.allocation.swapped is None}
         for job in jobs:
             req = by_slot.get(job.slot)
             if req is None or req.allocation.blocks[job.first:] != job.blocks:

@@ -341,25 +341,29 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         operation (an engine's step: one call, not one per sequence through the timing
         wrapper). Every request is checked before any is committed."""
         reqs = [self._running(request) for request in requests]
-        tokens_per_page, caching, releases = self.tokens_per_page, self.config.enable_prefix_caching, self.spec.releases
+        tokens_per_page, caching = self.tokens_per_page, self.config.enable_prefix_caching
+        releases = self.spec.releases
         for req in reqs:  # _check_commit, called only where it has something to check
-            done = req.allocation.num_tokens
-            if (not req.allocation.num_computed <= done <= len(req.token_ids)
+            allocation = req.allocation
+            done = allocation.num_tokens
+            if (not allocation.num_computed <= done <= len(req.token_ids)
                     or (caching and done // tokens_per_page * tokens_per_page > req.chain.num_checked)):
                 self._check_commit(req, done)
         for req in reqs:
-            done = req.allocation.num_tokens
-            if releases or (caching and done // tokens_per_page > req.allocation.num_registered):
+            allocation = req.allocation
+            done = allocation.num_tokens
+            if releases or (caching and done // tokens_per_page > allocation.num_registered):
                 self._commit(req, done)
             else:  # the common decode commit: no block filled, nothing behind a window
-                req.allocation.commit(done)
+                allocation.commit(done)
 
     def _check_commit(self, req: KVRequest, done: int) -> None:
         """Refuse (raise) marking ``done`` tokens of ``req`` computed before anything changes."""
-        if not req.allocation.num_computed <= done <= min(req.allocation.num_tokens, len(req.token_ids)):
+        computed, reserved, known = req.allocation.num_computed, req.allocation.num_tokens, len(req.token_ids)
+        if not computed <= done <= min(reserved, known):
             raise RequestStateError(
                 f"request {req.request_id!r}: cannot mark {done} tokens computed; it has "
-                f"{req.allocation.num_computed} computed, {req.allocation.num_tokens} reserved, {len(req.token_ids)} known")
+                f"{computed} computed, {reserved} reserved, {known} known")
         end = done // self.tokens_per_page * self.tokens_per_page
         if self.config.enable_prefix_caching and end > req.chain.num_checked:
             self._check_tokens(req, end)
@@ -471,7 +475,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
     def is_swapped(self, request: "KVRequest | str") -> bool:
         self._check_open()
         if isinstance(request, KVRequest):
-            return self._requests.get(request.request_id) is request and request.allocation.swapped is not None
+            return self._requests.get(request.request_id) is request and request.is_swapped
         req = self._requests.get(check.request_id(request))
         return req is not None and req.allocation.swapped is not None
 

@@ -1,9 +1,10 @@
 """What every part of the KV cache manager shares: its parts, its requests, and the small steps
 the operations are built from.
 
-The requests are the callers' :class:`vmemkv.KVRequest` objects (``request.py``), whose
-allocation (``allocation.py``) only the manager changes, through its transitions; ``_requests`` registers the admitted ones by id, for
-callers that name a request by its id and for the invariant check. ``_running`` and ``_known``
+The requests are the callers' :class:`vmemkv.KVRequest` objects (``request.py``), whose hash
+chain and allocation (``allocation.py``) only the manager changes, through their transitions;
+``_requests`` registers the admitted ones by id, for callers that name a request by its id and
+for the invariant check. ``_running`` and ``_known``
 turn either form into the object: an object of this manager's that is running costs no lookup.
 
 ``KVCacheManager`` (``manager.py``) is this state plus three groups of operations, each in its own
@@ -21,8 +22,8 @@ The host block store ``swap`` holds both swapped-out blocks and the prefix cache
 The parts (``pool``, ``slots``, ``backend``, ``swap``, ``host_tier``, ``hasher``, ``stats``) are
 attributes for the manager's own modules, its tests and benchmarks; code that *uses* a manager
 (the engine, the integrations) asks its public queries instead (``num_free_blocks``,
-``blocks_for_tokens``, ``can_ever_fit``, ``cache_stats``, ...). ``layout`` is public and read-only: a frozen description
-of where K and V sit, which attention needs anyway.
+``blocks_for_tokens``, ``can_ever_fit``, ``cache_stats``, ...). ``layout`` is public and
+read-only: a frozen description of where K and V sit, which attention needs anyway.
 """
 
 from __future__ import annotations
@@ -153,31 +154,32 @@ class ManagerState:
         bound = []
         writers: dict[int, str] = {}
         for req in self._requests.values():
-            assert req.chain.owner is self, f"{req.request_id} belongs to another manager"
-            swapped = {i for i, _ in req.allocation.swapped} if req.allocation.swapped is not None else set()
-            released = req.allocation.num_released
-            assert all(b == RELEASED for b in req.allocation.blocks[:released]), f"{req.request_id}: released run"
-            assert RELEASED not in req.allocation.blocks[released:], f"{req.request_id}: a hole past the released run"
-            assert released <= self.spec.first_needed_block(req.allocation.num_computed, self.tokens_per_page), (
-                f"{req.request_id}: released {released} blocks, its next query reads one of them")
-            held = [b for i, b in enumerate(req.allocation.blocks) if i not in swapped and i >= released]
+            name, held_by = req.request_id, req.allocation
+            blocks, released, num_tokens = held_by.blocks, held_by.num_released, held_by.num_tokens
+            assert req.chain.owner is self, f"{name} belongs to another manager"
+            swapped = {i for i, _ in held_by.swapped} if held_by.swapped is not None else set()
+            assert all(b == RELEASED for b in blocks[:released]), f"{name}: released run"
+            assert RELEASED not in blocks[released:], f"{name}: a hole past the released run"
+            assert released <= self.spec.first_needed_block(held_by.num_computed, self.tokens_per_page), (
+                f"{name}: released {released} blocks, its next query reads one of them")
+            held = [b for i, b in enumerate(blocks) if i not in swapped and i >= released]
             np.add.at(refs, np.asarray(held, dtype=np.int64), 1)
-            assert req.allocation.num_computed <= req.allocation.num_tokens <= len(req.allocation.blocks) * self.tokens_per_page
+            assert held_by.num_computed <= num_tokens <= len(blocks) * self.tokens_per_page
             # Blocks past the reservation are lookahead: mapped early, private, unhashed (below).
-            assert len(req.allocation.blocks) >= self._layout.logical_pages_for(req.allocation.num_tokens), (
-                f"{req.request_id}: {len(req.allocation.blocks)} blocks for {req.allocation.num_tokens} tokens")
-            assert req.allocation.num_registered <= len(req.chain.hashes)
-            if req.allocation.swapped is not None:
-                assert len(req.allocation.blocks) == self._layout.logical_pages_for(req.allocation.num_tokens)
-                assert req.allocation.slot is None
+            assert len(blocks) >= self._layout.logical_pages_for(num_tokens), (
+                f"{name}: {len(blocks)} blocks for {num_tokens} tokens")
+            assert held_by.num_registered <= len(req.chain.hashes)
+            if held_by.swapped is not None:
+                assert len(blocks) == self._layout.logical_pages_for(num_tokens)
+                assert held_by.slot is None
                 continue
-            bound.append(req.allocation.slot)
-            self.slots.check_request(req.allocation.slot, req.allocation.blocks, released)
-            for block in req.allocation.blocks[req.allocation.num_computed // self.tokens_per_page:]:  # writable pages
-                assert self.pool.hash_of[block] is None, f"{req.request_id} can write hashed block {block}"
-                assert self.pool.ref[block] == 1, f"{req.request_id} can write shared block {block}"
-                assert block not in writers, f"block {block} writable by {writers.get(block)} and {req.request_id}"
-                writers[block] = req.request_id
+            bound.append(held_by.slot)
+            self.slots.check_request(held_by.slot, blocks, released)
+            for block in blocks[held_by.num_computed // self.tokens_per_page:]:  # writable pages
+                assert self.pool.hash_of[block] is None, f"{name} can write hashed block {block}"
+                assert self.pool.ref[block] == 1, f"{name} can write shared block {block}"
+                assert block not in writers, f"block {block} writable by {writers.get(block)} and {name}"
+                writers[block] = name
         assert np.array_equal(refs, np.asarray(self.pool.ref)), "reference counts differ from references held"
         assert len(set(bound)) == len(bound), "two requests share a slot"
         assert not set(bound) & set(self.slots.free_slots()), "a bound slot is also free"
@@ -281,13 +283,15 @@ class ManagerState:
     def _require_committed(self, req: KVRequest) -> None:
         if req.allocation.num_computed != req.allocation.num_tokens:
             raise RequestStateError(
-                f"request {req.request_id!r} has {req.allocation.num_tokens - req.allocation.num_computed} reserved "
+                f"request {req.request_id!r} has {req.num_tokens - req.num_computed_tokens} reserved "
                 "tokens not yet computed; commit() them first")
 
     # --- steps the operations share --------------------------------------------------------------
     def _blocks_needed(self, req: KVRequest, num_new_tokens: int) -> int:
         """New blocks for ``num_new_tokens`` more positions (lookahead blocks count as held)."""
-        return max(-(-(req.allocation.num_tokens + num_new_tokens) // self.tokens_per_page) - len(req.allocation.blocks), 0)
+        allocation = req.allocation
+        end = allocation.num_tokens + num_new_tokens
+        return max(-(-end // self.tokens_per_page) - len(allocation.blocks), 0)
 
     def _fits_admission(self, hits: list[int], total: int) -> bool:
         needed = self._layout.logical_pages_for(total) - len(hits)

@@ -150,18 +150,19 @@ class OperationPlans(ManagerState):
     def _plan_grow(self, req: KVRequest, num_new_tokens: int) -> Plan | None:
         # Lookahead blocks are normally mapped already; one whose background mapping was refused
         # is mapped again here, so no position is ever written through a stale mapping.
-        tokens_per_page, blocks = self.tokens_per_page, req.allocation.blocks
-        first = -(-req.allocation.num_tokens // tokens_per_page)
-        end = -(-(req.allocation.num_tokens + num_new_tokens) // tokens_per_page)
+        tokens_per_page, allocation = self.tokens_per_page, req.allocation
+        blocks, num_tokens = allocation.blocks, allocation.num_tokens
+        first = -(-num_tokens // tokens_per_page)
+        end = -(-(num_tokens + num_new_tokens) // tokens_per_page)
         if end <= first:
             return None
         fresh = self.pool.peek(end - len(blocks)) if end > len(blocks) else []
-        return Plan(req.allocation.slot, 0, first, blocks[first:end] + fresh, len(blocks), [], fresh)
+        return Plan(allocation.slot, 0, first, blocks[first:end] + fresh, len(blocks), [], fresh)
 
     def _plan_fork(self, parent: KVRequest, slot: int | None) -> Plan:
         reserved = self._reserved_blocks(parent)
         partial = parent.allocation.num_tokens % self.tokens_per_page != 0
-        behind = parent.allocation.num_released  # the child's window is the parent's: nothing shared behind it
+        behind = parent.allocation.num_released  # the child's window is the parent's: none shared behind
         shared = reserved[behind:-1] if partial else reserved[behind:]
         copy = self.pool.peek(1) if partial else []
         return Plan(self._choose_slot(reserved, behind, slot), behind, behind, shared + copy, 0,

@@ -15,9 +15,10 @@ know about a request, so no component keeps its own copy in sync by counters:
   preemption, is hashed once.
 * the **allocation** (``allocation``, an :class:`vmemkv.allocation.Allocation`): slot, blocks,
   reserved and computed counts, swapped state. Only the manager changes it, through the
-  allocation's transitions. With a sliding window (``CacheConfig.sliding_window``) the leading blocks wholly
-  behind the window of every future query are given back while the request runs: their entries
-  in the block list become ``RELEASED`` (-1), always a leading run of ``num_released_blocks``.
+  allocation's transitions. With a sliding window (``CacheConfig.sliding_window``) or attention
+  chunks (``attention_chunk_size``) the leading blocks that no future query reads are given back
+  while the request runs: their entries in the block list become ``RELEASED`` (-1), always a
+  leading run of ``num_released_blocks``.
   The caller reads the allocation through the read-only properties below. ``free`` and a recompute
   preemption reset it and keep the hash chain.
 
@@ -85,7 +86,9 @@ class KVRequest:
     """``KVRequest(request_id, token_ids=None, keys=None)``: ``token_ids`` is a list the request
     keeps (not a copy) and the caller appends to; ``keys`` defaults to ``CacheKeys()``."""
 
-    __slots__ = ("_request_id", "_token_ids", "_chain", "_allocation")
+    # ``chain`` and ``allocation`` are plain attributes (read on every manager call: no property
+    # in the way), the manager's to change through their transitions; never replace them.
+    __slots__ = ("_request_id", "_token_ids", "chain", "allocation")
 
     def __init__(self, request_id: str, token_ids: list[int] | None = None,
                  keys: CacheKeys | None = None):
@@ -97,8 +100,8 @@ class KVRequest:
                 f"token_ids is a {type(token_ids).__name__}; a KVRequest keeps the list you give it "
                 "(you append to it as tokens come), so pass a list, such as list(token_ids)")
         self._token_ids = token_ids
-        self._chain = HashChain(CacheKeys() if keys is None else check.cache_keys(keys))
-        self._allocation = Allocation()  # reset on free and recompute; the hash chain stays
+        self.chain = HashChain(CacheKeys() if keys is None else check.cache_keys(keys))
+        self.allocation = Allocation()  # reset on free and recompute; the hash chain stays
 
     # --- what the caller gave ---------------------------------------------------------------------
     @property
@@ -113,61 +116,52 @@ class KVRequest:
 
     @property
     def keys(self) -> CacheKeys:
-        return self._chain.keys
+        return self.chain.keys
 
     # --- what the manager keeps (read-only) -------------------------------------------------------
     @property
-    def chain(self) -> HashChain:
-        """Its keys, block-hash chain and checked tokens (the manager's to change)."""
-        return self._chain
-
-    @property
-    def allocation(self) -> Allocation:
-        """What it holds in the KV cache (the manager's to change; read the properties below)."""
-        return self._allocation
-
-    @property
     def block_hashes(self) -> tuple[bytes, ...]:
         """The chain hashes of the leading full blocks hashed so far."""
-        return tuple(self._chain.hashes)
+        return tuple(self.chain.hashes)
 
     @property
     def num_tokens(self) -> int:
         """Positions reserved in the KV cache (0 unless admitted)."""
-        return self._allocation.num_tokens
+        return self.allocation.num_tokens
 
     @property
     def num_computed_tokens(self) -> int:
         """Positions whose K/V is written (committed)."""
-        return self._allocation.num_computed
+        return self.allocation.num_computed
 
     @property
     def slot(self) -> int | None:
         """The slot while running; None otherwise."""
-        return self._allocation.slot
+        return self.allocation.slot
 
     @property
     def block_table(self) -> tuple[int, ...]:
         """The blocks held, in position order (lookahead blocks past the reservation included);
         blocks released behind a sliding window are ``RELEASED`` (-1)."""
-        return tuple(self._allocation.blocks)
+        return tuple(self.allocation.blocks)
 
     @property
     def num_released_blocks(self) -> int:
         """Leading blocks given back behind the sliding window (``RELEASED`` in ``block_table``)."""
-        return self._allocation.num_released
+        return self.allocation.num_released
 
     @property
     def is_running(self) -> bool:
-        return self._allocation.slot is not None
+        return self.allocation.slot is not None
 
     @property
     def is_swapped(self) -> bool:
-        return self._allocation.swapped is not None
+        return self.allocation.swapped is not None
 
     def __repr__(self) -> str:
-        allocation = self._allocation
-        state = "running" if allocation.slot is not None else "swapped" if allocation.swapped is not None else "idle"
+        allocation = self.allocation
+        state = ("running" if allocation.slot is not None
+                 else "swapped" if allocation.swapped is not None else "idle")
         return (f"KVRequest({self._request_id!r}, {len(self._token_ids)} tokens, {state}, "
                 f"{allocation.num_computed}/{allocation.num_tokens} computed/reserved, "
-                f"{len(self._chain.hashes)} block hashes)")
+                f"{len(self.chain.hashes)} block hashes)")

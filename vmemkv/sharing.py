@@ -65,7 +65,8 @@ class SharingOps(OperationPlans):
         behind = plan.behind  # the child's window is the parent's: nothing is shared behind it
         copy = []
         if plan.take:  # the parent's partial last block, the one after the shared ones
-            copy = [self._copy_of(parent.allocation.blocks[behind + len(plan.share)], *self.pool.take(plan.take))]
+            last = parent.allocation.blocks[behind + len(plan.share)]
+            copy = [self._copy_of(last, *self.pool.take(plan.take))]
         if not isinstance(child, KVRequest):
             child = KVRequest(child_id, [], parent.keys)
         child.token_ids[:] = parent.token_ids
