@@ -3,9 +3,10 @@ any length (both KV backends, chunked prefill, prefix hits, preemption by swap a
 
 Tiny random-weight ``Llama4ForCausalLM`` models (MoE, q/k norms) with chunks of 5 tokens against
 sequences of up to ~30 and blocks of 4, so chunk boundaries fall inside blocks: one whose every
-layer is chunked (the engine then gives back the blocks of finished chunks,
+layer is chunked (the engine gives back the blocks of finished chunks,
 ``CacheConfig.attention_chunk_size``), and Llama-4's own mix of three chunked layers to one global
-NoPE layer (every block kept; the chunked layers still read only their chunk).
+NoPE layer (two layout groups, ``HybridKVCacheManager``: the chunked layers' group gives back its
+finished chunks while the global group keeps every block).
 ``test_the_references_depend_on_the_chunk`` shows a path that ignored the chunks would fail.
 """
 
@@ -21,6 +22,7 @@ from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
 from vmemkv.engine.llm_engine import run_to_completion
 from vmemkv.engine.models import byte_tokenizer
 from vmemkv.errors import UnsupportedModelError
+from vmemkv.hybrid import HybridKVCacheManager
 from vmemkv.hf_support import check_attention_supported, layer_chunks, uniform_chunk
 
 CHUNK = 5
@@ -97,8 +99,16 @@ def test_engine_matches_hf_with_chunked_prefill(name, kv_backend):
     batch = prompts()
     engine, got = run_engine(name, batch, kv_backend=kv_backend, max_num_batched_tokens=8)
     assert_matches_hf(name, batch, got)
-    released = engine.manager.cache_stats().blocks_released_behind_window
-    assert (released > 0) == (name == "every-layer-chunked")
+    assert isinstance(engine.manager, HybridKVCacheManager) == (name == "llama4-mix")
+    assert engine.manager.cache_stats().blocks_released_behind_window > 0
+    close_clean(engine)
+
+
+def test_without_release_every_block_is_kept_and_the_tokens_are_the_same():
+    batch = prompts()
+    engine, got = run_engine("llama4-mix", batch, release_behind_window=False)
+    assert_matches_hf("llama4-mix", batch, got)
+    assert engine.manager.cache_stats().blocks_released_behind_window == 0
     close_clean(engine)
 
 

@@ -130,15 +130,16 @@ class HybridKVCacheManager(HybridLookaheadOps):
         if len(layer_windows) != config.num_layers:
             raise ConfigError(f"layer_windows has {len(layer_windows)} entries for "
                               f"{config.num_layers} layers")
-        if config.sliding_window:
-            raise ConfigError("a hybrid config gives windows per layer (layer_windows), not "
-                              "CacheConfig.sliding_window")
+        if config.sliding_window or config.attention_chunk_size:
+            raise ConfigError("a hybrid config gives windows or chunks per layer (layer_windows), not "
+                              "CacheConfig.sliding_window or attention_chunk_size")
         self.groups = LayerGroups.from_windows(layer_windows)
         # backends: (global, local), as group_configs; each group's pool (and host tier) tells the
         # events sink its blocks, tagged with the group
         self.global_group, self.local_group = (
             KVCacheManager(group, metrics=metrics, backend=backend,
-                           events=group_sink(events, index, group.sliding_window))
+                           events=group_sink(events, index, group.sliding_window,
+                                             chunked=bool(group.attention_chunk_size)))
             for index, (group, backend) in enumerate(zip(
                 group_configs(config, self.groups, chunk_tokens, local_blocks), backends or (None, None))))
         self.config = config

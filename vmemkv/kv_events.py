@@ -103,16 +103,18 @@ def check_sink(events: object) -> KVEventSink | None:
 
 SPEC_FULL_ATTENTION = "full_attention"  # vLLM's KVCacheSpecKind values for the two groups
 SPEC_SLIDING_WINDOW = "sliding_window"
+SPEC_CHUNKED_LOCAL = "chunked_local_attention"  # this project's name; vLLM's not checked
 
 
-def group_sink(events: KVEventSink | None, group_idx: int,
-               sliding_window: int | None = None) -> KVEventSink | None:
+def group_sink(events: KVEventSink | None, group_idx: int, sliding_window: int | None = None,
+               chunked: bool = False) -> KVEventSink | None:
     """A sink for one layout group's pool and host tier: ``events`` told each of its events with
-    the group (``group_idx``, and the kind and window of its layers on ``BlockStored``)."""
+    the group (``group_idx``, and the kind and window of its layers on ``BlockStored``;
+    ``chunked``: a group of chunked local layers)."""
     events = check_sink(events)
     if events is None:
         return None
-    kind = SPEC_SLIDING_WINDOW if sliding_window else SPEC_FULL_ATTENTION
+    kind = SPEC_CHUNKED_LOCAL if chunked else SPEC_SLIDING_WINDOW if sliding_window else SPEC_FULL_ATTENTION
 
     def tell(event: KVCacheEvent) -> None:
         if isinstance(event, BlockStored):

@@ -12,28 +12,53 @@ from typing import Sequence
 
 from .cache_config import CacheConfig
 from .errors import ConfigError
-from .window import peak_blocks
+from .attention_spec import CHUNKED, SLIDING, AttentionSpec
+
+
+LayerSpec = "int | AttentionSpec | None"  # a layer's window, its spec, or None: global
+
+
+def _local_spec(layer: "int | AttentionSpec | None") -> AttentionSpec | None:
+    """A layer's spec if it is local (a window ``W`` is a sliding window), None if global."""
+    if isinstance(layer, AttentionSpec):
+        return layer if layer.releases else None
+    return AttentionSpec(SLIDING, layer) if layer else None
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerGroups:
-    """Which model layers are global (full attention) and which are local (one window)."""
+    """Which model layers are global (full attention) and which are local: one sliding window
+    or one attention chunk (``local_spec``; a window ``W`` given as an int is a sliding one)."""
 
     global_layers: tuple[int, ...]
     local_layers: tuple[int, ...]
-    window: int
+    local_spec: AttentionSpec
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.local_spec, AttentionSpec):
+            object.__setattr__(self, "local_spec", _local_spec(self.local_spec))  # frozen: set once
+
+    @property
+    def window(self) -> int | None:
+        """The local layers' sliding window (None for attention chunks)."""
+        return self.local_spec.window
 
     @classmethod
-    def from_windows(cls, layer_windows: Sequence[int | None]) -> "LayerGroups":
-        """``layer_windows[i]``: layer ``i``'s sliding window, None for a global layer."""
-        windows = {w for w in layer_windows if w}
-        if len(windows) != 1:
-            raise ConfigError(f"a hybrid KV cache needs local layers of one window; got windows "
-                              f"{sorted(windows)}")
-        global_layers = tuple(i for i, w in enumerate(layer_windows) if not w)
+    def from_windows(cls, layer_windows: "Sequence[int | AttentionSpec | None]") -> "LayerGroups":
+        """``layer_windows[i]``: layer ``i``'s sliding window or its ``AttentionSpec`` (sliding or
+        chunked local), None (or full attention) for a global layer."""
+        specs = [_local_spec(layer) for layer in layer_windows]
+        kinds = {spec for spec in specs if spec is not None}
+        if len(kinds) != 1:
+            raise ConfigError(f"a hybrid KV cache needs local layers of one window or chunk; got "
+                              f"{sorted(spec.describe() for spec in kinds) or 'none'}")
+        global_layers = tuple(i for i, spec in enumerate(specs) if spec is None)
+        local = kinds.pop()
         if not global_layers:
-            raise ConfigError("every layer slides: use KVCacheManager with CacheConfig.sliding_window")
-        return cls(global_layers, tuple(i for i, w in enumerate(layer_windows) if w), windows.pop())
+            raise ConfigError("every layer is chunked: use KVCacheManager with CacheConfig.attention_chunk_size"
+                              if local.kind == CHUNKED else
+                              "every layer slides: use KVCacheManager with CacheConfig.sliding_window")
+        return cls(global_layers, tuple(i for i, spec in enumerate(specs) if spec is not None), local)
 
 
 def split_blocks(config: CacheConfig, groups: LayerGroups, chunk_tokens: int | None,
@@ -51,7 +76,7 @@ def split_blocks(config: CacheConfig, groups: LayerGroups, chunk_tokens: int | N
     tokens = local.tokens_per_page
     most = -(-config.num_blocks * whole.tokens_per_page // tokens)
     if local_blocks is None:
-        decode_peak = peak_blocks(config.max_model_len, 1, groups.window, tokens)
+        decode_peak = groups.local_spec.peak_blocks(config.max_model_len, 1, tokens)
         chunk_blocks = -(-(chunk_tokens or config.max_model_len) // tokens)
         local_blocks = config.max_num_seqs * (decode_peak + 1) + chunk_blocks
     local_blocks = min(local_blocks, most)
@@ -71,10 +96,13 @@ def group_configs(config: CacheConfig, groups: LayerGroups, chunk_tokens: int | 
     seed = config.hash_seed if config.hash_seed is not None else os.urandom(32)
     # Host bytes (swap space, the host tier) by layers: as many host blocks in each group, for a
     # request's two halves swap out together and a host hit is promoted only where both hold it.
-    configs = [dataclasses.replace(config, num_layers=layers, sliding_window=window, hash_seed=seed,
+    local = groups.local_spec
+    chunk = local.size if local.kind == CHUNKED else None
+    configs = [dataclasses.replace(config, num_layers=layers, sliding_window=window,
+                                   attention_chunk_size=chunked, hash_seed=seed,
                                    swap_space_bytes=config.swap_space_bytes * layers // config.num_layers,
                                    host_cache_bytes=config.host_cache_bytes * layers // config.num_layers)
-               for layers, window in ((num_global, None), (num_local, groups.window))]
+               for layers, window, chunked in ((num_global, None, None), (num_local, local.window, chunk))]
     tokens = [group.make_layout().tokens_per_page for group in configs]
     if tokens[0] != tokens[1] and not config.page_size:
         configs = [dataclasses.replace(group, tokens_per_page=max(tokens)) for group in configs]

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from ...attention import SequenceSpan
 from ...cache_config import CacheConfig
-from ...hf_support import hybrid_layer_windows
+from ...attention_spec import CHUNKED, AttentionSpec
+from ...hf_support import hybrid_layer_windows, layer_chunks
 from ...hybrid import HybridKVCacheManager, hybrid_manager
 from ...kv_metrics import KVMetricsCollector
 from ...manager import KVCacheManager
@@ -57,13 +58,18 @@ def batched_reads_of(attention) -> list[tuple[tuple[int, ...], int]]:
             for batch in attention.batches]
 
 
-def hybrid_windows(config: EngineConfig, model) -> list[int | None] | None:
-    """Each layer's window when the engine keeps local and global layers in two layout groups,
-    by the rule ``LLMEngine`` applies (blocks behind the window released), else None. Every rank
-    applies it to the same configuration, so every rank builds the same groups."""
+def hybrid_windows(config: EngineConfig, model) -> "list[int | AttentionSpec | None] | None":
+    """Each layer's window (or, for chunked local layers, its ``AttentionSpec``; None: global)
+    when the engine keeps local and global layers in two layout groups, by the rule ``LLMEngine``
+    applies (blocks no later query reads released), else None. Every rank applies it to the same
+    configuration, so every rank builds the same groups."""
     if not config.release_behind_window:
         return None
-    return hybrid_layer_windows(model.config, config.max_model_len)
+    windows = hybrid_layer_windows(model.config, config.max_model_len)
+    chunks = layer_chunks(model.config)  # Llama-4: chunked local layers and global ones
+    if windows is None and chunks and None in chunks and min(filter(None, chunks)) < config.max_model_len:
+        return [AttentionSpec(CHUNKED, chunk) if chunk else None for chunk in chunks]
+    return windows
 
 
 def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | None = None,
