@@ -16,8 +16,10 @@ from vmemkv.attention_spec import CHUNKED, FULL, SLIDING, AttentionSpec
 from vmemkv.request import RELEASED
 
 from conftest import assert_no_leaks, close_manager, read_kv_matches, write_kv
+from test_window_release import P as WINDOW_TEST_P, decode, run
+from test_window_release import make_manager as window_manager
 
-P = 4  # tokens per block
+P = WINDOW_TEST_P  # tokens per block (4)
 C = 8  # the chunk in the manager tests
 
 
@@ -77,26 +79,9 @@ def test_bad_specs_are_config_errors():
 # --- the manager with chunked local attention -------------------------------------------------------
 
 def make_manager(**overrides) -> KVCacheManager:
-    options = dict(num_layers=1, num_kv_heads=2, head_dim=128, dtype=torch.float32, tokens_per_page=P,
-                   num_blocks=12, max_num_seqs=3, max_model_len=64, attention_chunk_size=C,
-                   swap_space_bytes=8 * 2 * 2 * 128 * 4 * P, hash_seed=b"chunked")
-    return KVCacheManager(CacheConfig(**{**options, **overrides}))
-
-
-def run(m: KVCacheManager, request_id: str, token_ids: list[int]) -> KVRequest:
-    req = KVRequest(request_id, list(token_ids))
-    cached = m.admit(req)
-    assert cached is not None
-    write_kv(m, request_id, cached, req.num_tokens)
-    m.commit(req)
-    return req
-
-
-def decode(m: KVCacheManager, req: KVRequest, token: int) -> None:
-    req.token_ids.append(token)
-    assert m.allocate(req, 1)
-    write_kv(m, req.request_id, req.num_tokens - 1, req.num_tokens)
-    m.commit(req)
+    """test_window_release's manager (blocks of P tokens) with chunks of C instead of a window."""
+    return window_manager(**{"sliding_window": None, "attention_chunk_size": C, "hash_seed": b"chunked",
+                             **overrides})
 
 
 def test_the_blocks_of_finished_chunks_are_released_at_commit():

@@ -18,12 +18,12 @@ import pytest
 import torch
 from transformers import Llama4ForCausalLM, Llama4TextConfig, LlamaConfig
 
-from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
-from vmemkv.engine.llm_engine import run_to_completion
-from vmemkv.engine.models import byte_tokenizer
+from vmemkv.engine import LLMEngine
 from vmemkv.errors import UnsupportedModelError
 from vmemkv.hybrid import HybridKVCacheManager
 from vmemkv.hf_support import check_attention_supported, layer_chunks, uniform_chunk
+
+from test_sliding_window_models import close_clean, run_model
 
 CHUNK = 5
 NEW_TOKENS = 12
@@ -52,22 +52,12 @@ def prompts(lengths=PROMPT_LENGTHS) -> list[list[int]]:
 
 
 def run_engine(name: str, batch, **config) -> tuple[LLMEngine, list[list[int]]]:
-    options = dict(max_num_seqs=4, max_model_len=64, tokens_per_page=4, swap_space_bytes=1 << 20)
-    engine = LLMEngine(EngineConfig(**{**options, **config}), model=build(name), tokenizer=byte_tokenizer())
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    final = run_to_completion(engine, [(str(i), p, params) for i, p in enumerate(batch)])
-    return engine, [final[str(i)].outputs[0].token_ids for i in range(len(batch))]
+    return run_model(build(name), batch, NEW_TOKENS, **config)
 
 
 def assert_matches_hf(name: str, batch, got) -> None:
     for prompt, tokens in zip(batch, got):
         assert tokens == hf_greedy(name, tuple(prompt)), f"{name}: prompt of {len(prompt)} tokens diverged"
-
-
-def close_clean(engine: LLMEngine) -> None:
-    engine.manager.check()
-    assert engine.manager.num_blocks_in_use == 0
-    engine.close()
 
 
 def test_the_references_depend_on_the_chunk():

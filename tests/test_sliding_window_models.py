@@ -69,9 +69,15 @@ def prompts(lengths=PROMPT_LENGTHS, offset: int = 0) -> list[list[int]]:
 
 
 def run_engine(name: str, batch, **config) -> tuple[LLMEngine, list[list[int]]]:
+    return run_model(build(name), batch, **config)
+
+
+def run_model(model, batch, new_tokens: int = NEW_TOKENS, **config) -> tuple[LLMEngine, list[list[int]]]:
+    """The engine's ``new_tokens`` greedy tokens for ``batch`` on ``model`` (4 slots, 4-token
+    blocks unless ``config`` says otherwise)."""
     options = dict(max_num_seqs=4, max_model_len=64, tokens_per_page=4, swap_space_bytes=1 << 20)
-    engine = LLMEngine(EngineConfig(**{**options, **config}), model=build(name), tokenizer=byte_tokenizer())
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    engine = LLMEngine(EngineConfig(**{**options, **config}), model=model, tokenizer=byte_tokenizer())
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     final = run_to_completion(engine, [(str(i), p, params) for i, p in enumerate(batch)])
     return engine, [final[str(i)].outputs[0].token_ids for i in range(len(batch))]
 
