@@ -44,6 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                        help="weights and KV dtype; auto: float32 on CPU, bfloat16 on CUDA")
     group.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if available")
+    group.add_argument("--threads", type=int, default=None,
+                       help="torch's intra-op threads; default: the cores this process may run on, "
+                            "less one (kept for the front end and other work), at least one")
     group.add_argument("--max-num-seqs", type=int, default=None,
                        help="sequences running at once (KV slots)")
     group.add_argument("--max-model-len", type=int, default=None,
@@ -93,6 +96,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace):
     """An ``EngineConfig`` from parsed ``add_engine_args`` options."""
     from vmemkv.engine.config import EngineConfig
+    from vmemkv.engine.threads import default_threads
 
     device = args.device or _default_device()
     dtype = args.dtype
@@ -122,6 +126,7 @@ def engine_config_from_args(args: argparse.Namespace):
         "release_behind_window": False if args.keep_blocks_behind_window else None,
         "kv_events_endpoint": getattr(args, "kv_events_endpoint", None),  # serve only
         "tensor_parallel_size": args.tensor_parallel_size,
+        "threads": args.threads if args.threads is not None else default_threads(),
     }
     # Unset options keep EngineConfig's defaults (num_blocks=None means "derive" there too).
     return EngineConfig(**{name: value for name, value in fields.items() if value is not None})

@@ -16,6 +16,7 @@ import torch
 from ..cache_config import CacheConfig
 from ..errors import ConfigError
 from ..hf_support import cache_config_for, uniform_chunk
+from .threads import check_threads
 
 # EngineConfig fields passed to CacheConfig as they are.
 CACHE_FIELDS = ("max_num_seqs", "max_model_len", "num_blocks", "device", "tokens_per_page",
@@ -72,6 +73,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     tensor_parallel_timeout: float = 60.0
     tensor_parallel_check: bool = False
+    # torch's intra-op threads, set when the engine starts (engine/threads.py); None leaves them
+    # as they are. vmemkv generate / serve and LLM default to the usable cores less one.
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_model_len <= 1 or self.max_num_batched_tokens <= 0:
@@ -95,6 +99,7 @@ class EngineConfig:
         if self.tensor_parallel_size < 1 or self.tensor_parallel_timeout <= 0:
             raise ConfigError(f"tensor_parallel_size must be at least 1 and tensor_parallel_timeout "
                               f"positive; got {self.tensor_parallel_size}, {self.tensor_parallel_timeout}")
+        check_threads(self.threads)
         if type(self.release_behind_window) is not bool:
             raise ConfigError(f"release_behind_window must be True or False, got "
                               f"{self.release_behind_window!r}")

@@ -11,16 +11,19 @@ from .config import EngineConfig
 from .llm_engine import LLMEngine, run_to_completion
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+from .threads import default_threads
 
 
 class LLM:
-    """Offline batch generation on vmemkv. Keyword arguments are ``EngineConfig`` fields.
+    """Offline batch generation on vmemkv. Keyword arguments are ``EngineConfig`` fields;
+    ``threads`` defaults to the cores this process may run on less one (``engine/threads.py``).
 
     >>> llm = LLM(model="tiny-llama")
     >>> outputs = llm.generate(["Hello", "The sky is"], SamplingParams(max_tokens=8, temperature=0))
     """
 
     def __init__(self, model: str = "tiny-llama", *, hf_model=None, tokenizer=None, **config):
+        config.setdefault("threads", default_threads())
         self.engine = LLMEngine(EngineConfig(model=model, **config), hf_model, tokenizer, stream=False)
         self._ids = itertools.count()
 

@@ -27,6 +27,7 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .distributed import TensorParallelLeader
 from .distributed.step import hybrid_windows
+from .threads import apply_threads
 from .kv_event_publisher import KVEventPublisher
 from .metrics import EngineMetrics
 from .model_runner import ModelRunner
@@ -48,6 +49,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None, stream: bool = True):
         self.config = config
         self.stream = stream
+        apply_threads(config.threads)  # before the model loads (and its first ops pick threads)
         if model is None:
             model, tokenizer = load_model(config.model, config.torch_dtype, config.device, config.seed)
         elif config.tensor_parallel_size > 1:
