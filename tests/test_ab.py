@@ -249,6 +249,7 @@ def test_bad_host_tier_and_rank_counts_are_refused(capsys):
     assert capsys.readouterr().err.count("--tensor-parallel-size") == 2
 
 
+@pytest.mark.slow
 @pytest.mark.spawns
 def test_two_ranks_give_the_tokens_and_hits_of_one():
     """One quick workload on the vmem variant, once on one rank and once on two (the engine
@@ -308,6 +309,7 @@ def test_window_needs_a_sliding_window_model(capsys):
     assert "tiny-mistral" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_window_runs_every_request_at_once_holding_about_a_window_each(capsys):
     """On tiny-mistral (window 128), both variants give back the blocks behind the window: all
     requests run at once, none is preempted, each holds at most its window plus two pages (plus
@@ -363,6 +365,7 @@ def test_the_keep_every_block_variants_join_sliding_window_workloads_only():
     assert default_variants(["hybrid"]) == default_variants(["window"]) == [*DEFAULT_VARIANTS, *KEEP_VARIANTS]
 
 
+@pytest.mark.slow
 def test_hybrid_fits_every_request_only_releasing_on_both_backends(capsys):
     """tiny-gemma2 (two local layers, window 128, two global): releasing, the local layers hold
     a window each, all requests run at once with no preemption, the same tokens; keeping every

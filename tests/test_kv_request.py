@@ -399,5 +399,5 @@ class ObjectFormMachine(ManagerMachine):
                 assert not req.is_running and not req.is_swapped and req.block_table == ()
 
 
-TestObjectForm = ObjectFormMachine.TestCase
+TestObjectForm = pytest.mark.slow(ObjectFormMachine.TestCase)
 TestObjectForm.settings = settings(SETTINGS, max_examples=max(RUNS // 2, 10))

@@ -393,6 +393,8 @@ class ManagerMachine(RuleBasedStateMachine):
             close_manager(self.m)
 
 
+pytestmark = pytest.mark.slow  # ~60 s: five machines of 100 runs each
+
 RUNS = int(os.environ.get("VMEMKV_MACHINE_RUNS", "100"))
 SETTINGS = settings(max_examples=RUNS, stateful_step_count=80, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])

@@ -81,6 +81,7 @@ def test_template_end_of_turn_is_an_eos(real_engine_model, tokenizer):
     engine.close()
 
 
+@pytest.mark.slow
 def test_engine_matches_hf_on_chat_prompts_with_prefix_hits(real_engine_model, reference, chat_prompts):
     engine = make_engine(real_engine_model)
     first = run(engine, chat_prompts[:1])  # its full pages (the system prompt) join the cache
@@ -94,6 +95,7 @@ def test_engine_matches_hf_on_chat_prompts_with_prefix_hits(real_engine_model, r
     engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_engine_matches_hf_under_preemption(real_engine_model, reference, chat_prompts, mode):
     # 10 pages of 16 tokens for five prompts of 3-5 pages each: requests must be preempted.
