@@ -74,7 +74,10 @@ def test_layer_chunks_and_what_the_engine_and_vmemkvcache_accept():
     with pytest.raises(UnsupportedModelError, match="chunked attention of 5 tokens"):
         check_attention_supported(mixed, 64, replaces_attention=False)  # VmemkvCache: <= chunk
     with pytest.raises(UnsupportedModelError, match="temperature tuning on NoPE layers"):
-        check_attention_supported(mixed, 9000, replaces_attention=True)  # past floor_scale (8192)
+        check_attention_supported(mixed, 8192, replaces_attention=True)  # floor_scale: 8192
+    with pytest.raises(UnsupportedModelError, match="packs up to 8192 tokens"):
+        check_attention_supported(mixed, 64, replaces_attention=True, max_packed_tokens=8192)
+    check_attention_supported(mixed, 8191, replaces_attention=True, max_packed_tokens=2048)
     # Llama's own code attends chunked layers in full: the engine keeps to the bounded rule there.
     llama = LlamaConfig(num_hidden_layers=2, layer_types=["chunked_attention", "full_attention"],
                         attention_chunk_size=CHUNK)

@@ -153,7 +153,8 @@ def hybrid_layer_windows(config: Any, max_len: int) -> list[int | None] | None:
 
 
 def check_attention_supported(config: Any, max_len: int, *, replaces_attention: bool,
-                              who: str = "vmemkv", limit_name: str = "max_model_len") -> None:
+                              who: str = "vmemkv", limit_name: str = "max_model_len",
+                              max_packed_tokens: int = 0) -> None:
     """Raise :class:`UnsupportedModelError` unless vmemkv reproduces ``config``'s attention for
     sequences of up to ``max_len`` tokens: causal attention over every cached token, or over the
     last ``sliding_window`` tokens on sliding layers.
@@ -161,7 +162,8 @@ def check_attention_supported(config: Any, max_len: int, *, replaces_attention: 
     ``replaces_attention``: the caller runs its own attention function (the engine), not the
     model's (``VmemkvCache``), so changes to the scores inside attention matter too: logit
     soft-capping and sinks are applied, ALiBi and bidirectional attention are refused. ``who``
-    and ``limit_name`` word the message."""
+    and ``limit_name`` word the message; ``max_packed_tokens``: the most tokens one packed forward
+    holds (the engine's ``max_num_batched_tokens``)."""
     text = text_config(config)
     model_type = getattr(text, "model_type", None) or type(text).__name__
     kinds = layer_kinds(text)
@@ -185,12 +187,14 @@ def check_attention_supported(config: Any, max_len: int, *, replaces_attention: 
         no_rope = [i for i, rope in enumerate(getattr(text, "no_rope_layers", None) or []) if not rope]
         floor_scale = getattr(text, "floor_scale", None)
         if (getattr(text, "attn_temperature_tuning", False) and no_rope and floor_scale
-                and max_len > floor_scale):
-            # Llama-4 scales NoPE layers' queries by their position, which it reads from its
-            # cache; the engine's packed forward has none, so positions past floor_scale differ.
+                and max(max_len, max_packed_tokens) >= floor_scale):
+            # Llama-4 scales NoPE layers' queries from position floor_scale - 1 on, taking
+            # positions from its cache; the engine's packed forward has none (it counts the
+            # packed rows instead), so both lengths must stay below floor_scale.
             problems.append(f"attention temperature tuning on NoPE layers ({_ranges(no_rope)}), "
-                            f"which changes queries from position {floor_scale} on, but "
-                            f"{limit_name} is {max_len}: use {limit_name} <= {floor_scale}")
+                            f"which changes queries from position {floor_scale - 1} on, but "
+                            f"{limit_name} is {max_len} (and a forward packs up to "
+                            f"{max_packed_tokens} tokens): keep both below {floor_scale}")
         if getattr(text, "use_bidirectional_attention", False):
             problems.append(f"bidirectional attention, which {who}'s causal attention does not "
                             "apply: use a causal model")

@@ -59,7 +59,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         # Before any KV memory is taken: refuse attention the engine would silently get wrong.
         check_attention_supported(model.config, config.max_model_len, replaces_attention=True,
-                                  who="the vmemkv engine")
+                                  who="the vmemkv engine", max_packed_tokens=config.max_num_batched_tokens)
         # Tensor parallelism: other ranks started, this model sharded (engine/distributed/).
         tp = self.tensor_parallel = (TensorParallelLeader.start(config, model)
                                      if config.tensor_parallel_size > 1 else None)
