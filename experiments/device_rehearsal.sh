@@ -34,6 +34,7 @@ MISSING_ON_DEVICE=(fastapi uvicorn openai zmq msgspec gguf flash_attn)
 QUICK_TESTS=(
   tests/test_engine_correctness.py        # the engine against HF generate (dense models)
   tests/test_sliding_window_models.py     # sliding-window and hybrid models against HF
+  tests/test_chunked_attention_models.py  # Llama-4's chunked local attention against HF
   tests/test_hybrid_engine.py
   tests/test_window_release.py
   tests/test_host_tier_engine.py
