@@ -173,17 +173,15 @@ class PackedAttention:
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        mask = self._chunk_mask(span, first, chunk, q.device) if chunk else None
         if needs_explicit(softcap, sinks):
-            mask = mask if chunk else self._mask(span, first, window, q.device)
+            mask = self._chunk_mask(span, first, chunk, q.device) if chunk else self._mask(span, first, window, q.device)
             return explicit_attention(q, k, v, scale, mask, softcap, sinks)
         # Plain causal from position 0 is SDPA's own (top-left aligned) is_causal.
         bounded = (window and span.length > window) or (chunk and span.length > chunk)
-        causal = span.num_cached == 0 and span.num_queries > 1 and not bounded
-        if not causal and not chunk:
-            mask = self._mask(span, first, window, q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else mask,
-                                              is_causal=causal, scale=scale, enable_gqa=True)
+        if span.num_cached == 0 and span.num_queries > 1 and not bounded:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        mask = self._chunk_mask(span, first, chunk, q.device) if chunk else self._mask(span, first, window, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
     def plan_batches(self) -> list[DecodeBatch]:
         """Decoding spans this addressing reads together (called once per step; none here)."""
