@@ -18,6 +18,11 @@ bookkeeping around them — commit, free of the probe request — is done betwee
 * ``free``: free of such a forked request;
 * ``preempt_swap`` / ``swap_in``: swap a request's private blocks to host memory and back.
 
+``--hybrid`` runs the same operations on a model of two layer groups, as Gemma-2 (one layer of
+full attention, one of a ``--window`` sliding window, each group with ``--num-blocks`` blocks or
+more), to set against the one-group run (two full-attention layers): every operation then plans,
+checks and carries out its work in both groups.
+
 The trace: groups of requests share system prompts of different lengths, with random suffixes and
 decodes, finishing in random order under memory pressure; the manager's prefix hit rate is
 compared with ``ReferenceBlockTable`` (a dict of chained block keys -> block, the same tokens per
@@ -26,6 +31,7 @@ block, the same LRU eviction), which must give the same rate.
     python experiments/bench_manager.py                 # readable table
     python experiments/bench_manager.py --json          # one JSON object
     python experiments/bench_manager.py --out experiments/results   # manager_cpu.md / .json
+    python experiments/bench_manager.py --hybrid --out experiments/results   # manager_hybrid_cpu.*
 """
 
 from __future__ import annotations
@@ -190,7 +196,11 @@ def measure_ops(args, run: int) -> tuple[dict, Timer, list[float], list[float]]:
         head = [next(fresh) for _ in range(4 * tpp)] if cold else list(rng.choice(systems))
         return head + [next(fresh) for _ in range(rng.randrange(1, tpp))]
 
-    with KVCacheManager(config) as m:
+    groups = {}
+    if args.hybrid:  # layer 0 slides, layer 1 has full attention; each group gets >= num_blocks
+        config = CacheConfig(**{**config.__dict__, "num_blocks": 2 * args.num_blocks})
+        groups = dict(layer_windows=[args.window, None], local_blocks=args.num_blocks)
+    with KVCacheManager(config, **groups) as m:
         ids = [f"live{i}" for i in range(args.live)]
         for i, request_id in enumerate(ids):  # the background: 1,000 live requests
             # the first ones hold every system prompt, so admit_hit always hits 4 pages
@@ -258,6 +268,8 @@ def measure_ops(args, run: int) -> tuple[dict, Timer, list[float], list[float]]:
             "blocks": args.num_blocks, "blocks_in_use_at_end": stats["blocks_in_use"],
             "page_bytes": m.layout.page_size, "tokens_per_page": tpp,
             "max_model_len": args.max_model_len, "layout": m.layout.kind,
+            "layer_groups": [group.spec.describe() for group in m.layout_groups],
+            "group_blocks": [group.num_blocks for group in m.layout_groups],
             "backend_mappings_at_end": getattr(m.backend, "mappings_in_use", None),
         }
     return out, timer, in_map, outside_map
@@ -364,6 +376,7 @@ def markdown(r: dict) -> str:
         "",
         (f"{r['live_requests']} live requests in {r['slots']} slots, {r['blocks']} blocks of "
          f"{r['tokens_per_page']} tokens ({r['page_bytes'] // 1024} KiB pages, {r['layout']}), "
+         f"layer groups: {' + '.join(r['layer_groups'])} ({' + '.join(map(str, r['group_blocks']))} blocks), "
          f"max_model_len {r['max_model_len']}; {r['cpu']}, {r['cpus']} CPUs, Linux {r['kernel']}, "
          f"{r['date']}, load average {r['load_average_1min']:.1f} at the start and "
          f"{r['load_average_1min_end']:.1f} at the end (other jobs share this VM), torch threads "
@@ -425,6 +438,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="intra-op threads for the copies of fork and swap (torch's default "
                              "when not given)")
+    parser.add_argument("--hybrid", action="store_true",
+                        help="two layer groups: one full-attention layer, one sliding-window layer")
+    parser.add_argument("--window", type=int, default=256, help="the sliding window with --hybrid")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", type=Path, help="write manager_cpu.md and manager_cpu.json here")
@@ -436,7 +452,7 @@ def main(argv: list[str] | None = None) -> dict:
         "cpu": cpu_model(), "cpus": os.cpu_count(), "kernel": platform.release(),
         "python": platform.python_version(), "torch": torch.__version__,
         "date": datetime.date.today().isoformat(), "load_average_1min": os.getloadavg()[0],
-        "torch_threads": torch.get_num_threads(), "seed": args.seed,
+        "torch_threads": torch.get_num_threads(), "seed": args.seed, "hybrid": args.hybrid,
     }
     results.update(measure_all_ops(args))
     results["trace"] = run_trace(args)
@@ -448,7 +464,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     table = markdown(results)
     if args.out:
-        write_results(args.out, "manager_cpu", results, table)
+        write_results(args.out, "manager_hybrid_cpu" if args.hybrid else "manager_cpu", results, table)
     print(json.dumps(results) if args.json else table)
     return results
 

@@ -22,7 +22,8 @@ Two parts:
 
 Released blocks are counted over the ``fit`` requests' run.
 
-* ``hybrid`` (local and global layers, ``HybridKVCacheManager``), on vmem slots and on block
+* ``hybrid`` (local and global layers: a ``KVCacheManager`` of two layer groups,
+  ``layer_windows``), on vmem slots and on block
   tables: the manager alone on a Gemma-3-like shape (5 local layers of window ``--window`` to 1
   global, 2 KV heads of dim 32, fp16), one request of the same length: the peak bytes it holds in
   each group against keeping every block, and the requests that fit ``--pool-blocks`` blocks'
@@ -53,7 +54,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vmemkv import CacheConfig, KVCacheManager, KVRequest  # noqa: E402
-from vmemkv.hybrid import HybridKVCacheManager  # noqa: E402
 
 from machine import cpu_model, write_results  # experiments/machine.py, beside this script  # noqa: E402
 
@@ -200,8 +200,9 @@ HYBRID_WINDOWS = [1] * 5 + [None]  # five local layers to one global (the window
 
 
 def hybrid_manager_part(args) -> list[dict]:
-    """One request through the hybrid manager and through one group keeping every block, on
-    each KV backend (grouped: the hybrid manager, which releases behind the window)."""
+    """One request through the manager of two layer groups and through one group keeping every
+    block, on each KV backend (grouped: the two groups, the local one releasing behind the
+    window)."""
     return [hybrid_manager_run(kv_backend, grouped, args) for kv_backend, grouped in MODES]
 
 
@@ -211,8 +212,10 @@ def hybrid_manager_run(kv_backend: str, grouped: bool, args) -> dict:
                          tokens_per_page=16, num_blocks=args.pool_blocks, max_num_seqs=1,
                          max_model_len=args.prompt_len + args.new_tokens, kv_backend=kv_backend,
                          hash_seed=b"bench-window")
-    m = HybridKVCacheManager(config, windows, chunk_tokens=args.chunk) if grouped else KVCacheManager(config)
-    groups = [m.global_group, m.local_group] if grouped else [m]
+    m = (KVCacheManager(config, layer_windows=windows, chunk_tokens=args.chunk) if grouped
+         else KVCacheManager(config))
+    groups = m.layout_groups
+    assert len(groups) == (2 if grouped else 1)
     req = KVRequest("r", [(7 * j) % 200 + 1 for j in range(args.prompt_len)])
     assert m.admit(req, token_budget=args.chunk) is not None
     m.commit(req)
@@ -226,8 +229,7 @@ def hybrid_manager_run(kv_backend: str, grouped: bool, args) -> dict:
         m.commit(req)
         peak_bytes = max(peak_bytes, sum(g.num_blocks_in_use * g.block_bytes for g in groups))
         if grouped:
-            local = m.local_request(req)
-            peak_local = max(peak_local, len(local.block_table) - local.num_released_blocks)
+            peak_local = max(peak_local, len(req.group_block_table(1)) - req.group_released_blocks(1))
     released = m.cache_stats().blocks_released_behind_window
     budget = args.pool_blocks * config.make_layout().block_bytes
     m.check()
@@ -261,15 +263,15 @@ def hybrid_engine_run(kv_backend: str, grouped: bool, args) -> dict:
     from vmemkv.engine.models import byte_tokenizer
 
     # prefill chunks of 64 tokens: the local group is sized for the window and one step's chunk;
-    # release_behind_window=False: one group keeping every block (no layout groups)
+    # release_behind_window=False: one group keeping every block
     config = EngineConfig(max_num_seqs=args.engine_requests, max_model_len=32 + args.engine_new_tokens,
                           tokens_per_page=16, num_blocks=args.hybrid_pool_blocks, watermark=0.0,
                           max_num_batched_tokens=64, kv_backend=kv_backend,
                           release_behind_window=grouped)
     engine = LLMEngine(config, model=tiny_gemma2(args.engine_window), tokenizer=byte_tokenizer())
     m = engine.manager
-    assert isinstance(m, HybridKVCacheManager) == grouped, type(m)
-    groups = [m.global_group, m.local_group] if grouped else [m]
+    groups = m.layout_groups
+    assert len(groups) == (2 if grouped else 1), [group.spec for group in groups]
     row = drive(engine, args, lambda: sum(g.num_blocks_in_use * g.block_bytes for g in groups),
                 "peak_kv_bytes_per_running_request")
     return {"kv_backend": kv_backend, "layout_groups": GROUPS_LABEL[grouped], **row}

@@ -51,9 +51,13 @@ def tiny_config(**overrides) -> CacheConfig:
 
 
 def close_manager(manager: KVCacheManager) -> None:
-    """Drop the numpy views made here, then close (close refuses while views are held)."""
+    """Drop the numpy views made here (of the manager and of its groups), then close (close
+    refuses while views are held)."""
     _slot_views.pop(manager, None)
     _block_views.pop(manager, None)
+    for view in _group_views.pop(manager, {}).values():
+        _slot_views.pop(view, None)
+        _block_views.pop(view, None)
     manager.close()
 
 
@@ -180,6 +184,61 @@ def _table_rows(manager: KVCacheManager, request_id: str, start: int, end: int):
     positions = np.arange(start, end)
     table = np.asarray(manager.block_table(request_id))
     return table[positions // manager.tokens_per_page], positions % manager.tokens_per_page
+
+
+class GroupView:
+    """Layer group ``index`` of a manager as the K/V helpers here read a manager: the group's
+    layout, views and block tables; the requests, tokens and slots are the manager's."""
+
+    def __init__(self, manager: KVCacheManager, index: int):
+        self.manager, self.index = manager, index
+        group = self.group = manager.layout_groups[index]
+        self.layout, self.config, self.tokens_per_page = group.layout, group.config, group.tokens_per_page
+
+    def kv_views(self, layer: int):
+        return self.group.kv_views(layer)
+
+    def block_views(self, layer: int):
+        return self.group.block_views(layer)
+
+    def token_ids(self, request_id: str) -> list[int]:
+        return self.manager.token_ids(request_id)
+
+    def slot_of(self, request_id: str) -> int:
+        return self.manager.slot_of(request_id)
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        return self.manager.num_computed_tokens(request_id)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return list(self.manager.request(request_id).group_block_table(self.index))
+
+
+_group_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # manager -> {index: view}
+
+
+def group_view(manager: KVCacheManager, index: int) -> GroupView:
+    """The (one, cached) ``GroupView`` of the manager's layer group ``index``: pass it to
+    ``write_kv`` and ``read_kv_matches`` to write or read that group's layers only."""
+    views = _group_views.setdefault(manager, {})
+    if index not in views:
+        views[index] = GroupView(manager, index)
+    return views[index]
+
+
+def write_groups(manager: KVCacheManager, request_id: str, start: int, end: int, salt: int = 0) -> None:
+    """``write_kv`` in every layer group of the manager."""
+    for index in range(len(manager.layout_groups)):
+        write_kv(group_view(manager, index), request_id, start, end, salt)
+
+
+def groups_read_back(manager: KVCacheManager, request_id: str, salt: int = 0) -> bool:
+    """``read_kv_matches`` in every layer group, each from its first block held (a windowed
+    group's blocks before it were released)."""
+    req = manager.request(request_id)
+    return all(read_kv_matches(group_view(manager, g.index), request_id, salt,
+                               start=req.group_released_blocks(g.index) * g.tokens_per_page)
+               for g in manager.layout_groups)
 
 
 def write_kv(manager: KVCacheManager, request_id: str, start: int, end: int, salt: int = 0) -> None:

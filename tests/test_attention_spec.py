@@ -152,20 +152,20 @@ def test_a_bad_chunk_size_or_both_kinds_is_a_config_error():
 
 def test_a_hybrid_chunked_group_gives_back_finished_chunks_and_hits_need_only_the_next_chunk():
     from vmemkv.attention_spec import AttentionSpec as Spec
-    from vmemkv.hybrid import HybridKVCacheManager
     from test_hybrid_groups import P as GROUP_P, close, decode, free_all, reads_back, run
 
     chunk = 40  # chunk boundaries inside 16-token blocks
     config = CacheConfig(num_layers=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, num_blocks=40,
                          max_num_seqs=3, max_model_len=256, swap_space_bytes=64 << 10, hash_seed=b"hybrid")
-    hybrid = HybridKVCacheManager(config, [Spec(CHUNKED, chunk)] * 3 + [None], chunk_tokens=32)
-    assert hybrid.local_group.spec == Spec(CHUNKED, chunk) and not hybrid.global_group.spec.releases
+    hybrid = KVCacheManager(config, layer_windows=[Spec(CHUNKED, chunk)] * 3 + [None], chunk_tokens=32)
+    global_group, local_group = hybrid.layout_groups
+    assert local_group.spec == Spec(CHUNKED, chunk) and not global_group.spec.releases
     prompt = list(range(1, 50))
     a = run(hybrid, "a", prompt)  # the query at 49 reads 40..49: local blocks 0-1 (0-31) go
-    assert hybrid.local_request(a).num_released_blocks == 2 and a.num_released_blocks == 0
+    assert a.group_released_blocks(1) == 2 and a.num_released_blocks == 0
     for token in range(60):
         assert decode(hybrid, a, token)
-        assert hybrid.local_request(a).num_released_blocks == (a.num_tokens // chunk * chunk) // GROUP_P
+        assert a.group_released_blocks(1) == (a.num_tokens // chunk * chunk) // GROUP_P
         hybrid.check()
         assert reads_back(hybrid, a)
     b = run(hybrid, "b", prompt)  # global blocks 0-2 cached; local: the query at 48 reads block 2

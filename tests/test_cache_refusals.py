@@ -1,10 +1,11 @@
 """A ``VmemkvCache`` step or crop refused for lack of blocks changes nothing: not the rows, not
-the cache's length, not any layout group's pool.
+the cache's length, not any layer group's pool.
 
 Both used to loop over the rows and stop at the first the manager refused, with the rows before
 it already grown (``_reserve``) or truncated (``crop``) and the cache's length unchanged. Here the
-pool is pinched so that row 0 fits and row 1 does not (with one layout group, and with a hybrid
-manager whose local group is the short one); the whole state is compared before and after, and
+pool is pinched so that row 0 fits and row 1 does not (with one layer group, and with a manager
+of a local and a global group whose local group is the short one); the whole state is compared
+before and after, and
 then, with room again, the same step or crop goes through and every row reads back its K/V. The
 cache is driven by hand (``observe`` + ``update`` per layer), with K/V that name their row and
 position, so what is read back shows where it was written. ``can_truncate``, which the crop asks
@@ -20,9 +21,9 @@ import pytest
 import torch
 
 from conftest import manager_state
+from test_hybrid_refusals import state as groups_state
 from vmemkv import CacheConfig, KVCacheManager, KVRequest, OutOfBlocksError
 from vmemkv.errors import ConfigError, RequestStateError
-from vmemkv.hybrid import HybridKVCacheManager
 from vmemkv.integrations.transformers_cache import VmemkvCache
 
 HEADS, DIM, P = 1, 128, 4  # float32: 1 KiB a token and layer; 4 KiB pages hold 4 tokens of a layer
@@ -41,11 +42,11 @@ def single(num_blocks: int = 16, **overrides) -> KVCacheManager:
     return manager
 
 
-def hybrid(local_blocks: int, num_blocks: int = 16) -> HybridKVCacheManager:
+def hybrid(local_blocks: int, num_blocks: int = 16) -> KVCacheManager:
     """One global layer and one local layer (window ``WINDOW``), ``local_blocks`` local blocks."""
-    manager = HybridKVCacheManager(config(2, num_blocks), [None, WINDOW], chunk_tokens=16,
-                                   local_blocks=local_blocks)
-    assert manager.tokens_per_page == P and manager.local_group.num_blocks == local_blocks
+    manager = KVCacheManager(config(2, num_blocks), layer_windows=[None, WINDOW], chunk_tokens=16,
+                             local_blocks=local_blocks)
+    assert manager.tokens_per_page == P and manager.layout_groups[1].num_blocks == local_blocks
     return manager
 
 
@@ -77,10 +78,12 @@ def reads_back(cache: VmemkvCache, rows: list[int]) -> None:
 
 
 def state(cache: VmemkvCache) -> tuple:
-    """The cache's rows and length, and every layout group's whole state (``manager_state``)."""
+    """The cache's rows and length, and the manager's whole state in every layer group
+    (``test_hybrid_refusals.state``: each group's pool, slots, mappings and swap, each request's
+    allocation in every group)."""
     rows = [(row.kv.request_id, list(row.kv.token_ids), row.kv.num_tokens, row.masked)
             for row in cache._rows]
-    return (cache.get_seq_length(), rows, [manager_state(group) for group in cache.manager.layout_groups])
+    return (cache.get_seq_length(), rows, groups_state(cache.manager))
 
 
 def settle(cache: VmemkvCache) -> None:
@@ -90,7 +93,7 @@ def settle(cache: VmemkvCache) -> None:
 
 
 def block_all_but(manager, free: int, group_index: int = 0) -> KVRequest:
-    """Admit a request holding every free block of layout group ``group_index`` but ``free``."""
+    """Admit a request holding every free block of layer group ``group_index`` but ``free``."""
     group = manager.layout_groups[group_index]
     blocker = KVRequest("blocker", list(range(900, 900 + (group.num_free_blocks - free) * P)))
     assert manager.admit(blocker) == 0
@@ -131,9 +134,9 @@ def test_a_hybrid_step_refused_by_the_local_group_grows_no_row():
     forward(cache, [[1, 2, 3, 4], [5, 6, 7, 8]], [0, 1])
     settle(cache)
     manager = cache.manager
-    assert manager.local_group.num_free_blocks == 1 < manager.global_group.num_free_blocks
+    assert manager.layout_groups[1].num_free_blocks == 1 < manager.layout_groups[0].num_free_blocks
     before = state(cache)
-    with pytest.raises(OutOfBlocksError, match="the local layers' group has 1 pages free"):
+    with pytest.raises(OutOfBlocksError, match="the sliding window of 8 layers' group has 1 pages free"):
         forward(cache, [[9], [10]], [0, 1])
     assert state(cache) == before
     # the rows drop to one; its step fits now, in both groups
@@ -184,9 +187,9 @@ def test_a_crop_refused_at_row_one_truncates_no_row():
 def test_a_hybrid_crop_refused_by_the_local_group_truncates_no_row():
     cache = forked_rows(hybrid(local_blocks=3))  # the rows share 2 local blocks: 1 is free
     manager = cache.manager
-    assert manager.local_group.num_free_blocks == 1 < manager.global_group.num_free_blocks
+    assert manager.layout_groups[1].num_free_blocks == 1 < manager.layout_groups[0].num_free_blocks
     before = state(cache)
-    with pytest.raises(OutOfBlocksError, match="the local layers' group has 1 pages free"):
+    with pytest.raises(OutOfBlocksError, match="the sliding window of 8 layers' group has 1 pages free"):
         cache.crop(-2)
     assert state(cache) == before
     cache.batch_select_indices(torch.tensor([0]))  # one row: its copy fits

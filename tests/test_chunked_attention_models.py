@@ -5,7 +5,7 @@ Tiny random-weight ``Llama4ForCausalLM`` models (MoE, q/k norms) with chunks of 
 sequences of up to ~30 and blocks of 4, so chunk boundaries fall inside blocks: one whose every
 layer is chunked (the engine gives back the blocks of finished chunks,
 ``CacheConfig.attention_chunk_size``), and Llama-4's own mix of three chunked layers to one global
-NoPE layer (two layout groups, ``HybridKVCacheManager``: the chunked layers' group gives back its
+NoPE layer (two layer groups of one ``KVCacheManager``: the chunked layers' group gives back its
 finished chunks while the global group keeps every block).
 ``test_the_references_depend_on_the_chunk`` shows a path that ignored the chunks would fail.
 """
@@ -20,7 +20,7 @@ from transformers import Llama4ForCausalLM, Llama4TextConfig, LlamaConfig
 
 from vmemkv.engine import LLMEngine
 from vmemkv.errors import UnsupportedModelError
-from vmemkv.hybrid import HybridKVCacheManager
+from vmemkv.attention_spec import CHUNKED, AttentionSpec
 from vmemkv.hf_support import check_attention_supported, layer_chunks, uniform_chunk
 
 from test_sliding_window_models import close_clean, run_model
@@ -92,7 +92,12 @@ def test_engine_matches_hf_with_chunked_prefill(name, kv_backend):
     batch = prompts()
     engine, got = run_engine(name, batch, kv_backend=kv_backend, max_num_batched_tokens=8)
     assert_matches_hf(name, batch, got)
-    assert isinstance(engine.manager, HybridKVCacheManager) == (name == "llama4-mix")
+    groups = engine.manager.layout_groups
+    if name == "llama4-mix":  # the global NoPE layer, then the chunked layers
+        assert len(groups) == 2 and not groups[0].spec.releases
+        assert groups[1].spec == AttentionSpec(CHUNKED, CHUNK) and groups[1].layers == (0, 1, 2)
+    else:  # one group of every layer, chunked
+        assert len(groups) == 1 and groups[0].spec == AttentionSpec(CHUNKED, CHUNK)
     assert engine.manager.cache_stats().blocks_released_behind_window > 0
     close_clean(engine)
 

@@ -1,13 +1,16 @@
 """``CacheConfig.hash_seed``: None draws a random seed per manager (its hasher), so two managers
 in one process name the same tokens with different block hashes; the same seed gives the same
-hashes; a hybrid model's two layout groups share one seed even when none is given."""
+hashes; a hybrid model's manager has one hasher, so with no seed given the same tokens get one
+chain of hashes within the manager, and every layer group caches them under it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from test_hybrid_groups import close, make_hybrid
-from vmemkv import CacheConfig, KVCacheManager
+from test_hybrid_groups import THREE_KINDS, WINDOWS, close, make_hybrid, run
+from vmemkv import CacheConfig, KVCacheManager, KVRequest
+from vmemkv.request import RELEASED
 
 TOKENS = list(range(40))  # two full 16-token blocks and a partial one
 
@@ -30,10 +33,34 @@ def test_one_seed_gives_one_hash_per_content_across_managers():
     assert hashes(b"shared") == hashes(b"shared") != hashes(b"other")
 
 
-def test_a_hybrid_models_groups_share_the_seed_they_draw():
-    manager = make_hybrid(hash_seed=None)
+def cached_hashes(group, req) -> list[tuple[int, bytes]]:
+    """``(index, hash)`` of each full block ``req`` holds in ``group`` (of TOKENS' two)."""
+    return [(index, group.pool.hash_of[block]) for index, block in enumerate(req.group_block_table(group.index)[:2])
+            if block != RELEASED]
+
+
+@pytest.mark.parametrize("windows", [WINDOWS, THREE_KINDS], ids=["two-kinds", "three-kinds"])
+def test_a_hybrid_model_names_one_content_with_one_hash_in_every_group_with_a_drawn_seed(windows):
+    manager, other = make_hybrid(windows, hash_seed=None), make_hybrid(windows, hash_seed=None)
     try:
-        assert manager.global_group.hasher.seed == manager.local_group.hasher.seed
-        assert manager.global_group.match_prefix(TOKENS)[1] == manager.local_group.match_prefix(TOKENS)[1]
+        hashes = manager.match_prefix(TOKENS)[1]
+        assert len(hashes) == 2 and manager.match_prefix(list(TOKENS))[1] == hashes  # one hasher
+        req = run(manager, "a", TOKENS)
+        assert list(req.block_hashes) == hashes  # the request's chain is the manager's
+        groups = manager.layout_groups
+        assert len(groups) == len({str(spec) for spec in windows})
+        for group in groups:  # every group caches the content under the request's one chain
+            assert set(group.pool.block_of_hash) == set(hashes)
+            assert cached_hashes(group, req) == list(enumerate(hashes))[req.group_released_blocks(group.index):]
+        manager.free(req)
+        again = KVRequest("b", TOKENS + [1])
+        assert manager.admit(again) == 32  # every group hits the blocks its next query reads
+        for group in groups:
+            released = again.group_released_blocks(group.index)  # the chunked group reads from 32
+            assert released == (2 if group.spec.kind == "chunked_local" else 0)
+            assert cached_hashes(group, again) == list(enumerate(hashes))[released:]
+        other_hashes = other.match_prefix(TOKENS)[1]  # another manager draws its own seed
+        assert len(other_hashes) == 2 and not set(other_hashes) & set(hashes)
     finally:
         close(manager)
+        close(other)

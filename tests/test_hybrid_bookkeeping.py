@@ -1,10 +1,11 @@
-"""A hybrid manager's request bookkeeping: each admitted request has one local-group twin, made
-on the side and stored only once both groups took it. Queries, refused calls and another
-KVRequest object carrying a running request's id change nothing (no twin replaced, freed or
-left behind); ``check`` finds a twin of a request that is not admitted. Lookahead serves a
-request listed twice once, as one group does; ``reset_prefix_cache`` and the per-request queries
-answer for both groups. ``VmemkvCache`` on a hybrid manager: the local group is sized for a whole
-batch's prefill, a refusal names the group that is short, and the peak bytes count both groups."""
+"""A hybrid model's request bookkeeping: one ``KVRequest`` per request, with one allocation in
+each layer group (``request.allocations``), bound in every group or in none. Queries, refused
+calls and another KVRequest object carrying a running request's id change nothing (no allocation
+replaced, freed or left holding anything; nothing registered); ``check`` finds a request whose
+groups disagree and a block some group holds for no request. Lookahead serves a request listed
+twice once, as one group does; ``reset_prefix_cache`` and the per-request queries answer for
+every group. ``VmemkvCache`` on a hybrid manager: the local group is sized for a whole batch's
+prefill, a refusal names the group that is short, and the peak bytes count every group."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from vmemkv import CacheConfig, InvalidInputError, KVCacheManager, KVRequest, PrefixCacheBusyError
+from vmemkv.allocation import Allocation
 from vmemkv.errors import OutOfBlocksError, RequestStateError
 from vmemkv.integrations.transformers_cache import VmemkvCache
 
@@ -25,23 +27,38 @@ def hybrid(request):
     close(manager)
 
 
-def blocks(manager) -> tuple[int, int, int, int]:
-    """Each group's free and cached blocks."""
-    return (manager.global_group.num_free_blocks, manager.local_group.num_free_blocks,
-            manager.global_group.num_cached_blocks, manager.local_group.num_cached_blocks)
+def blocks(manager) -> tuple[int, ...]:
+    """Each group's free blocks, then each group's cached blocks."""
+    groups = manager.layout_groups
+    return (tuple(group.num_free_blocks for group in groups)
+            + tuple(group.num_cached_blocks for group in groups))
 
 
-# --- one twin per admitted request ---------------------------------------------------------------
+def holds_nothing(req: KVRequest) -> bool:
+    """No group binds a slot or holds a block for ``req``."""
+    return all(alloc.slot is None and not alloc.blocks and alloc.swapped is None
+               for alloc in req.allocations)
+
+
+def group_tables(req: KVRequest) -> tuple:
+    """The request's blocks and counts in every group."""
+    return tuple((alloc.slot, tuple(alloc.blocks), alloc.num_tokens, alloc.num_computed)
+                 for alloc in req.allocations)
+
+
+# --- one request, one allocation per group ---------------------------------------------------------
 
 def test_another_object_with_a_running_id_changes_nothing(hybrid):
     running = run(hybrid, "r1", list(range(40)))
-    twin, before = hybrid.local_request(running), blocks(hybrid)
+    allocations, tables, before = list(running.allocations), group_tables(running), blocks(hybrid)
     impostor = KVRequest("r1", list(range(10)))
     hybrid.match_prefix(impostor)
     hybrid.can_admit(impostor)
     with pytest.raises(RequestStateError, match="already admitted"):
         hybrid.admit(impostor)
-    assert hybrid.local_request(running) is twin and twin.token_ids is running.token_ids
+    assert hybrid.request("r1") is running and running.token_ids == list(range(40))
+    assert all(now is then for now, then in zip(running.allocations, allocations, strict=True))
+    assert group_tables(running) == tables and holds_nothing(impostor)
     assert blocks(hybrid) == before
     hybrid.check()
     assert decode(hybrid, running, 7) and reads_back(hybrid, running)
@@ -63,10 +80,12 @@ def test_a_request_of_another_manager_is_refused_before_anything(hybrid):
     other = make_hybrid()
     foreign = KVRequest("f", list(range(40)))
     other.match_prefix(foreign)  # its hash chain is the other manager's now
+    before = blocks(hybrid)
     for call in (hybrid.match_prefix, hybrid.can_admit, hybrid.admit):
         with pytest.raises(InvalidInputError, match="another KVCacheManager"):
             call(foreign)
-    assert hybrid._local == {}
+    assert hybrid.request_ids() == [] and blocks(hybrid) == before and holds_nothing(foreign)
+    assert foreign.chain.owner is other
     hybrid.check()
     close(other)
 
@@ -79,7 +98,8 @@ def test_bad_admission_arguments_are_refused_before_anything(hybrid, bad):
     before = blocks(hybrid)
     with pytest.raises(InvalidInputError):
         hybrid.admit(req, **bad)
-    assert blocks(hybrid) == before and hybrid._local == {} and req.chain.owner is None
+    assert blocks(hybrid) == before and hybrid.request_ids() == [] and req.chain.owner is None
+    assert holds_nothing(req)
     other = make_hybrid()  # the request binds to no manager: another one still admits it
     assert other.admit(req) == 0
     other.check()
@@ -107,68 +127,99 @@ def test_admit_takes_a_kv_request():
 def test_discarding_another_object_with_a_running_id_frees_nothing(hybrid):
     running = run(hybrid, "r1", list(range(40)))
     before = blocks(hybrid)
+    tables = group_tables(running)
     hybrid.discard(KVRequest("r1", list(range(10))))
-    assert hybrid.request("r1") is running and hybrid.local_group.request_ids() == ["r1"]
+    assert hybrid.request("r1") is running and hybrid.request_ids() == ["r1"]
+    assert group_tables(running) == tables  # still bound and holding its blocks in every group
+    assert all(alloc.slot == running.slot is not None for alloc in running.allocations)
     assert blocks(hybrid) == before
     hybrid.check()
     assert decode(hybrid, running, 7) and reads_back(hybrid, running)
-    hybrid.discard(running)  # the request itself: both halves go
-    assert hybrid.request_ids() == hybrid.local_group.request_ids() == []
+    hybrid.discard(running)  # the request itself: every group's part goes
+    assert hybrid.request_ids() == [] and holds_nothing(running)
+    assert all(group.num_blocks_in_use == 0 for group in hybrid.layout_groups)
     hybrid.check()
 
 
-def test_discarding_by_id_frees_both_groups_running_or_swapped(hybrid):
-    run(hybrid, "a", list(range(40)))
+def test_discarding_by_id_frees_every_group_running_or_swapped(hybrid):
+    running = run(hybrid, "a", list(range(40)))
     swapped = run(hybrid, "b", list(range(100, 140)))
     hybrid.preempt(swapped, "swap")
     for request_id in ("a", "b"):
         hybrid.discard(request_id)
-    assert hybrid.request_ids() == hybrid.local_group.request_ids() == []
-    assert hybrid.num_blocks_in_use == hybrid.local_group.num_blocks_in_use == 0
+    assert hybrid.request_ids() == [] and holds_nothing(running) and holds_nothing(swapped)
+    assert all(group.num_blocks_in_use == 0 for group in hybrid.layout_groups)
+    assert all(group.swap.num_free == group.swap.num_blocks for group in hybrid.layout_groups)
     hybrid.check()
 
 
-def test_queries_and_refused_admissions_leave_no_twin():
+def test_queries_and_refused_admissions_leave_nothing_behind():
     manager = make_hybrid(num_blocks=16)
+    before = blocks(manager)
+    waiting = []
     for i in range(50):
-        waiting = KVRequest(f"q{i}", list(range(200)))
-        manager.can_admit(waiting)
-        manager.match_prefix(waiting)
-    assert manager._local == {}
-    assert manager.admit(KVRequest("big", list(range(250)))) is None  # more blocks than there are
-    assert manager._local == {}
+        waiting.append(KVRequest(f"q{i}", list(range(200))))
+        manager.can_admit(waiting[-1])
+        manager.match_prefix(waiting[-1])
+    assert manager.request_ids() == [] and blocks(manager) == before
+    assert all(holds_nothing(req) for req in waiting)
+    big = KVRequest("big", list(range(250)))
+    assert manager.admit(big) is None  # more blocks than there are
+    assert manager.request_ids() == [] and blocks(manager) == before and holds_nothing(big)
+    assert manager.num_free_slots == manager.num_slots
     manager.check()
     close(manager)
 
 
-def test_a_recompute_preemption_drops_the_twin_and_readmission_makes_one(hybrid):
+def test_a_recompute_preemption_empties_every_group_and_readmission_binds_every_group(
+        hybrid, monkeypatch):
     req = run(hybrid, "r1", list(range(40)))
     hybrid.preempt(req, "recompute")
-    assert hybrid._local == {}
+    assert hybrid.request_ids() == [] and holds_nothing(req)
     hybrid.check()
     hashes = req.block_hashes
+    hashed = []  # blocks hashed from here on
+    block_hashes = hybrid.hasher.block_hashes
+    monkeypatch.setattr(hybrid.hasher, "block_hashes",
+                        lambda *args, **kwargs: hashed.extend(out := block_hashes(*args, **kwargs)) or out)
     assert hybrid.admit(req) == 32  # the two full blocks the preemption left cached
-    assert hybrid.local_request(req).block_hashes == hashes  # one chain, not hashed again
+    assert req.block_hashes == hashes and hashed == []  # one chain, not hashed again
+    assert all(alloc.slot == req.slot is not None and alloc.num_tokens == 40 and alloc.num_computed == 32
+               for alloc in req.allocations)
     hybrid.check()
 
 
-def test_check_finds_a_twin_of_a_request_not_admitted(hybrid):
-    run(hybrid, "r1", list(range(40)))
+def test_check_finds_a_group_out_of_step_with_the_request(hybrid):
+    req = run(hybrid, "r1", list(range(40)))
     hybrid.check()
-    hybrid._local["gone"] = KVRequest("gone", [1, 2, 3])
-    with pytest.raises(AssertionError, match="gone"):
+    local = req.allocations[1]
+    req.allocations[1] = Allocation()  # the local group's part of r1 as if never admitted
+    with pytest.raises(AssertionError, match="r1"):
         hybrid.check()
-    del hybrid._local["gone"]
+    req.allocations[1] = local
+    hybrid.check()
+
+
+def test_check_finds_a_block_a_group_holds_for_no_request(hybrid):
+    req = run(hybrid, "r1", list(range(40)))
+    pool = hybrid.layout_groups[1].pool
+    held = req.group_block_table(1)[req.group_released_blocks(1)]  # a full block, read only
+    pool.acquire([held])  # a reference no request holds (as a request the manager forgot would)
+    with pytest.raises(AssertionError, match="reference counts"):
+        hybrid.check()
+    pool.release([held])
+    hybrid.check()
 
 
 # --- lookahead ---------------------------------------------------------------------------------
 
 def test_lookahead_serves_a_request_listed_twice_once_as_one_group_does(hybrid):
     req = run(hybrid, "r1", list(range(31)))
-    free = blocks(hybrid)[:2]
+    groups = len(hybrid.layout_groups)
+    free = blocks(hybrid)[:groups]
     jobs = hybrid.allocate_lookahead([req, req, "r1"], 16)
-    assert len(jobs.global_jobs) == len(jobs.local_jobs) == 1
-    assert blocks(hybrid)[:2] == (free[0] - 1, free[1] - 1)
+    assert [(job.group, job.slot, len(job.blocks)) for job in jobs] == [(g, req.slot, 1) for g in range(groups)]
+    assert blocks(hybrid)[:groups] == tuple(count - 1 for count in free)
     hybrid.map_lookahead(jobs)
     hybrid.check()
     # one group: the same request three times gets one block
@@ -185,34 +236,36 @@ def test_lookahead_serves_a_request_listed_twice_once_as_one_group_does(hybrid):
 
 # --- reset_prefix_cache and the per-request queries ----------------------------------------------
 
-def test_reset_prefix_cache_refuses_while_either_group_holds_blocks_then_clears_both(hybrid):
+def test_reset_prefix_cache_refuses_while_any_group_holds_blocks_then_clears_every_group(hybrid):
     done = run(hybrid, "done", list(range(40)))
     hybrid.free(done)
     running = run(hybrid, "r1", list(range(100, 140)))
+    groups = len(hybrid.layout_groups)
     before = blocks(hybrid)
-    assert before[2] and before[3]  # cached blocks in both groups
-    with pytest.raises(PrefixCacheBusyError, match="global layers' group"):
+    assert all(before[groups:])  # cached blocks in every group
+    with pytest.raises(PrefixCacheBusyError, match=r"\d+ blocks are held by 1 request"):  # the global group's
         hybrid.reset_prefix_cache()
     assert blocks(hybrid) == before
     hybrid.free(running)
     cached = hybrid.num_cached_blocks
     assert hybrid.reset_prefix_cache() == cached  # the global group's, as its block counts
-    assert hybrid.num_cached_blocks == hybrid.local_group.num_cached_blocks == 0
+    assert all(group.num_cached_blocks == 0 for group in hybrid.layout_groups)
     again = KVRequest("again", list(range(40)))
     assert hybrid.admit(again) == 0  # nothing left to hit
     hybrid.check()
 
 
-def test_per_request_queries_answer_for_both_groups(hybrid):
+def test_per_request_queries_answer_for_every_group(hybrid):
     req = run(hybrid, "r1", list(range(40)))
     assert decode(hybrid, req, 9)
     assert hybrid.allocate(req, 3)  # reserved, not computed yet
-    assert hybrid.slot_of("r1") == req.slot == hybrid.local_request(req).slot
+    assert all(hybrid.slot_of("r1") == req.slot == alloc.slot for alloc in req.allocations)
     assert hybrid.num_tokens(req) == 44 and hybrid.num_computed_tokens("r1") == 41
+    assert all((alloc.num_tokens, alloc.num_computed) == (44, 41) for alloc in req.allocations)
     assert hybrid.token_ids("r1") == list(range(40)) + [9]
 
 
-def test_can_swap_in_asks_both_groups():
+def test_can_swap_in_asks_every_group():
     # room for four requests; the local group holds 6 blocks: a 40-token request keeps 2 of them
     # once committed (its first block is behind the window), 3 while its prompt is written
     manager = make_hybrid(max_num_seqs=4, local_blocks=6)
@@ -221,7 +274,7 @@ def test_can_swap_in_asks_both_groups():
     assert manager.can_swap_in(swapped)
     others = [run(manager, name, list(range(start, start + 40))) for name, start in (("b", 100), ("c", 200))]
     others.append(run(manager, "d", list(range(300, 317))))  # two blocks: the local group is full
-    assert manager.local_group.num_free_blocks == 0 < manager.global_group.num_free_blocks
+    assert manager.layout_groups[1].num_free_blocks == 0 < manager.layout_groups[0].num_free_blocks
     assert manager.num_free_slots == 1
     assert not manager.can_swap_in("a") and not manager.swap_in("a")
     manager.free(others.pop())
@@ -240,24 +293,26 @@ def forward(cache: VmemkvCache, ids: torch.Tensor) -> None:
         cache.update(kv, kv, layer)
 
 
-def test_a_cache_refusal_names_the_short_group_and_leaves_no_twin():
+def test_a_cache_refusal_names_the_short_group_and_leaves_nothing_held():
     manager = make_hybrid(local_blocks=4)  # one 40-token prompt needs 3 local blocks at once
     cache = VmemkvCache(manager)
     ids = torch.arange(80).reshape(2, 40) + 1
-    with pytest.raises(OutOfBlocksError, match=r"row 1 of 2 .*the local layers' group has 1 pages free of 4 "
-                                               r"\(the global layers' group \d+ of \d+\)"):
+    with pytest.raises(OutOfBlocksError, match=r"row 1 of 2 .*the sliding window of 20 layers' group has 1 pages "
+                                               r"free of 4 \(the full attention layers' group \d+ of \d+\)"):
         forward(cache, ids)
-    assert manager.request_ids() == [] and manager._local == {}
+    assert manager.request_ids() == []
+    assert all(group.num_blocks_in_use == 0 for group in manager.layout_groups)
     manager.check()
     close(manager)
 
 
-def test_the_cache_peak_counts_both_groups_bytes():
+def test_the_cache_peak_counts_every_groups_bytes():
     manager = make_hybrid()
     cache = VmemkvCache(manager)
     forward(cache, torch.arange(80).reshape(2, 40) + 1)
-    both = sum(group.num_blocks_in_use * group.block_bytes for group in (manager.global_group, manager.local_group))
-    assert manager.local_group.num_blocks_in_use == 6  # every prompt block until the commit
+    both = sum(group.num_blocks_in_use * group.block_bytes for group in manager.layout_groups)
+    assert len(manager.layout_groups) == 2
+    assert manager.layout_groups[1].num_blocks_in_use == 6  # every prompt block until the commit
     assert cache.peak_kv_bytes == both == manager.kv_bytes_in_use
     assert cache.peak_pages_in_use * cache.page_bytes < both  # the global group's blocks only
     cache.release()
@@ -279,28 +334,32 @@ def test_a_gemma2_batch_prefilled_in_one_forward_fits_and_matches_hf():
     with VmemkvCache.from_model(model, max_batch_size=4, max_cache_len=64, tokens_per_page=4) as cache:
         got = generate(model, ids, cache, **kwargs)
         assert torch.equal(got, want)
-        assert cache.manager.local_group.num_blocks >= 4 * 56 // 4
+        assert len(cache.manager.layout_groups) == 2
+        assert cache.manager.layout_groups[1].num_blocks >= 4 * 56 // 4
         cache.manager.check()
 
 
 # --- an engine step's batched calls ---------------------------------------------------------------
 
-def test_allocate_each_grants_a_prefix_in_both_groups_and_leaves_the_refused_unchanged(hybrid):
+def test_allocate_each_grants_a_prefix_in_every_group_and_leaves_the_refused_unchanged(hybrid):
     a, b = run(hybrid, "a", list(range(30))), run(hybrid, "b", list(range(100, 130)))
-    free = hybrid.global_group.num_free_blocks
+    global_group, local_group = hybrid.layout_groups
+    free = global_group.num_free_blocks
     with pytest.raises(InvalidInputError):  # bad input raises before any change
         hybrid.allocate_each([a, b], [1, -1])
-    assert (a.num_tokens, b.num_tokens, hybrid.global_group.num_free_blocks) == (30, 30, free)
+    assert (a.num_tokens, b.num_tokens, global_group.num_free_blocks) == (30, 30, free)
     a.token_ids.append(7)
     b.token_ids.extend(range(200, 400))  # 13 more blocks: more than the local group has free
-    assert hybrid.local_group.num_free_blocks < 13
+    assert local_group.num_free_blocks < 13
+    b_tables = group_tables(b)
     assert hybrid.allocate_each([a, b], [1, 200]) == 1
     assert a.num_tokens == 31 and b.num_tokens == 30
-    assert hybrid.local_request(a).num_tokens == 31 and hybrid.local_request(b).num_tokens == 30
+    assert a.allocations[1].num_tokens == 31 and b.allocations[1].num_tokens == 30
+    assert group_tables(b) == b_tables
     hybrid.check()
 
 
-def test_commit_all_checks_every_request_in_both_groups_before_committing_any(hybrid):
+def test_commit_all_checks_every_request_in_every_group_before_committing_any(hybrid):
     a, b = run(hybrid, "a", list(range(30))), run(hybrid, "b", list(range(100, 130)))
     for req in (a, b):
         req.token_ids.append(5)
@@ -309,8 +368,8 @@ def test_commit_all_checks_every_request_in_both_groups_before_committing_any(hy
     del b.token_ids[-1]  # b reserved a position whose token id is gone: its commit is refused
     with pytest.raises(RequestStateError):
         hybrid.commit_all([a, b])
-    assert a.num_computed_tokens == hybrid.local_request(a).num_computed_tokens == 30
+    assert [alloc.num_computed for req in (a, b) for alloc in req.allocations] == [30] * 4
     b.token_ids.append(5)
     hybrid.commit_all([a, b])
-    assert [r.num_computed_tokens for r in (a, b, hybrid.local_request(a), hybrid.local_request(b))] == [31] * 4
+    assert [alloc.num_computed for req in (a, b) for alloc in req.allocations] == [31] * 4
     hybrid.check()

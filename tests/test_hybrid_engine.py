@@ -1,5 +1,5 @@
 """The engine on models mixing local and global layers (tiny Gemma-2 / Gemma-3 / GPT-OSS) runs a
-``HybridKVCacheManager`` on both KV backends and gives Hugging Face's greedy tokens: over a long
+``KVCacheManager`` of two layer groups (global, then sliding-window layers) on both KV backends and gives Hugging Face's greedy tokens: over a long
 generation with chunked prefill (the local group's blocks behind the window go back to its pool),
 with prefix hits, and under preemption by swap and by recompute. On block tables each group's
 layers read through that group's own table (``addressing.GroupedBlockTableAddressing``)."""
@@ -16,7 +16,8 @@ from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
 from vmemkv.engine.addressing import GroupedBlockTableAddressing
 from vmemkv.engine.llm_engine import run_to_completion
 from vmemkv.engine.models import byte_tokenizer, load_model
-from vmemkv.hybrid import HybridKVCacheManager
+from vmemkv import KVCacheManager
+from vmemkv.attention_spec import SLIDING
 from vmemkv.request import RELEASED
 
 from test_sliding_window_models import build, prompts, reference
@@ -34,20 +35,28 @@ def hybrid_engine(name: str, monkeypatch, **overrides) -> LLMEngine:
     options = dict(max_num_seqs=4, max_model_len=96, tokens_per_page=4, max_num_batched_tokens=8,
                    swap_space_bytes=1 << 20)
     engine = LLMEngine(EngineConfig(**{**options, **overrides}), model=build(name), tokenizer=byte_tokenizer())
-    assert isinstance(engine.manager, HybridKVCacheManager)
+    assert is_layered(engine.manager)
     if engine.config.kv_backend == "paged":
         assert isinstance(engine.addressing, GroupedBlockTableAddressing)
         writes_only_held_blocks(monkeypatch, engine.manager)
     return engine
 
 
-def writes_only_held_blocks(monkeypatch, manager: HybridKVCacheManager) -> None:
+def is_layered(manager: KVCacheManager) -> bool:
+    """Whether the manager keeps the model's global and sliding-window layers in two layer groups
+    (the old ``HybridKVCacheManager``)."""
+    groups = manager.layout_groups
+    return (len(groups) == 2 and not groups[0].spec.releases and groups[1].spec.kind == SLIDING
+            and groups[1].window is not None)
+
+
+def writes_only_held_blocks(monkeypatch, manager: KVCacheManager) -> None:
     """On block tables, check every K/V write of every layer: it lands in a block its layer's
     group holds privately (reference count 1), never in a free block or another group's id."""
     write = WRITE  # not a write patched for an earlier engine of the same test
 
     def checked(self, layer, key, value):
-        group = manager._where[layer][0]
+        group = manager.layer_group(layer)
         for block in self.write_blocks.tolist():
             assert group.pool.ref[block] == 1, f"layer {layer} writes block {block}, not held privately"
         write(self, layer, key, value)
@@ -74,8 +83,7 @@ def close_clean(engine: LLMEngine) -> None:
     manager = engine.manager
     manager.check()
     assert manager.num_blocks_in_use == 0
-    if isinstance(manager, HybridKVCacheManager):
-        assert manager.local_group.num_blocks_in_use == 0
+    assert all(group.num_blocks_in_use == 0 for group in manager.layout_groups)
     engine.close()
 
 
@@ -89,13 +97,13 @@ def test_engine_releases_local_blocks_over_a_long_generation_and_matches_hf(name
     for index, prompt in enumerate(batch):
         engine.add_request(str(index), prompt, params)
     tokens: dict[str, list[int]] = {}
-    bound = manager.local_group.blocks_for_tokens(96, 8)  # the window plus one chunk
+    bound = manager.layout_groups[1].blocks_for_tokens(96, 8)  # the window plus one chunk
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
                 tokens[output.request_id] = output.outputs[0].token_ids
         for seq in engine.scheduler.running:
-            assert held(manager.local_request(seq.kv).block_table) <= bound
+            assert held(seq.kv.group_block_table(1)) <= bound
         manager.check()
     for index, prompt in enumerate(batch):
         assert tokens[str(index)] == hf_tokens(name, prompt), f"{name}: prompt {index} diverged"
@@ -154,7 +162,8 @@ def test_the_built_in_tiny_gemma2_matches_hf_releasing_or_keeping_every_block(kv
     engine = LLMEngine(EngineConfig(model="tiny-gemma2", max_num_seqs=3, max_model_len=256,
                                     kv_backend=kv_backend, release_behind_window=release),
                        model, tokenizer)
-    assert isinstance(engine.manager, HybridKVCacheManager) == release
+    assert is_layered(engine.manager) == release
+    assert len(engine.manager.layout_groups) == (2 if release else 1)
     batch = prompts((30, 12, 21))
     final = generate_n(engine, batch, 160)
     for index, prompt in enumerate(batch):

@@ -1,8 +1,10 @@
-"""KV events of a hybrid model: each layout group's pool publishes its own blocks, tagged as vLLM's
-hybrid KV cache tags them (``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``),
-so a subscriber rebuilds each group's cached hashes from the events alone. Specs, the wire
-encoding (vLLM's field order, read by a msgspec decoder of vLLM's newer shape), a random walk that
-compares the rebuilt indexes with both pools after every step, and the engine's published batches.
+"""KV events of a hybrid model: each layer group's pool tells the manager's sink its own blocks,
+tagged as vLLM's hybrid KV cache tags them (``group_idx``, ``kv_cache_spec_kind``,
+``kv_cache_spec_sliding_window``), so a subscriber rebuilds each group's cached hashes from the
+events alone. A request has one hash chain (one hasher), so the same content has the same hash
+in every group. Specs, the wire encoding (vLLM's field order, read by a msgspec decoder of vLLM's
+newer shape), a random walk over two and three kinds of layer that compares the rebuilt indexes
+with every group's pool after every step, and the engine's published batches.
 """
 
 from __future__ import annotations
@@ -11,21 +13,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from test_hybrid_groups import BACKENDS, P, W, close, decode, make_hybrid, run
+from test_hybrid_groups import BACKENDS, P, THREE_KINDS, W, WINDOWS, close, decode, make_hybrid, run
 from vmemkv import BlockRemoved, BlockStored, KVEventBuffer, KVRequest
 from vmemkv.kv_events import AllBlocksCleared, decode_batch, encode_batch
 
-GLOBAL, LOCAL = 0, 1  # group_idx of each group
+GLOBAL, LOCAL, CHUNKED_LOCAL = 0, 1, 2  # group_idx of each group (THREE_KINDS has the third)
+THREE_KINDS_SPECS = {GLOBAL: ("full_attention", None), LOCAL: ("sliding_window", W),
+                     CHUNKED_LOCAL: ("chunked_local_attention", None)}
 
 
 class GroupIndex:
     """What a router knows of each group's device cache: group -> hash -> tokens, from events
-    alone (``block_size`` tokens a block; the local layers' window ``window``)."""
+    alone (``block_size`` tokens a block; the local layers' window ``window``; ``specs``: each
+    group's kind and window, by default a global and a sliding-window group)."""
 
-    def __init__(self, block_size: int = P, window: int = W) -> None:
+    def __init__(self, block_size: int = P, window: int = W, specs: dict | None = None) -> None:
         self.block_size = block_size
-        self.spec = {GLOBAL: ("full_attention", None), LOCAL: ("sliding_window", window)}
-        self.blocks: dict[int, dict[bytes, tuple[int, ...]]] = {GLOBAL: {}, LOCAL: {}}
+        self.spec = specs or {GLOBAL: ("full_attention", None), LOCAL: ("sliding_window", window)}
+        self.blocks: dict[int, dict[bytes, tuple[int, ...]]] = {group: {} for group in self.spec}
 
     def apply(self, event) -> None:
         size = self.block_size
@@ -34,7 +39,10 @@ class GroupIndex:
             assert event.block_size == size and len(event.token_ids) == size * len(event.block_hashes)
             for i, block_hash in enumerate(event.block_hashes):
                 assert block_hash not in self.blocks[event.group_idx], "stored twice"
-                self.blocks[event.group_idx][block_hash] = tuple(event.token_ids[i * size:(i + 1) * size])
+                tokens = tuple(event.token_ids[i * size:(i + 1) * size])
+                # one hash chain per request: a hash names the same tokens in every group
+                assert all(blocks.get(block_hash, tokens) == tokens for blocks in self.blocks.values())
+                self.blocks[event.group_idx][block_hash] = tokens
         elif isinstance(event, BlockRemoved):
             for block_hash in event.block_hashes:
                 del self.blocks[event.group_idx][block_hash]
@@ -49,8 +57,9 @@ class GroupIndex:
             self.apply(event)
 
     def matches(self, manager) -> bool:
-        return (set(self.blocks[GLOBAL]) == set(manager.global_group.pool.block_of_hash)
-                and set(self.blocks[LOCAL]) == set(manager.local_group.pool.block_of_hash))
+        groups = manager.layout_groups
+        return (sorted(self.blocks) == [group.index for group in groups]
+                and all(set(self.blocks[group.index]) == set(group.pool.block_of_hash) for group in groups))
 
 
 @pytest.fixture
@@ -58,15 +67,18 @@ def events():
     return KVEventBuffer()
 
 
-def test_each_group_stores_its_blocks_under_one_hash_per_content(events):
-    manager = make_hybrid(events=events, hash_seed=None)  # one random seed for both groups
+@pytest.mark.parametrize("windows", [WINDOWS, THREE_KINDS], ids=["two-kinds", "three-kinds"])
+def test_each_group_stores_its_blocks_under_one_hash_per_content(events, windows):
+    manager = make_hybrid(windows, events=events, hash_seed=None)  # one random seed, one hasher
     try:
         a = run(manager, "a", list(range(2 * P + 3)))
         stored = events.drain().events
-        assert [(e.group_idx, len(e.block_hashes)) for e in stored] == [(GLOBAL, 2), (LOCAL, 2)]
-        assert stored[0].block_hashes == stored[1].block_hashes  # the same content, the same hash
-        assert stored[0].token_ids == stored[1].token_ids == list(range(2 * P))
-        assert stored[0].block_hashes == list(manager.global_group.pool.block_of_hash)
+        groups = range(len(manager.layout_groups))
+        assert [(e.group_idx, len(e.block_hashes)) for e in stored] == [(g, 2) for g in groups]
+        for event in stored:  # the same content, the same hash: the request's one chain
+            assert event.block_hashes == stored[0].block_hashes == list(a.block_hashes)
+            assert event.token_ids == list(range(2 * P)) and event.parent_block_hash is None
+            assert event.block_hashes == list(manager.layout_groups[event.group_idx].pool.block_of_hash)
         manager.free(a)
     finally:
         close(manager)
@@ -146,12 +158,14 @@ OPS = st.lists(st.tuples(st.sampled_from(["admit", "admit", "decode", "free", "s
                          st.integers(0, 5), st.integers(1, 60)), min_size=10, max_size=30)
 
 
+@pytest.mark.parametrize("windows", [WINDOWS, THREE_KINDS], ids=["two-kinds", "three-kinds"])
 @pytest.mark.parametrize("kv_backend", BACKENDS)
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(ops=OPS)
-def test_events_rebuild_both_groups_cached_hashes(kv_backend, ops):
-    events, index = KVEventBuffer(), GroupIndex()
-    manager = make_hybrid(num_blocks=8, kv_backend=kv_backend, events=events, local_blocks=6)
+def test_events_rebuild_every_groups_cached_hashes(kv_backend, windows, ops):
+    events = KVEventBuffer()
+    index = GroupIndex(specs=THREE_KINDS_SPECS if windows is THREE_KINDS else None)
+    manager = make_hybrid(windows, num_blocks=8, kv_backend=kv_backend, events=events, local_blocks=6)
     running, swapped, preempted = {}, {}, {}
     try:
         for number, (op, pick, size) in enumerate(ops):
@@ -201,7 +215,7 @@ def test_events_rebuild_both_groups_cached_hashes(kv_backend, ops):
 
 # --- the engine ----------------------------------------------------------------------------------------
 
-def test_the_engine_publishes_both_groups_events(monkeypatch):
+def test_the_engine_publishes_every_groups_events(monkeypatch):
     pytest.importorskip("zmq", reason="the engine's KV event publisher needs pyzmq")
     pytest.importorskip("msgpack", reason="the engine's KV event publisher needs msgpack")
     from test_hybrid_engine import generate, hf_tokens, hybrid_engine

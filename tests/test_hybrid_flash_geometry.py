@@ -1,4 +1,4 @@
-"""FlashAttention over the slots of a hybrid model's two layout groups: each layer's slot views
+"""FlashAttention over the slots of a hybrid model's two layer groups: each layer's slot views
 are flattened with its own group's geometry. In the per-layer layout a slot's rows span its
 group's layers, so a Gemma-3-like model with two local layers and one global layer has slots of
 different rows in its two groups; one geometry for every layer (layer 0's) would make the global
@@ -21,7 +21,7 @@ from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
 from vmemkv.engine import addressing
 from vmemkv.engine.llm_engine import run_to_completion
 from vmemkv.engine.models import byte_tokenizer
-from vmemkv.hybrid import HybridKVCacheManager
+from vmemkv.attention_spec import SLIDING
 
 from test_sliding_window_models import build, prompts
 
@@ -50,7 +50,10 @@ def test_flash_over_hybrid_slots_uses_each_groups_geometry_and_matches_hf(layout
                                     max_num_batched_tokens=8, swap_space_bytes=1 << 20, layout=layout),
                        model=model, tokenizer=byte_tokenizer())
     manager = engine.manager
-    assert isinstance(manager, HybridKVCacheManager) and engine.attention_kernel == "flash-reference"
+    global_group, local_group = manager.layout_groups
+    assert global_group.layers == (2,) and not global_group.spec.releases
+    assert local_group.layers == (0, 1) and local_group.spec.kind == SLIDING
+    assert engine.attention_kernel == "flash-reference"
     geometry = addressing.layer_geometries(manager)
     # per_layer: the local group's slots span two layers, the global group's one
     assert (len(set(geometry)) == 2) == (layout == "per_layer")
@@ -66,5 +69,5 @@ def test_flash_over_hybrid_slots_uses_each_groups_geometry_and_matches_hf(layout
     if layout == "token_major":  # per_layer pages hold more tokens than these sequences reach
         assert engine.stats()["blocks_released_behind_window"] > 0
     manager.check()
-    assert manager.num_blocks_in_use == 0 and manager.local_group.num_blocks_in_use == 0
+    assert manager.num_blocks_in_use == 0 and local_group.num_blocks_in_use == 0
     engine.close()

@@ -80,11 +80,12 @@ def hf_tokens(shape: str, prompt: tuple[int, ...], new_tokens: int) -> tuple[int
 
 
 def run(shape: str, batch: list[list[int]], new_tokens: int = NEW_TOKENS, **overrides):
-    """(each prompt's tokens, the engine's stats, its attention label, whether it was hybrid)."""
+    """(each prompt's tokens, the engine's stats, its attention label, whether it was hybrid: the
+    global layers in layer group 0 and the local ones, window ``WINDOW``, in group 1)."""
     from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
     from vmemkv.engine.llm_engine import run_to_completion
     from vmemkv.engine.models import byte_tokenizer
-    from vmemkv.hybrid import HybridKVCacheManager
+    from vmemkv.attention_spec import SLIDING, AttentionSpec
 
     options = dict(device=DEVICE, dtype=str(SHAPES[shape]["dtype"]).removeprefix("torch."), max_num_seqs=4,
                    max_model_len=256, max_num_batched_tokens=64, swap_space_bytes=64 << 20)
@@ -92,14 +93,19 @@ def run(shape: str, batch: list[list[int]], new_tokens: int = NEW_TOKENS, **over
                        tokenizer=byte_tokenizer())
     try:
         manager = engine.manager
-        hybrid = isinstance(manager, HybridKVCacheManager)
+        groups = manager.layout_groups
+        hybrid = len(groups) == 2
+        if hybrid:
+            assert groups[0].layers == (1, 3) and not groups[0].spec.releases
+            assert groups[1].layers == (0, 2) and groups[1].spec == AttentionSpec(SLIDING, WINDOW)
+        else:
+            assert len(groups) == 1
         assert manager.tokens_per_page == SHAPES[shape]["tokens_per_page"]
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
         final = run_to_completion(engine, [(str(i), p, params) for i, p in enumerate(batch)])
         manager.check()
         assert manager.num_blocks_in_use == 0
-        if hybrid:
-            assert manager.local_group.num_blocks_in_use == 0
+        assert all(group.num_blocks_in_use == 0 for group in groups)
         tokens = [final[str(i)].outputs[0].token_ids for i in range(len(batch))]
         return tokens, engine.stats(), engine.attention_kernel, hybrid
     finally:

@@ -1,9 +1,9 @@
-"""Models mixing local (sliding-window) and global layers keep each kind in its own layout group
-(``HybridKVCacheManager``): the local group's blocks behind the window go back to its pool while
-the global group grows. The grouping, the routing of views, the bound on local blocks, prefix
-hits that need the global prefix and the local window, refusals that change nothing, a random
-walk with K/V read back bit-exact, on both KV backends (slots and block tables; the engine's
-side is in ``test_hybrid_engine.py``)."""
+"""Models mixing local (sliding-window, chunked) and global layers keep each kind in its own layer
+group of one ``KVCacheManager`` (``layer_windows``): a local group's blocks behind the window go
+back to its pool while the global group grows. The grouping, the routing of views, the bound on
+local blocks, prefix hits that need the global prefix and the local window, refusals that change
+nothing, a random walk with K/V read back bit-exact over two and three kinds of layer, on both KV
+backends (slots and block tables; the engine's side is in ``test_hybrid_engine.py``)."""
 
 from __future__ import annotations
 
@@ -14,31 +14,33 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vmemkv import CacheConfig, ConfigError, KVRequest
+from vmemkv import CacheConfig, ConfigError, KVCacheManager, KVRequest
+from vmemkv.attention_spec import CHUNKED, AttentionSpec
 from vmemkv.hf_support import hybrid_layer_windows
-from vmemkv.hybrid import HybridKVCacheManager, hybrid_manager
 from vmemkv.layer_groups import LayerGroups
 from vmemkv.request import RELEASED
 
-from conftest import close_manager, read_kv_matches, write_kv
+from conftest import close_manager, group_view, groups_read_back, write_groups
 from test_sliding_window_models import build, prompts, reference
 
 P = 16  # tokens per page of each group below (one 4 KiB page of 256 B rows)
 W = 20  # the local layers' window
 WINDOWS = [W, W, W, None]  # three local layers, one global (as Gemma-3 interleaves them)
+C = 32  # attention chunks of a third kind of layer
+THREE_KINDS = [W, AttentionSpec(CHUNKED, C), None, None]  # sliding, chunked local, two global
 
 
-def make_hybrid(**overrides) -> HybridKVCacheManager:
+def make_hybrid(windows=WINDOWS, **overrides) -> KVCacheManager:
     options = dict(num_layers=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, num_blocks=40,
                    max_num_seqs=3, max_model_len=256, swap_space_bytes=64 << 10, hash_seed=b"hybrid")
     local_blocks, events = overrides.pop("local_blocks", None), overrides.pop("events", None)
     config = CacheConfig(**{**options, **overrides})
-    return HybridKVCacheManager(config, WINDOWS, chunk_tokens=32, local_blocks=local_blocks, events=events)
+    return KVCacheManager(config, layer_windows=windows, chunk_tokens=32, local_blocks=local_blocks,
+                          events=events)
 
 
-def close(manager: HybridKVCacheManager) -> None:
-    close_manager(manager.global_group)
-    close_manager(manager.local_group)
+def close(manager: KVCacheManager) -> None:
+    close_manager(manager)
 
 
 BACKENDS = ["vmem", "paged"]  # virtually contiguous slots, block tables (the same groups and pools)
@@ -51,21 +53,18 @@ def hybrid(request):
     close(manager)
 
 
-def write(manager: HybridKVCacheManager, req: KVRequest, start: int, end: int) -> None:
+def write(manager: KVCacheManager, req: KVRequest, start: int, end: int) -> None:
     """Write positions [start, end) of every layer, as a forward pass would."""
-    write_kv(manager.global_group, req.request_id, start, end)
-    write_kv(manager.local_group, req.request_id, start, end)
+    write_groups(manager, req.request_id, start, end)
 
 
-def reads_back(manager: HybridKVCacheManager, req: KVRequest) -> bool:
+def reads_back(manager: KVCacheManager, req: KVRequest) -> bool:
     """Every global position and every local one from the first held block reads back its own
     bytes."""
-    local = manager.local_request(req)
-    return (read_kv_matches(manager.global_group, req.request_id)
-            and read_kv_matches(manager.local_group, req.request_id, start=local.num_released_blocks * P))
+    return groups_read_back(manager, req.request_id)
 
 
-def run(manager: HybridKVCacheManager, request_id: str, token_ids: list[int]) -> KVRequest:
+def run(manager: KVCacheManager, request_id: str, token_ids: list[int]) -> KVRequest:
     req = KVRequest(request_id, list(token_ids))
     cached = manager.admit(req)
     assert cached is not None
@@ -74,7 +73,7 @@ def run(manager: HybridKVCacheManager, request_id: str, token_ids: list[int]) ->
     return req
 
 
-def decode(manager: HybridKVCacheManager, req: KVRequest, token: int) -> bool:
+def decode(manager: KVCacheManager, req: KVRequest, token: int) -> bool:
     req.token_ids.append(token)
     if not manager.allocate(req, 1):
         req.token_ids.pop()
@@ -84,12 +83,12 @@ def decode(manager: HybridKVCacheManager, req: KVRequest, token: int) -> bool:
     return True
 
 
-def free_all(manager: HybridKVCacheManager, requests: list[KVRequest]) -> None:
+def free_all(manager: KVCacheManager, requests: list[KVRequest]) -> None:
     """Free every request; then both groups hold no block."""
     for req in requests:
         manager.free(req)
     manager.check()
-    assert manager.num_blocks_in_use == 0 and manager.local_group.num_blocks_in_use == 0
+    assert all(group.num_blocks_in_use == 0 for group in manager.layout_groups)
 
 
 def held(table) -> int:
@@ -98,13 +97,14 @@ def held(table) -> int:
 
 # --- the groups ---------------------------------------------------------------------------------
 
-def test_layers_are_grouped_by_kind():
+def test_layers_are_grouped_by_kind_full_attention_first():
     groups = LayerGroups.from_windows([8, None, 8, None, 8])
-    assert groups == LayerGroups((1, 3), (0, 2, 4), 8)
-    with pytest.raises(ConfigError, match="one window"):
-        LayerGroups.from_windows([8, 16, None])
-    with pytest.raises(ConfigError, match="every layer slides"):
-        LayerGroups.from_windows([8, 8])
+    assert groups == LayerGroups((AttentionSpec(), AttentionSpec("sliding_window", 8)), ((1, 3), (0, 2, 4)))
+    three = LayerGroups.from_windows([8, 16, None, AttentionSpec(CHUNKED, 4)])
+    assert [spec.describe() for spec in three.specs] == [
+        "full attention", "sliding window of 8", "sliding window of 16", "attention chunks of 4"]
+    assert three.layers == ((2,), (0,), (1,), (3,))
+    assert LayerGroups.from_windows([8, 8]).layers == ((0, 1),)  # one kind: one group
 
 
 def test_hybrid_windows_come_from_the_model_config():
@@ -113,34 +113,39 @@ def test_hybrid_windows_come_from_the_model_config():
     assert hybrid_layer_windows(build("mistral").config, 64) is None  # every layer slides
 
 
-def test_a_config_that_is_not_hybrid_is_refused():
+def test_windows_for_every_layer_and_per_layer_are_not_both_given():
     config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, num_blocks=8, max_num_seqs=2,
                          max_model_len=64, sliding_window=8)
     with pytest.raises(ConfigError, match="per layer"):
-        HybridKVCacheManager(config, [8, None])
+        KVCacheManager(config, layer_windows=[8, None])
     with pytest.raises(ConfigError, match="entries"):
-        HybridKVCacheManager(CacheConfig(**{**config.__dict__, "sliding_window": None}), [8])
+        KVCacheManager(CacheConfig(**{**config.__dict__, "sliding_window": None}), layer_windows=[8])
 
 
-def test_the_engine_gets_a_hybrid_manager_only_where_the_groups_can_share_one_page():
+def test_the_engine_gets_layer_groups_only_where_the_groups_can_share_one_page():
     options = dict(num_layers=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, num_blocks=8,
                    max_num_seqs=2, max_model_len=64)
-    manager = hybrid_manager(CacheConfig(**options), WINDOWS)
-    assert isinstance(manager, HybridKVCacheManager)
+    manager = KVCacheManager.for_layers(CacheConfig(**options), WINDOWS)
+    assert len(manager.layout_groups) == 2
     manager.close()
-    assert hybrid_manager(CacheConfig(**options), None) is None  # not a hybrid model
+    manager = KVCacheManager.for_layers(CacheConfig(**options), None)  # not a hybrid model
+    assert len(manager.layout_groups) == 1 and manager.window is None
+    manager.close()
     # 16 KiB pages: 64 tokens of the one global layer, not a whole number of three layers' rows
     odd = CacheConfig(**options, page_size=16 << 10)
-    assert hybrid_manager(odd, WINDOWS) is None
+    manager = KVCacheManager.for_layers(odd, WINDOWS)
+    assert len(manager.layout_groups) == 1  # every layer keeps every block
+    manager.close()
     with pytest.raises(ConfigError, match="page size"):
-        HybridKVCacheManager(odd, WINDOWS)
+        KVCacheManager(odd, layer_windows=WINDOWS)
 
 
 def test_each_layer_reads_its_groups_views(hybrid):
     assert hybrid.tokens_per_page == P
     views = "kv_views" if hybrid.config.kv_backend == "vmem" else "block_views"
-    for layer, (group, index) in enumerate([(hybrid.local_group, 0), (hybrid.local_group, 1),
-                                            (hybrid.local_group, 2), (hybrid.global_group, 0)]):
+    local_group, global_group = hybrid.layout_groups[1], hybrid.layout_groups[0]
+    for layer, (group, index) in enumerate([(local_group, 0), (local_group, 1),
+                                            (local_group, 2), (global_group, 0)]):
         for view, own in zip(getattr(hybrid, views)(layer), getattr(group, views)(index)):
             assert (view.data_ptr(), view.stride(), view.shape) == (own.data_ptr(), own.stride(), own.shape)
 
@@ -159,21 +164,21 @@ def test_local_blocks_stay_within_the_window_while_the_global_group_grows(hybrid
         hybrid.check()
     assert reads_back(hybrid, req)
     assert most_local <= -(-W // P) + 2 and held(hybrid.block_table(req, 3)) == 14
-    assert hybrid.cache_stats().blocks_released_behind_window == hybrid.local_request(req).num_released_blocks > 0
+    assert hybrid.cache_stats().blocks_released_behind_window == req.group_released_blocks(1) > 0
     hybrid.free(req)
     hybrid.check()
 
 
 def test_a_prefix_hit_needs_the_global_prefix_and_the_local_window(hybrid):
     first = run(hybrid, "a", list(range(100)))  # its next query reads from 81: local blocks 0-4 go
-    assert hybrid.local_request(first).num_released_blocks == 5
+    assert first.group_released_blocks(1) == 5
     hybrid.free(first)
     second = KVRequest("b", list(range(100)) + [7])
     # global blocks 0-5 are cached; a query at 96 reads from 77: local blocks 4-5, still cached
     assert hybrid.admit(second) == 96
-    assert hybrid.block_table(second, 0)[:5] == [RELEASED] * 4 + [hybrid.local_request(second).block_table[4]]
-    assert hybrid.local_request(second).block_table[4] != RELEASED
-    assert hybrid.block_table(second, 3)[:6] == hybrid.global_group.block_table(second)[:6]
+    assert hybrid.block_table(second, 0)[:5] == [RELEASED] * 4 + [second.group_block_table(1)[4]]
+    assert second.group_block_table(1)[4] != RELEASED
+    assert hybrid.block_table(second, 3)[:6] == list(second.block_table[:6])
     write(hybrid, second, 96, 101)
     hybrid.commit(second)
     assert reads_back(hybrid, second)
@@ -190,7 +195,8 @@ def test_a_hit_is_cut_to_the_local_window_that_is_still_cached(kv_backend):
         manager.free(hybrid_req)
         filler = run(manager, "b", [500 + i for i in range(100)])  # evicts a's local blocks 4-5
         manager.free(filler)
-        assert len(manager.global_group.match_prefix(hybrid_prefix + [1])[0]) == 6  # global: all hit
+        hashes = manager.match_prefix(hybrid_prefix + [1])[1]
+        assert len(manager.layout_groups[0].cached_blocks(hashes[:6])) == 6  # global: all hit
         again = KVRequest("c", hybrid_prefix + [1])
         cached = manager.admit(again)
         assert cached < 96  # the local window of a 96-token hit is gone
@@ -203,9 +209,9 @@ def test_a_hit_is_cut_to_the_local_window_that_is_still_cached(kv_backend):
         close(manager)
 
 
-def snapshot(manager: HybridKVCacheManager) -> tuple:
-    return tuple((group.pool.counters(), group.request_ids(), group.num_free_slots)
-                 for group in (manager.global_group, manager.local_group))
+def snapshot(manager: KVCacheManager) -> tuple:
+    return (manager.request_ids(), manager.num_free_slots,
+            tuple(group.pool.counters() for group in manager.layout_groups))
 
 
 @pytest.mark.parametrize("kv_backend", BACKENDS)
@@ -214,7 +220,7 @@ def test_an_admission_the_local_group_cannot_take_changes_nothing(kv_backend):
     try:
         running = run(manager, "a", list(range(40)))  # 3 blocks of 4 in the local group
         before = snapshot(manager)
-        assert manager.global_group.can_admit(list(range(100, 140)))  # the global group has room
+        assert manager.layout_groups[0].fits_admission([], 40)  # the global group has room
         assert not manager.can_admit(KVRequest("x", list(range(100, 140))))
         assert manager.admit(KVRequest("b", list(range(100, 140)))) is None
         assert snapshot(manager) == before
@@ -232,11 +238,12 @@ OPS = st.lists(st.tuples(st.sampled_from(["admit", "admit", "decode", "decode", 
                          st.integers(0, 5), st.integers(1, 60)), min_size=10, max_size=30)
 
 
+@pytest.mark.parametrize("windows", [WINDOWS, THREE_KINDS], ids=["two-kinds", "three-kinds"])
 @pytest.mark.parametrize("kv_backend", BACKENDS)
 @settings(max_examples=60, deadline=None, derandomize=True)  # the coverage check below is stable
 @given(ops=OPS)
-def test_random_walk_keeps_both_groups_in_step_and_bytes_exact(kv_backend, ops):
-    manager = make_hybrid(num_blocks=8, kv_backend=kv_backend)  # global: 8 blocks; local: 8 (as many tokens)
+def test_random_walk_keeps_every_group_in_step_and_bytes_exact(kv_backend, windows, ops):
+    manager = make_hybrid(windows, num_blocks=8, kv_backend=kv_backend)  # global: 8 blocks; local: 8
     running: dict[str, KVRequest] = {}
     swapped: dict[str, KVRequest] = {}
     preempted: dict[str, KVRequest] = {}
@@ -300,12 +307,13 @@ def test_random_walk_keeps_both_groups_in_step_and_bytes_exact(kv_backend, ops):
                     running[child.request_id] = child
                     EXERCISED[kv_backend][op] += 1
             manager.check()
-            EXERCISED[kv_backend]["released"] += sum(manager.local_request(r).num_released_blocks > 0
-                                         for r in running.values())
+            EXERCISED[kv_backend]["released"] += sum(r.group_released_blocks(1) > 0 for r in running.values())
             for req in running.values():
                 assert reads_back(manager, req)
-                local = manager.local_request(req)
-                assert held(local.block_table) <= -(-W // P) + 2 or local.num_computed_tokens < local.num_tokens
+                for group in manager.layout_groups[1:]:
+                    span = group.spec.size + (P if group.spec.kind == CHUNKED else 0)
+                    assert (held(req.group_block_table(group.index)) <= -(-span // P) + 2
+                            or req.num_computed_tokens < req.num_tokens)
         for req in preempted.values():
             manager.discard(req)
         free_all(manager, list(running.values()) + list(swapped.values()))

@@ -1,4 +1,4 @@
-"""The prefix cache's host tier on a hybrid model: each layout group demotes its evicted blocks to
+"""The prefix cache's host tier on a hybrid model: each layer group demotes its evicted blocks to
 its own ``HostTier`` over its own host block store (the host bytes split by layers, so both hold
 as many blocks), and an admission promotes a host hit only as far as both groups can. Specs (a
 prefix evicted from both groups is promoted in both, bytes exact; a hit one group's tier lacks is
@@ -13,9 +13,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from conftest import read_kv_matches, write_kv
+from conftest import groups_read_back, write_groups
 from test_host_tier_walk import apply_event, swap_out_or_in
 from test_hybrid_groups import BACKENDS, P, W, close, make_hybrid
+from vmemkv import KVCacheManager
 from vmemkv import AllBlocksCleared, CacheKeys, KVEventBuffer, KVRequest
 from vmemkv.kv_events import MEDIUM_DEVICE
 from vmemkv.window import first_needed_block
@@ -29,8 +30,23 @@ def make_tiered(host_blocks: int = 16, **overrides):
     return make_hybrid(host_cache_bytes=host_blocks * GROUP_BLOCK_BYTES, **overrides)
 
 
-def pairs(manager, req: KVRequest):
-    return ((manager.global_group, req), (manager.local_group, manager.local_request(req)))
+def promotions(manager: KVCacheManager) -> list[int]:
+    """Each group's host promotions so far. The counters are the manager's, shared by both
+    groups; a global block (one layer's rows) and a local one (three layers') differ in bytes, so
+    the count and the bytes of all promotions give each group's count."""
+    stats = manager.cache_stats()
+    global_bytes, local_bytes = (group.block_bytes for group in manager.layout_groups)
+    assert global_bytes != local_bytes
+    local, rest = divmod(stats.host_bytes_promoted - stats.host_promotions * global_bytes,
+                         local_bytes - global_bytes)
+    assert rest == 0 and 0 <= local <= stats.host_promotions
+    return [stats.host_promotions - local, local]
+
+
+def device_forgot(manager, prompt: list[int]) -> bool:
+    """The global group's pool has no block of ``prompt``'s prefix cached."""
+    hashes = manager.match_prefix(prompt)[1]
+    return not manager.layout_groups[0].cached_blocks(hashes)
 
 
 def start(manager, request_id: str, tokens: list[int], salt: str | None = None) -> KVRequest | None:
@@ -40,8 +56,7 @@ def start(manager, request_id: str, tokens: list[int], salt: str | None = None) 
     if cached is None:
         return None
     assert reads_back(manager, req, salt, cached)
-    for group, request in pairs(manager, req):
-        write_kv(group, request.request_id, cached, len(tokens), TENANTS[salt])
+    write_groups(manager, req.request_id, cached, len(tokens), TENANTS[salt])
     manager.commit(req)
     return req
 
@@ -49,10 +64,7 @@ def start(manager, request_id: str, tokens: list[int], salt: str | None = None) 
 def reads_back(manager, req: KVRequest, salt: str | None, upto: int | None = None) -> bool:
     """Both groups' computed positions read back their own (tenant's) pattern; the local one
     from the first block it holds."""
-    local = manager.local_request(req)
-    return (read_kv_matches(manager.global_group, req.request_id, TENANTS[salt])
-            and read_kv_matches(manager.local_group, req.request_id, TENANTS[salt],
-                                start=local.num_released_blocks * P))
+    return groups_read_back(manager, req.request_id, TENANTS[salt])
 
 
 def traffic(manager, name: str, num_blocks: int) -> None:
@@ -68,12 +80,12 @@ def evicted_prefix(manager) -> list[int]:
     prompt = list(range(3 * P + 5))
     manager.free(start(manager, "a", prompt))
     traffic(manager, "x", 8)
-    assert not manager.global_group.match_prefix(prompt)[0]  # the device forgot it
+    assert device_forgot(manager, prompt)
     return prompt
 
 
 def tiers(manager) -> tuple:
-    return tuple(group.host_tier.hashes() for group in (manager.global_group, manager.local_group))
+    return tuple(group.host_tier.hashes() for group in manager.layout_groups)
 
 
 @pytest.mark.parametrize("kv_backend", BACKENDS)
@@ -83,10 +95,9 @@ def test_a_prefix_evicted_from_both_groups_is_promoted_in_both(kv_backend):
         prompt = evicted_prefix(manager)
         assert all(len(hashes) >= 3 for hashes in tiers(manager))
         again = start(manager, "b", prompt + [9])
-        assert manager.global_group.num_computed_tokens(again.request_id) == len(prompt) + 1
-        stats = [group.cache_stats() for group in (manager.global_group, manager.local_group)]
+        assert again.num_computed_tokens == len(prompt) + 1
         behind = first_needed_block(3 * P, W, P)  # the local query at 3P reads from this block on
-        assert [s.host_promotions for s in stats] == [3, 3 - behind]
+        assert promotions(manager) == [3, 3 - behind]
         assert manager.cache_stats().prefix_hit_tokens_host == 3 * P
         assert reads_back(manager, again, None)
         manager.check()
@@ -105,18 +116,17 @@ def test_the_local_group_promotes_only_the_blocks_its_window_reads(kv_backend):
         manager.free(start(manager, "a", prompt))
         traffic(manager, "x", 12)
         traffic(manager, "y", 12)
-        assert not manager.global_group.match_prefix(prompt)[0]  # the device forgot it
-        local_tier = set(manager.local_group.host_tier.hashes())
+        assert device_forgot(manager, prompt)
+        local_group = manager.layout_groups[1]
+        local_tier = set(local_group.host_tier.hashes())
         again = start(manager, "b", prompt + [9])
-        assert manager.global_group.num_computed_tokens("b") == len(prompt) + 1
+        assert manager.num_computed_tokens("b") == len(prompt) + 1
         behind = first_needed_block(6 * P, W, P)
         assert behind >= 3  # the window reads the last blocks of the hit only
-        stats = [group.cache_stats() for group in (manager.global_group, manager.local_group)]
-        assert [s.host_promotions for s in stats] == [6, 6 - behind]
-        local = manager.local_request(again)
-        skipped = set(local.block_hashes[:behind]) & local_tier  # host hits behind the window
-        assert skipped and all(manager.local_group.pool.lookup(h) is None for h in skipped)  # not copied
-        assert local.num_released_blocks >= behind
+        assert promotions(manager) == [6, 6 - behind]
+        skipped = set(again.block_hashes[:behind]) & local_tier  # host hits behind the window
+        assert skipped and all(local_group.pool.lookup(h) is None for h in skipped)  # not copied
+        assert again.group_released_blocks(1) >= behind
         assert manager.cache_stats().prefix_hit_tokens_host == 6 * P
         assert reads_back(manager, again, None)
         manager.check()
@@ -134,19 +144,20 @@ def tiered():
 
 def test_a_host_hit_one_groups_tier_lacks_is_promoted_in_neither(tiered):
     prompt = evicted_prefix(tiered)
-    held = tiered.global_group.host_tier.hashes()
-    tiered.local_group.host_tier.clear()  # as if the local tier had dropped them
+    global_group, local_group = tiered.layout_groups
+    held = global_group.host_tier.hashes()
+    local_group.host_tier.clear()  # as if the local tier had dropped them
     req = KVRequest("b", prompt + [9])
     assert tiered.admit(req) == 0  # nothing both groups hold: computed again
-    assert set(held) <= set(tiered.global_group.host_tier.hashes())  # none claimed or promoted
-    assert tiered.global_group.cache_stats().host_promotions == 0
+    assert set(held) <= set(global_group.host_tier.hashes())  # none claimed or promoted
+    assert promotions(tiered) == [0, 0]
     tiered.free(req)
 
 
 def test_a_refused_admission_leaves_both_tiers_as_they_were(tiered):
     prompt = evicted_prefix(tiered)
     running = start(tiered, "busy", list(range(500, 500 + 6 * P)))  # 6 of 8 global blocks
-    groups = (tiered.global_group, tiered.local_group)
+    groups = tiered.layout_groups
     before = tiers(tiered), [group.pool.counters() for group in groups]
     assert tiered.admit(KVRequest("b", prompt + [9])) is None  # 4 blocks, 2 free
     assert (tiers(tiered), [group.pool.counters() for group in groups]) == before
@@ -219,8 +230,7 @@ class HybridHostTierMachine(RuleBasedStateMachine):
             if not self.m.allocate(req, 1):
                 req.token_ids.pop()
                 break
-            for group, request in pairs(self.m, req):
-                write_kv(group, request_id, req.num_tokens - 1, req.num_tokens, TENANTS[salt])
+            write_groups(self.m, request_id, req.num_tokens - 1, req.num_tokens, TENANTS[salt])
             self.m.commit(req)
 
     @precondition(lambda self: self.running)
@@ -247,14 +257,14 @@ class HybridHostTierMachine(RuleBasedStateMachine):
         for event in batch.events if batch else ():
             assert not isinstance(event, AllBlocksCleared)
             apply_event(self.index.setdefault((event.group_idx, event.medium), set()), event)
-        for group_idx, group in enumerate((self.m.global_group, self.m.local_group)):
+        for group_idx, group in enumerate(self.m.layout_groups):
             assert self.index.get((group_idx, MEDIUM_DEVICE), set()) == set(group.pool.block_of_hash)
             assert self.index.get((group_idx, "CPU"), set()) == set(group.host_tier.hashes())
 
     def teardown(self):
         WALKED["runs"] += 1
-        for name in ("global", "local"):
-            WALKED[name] += getattr(self.m, f"{name}_group").cache_stats().host_promotions
+        for name, count in zip(("global", "local"), promotions(self.m)):
+            WALKED[name] += count
         close(self.m)
 
 
@@ -274,6 +284,22 @@ def test_the_walk_promoted_in_both_groups():
 
 # --- the engine -----------------------------------------------------------------------------------------
 
+def final_turn(engine, turn: list[int]) -> tuple:
+    """Run ``turn`` (request "50") to its end: its final output, and how many of its first three
+    pages each group's admission (the first step) copied from its host tier into its device pool
+    (each group's promotions: the counters are the manager's, shared by the groups)."""
+    from test_hybrid_engine import LONG, SamplingParams, run_to_completion
+
+    hashes = engine.manager.match_prefix(turn)[1][:3]
+    groups = engine.manager.layout_groups
+    tiers = [set(group.host_tier.hashes()) for group in groups]
+    engine.add_request("50", turn, SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True))
+    assert not any(output.finished for output in engine.step())  # admitted, its last tokens prefilled
+    promoted = [sum(h in tier and h not in group.host_tier and group.pool.lookup(h) is not None
+                    for h in hashes) for group, tier in zip(groups, tiers)]
+    return run_to_completion(engine, [])["50"], promoted
+
+
 @pytest.mark.parametrize("kv_backend", BACKENDS)
 def test_the_engine_hits_an_evicted_prompt_in_both_groups_host_tiers(kv_backend, monkeypatch):
     from test_hybrid_engine import generate, hf_tokens, hybrid_engine
@@ -289,15 +315,16 @@ def test_the_engine_hits_an_evicted_prompt_in_both_groups_host_tiers(kv_backend,
         generate(engine, [shared])
         for i in range(0, len(others), 2):  # two at a time: the device pools forget `shared`
             generate(engine, others[i:i + 2], first=10 + i)
-        final = generate(engine, [turn], first=50)["50"]
+        final, promoted = final_turn(engine, turn)
         assert final.outputs[0].token_ids == hf_tokens("gemma2", turn)
-        runs[host_cache_bytes] = final, engine.manager.cache_stats(), engine.manager.local_group.cache_stats()
-        window, page = engine.manager.local_group.window, engine.manager.local_group.tokens_per_page
+        local_group = engine.manager.layout_groups[1]
+        runs[host_cache_bytes] = final, engine.manager.cache_stats(), promoted
+        window, page = local_group.window, local_group.tokens_per_page
         engine.manager.check()
-        assert engine.manager.num_blocks_in_use == 0 and engine.manager.local_group.num_blocks_in_use == 0
+        assert all(group.num_blocks_in_use == 0 for group in engine.manager.layout_groups)
         engine.close()
-    (plain, _, _), (tiered, stats, local) = runs[0], runs[1 << 20]
+    (plain, _, _), (tiered, stats, promoted) = runs[0], runs[1 << 20]
     assert plain.num_cached_tokens == 0 and tiered.num_cached_tokens == 48
     behind = first_needed_block(48, window, page)  # the local layers' window reads only the rest
-    assert stats.prefix_hit_tokens_host == 48 and stats.host_promotions == 3
-    assert local.host_promotions == 3 - behind
+    assert stats.prefix_hit_tokens_host == 48 and promoted == [3, 3 - behind]
+    assert stats.host_promotions == 3 + 3 - behind  # no other promotion in either group

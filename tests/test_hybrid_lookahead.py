@@ -1,14 +1,15 @@
-"""Lookahead on a hybrid model: ``HybridKVCacheManager.allocate_lookahead`` gives a decoding
-request its next blocks in both layout groups or in neither, ``map_lookahead`` maps both, and a
-mapping refused in either group is cancelled in both, leaving both groups as they were. The
-engine's ``LookaheadMapper`` then runs on hybrid models and still gives Hugging Face's tokens."""
+"""Lookahead on a hybrid model: ``KVCacheManager.allocate_lookahead`` gives a decoding request
+its next blocks in every layer group or in none (one ``MapJob`` per group, each naming its
+``group``), ``map_lookahead`` maps them all, and a mapping refused in any group is cancelled in
+every group, leaving every group as it was. The engine's ``LookaheadMapper`` then runs on hybrid
+models and still gives Hugging Face's tokens."""
 
 from __future__ import annotations
 
 import pytest
 
-from test_hybrid_groups import BACKENDS, P, close, decode, make_hybrid, reads_back, run
-from test_hybrid_refusals import GROUPS, pinch, state, unpinch
+from conftest import manager_state
+from test_hybrid_groups import BACKENDS, P, THREE_KINDS, WINDOWS, close, decode, make_hybrid, reads_back, run
 from vmemkv import MappingLimitError
 
 
@@ -20,19 +21,60 @@ def hybrid(request):
     close(manager)
 
 
-def free_blocks(manager) -> tuple[int, int]:
-    return manager.global_group.num_free_blocks, manager.local_group.num_free_blocks
+def free_blocks(manager) -> tuple[int, ...]:
+    return tuple(group.num_free_blocks for group in manager.layout_groups)
 
 
-def test_a_request_at_a_block_boundary_gets_its_next_block_in_both_groups(hybrid):
+def running(manager) -> list:
+    return [req for req in map(manager.request, manager.request_ids()) if not req.is_swapped]
+
+
+def state(manager) -> tuple:
+    """Everything a refused or empty lookahead must leave as it was: ``manager_state`` (the
+    requests, the first group's pool, every group's counters, slots, swap room) and, in every
+    group, the pool's references, hashes, free queue and clean blocks, the free slots and swap
+    room, each request's blocks and (slots) mapped pages."""
+    groups = []
+    for group in manager.layout_groups:
+        pool = group.pool
+        tables = {req.request_id: req.group_block_table(group.index)
+                  for req in map(manager.request, manager.request_ids())}
+        mapped = {req.request_id: group.slots.mapped_blocks(req.slot, len(req.group_block_table(group.index))).tolist()
+                  for req in running(manager) if group.config.kv_backend == "vmem"}  # block tables map nothing
+        groups.append((list(pool.ref), list(pool.hash_of), pool.free_queue(), sorted(pool._clean),
+                       group.slots.free_slots(), group.swap.num_free, tables, mapped))
+    return manager_state(manager), groups
+
+
+def pinch(manager, index: int) -> None:
+    """No kernel mapping to spare in group ``index``, stale ones reclaimed first in every group
+    (a refusal may reclaim them, and then the test would not be pinched)."""
+    for group in manager.layout_groups:
+        group.slots.reclaim_stale({req.slot: len(req.group_block_table(group.index)) for req in running(manager)})
+    backend = manager.layout_groups[index].backend
+    backend.max_mappings = backend.mappings_in_use
+
+
+def unpinch(manager) -> None:
+    for group in manager.layout_groups:
+        group.backend.max_mappings = None
+
+
+def by_group(jobs) -> list[list]:
+    """The jobs of each group (``job.group``), in order."""
+    groups = sorted({job.group for job in jobs})
+    return [[job for job in jobs if job.group == group] for group in groups]
+
+
+def test_a_request_at_a_block_boundary_gets_its_next_block_in_every_group(hybrid):
     a = run(hybrid, "a", list(range(2 * P)))  # full pages: the next token needs a new block
     before = free_blocks(hybrid)
     jobs = hybrid.allocate_lookahead([a], 1)
-    assert jobs and [len(job.blocks) for job in jobs.global_jobs + jobs.local_jobs] == [1, 1]
+    assert [(job.group, job.slot, len(job.blocks)) for job in jobs] == [(0, a.slot, 1), (1, a.slot, 1)]
     assert free_blocks(hybrid) == (before[0] - 1, before[1] - 1)
     hybrid.map_lookahead(jobs)
     hybrid.check()
-    ahead = jobs.global_jobs[0].blocks[0], jobs.local_jobs[0].blocks[0]
+    ahead = jobs[0].blocks[0], jobs[1].blocks[0]
     assert decode(hybrid, a, 7)  # grows into the blocks given ahead: nothing more is taken
     assert free_blocks(hybrid) == (before[0] - 1, before[1] - 1)
     assert (hybrid.block_table(a, 3)[-1], hybrid.block_table(a, 0)[-1]) == ahead
@@ -48,7 +90,7 @@ def test_a_request_inside_its_block_gets_nothing(hybrid):
     hybrid.free(a)
 
 
-def test_a_request_the_local_group_cannot_serve_gets_nothing_in_either():
+def test_a_request_the_local_group_cannot_serve_gets_nothing_in_any_group():
     """The local group (sized for its peak) has one clean block left (lookahead never evicts a
     cached one): the request that needs two gets no block in the global group either, and the
     one after it in the list, needing one, gets its own in both."""
@@ -57,10 +99,10 @@ def test_a_request_the_local_group_cannot_serve_gets_nothing_in_either():
         a = run(manager, "a", list(range(2 * P)))  # needs two blocks for P + 1 more tokens
         b = run(manager, "b", list(range(100, 100 + P + 3)))  # needs one
         manager.free(run(manager, "f", list(range(900, 900 + P))))  # a cached block in each group
-        assert manager.local_group.pool.num_clean == 1 < manager.global_group.pool.num_clean
+        assert manager.layout_groups[1].pool.num_clean == 1 < manager.layout_groups[0].pool.num_clean
         tables = manager.block_table(a, 3), manager.block_table(a, 0)
         jobs = manager.allocate_lookahead([a, b], P + 1)
-        assert [job.slot for job in jobs.global_jobs] == [job.slot for job in jobs.local_jobs] == [b.slot]
+        assert [(job.group, job.slot) for job in jobs] == [(0, b.slot), (1, b.slot)]
         assert (manager.block_table(a, 3), manager.block_table(a, 0)) == tables
         manager.map_lookahead(jobs)
         manager.check()
@@ -78,15 +120,18 @@ def test_keep_free_holds_in_each_group(hybrid):
     hybrid.free(a)
 
 
-@pytest.mark.parametrize("refusing", GROUPS)
-def test_a_mapping_refused_in_either_group_is_cancelled_in_both(refusing):
-    manager = make_hybrid(num_blocks=12)
+@pytest.mark.parametrize("windows, refusing", [(WINDOWS, 0), (WINDOWS, 1), (THREE_KINDS, 0), (THREE_KINDS, 1),
+                                               (THREE_KINDS, 2)],
+                         ids=["global", "local", "three-kinds-global", "three-kinds-sliding",
+                              "three-kinds-chunked"])
+def test_a_mapping_refused_in_any_group_is_cancelled_in_every_group(windows, refusing):
+    manager = make_hybrid(windows, num_blocks=12)
     try:
         a = run(manager, "a", list(range(2 * P)))
         run(manager, "b", list(range(100, 100 + P)))  # a's next block will not extend its run
         before = state(manager)
         jobs = manager.allocate_lookahead([a], 1)
-        assert jobs
+        assert sorted(job.group for job in jobs) == list(range(len(manager.layout_groups)))
         pinch(manager, refusing)
         with pytest.raises(MappingLimitError):
             manager.map_lookahead(jobs)
@@ -108,8 +153,9 @@ def test_lookahead_of_several_requests_margin_and_the_slot_end():
         b = run(manager, "b", list(range(200, 200 + 4 * P - 1)))  # one token short of the slot end
         jobs = manager.allocate_lookahead([a, b], 2 * P)
         # a: two more blocks; b: none (its last block ends at max_model_len)
-        assert [len(job.blocks) for job in jobs.global_jobs] == [2]
-        assert [len(job.blocks) for job in jobs.local_jobs] == [2]
+        assert [[(job.slot, len(job.blocks)) for job in group] for group in by_group(jobs)] == [
+            [(a.slot, 2)], [(a.slot, 2)]]
+        assert sorted(job.group for job in jobs) == [0, 1]
         manager.map_lookahead(jobs)
         manager.check()
         for step in range(2 * P):
@@ -129,8 +175,13 @@ def test_the_engine_maps_ahead_on_hybrid_models_and_matches_hf(monkeypatch):
     assert engine.runner.lookahead is not None
     given = []
     allocate = engine.manager.allocate_lookahead
-    monkeypatch.setattr(engine.manager, "allocate_lookahead",
-                        lambda *args: given.append(len((jobs := allocate(*args)).global_jobs)) or jobs)
+
+    def counted(*args):
+        jobs = allocate(*args)
+        given.append(sum(job.group == 0 for job in jobs))  # the global group's jobs
+        return jobs
+
+    monkeypatch.setattr(engine.manager, "allocate_lookahead", counted)
     batch = prompts((20, 5, 11, 17))
     final = generate(engine, batch)
     assert sum(given) > 0, "no lookahead block was given"

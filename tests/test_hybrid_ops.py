@@ -1,10 +1,11 @@
-"""Beam-search reorders and truncation on a hybrid model (``HybridKVCacheManager.reorder`` /
-``truncate``): both layout groups change together or not at all. Rows read back their source's
-K/V bit-exact (every global position, every local one from the first held block), token lists
-follow the content, a truncation the local window forbids or a copy either group cannot make is
-refused with both groups unchanged, the mapping budget of either group refuses before anything
-changes, and a random walk over admit / decode / fork / reorder / truncate / free keeps both
-groups in step."""
+"""Beam-search reorders and truncation on a model with a local and a global layer group (one
+``KVCacheManager`` over two ``KVCacheGroup``s: ``reorder`` / ``truncate``): both groups change
+together or not at all. Rows read back their source's K/V bit-exact (every global position, every
+local one from the first held block), token lists follow the content, a truncation the local
+window forbids or a copy either group cannot make is refused with both groups unchanged, the
+mapping budget of either group refuses before anything changes, and a random walk over admit /
+decode / fork / reorder / truncate / free keeps both groups in step (the same refusals over three
+kinds of layer, and for every other operation, are in ``test_hybrid_refusals.py``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import manager_state
 from test_hybrid_groups import (P, W, close, decode, free_all, held, make_hybrid, reads_back, run,
                                 snapshot, write)
 from test_hybrid_refusals import GROUPS, pinch, state, unpinch
@@ -42,13 +42,13 @@ def beams(manager, prefix_len: int, count: int) -> list[KVRequest]:
 
 def test_reorder_moves_each_rows_content_and_tokens_in_both_groups(hybrid):
     rows = beams(hybrid, W + P + 2, 3)  # past the window: local blocks released
-    assert hybrid.local_request(rows[0]).num_released_blocks > 0
+    assert rows[0].group_released_blocks(1) > 0
     lists = [row.token_ids for row in rows]
     expected = [list(rows[s].token_ids) for s in (2, 2, 0)]
     assert hybrid.reorder(rows, [rows[2], rows[2], rows[0]])
     for row, tokens, own in zip(rows, expected, lists):
         assert row.token_ids == tokens and row.token_ids is own  # in place, the content's tokens
-        assert hybrid.local_request(row).token_ids is row.token_ids
+        assert all(alloc.num_tokens == len(tokens) for alloc in row.allocations)  # in every group
         assert reads_back(hybrid, row)
     for step in range(2 * P):  # the rows keep decoding apart, each into its own blocks
         for index, row in enumerate(rows):
@@ -60,7 +60,8 @@ def test_reorder_moves_each_rows_content_and_tokens_in_both_groups(hybrid):
 
 
 def test_a_swap_of_two_rows_is_a_permutation_not_a_double_swap(hybrid):
-    """Both groups share each row's token list: the second group must not swap it back."""
+    """Each row has one token list for every group: reordering the groups one after another must
+    not swap it back."""
     rows = beams(hybrid, 10, 2)
     first, second = list(rows[0].token_ids), list(rows[1].token_ids)
     assert hybrid.reorder(rows, [rows[1], rows[0]])
@@ -72,14 +73,15 @@ def test_a_reorder_the_local_group_cannot_copy_for_changes_nothing():
     manager = make_hybrid(num_blocks=16, local_blocks=6, max_num_seqs=5)
     try:
         rows = beams(manager, W + 3, 3)  # partial last blocks: rows taking one source copy it
-        while manager.local_group.num_free_blocks:  # fill the local pool with another request
-            run(manager, f"filler{manager.local_group.num_free_blocks}", [300 + i for i in range(2)])
-        assert manager.global_group.num_free_blocks > 0
+        local, first = manager.layout_groups[1], manager.layout_groups[0]
+        while local.num_free_blocks:  # fill the local pool with another request
+            run(manager, f"filler{local.num_free_blocks}", [300 + i for i in range(2)])
+        assert first.num_free_blocks > 0
         before, tokens = snapshot(manager), [list(row.token_ids) for row in rows]
-        before_state = manager_state(manager.global_group), manager_state(manager.local_group)
+        before_state = state(manager)  # every group's pool, slots, mappings and each row's allocations
         assert not manager.reorder(rows, [rows[0], rows[0], rows[0]])
         assert snapshot(manager) == before and [row.token_ids for row in rows] == tokens
-        assert (manager_state(manager.global_group), manager_state(manager.local_group)) == before_state
+        assert state(manager) == before_state
         assert all(reads_back(manager, row) for row in rows)
         manager.check()
     finally:
@@ -125,10 +127,10 @@ def test_reorder_refused_by_either_groups_budget_changes_nothing(refusing):
 
 def test_truncate_inside_the_window_then_decode_reads_back(hybrid):
     req = run(hybrid, "a", list(range(W + P + 4)))  # next query at 40 reads from 21: block 0 released
-    assert hybrid.local_request(req).num_released_blocks == 1
+    assert req.group_released_blocks(1) == 1
     assert hybrid.truncate(req, W + P + 1)  # a query at 37 reads from 18: in block 1, held
     assert req.num_tokens == len(req.token_ids) == W + P + 1
-    assert hybrid.local_request(req).num_tokens == W + P + 1
+    assert [alloc.num_tokens for alloc in req.allocations] == [W + P + 1] * 2  # in both groups
     for step in range(5):
         assert decode(hybrid, req, 200 + step)
     assert reads_back(hybrid, req)
@@ -148,9 +150,9 @@ def test_truncate_behind_the_local_window_is_refused_and_changes_nothing(hybrid)
 def test_truncating_a_fork_copies_the_shared_last_block_in_both_groups(hybrid):
     parent = run(hybrid, "a", list(range(4 * P)))  # full blocks, shared by the fork
     child = hybrid.fork(parent, KVRequest("child", []))
-    free = hybrid.global_group.num_free_blocks, hybrid.local_group.num_free_blocks
+    free = [group.num_free_blocks for group in hybrid.layout_groups]
     assert hybrid.truncate(child, 4 * P - 4)  # its last block, shared, becomes partial
-    assert (hybrid.global_group.num_free_blocks, hybrid.local_group.num_free_blocks) == (free[0] - 1, free[1] - 1)
+    assert [group.num_free_blocks for group in hybrid.layout_groups] == [free[0] - 1, free[1] - 1]
     assert decode(hybrid, child, 77)  # writes into its own copy
     assert reads_back(hybrid, child) and reads_back(hybrid, parent)
 
@@ -160,8 +162,9 @@ def test_a_truncation_that_cannot_copy_changes_nothing():
     try:
         parent = run(manager, "a", list(range(4 * P)))
         child = manager.fork(parent, KVRequest("child", []))
-        while manager.local_group.num_free_blocks:
-            run(manager, f"filler{manager.local_group.num_free_blocks}", [300 + i for i in range(2)])
+        local = manager.layout_groups[1]
+        while local.num_free_blocks:
+            run(manager, f"filler{local.num_free_blocks}", [300 + i for i in range(2)])
         before, tokens = state(manager), list(child.token_ids)
         assert not manager.truncate(child, 4 * P - 4)
         assert state(manager) == before and child.token_ids == tokens
@@ -237,7 +240,7 @@ def test_random_walk_with_reorders_and_truncations(ops):
                     assert [row.token_ids for row in rows] == expected
                     EXERCISED[op] += 1
                     EXERCISED["reorder behind the window"] += any(
-                        manager.local_request(row).num_released_blocks for row in rows)
+                        row.group_released_blocks(1) for row in rows)
                 else:
                     assert (state(manager), {n: list(r.token_ids) for n, r in running.items()}) == before
                     EXERCISED["refused reorder"] += 1

@@ -1,133 +1,751 @@
-"""A hybrid model's operation refused by the mapping budget changes neither layout group.
+"""On a model with two or three layer groups, an operation refused by any one group changes nothing
+in any group.
 
-Each group is all or nothing on its own; applied one after the other, the second group's refusal
-used to come after the first had taken blocks (evicting cached ones that cannot be put back).
-``hybrid_budget`` asks both groups' mappers before either applies. Here the budget of one group
-is pinched so that its part of admit, fork, allocate or swap-in is refused, and the whole state
-of both groups (pools, hash indexes, stats, requests, slots, mappings) is compared before and
-after; then, with room again, the operation goes through and every request reads back its K/V.
-Slots only: block tables map nothing, so no mapping budget can refuse them (the refusals both
-backends share, for lack of blocks, are in ``test_hybrid_groups.py``).
+``KVCacheManager`` runs one ``KVCacheGroup`` per attention kind. Each mutating operation plans its
+part in every group and checks every part (blocks, slots, swap room, the process's budget of kernel
+mappings over every group's mapper) before any group changes: carried out one group after another,
+a later group's refusal used to come after the earlier groups had taken blocks (evicting cached
+ones that cannot be put back). Here each operation (admit, allocate, fork, swap in, reorder,
+truncate, lookahead, and a swap out) is refused in turn
+
+* by each group's mapping budget, pinched to no mapping to spare (a slot backend only: block tables
+  map nothing, so no mapping budget refuses them),
+* by every room the process's shared budget can leave short of what it needs, from none up, so
+  that a later group is refused once the earlier groups' parts are counted,
+* by too few blocks in one group while the others have room (both backends),
+* a swap out, by one group's swap space,
+
+and the whole state of every group (pools: reference counts, hashes, free queue, clean blocks;
+free slots, mapped pages, swap and host rows, counters; every request's allocation in each group,
+its token ids and hash chain) is compared before and after. With room again the same operation
+goes through and every request reads back its K/V. A random walk under a randomly tightened
+budget asks the same of every step, and the queries that predict an operation (``can_admit``,
+``blocks_needed``, ...) change nothing and say what it then takes in every group.
 """
 
 from __future__ import annotations
 
 import random
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
 
 import pytest
 
 from conftest import manager_state
-from test_hybrid_groups import P, W, close, make_hybrid, reads_back, run, write
-from vmemkv import KVRequest, MappingLimitError
+from test_hybrid_groups import (BACKENDS, C, P, THREE_KINDS, W, WINDOWS, close, decode, make_hybrid,
+                                reads_back, run, write)
+from vmemkv import KVRequest, MappingLimitError, OutOfSwapSpaceError, RequestStateError
+from vmemkv.attention_spec import CHUNKED, AttentionSpec
+from vmemkv.plans import fit_or_reclaim
+from vmemkv.request import RELEASED
 from vmemkv.slots import MapJob
+from vmemkv.vmm.cpu import process_mapping_budget
 
-GROUPS = ["global_group", "local_group"]  # the group whose mapping budget refuses
+CHUNKED_FIRST = [AttentionSpec(CHUNKED, C), W, None, None]  # groups: full, chunked local, sliding
+KINDS = {"one-kind": None, "two-kinds": WINDOWS, "three-kinds": THREE_KINDS, "chunked-first": CHUNKED_FIRST}
+GROUPS = [0, 1]  # the group of a two-kind manager (make_hybrid()) whose mapping budget refuses
+# (kinds, the group whose mapping budget refuses): the first group, and each later one
+BUDGET_CASES = [("two-kinds", 0), ("two-kinds", 1), ("three-kinds", 0), ("three-kinds", 1), ("three-kinds", 2)]
+# (kinds, the one group short of blocks or swap room): the full-attention group (a long request
+# holds every block there, a window's or a chunk's elsewhere) or a sliding group, first or last of
+# the local ones (a request holds more blocks of its window than of its chunk: the chunked group
+# keeps room)
+SHORT_CASES = [("two-kinds", 0), ("two-kinds", 1), ("three-kinds", 0), ("three-kinds", 1), ("chunked-first", 2)]
+LAYER_BLOCK_BYTES = P * 2 * 16 * 4 * 2  # one layer's K and V of a block (make_hybrid: 2 heads of 16 floats)
 
 
-@pytest.fixture
-def hybrid():
-    manager = make_hybrid(num_blocks=12, max_num_seqs=3)
-    yield manager
-    manager.check()
-    close(manager)
+def make(kinds: str, local_blocks: int = 8, **overrides):
+    """24 blocks in the full-attention group, ``local_blocks`` in each local one, 8 slots."""
+    layers = 3 if kinds == "two-kinds" else 2  # the local layers' share of a block, in quarters
+    num_blocks = (24 * (4 - layers) + layers * local_blocks) // 4  # the full-attention group's are 1/4 or 2/4
+    manager = make_hybrid(KINDS[kinds], **{**dict(num_blocks=num_blocks, local_blocks=local_blocks,
+                                                  max_num_seqs=8), **overrides})
+    assert [group.num_blocks for group in manager.layout_groups] == [24] + [local_blocks] * (
+        len(manager.layout_groups) - 1)
+    return manager
+
+
+# --- what a refusal must leave as it was -----------------------------------------------------------
+
+def allocation(alloc) -> tuple:
+    return (alloc.slot, list(alloc.blocks), alloc.num_tokens, alloc.num_computed, alloc.num_registered,
+            alloc.num_released, None if alloc.swapped is None else list(alloc.swapped))
 
 
 def state(manager) -> tuple:
-    """Both groups' ``manager_state``, each running request's mapped pages, the requests (not
-    the local twins a refused admission made: they wait with their request, as on any refusal)."""
-    mapped = {}
-    for name in GROUPS:
-        group = getattr(manager, name)
-        for request_id in group.request_ids():
-            req = group.request(request_id)
-            if not req.is_swapped and group.config.kv_backend == "vmem":  # block tables map nothing
-                mapped[name, request_id] = group.slots.mapped_blocks(req.slot, len(req.block_table)).tolist()
-    return (manager_state(manager.global_group), manager_state(manager.local_group), mapped,
-            manager.request_ids(), manager.local_group.request_ids())
+    """``manager_state`` (the requests with their token ids, the first group's pool, the counters
+    with every group's block counts, the free slots), and for every layer group: its pool's
+    reference counts, hashes, hash index, free queue and clean blocks, its free slots, swap and
+    host-tier rows and copies; for every request: its allocation in each group, the pages its slot
+    maps there (slots) and its hash chain. Stale mappings (pages of free slots, past a request's
+    blocks) are no one's: a refusal may unmap them to make room."""
+    groups = []
+    for group in manager.layout_groups:
+        pool = group.pool
+        groups.append((list(pool.ref), list(pool.hash_of), dict(pool.block_of_hash), pool.free_queue(),
+                       sorted(pool._clean), pool.counters(), group.slots.free_slots(), group.swap.num_free,
+                       sorted(group.host_tier.rows()), group.blocks_copied))
+    requests = {}
+    for request_id in manager.request_ids():
+        req = manager.request(request_id)
+        mapped = [group.slots.mapped_blocks(alloc.slot, len(alloc.blocks)).tolist()
+                  for group, alloc in zip(manager.layout_groups, req.allocations)
+                  if alloc.slot is not None and group.config.kv_backend == "vmem"]  # block tables map nothing
+        requests[request_id] = ([allocation(alloc) for alloc in req.allocations], mapped,
+                                list(req.token_ids), req.block_hashes, req.keys)
+    return manager_state(manager), groups, requests, manager.cache_stats()
 
 
-def pinch(manager, name: str) -> None:
-    """No kernel mapping to spare in group ``name``, stale ones reclaimed first (a refusal may
-    reclaim them, and then the test would not be pinched)."""
-    for group in (manager.global_group, manager.local_group):
-        group.slots.reclaim_stale({req.slot: len(req.block_table) for req in map(group.request, group.request_ids())
-                                   if not req.is_swapped})
-    backend = getattr(manager, name).backend
+def holds_nothing(req: KVRequest) -> bool:
+    """A request no operation has bound (a refused admission's or fork child's)."""
+    return all(allocation(alloc) == (None, [], 0, 0, 0, 0, None) for alloc in req.allocations)
+
+
+def running(manager) -> list[KVRequest]:
+    return [manager.request(r) for r in manager.request_ids() if not manager.is_swapped(r)]
+
+
+def reclaim_stale(manager) -> None:
+    """Unmap every group's stale mappings (a refusal may reclaim them: a budget pinched with them
+    still mapped would not pinch)."""
+    reqs = running(manager)
+    for group in manager.layout_groups:
+        allocs = [req.allocations[group.index] for req in reqs]
+        group.slots.reclaim_stale({alloc.slot: len(alloc.blocks) for alloc in allocs})
+
+
+def pinch(manager, refusing: int) -> None:
+    """No kernel mapping to spare in layer group ``refusing``, stale ones reclaimed first."""
+    reclaim_stale(manager)
+    backend = manager.layout_groups[refusing].backend
     backend.max_mappings = backend.mappings_in_use
 
 
 def unpinch(manager) -> None:
-    for group in (manager.global_group, manager.local_group):
+    for group in manager.layout_groups:
         group.backend.max_mappings = None
+
+
+def free_blocks(manager) -> list[int]:
+    return [group.num_free_blocks for group in manager.layout_groups]
+
+
+def private_blocks(manager, req: KVRequest, index: int) -> int:
+    """Blocks only ``req`` holds in layer group ``index`` (what a swap out copies there)."""
+    alloc, pool = req.allocations[index], manager.layout_groups[index].pool
+    return sum(pool.ref[block] == 1 for block in alloc.blocks[alloc.num_released:])
+
+
+def test_state_sees_every_group():
+    """The comparison can fail: a block taken from any one group's pool, or a page of a request
+    unmapped in any one group, shows (and is gone again once put back)."""
+    manager = make("three-kinds")
+    try:
+        a = run(manager, "a", list(range(40)))
+        for group in manager.layout_groups:
+            before = state(manager)
+            taken = group.pool.take(group.pool.peek(1))
+            assert state(manager) != before
+            group.pool.release(taken)
+            assert state(manager) == before
+            alloc = a.allocations[group.index]
+            held_blocks = alloc.blocks[alloc.num_released:]
+            assert held_blocks
+            group.slots.unmap_behind(alloc.slot, len(alloc.blocks), alloc.num_released)
+            assert state(manager) != before
+            group.slots.map_blocks(alloc.slot, alloc.num_released, held_blocks, len(alloc.blocks))
+            assert state(manager) == before
+        manager.check()
+    finally:
+        close(manager)
+
+
+# --- the operations, each set up to be refused --------------------------------------------------------
+
+@dataclass
+class Scenario:
+    """An operation set up on a manager. ``attempt()`` tries it: True when done, False when refused
+    by its return value (a refusal that raises propagates). ``done()`` checks what it did, once
+    done; ``need(g)``: the blocks it takes in layer group g; ``can()``: the query that predicts it
+    (None: none); ``fresh``: requests a refusal must leave holding nothing (``untouched``)."""
+
+    attempt: Callable[[], bool]
+    done: Callable[[], None]
+    need: Callable[[int], int] = lambda index: 1
+    can: Callable[[], bool] | None = None
+    fresh: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.fresh_tokens = [list(req.token_ids) for req in self.fresh]
+
+    def untouched(self) -> bool:
+        """The fresh requests hold nothing and kept their token ids (a refused admission keeps
+        its prompt's hashes, so that a retry hashes nothing again)."""
+        return all(holds_nothing(req) and req.token_ids == tokens
+                   for req, tokens in zip(self.fresh, self.fresh_tokens))
+
+
+def admit_scenario(manager) -> Scenario:
+    a = run(manager, "a", list(range(40)))
+    manager.free(run(manager, "old", list(range(1000, 1040))))  # cached blocks an admission evicts
+    new = KVRequest("new", list(range(500, 548)))  # three blocks in every group
+
+    def attempt() -> bool:
+        cached = manager.admit(new)
+        assert cached in (None, 0)
+        return cached is not None
+
+    def done() -> None:
+        write(manager, new, 0, new.num_tokens)
+        manager.commit(new)
+        assert reads_back(manager, a) and reads_back(manager, new)
+
+    return Scenario(attempt, done, lambda index: 3, lambda: manager.can_admit(new), [new])
+
+
+def allocate_scenario(manager) -> Scenario:
+    a = run(manager, "a", list(range(2 * P)))  # full pages: the next token needs a new one
+    run(manager, "b", list(range(100, 100 + P)))  # a's slot is followed by b's: a new run splits
+
+    def done() -> None:
+        assert a.num_tokens == 2 * P + 1 and a.token_ids[-1] == 7
+        write(manager, a, 2 * P, 2 * P + 1)
+        manager.commit(a)
+        assert reads_back(manager, a)
+
+    return Scenario(lambda: manager.allocate(a, 1, [7]), done, can=lambda: manager.can_allocate(a, 1))
+
+
+def fork_scenario(manager) -> Scenario:
+    parent = run(manager, "a", list(range(W + P + 3)))  # a partial last page: the fork copies it
+    child = KVRequest("child", [])
+
+    def done() -> None:
+        assert manager.request("child") is child and child.token_ids == parent.token_ids
+        assert reads_back(manager, child) and reads_back(manager, parent)
+
+    return Scenario(lambda: manager.fork(parent, child) is not None, done, fresh=[child])
+
+
+def swap_in_scenario(manager) -> Scenario:
+    a = run(manager, "a", list(range(W + P + 5)))
+    assert manager.preempt(a, "swap") == "swap"
+
+    def done() -> None:
+        assert not a.is_swapped and reads_back(manager, a)
+
+    return Scenario(lambda: manager.swap_in(a), done, lambda index: len(a.allocations[index].swapped),
+                    lambda: manager.can_swap_in(a))
+
+
+def two_beams(manager) -> list[KVRequest]:
+    """A request of 3 pages and a bit, and its fork, each then decoding its own token: 50 tokens,
+    their full pages shared, their last partial; a sliding group released their first page, a
+    chunked one the first two."""
+    first = run(manager, "b0", [(i * 7) % 50 for i in range(3 * P + 1)])
+    rows = [first, manager.fork(first, KVRequest("b1", []))]
+    for index, row in enumerate(rows):
+        assert decode(manager, row, 100 + index)
+    return rows
+
+
+def reorder_scenario(manager) -> Scenario:
+    rows = two_beams(manager)
+    tokens = [list(row.token_ids) for row in rows]
+
+    def done() -> None:
+        assert rows[0].token_ids == rows[1].token_ids == tokens[1]
+        assert all(reads_back(manager, row) for row in rows)
+
+    # row 0 becomes a copy of row 1, whose partial last page it copies (in every group, beside a
+    # page it keeps: the copy splits a run of mapped pages)
+    return Scenario(lambda: manager.reorder(rows, [rows[1], rows[1]]), done)
+
+
+def truncate_scenario(manager) -> Scenario:
+    # 50 tokens, their full pages shared with a fork; truncated to 44 it keeps every position a
+    # query at 44 reads (the window from 25, the chunk from 32), and its new last page, shared,
+    # is copied first in every group, beside the page after it it still maps
+    parent = run(manager, "a", list(range(3 * P + 2)))
+    child = manager.fork(parent, KVRequest("child", []))
+
+    def done() -> None:
+        assert parent.num_tokens == len(parent.token_ids) == 3 * P - 4
+        assert decode(manager, parent, 77)  # writes into its own copy
+        assert reads_back(manager, child) and reads_back(manager, parent)
+
+    return Scenario(lambda: manager.truncate(parent, 3 * P - 4), done,
+                    can=lambda: manager.can_truncate([parent], 3 * P - 4))
+
+
+def lookahead_scenario(manager) -> Scenario:
+    a = run(manager, "a", list(range(2 * P)))  # full pages: its next block is given ahead
+    run(manager, "b", list(range(100, 100 + P)))  # a's next block will not extend its run
+
+    def attempt() -> bool:
+        jobs = manager.allocate_lookahead([a], 1)
+        if not jobs:
+            return False
+        assert sorted(job.group for job in jobs) == list(range(len(manager.layout_groups)))
+        try:
+            manager.map_lookahead(jobs)
+        except MappingLimitError:
+            manager.cancel_lookahead(jobs)  # as the engine does, before the requests grow again
+            raise
+        return True
+
+    def done() -> None:
+        free = free_blocks(manager)
+        a.token_ids.append(7)
+        assert manager.allocate(a, 1)  # into the blocks given ahead: nothing more is taken
+        assert free_blocks(manager) == free
+        write(manager, a, 2 * P, 2 * P + 1)
+        manager.commit(a)
+        assert reads_back(manager, a)
+
+    return Scenario(attempt, done)
+
+
+SCENARIOS = {"admit": admit_scenario, "allocate": allocate_scenario, "fork": fork_scenario,
+             "swap_in": swap_in_scenario, "reorder": reorder_scenario, "truncate": truncate_scenario,
+             "lookahead": lookahead_scenario}
+OPERATIONS = list(SCENARIOS)
+# what a mapping-budget refusal says: the coordinator's check over every group names the group; a
+# lookahead's mapping (on another thread) is each group's own mapper, all or nothing there
+REFUSAL = {"admit": "admit", "allocate": "allocate", "fork": "fork", "swap_in": "swap in",
+           "reorder": "reorder", "truncate": "truncate"}
+
+
+def refusal_pattern(op: str, group: int) -> str:
+    if op == "lookahead":
+        return "refused to map"
+    return rf"refused to {REFUSAL[op]}: layer group {group} needs"
+
+
+# --- refused by one group's mapping budget ----------------------------------------------------------
+
+@pytest.mark.parametrize("kinds,refusing", BUDGET_CASES)
+@pytest.mark.parametrize("op", OPERATIONS)
+def test_an_operation_one_groups_mapping_budget_refuses_changes_nothing(op, kinds, refusing):
+    manager = make(kinds)
+    try:
+        scenario = SCENARIOS[op](manager)
+        groups = manager.layout_groups
+        pinch(manager, refusing)
+        before, mappings = state(manager), [group.backend.mappings_in_use for group in groups]
+        with pytest.raises(MappingLimitError, match=refusal_pattern(op, refusing)):
+            scenario.attempt()
+        assert state(manager) == before and scenario.untouched()
+        if op == "lookahead":  # the groups before the refusing one had mapped theirs: stale now
+            assert all(group.backend.mappings_in_use > count
+                       for group, count in zip(groups[:refusing], mappings))
+        manager.check()
+        unpinch(manager)
+        assert scenario.attempt()
+        scenario.done()
+        manager.check()
+    finally:
+        close(manager)
 
 
 def with_cached_prefix(manager) -> KVRequest:
     """A running request, and a freed one whose blocks stay cached (an admission evicts them)."""
-    running = run(manager, "a", list(range(40)))
+    running_req = run(manager, "a", list(range(40)))
     manager.free(run(manager, "old", list(range(1000, 1040))))
-    return running
+    return running_req
 
 
-@pytest.mark.parametrize("refusing", GROUPS)
-def test_admit_refused_by_either_groups_budget_changes_nothing(hybrid, refusing):
-    a = with_cached_prefix(hybrid)
-    cached = hybrid.global_group.num_cached_blocks, hybrid.local_group.num_cached_blocks
-    pinch(hybrid, refusing)
-    before = state(hybrid)
-    new = KVRequest("new", list(range(500, 620)))  # more blocks than are never used: evicts
-    with pytest.raises(MappingLimitError, match="admit"):
-        hybrid.admit(new)
-    assert state(hybrid) == before
-    hybrid.check()
-    unpinch(hybrid)
-    assert hybrid.admit(new) == 0
-    # what the refusal would have lost: both groups' admissions evict cached blocks
-    assert hybrid.global_group.num_cached_blocks < cached[0] and hybrid.local_group.num_cached_blocks < cached[1]
-    write(hybrid, new, 0, new.num_tokens)
-    hybrid.commit(new)
-    assert reads_back(hybrid, a) and reads_back(hybrid, new)
+@pytest.mark.parametrize("kinds,refusing", BUDGET_CASES)
+def test_an_admission_refused_by_any_groups_budget_evicts_no_cached_block(kinds, refusing):
+    """What a refusal after an earlier group's part would lose: every group's admission evicts
+    cached blocks (which cannot be put back)."""
+    manager = make_hybrid(KINDS[kinds], num_blocks=12, max_num_seqs=3)
+    try:
+        a = with_cached_prefix(manager)
+        groups = manager.layout_groups
+        cached = [group.num_cached_blocks for group in groups]
+        pinch(manager, refusing)
+        before = state(manager)
+        new = KVRequest("new", list(range(500, 620)))  # more blocks than are never used: evicts
+        with pytest.raises(MappingLimitError, match=refusal_pattern("admit", refusing)):
+            manager.admit(new)
+        assert state(manager) == before and holds_nothing(new)
+        manager.check()
+        unpinch(manager)
+        assert manager.admit(new) == 0
+        assert all(group.num_cached_blocks < count for group, count in zip(groups, cached))
+        write(manager, new, 0, new.num_tokens)
+        manager.commit(new)
+        assert reads_back(manager, a) and reads_back(manager, new)
+        manager.check()
+    finally:
+        close(manager)
 
 
-@pytest.mark.parametrize("refusing", GROUPS)
-def test_fork_refused_by_either_groups_budget_changes_nothing(hybrid, refusing):
-    parent = run(hybrid, "a", list(range(W + P + 3)))  # a partial last page: the fork copies it
-    pinch(hybrid, refusing)
-    before = state(hybrid)
-    with pytest.raises(MappingLimitError, match="fork"):
-        hybrid.fork(parent, KVRequest("child", []))
-    assert state(hybrid) == before
-    unpinch(hybrid)
-    child = hybrid.fork(parent, KVRequest("child", []))
-    assert child is not None and reads_back(hybrid, child) and reads_back(hybrid, parent)
+# --- every room of the process's budget, from none up ----------------------------------------------
+
+LATER_GROUP = re.compile(r"layer group [1-9]\d* needs .* after the groups before it")
 
 
-@pytest.mark.parametrize("refusing", GROUPS)
-def test_allocate_across_a_page_boundary_refused_changes_nothing(hybrid, refusing):
-    a = run(hybrid, "a", list(range(2 * P)))  # full pages: the next token needs a new one
-    run(hybrid, "b", list(range(100, 100 + P)))  # a's slot is followed by b's: a new run splits
-    pinch(hybrid, refusing)
-    before = state(hybrid)
-    with pytest.raises(MappingLimitError, match="allocate"):
-        hybrid.allocate(a, 1, [7])
-    assert state(hybrid) == before and a.num_tokens == 2 * P
-    unpinch(hybrid)
-    assert hybrid.allocate(a, 1, [7])
-    write(hybrid, a, 2 * P, 2 * P + 1)
-    hybrid.commit(a)
-    assert reads_back(hybrid, a)
+@pytest.mark.parametrize("kinds", ["two-kinds", "three-kinds"])
+@pytest.mark.parametrize("op", OPERATIONS)
+def test_every_room_the_process_budget_leaves_refuses_cleanly_or_does_it_all(op, kinds):
+    """The groups draw on one budget of kernel mappings (``vm.max_map_count``'s share). With no
+    room to spare, then one more, and so on: each try is refused with nothing changed in any group
+    (among them refusals of a later group once the earlier groups' parts are counted) until it
+    fits, and then it is done in every group. A plan checked other than it is carried out would
+    show here: as a later group refused midway, its earlier groups changed."""
+    budget = process_mapping_budget()
+    manager = make(kinds)
+    limit = budget.limit
+    try:
+        scenario = SCENARIOS[op](manager)
+        groups = manager.layout_groups
+        refused, later = [], 0
+        for room in range(64):
+            reclaim_stale(manager)
+            before, mappings = state(manager), [group.backend.mappings_in_use for group in groups]
+            budget.limit = budget.used + room
+            try:
+                done = scenario.attempt()
+            except MappingLimitError as error:
+                budget.limit = limit
+                assert state(manager) == before and scenario.untouched(), f"room {room}"
+                refused.append(room)
+                if op == "lookahead":  # the first group mapped its jobs, a later one was refused
+                    later += groups[0].backend.mappings_in_use > mappings[0]
+                else:
+                    later += bool(LATER_GROUP.search(str(error)))
+                continue
+            finally:
+                budget.limit = limit
+            assert done, f"room {room}: refused without raising"
+            break
+        else:
+            pytest.fail("no room up to 64 mappings took it")
+        assert refused == list(range(room)) and later, (refused, later)
+        scenario.done()
+        manager.check()
+    finally:
+        budget.limit = limit
+        close(manager)
 
 
-@pytest.mark.parametrize("refusing", GROUPS)
-def test_swap_in_refused_by_either_groups_budget_changes_nothing(hybrid, refusing):
-    a = run(hybrid, "a", list(range(W + P + 5)))
-    assert hybrid.preempt(a, "swap") == "swap"
-    pinch(hybrid, refusing)
-    before = state(hybrid)
-    with pytest.raises(MappingLimitError, match="swap in"):
-        hybrid.swap_in(a)
-    assert state(hybrid) == before and hybrid.is_swapped(a)
-    unpinch(hybrid)
-    assert hybrid.swap_in(a) and reads_back(hybrid, a)
+# --- too few blocks in one group ------------------------------------------------------------------
+
+def starve(manager, short: int) -> list[KVRequest]:
+    """Committed fillers until layer group ``short`` has no free block (none cached either), taking
+    fewer of the other groups': in the full-attention group a request grown long holds every
+    block, in the others a window's or a chunk's; in a sliding group a request of 4 pages holds
+    two, in a chunked one none (its chunk starts at its end)."""
+    group, fillers = manager.layout_groups[short], []
+
+    def filler(length: int) -> KVRequest:
+        base = 2000 + 300 * len(fillers)
+        fillers.append(run(manager, f"filler{len(fillers)}", [base + i for i in range(length)]))
+        return fillers[-1]
+
+    if short == 0:
+        req = filler(P)
+        while group.num_free_blocks:
+            if req.num_tokens + P > manager.config.max_model_len:
+                req = filler(P)
+                continue
+            last = req.token_ids[-1]
+            req.token_ids.extend(range(last + 1, last + 1 + P))
+            assert manager.allocate(req, P)
+            manager.commit(req)
+    else:
+        while group.num_free_blocks:
+            filler(4 * P if group.num_free_blocks >= 4 else P)
+    return fillers
+
+
+@pytest.mark.parametrize("kv_backend", BACKENDS)
+@pytest.mark.parametrize("kinds,short", SHORT_CASES)
+@pytest.mark.parametrize("op", OPERATIONS)
+def test_an_operation_one_group_has_too_few_blocks_for_changes_nothing(op, kinds, short, kv_backend):
+    # the full-attention group is starved by long requests, which hold a few blocks of every
+    # local group each; lookahead takes only clean blocks (never evicting a cached one), so
+    # there no released block is cached, and the other groups keep clean ones
+    manager = make(kinds, local_blocks=12 if short == 0 else 8, kv_backend=kv_backend,
+                   enable_prefix_caching=op != "lookahead")
+    try:
+        scenario = SCENARIOS[op](manager)
+        fillers = starve(manager, short)
+        groups = manager.layout_groups
+        # the short group has no block (none cached either); every other group has the blocks
+        # the operation takes there (clean ones for lookahead, which evicts no cached block),
+        # and a slot is free
+        assert groups[short].num_free_blocks == 0 < scenario.need(short)
+        for group in groups:
+            if group.index != short:
+                room = group.pool.num_clean if op == "lookahead" else group.num_free_blocks
+                assert room >= scenario.need(group.index), (group.index, free_blocks(manager))
+        assert manager.num_free_slots
+        before = state(manager)
+        if scenario.can is not None:
+            assert not scenario.can()
+            assert state(manager) == before
+        assert not scenario.attempt()
+        assert state(manager) == before and scenario.untouched()
+        manager.check()
+        for req in fillers:
+            manager.free(req)
+        if scenario.can is not None:
+            assert scenario.can()
+        assert scenario.attempt()
+        scenario.done()
+        manager.check()
+    finally:
+        close(manager)
+
+
+# --- too little swap space in one group -----------------------------------------------------------
+
+@pytest.mark.parametrize("kv_backend", BACKENDS)
+@pytest.mark.parametrize("kinds,short", SHORT_CASES)
+def test_a_swap_out_one_groups_swap_space_cannot_take_changes_nothing(kinds, short, kv_backend):
+    rows = 2 if short == 0 else 1  # host rows of each group (its share of the swap space, by layers)
+    manager = make(kinds, kv_backend=kv_backend, swap_space_bytes=rows * 4 * LAYER_BLOCK_BYTES)
+    try:
+        groups = manager.layout_groups
+        assert [group.swap.num_blocks for group in groups] == [rows] * len(groups)
+        if short == 0:
+            a = run(manager, "a", list(range(100)))  # 7 private blocks in the full-attention group
+        else:
+            # a's full blocks are its fork's too in the full-attention group; the fork, decoded
+            # past them, released them in the local groups: there they are a's alone (two of its
+            # window, one of its chunk)
+            a = run(manager, "a", list(range(3 * P)))
+            child = manager.fork(a, KVRequest("child", []))
+            for step in range(2 * P):
+                assert decode(manager, child, step % 7)
+        private = [private_blocks(manager, a, group.index) for group in groups]
+        assert private[short] > rows >= max(count for index, count in enumerate(private) if index != short)
+        before = state(manager)
+        estimate = manager.estimate_preemption(a)
+        assert not estimate.swap_fits
+        assert estimate.swap_bytes == sum(count * group.block_bytes for count, group in zip(private, groups))
+        with pytest.raises(OutOfSwapSpaceError,
+                           match=f"needs {private[short]} blocks of {groups[short].block_bytes} B"):
+            manager.preempt(a, "swap")
+        assert state(manager) == before
+        manager.check()
+        assert decode(manager, a, 5) and reads_back(manager, a)  # nothing of it was lost
+        assert manager.preempt(a, "recompute") == "recompute"
+        manager.check()
+    finally:
+        close(manager)
+
+
+# --- the queries change nothing and say what the operation takes -----------------------------------
+
+@pytest.mark.parametrize("kinds", ["one-kind", "two-kinds", "three-kinds"])
+def test_the_queries_change_nothing_and_say_what_each_group_takes(kinds):
+    manager = make_hybrid(KINDS[kinds], num_blocks=16, max_num_seqs=3)
+    try:
+        groups = manager.layout_groups
+        a = KVRequest("a", list(range(2 * P - 2)))  # a full page and a partial one
+        before = state(manager)
+        assert manager.can_admit(a) and manager.match_prefix(a)[0] == []
+        assert state(manager) == before
+        free = free_blocks(manager)
+        assert manager.admit(a) == 0
+        for group in groups:  # two fresh blocks in every group, referenced once, unhashed
+            table = a.group_block_table(group.index)
+            assert len(table) == 2
+            assert all(group.pool.ref[b] == 1 and group.pool.hash_of[b] is None for b in table)
+        assert free_blocks(manager) == [count - 2 for count in free]
+        write(manager, a, 0, a.num_tokens)
+        manager.commit(a)
+
+        before = state(manager)
+        assert manager.blocks_needed(a, 1) == 0 and manager.can_allocate(a, 1)  # inside its last page
+        assert manager.blocks_needed(a, 3) == 1 and manager.can_allocate(a, 3)  # into a third
+        assert state(manager) == before
+        free, tables = free_blocks(manager), [a.group_block_table(g.index) for g in groups]
+        assert manager.allocate(a, 3, [1, 2, 3])
+        assert free_blocks(manager) == [count - 1 for count in free]
+        for group, table in zip(groups, tables):
+            grown = a.group_block_table(group.index)
+            assert grown[:-1] == table and grown[-1] not in table and group.pool.ref[grown[-1]] == 1
+        write(manager, a, 2 * P - 2, a.num_tokens)
+        manager.commit(a)
+
+        free = free_blocks(manager)
+        b = manager.fork(a, "b")  # full pages shared, the partial one copied
+        assert free_blocks(manager) == [count - 1 for count in free]
+        for group in groups:
+            parent, child = a.group_block_table(group.index), b.group_block_table(group.index)
+            assert child[:-1] == parent[:-1] and child[-1] not in parent and child[-1] != RELEASED
+            assert all(group.pool.ref[block] == 2 for block in child[:-1] if block != RELEASED)
+        assert reads_back(manager, b)
+
+        estimate = manager.estimate_preemption(b)
+        assert estimate.swap_bytes == sum(private_blocks(manager, b, g.index) * g.block_bytes for g in groups)
+        assert manager.preempt(b, "swap") == "swap"
+        before = state(manager)
+        assert manager.can_swap_in(b)
+        assert state(manager) == before
+        assert manager.swap_in(b) and reads_back(manager, b) and reads_back(manager, a)
+        manager.check()
+    finally:
+        close(manager)
+
+
+# --- a random walk under a tight budget -------------------------------------------------------------
+
+WALKED: Counter = Counter()  # (operation, outcome) over the walks
+WALK_OPERATIONS = ("admit", "allocate", "fork", "swap_in", "reorder", "truncate", "lookahead")
+
+
+def walk_step(manager, rng: random.Random, reqs: dict, swapped: dict, step: int) -> tuple[str, str]:
+    """One random operation; returns (operation, outcome: done, refused, budget or skipped).
+    A refusal leaves the whole state as it was; what was done is committed and written."""
+    op = rng.choice(["admit", "admit", "allocate", "allocate", "allocate", "fork", "swap", "swap_in",
+                     "reorder", "truncate", "truncate", "lookahead", "free"])
+    names = sorted(reqs)
+    name = rng.choice(names) if names else None
+    before = state(manager)
+    try:
+        if op == "admit":
+            req = KVRequest(f"r{step}", [rng.randrange(3) * 97 + i for i in range(rng.randrange(1, 70))])
+            done = manager.admit(req) is not None
+            if done:
+                write(manager, req, req.num_computed_tokens, req.num_tokens)
+                manager.commit(req)
+                reqs[req.request_id] = req
+            else:
+                assert holds_nothing(req)
+        elif op == "allocate" and name:
+            req, count = reqs[name], rng.choice([1, 1, rng.randrange(2, 24)])  # a decode or a chunk
+            if req.num_tokens + count > manager.config.max_model_len:
+                return op, "skipped"
+            done = manager.allocate(req, count, [rng.randrange(40) for _ in range(count)])
+            if done:
+                write(manager, req, req.num_computed_tokens, req.num_tokens)
+                manager.commit(req)
+        elif op == "fork" and name:
+            child = KVRequest(f"r{step}", [])
+            done = manager.fork(reqs[name], child) is not None
+            if done:
+                reqs[child.request_id] = child
+            else:
+                assert holds_nothing(child)
+        elif op == "swap" and name:
+            if not manager.estimate_preemption(reqs[name]).swap_fits:
+                with pytest.raises(OutOfSwapSpaceError):
+                    manager.preempt(reqs[name], "swap")
+                done = False
+            else:
+                done = manager.preempt(reqs[name], "swap") == "swap"
+                swapped[name] = reqs.pop(name)
+        elif op == "swap_in" and swapped:
+            key = rng.choice(sorted(swapped))
+            done = manager.swap_in(swapped[key])
+            if done:
+                reqs[key] = swapped.pop(key)
+        elif op == "reorder" and name:
+            rows = rng.sample([reqs[n] for n in names], rng.randint(1, len(names)))
+            sources = [rng.choice(rows) for _ in rows]
+            expected = [list(source.token_ids) for source in sources]
+            done = manager.reorder(rows, sources)
+            if done:
+                assert [row.token_ids for row in rows] == expected
+        elif op == "truncate" and name:
+            req = reqs[name]
+            full = req.num_tokens // P * P  # mostly into its full pages: those copy (cached, shared)
+            length = rng.randint(1, req.num_tokens) if rng.random() < 0.3 or full < P else \
+                rng.randint(max(full - 2 * P, 0) // P, full // P - 1) * P + rng.randint(1, P - 1)
+            try:
+                done = manager.truncate(req, length)
+            except RequestStateError:  # a window's or a chunk's positions already released
+                done = False
+        elif op == "lookahead" and names:
+            jobs = manager.allocate_lookahead([reqs[n] for n in names], rng.randrange(1, 2 * P))
+            done = bool(jobs)
+            try:
+                manager.map_lookahead(jobs)
+            except MappingLimitError:
+                manager.cancel_lookahead(jobs)
+                raise
+        elif op == "free" and name:
+            manager.free(reqs.pop(name))
+            return op, "done"
+        else:
+            return op, "skipped"
+    except MappingLimitError:
+        assert state(manager) == before, f"{op} refused by the budget changed something"
+        return op, "budget"
+    if not done:
+        assert state(manager) == before, f"refused {op} changed something"
+    return op, "done" if done else "refused"
+
+
+@pytest.mark.parametrize("kinds", ["two-kinds", "three-kinds"])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_random_walk_under_a_tight_budget_is_all_or_nothing_in_every_group(seed, kinds):
+    """Admissions with shared prefixes, decodes and chunks, forks, swaps, reorders, truncations,
+    lookahead and frees, each under a budget tightened at random in one group (a few mappings to
+    spare, or none): every step is refused with nothing changed, or done in every group and
+    every request reads back its K/V."""
+    rng = random.Random(seed)
+    manager = make_hybrid(KINDS[kinds], num_blocks=12, max_num_seqs=4)
+    reqs, swapped = {}, {}
+    try:
+        for step in range(150):
+            unpinch(manager)
+            if rng.random() < 0.6:  # a few mappings to spare, or none, in one group
+                refusing = rng.randrange(len(manager.layout_groups))
+                pinch(manager, refusing)  # its stale ones reclaimed first, as a refusal would
+                manager.layout_groups[refusing].backend.max_mappings += rng.randrange(3)
+            WALKED[walk_step(manager, rng, reqs, swapped, step)] += 1
+            unpinch(manager)
+            manager.check()
+            assert all(reads_back(manager, req) for req in reqs.values())
+        for req in list(reqs.values()) + list(swapped.values()):
+            manager.free(req)
+        manager.check()
+        assert all(group.num_blocks_in_use == 0 for group in manager.layout_groups)
+    finally:
+        close(manager)
+
+
+def test_the_walks_had_every_operation_done_and_refused_by_the_budget():
+    """Run after the walks (file order)."""
+    if not WALKED:
+        pytest.skip("the random walks did not run in this test run (run the whole file)")
+    for op in WALK_OPERATIONS:
+        assert WALKED[op, "done"] and WALKED[op, "budget"], (op, WALKED)
+
+
+# --- fit, else reclaim stale mappings, else refuse -------------------------------------------------
+
+class FakeMapper:
+    def __init__(self):
+        self.reclaimed = []
+
+    def reclaim_stale(self, keep):
+        self.reclaimed.append(keep)
+
+
+def test_fit_or_reclaim_reclaims_only_when_needed_and_refuses_after_that():
+    jobs = [MapJob(1, 0, [5, 6]), MapJob(1, 4, [7]), MapJob(2, 0, [8])]
+    mapper = FakeMapper()
+    fit_or_reclaim(lambda: None, [(mapper, jobs)], "admit")
+    assert mapper.reclaimed == []  # it fits: nothing reclaimed
+
+    answers = iter(["short", None])  # fits once stale mappings are gone
+    fit_or_reclaim(lambda: next(answers), [(mapper, jobs)], "admit")
+    assert mapper.reclaimed == [{1: 5, 2: 1}]  # each slot keeps the most any job keeps
+
+    mapper.reclaimed.clear()
+    with pytest.raises(MappingLimitError, match="refused to fork: it needs 3; nothing was changed"):
+        fit_or_reclaim(lambda: "it needs 3", [(mapper, jobs)], "fork")
+    assert len(mapper.reclaimed) == 1
 
 
 # --- the cost the check asks for is the cost the backend charges ------------------------------------
@@ -139,7 +757,7 @@ def test_mapping_cost_is_what_the_backend_charges(layout, seed):
     cost ``mapping_cost`` predicts is the change in the backend's kernel mappings, at the end and
     at its peak (the release is one call, the jobs another)."""
     manager = make_hybrid(layout=layout)
-    slots, rng = manager.local_group.slots, random.Random(seed)
+    slots, rng = manager.layout_groups[1].slots, random.Random(seed)
     try:
         logical = slots.layout.logical_pages_for(slots.max_tokens)
         for _ in range(25):

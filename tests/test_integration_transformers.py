@@ -381,9 +381,9 @@ def window_model(name: str):
 
 def local_blocks_held(cache) -> list[int]:
     """Blocks each row holds in its sliding layers' group (RELEASED entries do not count)."""
-    manager = cache.manager
-    tables = [manager.local_request(kv).block_table if hasattr(manager, "local_request") else kv.block_table
-              for kv in (row.kv for row in cache._rows)]
+    groups = cache.manager.layout_groups
+    local = next((group.index for group in groups if group.spec.releases), 0)  # the sliding group
+    tables = [kv.group_block_table(local) for kv in (row.kv for row in cache._rows)]
     return [sum(block >= 0 for block in table) for table in tables]
 
 

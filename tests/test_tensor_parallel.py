@@ -25,7 +25,7 @@ from vmemkv.engine.distributed.recorder import BackendRecorder, Recording, repla
 from vmemkv.engine.distributed.sharding import check_shardable
 from vmemkv.engine.models import byte_tokenizer, load_model, model_config
 from vmemkv.errors import ConfigError, UnsupportedModelError
-from vmemkv.hybrid import HybridKVCacheManager
+from vmemkv.attention_spec import SLIDING, AttentionSpec
 from vmemkv.swap import SwapSpace
 from vmemkv.vmm import create_backend
 
@@ -140,18 +140,26 @@ def gemma2_engine(gemma2_dir):
     engine.close()
 
 
+def assert_local_and_global_groups(manager) -> None:
+    """The tiny Gemma-2's global layer in layer group 0, its local layer (window 3) in group 1."""
+    groups = manager.layout_groups
+    assert len(groups) == 2
+    assert groups[0].layers == (1,) and not groups[0].spec.releases
+    assert groups[1].layers == (0,) and groups[1].spec == AttentionSpec(SLIDING, 3)
+
+
 @pytest.mark.spawns
 class TestHybridEngine:
     def test_two_ranks_match_one_and_hf_with_local_blocks_released(self, gemma2_dir, gemma2_engine):
         directory, model = gemma2_dir
         engine = gemma2_engine
-        assert isinstance(engine.manager, HybridKVCacheManager)
+        assert_local_and_global_groups(engine.manager)
         assert engine.manager.tokens_per_page == 16  # 50 tokens: local blocks 0-1 go behind the window
         batch = prompts(3, lengths=(20, 9, 31))
         params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
         outputs = run(engine, batch, params)
         one = make_engine(directory, max_num_seqs=3, max_model_len=96, max_num_batched_tokens=16)
-        assert isinstance(one.manager, HybridKVCacheManager)
+        assert_local_and_global_groups(one.manager)
         one_rank = run(one, batch, params)
         one.close()
         tokens = [o.outputs[0].token_ids for o in outputs]
@@ -163,7 +171,7 @@ class TestHybridEngine:
         assert engine.manager.cache_stats().blocks_released_behind_window > 0
         assert [len(r.ranges) for r in engine.tensor_parallel.recording.recorders] == [1, 1]
         assert_every_forward_checked(engine)
-        assert engine.manager.local_group.num_blocks_in_use == 0
+        assert engine.manager.layout_groups[1].num_blocks_in_use == 0
 
     def test_killed_worker_stops_the_engine_with_a_clear_error(self, gemma2_engine):
         """Last in the class: it ends this engine."""

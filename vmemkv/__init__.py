@@ -16,7 +16,6 @@ from .kv_metrics import KVMetricsCollector
 from .layout import KVLayout
 from .cache_config import CacheConfig, CacheStats, PreemptionEstimate
 from .manager import KVCacheManager, PrefixCacheBusyError, UnknownRequestError
-from .hybrid import HybridKVCacheManager
 from .pool import BlockPool
 from .request import KVRequest
 from .slots import NoFreeSlotError
@@ -27,12 +26,24 @@ __version__ = "0.1.0"
 _ENGINE_NAMES = {"LLM", "SamplingParams", "EngineConfig"}
 
 
+def _hybrid_manager(config, layer_windows, chunk_tokens=None, local_blocks=None, metrics=None,
+                    backends=None, events=None) -> KVCacheManager:
+    """``HybridKVCacheManager(...)`` as it was called before 0.2."""
+    return KVCacheManager(config, metrics=metrics, events=events, layer_windows=layer_windows,
+                          chunk_tokens=chunk_tokens, local_blocks=local_blocks, backends=backends)
+
+
 def __getattr__(name: str):
     if name == "PagePool":  # the pre-0.2 name of BlockPool, kept for one release
         import warnings
         warnings.warn("vmemkv.PagePool is deprecated; use vmemkv.BlockPool", DeprecationWarning,
                       stacklevel=2)
         return BlockPool
+    if name == "HybridKVCacheManager":  # before 0.2: a second manager; now KVCacheManager's groups
+        import warnings
+        warnings.warn("vmemkv.HybridKVCacheManager is deprecated; use vmemkv.KVCacheManager(config, "
+                      "layer_windows=...)", DeprecationWarning, stacklevel=2)
+        return _hybrid_manager
     if name in ("OutOfPagesError", "PageStateError"):  # the pre-0.2 names, kept for one release
         return _deprecated_name(__name__, name)
     # The engine pulls in transformers; load it only when asked for.

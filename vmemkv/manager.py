@@ -17,6 +17,11 @@ accepts its id, looked up in the manager's registry)::
     ...
     manager.free(req)
 
+A model whose layers read earlier positions by different rules (Gemma-2/3, GPT-OSS, Cohere2:
+sliding-window and full-attention layers; Llama-4: chunked local and full) gets one manager over
+one layer group per kind (``KVCacheManager.for_layers``): the same operations, each planned and
+checked in every group before any group changes (``manager_state.py``).
+
 About 500 lines: the core operations (with their batched forms for an engine's step) and the
 queries a scheduler asks belong together; the other groups of operations are in their own modules
 (see ``KVCacheManager``).
@@ -31,46 +36,97 @@ import torch
 
 from . import validation as check
 from .cache_config import CacheConfig, CacheStats, PreemptionEstimate
-from .errors import ManagerClosedError, MappingLimitError, RequestStateError
+from .cache_group import KVCacheGroup
+from .errors import ConfigError, InvalidInputError, ManagerClosedError, MappingLimitError, RequestStateError
 from .hashing import CacheKeys
 from .lookahead import LookaheadOps
-from .kv_metrics import timed
+from .kv_metrics import KVMetricsCollector, timed
+from .kv_events import KVEventSink
 from .manager_state import PrefixCacheBusyError, UnknownRequestError
-from .plans import Admission, Plan
+from .plans import check_mapping_budget
 from .preemption import PreemptionOps
-from .request import RELEASED, KVRequest
+from .request import KVRequest
 from .sharing import SharingOps
 
 _NO_TOKENS = ()  # allocate's default: nothing to check or append
 
 __all__ = ["CacheConfig", "CacheStats", "KVCacheManager", "KVRequest", "PreemptionEstimate",
-           "PrefixCacheBusyError", "UnknownRequestError"]
+           "PrefixCacheBusyError", "UnknownRequestError", "GroupReads"]
+
+
+class GroupReads:
+    """``SlotReads`` over every layer group: a batch of consecutive slots is read in one call
+    only when each group can make its rows readable (a group that could keeps its filler
+    pinned until ``release_reads``, harmlessly)."""
+
+    def __init__(self, groups: list, num_layers: int):
+        self.groups, self.num_layers = groups, num_layers
+
+    def make_readable(self, slots: list[int], num_tokens: int) -> bool:
+        return all([group.make_readable(slots, num_tokens) for group in self.groups])
+
+    def release_reads(self) -> None:
+        for group in self.groups:
+            group.release_reads()
 
 
 class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
     """The scheduler-facing API. This module holds the core (queries, admission and growth,
     commit and prefix registration, freeing, views, stats, close); fork, reorder and truncate
     are in ``sharing.py``, preemption and swap in ``preemption.py``, the overlapped (lookahead)
-    mapping in ``lookahead.py``, the shared state, its helpers and the invariant check in
-    ``manager_state.py``.
+    mapping in ``lookahead.py``, the layer groups, the requests, their helpers and the invariant
+    check in ``manager_state.py``, each group's own steps in ``cache_group.py``.
 
-    ``KVCacheManager(config, backend=None, metrics=None)``: ``backend`` defaults to the device's
+    ``KVCacheManager(config, backend=None, metrics=None, events=None, *, layer_windows=None,
+    chunk_tokens=None, local_blocks=None, backends=None)``: ``backend`` defaults to the device's
     (``vmemkv.vmm.create_backend``); ``metrics``, a ``vmemkv.KVMetricsCollector``, times the
     operations and the backend's mapping (``kv_metrics.py``; None costs about 0.15 µs per call);
     ``events``, a callable (e.g. ``vmemkv.KVEventBuffer``), is told every block stored in or
-    removed from the prefix cache and every reset (``kv_events.py``)."""
+    removed from the prefix cache and every reset (``kv_events.py``; with several layer groups
+    each event names its group, ``group_idx``).
+
+    ``layer_windows`` gives each model layer's window (an int: a sliding window), its
+    ``AttentionSpec`` (a chunked local layer) or None (full attention): one layer group per kind,
+    each with its own virtual tensors and pool, the full-attention group first
+    (``layout_groups``). ``config`` then describes the whole model: ``num_blocks`` blocks of all
+    layers, whose bytes the groups share (``layer_groups.split_blocks``: each local group gets
+    what its window needs at most, ``local_blocks`` when given, ``chunk_tokens`` being the most
+    tokens one step computes); ``backends`` gives each group's backend (tensor parallelism records
+    them). Block counts (``num_blocks``, ``num_free_blocks``, ``blocks_for_tokens``, ...) are the
+    first group's, the one that grows with a request; every operation checks every group."""
+
+    @classmethod
+    def for_layers(cls, config: CacheConfig, layer_windows, chunk_tokens: int | None = None,
+                   metrics: KVMetricsCollector | None = None, events: KVEventSink | None = None,
+                   backends=None) -> "KVCacheManager":
+        """A manager with one layer group per kind of ``layer_windows`` (each layer's window,
+        ``AttentionSpec`` or None), or with one group of every layer (keeping every block) when
+        ``layer_windows`` is None or the groups' pages cannot hold one number of tokens.
+        ``backends``: makes a group's backend from the group's config (or None: each its own)."""
+        if layer_windows:
+            from .layer_groups import LayerGroups, group_configs
+            try:
+                configs = group_configs(config, LayerGroups.from_windows(layer_windows), chunk_tokens)
+            except ConfigError:
+                configs = None
+            if configs is not None and len(configs) > 1:
+                return cls(config, metrics=metrics, events=events, layer_windows=layer_windows,
+                           chunk_tokens=chunk_tokens,
+                           backends=None if backends is None else [backends(group) for group in configs])
+        return cls(config, backend=None if backends is None else backends(config), metrics=metrics,
+                   events=events)
 
     # --- queries without side effects ----------------------------------------------------------
     @property
     def num_free_slots(self) -> int:
         self._check_open()
-        return self.slots.num_free
+        return self.groups[0].slots.num_free
 
     @timed
     def usage(self) -> float:
-        """Fraction of blocks held by requests."""
+        """Fraction of blocks held by requests (the fullest group's)."""
         self._check_open()
-        return self.pool.num_in_use / self.pool.num_blocks
+        return max(group.usage() for group in self.groups)
 
     @timed
     def match_prefix(self, token_ids: "Sequence[int] | KVRequest",
@@ -78,20 +134,22 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         """Cached blocks holding a prefix of ``token_ids`` (whole blocks, leaving at least one
         token to compute) and the hashes of all full blocks of ``token_ids``. With a sliding
         window, the longest prefix whose blocks its next query's window reads are cached, with
-        ``RELEASED`` (-1) for the blocks before that window (they need not be cached). Given a
-        KVRequest, its own tokens and keys, and its hash chain (extended, never recomputed)."""
+        ``RELEASED`` (-1) for the blocks before that window (they need not be cached); with
+        several layer groups, the first group's blocks of the longest prefix every group can
+        reuse. Given a KVRequest, its own tokens and keys, and its hash chain (extended, never
+        recomputed)."""
         self._check_open()
         if not self.config.enable_prefix_caching:
             return [], []
         if isinstance(token_ids, KVRequest):
             req = token_ids
             self._check_not_foreign(req)
-            req.chain.claim(self)  # its hash chain is this manager's from now on
+            self._own(req)  # its hash chain is this manager's from now on
             hashes = list(self._extend_chain(req, len(req.token_ids) // self.tokens_per_page))
-            return self._cached_blocks(hashes, len(req.token_ids)), hashes
+            return self._cached_hits(hashes, len(req.token_ids))[0], hashes
         token_ids = self._token_ids(token_ids, "token_ids")
         hashes = self.hasher.block_hashes(token_ids, self.tokens_per_page, check.cache_keys(keys))
-        return self._cached_blocks(hashes, len(token_ids)), hashes
+        return self._cached_hits(hashes, len(token_ids))[0], hashes
 
     @timed
     def can_admit(self, token_ids: "Sequence[int] | KVRequest", keys: CacheKeys = CacheKeys()) -> bool:
@@ -99,78 +157,87 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         self._check_open()
         if isinstance(token_ids, KVRequest):
             self._check_not_foreign(token_ids)
-            token_ids.chain.claim(self)
+            self._own(token_ids)
             self._check_tokens(token_ids, len(token_ids.token_ids))
             hits, total = self._prefix_hits(token_ids), len(token_ids.token_ids)
         else:
-            hits, _ = self.match_prefix(token_ids, keys)
+            token_ids = self._token_ids(token_ids, "token_ids")
             total = len(token_ids)
-        return self.slots.num_free > 0 and self._fits_admission(hits, total)
+            hits = ([[] for _ in self.groups] if not self.config.enable_prefix_caching else self._cached_hits(
+                self.hasher.block_hashes(token_ids, self.tokens_per_page, check.cache_keys(keys)), total))
+        return self._slot_available(None) and all(
+            group.fits_admission(group_hits, total) for group, group_hits in zip(self.groups, hits))
 
     @timed
     def can_allocate(self, request: "KVRequest | str", num_new_tokens: int) -> bool:
         req = self._running(request)
-        return self._blocks_needed(req, check.count(num_new_tokens, "num_new_tokens")) <= self.pool.num_free
+        num_new_tokens = check.count(num_new_tokens, "num_new_tokens")
+        return all(group.blocks_needed(alloc, num_new_tokens) <= group.pool.num_free
+                   for group, alloc in zip(self.groups, req.allocations))
 
     @timed
     def blocks_needed(self, request: "KVRequest | str", num_new_tokens: int) -> int:
+        """New blocks (of the first group: every group needs as many) for ``num_new_tokens``."""
         req = self._running(request)
-        return self._blocks_needed(req, check.count(num_new_tokens, "num_new_tokens"))
+        return self.groups[0].blocks_needed(req.allocation, check.count(num_new_tokens, "num_new_tokens"))
 
     # --- sizes and counts (what a scheduler or an adapter asks instead of reading the parts) -----
     @property
     def num_blocks(self) -> int:
-        """Blocks (logical pages) in the pool."""
-        return self.pool.num_blocks
+        """Blocks (logical pages) in the (first group's) pool."""
+        return self.groups[0].pool.num_blocks
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks no request holds: clean ones and cached ones (evicted when taken)."""
-        return self.pool.num_free
+        return self.groups[0].pool.num_free
 
     @property
     def num_blocks_in_use(self) -> int:
-        return self.pool.num_in_use
+        return self.groups[0].pool.num_in_use
 
     @property
     def kv_bytes_in_use(self) -> int:
-        """Bytes of the blocks held by requests."""
-        return self.pool.num_in_use * self.layout.block_bytes
+        """Bytes of the blocks held by requests, in every group."""
+        return sum(group.kv_bytes_in_use for group in self.groups)
 
     @property
     def num_cached_blocks(self) -> int:
         """Free blocks still holding prefix-cache content."""
-        return self.pool.num_cached
+        return self.groups[0].pool.num_cached
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block: all layers' K and V of ``tokens_per_page`` tokens."""
+        """Bytes of one block: all (the first group's) layers' K and V of ``tokens_per_page`` tokens."""
         return self.layout.block_bytes
 
     @property
     def num_slots(self) -> int:
-        return self.slots.num_slots
+        return self.groups[0].slots.num_slots
 
     @property
-    def layout_groups(self) -> tuple["KVCacheManager", ...]:
-        """The managers of this manager's layout groups, each with its own pool and virtual
-        tensors: this one (a ``HybridKVCacheManager`` answers its global and local groups)."""
-        return (self,)
+    def layout_groups(self) -> tuple[KVCacheGroup, ...]:
+        """The layer groups, each with its own virtual tensors and pool (one for most models)."""
+        return self.groups
+
+    def layer_group(self, layer: int) -> KVCacheGroup:
+        """The layer group holding model layer ``layer`` (its ``spec`` is the layer's rule)."""
+        return self._where[check.layer_index(layer, self.config.num_layers)][0]
 
     def free_slots(self) -> list[int]:
         self._check_open()
-        return sorted(self.slots.free_slots())
+        return sorted(self.groups[0].slots.free_slots())
 
     def is_slot_free(self, slot: int) -> bool:
         self._check_open()
-        return self.slots.is_free(check.slot_index(slot, self.slots.num_slots))
+        return self.groups[0].slots.is_free(check.slot_index(slot, self.num_slots))
 
     def blocks_for_tokens(self, num_tokens: int, chunk_tokens: int | None = None) -> int:
         """The most blocks a request of ``num_tokens`` tokens holds at once. With a sliding
         window and ``chunk_tokens`` (the most tokens computed in one step: a prefill chunk),
         blocks behind the window are released as it runs, so it holds about the window plus a
         chunk (``AttentionSpec.peak_blocks``); otherwise every block of its tokens."""
-        return self.spec.peak_blocks(num_tokens, chunk_tokens, self.tokens_per_page)
+        return self.groups[0].blocks_for_tokens(num_tokens, chunk_tokens)
 
     def why_never_fits(self, num_tokens: int, chunk_tokens: int | None = None) -> str | None:
         """None when a request of ``num_tokens`` tokens (computed in chunks of at most
@@ -179,11 +246,10 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         if num_tokens > self.config.max_model_len:
             return (f"{num_tokens} tokens exceed max_model_len {self.config.max_model_len}; "
                     "shorten it or raise max_model_len")
-        blocks = self.blocks_for_tokens(num_tokens, chunk_tokens)
-        if blocks > self.pool.num_blocks:
-            return (f"{num_tokens} tokens need {blocks} KV blocks of {self.tokens_per_page} tokens "
-                    f"but the pool has {self.pool.num_blocks}; shorten it or give the KV cache more "
-                    "memory (num_blocks)")
+        for group in self.groups:
+            why = group.why_never_fits(num_tokens, chunk_tokens)
+            if why is not None:
+                return why
         return None
 
     def can_ever_fit(self, num_tokens: int, chunk_tokens: int | None = None) -> bool:
@@ -199,7 +265,9 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         """What CPU attention needs to read several consecutive slots in one call
         (``make_readable``, ``release_reads``, ``num_layers``: ``attention.contiguous.SlotReads``)."""
         self._check_open()
-        return self.slots
+        if len(self.groups) == 1:
+            return self.groups[0].slots
+        return GroupReads([group.slots for group in self.groups], self.config.num_layers)
 
     # --- admission and growth ------------------------------------------------------------------
     @timed
@@ -212,48 +280,82 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         ``token_budget``, for chunked prefill). ``request`` is a KVRequest (its token ids and keys
         are its own), or an id with ``token_ids`` (and ``keys``), for which the manager makes the
         KVRequest (``request(id)``). Returns how many tokens are already computed, or None,
-        changing nothing, when no slot (or not ``slot``) or not enough blocks are free.
-        ``max_cached_tokens`` caps the prefix hit (a hybrid model's groups agree on one length)."""
+        changing nothing, when no slot (or not ``slot``) or not enough blocks are free in every
+        layer group (MappingLimitError, changing nothing, when the mapping budget does not take
+        it). ``max_cached_tokens`` caps the prefix hit."""
         self._check_open()
         req = self._admission_request(request, token_ids, keys)
         num_new_tokens = check.count(num_new_tokens, "num_new_tokens", optional=True)
         token_budget = check.count(token_budget, "token_budget", optional=True)
-        slot = check.slot_index(slot, self.slots.num_slots)
-        admission = self._admission(req, num_new_tokens, token_budget, check.count(
-            max_cached_tokens, "max_cached_tokens", optional=True))
-        if not self._slot_available(slot) or not self._fits_admission(admission.hits, admission.num_tokens):
+        slot = check.slot_index(slot, self.num_slots)
+        max_cached_tokens = check.count(max_cached_tokens, "max_cached_tokens", optional=True)
+        admissions = self._admission(req, num_new_tokens, token_budget, max_cached_tokens)
+        groups = self.groups
+        if not self._slot_available(slot) or not all(
+                group.fits_admission(admission.hits, admission.num_tokens)
+                for group, admission in zip(groups, admissions)):
             return None
-        return self._execute_admit(req, admission, self._plan_admit(admission.hits, admission.num_tokens, slot))
+        plans = []
+        for group, admission in zip(groups, admissions):  # the first group chooses the slot
+            plans.append(group.plan_admit(admission.hits, admission.num_tokens, slot))
+            slot = plans[0].slot
+        if len(groups) > 1:
+            check_mapping_budget([(group.slots, plan.jobs, plan.behind) for group, plan in zip(groups, plans)],
+                                 "admit")
+        hashes = req.chain.hashes
+        for group, alloc, admission, plan in zip(groups, req.allocations, admissions, plans):
+            group.execute_admit(alloc, admission, plan, hashes)
+        self._count_admission(req, admissions[0])
+        return admissions[0].cached
 
-    def _execute_admit(self, req: KVRequest, admission: Admission, plan: Plan) -> int:
-        """Carry out ``plan`` (``_plan_admit`` of ``admission``: ``_admission``): map (the one
-        step the mapping budget can refuse, changing nothing), then take the blocks, copying the
-        host tier's hits in. Returns the tokens already computed."""
-        self._map_and_bind(plan)
-        self.pool.acquire(plan.share)
-        cached, tokens_per_page = admission.cached, self.tokens_per_page
-        req.allocation.bind(plan.slot, admission.hits + self._take_promoting(plan.take, admission.promote),
-                            admission.num_tokens, cached, cached // tokens_per_page, plan.behind)
-        request_id, num_prompt = req.request_id, len(req.token_ids)
+    def _admission(self, req: KVRequest, num_new_tokens: int | None, token_budget: int | None,
+                   max_cached_tokens: int | None) -> list:
+        """What ``admit`` of ``req`` reuses and reserves in each group (arguments checked by the
+        caller): the longest prefix every group reuses, from the device and then the host tiers;
+        raises for a request already admitted or too long. Changes nothing but binding ``req``'s
+        hash chain to this manager."""
+        request_id, num_prompt, tokens_per_page = req.request_id, len(req.token_ids), self.tokens_per_page
+        if request_id in self._requests:
+            raise RequestStateError(f"request {request_id!r} is already admitted")
+        self._check_length(request_id, num_prompt)
+        self._own(req)
+        hits = self._prefix_hits(req)
+        limit = None if max_cached_tokens is None else max_cached_tokens // tokens_per_page
+        if limit is not None and len(hits[0]) > limit:
+            hits = self._common_hits(req.chain.hashes, hits, limit)
+        reach = self._host_reach(req, hits, num_new_tokens, token_budget, limit)
+        host_hits = req.chain.hashes[len(hits[0]):reach]
+        cached = reach * tokens_per_page
+        new = num_prompt - cached if num_new_tokens is None else num_new_tokens
+        if token_budget is not None:
+            new = min(new, token_budget)
+        self._check_length(request_id, cached + new)
+        return [group.admission(group_hits, host_hits, cached, cached + new)
+                for group, group_hits in zip(self.groups, hits)]
+
+    def _count_admission(self, req: KVRequest, admission) -> None:
+        """Register an admitted request and count its prefix hit."""
+        request_id, num_prompt, cached = req.request_id, len(req.token_ids), admission.cached
         self._requests[request_id] = req
         repeat = request_id in self._preempted
         self._preempted.discard(request_id)
-        if self.config.enable_prefix_caching:
-            if repeat:
-                self.stats.reprefill_queried_tokens += num_prompt
-                self.stats.reprefill_hit_tokens += cached
-            else:
-                host = admission.host_blocks * tokens_per_page
-                self.stats.prefix_queried_tokens += num_prompt
-                self.stats.prefix_hit_tokens += cached
-                self.stats.prefix_hit_tokens_device += cached - host
-                self.stats.prefix_hit_tokens_host += host
-                tokens = req.token_ids
-                hit_blocks = cached // tokens_per_page
-                self.stats.prefix_partial_page_tokens += self.pool.shared_partial_tokens(
-                    req.chain.hashes[hit_blocks - 1] if hit_blocks else self._chain_root(req.keys),
-                    tokens[cached:min(cached + tokens_per_page, len(tokens) - 1)])
-        return cached
+        if not self.config.enable_prefix_caching:
+            return
+        if repeat:
+            self.stats.reprefill_queried_tokens += num_prompt
+            self.stats.reprefill_hit_tokens += cached
+            return
+        tokens_per_page = self.tokens_per_page
+        host = admission.host_blocks * tokens_per_page
+        self.stats.prefix_queried_tokens += num_prompt
+        self.stats.prefix_hit_tokens += cached
+        self.stats.prefix_hit_tokens_device += cached - host
+        self.stats.prefix_hit_tokens_host += host
+        tokens = req.token_ids
+        hit_blocks = cached // tokens_per_page
+        self.stats.prefix_partial_page_tokens += self.groups[0].pool.shared_partial_tokens(
+            req.chain.hashes[hit_blocks - 1] if hit_blocks else self._chain_root(req.keys),
+            tokens[cached:min(cached + tokens_per_page, len(tokens) - 1)])
 
     @timed
     def allocate(self, request: "KVRequest | str", num_new_tokens: int,
@@ -261,7 +363,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         """Reserve ``num_new_tokens`` more positions (mapping a block only when crossing a block
         boundary), appending ``new_token_ids`` to the request's token ids (a KVRequest's owner may
         append them itself instead). Returns False, changing nothing, when the blocks are not
-        there."""
+        there in every layer group."""
         req = self._running(request)
         num_new_tokens = check.count(num_new_tokens, "num_new_tokens")
         if new_token_ids is not _NO_TOKENS:
@@ -274,34 +376,31 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
     def _grow(self, req: KVRequest, num_new_tokens: int,
               new_token_ids: Sequence[int] = _NO_TOKENS) -> bool:
         """Reserve ``num_new_tokens`` more positions of a checked request (appending the checked
-        ``new_token_ids``), or refuse (False, or the mapping budget's MappingLimitError) changing
-        nothing."""
-        allocation = req.allocation
-        total = allocation.num_tokens + num_new_tokens
-        if -(-total // self.tokens_per_page) - len(allocation.blocks) > self.pool.num_free:
+        ``new_token_ids``) in every group, or refuse (False, or the mapping budget's
+        MappingLimitError) changing nothing."""
+        groups, allocs = self.groups, req.allocations
+        first = req.allocation
+        total = first.num_tokens + num_new_tokens
+        tokens_per_page = self.tokens_per_page
+        needed = -(-total // tokens_per_page) - len(first.blocks)  # as many in every group
+        if needed > 0 and any(needed > group.pool.num_free for group in groups):
             return False
-        plan = self._plan_grow(req, num_new_tokens)
-        if plan is None and not new_token_ids:
-            allocation.grow(num_new_tokens)  # a decode inside its block (the engine's): one call less
+        if -(-total // tokens_per_page) <= -(-first.num_tokens // tokens_per_page):
+            for alloc in allocs:  # a decode inside its block (the engine's): nothing to map or take
+                alloc.grow(num_new_tokens)
         else:
-            self._execute_grow(req, plan, num_new_tokens, new_token_ids)
-        return True
-
-    def _execute_grow(self, req: KVRequest, plan: Plan | None, num_new_tokens: int,
-                      new_token_ids: Sequence[int] = _NO_TOKENS) -> None:
-        """Carry out ``plan`` (``_plan_grow``; the mapping may be refused, changing nothing) and
-        append the checked ``new_token_ids``."""
-        new_blocks = []
-        if plan is not None:  # crosses into blocks not mapped yet
-            self.slots.map_blocks(plan.slot, plan.first, plan.mapped, plan.keep)  # may be refused
-            if plan.take:
-                new_blocks = self.pool.take(plan.take)
-        req.allocation.grow(num_new_tokens, new_blocks)
+            plans = [group.plan_grow(alloc, num_new_tokens) for group, alloc in zip(groups, allocs)]
+            if len(groups) > 1:
+                check_mapping_budget([(group.slots, plan.jobs, 0) for group, plan in zip(groups, plans)],
+                                     "allocate")
+            for group, alloc, plan in zip(groups, allocs, plans):
+                group.execute_grow(alloc, plan, num_new_tokens)
         if new_token_ids:
             tokens = req.token_ids
             if req.chain.num_checked == len(tokens):  # every earlier token checked: these are too
                 req.chain.mark_checked(len(tokens) + len(new_token_ids))
             tokens += new_token_ids
+        return True
 
     @timed
     def allocate_each(self, requests: "Sequence[KVRequest | str]", counts: Sequence[int]) -> int:
@@ -310,7 +409,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         is refused: returns how many got their positions. The refused one (no blocks, or the
         mapping budget) and those after it are unchanged; bad input raises before any change."""
         if len(requests) != len(counts):
-            raise ValueError(f"{len(requests)} requests but {len(counts)} counts")
+            raise InvalidInputError(f"{len(requests)} requests but {len(counts)} counts")
         reqs = [self._running(request) for request in requests]
         counts = [check.count(count, "num_new_tokens") for count in counts]
         for req, count in zip(reqs, counts):
@@ -328,7 +427,8 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
     @timed
     def commit(self, request: "KVRequest | str", num_computed_tokens: int | None = None) -> None:
         """Mark positions up to ``num_computed_tokens`` (default: all reserved) as written. Blocks
-        that are now full join the prefix cache and are never written again."""
+        that are now full join the prefix cache and are never written again; a windowed group
+        gives back its blocks behind the window."""
         req = self._running(request)
         done = req.allocation.num_tokens if num_computed_tokens is None else check.count(
             num_computed_tokens, "num_computed_tokens")
@@ -342,24 +442,26 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         wrapper). Every request is checked before any is committed."""
         reqs = [self._running(request) for request in requests]
         tokens_per_page, caching = self.tokens_per_page, self.config.enable_prefix_caching
-        releases = self.spec.releases
         for req in reqs:  # _check_commit, called only where it has something to check
             allocation = req.allocation
             done = allocation.num_tokens
             if (not allocation.num_computed <= done <= len(req.token_ids)
                     or (caching and done // tokens_per_page * tokens_per_page > req.chain.num_checked)):
                 self._check_commit(req, done)
+        releases = self._releases
         for req in reqs:
             allocation = req.allocation
             done = allocation.num_tokens
             if releases or (caching and done // tokens_per_page > allocation.num_registered):
                 self._commit(req, done)
             else:  # the common decode commit: no block filled, nothing behind a window
-                allocation.commit(done)
+                for alloc in req.allocations:
+                    alloc.commit(done)
 
     def _check_commit(self, req: KVRequest, done: int) -> None:
         """Refuse (raise) marking ``done`` tokens of ``req`` computed before anything changes."""
-        computed, reserved, known = req.allocation.num_computed, req.allocation.num_tokens, len(req.token_ids)
+        allocation = req.allocation
+        computed, reserved, known = allocation.num_computed, allocation.num_tokens, len(req.token_ids)
         if not computed <= done <= min(reserved, known):
             raise RequestStateError(
                 f"request {req.request_id!r}: cannot mark {done} tokens computed; it has "
@@ -369,17 +471,15 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
             self._check_tokens(req, end)
 
     def _commit(self, req: KVRequest, done: int) -> None:
-        full, allocation = done // self.tokens_per_page, req.allocation
-        if self.config.enable_prefix_caching and full > allocation.num_registered:
-            self._extend_chain(req, full)  # its tokens were checked by _check_commit
-            blocks, hash_of = allocation.blocks, self.pool.hash_of
-            for index in range(allocation.num_registered, full):
-                if hash_of[blocks[index]] is None:
-                    self._register(req, index)
-            allocation.register(full)
-        allocation.commit(done)
-        if self.spec.releases:
-            self._release_behind_window(req)
+        full = done // self.tokens_per_page
+        if self.config.enable_prefix_caching and full > req.allocation.num_registered:
+            self._register_full(req, full)  # its tokens were checked by _check_commit
+        for alloc in req.allocations:
+            alloc.commit(done)
+        if self._releases:
+            for group, alloc in zip(self.groups, req.allocations):
+                if group.spec.releases:
+                    group.release_behind_window(alloc)
 
     # --- freeing ------------------------------------------------------------------------------------
     @timed
@@ -397,15 +497,8 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         request_id = req.request_id
         del self._requests[request_id]
         self._preempted.discard(request_id)
-        if req.allocation.swapped is not None:
-            swapped = {index for index, _ in req.allocation.swapped}
-            self.swap.discard([host for _, host in req.allocation.swapped])
-            self.pool.release(reversed([b for i, b in enumerate(req.allocation.blocks)
-                                        if i not in swapped and b != RELEASED]))
-        else:
-            self.pool.release(reversed(req.allocation.blocks[req.allocation.num_released:]))
-            self.slots.release(req.allocation.slot)
-        req.allocation.reset()
+        for group, alloc in zip(self.groups, req.allocations):
+            group.free(alloc)
 
     @timed
     def discard(self, request: "KVRequest | str") -> None:
@@ -426,27 +519,35 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
 
     @timed
     def reset_prefix_cache(self) -> int:
-        """Forget all cached content. Refused while any request holds blocks (their hashes would
-        go stale mid-flight). Returns how many cached blocks were dropped."""
+        """Forget all cached content (every group's, and the host tiers'). Refused while any
+        request holds blocks (their hashes would go stale mid-flight). Returns how many cached
+        blocks (of the first group) were dropped."""
         self._check_open()
-        if self.pool.num_in_use:
-            raise PrefixCacheBusyError(
-                f"cannot reset the prefix cache: {self.pool.num_in_use} blocks are held by "
-                f"{len(self._requests)} request(s); free or finish them first")
-        return self.pool.reset_cache() + self.host_tier.clear()
+        for group in self.groups:
+            if group.pool.num_in_use:
+                raise PrefixCacheBusyError(
+                    f"cannot reset the prefix cache: {group.pool.num_in_use} blocks "
+                    f"{group.in_group()}are held by {len(self._requests)} request(s); free or finish "
+                    "them first")
+        dropped = [group.pool.reset_cache() + group.host_tier.clear() for group in self.groups]
+        return dropped[0]
 
     # --- what attention and the engine read ---------------------------------------------------
     def kv_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s K and V over every slot, ``[num_slots, max_model_len, kv_heads, dim]``
-        (vmem only). Touch only positions below a request's reservation."""
+        """Model layer ``layer``'s K and V over every slot, ``[num_slots, max_model_len, kv_heads,
+        dim]``, from its group's virtual tensors (vmem only). Touch only positions below a
+        request's reservation."""
         self._check_open()
-        return self.slots.kv_views(check.layer_index(layer, self.layout.num_layers))
+        group, index = self._where[check.layer_index(layer, self.config.num_layers)]
+        return group.kv_views(index)
 
     def block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V as block tensors ``[num_blocks, tokens_per_page, kv_heads,
-        dim]``, addressed through ``block_table(request_id)`` (both backends)."""
+        dim]`` of its group's pool, addressed through ``block_table(request, layer)`` (both
+        backends)."""
         self._check_open()
-        return self.slots.block_views(check.layer_index(layer, self.layout.num_layers))
+        group, index = self._where[check.layer_index(layer, self.config.num_layers)]
+        return group.block_views(index)
 
     def request(self, request_id: str) -> KVRequest:
         """The admitted (running or swapped) request of this id: the caller's KVRequest, or the
@@ -465,12 +566,16 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         return self._known(request).allocation.num_computed
 
     @timed
-    def block_table(self, request: "KVRequest | str") -> list[int]:
-        return list(self._running(request).allocation.blocks)
+    def block_table(self, request: "KVRequest | str", layer: int | None = None) -> list[int]:
+        """The request's blocks (in layer ``layer``'s group; default: the first group)."""
+        req = self._running(request)
+        if layer is None:
+            return list(req.allocation.blocks)
+        return self.layer_group(layer).block_table(req)
 
     def token_ids(self, request: "KVRequest | str") -> list[int]:
         """A copy of the request's token ids (a KVRequest's own list is ``request.token_ids``)."""
-        return list(self._known(request)._token_ids)
+        return list(self._known(request).token_ids)
 
     def is_swapped(self, request: "KVRequest | str") -> bool:
         self._check_open()
@@ -484,25 +589,38 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         return list(self._requests)
 
     def snapshot_stats(self) -> dict:
+        """The counters and the first group's pool and mapping counts; with several layer groups,
+        each later group's block counts beside them (``group<i>_blocks_*``) and
+        ``kv_bytes_in_use`` over all."""
         self._check_open()
-        pool = self.pool.counters()
-        slots = self.slots.stats
-        return {
+        first = self.groups[0]
+        pool = first.pool.counters()
+        slots = first.slots.stats
+        out = {
             **{k: getattr(self.stats, k) for k in self.stats.__dataclass_fields__},
             "pages_copied": self.stats.blocks_copied,  # the old name of blocks_copied, for one release
             "prefix_hit_rate": self.stats.prefix_hit_rate,
             "usage": self.usage(),
             "blocks_total": pool.num_blocks, "blocks_in_use": pool.in_use,
             "blocks_cached": pool.cached, "blocks_clean": pool.clean, "evictions": pool.evictions,
-            "host_blocks_cached": len(self.host_tier), "host_blocks_total": self.host_tier.capacity,
+            "host_blocks_cached": len(first.host_tier), "host_blocks_total": first.host_tier.capacity,
             "map_calls": slots.map_calls, "pages_mapped": slots.pages_mapped,
             "map_calls_saved": slots.pages_already_mapped, "unmap_calls": slots.unmap_calls,
             "pages_unmapped": slots.pages_unmapped,
             "tokens_per_page": self.tokens_per_page, "page_bytes": self.layout.page_size,
             "padding_fraction": self.layout.padding_fraction,
-            "backend_map_seconds": self.backend.stats.map_seconds,
-            "backend_unmap_seconds": self.backend.stats.unmap_seconds,
+            "backend_map_seconds": sum(group.backend.stats.map_seconds for group in self.groups),
+            "backend_unmap_seconds": sum(group.backend.stats.unmap_seconds for group in self.groups),
+            "kv_bytes_in_use": self.kv_bytes_in_use,
         }
+        for group in self.groups[1:]:
+            counts = group.pool.counters()
+            out.update({f"group{group.index}_blocks_total": counts.num_blocks,
+                        f"group{group.index}_blocks_in_use": counts.in_use,
+                        f"group{group.index}_blocks_cached": counts.cached,
+                        f"group{group.index}_blocks_clean": counts.clean,
+                        f"group{group.index}_host_blocks_cached": len(group.host_tier)})
+        return out
 
     def close(self) -> None:
         """Give the memory back; every later call raises ManagerClosedError. Refused while
@@ -510,20 +628,21 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         after close would crash the process. Closing twice does nothing."""
         if self._closed:
             return
-        held = self.slots.views_in_use()
+        held = sum(group.slots.views_in_use() for group in self.groups)
         if held:
             raise ManagerClosedError(
                 f"cannot close the KV cache manager: {held} reference(s) to its K/V views (from "
                 "kv_views/block_views, or tensors and arrays made from them) are still held; "
                 "drop them first, since reading them after close would crash the process")
         self._closed = True
-        self.slots.close()
-        self.backend.close()
+        for group in self.groups:
+            group.slots.close()
+            group.backend.close()
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        if exc_type is not None and self.slots.views_in_use():
+        if exc_type is not None and any(group.slots.views_in_use() for group in self.groups):
             return  # closing would raise and hide the error in flight; the views stay readable
         self.close()

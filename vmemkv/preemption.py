@@ -3,8 +3,9 @@
 ``recompute`` releases its blocks (full blocks stay in the prefix cache's LRU and may hit when the
 request is admitted again); ``swap`` copies its private blocks to host swap space and releases
 them, keeping the references on blocks other requests share, and ``swap_in`` maps it back into any
-free slot, bit-exact. ``estimate_preemption`` prices both; whom to preempt, and how, is the
-scheduler's decision. Part of :class:`vmemkv.KVCacheManager` (state in ``manager_state.py``).
+free slot, bit-exact. Both happen in every layer group or in none. ``estimate_preemption`` prices
+both; whom to preempt, and how, is the scheduler's decision. Part of
+:class:`vmemkv.KVCacheManager` (state in ``manager_state.py``).
 """
 
 from __future__ import annotations
@@ -12,30 +13,36 @@ from __future__ import annotations
 from typing import Literal
 
 from . import validation as check
+from .allocation import RELEASED
 from .cache_config import PreemptionEstimate
 from .kv_metrics import timed
-from .plans import OperationPlans, Plan
-from .request import RELEASED, KVRequest
+from .manager_state import ManagerState, UnknownRequestError
+from .plans import check_mapping_budget
+from .request import KVRequest
 
 
-class PreemptionOps(OperationPlans):
+class PreemptionOps(ManagerState):
     """estimate_preemption, preempt, swap_in (mixed into KVCacheManager)."""
 
     @timed
     def estimate_preemption(self, request: "KVRequest | str") -> PreemptionEstimate:
+        """What swapping costs (every group's private blocks) and what recomputing costs (the
+        tokens past a prefix other requests keep alive in the first group)."""
         req = self._running(request)
-        private = [b for b in self._live(self._reserved_blocks(req)) if self.pool.ref[b] == 1]
-        swap_bytes = len(private) * self.layout.block_bytes
+        private = [len(group.private_blocks(alloc)) for group, alloc in zip(self.groups, req.allocations)]
+        swap_bytes = sum(count * group.layout.block_bytes for count, group in zip(private, self.groups))
+        first = self.groups[0]
         surviving = 0
         for block in req.allocation.blocks:  # a prefix kept alive by other requests will hit again
-            if block != RELEASED and self.pool.ref[block] > 1 and self.pool.hash_of[block] is not None:
+            if block != RELEASED and first.pool.ref[block] > 1 and first.pool.hash_of[block] is not None:
                 surviving += self.tokens_per_page
             else:
                 break
         recompute = max(req.allocation.num_computed - surviving, 0)
         return PreemptionEstimate(
             swap_bytes, recompute, 2 * swap_bytes / self.config.swap_bytes_per_second,
-            recompute / self.config.prefill_tokens_per_second, len(private) <= self.swap.num_free)
+            recompute / self.config.prefill_tokens_per_second,
+            all(count <= group.swap.num_free for count, group in zip(private, self.groups)))
 
     @timed
     def preempt(self, request: "KVRequest | str", mode: Literal["recompute", "swap", "auto"] = "auto") -> str:
@@ -43,8 +50,10 @@ class PreemptionOps(OperationPlans):
 
         recompute: its blocks are released (cached ones may be hit when it is admitted again with
         all its tokens). swap: its private blocks are copied to host swap space and released;
-        blocks shared with other requests stay referenced; ``swap_in`` brings it back. A KVRequest
-        preempted by recompute keeps its token ids and hash chain for its re-admission."""
+        blocks shared with other requests stay referenced; ``swap_in`` brings it back
+        (OutOfSwapSpaceError, changing nothing, when some group's swap space is short). A
+        KVRequest preempted by recompute keeps its token ids and hash chain for its
+        re-admission."""
         req = self._running(request)
         self._require_committed(req)
         mode = check.choice(mode, "preemption mode", check.PREEMPT_MODES)
@@ -55,57 +64,61 @@ class PreemptionOps(OperationPlans):
             self._preempted.add(req.request_id)
             self.stats.preemptions_recompute += 1
             return mode
-        private = [i for i, b in enumerate(self._reserved_blocks(req))
-                   if b != RELEASED and self.pool.ref[b] == 1]
-        self.swap.check_room(len(private))
-        self._trim_lookahead(req)
-        host = self.swap.store(self.block_window(), [req.allocation.blocks[i] for i in private])
-        self.pool.release(reversed([req.allocation.blocks[i] for i in private]))
-        self.slots.release(req.allocation.slot)
-        req.allocation.swap_out(list(zip(private, host)))
+        for group, alloc in zip(self.groups, req.allocations):  # refuse before any group changes
+            group.swap.check_room(len(group.private_blocks(alloc)))
+        for group, alloc in zip(self.groups, req.allocations):
+            self.stats.swap_out_bytes += group.swap_out(alloc)
         self.stats.preemptions_swap += 1
-        self.stats.swap_out_bytes += len(private) * self.layout.block_bytes
         return mode
 
     def can_swap_in(self, request: "KVRequest | str", slot: int | None = None) -> bool:
         """Whether ``swap_in`` (into ``slot`` when given) would find a slot and the blocks now."""
         req = self._swapped_request(request)
-        return self._revivals_if_it_fits(req, check.slot_index(slot, self.slots.num_slots)) is not None
+        return self._revivals_if_it_fits(req, check.slot_index(slot, self.num_slots)) is not None
 
-    def _revivals_if_it_fits(self, req: KVRequest, slot: int | None) -> dict[int, int] | None:
-        """The swapped request's blocks still cached in the pool (``_swap_in_revivals``), or None
-        when ``swap_in`` would find no slot (or not ``slot``) or not enough blocks."""
-        revive = self._swap_in_revivals(req)
-        needed = len(req.allocation.swapped) - len(revive)
-        revived_cached = sum(self.pool.ref[b] == 0 for b in revive.values())
-        if self._slot_available(slot) and needed <= self.pool.num_free - revived_cached:
+    def _swapped_request(self, request) -> KVRequest:
+        """The swapped-out request ``request`` names (UnknownRequestError for any other)."""
+        try:
+            req = self._known(request)
+        except UnknownRequestError:
+            req = None
+        if req is None or req.allocation.swapped is None:
+            raise UnknownRequestError(f"request {getattr(request, 'request_id', request)!r} is not "
+                                      "swapped out")
+        return req
+
+    def _revivals_if_it_fits(self, req: KVRequest, slot: int | None) -> list[dict[int, int]] | None:
+        """Each group's swapped blocks still cached in its pool (``swap_in_revivals``), or None
+        when ``swap_in`` would find no slot (or not ``slot``) or not enough blocks in some group."""
+        if not self._slot_available(slot):
+            return None
+        revive = [group.swap_in_revivals(alloc, req.chain.hashes)
+                  for group, alloc in zip(self.groups, req.allocations)]
+        if all(group.swap_in_fits(alloc, group_revive)
+               for group, alloc, group_revive in zip(self.groups, req.allocations, revive)):
             return revive
         return None
 
     @timed
     def swap_in(self, request: "KVRequest | str", slot: int | None = None) -> bool:
-        """Bring a swapped request back into any free slot (``slot`` when given), bit-exact.
-        Returns False, changing nothing, without a free slot or enough blocks."""
+        """Bring a swapped request back into any free slot (``slot`` when given), bit-exact, in
+        every group. Returns False, changing nothing, without a free slot or enough blocks
+        (MappingLimitError, changing nothing, when the mapping budget does not take it)."""
         req = self._swapped_request(request)
-        slot = check.slot_index(slot, self.slots.num_slots)
+        slot = check.slot_index(slot, self.num_slots)
         revive = self._revivals_if_it_fits(req, slot)
         if revive is None:
             return False
-        self._execute_swap_in(req, self._plan_swap_in(req, slot, revive), revive)
+        groups = self.groups
+        plans = []
+        for group, alloc, group_revive in zip(groups, req.allocations, revive):  # the first chooses the slot
+            plans.append(group.plan_swap_in(alloc, slot, group_revive))
+            slot = plans[0].slot
+        if len(groups) > 1:
+            check_mapping_budget([(group.slots, plan.jobs, plan.behind) for group, plan in zip(groups, plans)],
+                                 "swap in")
+        root = self._chain_root(req.keys)
+        for group, alloc, plan, group_revive in zip(groups, req.allocations, plans, revive):
+            self.stats.swap_in_bytes += group.execute_swap_in(alloc, plan, group_revive, req.token_ids,
+                                                              req.chain.hashes, root)
         return True
-
-    def _execute_swap_in(self, req: KVRequest, plan: Plan, revive: dict[int, int]) -> None:
-        """Carry out ``plan`` (``_plan_swap_in`` of ``revive``: ``_revivals_if_it_fits``); the
-        mapping may be refused (MappingLimitError), leaving the request swapped."""
-        self._map_and_bind(plan)  # refused: it stays swapped
-        self.pool.acquire(plan.share)
-        self.pool.take(plan.take)
-        copied = [host for index, host in req.allocation.swapped if index not in revive]  # plan.take's order
-        self.swap.load(self.block_window(), copied, plan.take)
-        self.swap.discard([host for index, host in req.allocation.swapped if index in revive])
-        behind, allocation = plan.behind, req.allocation
-        allocation.swap_in(plan.slot, allocation.blocks[:behind] + plan.mapped)
-        for index, block in zip(range(behind, allocation.num_registered), allocation.blocks[behind:]):
-            if self.pool.hash_of[block] is None:
-                self._register(req, index)
-        self.stats.swap_in_bytes += len(copied) * self.layout.block_bytes

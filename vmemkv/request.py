@@ -86,9 +86,11 @@ class KVRequest:
     """``KVRequest(request_id, token_ids=None, keys=None)``: ``token_ids`` is a list the request
     keeps (not a copy) and the caller appends to; ``keys`` defaults to ``CacheKeys()``."""
 
-    # ``chain`` and ``allocation`` are plain attributes (read on every manager call: no property
-    # in the way), the manager's to change through their transitions; never replace them.
-    __slots__ = ("_request_id", "_token_ids", "chain", "allocation")
+    # ``chain``, ``allocation`` and ``allocations`` are plain attributes (read on every manager
+    # call: no property in the way), the manager's to change through their transitions; never
+    # replace them. ``allocations``: one per layer group of the manager (``allocation`` is the
+    # first), the same counts in each, each group's own blocks.
+    __slots__ = ("_request_id", "_token_ids", "chain", "allocation", "allocations")
 
     def __init__(self, request_id: str, token_ids: list[int] | None = None,
                  keys: CacheKeys | None = None):
@@ -102,6 +104,13 @@ class KVRequest:
         self._token_ids = token_ids
         self.chain = HashChain(CacheKeys() if keys is None else check.cache_keys(keys))
         self.allocation = Allocation()  # reset on free and recompute; the hash chain stays
+        self.allocations = [self.allocation]
+
+    def hold_groups(self, num_groups: int) -> None:
+        """An allocation for each of ``num_groups`` layer groups (the manager's, when it first
+        takes the request)."""
+        while len(self.allocations) < num_groups:
+            self.allocations.append(Allocation())
 
     # --- what the caller gave ---------------------------------------------------------------------
     @property
@@ -149,6 +158,14 @@ class KVRequest:
     def num_released_blocks(self) -> int:
         """Leading blocks given back behind the sliding window (``RELEASED`` in ``block_table``)."""
         return self.allocation.num_released
+
+    def group_block_table(self, group: int) -> tuple[int, ...]:
+        """``block_table`` in the manager's layer group ``group`` (``layout_groups[group]``)."""
+        return tuple(self.allocations[group].blocks)
+
+    def group_released_blocks(self, group: int) -> int:
+        """``num_released_blocks`` in the manager's layer group ``group``."""
+        return self.allocations[group].num_released
 
     @property
     def is_running(self) -> bool:

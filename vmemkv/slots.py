@@ -54,13 +54,15 @@ class MapJob:
 
     ``keep`` is how many leading logical pages of the slot someone owns while the job is pending
     (at least ``first + len(blocks)``): if the mapping budget refuses the job, only pages past it
-    are unmapped to make room.
+    are unmapped to make room. ``group``: the manager's layer group whose slots these are
+    (``KVCacheManager.layout_groups``).
     """
 
     slot: int
     first: int
     blocks: list[int]
     keep: int = 0
+    group: int = 0
 
     def __post_init__(self) -> None:
         self.keep = max(self.keep, self.first + len(self.blocks))

@@ -15,7 +15,6 @@ from ..attention import BlockTableAttention, ContiguousAttention, SequenceSpan
 from ..attention.choice import AttentionChoice, choose_attention
 from ..attention.flash import FlashBlockTableAttention, FlashSlotAttention
 from ..attention.flash_args import flat_rows, slot_geometry
-from ..hybrid import HybridKVCacheManager
 from ..manager import KVCacheManager
 from ..request import KVRequest
 from .config import EngineConfig
@@ -124,24 +123,23 @@ class GroupedAttention:
 
 
 class GroupedBlockTableAddressing(BlockTableAddressing):
-    """Block tables of a hybrid model (``HybridKVCacheManager``): each layout group has its own
-    pool, so a sequence has one block table per group (the local group's with its blocks behind
-    the window released), and each group's layers read through its own. A span is the pair."""
+    """Block tables of a manager with several layer groups (``KVCacheManager.layout_groups``):
+    each group has its own pool, so a sequence has one block table per group (a local group's
+    with its blocks behind the window released), and each group's layers read through its own.
+    A span is the tuple of the sequence's spans, one per group."""
 
-    def __init__(self, manager: HybridKVCacheManager, device, choice: AttentionChoice):
+    def __init__(self, manager: KVCacheManager, device, choice: AttentionChoice):
         super().__init__(manager, device, choice)
-        self.local_request = manager.local_request
-        group_of = [0] * manager.config.num_layers
-        for layer in manager.groups.local_layers:
-            group_of[layer] = 1
+        self.num_groups = len(manager.layout_groups)
+        group_of = [manager.layer_group(layer).index for layer in range(manager.config.num_layers)]
         one_group = self.attention
         self.attention = lambda spans: GroupedAttention(
-            [one_group([pair[0] for pair in spans]), one_group([pair[1] for pair in spans])], group_of,
-            spans)
+            [one_group([group_spans[g] for group_spans in spans]) for g in range(self.num_groups)],
+            group_of, spans)
 
-    def span(self, kv: KVRequest, begin: int, count: int, computed: int) -> tuple[SequenceSpan, SequenceSpan]:
-        return (super().span(kv, begin, count, computed),
-                super().span(self.local_request(kv), begin, count, computed))
+    def span(self, kv: KVRequest, begin: int, count: int, computed: int) -> tuple[SequenceSpan, ...]:
+        return tuple(SequenceSpan(kv.slot, begin, count, computed, kv.group_block_table(g))
+                     for g in range(self.num_groups))
 
 
 def choose_addressing(config: EngineConfig, manager: KVCacheManager, device,
@@ -155,6 +153,6 @@ def choose_addressing(config: EngineConfig, manager: KVCacheManager, device,
                               manager.tokens_per_page, views[0] if views else None, views[1:])
     if not paged:
         return SlotAddressing(manager, device, choice)
-    # layout groups: a HybridKVCacheManager, or a view of one (a tensor-parallel worker's)
-    grouped = hasattr(manager, "local_request")
+    # several layer groups (of a manager, or of a tensor-parallel worker's view of one)
+    grouped = len(manager.layout_groups) > 1
     return (GroupedBlockTableAddressing if grouped else BlockTableAddressing)(manager, device, choice)

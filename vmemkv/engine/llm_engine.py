@@ -16,7 +16,6 @@ from .. import validation as check
 from ..errors import ConfigError, RequestTooLongError
 from ..hashing import CacheKeys
 from ..hf_support import check_attention_supported, text_config
-from ..hybrid import hybrid_manager
 from ..kv_events import KVEventBuffer
 from ..kv_metrics import KVMetricsCollector
 from ..manager import KVCacheManager
@@ -67,17 +66,16 @@ class LLMEngine:
         self.kv_metrics = KVMetricsCollector()
         # KV events: the manager's pool fills the buffer, each step publishes it as one batch.
         self.kv_events = KVEventBuffer() if config.kv_events_endpoint else None
-        # Local and global layers (Gemma-2/3, GPT-OSS): one manager per layout group (hybrid.py),
-        # so the local layers' blocks behind the window go back to the pool (slots or block
-        # tables). Under tensor parallelism every rank builds the same groups (distributed/step.py).
+        # Local and global layers (Gemma-2/3, GPT-OSS, Llama-4): one layer group per kind, so the
+        # local layers' blocks behind the window go back to their pool (slots or block tables).
+        # Under tensor parallelism every rank builds the same groups (distributed/step.py).
         if tp is not None:
             self.manager = tp.shard_manager(model, self.kv_metrics, events=self.kv_events)
         else:
             cache = config.cache_config(model)
-            self.manager = hybrid_manager(cache, hybrid_windows(config, model), config.max_num_batched_tokens,
-                                          metrics=self.kv_metrics, events=self.kv_events)
-            if not self.manager:
-                self.manager = KVCacheManager(cache, metrics=self.kv_metrics, events=self.kv_events)
+            self.manager = KVCacheManager.for_layers(cache, hybrid_windows(config, model),
+                                                     config.max_num_batched_tokens,
+                                                     metrics=self.kv_metrics, events=self.kv_events)
         self.kv_event_publisher = (KVEventPublisher(config.kv_events_endpoint)
                                    if config.kv_events_endpoint else None)
         model_runner = ModelRunner(model) if tp is None else tp.model_runner(model)
@@ -205,11 +203,10 @@ class LLMEngine:
         running = [seq.kv for seq in self.scheduler.running]
         if not running:
             return
-        for group in self.manager.layout_groups:  # each group's requests: the same ids
+        for group in self.manager.layout_groups:
             layout = group.layout
-            requests = (group.request(kv.request_id) for kv in running)
-            tokens = sum(kv.num_tokens - kv.num_released_blocks * layout.tokens_per_page
-                         for kv in requests)
+            tokens = sum(kv.num_tokens - kv.group_released_blocks(group.index) * layout.tokens_per_page
+                         for kv in running)
             stored = tokens * layout.token_bytes
             self._fragmentation[0] += max(group.num_blocks_in_use * layout.block_bytes - stored, 0)
             self._fragmentation[1] += stored

@@ -48,8 +48,8 @@ content. The manager is not thread-safe; one cache runs one ``generate`` at a ti
 Sliding-window layers
 ---------------------
 ``from_model`` gives sliding-window layers O(window) memory: a model whose every layer slides
-(Mistral) gets a windowed manager, one mixing local and global layers (Gemma-2/3) a
-``HybridKVCacheManager`` whose local group holds only the local layers. Blocks wholly behind a
+(Mistral) gets a windowed manager, one mixing local and global layers (Gemma-2/3) a manager with
+a layer group per kind, whose local group holds only the local layers. Blocks wholly behind a
 row's window go back to the pool as it generates; ``update()`` returns a local layer's K/V from
 the window start, and ``get_mask_sizes`` / ``is_sliding`` answer as transformers'
 ``DynamicSlidingWindowLayer`` does (the last ``window - 1`` positions before the step plus the
@@ -71,7 +71,6 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..errors import ConfigError, InvalidInputError, InvalidStateError, OutOfBlocksError
-from ..hybrid import HybridKVCacheManager
 from ..manager import KVCacheManager
 from .transformers_layer import _VmemkvLayer
 from .transformers_model import cache_kwarg, layer_windows, manager_for
@@ -113,7 +112,7 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
 
     _instances = itertools.count()
 
-    def __init__(self, manager: "KVCacheManager | HybridKVCacheManager", model=None, *,
+    def __init__(self, manager: KVCacheManager, model=None, *,
                  model_key: str | None = None, owns_manager: bool = False):
         self.manager = manager
         self.owns_manager = owns_manager
@@ -135,8 +134,8 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
         self._write_from: list[int] = []
         self._uniform_write = True
         self._uncommitted = False  # the last forward's positions are written, not committed yet
-        # Peaks since construction or reset_peak(): blocks (a hybrid manager's global group's, as
-        # its block counts) and bytes of the blocks held (in every group).
+        # Peaks since construction or reset_peak(): blocks (the first layer group's, as the
+        # manager's block counts) and bytes of the blocks held (in every group).
         self.peak_pages_in_use = 0
         self.peak_kv_bytes = 0
         self.last_call: dict = {}
@@ -300,8 +299,9 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
                                    f"{blocks_free(self.manager)}")
         for row in self._rows:
             if not self.manager.truncate(row.kv, length):  # shortens kv.token_ids too
-                raise AssertionError(f"cropping row {row.kv.request_id!r} was refused after "
-                                     "can_truncate said every row fits")
+                raise OutOfBlocksError(f"cropping row {row.kv.request_id!r} to {length} positions found "
+                                       "no free block although can_truncate said every row fits (rows "
+                                       f"before it were cropped); {blocks_free(self.manager)}")
         self._length = length
 
     def reset(self) -> None:
@@ -395,8 +395,8 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one block (all layers' K and V of ``tokens_per_page`` tokens; a hybrid
-        manager's global group's, its global layers only: ``peak_kv_bytes`` counts both groups)."""
+        """Bytes of one block (all layers' K and V of ``tokens_per_page`` tokens; with several layer
+        groups the first group's, its layers only: ``peak_kv_bytes`` counts every group)."""
         return self.manager.block_bytes
 
     def __repr__(self) -> str:

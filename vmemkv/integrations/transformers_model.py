@@ -10,19 +10,18 @@ from __future__ import annotations
 import inspect
 
 from ..hf_support import cache_config_for, check_attention_supported, hybrid_layer_windows
-from ..hybrid import HybridKVCacheManager, hybrid_manager
 from ..manager import KVCacheManager
 
 
 def manager_for(model, max_batch_size: int, max_cache_len: int, num_blocks: int | None = None,
                 *, release_behind_window: bool = True,
-                **config) -> "KVCacheManager | HybridKVCacheManager":
+                **config) -> KVCacheManager:
     """A manager shaped for ``model`` (layers, KV heads, head dim, dtype, device).
 
     With ``release_behind_window`` (the default) sliding-window layers hold O(window) blocks: a
     model whose every layer slides with one window shorter than ``max_cache_len`` (Mistral) gets
-    a windowed :class:`KVCacheManager`, one mixing local and global layers (Gemma-2/3) a
-    :class:`HybridKVCacheManager` (when its groups' pages can hold one number of tokens; else
+    a windowed :class:`KVCacheManager`, one mixing local and global layers (Gemma-2/3) one with a
+    layer group per kind (when its groups' pages can hold one number of tokens; else
     every layer keeps every token, as with ``release_behind_window=False``, and the model's mask
     applies the window). ``num_blocks`` defaults to every slot full plus one spare block per slot
     for copy-on-write, so ``generate`` never runs out; pass fewer to cap memory (on CUDA the pool
@@ -38,14 +37,12 @@ def manager_for(model, max_batch_size: int, max_cache_len: int, num_blocks: int 
         # A forward computes every row's new tokens before any block behind the window goes
         # back (at the commit after it): the local layers' group holds one forward's tokens,
         # up to every row's whole prompt at once.
-        hybrid = hybrid_manager(cache_config, hybrid_layer_windows(model.config, max_cache_len),
-                                chunk_tokens=max_batch_size * max_cache_len)
-        if hybrid is not None:
-            return hybrid
+        return KVCacheManager.for_layers(cache_config, hybrid_layer_windows(model.config, max_cache_len),
+                                         chunk_tokens=max_batch_size * max_cache_len)
     return KVCacheManager(cache_config)
 
 
-def layer_windows(manager: "KVCacheManager | HybridKVCacheManager") -> list[int | None]:
+def layer_windows(manager: KVCacheManager) -> list[int | None]:
     """Each layer's window as ``manager`` keeps it (None: every token is kept): blocks wholly
     behind it are released, so a cache reads such a layer from its window start."""
     groups = manager.layout_groups

@@ -25,16 +25,17 @@ from ..slots import NoFreeSlotError
 
 
 def blocks_free(manager) -> str:
-    """The free blocks, for an error message. A hybrid manager's row needs as many new blocks in
-    each group (one page size, one prefix-hit length, one reservation), so the group with the
-    fewest free blocks is the short one: it is named first."""
+    """The free blocks, for an error message. A row needs as many new blocks in each layer group
+    (one page size, one prefix-hit length, one reservation), so the group with the fewest free
+    blocks is the short one: it is named first."""
     groups = manager.layout_groups
     if len(groups) == 1:
         return f"{manager.num_free_blocks} pages free of {manager.num_blocks}"
-    (short, group), (other, rest) = sorted(zip(("global", "local"), groups),
-                                           key=lambda named: named[1].num_free_blocks)
-    return (f"the {short} layers' group has {group.num_free_blocks} pages free of {group.num_blocks} "
-            f"(the {other} layers' group {rest.num_free_blocks} of {rest.num_blocks})")
+    short, *rest = sorted(groups, key=lambda group: group.num_free_blocks)
+    others = ", ".join(f"the {group.spec.describe()} layers' group {group.num_free_blocks} of "
+                       f"{group.num_blocks}" for group in rest)
+    return (f"the {short.spec.describe()} layers' group has {short.num_free_blocks} pages free of "
+            f"{short.num_blocks} ({others})")
 
 
 @dataclass
@@ -153,7 +154,7 @@ class _RowBookkeeping:
         every row or none (each row's ids checked and each group's blocks counted first)."""
         end = self._length + count
         growth = [self._growth(i, row.kv, end, ids) for i, row in enumerate(self._rows)]
-        needed = [sum(group.blocks_needed(group.request(row.kv.request_id), grow)
+        needed = [sum(group.blocks_needed(row.kv.allocations[group.index], grow)
                       for row, (grow, _) in zip(self._rows, growth))
                   for group in self.manager.layout_groups]
         if any(blocks > group.num_free_blocks for blocks, group in zip(needed, self.manager.layout_groups)):
@@ -162,8 +163,12 @@ class _RowBookkeeping:
                 f"block(s); {blocks_free(self.manager)}. Release rows or give the manager more "
                 "num_blocks; call cache.release() before reuse")
         for i, (row, (grow, new)) in enumerate(zip(self._rows, growth)):
+            # every group's blocks were counted above, so only the manager's own check of them
+            # could refuse here (the mapping budget raises instead)
             if (grow or new) and not self.manager.allocate(row.kv, grow, new):  # appends new to token_ids
-                raise AssertionError(f"row {i}'s growth was refused after every group said it fits")
+                raise OutOfBlocksError(f"row {i}'s growth to {end} positions was refused although every "
+                                       f"layer group had the blocks counted for it (rows before it grew); "
+                                       f"{blocks_free(self.manager)}")
         self._note_peak()
 
     def _growth(self, i: int, kv: KVRequest, end: int, ids: list[list[int]] | None) -> tuple[int, list[int]]:
@@ -183,13 +188,13 @@ class _RowBookkeeping:
         """Rows ``targets[i]`` become copies of rows ``sources[i]`` (as they were)."""
         kvs = [row.kv for row in self._rows]
         groups = self.manager.layout_groups
-        before = [(group.num_blocks_in_use, group.cache_stats().blocks_copied) for group in groups]
+        before = [(group.num_blocks_in_use, group.blocks_copied) for group in groups]
         if not self.manager.reorder([kvs[t] for t in targets], [kvs[s] for s in sources]):
             raise OutOfBlocksError(
                 f"reordering {len(targets)} rows needs blocks for the copied partial blocks; "
                 f"{blocks_free(self.manager)}; give the manager more num_blocks")
         # the copies were held next to the blocks they replaced, within the call
-        held = [in_use + group.cache_stats().blocks_copied - copied
+        held = [in_use + group.blocks_copied - copied
                 for group, (in_use, copied) in zip(groups, before)]
         self.peak_pages_in_use = max(self.peak_pages_in_use, held[0])
         self.peak_kv_bytes = max(self.peak_kv_bytes,

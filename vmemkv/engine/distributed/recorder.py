@@ -10,7 +10,7 @@ count and geometry (every rank's cache holds its share of the KV heads, so the l
 then runs the forward. Page ids and mappings agree by construction, and prefix caching, forks,
 beam search, swap and recompute need nothing of their own: they are all rank-0 decisions.
 
-A hybrid model's manager (``HybridKVCacheManager``: local and global layers in two layout groups)
+A manager of several layer groups (local and global layers: ``KVCacheManager.layout_groups``)
 has one backend and one swap space per group. Each is wrapped by its own recorder, and the
 recorders of a rank share one ``Recording``: one log, in the order memory saw the calls, each
 entry naming its group (``(group, "map", range, virtual, physical)``). A worker builds the same

@@ -3,8 +3,8 @@
 Every rank builds its KV cache manager from the same configuration and the same sharded model
 config, with its backend wrapped in a ``BackendRecorder`` (``shard_manager``): layouts, page counts
 and reservations then agree, so rank 0's log names the same pages everywhere. A model mixing local
-and global layers gets a ``HybridKVCacheManager`` on every rank (``hybrid_windows``: the engine's
-rule), each group's backend recorded into one ``Recording``. Each forward, rank 0
+and global layers gets a manager of several layer groups on every rank (``hybrid_windows``: the
+engine's rule), each group's backend recorded into one ``Recording``. Each forward, rank 0
 broadcasts a ``StepMessage``: the log since the last one, the packed batch's token ids and
 positions, the rows to take logits of, and each sequence's span (slot, rows, cached length, block
 table); a worker replays the log and rebuilds the step's attention from the spans with its own
@@ -23,10 +23,9 @@ from ...attention import SequenceSpan
 from ...cache_config import CacheConfig
 from ...attention_spec import CHUNKED, AttentionSpec
 from ...hf_support import hybrid_layer_windows, layer_chunks
-from ...hybrid import HybridKVCacheManager, hybrid_manager
 from ...kv_metrics import KVMetricsCollector
 from ...manager import KVCacheManager
-from ...manager_state import backend_pages
+from ...cache_group import backend_pages
 from ...vmm import create_backend
 from ..config import EngineConfig
 from .recorder import BackendRecorder, Recording, SwapRecorder
@@ -42,7 +41,7 @@ class StepMessage:
     input_ids: list[int]
     positions: list[int]
     logit_rows: list[int] | None
-    spans: list[SequenceSpan | tuple[SequenceSpan, SequenceSpan]]  # (global, local): hybrid, block tables
+    spans: list[SequenceSpan | tuple[SequenceSpan, ...]]  # one per layer group: several groups, block tables
     digest: int | None  # rank 0's state_digest after the log, when every step is checked
     # CPU slot runs rank 0 read in one call ((slots, tokens) its batched reads made readable; the
     # filler pages that took arrive through the log): a worker batches those runs, and no others
@@ -73,7 +72,7 @@ def hybrid_windows(config: EngineConfig, model) -> "list[int | AttentionSpec | N
 
 
 def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | None = None,
-                  **manager_options) -> tuple["KVCacheManager | HybridKVCacheManager", Recording]:
+                  **manager_options) -> tuple["KVCacheManager", Recording]:
     """This rank's manager over its share of the KV heads (``model`` is sharded already), every
     group's backend and swap space recorded; the construction's own calls are not part of any
     step. ``manager_options`` go to the manager (one group's or the hybrid's) as they are (rank 0's own,
@@ -81,12 +80,9 @@ def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | Non
     # On this rank's own device (cuda:<local rank>; the config says only "cuda").
     cache = replace(config.cache_config(model), device=str(next(model.parameters()).device))
     recording = Recording()
-    manager = hybrid_manager(cache, hybrid_windows(config, model), config.max_num_batched_tokens,
-                             metrics=metrics, **manager_options,
-                             backends=lambda group: _recorded_backend(group, recording))
-    if manager is None:
-        manager = KVCacheManager(cache, backend=_recorded_backend(cache, recording), metrics=metrics,
-                                 **manager_options)
+    manager = KVCacheManager.for_layers(cache, hybrid_windows(config, model), config.max_num_batched_tokens,
+                                        metrics=metrics, **manager_options,
+                                        backends=lambda group: _recorded_backend(group, recording))
     for group, recorder in zip(manager.layout_groups, recording.recorders):
         group.swap = group.host_tier.store = SwapRecorder(group.swap, recorder)  # one store
     recording.take_log()
@@ -96,7 +92,7 @@ def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | Non
 def _recorded_backend(cache: CacheConfig, recording: Recording) -> BackendRecorder:
     """A backend for a manager of ``cache``, sized as the manager sizes its own (the pool, filler
     pages for batched reads on CPU, the hole page behind windows on CUDA:
-    ``manager_state.backend_pages``), recorded into ``recording``."""
+    ``cache_group.backend_pages``), recorded into ``recording``."""
     layout = cache.make_layout()
     return BackendRecorder(create_backend(cache.device, layout.page_size, backend_pages(cache, layout)[0]),
                            recording)

@@ -1,0 +1,606 @@
+"""One attention group's KV cache: :class:`KVCacheGroup`, a single-type manager over the layers
+that read earlier positions by one rule (its :class:`AttentionSpec`: full attention, a sliding
+window, attention chunks), as vLLM v1's ``SingleTypeKVCacheManager``.
+
+A group owns its parts: the virtual tensors of its layers (``slots``, one slot index shared by
+every group of the manager), the physical pages behind them (``backend``), the blocks' reference
+counts and prefix-cache index (``pool``), the host rows its blocks are swapped to or demoted to
+(``swap``, ``host_tier``). It keeps no requests: each request's blocks in this group are the
+:class:`Allocation` ``request.allocations[group.index]``, which the group's steps below read and
+change through the allocation's transitions.
+
+The steps are what one operation of the :class:`vmemkv.KVCacheManager` (the coordinator, over
+every group) asks of each group: which prefix blocks it reuses (its spec's rule), what an
+operation would take and map here (a :class:`Plan`), whether that fits its pool, and then
+carrying the plan out. The coordinator plans every group, checks every plan (blocks, slots, swap
+room, the process's mapping budget over all groups' mappers) and only then executes, so a
+refusal changes nothing in any group.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .allocation import RELEASED, Allocation
+from .attention_spec import AttentionSpec
+from .cache_config import CacheConfig, CacheStats
+from .errors import MappingLimitError
+from .host_tier import HostTier
+from .kv_events import KVEventSink
+from .layout import KVLayout
+from .pool import BlockPool, EvictedBlock
+from .slots import MapJob, SlotBinder, SlotMapper
+from .swap import SwapSpace
+from .vmm import create_backend
+from .vmm.base import VirtualMemoryBackend
+
+
+def backend_pages(config: CacheConfig, layout: KVLayout) -> tuple[int, int | None]:
+    """How many physical pages a group's backend holds, and the hole page's index (or None).
+
+    The pool's pages first. On CPU, slots read in one batched call need filler pages past the
+    pool (``SlotMapper.make_readable``): one slot's worth, owned by no request, touched only where
+    read. On CUDA with a sliding window, pages behind a window point at one "hole" page past
+    those (FlashAttention may load a tile before the window start, and an unmapped address there
+    faults); on CPU they are unmapped (no CPU path reads them)."""
+    pages = config.num_blocks * layout.pages_per_block
+    cuda = str(config.device).startswith("cuda")
+    if config.kv_backend == "vmem" and not cuda:
+        pages += layout.slot_pages(config.max_model_len)
+    if config.kv_backend == "vmem" and cuda and (config.sliding_window or config.attention_chunk_size):
+        return pages + 1, pages
+    return pages, None
+
+
+@dataclass(slots=True)
+class Plan:
+    """One group's part of a planned binding or growth (``plan_admit``, ``plan_grow``,
+    ``plan_fork``, ``plan_swap_in``): it makes the slot's leading ``behind`` logical pages
+    (behind the request's window) read nothing, then points logical pages ``first ..`` at
+    ``mapped`` (``keep``: pages someone owns meanwhile, as in ``MapJob``). It takes one more
+    reference on each block of ``share`` and takes the fresh blocks ``take`` (``pool.peek``, in
+    order) from the pool."""
+
+    slot: int
+    behind: int
+    first: int
+    mapped: list[int]
+    keep: int
+    share: list[int]
+    take: list[int]
+
+    @property
+    def jobs(self) -> list[MapJob]:
+        """The mapping as ``slots.map_jobs`` and ``slots.mapping_cost`` take it (empty: none)."""
+        return [MapJob(self.slot, self.first, self.mapped, self.keep)] if self.mapped else []
+
+
+@dataclass(slots=True)
+class Admission:
+    """What ``admit`` reuses and reserves in one group, before its plan: the device prefix
+    ``hits`` (``RELEASED`` behind the window), the host tier's blocks it copies in after them
+    (``promote``, hashes) out of ``host_blocks`` host hits (with a window, hits wholly behind the
+    next query's window are reused without a copy: ``RELEASED``), the tokens already computed
+    (``cached``) and the tokens reserved (``num_tokens``)."""
+
+    hits: list[int]
+    promote: list[bytes]
+    host_blocks: int
+    cached: int
+    num_tokens: int
+
+
+class KVCacheGroup:
+    """``KVCacheGroup(index, config, layers, spec, stats, backend=None, events=None)``:
+    ``config`` is the group's (its ``num_layers``, ``num_blocks`` and host bytes are its own);
+    ``layers`` the model layers it holds, in order; ``stats`` the manager's counters, which the
+    group adds its releases, copies and host traffic to."""
+
+    def __init__(self, index: int, config: CacheConfig, layers: tuple[int, ...], spec: AttentionSpec,
+                 stats: CacheStats, backend: VirtualMemoryBackend | None = None,
+                 events: KVEventSink | None = None, metrics=None):
+        self.index, self.config, self.layers, self.spec, self.stats = index, config, layers, spec, stats
+        self.window = spec.window
+        self.layout = config.make_layout()
+        self.tokens_per_page = self.layout.tokens_per_page
+        num_pages, hole = backend_pages(config, self.layout)
+        self.backend = backend or create_backend(config.device, self.layout.page_size, num_pages)
+        if metrics is not None:  # the backend reports its map/unmap time to the manager's collector
+            self.backend.metrics = metrics
+        self.pool = BlockPool(config.num_blocks, events, self.tokens_per_page)
+        # "vmem": virtually contiguous slots; "paged": the block-table baseline (same pool, same
+        # blocks, addressed through each request's block list; nothing is mapped).
+        mapper = SlotMapper if config.kv_backend == "vmem" else SlotBinder
+        extra = {"hole_page": hole} if config.kv_backend == "vmem" else {}
+        self.slots = mapper(self.backend, self.layout, config.max_num_seqs, config.max_model_len,
+                            config.num_blocks, **extra)
+        block_bytes = self.layout.block_bytes
+        host_tier_blocks = config.host_cache_bytes // block_bytes if config.enable_prefix_caching else 0
+        # one host block store: swap_space_bytes of rows for swapped requests beside the tier's
+        self.swap = SwapSpace(config.swap_space_bytes // block_bytes + host_tier_blocks, block_bytes,
+                              pin_memory=str(config.device).startswith("cuda"))
+        self.host_tier = HostTier(host_tier_blocks, self.swap, self.tokens_per_page, events, stats)
+        self.blocks_copied = 0  # this group's share of stats.blocks_copied
+        if host_tier_blocks:
+            self.pool.on_evict = self._demote
+
+    # --- counts ------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        return self.pool.num_in_use
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.pool.num_cached
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layout.block_bytes
+
+    @property
+    def kv_bytes_in_use(self) -> int:
+        return self.pool.num_in_use * self.layout.block_bytes
+
+    def usage(self) -> float:
+        return self.pool.num_in_use / self.pool.num_blocks
+
+    def blocks_for_tokens(self, num_tokens: int, chunk_tokens: int | None = None) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds here at once
+        (``AttentionSpec.peak_blocks``)."""
+        return self.spec.peak_blocks(num_tokens, chunk_tokens, self.tokens_per_page)
+
+    def why_never_fits(self, num_tokens: int, chunk_tokens: int | None = None) -> str | None:
+        blocks = self.blocks_for_tokens(num_tokens, chunk_tokens)
+        if blocks > self.pool.num_blocks:
+            return (f"{num_tokens} tokens need {blocks} KV blocks of {self.tokens_per_page} tokens "
+                    f"{self.in_group()}but the pool has {self.pool.num_blocks}; shorten it or give "
+                    "the KV cache more memory (num_blocks)")
+        return None
+
+    def in_group(self) -> str:
+        return "" if self.index == 0 else f"in layer group {self.index} ({self.spec.describe()}) "
+
+    # --- prefix hits (the spec's rule) ---------------------------------------------------------
+    def cached_blocks(self, hashes: list[bytes]) -> list[int]:
+        """The cached blocks of the longest usable prefix of ``hashes`` (full attention: the
+        leading run; a window or chunks: ``RELEASED`` before the first block its next query
+        reads, then cached blocks: ``AttentionSpec.prefix_hits``)."""
+        lookup = self.pool.lookup
+        if not self.spec.releases:
+            hits = []
+            for h in hashes:
+                block = lookup(h)
+                if block is None:
+                    break
+                hits.append(block)
+            return hits
+        num_hits, first = self.spec.prefix_hits(len(hashes), lambda i: lookup(hashes[i]) is not None,
+                                                self.tokens_per_page)
+        return [RELEASED] * first + [lookup(h) for h in hashes[first:num_hits]]
+
+    def capped_hits(self, hashes: list[bytes], hits: list[int], max_blocks: int) -> list[int]:
+        """``hits`` (``cached_blocks(hashes)``) cut to at most ``max_blocks`` blocks; with a
+        window, the longest windowed hit within them (a shorter prefix's window starts earlier)."""
+        if len(hits) <= max_blocks:
+            return hits
+        if self.spec.releases:
+            return self.cached_blocks(hashes[:max_blocks])
+        return hits[:max_blocks]
+
+    def fits(self, needed: int, revived: list[int] = ()) -> bool:
+        """Whether ``needed`` fresh blocks are free once the cached blocks of ``revived`` (hits
+        taken out of the free queue) are not."""
+        return needed <= self.pool.num_free - sum(self.pool.ref[b] == 0 for b in revived if b != RELEASED)
+
+    def fits_admission(self, hits: list[int], total: int) -> bool:
+        return self.fits(self.layout.logical_pages_for(total) - len(hits), hits)
+
+    def host_run(self, hashes: list[bytes]) -> list[bytes]:
+        """The leading ``hashes`` the host tier holds."""
+        return self.host_tier.leading_hits(hashes) if self.host_tier.capacity else []
+
+    def admission(self, hits: list[int], host_hits: list[bytes], cached: int, num_tokens: int) -> Admission:
+        """This group's admission of ``hits`` and then ``host_hits`` (``cached`` tokens in all)
+        reserving ``num_tokens``: host hits wholly behind the next query's window would be copied
+        in only to be released at the first commit, so they (and the hits before them) stay
+        ``RELEASED``."""
+        promote = host_hits
+        if host_hits and self.spec.releases:
+            skip = self.spec.first_needed_block(cached, self.tokens_per_page) - len(hits)
+            if skip > 0:
+                hits, promote = [RELEASED] * (len(hits) + skip), host_hits[skip:]
+        return Admission(hits, promote, len(host_hits), cached, num_tokens)
+
+    # --- plans ---------------------------------------------------------------------------------
+    def plan_admit(self, hits: list[int], num_tokens: int, slot: int | None) -> Plan:
+        behind = hits.count(RELEASED)  # a windowed hit: blocks before its window need not be held
+        live = hits[behind:]
+        fresh = self.pool.peek(self.layout.logical_pages_for(num_tokens) - len(hits), exclude=live)
+        return Plan(self.choose_slot(hits, behind, slot), behind, behind, live + fresh, 0, live, fresh)
+
+    def plan_grow(self, alloc: Allocation, num_new_tokens: int) -> Plan | None:
+        """What growing by ``num_new_tokens`` maps and takes; None inside the mapped blocks.
+        Lookahead blocks are normally mapped already; one whose background mapping was refused
+        is mapped again here, so no position is ever written through a stale mapping."""
+        tokens_per_page, blocks, num_tokens = self.tokens_per_page, alloc.blocks, alloc.num_tokens
+        first = -(-num_tokens // tokens_per_page)
+        end = -(-(num_tokens + num_new_tokens) // tokens_per_page)
+        if end <= first:
+            return None
+        fresh = self.pool.peek(end - len(blocks)) if end > len(blocks) else []
+        return Plan(alloc.slot, 0, first, blocks[first:end] + fresh, len(blocks), [], fresh)
+
+    def blocks_needed(self, alloc: Allocation, num_new_tokens: int) -> int:
+        """New blocks for ``num_new_tokens`` more positions (lookahead blocks count as held)."""
+        return max(-(-(alloc.num_tokens + num_new_tokens) // self.tokens_per_page) - len(alloc.blocks), 0)
+
+    def plan_fork(self, parent: Allocation, slot: int | None) -> Plan:
+        reserved = self.reserved_blocks(parent)
+        partial = parent.num_tokens % self.tokens_per_page != 0
+        behind = parent.num_released  # the child's window is the parent's: none shared behind
+        shared = reserved[behind:-1] if partial else reserved[behind:]
+        copy = self.pool.peek(1) if partial else []
+        return Plan(self.choose_slot(reserved, behind, slot), behind, behind, shared + copy, 0,
+                    shared, copy)
+
+    def swap_in_revivals(self, alloc: Allocation, hashes: list[bytes]) -> dict[int, int]:
+        """Swapped full blocks still in the prefix cache (index -> block: taken, not copied
+        back); the rest need fresh blocks."""
+        revive = {}
+        for index, _ in alloc.swapped:
+            if index < alloc.num_registered:
+                block = self.pool.lookup(hashes[index])
+                if block is not None:
+                    revive[index] = block
+        return revive
+
+    def swap_in_fits(self, alloc: Allocation, revive: dict[int, int]) -> bool:
+        return self.fits(len(alloc.swapped) - len(revive), list(revive.values()))
+
+    def plan_swap_in(self, alloc: Allocation, slot: int | None, revived: dict[int, int]) -> Plan:
+        """Fresh blocks take the other swapped blocks' places in ``alloc.swapped``'s order."""
+        copies = [index for index, _ in alloc.swapped if index not in revived]
+        fresh = self.pool.peek(len(copies), exclude=revived.values())
+        blocks = list(alloc.blocks)
+        for index, block in zip(copies, fresh):
+            blocks[index] = block
+        for index, block in revived.items():
+            blocks[index] = block
+        behind = alloc.num_released
+        return Plan(self.choose_slot(blocks, behind, slot), behind, behind, blocks[behind:], 0,
+                    list(revived.values()), fresh)
+
+    def plan_reorder(self, rows: list[Allocation], sources: list[Allocation],
+                     copied: list[bool]) -> tuple[list[list[int]], list[int], list[MapJob]]:
+        """Reorder's plan: each row's new block list (its source's, with a fresh block where it
+        copies the partial block), the pages behind each row's new window (its source's), and
+        the mapping jobs. The caller checked ``sum(copied)`` blocks are free."""
+        fresh = iter(self.pool.peek(sum(copied)))
+        blocks = [self.reserved_blocks(source) for source in sources]
+        blocks = [row_blocks[:-1] + [next(fresh)] if copy else list(row_blocks)
+                  for row_blocks, copy in zip(blocks, copied)]
+        behind = [source.num_released for source in sources]  # a row takes its source's window
+        jobs = [MapJob(row.slot, count, row_blocks[count:], keep=len(row.blocks))
+                for row, row_blocks, count in zip(rows, blocks, behind)]
+        return blocks, behind, jobs
+
+    def truncate_copy(self, alloc: Allocation, num_tokens: int) -> int | None:
+        """The logical page truncating to ``num_tokens`` must copy to a private block before the
+        request writes it again (its new last block, when partial and shared or cached), or None."""
+        keep = self.layout.logical_pages_for(num_tokens)
+        last = alloc.blocks[keep - 1] if keep and num_tokens % self.tokens_per_page else None
+        if last is None or (self.pool.ref[last] == 1 and self.pool.hash_of[last] is None):
+            return None
+        return keep - 1
+
+    def truncate_jobs(self, alloc: Allocation, num_tokens: int) -> list[MapJob] | None:
+        """What truncating maps (a private copy of the new last block, or nothing); None when
+        that copy has no free block."""
+        page = self.truncate_copy(alloc, num_tokens)
+        if page is None:
+            return []
+        if not self.pool.num_free:
+            return None
+        return [MapJob(alloc.slot, page, self.pool.peek(1), keep=len(alloc.blocks))]
+
+    def truncations_fit(self, rows: list[Allocation], num_tokens: int) -> bool:
+        """Whether truncating ``rows`` to ``num_tokens`` in order finds a free block for each copy
+        (``truncate_copy``'s rule). A block an earlier row gives back is free for a later one,
+        and a last block an earlier row copied away from may be the later row's alone."""
+        keep = self.layout.logical_pages_for(num_tokens)
+        partial = keep and num_tokens % self.tokens_per_page
+        free, dropped = self.pool.num_free, Counter()  # references the earlier rows give back
+        for row in rows:
+            given_back = row.blocks[keep:]
+            last = row.blocks[keep - 1] if partial else None
+            if last is not None and (self.pool.ref[last] - dropped[last] > 1
+                                     or self.pool.hash_of[last] is not None):
+                if not free:
+                    return False
+                free -= 1
+                given_back = given_back + [last]
+            for block in given_back:
+                dropped[block] += 1
+                free += self.pool.ref[block] == dropped[block]
+        return True
+
+    def choose_slot(self, blocks: list[int], behind: int, slot: int | None = None) -> int:
+        """The free slot for a request whose block list is ``blocks`` (``slot`` when given): one
+        already mapping its first block when there is one (``SlotBinder.choose``); a request
+        with blocks behind its window maps none there, so any."""
+        return self.slots.choose(blocks[0] if blocks and not behind else None, slot)
+
+    # --- carrying plans out --------------------------------------------------------------------
+    def map_and_bind(self, plan: Plan) -> None:
+        """A planned binding (admit, fork, swap in): the chosen slot's pages behind the window
+        read nothing (a free slot's stale mappings: nobody reads them), the plan is mapped (the
+        step the mapping budget may refuse, changing no mapping anyone owns), and the slot is
+        bound. The caller then changes the pool and the request."""
+        self.slots.unmap_behind(plan.slot, plan.behind)
+        self.slots.map_blocks(plan.slot, plan.first, plan.mapped, plan.keep)
+        self.slots.bind(slot=plan.slot, behind=plan.behind)
+
+    def execute_admit(self, alloc: Allocation, admission: Admission, plan: Plan,
+                      hashes: list[bytes]) -> None:
+        """Carry out ``plan``: map, then take the blocks, copying the host tier's hits in."""
+        self.map_and_bind(plan)
+        self.pool.acquire(plan.share)
+        cached = admission.cached
+        alloc.bind(plan.slot, admission.hits + self.take_promoting(plan.take, admission.promote),
+                   admission.num_tokens, cached, cached // self.tokens_per_page, plan.behind)
+
+    def execute_grow(self, alloc: Allocation, plan: Plan | None, num_new_tokens: int) -> None:
+        new_blocks = []
+        if plan is not None:  # crosses into blocks not mapped yet
+            self.slots.map_blocks(plan.slot, plan.first, plan.mapped, plan.keep)  # may be refused
+            if plan.take:
+                new_blocks = self.pool.take(plan.take)
+        alloc.grow(num_new_tokens, new_blocks)
+
+    def register(self, alloc: Allocation, index: int, token_ids: list[int], hashes: list[bytes],
+                 root: bytes) -> None:
+        """Offer full block ``index`` to the prefix cache, with its tokens and parent (for KV
+        events and the partial-page hit count)."""
+        tokens = token_ids[index * self.tokens_per_page:(index + 1) * self.tokens_per_page]
+        self.pool.register(alloc.blocks[index], hashes[index], tokens,
+                           hashes[index - 1] if index else None, None if index else root)
+
+    def register_full(self, alloc: Allocation, full: int, token_ids: list[int], hashes: list[bytes],
+                      root: bytes) -> None:
+        """Offer the full blocks from ``alloc.num_registered`` to ``full`` (not hashed yet) to
+        the prefix cache."""
+        blocks, hash_of = alloc.blocks, self.pool.hash_of
+        for index in range(alloc.num_registered, full):
+            if hash_of[blocks[index]] is None:
+                self.register(alloc, index, token_ids, hashes, root)
+        alloc.register(full)
+
+    def release_behind_window(self, alloc: Allocation) -> None:
+        """Give back the running request's blocks wholly behind its next query's window (cached
+        ones stay in the prefix cache's LRU) and unmap them from its slot. Opportunistic: if the
+        mapping budget refuses the unmap, nothing changes and a later commit tries again."""
+        released = alloc.num_released
+        first = min(self.spec.first_needed_block(alloc.num_computed, self.tokens_per_page),
+                    len(alloc.blocks))
+        if first <= released:
+            return
+        try:
+            self.slots.release_behind(alloc.slot, first)
+        except MappingLimitError:
+            return
+        # oldest first into the LRU queue: a windowed prefix hit needs the blocks near its end,
+        # so the earliest ones are the first to be evicted
+        self.pool.release(alloc.release_behind(first))
+        self.stats.blocks_released_behind_window += first - released
+
+    def free(self, alloc: Allocation) -> None:
+        """Give back what the request holds here (deepest first, so a shared prefix outlives its
+        tails in the LRU queue); its slot keeps its mappings."""
+        if alloc.swapped is not None:
+            swapped = {index for index, _ in alloc.swapped}
+            self.swap.discard([host for _, host in alloc.swapped])
+            self.pool.release(reversed([b for i, b in enumerate(alloc.blocks)
+                                        if i not in swapped and b != RELEASED]))
+        else:
+            self.pool.release(reversed(alloc.blocks[alloc.num_released:]))
+            self.slots.release(alloc.slot)
+        alloc.reset()
+
+    def execute_fork(self, parent: Allocation, child: Allocation, plan: Plan) -> None:
+        self.map_and_bind(plan)
+        self.pool.acquire(plan.share)
+        behind = plan.behind  # the child's window is the parent's: nothing is shared behind it
+        copy = []
+        if plan.take:  # the parent's partial last block, the one after the shared ones
+            last = parent.blocks[behind + len(plan.share)]
+            copy = [self.copy_of(last, *self.pool.take(plan.take))]
+        child.copy_from(parent, plan.slot, parent.blocks[:behind] + plan.share + copy, behind)
+
+    def reorder(self, rows: list[Allocation], sources: list[Allocation], copied: list[bool],
+                plan: tuple[list[list[int]], list[int], list[MapJob]]) -> None:
+        """Carry out ``plan_reorder``'s plan (the caller checked the mapping budget takes it)."""
+        blocks_of, behind, jobs = plan
+        reserved = [self.reserved_blocks(source) for source in sources]
+        self.slots.map_jobs(jobs)
+        for row, count in zip(rows, behind):  # after map_jobs (a row reads these until now)
+            self.slots.unmap_behind(row.slot, count)
+        snapshots = [source.snapshot() for source in sources]
+        self.pool.take([blocks[-1] for blocks, copy in zip(blocks_of, copied) if copy])
+        for blocks, source_blocks, copy, count in zip(blocks_of, reserved, copied, behind):
+            self.pool.acquire(blocks[count:-1] if copy else blocks[count:])
+            if copy:
+                self.copy_of(source_blocks[-1], blocks[-1])
+        for row in rows:  # their old blocks, lookahead included
+            self.pool.release(reversed(row.blocks[row.num_released:]))
+        for row, blocks, count, snapshot in zip(rows, blocks_of, behind, snapshots):
+            row.copy_from(snapshot, row.slot, blocks, count)
+            self.slots.set_behind(row.slot, count)
+
+    def truncate(self, alloc: Allocation, num_tokens: int, jobs: list[MapJob]) -> None:
+        """Carry out ``truncate_jobs``' plan: copy the new last block first when it must."""
+        if jobs:
+            job = jobs[0]
+            last = alloc.blocks[job.first]
+            self.slots.map_blocks(alloc.slot, job.first, job.blocks, keep=job.keep)
+            self.pool.release([alloc.replace_block(job.first, self.copy_of(last, self.pool.take(job.blocks)[0]))])
+        full = num_tokens // self.tokens_per_page
+        self.pool.release(reversed(alloc.truncate(num_tokens, self.layout.logical_pages_for(num_tokens), full)))
+
+    # --- preemption ----------------------------------------------------------------------------
+    def private_blocks(self, alloc: Allocation) -> list[int]:
+        """Indices of the reserved blocks only this request holds (what a swap copies out)."""
+        return [i for i, b in enumerate(self.reserved_blocks(alloc))
+                if b != RELEASED and self.pool.ref[b] == 1]
+
+    def swap_out(self, alloc: Allocation) -> int:
+        """Copy the private blocks to host rows, give them back and unbind the slot (the caller
+        checked the room). Returns the bytes copied."""
+        private = self.private_blocks(alloc)
+        self.trim_lookahead(alloc)
+        host = self.swap.store(self.block_window(), [alloc.blocks[i] for i in private])
+        self.pool.release(reversed([alloc.blocks[i] for i in private]))
+        self.slots.release(alloc.slot)
+        alloc.swap_out(list(zip(private, host)))
+        return len(private) * self.layout.block_bytes
+
+    def execute_swap_in(self, alloc: Allocation, plan: Plan, revive: dict[int, int],
+                        token_ids: list[int], hashes: list[bytes], root: bytes) -> int:
+        """Carry out ``plan_swap_in``'s plan (the mapping may be refused, leaving the request
+        swapped). Returns the bytes copied back."""
+        self.map_and_bind(plan)  # refused: it stays swapped
+        self.pool.acquire(plan.share)
+        self.pool.take(plan.take)
+        copied = [host for index, host in alloc.swapped if index not in revive]  # plan.take's order
+        self.swap.load(self.block_window(), copied, plan.take)
+        self.swap.discard([host for index, host in alloc.swapped if index in revive])
+        behind = plan.behind
+        alloc.swap_in(plan.slot, alloc.blocks[:behind] + plan.mapped)
+        for index, block in zip(range(behind, alloc.num_registered), alloc.blocks[behind:]):
+            if self.pool.hash_of[block] is None:
+                self.register(alloc, index, token_ids, hashes, root)
+        return len(copied) * self.layout.block_bytes
+
+    # --- lookahead -----------------------------------------------------------------------------
+    def lookahead_blocks(self, alloc: Allocation, end: int) -> int:
+        """Blocks a request needs to cover ``end`` positions past those it holds (<= 0: none)."""
+        return self.layout.logical_pages_for(end) - len(alloc.blocks)
+
+    def add_lookahead(self, alloc: Allocation, needed: int) -> MapJob:
+        first = len(alloc.blocks)
+        new = self.pool.allocate(needed)
+        alloc.add_lookahead(new)
+        return MapJob(alloc.slot, first, new)
+
+    def trim_lookahead(self, alloc: Allocation) -> None:
+        """Release blocks past the reservation (given early by a lookahead)."""
+        needed = self.layout.logical_pages_for(alloc.num_tokens)
+        if len(alloc.blocks) > needed:
+            self.pool.release(reversed(alloc.drop_from(needed)))
+
+    # --- helpers -------------------------------------------------------------------------------
+    def reserved_blocks(self, alloc: Allocation) -> list[int]:
+        """The request's blocks without lookahead ones."""
+        return alloc.blocks[: self.layout.logical_pages_for(alloc.num_tokens)]
+
+    def take_promoting(self, planned: list[int], host_hits: list[bytes]) -> list[int]:
+        """Take the ``planned`` blocks (``pool.peek``) and copy the host tier's ``host_hits``
+        into the first of them, registered in the device pool again. Call it only once every
+        refusable step of the operation succeeded: it changes the tier and the pool."""
+        if not host_hits:
+            return self.pool.take(planned)
+        claimed = self.host_tier.claim(host_hits)  # the take's own demotions cannot evict them
+        blocks = self.pool.take(planned)
+        promoted = blocks[:len(host_hits)]
+        origins = self.host_tier.promote(self.block_window(), host_hits, claimed, promoted)
+        for block, block_hash, origin in zip(promoted, host_hits, origins):
+            self.pool.register(block, block_hash, origin.token_ids, origin.parent_hash, origin.root)
+        return blocks
+
+    def _demote(self, evicted: list[EvictedBlock]) -> None:
+        """The pool's eviction hook: evicted cached blocks go to the host tier."""
+        self.host_tier.demote(self.block_window(), evicted)
+
+    def copy_of(self, source: int, copy: int) -> int:
+        """Copy block ``source``'s bytes onto ``copy`` (just taken); returns ``copy``."""
+        self.backend.copy_pages(self.layout.physical_pages(np.array([source])).tolist(),
+                                self.layout.physical_pages(np.array([copy])).tolist())
+        self.stats.blocks_copied += 1
+        self.blocks_copied += 1
+        return copy
+
+    def block_window(self) -> torch.Tensor:
+        """The pool as ``[num_blocks, block_bytes]`` uint8 rows: what swap, the host tier and
+        tensor-parallel replay copy blocks through."""
+        pages = self.pool.num_blocks * self.layout.pages_per_block  # filler pages may follow
+        return self.backend.pool_window()[:pages].view(self.pool.num_blocks, self.layout.block_bytes)
+
+    def kv_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Group layer ``layer``'s K and V over every slot (its index among ``layers``)."""
+        return self.slots.kv_views(layer)
+
+    def block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.slots.block_views(layer)
+
+    def block_table(self, request) -> list[int]:
+        """``request``'s blocks in this group (``RELEASED`` behind the window)."""
+        return list(request.allocations[self.index].blocks)
+
+    # --- invariants ----------------------------------------------------------------------------
+    def check(self, allocations: list[tuple[str, Allocation, int]]) -> list[int | None]:
+        """Assert the invariants over this group's pool, slots and each ``(name, allocation,
+        hashes known)``; returns the bound slots (None for swapped requests)."""
+        pool, tokens_per_page = self.pool, self.tokens_per_page
+        pool.check()
+        refs = np.zeros(pool.num_blocks, dtype=np.int64)
+        bound, writers = [], {}
+        for name, held_by, num_hashes in allocations:
+            name = f"{name} (layer group {self.index})" if self.index else name
+            blocks, released, num_tokens = held_by.blocks, held_by.num_released, held_by.num_tokens
+            swapped = {i for i, _ in held_by.swapped} if held_by.swapped is not None else set()
+            assert all(b == RELEASED for b in blocks[:released]), f"{name}: released run"
+            assert RELEASED not in blocks[released:], f"{name}: a hole past the released run"
+            assert released <= self.spec.first_needed_block(held_by.num_computed, tokens_per_page), (
+                f"{name}: released {released} blocks, its next query reads one of them")
+            held = [b for i, b in enumerate(blocks) if i not in swapped and i >= released]
+            np.add.at(refs, np.asarray(held, dtype=np.int64), 1)
+            assert held_by.num_computed <= num_tokens <= len(blocks) * tokens_per_page
+            # Blocks past the reservation are lookahead: mapped early, private, unhashed (below).
+            assert len(blocks) >= self.layout.logical_pages_for(num_tokens), (
+                f"{name}: {len(blocks)} blocks for {num_tokens} tokens")
+            assert held_by.num_registered <= num_hashes
+            if held_by.swapped is not None:
+                assert len(blocks) == self.layout.logical_pages_for(num_tokens)
+                assert held_by.slot is None
+                bound.append(None)
+                continue
+            bound.append(held_by.slot)
+            self.slots.check_request(held_by.slot, blocks, released)
+            for block in blocks[held_by.num_computed // tokens_per_page:]:  # writable pages
+                assert pool.hash_of[block] is None, f"{name} can write hashed block {block}"
+                assert pool.ref[block] == 1, f"{name} can write shared block {block}"
+                assert block not in writers, f"block {block} writable by {writers.get(block)} and {name}"
+                writers[block] = name
+        assert np.array_equal(refs, np.asarray(pool.ref)), "reference counts differ from references held"
+        running = [slot for slot in bound if slot is not None]
+        assert len(set(running)) == len(running), "two requests share a slot"
+        assert not set(running) & set(self.slots.free_slots()), "a bound slot is also free"
+        assert len(running) + self.slots.num_free == self.slots.num_slots, "a slot was lost"
+        swapped_host = [host for _, a, _ in allocations if a.swapped is not None for _, host in a.swapped]
+        self.host_tier.check()
+        tier_rows = self.host_tier.rows()
+        assert not set(swapped_host) & set(tier_rows), "a host row is both swapped and cached"
+        assert len(swapped_host) + len(tier_rows) + self.swap.num_free == self.swap.num_blocks, (
+            "host rows leaked")
+        return bound
