@@ -1,7 +1,8 @@
 """``CacheConfig.hash_seed``: None draws a random seed per manager (its hasher), so two managers
 in one process name the same tokens with different block hashes; the same seed gives the same
 hashes; a hybrid model's manager has one hasher, so with no seed given the same tokens get one
-chain of hashes within the manager, and every layer group caches them under it."""
+chain of hashes within the manager, and every layer group caches them under it (keyed by it in
+its pool's prefix index; a later group of a shared pool adds its index, ``group.key``)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def test_one_seed_gives_one_hash_per_content_across_managers():
 
 
 def cached_hashes(group, req) -> list[tuple[int, bytes]]:
-    """``(index, hash)`` of each full block ``req`` holds in ``group`` (of TOKENS' two)."""
+    """``(index, key)`` of each full block ``req`` holds in ``group`` (of TOKENS' two): its key in
+    the group's prefix index (``group.key`` of its hash: a later group of a shared pool tags it)."""
     return [(index, group.pool.hash_of[block]) for index, block in enumerate(req.group_block_table(group.index)[:2])
             if block != RELEASED]
 
@@ -49,16 +51,17 @@ def test_a_hybrid_model_names_one_content_with_one_hash_in_every_group_with_a_dr
         assert list(req.block_hashes) == hashes  # the request's chain is the manager's
         groups = manager.layout_groups
         assert len(groups) == len({str(spec) for spec in windows})
+        for memory in manager.memories:  # one pool's index: each of its groups' keys of the chain
+            assert set(memory.pool.block_of_hash) == {key for group in memory.groups for key in group.keys(hashes)}
         for group in groups:  # every group caches the content under the request's one chain
-            assert set(group.pool.block_of_hash) == set(hashes)
-            assert cached_hashes(group, req) == list(enumerate(hashes))[req.group_released_blocks(group.index):]
+            assert cached_hashes(group, req) == list(enumerate(group.keys(hashes)))[req.group_released_blocks(group.index):]
         manager.free(req)
         again = KVRequest("b", TOKENS + [1])
         assert manager.admit(again) == 32  # every group hits the blocks its next query reads
         for group in groups:
             released = again.group_released_blocks(group.index)  # the chunked group reads from 32
             assert released == (2 if group.spec.kind == "chunked_local" else 0)
-            assert cached_hashes(group, again) == list(enumerate(hashes))[released:]
+            assert cached_hashes(group, again) == list(enumerate(group.keys(hashes)))[released:]
         other_hashes = other.match_prefix(TOKENS)[1]  # another manager draws its own seed
         assert len(other_hashes) == 2 and not set(other_hashes) & set(hashes)
     finally:

@@ -1,6 +1,7 @@
 """The engine on models mixing local and global layers (tiny Gemma-2 / Gemma-3 / GPT-OSS) runs a
 ``KVCacheManager`` of two layer groups (global, then sliding-window layers) on both KV backends and gives Hugging Face's greedy tokens: over a long
-generation with chunked prefill (the local group's blocks behind the window go back to its pool),
+generation with chunked prefill (the local group's blocks behind the window go back to the pool it
+shares with the global group),
 with prefix hits, and under preemption by swap and by recompute. On block tables each group's
 layers read through that group's own table (``addressing.GroupedBlockTableAddressing``)."""
 
@@ -97,20 +98,32 @@ def test_engine_releases_local_blocks_over_a_long_generation_and_matches_hf(name
     for index, prompt in enumerate(batch):
         engine.add_request(str(index), prompt, params)
     tokens: dict[str, list[int]] = {}
-    bound = manager.layout_groups[1].blocks_for_tokens(96, 8)  # the window plus one chunk
+    global_group, local_group = manager.layout_groups
+    # one global and one local layer: blocks of the same bytes, drawn from one shared pool
+    assert global_group.memory is local_group.memory and manager.memories == (global_group.memory,)
+    bound = local_group.blocks_for_tokens(96, 8)  # the window plus one chunk
+    peak_global = 0  # the most blocks the global group's requests held at once
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
                 tokens[output.request_id] = output.outputs[0].token_ids
+        blocks = [set(), set()]  # each group's blocks held by the running sequences
         for seq in engine.scheduler.running:
             assert held(seq.kv.group_block_table(1)) <= bound
+            for group in (0, 1):
+                blocks[group] |= set(seq.kv.group_block_table(group)) - {RELEASED}
+        assert not blocks[0] & blocks[1]  # a block of the shared pool holds one group's layer
+        assert manager.num_blocks_in_use == len(blocks[0]) + len(blocks[1])  # the pool counts both
+        peak_global = max(peak_global, len(blocks[0]))
         manager.check()
     for index, prompt in enumerate(batch):
         assert tokens[str(index)] == hf_tokens(name, prompt), f"{name}: prompt {index} diverged"
     stats = engine.stats()
     assert stats["blocks_released_behind_window"] > 0
-    # the peak counts both groups: more than the global group's blocks alone
-    assert stats["peak_kv_bytes"] > engine.peak_blocks_in_use * manager.block_bytes
+    # the peak counts both groups: more than the global group's blocks alone (the shared pool's
+    # blocks in use are both groups', so its peak is the bytes' peak)
+    assert stats["peak_kv_bytes"] > peak_global * manager.block_bytes
+    assert stats["peak_kv_bytes"] == engine.peak_blocks_in_use * manager.block_bytes
     close_clean(engine)
 
 
@@ -133,10 +146,15 @@ def test_engine_prefix_hits_match_hf(kv_backend, monkeypatch):
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 @pytest.mark.parametrize("kv_backend", BACKENDS)
 def test_engine_preemption_matches_hf(kv_backend, mode, monkeypatch):
-    # 12 global blocks of 16 tokens for 4 sequences that each grow to 3-4 blocks: someone waits
+    # one shared pool of 14 one-layer blocks of 16 tokens for 4 sequences that each grow to 3-4
+    # global blocks and hold up to 2 local ones (24 at once): someone waits
     batch = prompts((20, 14, 9, 13))
-    engine = hybrid_engine("gemma2", monkeypatch, kv_backend=kv_backend, num_blocks=24, preemption_mode=mode,
+    engine = hybrid_engine("gemma2", monkeypatch, kv_backend=kv_backend, num_blocks=14, preemption_mode=mode,
                            enable_prefix_caching=False, watermark=0.0)
+    groups = engine.manager.layout_groups
+    assert groups[0].memory is groups[1].memory and engine.manager.num_blocks == 14
+    need = sum(group.blocks_for_tokens(len(prompt) + LONG, 8) for prompt in batch for group in groups)
+    assert need == 24 > engine.manager.num_blocks
     final = generate(engine, batch)
     assert engine.scheduler.num_preemptions > 0
     for index, prompt in enumerate(batch):

@@ -57,9 +57,16 @@ class GroupIndex:
             self.apply(event)
 
     def matches(self, manager) -> bool:
+        """Whether the index holds each group's cached hashes: every pool's prefix index (shared
+        by the groups of one memory, each group's blocks under its own keys, ``group.keys``) is
+        its groups' hashes here, keyed so, and nothing else."""
         groups = manager.layout_groups
         return (sorted(self.blocks) == [group.index for group in groups]
-                and all(set(self.blocks[group.index]) == set(group.pool.block_of_hash) for group in groups))
+                and sorted(group.index for memory in manager.memories for group in memory.groups)
+                == [group.index for group in groups]
+                and all(set(memory.pool.block_of_hash) == {key for group in memory.groups
+                                                           for key in group.keys(list(self.blocks[group.index]))}
+                        for memory in manager.memories))
 
 
 @pytest.fixture
@@ -78,7 +85,13 @@ def test_each_group_stores_its_blocks_under_one_hash_per_content(events, windows
         for event in stored:  # the same content, the same hash: the request's one chain
             assert event.block_hashes == stored[0].block_hashes == list(a.block_hashes)
             assert event.token_ids == list(range(2 * P)) and event.parent_block_hash is None
-            assert event.block_hashes == list(manager.layout_groups[event.group_idx].pool.block_of_hash)
+        # each pool's prefix index holds each of its groups' blocks once, under the group's keys
+        # of that chain (groups of one block layout share a pool: three kinds' local groups)
+        memories = [[group.index for group in memory.groups] for memory in manager.memories]
+        assert memories == ([[GLOBAL], [LOCAL, CHUNKED_LOCAL]] if windows is THREE_KINDS else [[GLOBAL], [LOCAL]])
+        for memory in manager.memories:
+            assert list(memory.pool.block_of_hash) == [key for group in memory.groups
+                                                       for key in group.keys(list(a.block_hashes))]
         manager.free(a)
     finally:
         close(manager)
@@ -158,14 +171,19 @@ OPS = st.lists(st.tuples(st.sampled_from(["admit", "admit", "decode", "free", "s
                          st.integers(0, 5), st.integers(1, 60)), min_size=10, max_size=30)
 
 
+@pytest.mark.parametrize("local_blocks", [6, None], ids=["fixed-split", "demand-split"])
 @pytest.mark.parametrize("windows", [WINDOWS, THREE_KINDS], ids=["two-kinds", "three-kinds"])
 @pytest.mark.parametrize("kv_backend", BACKENDS)
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(ops=OPS)
-def test_events_rebuild_every_groups_cached_hashes(kv_backend, windows, ops):
+def test_events_rebuild_every_groups_cached_hashes(kv_backend, windows, local_blocks, ops):
+    """``local_blocks`` fixed: every group its own small pool; None: three kinds' local groups
+    (one layer each) share one pool, whose events name each group's plain hashes."""
     events = KVEventBuffer()
     index = GroupIndex(specs=THREE_KINDS_SPECS if windows is THREE_KINDS else None)
-    manager = make_hybrid(windows, num_blocks=8, kv_backend=kv_backend, events=events, local_blocks=6)
+    manager = make_hybrid(windows, num_blocks=8, kv_backend=kv_backend, events=events, local_blocks=local_blocks)
+    shared = local_blocks is None and windows is THREE_KINDS
+    assert len(manager.memories) == (2 if shared else len(manager.layout_groups))
     running, swapped, preempted = {}, {}, {}
     try:
         for number, (op, pick, size) in enumerate(ops):
@@ -222,6 +240,8 @@ def test_the_engine_publishes_every_groups_events(monkeypatch):
     from test_sliding_window_models import WINDOW, prompts
 
     engine = hybrid_engine("gemma2", monkeypatch, kv_events_endpoint="tcp://127.0.0.1:*", num_blocks=16)
+    groups = engine.manager.layout_groups  # one local, one global layer: one shared pool
+    assert engine.manager.memories == (groups[0].memory,) and groups[1].memory is groups[0].memory
     published = []
     monkeypatch.setattr(engine.kv_event_publisher, "publish", published.append)
     system = prompts((33,), offset=5)[0]

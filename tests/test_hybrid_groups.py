@@ -2,8 +2,10 @@
 group of one ``KVCacheManager`` (``layer_windows``): a local group's blocks behind the window go
 back to its pool while the global group grows. The grouping, the routing of views, the bound on
 local blocks, prefix hits that need the global prefix and the local window, refusals that change
-nothing, a random walk with K/V read back bit-exact over two and three kinds of layer, on both KV
-backends (slots and block tables; the engine's side is in ``test_hybrid_engine.py``)."""
+nothing, groups of one block layout drawing from one pool (by demand, and never hitting each
+other's cached blocks), a random walk with K/V read back bit-exact over two and three kinds of
+layer, on both KV backends (slots and block tables; the engine's side is in
+``test_hybrid_engine.py``)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from vmemkv.hf_support import hybrid_layer_windows
 from vmemkv.layer_groups import LayerGroups
 from vmemkv.request import RELEASED
 
-from conftest import close_manager, group_view, groups_read_back, write_groups
+from conftest import close_manager, group_view, groups_read_back, read_kv_matches, write_groups, write_kv
 from test_sliding_window_models import build, prompts, reference
 
 P = 16  # tokens per page of each group below (one 4 KiB page of 256 B rows)
@@ -28,6 +30,7 @@ W = 20  # the local layers' window
 WINDOWS = [W, W, W, None]  # three local layers, one global (as Gemma-3 interleaves them)
 C = 32  # attention chunks of a third kind of layer
 THREE_KINDS = [W, AttentionSpec(CHUNKED, C), None, None]  # sliding, chunked local, two global
+ONE_TO_ONE = [W, None]  # one local layer, one global (as Gemma-2 interleaves them): one block layout
 
 
 def make_hybrid(windows=WINDOWS, **overrides) -> KVCacheManager:
@@ -228,6 +231,166 @@ def test_an_admission_the_local_group_cannot_take_changes_nothing(kv_backend):
         manager.free(running)
     finally:
         close(manager)
+
+
+# --- one pool for the groups of one block layout ----------------------------------------------------
+
+def make_one_to_one(**overrides) -> KVCacheManager:
+    """``ONE_TO_ONE`` on 8 blocks of both layers: 16 blocks of one layer, shared by both groups
+    (or split between them with ``local_blocks``)."""
+    return make_hybrid(ONE_TO_ONE, **{**dict(num_layers=2, num_blocks=8), **overrides})
+
+
+@pytest.mark.parametrize("kv_backend", BACKENDS)
+def test_a_one_to_one_model_draws_both_groups_from_one_pool(kv_backend):
+    """Without ``local_blocks`` the local and the global group of a 1:1 model share one memory,
+    whose free blocks go to whichever group needs them: an admission the static split's local
+    share refuses, and a decode its global share refuses, both go through, the decode into the
+    blocks the local group gave back behind its window."""
+    shared = make_one_to_one(kv_backend=kv_backend)
+    split_admit = make_one_to_one(kv_backend=kv_backend, local_blocks=4)  # 12 global, 4 local
+    split_decode = make_one_to_one(kv_backend=kv_backend, local_blocks=8)  # 8 global, 8 local
+    try:
+        full, local = shared.layout_groups
+        assert shared.memories == (full.memory,) and local.memory is full.memory
+        assert local.pool is full.pool and local.backend is full.backend and full.num_blocks == 16
+        for split, local_blocks in ((split_admit, 4), (split_decode, 8)):  # the same bytes, split
+            assert len(split.memories) == 2
+            assert [group.num_blocks for group in split.layout_groups] == [16 - local_blocks, local_blocks]
+
+        # an admission of 5 blocks in each group: more than the split's 4 local blocks
+        prompt = list(range(5 * P))
+        before = snapshot(split_admit)
+        assert split_admit.layout_groups[0].fits_admission([], len(prompt))  # the global share has room
+        assert not split_admit.can_admit(prompt)
+        assert split_admit.admit(KVRequest("a", prompt)) is None
+        assert snapshot(split_admit) == before
+        split_admit.check()
+        assert shared.can_admit(prompt)
+        a = run(shared, "a", prompt)
+        assert [held(a.group_block_table(g)) for g in (0, 1)] == [5, 2]  # the local group's first 3 went back
+        assert full.num_blocks_in_use == 7 and reads_back(shared, a)
+        shared.free(a)
+        shared.check()
+
+        # 8 blocks of a prompt in each group, then a decode into a 9th global block
+        for manager in (split_decode, shared):
+            b = run(manager, "b", [1000 + i for i in range(8 * P)])
+            assert b.group_released_blocks(1) == 6  # its next query reads from 109: local blocks 6-7
+            assert reads_back(manager, b)
+        global_split, local_split = split_decode.layout_groups
+        assert (global_split.num_free_blocks, local_split.num_free_blocks) == (0, 6)
+        b = split_decode.request("b")
+        before, tables = snapshot(split_decode), [b.group_block_table(0), b.group_block_table(1)]
+        assert not split_decode.can_allocate(b, 1)
+        assert not decode(split_decode, b, 7)  # the global share is spent, the local one is not
+        assert snapshot(split_decode) == before and [b.group_block_table(0), b.group_block_table(1)] == tables
+        split_decode.check()
+
+        b = shared.request("b")
+        released = set(local.pool.free_queue())  # the only free blocks: the local group's, behind its window
+        assert full.num_free_blocks == 6 and local.pool.num_clean == 0
+        assert released and not released & set(b.group_block_table(0))
+        assert shared.can_allocate(b, 1) and decode(shared, b, 7)
+        grown = b.group_block_table(0)
+        assert len(grown) == 9 and grown[8] in released  # the global group grew into a local block
+        assert b.group_block_table(1)[8] in released and grown[8] != b.group_block_table(1)[8]
+        assert reads_back(shared, b)
+        shared.check()
+        free_all(shared, [b])
+        free_all(split_decode, [split_decode.request("b")])
+    finally:
+        for manager in (shared, split_admit, split_decode):
+            close(manager)
+
+
+def write_apart(manager: KVCacheManager, req: KVRequest, start: int, end: int) -> None:
+    """``write``, each group with a salt of its own: the groups' layers (one of one shape each in
+    ``ONE_TO_ONE``) would otherwise hold the same bytes for the same tokens, and a block read
+    through the other group would read back as its own."""
+    for group in manager.layout_groups:
+        write_kv(group_view(manager, group.index), req.request_id, start, end, salt=group.index)
+
+
+def reads_back_apart(manager: KVCacheManager, req: KVRequest) -> bool:
+    """``reads_back`` of what ``write_apart`` wrote."""
+    return all(read_kv_matches(group_view(manager, group.index), req.request_id, salt=group.index,
+                               start=req.group_released_blocks(group.index) * group.tokens_per_page)
+               for group in manager.layout_groups)
+
+
+def run_apart(manager: KVCacheManager, request_id: str, token_ids: list[int]) -> KVRequest:
+    req = KVRequest(request_id, list(token_ids))
+    cached = manager.admit(req)
+    assert cached is not None
+    write_apart(manager, req, cached, req.num_tokens)
+    manager.commit(req)
+    return req
+
+
+@pytest.mark.parametrize("kv_backend", BACKENDS)
+def test_a_block_cached_in_one_group_never_hits_in_the_other_group_of_its_pool(kv_backend):
+    """The two groups of a shared pool key the same tokens apart (the later group: the hash and its
+    index), so the same prompt's blocks cached in one group are never the other's hits: with one
+    group's copies evicted and the other's still cached, neither lookup nor admission crosses over,
+    and every group's K/V reads back its own bytes."""
+    for cached_group in (0, 1):  # the group whose copies stay cached
+        manager = make_one_to_one(kv_backend=kv_backend)
+        try:
+            full, local = manager.layout_groups
+            pool = full.pool
+            assert local.pool is pool
+            if cached_group == 0:
+                # a keeps its global blocks; its local ones behind the window (0-2) are cached, then
+                # evicted by two fillers: the first takes the clean blocks and two of them, the
+                # second the third
+                a = run_apart(manager, "a", list(range(70)))
+                hashes = list(a.block_hashes)
+                assert len(hashes) == 4 and a.group_released_blocks(1) == 3
+                assert [pool.hash_of[b] for b in a.group_block_table(0)[:4]] == hashes
+                assert [pool.hash_of[b] for b in a.group_block_table(1)[3:4]] == [local.key(hashes[3])]
+                assert local.key(hashes[3]) != hashes[3]
+                manager.free(run_apart(manager, "f1", [500 + i for i in range(4 * P)]))
+                f2 = run_apart(manager, "f2", [700 + i for i in range(10)])
+                assert all(h in pool.block_of_hash for h in hashes)
+                assert not any(local.key(h) in pool.block_of_hash for h in hashes[:3])
+                assert full.cached_blocks(hashes) == list(a.group_block_table(0)[:4])
+                assert local.cached_blocks(hashes) == []  # its window's blocks are gone: no hit
+                manager.free(f2)
+                again = KVRequest("again", list(range(3 * P)) + [1])
+                held_elsewhere = set(a.group_block_table(0))
+            else:
+                # a freed prompt: its global blocks go first into the free queue, so a filler of
+                # the clean blocks and two more evicts them and leaves the local ones cached
+                b = run_apart(manager, "b", list(range(2 * P)))
+                hashes = list(b.block_hashes)
+                local_blocks = list(b.group_block_table(1))
+                manager.free(b)
+                manager.free(run_apart(manager, "f", [500 + i for i in range(7 * P)]))
+                assert not any(h in pool.block_of_hash for h in hashes)
+                assert [pool.block_of_hash.get(local.key(h)) for h in hashes] == local_blocks
+                assert local.cached_blocks(hashes) == local_blocks
+                assert full.cached_blocks(hashes) == []  # no hit on the local group's blocks
+                again = KVRequest("again", list(range(2 * P)) + [1])
+                held_elsewhere = set()  # b's local blocks are free: taking one evicts it (no hit)
+            # the prompt again: the group with its blocks gone has no hit, so neither has the request
+            assert manager.match_prefix(list(again.token_ids))[0] == []
+            assert manager.admit(again) == 0
+            for group in manager.layout_groups:  # fresh blocks only: no hit, shared or revived
+                table = again.group_block_table(group.index)
+                assert all(pool.ref[b] == 1 and pool.hash_of[b] is None for b in table)
+                assert not held_elsewhere & set(table)
+            write_apart(manager, again, 0, again.num_tokens)
+            manager.commit(again)
+            manager.check()  # also: no block of one group carries the other's key
+            assert reads_back_apart(manager, again)
+            if cached_group == 0:
+                assert reads_back_apart(manager, a)
+                manager.free(a)
+            manager.free(again)
+            manager.check()
+        finally:
+            close(manager)
 
 
 # --- a random walk ----------------------------------------------------------------------------------

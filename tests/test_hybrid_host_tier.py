@@ -287,7 +287,8 @@ def test_the_walk_promoted_in_both_groups():
 def final_turn(engine, turn: list[int]) -> tuple:
     """Run ``turn`` (request "50") to its end: its final output, and how many of its first three
     pages each group's admission (the first step) copied from its host tier into its device pool
-    (each group's promotions: the counters are the manager's, shared by the groups)."""
+    (each group's promotions: the counters are the manager's, shared by the groups). Groups of
+    one shared pool share its host tier too, each under its own keys (``group.keys``)."""
     from test_hybrid_engine import LONG, SamplingParams, run_to_completion
 
     hashes = engine.manager.match_prefix(turn)[1][:3]
@@ -295,8 +296,8 @@ def final_turn(engine, turn: list[int]) -> tuple:
     tiers = [set(group.host_tier.hashes()) for group in groups]
     engine.add_request("50", turn, SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True))
     assert not any(output.finished for output in engine.step())  # admitted, its last tokens prefilled
-    promoted = [sum(h in tier and h not in group.host_tier and group.pool.lookup(h) is not None
-                    for h in hashes) for group, tier in zip(groups, tiers)]
+    promoted = [sum(key in tier and key not in group.host_tier and group.pool.lookup(key) is not None
+                    for key in group.keys(hashes)) for group, tier in zip(groups, tiers)]
     return run_to_completion(engine, [])["50"], promoted
 
 
@@ -317,7 +318,8 @@ def test_the_engine_hits_an_evicted_prompt_in_both_groups_host_tiers(kv_backend,
             generate(engine, others[i:i + 2], first=10 + i)
         final, promoted = final_turn(engine, turn)
         assert final.outputs[0].token_ids == hf_tokens("gemma2", turn)
-        local_group = engine.manager.layout_groups[1]
+        global_group, local_group = engine.manager.layout_groups
+        assert local_group.host_tier is global_group.host_tier  # one pool, one tier: keys apart
         runs[host_cache_bytes] = final, engine.manager.cache_stats(), promoted
         window, page = local_group.window, local_group.tokens_per_page
         engine.manager.check()

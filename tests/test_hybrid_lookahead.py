@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import manager_state
 from test_hybrid_groups import BACKENDS, P, THREE_KINDS, WINDOWS, close, decode, make_hybrid, reads_back, run
+from test_hybrid_refusals import pinch, state, unpinch
 from vmemkv import MappingLimitError
 
 
@@ -27,37 +27,6 @@ def free_blocks(manager) -> tuple[int, ...]:
 
 def running(manager) -> list:
     return [req for req in map(manager.request, manager.request_ids()) if not req.is_swapped]
-
-
-def state(manager) -> tuple:
-    """Everything a refused or empty lookahead must leave as it was: ``manager_state`` (the
-    requests, the first group's pool, every group's counters, slots, swap room) and, in every
-    group, the pool's references, hashes, free queue and clean blocks, the free slots and swap
-    room, each request's blocks and (slots) mapped pages."""
-    groups = []
-    for group in manager.layout_groups:
-        pool = group.pool
-        tables = {req.request_id: req.group_block_table(group.index)
-                  for req in map(manager.request, manager.request_ids())}
-        mapped = {req.request_id: group.slots.mapped_blocks(req.slot, len(req.group_block_table(group.index))).tolist()
-                  for req in running(manager) if group.config.kv_backend == "vmem"}  # block tables map nothing
-        groups.append((list(pool.ref), list(pool.hash_of), pool.free_queue(), sorted(pool._clean),
-                       group.slots.free_slots(), group.swap.num_free, tables, mapped))
-    return manager_state(manager), groups
-
-
-def pinch(manager, index: int) -> None:
-    """No kernel mapping to spare in group ``index``, stale ones reclaimed first in every group
-    (a refusal may reclaim them, and then the test would not be pinched)."""
-    for group in manager.layout_groups:
-        group.slots.reclaim_stale({req.slot: len(req.group_block_table(group.index)) for req in running(manager)})
-    backend = manager.layout_groups[index].backend
-    backend.max_mappings = backend.mappings_in_use
-
-
-def unpinch(manager) -> None:
-    for group in manager.layout_groups:
-        group.backend.max_mappings = None
 
 
 def by_group(jobs) -> list[list]:

@@ -9,7 +9,8 @@ ones that cannot be put back). Here each operation (admit, allocate, fork, swap 
 truncate, lookahead, and a swap out) is refused in turn
 
 * by each group's mapping budget, pinched to no mapping to spare (a slot backend only: block tables
-  map nothing, so no mapping budget refuses them),
+  map nothing, so no mapping budget refuses them; groups sharing a pool share its backend, so
+  pinching it pinches all of them and the first of them is refused),
 * by every room the process's shared budget can leave short of what it needs, from none up, so
   that a later group is refused once the earlier groups' parts are counted,
 * by too few blocks in one group while the others have room (both backends),
@@ -129,7 +130,31 @@ def unpinch(manager) -> None:
 
 
 def free_blocks(manager) -> list[int]:
+    """Each group's free blocks: its memory's (shared by the groups drawing from one pool)."""
     return [group.num_free_blocks for group in manager.layout_groups]
+
+
+def after_taking(manager, free: list[int], each: int) -> list[int]:
+    """``free`` (``free_blocks``) once every group took ``each`` blocks from its memory: a memory
+    hands out ``each`` for every group drawing from it."""
+    return [count - each * len(group.memory.groups) for count, group in zip(free, manager.layout_groups)]
+
+
+def held_apart(manager, req: KVRequest) -> bool:
+    """The groups of one memory hold distinct blocks for ``req`` (a block holds one group's layers)."""
+    for memory in manager.memories:
+        blocks = [b for group in memory.groups for b in req.group_block_table(group.index) if b != RELEASED]
+        if len(set(blocks)) != len(blocks):
+            return False
+    return True
+
+
+def cached_content(group) -> int:
+    """Free blocks of the group's pool holding a prefix of this group's (keyed by its key: a shared
+    pool holds its other groups' too)."""
+    pool = group.pool
+    return sum(pool.ref[block] == 0 for key, block in pool.block_of_hash.items()
+               if key == group.key(key[:32]))
 
 
 def private_blocks(manager, req: KVRequest, index: int) -> int:
@@ -357,25 +382,40 @@ def with_cached_prefix(manager) -> KVRequest:
     return running_req
 
 
-@pytest.mark.parametrize("kinds,refusing", BUDGET_CASES)
-def test_an_admission_refused_by_any_groups_budget_evicts_no_cached_block(kinds, refusing):
+# BUDGET_CASES on the pools a manager makes (three kinds: the sliding and the chunked group, one
+# layer each, share one pool and backend), and the local groups of three kinds with pools of their
+# own (``local_blocks``: the old static split), where the chunked group's budget refuses alone
+EVICTION_CASES = ([pytest.param(kinds, refusing, None, id=f"{kinds}-{refusing}")
+                   for kinds, refusing in BUDGET_CASES]
+                  + [pytest.param("three-kinds", refusing, 12, id=f"three-kinds-{refusing}-separate")
+                     for refusing in (1, 2)])
+
+
+@pytest.mark.parametrize("kinds,refusing,local_blocks", EVICTION_CASES)
+def test_an_admission_refused_by_any_groups_budget_evicts_no_cached_block(kinds, refusing, local_blocks):
     """What a refusal after an earlier group's part would lose: every group's admission evicts
     cached blocks (which cannot be put back)."""
-    manager = make_hybrid(KINDS[kinds], num_blocks=12, max_num_seqs=3)
+    manager = make_hybrid(KINDS[kinds], num_blocks=12, max_num_seqs=3, local_blocks=local_blocks)
     try:
-        a = with_cached_prefix(manager)
         groups = manager.layout_groups
-        cached = [group.num_cached_blocks for group in groups]
+        shared = kinds == "three-kinds" and local_blocks is None
+        if kinds == "three-kinds":  # one memory for the one-layer local groups, unless split
+            assert (groups[1].memory is groups[2].memory) == shared
+        # pinching a shared backend pinches every group of its memory: the first one is refused
+        named = groups[refusing].memory.groups[0].index
+        assert named == (1 if shared and refusing == 2 else refusing)
+        a = with_cached_prefix(manager)
+        cached = [cached_content(group) for group in groups]
         pinch(manager, refusing)
         before = state(manager)
         new = KVRequest("new", list(range(500, 620)))  # more blocks than are never used: evicts
-        with pytest.raises(MappingLimitError, match=refusal_pattern("admit", refusing)):
+        with pytest.raises(MappingLimitError, match=refusal_pattern("admit", named)):
             manager.admit(new)
         assert state(manager) == before and holds_nothing(new)
         manager.check()
         unpinch(manager)
         assert manager.admit(new) == 0
-        assert all(group.num_cached_blocks < count for group, count in zip(groups, cached))
+        assert all(cached_content(group) < count for group, count in zip(groups, cached))
         write(manager, new, 0, new.num_tokens)
         manager.commit(new)
         assert reads_back(manager, a) and reads_back(manager, new)
@@ -558,7 +598,8 @@ def test_the_queries_change_nothing_and_say_what_each_group_takes(kinds):
             table = a.group_block_table(group.index)
             assert len(table) == 2
             assert all(group.pool.ref[b] == 1 and group.pool.hash_of[b] is None for b in table)
-        assert free_blocks(manager) == [count - 2 for count in free]
+        assert held_apart(manager, a)  # groups of one pool: blocks of their own
+        assert free_blocks(manager) == after_taking(manager, free, 2)
         write(manager, a, 0, a.num_tokens)
         manager.commit(a)
 
@@ -568,20 +609,22 @@ def test_the_queries_change_nothing_and_say_what_each_group_takes(kinds):
         assert state(manager) == before
         free, tables = free_blocks(manager), [a.group_block_table(g.index) for g in groups]
         assert manager.allocate(a, 3, [1, 2, 3])
-        assert free_blocks(manager) == [count - 1 for count in free]
+        assert free_blocks(manager) == after_taking(manager, free, 1)
         for group, table in zip(groups, tables):
             grown = a.group_block_table(group.index)
             assert grown[:-1] == table and grown[-1] not in table and group.pool.ref[grown[-1]] == 1
+        assert held_apart(manager, a)
         write(manager, a, 2 * P - 2, a.num_tokens)
         manager.commit(a)
 
         free = free_blocks(manager)
         b = manager.fork(a, "b")  # full pages shared, the partial one copied
-        assert free_blocks(manager) == [count - 1 for count in free]
+        assert free_blocks(manager) == after_taking(manager, free, 1)
         for group in groups:
             parent, child = a.group_block_table(group.index), b.group_block_table(group.index)
             assert child[:-1] == parent[:-1] and child[-1] not in parent and child[-1] != RELEASED
             assert all(group.pool.ref[block] == 2 for block in child[:-1] if block != RELEASED)
+        assert held_apart(manager, b)
         assert reads_back(manager, b)
 
         estimate = manager.estimate_preemption(b)

@@ -1,25 +1,30 @@
 """One attention group's KV cache: :class:`KVCacheGroup`, a single-type manager over the layers
 that read earlier positions by one rule (its :class:`AttentionSpec`: full attention, a sliding
-window, attention chunks), as vLLM v1's ``SingleTypeKVCacheManager``.
+window, attention chunks), as vLLM v1's ``SingleTypeKVCacheManager``; and :class:`KVMemory`, the
+physical memory behind one or more groups.
 
-A group owns its parts: the virtual tensors of its layers (``slots``, one slot index shared by
-every group of the manager), the physical pages behind them (``backend``), the blocks' reference
-counts and prefix-cache index (``pool``), the host rows its blocks are swapped to or demoted to
-(``swap``, ``host_tier``). It keeps no requests: each request's blocks in this group are the
+A memory owns the pages (``backend``), the blocks' reference counts, free queues and prefix index
+(``pool``), and the host rows blocks are swapped or demoted to (``swap``, ``host_tier``). Groups
+whose blocks have the same bytes (as many layers of one shape: Gemma-2's and GPT-OSS's local and
+global layers) share one memory, so one free block serves whichever group needs it: the groups'
+shares follow demand (vLLM's hybrid allocator over one ``BlockPool``). A later group of a shared
+memory keys its blocks in the prefix index by its hash and one byte (``key``), so a hash cached
+in one group never hits in another, whose block holds other layers.
+
+A group owns the virtual tensors of its layers (``slots``, one slot index shared by every group)
+and its spec's rules. It keeps no requests: each request's blocks in this group are the
 :class:`Allocation` ``request.allocations[group.index]``, which the group's steps below read and
-change through the allocation's transitions.
-
-The steps are what one operation of the :class:`vmemkv.KVCacheManager` (the coordinator, over
-every group) asks of each group: which prefix blocks it reuses (its spec's rule), what an
-operation would take and map here (a :class:`Plan`), whether that fits its pool, and then
-carrying the plan out. The coordinator plans every group, checks every plan (blocks, slots, swap
-room, the process's mapping budget over all groups' mappers) and only then executes, so a
-refusal changes nothing in any group.
+change through the allocation's transitions. The steps are what one operation of the
+:class:`vmemkv.KVCacheManager` (the coordinator) asks of each group: which prefix blocks it reuses
+(its spec's rule), how many fresh blocks it needs, what it maps given the fresh blocks the
+coordinator peeked for it (a :class:`Plan`), and carrying the plan out. The coordinator owns the
+order of the pools: it checks every memory's free blocks for all its groups at once, peeks each
+memory's fresh blocks for its groups in order, and takes them in one call after every group
+mapped and took its shared references, so what each group maps is what the pool hands out.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,7 +45,7 @@ from .vmm.base import VirtualMemoryBackend
 
 
 def backend_pages(config: CacheConfig, layout: KVLayout) -> tuple[int, int | None]:
-    """How many physical pages a group's backend holds, and the hole page's index (or None).
+    """How many physical pages a memory's backend holds, and the hole page's index (or None).
 
     The pool's pages first. On CPU, slots read in one batched call need filler pages past the
     pool (``SlotMapper.make_readable``): one slot's worth, owned by no request, touched only where
@@ -62,8 +67,8 @@ class Plan:
     ``plan_fork``, ``plan_swap_in``): it makes the slot's leading ``behind`` logical pages
     (behind the request's window) read nothing, then points logical pages ``first ..`` at
     ``mapped`` (``keep``: pages someone owns meanwhile, as in ``MapJob``). It takes one more
-    reference on each block of ``share`` and takes the fresh blocks ``take`` (``pool.peek``, in
-    order) from the pool."""
+    reference on each block of ``share`` and the fresh blocks ``take`` (peeked by the
+    coordinator, in order) from the pool."""
 
     slot: int
     behind: int
@@ -94,41 +99,105 @@ class Admission:
     num_tokens: int
 
 
-class KVCacheGroup:
-    """``KVCacheGroup(index, config, layers, spec, stats, backend=None, events=None)``:
-    ``config`` is the group's (its ``num_layers``, ``num_blocks`` and host bytes are its own);
-    ``layers`` the model layers it holds, in order; ``stats`` the manager's counters, which the
-    group adds its releases, copies and host traffic to."""
+class KVMemory:
+    """``KVMemory(config, layout, stats, backend=None, events=None, metrics=None)``: the pages,
+    pool and host rows of ``config.num_blocks`` blocks of ``layout`` (a group's: every group
+    sharing the memory has this layout). ``groups`` lists the groups drawing from it."""
 
-    def __init__(self, index: int, config: CacheConfig, layers: tuple[int, ...], spec: AttentionSpec,
-                 stats: CacheStats, backend: VirtualMemoryBackend | None = None,
+    def __init__(self, config: CacheConfig, stats: CacheStats, backend: VirtualMemoryBackend | None = None,
                  events: KVEventSink | None = None, metrics=None):
-        self.index, self.config, self.layers, self.spec, self.stats = index, config, layers, spec, stats
-        self.window = spec.window
+        self.config, self.stats = config, stats
         self.layout = config.make_layout()
-        self.tokens_per_page = self.layout.tokens_per_page
-        num_pages, hole = backend_pages(config, self.layout)
+        num_pages, self.hole_page = backend_pages(config, self.layout)
         self.backend = backend or create_backend(config.device, self.layout.page_size, num_pages)
         if metrics is not None:  # the backend reports its map/unmap time to the manager's collector
             self.backend.metrics = metrics
-        self.pool = BlockPool(config.num_blocks, events, self.tokens_per_page)
-        # "vmem": virtually contiguous slots; "paged": the block-table baseline (same pool, same
-        # blocks, addressed through each request's block list; nothing is mapped).
-        mapper = SlotMapper if config.kv_backend == "vmem" else SlotBinder
-        extra = {"hole_page": hole} if config.kv_backend == "vmem" else {}
-        self.slots = mapper(self.backend, self.layout, config.max_num_seqs, config.max_model_len,
-                            config.num_blocks, **extra)
+        self.pool = BlockPool(config.num_blocks, events, self.layout.tokens_per_page)
         block_bytes = self.layout.block_bytes
         host_tier_blocks = config.host_cache_bytes // block_bytes if config.enable_prefix_caching else 0
         # one host block store: swap_space_bytes of rows for swapped requests beside the tier's
         self.swap = SwapSpace(config.swap_space_bytes // block_bytes + host_tier_blocks, block_bytes,
                               pin_memory=str(config.device).startswith("cuda"))
-        self.host_tier = HostTier(host_tier_blocks, self.swap, self.tokens_per_page, events, stats)
-        self.blocks_copied = 0  # this group's share of stats.blocks_copied
+        self.host_tier = HostTier(host_tier_blocks, self.swap, self.layout.tokens_per_page, events, stats)
         if host_tier_blocks:
             self.pool.on_evict = self._demote
+        self.groups: list["KVCacheGroup"] = []
 
-    # --- counts ------------------------------------------------------------------------------
+    def _demote(self, evicted: list[EvictedBlock]) -> None:
+        """The pool's eviction hook: evicted cached blocks go to the host tier."""
+        self.host_tier.demote(self.block_window(), evicted)
+
+    def copy_of(self, source: int, copy: int) -> int:
+        """Copy block ``source``'s bytes onto ``copy`` (just taken); returns ``copy``."""
+        self.backend.copy_pages(self.layout.physical_pages(np.array([source])).tolist(),
+                                self.layout.physical_pages(np.array([copy])).tolist())
+        self.stats.blocks_copied += 1
+        return copy
+
+    def block_window(self) -> torch.Tensor:
+        """The pool as ``[num_blocks, block_bytes]`` uint8 rows: what swap, the host tier and
+        tensor-parallel replay copy blocks through."""
+        pages = self.pool.num_blocks * self.layout.pages_per_block  # filler pages may follow
+        return self.backend.pool_window()[:pages].view(self.pool.num_blocks, self.layout.block_bytes)
+
+    def fits(self, needed: int, revived: "list[int] | set[int]" = ()) -> bool:
+        """Whether ``needed`` fresh blocks are free once the cached blocks of ``revived`` (hits
+        taken out of the free queue) are not."""
+        return needed <= self.pool.num_free - sum(self.pool.ref[b] == 0 for b in revived if b != RELEASED)
+
+    def check(self, held: list[int], swapped_rows: list[int]) -> None:
+        """Assert the pool's and host rows' invariants, ``held`` being every reference the
+        requests hold on its blocks (in every group) and ``swapped_rows`` the host rows of
+        swapped blocks."""
+        pool = self.pool
+        pool.check()
+        refs = np.zeros(pool.num_blocks, dtype=np.int64)
+        np.add.at(refs, np.asarray(held, dtype=np.int64), 1)
+        assert np.array_equal(refs, np.asarray(pool.ref)), "reference counts differ from references held"
+        self.host_tier.check()
+        tier_rows = self.host_tier.rows()
+        assert not set(swapped_rows) & set(tier_rows), "a host row is both swapped and cached"
+        assert len(swapped_rows) + len(tier_rows) + self.swap.num_free == self.swap.num_blocks, (
+            "host rows leaked")
+
+
+class KVCacheGroup:
+    """``KVCacheGroup(index, config, layers, spec, memory)``: ``config`` is the group's (its
+    ``num_layers`` are its own); ``layers`` the model layers it holds, in order; ``memory`` the
+    :class:`KVMemory` its blocks come from (shared with other groups of the same layout, or its
+    own)."""
+
+    def __init__(self, index: int, config: CacheConfig, layers: tuple[int, ...], spec: AttentionSpec,
+                 memory: KVMemory):
+        self.index, self.config, self.layers, self.spec, self.memory = index, config, layers, spec, memory
+        self.window = spec.window
+        self.layout = memory.layout
+        self.tokens_per_page = self.layout.tokens_per_page
+        self.stats = memory.stats
+        # the first group of a memory keys blocks by their hash, a later one by hash + its index
+        self.tag = bytes([index]) if memory.groups else b""
+        memory.groups.append(self)
+        mapper = SlotMapper if config.kv_backend == "vmem" else SlotBinder
+        extra = {"hole_page": memory.hole_page} if config.kv_backend == "vmem" else {}
+        self.slots = mapper(memory.backend, self.layout, config.max_num_seqs, config.max_model_len,
+                            memory.config.num_blocks, **extra)
+        self.blocks_copied = 0  # this group's share of stats.blocks_copied
+
+    # the memory's parts, as a group's own (shared when the memory is)
+    pool = property(lambda self: self.memory.pool)
+    backend = property(lambda self: self.memory.backend)
+    swap = property(lambda self: self.memory.swap)
+    host_tier = property(lambda self: self.memory.host_tier)
+
+    def key(self, block_hash: bytes) -> bytes:
+        """The key of a chain hash in this group's prefix index."""
+        return block_hash + self.tag if self.tag else block_hash
+
+    def keys(self, hashes: list[bytes]) -> list[bytes]:
+        tag = self.tag
+        return [h + tag for h in hashes] if tag else hashes
+
+    # --- counts (the memory's: shared with the groups drawing from it) ---------------------------
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
@@ -149,25 +218,10 @@ class KVCacheGroup:
     def block_bytes(self) -> int:
         return self.layout.block_bytes
 
-    @property
-    def kv_bytes_in_use(self) -> int:
-        return self.pool.num_in_use * self.layout.block_bytes
-
-    def usage(self) -> float:
-        return self.pool.num_in_use / self.pool.num_blocks
-
     def blocks_for_tokens(self, num_tokens: int, chunk_tokens: int | None = None) -> int:
         """The most blocks a request of ``num_tokens`` tokens holds here at once
         (``AttentionSpec.peak_blocks``)."""
         return self.spec.peak_blocks(num_tokens, chunk_tokens, self.tokens_per_page)
-
-    def why_never_fits(self, num_tokens: int, chunk_tokens: int | None = None) -> str | None:
-        blocks = self.blocks_for_tokens(num_tokens, chunk_tokens)
-        if blocks > self.pool.num_blocks:
-            return (f"{num_tokens} tokens need {blocks} KV blocks of {self.tokens_per_page} tokens "
-                    f"{self.in_group()}but the pool has {self.pool.num_blocks}; shorten it or give "
-                    "the KV cache more memory (num_blocks)")
-        return None
 
     def in_group(self) -> str:
         return "" if self.index == 0 else f"in layer group {self.index} ({self.spec.describe()}) "
@@ -177,18 +231,18 @@ class KVCacheGroup:
         """The cached blocks of the longest usable prefix of ``hashes`` (full attention: the
         leading run; a window or chunks: ``RELEASED`` before the first block its next query
         reads, then cached blocks: ``AttentionSpec.prefix_hits``)."""
-        lookup = self.pool.lookup
+        lookup, keys = self.pool.lookup, self.keys(hashes)
         if not self.spec.releases:
             hits = []
-            for h in hashes:
-                block = lookup(h)
+            for key in keys:
+                block = lookup(key)
                 if block is None:
                     break
                 hits.append(block)
             return hits
-        num_hits, first = self.spec.prefix_hits(len(hashes), lambda i: lookup(hashes[i]) is not None,
+        num_hits, first = self.spec.prefix_hits(len(keys), lambda i: lookup(keys[i]) is not None,
                                                 self.tokens_per_page)
-        return [RELEASED] * first + [lookup(h) for h in hashes[first:num_hits]]
+        return [RELEASED] * first + [lookup(key) for key in keys[first:num_hits]]
 
     def capped_hits(self, hashes: list[bytes], hits: list[int], max_blocks: int) -> list[int]:
         """``hits`` (``cached_blocks(hashes)``) cut to at most ``max_blocks`` blocks; with a
@@ -199,38 +253,44 @@ class KVCacheGroup:
             return self.cached_blocks(hashes[:max_blocks])
         return hits[:max_blocks]
 
-    def fits(self, needed: int, revived: list[int] = ()) -> bool:
-        """Whether ``needed`` fresh blocks are free once the cached blocks of ``revived`` (hits
-        taken out of the free queue) are not."""
-        return needed <= self.pool.num_free - sum(self.pool.ref[b] == 0 for b in revived if b != RELEASED)
-
-    def fits_admission(self, hits: list[int], total: int) -> bool:
-        return self.fits(self.layout.logical_pages_for(total) - len(hits), hits)
-
-    def host_run(self, hashes: list[bytes]) -> list[bytes]:
-        """The leading ``hashes`` the host tier holds."""
-        return self.host_tier.leading_hits(hashes) if self.host_tier.capacity else []
+    def host_run(self, hashes: list[bytes]) -> int:
+        """How many leading ``hashes`` the host tier holds for this group."""
+        return len(self.host_tier.leading_hits(self.keys(hashes))) if self.host_tier.capacity else 0
 
     def admission(self, hits: list[int], host_hits: list[bytes], cached: int, num_tokens: int) -> Admission:
-        """This group's admission of ``hits`` and then ``host_hits`` (``cached`` tokens in all)
-        reserving ``num_tokens``: host hits wholly behind the next query's window would be copied
-        in only to be released at the first commit, so they (and the hits before them) stay
-        ``RELEASED``."""
-        promote = host_hits
+        """This group's admission of ``hits`` and then ``host_hits`` (chain hashes; ``cached``
+        tokens in all) reserving ``num_tokens``: host hits wholly behind the next query's window
+        would be copied in only to be released at the first commit, so they (and the hits before
+        them) stay ``RELEASED``."""
+        promote = self.keys(host_hits)
         if host_hits and self.spec.releases:
             skip = self.spec.first_needed_block(cached, self.tokens_per_page) - len(hits)
             if skip > 0:
-                hits, promote = [RELEASED] * (len(hits) + skip), host_hits[skip:]
+                hits, promote = [RELEASED] * (len(hits) + skip), promote[skip:]
         return Admission(hits, promote, len(host_hits), cached, num_tokens)
 
-    # --- plans ---------------------------------------------------------------------------------
-    def plan_admit(self, hits: list[int], num_tokens: int, slot: int | None) -> Plan:
+    # --- fresh blocks an operation needs here (the coordinator checks and peeks them) ----------
+    def admit_needs(self, hits: list[int], num_tokens: int) -> int:
+        return self.layout.logical_pages_for(num_tokens) - len(hits)
+
+    def fits_admission(self, hits: list[int], total: int) -> bool:
+        """Whether this group alone (no other group drawing on its pool) could admit a request
+        of ``total`` tokens whose hits here are ``hits``."""
+        return self.memory.fits(self.admit_needs(hits, total), hits)
+
+    def grow_needs(self, alloc: Allocation, num_new_tokens: int) -> int:
+        """New blocks for ``num_new_tokens`` more positions (lookahead blocks count as held)."""
+        return max(-(-(alloc.num_tokens + num_new_tokens) // self.tokens_per_page) - len(alloc.blocks), 0)
+
+    blocks_needed = grow_needs
+
+    # --- plans, given the fresh blocks ------------------------------------------------------------
+    def plan_admit(self, hits: list[int], slot: int | None, fresh: list[int]) -> Plan:
         behind = hits.count(RELEASED)  # a windowed hit: blocks before its window need not be held
         live = hits[behind:]
-        fresh = self.pool.peek(self.layout.logical_pages_for(num_tokens) - len(hits), exclude=live)
         return Plan(self.choose_slot(hits, behind, slot), behind, behind, live + fresh, 0, live, fresh)
 
-    def plan_grow(self, alloc: Allocation, num_new_tokens: int) -> Plan | None:
+    def plan_grow(self, alloc: Allocation, num_new_tokens: int, fresh: list[int]) -> Plan | None:
         """What growing by ``num_new_tokens`` maps and takes; None inside the mapped blocks.
         Lookahead blocks are normally mapped already; one whose background mapping was refused
         is mapped again here, so no position is ever written through a stale mapping."""
@@ -239,21 +299,15 @@ class KVCacheGroup:
         end = -(-(num_tokens + num_new_tokens) // tokens_per_page)
         if end <= first:
             return None
-        fresh = self.pool.peek(end - len(blocks)) if end > len(blocks) else []
         return Plan(alloc.slot, 0, first, blocks[first:end] + fresh, len(blocks), [], fresh)
 
-    def blocks_needed(self, alloc: Allocation, num_new_tokens: int) -> int:
-        """New blocks for ``num_new_tokens`` more positions (lookahead blocks count as held)."""
-        return max(-(-(alloc.num_tokens + num_new_tokens) // self.tokens_per_page) - len(alloc.blocks), 0)
-
-    def plan_fork(self, parent: Allocation, slot: int | None) -> Plan:
+    def plan_fork(self, parent: Allocation, slot: int | None, fresh: list[int]) -> Plan:
+        """``fresh``: a block for the parent's partial last block (none when it is full)."""
         reserved = self.reserved_blocks(parent)
-        partial = parent.num_tokens % self.tokens_per_page != 0
         behind = parent.num_released  # the child's window is the parent's: none shared behind
-        shared = reserved[behind:-1] if partial else reserved[behind:]
-        copy = self.pool.peek(1) if partial else []
-        return Plan(self.choose_slot(reserved, behind, slot), behind, behind, shared + copy, 0,
-                    shared, copy)
+        shared = reserved[behind:-1] if fresh else reserved[behind:]
+        return Plan(self.choose_slot(reserved, behind, slot), behind, behind, shared + fresh, 0,
+                    shared, fresh)
 
     def swap_in_revivals(self, alloc: Allocation, hashes: list[bytes]) -> dict[int, int]:
         """Swapped full blocks still in the prefix cache (index -> block: taken, not copied
@@ -261,18 +315,15 @@ class KVCacheGroup:
         revive = {}
         for index, _ in alloc.swapped:
             if index < alloc.num_registered:
-                block = self.pool.lookup(hashes[index])
+                block = self.pool.lookup(self.key(hashes[index]))
                 if block is not None:
                     revive[index] = block
         return revive
 
-    def swap_in_fits(self, alloc: Allocation, revive: dict[int, int]) -> bool:
-        return self.fits(len(alloc.swapped) - len(revive), list(revive.values()))
-
-    def plan_swap_in(self, alloc: Allocation, slot: int | None, revived: dict[int, int]) -> Plan:
+    def plan_swap_in(self, alloc: Allocation, slot: int | None, revived: dict[int, int],
+                     fresh: list[int]) -> Plan:
         """Fresh blocks take the other swapped blocks' places in ``alloc.swapped``'s order."""
         copies = [index for index, _ in alloc.swapped if index not in revived]
-        fresh = self.pool.peek(len(copies), exclude=revived.values())
         blocks = list(alloc.blocks)
         for index, block in zip(copies, fresh):
             blocks[index] = block
@@ -282,17 +333,17 @@ class KVCacheGroup:
         return Plan(self.choose_slot(blocks, behind, slot), behind, behind, blocks[behind:], 0,
                     list(revived.values()), fresh)
 
-    def plan_reorder(self, rows: list[Allocation], sources: list[Allocation],
-                     copied: list[bool]) -> tuple[list[list[int]], list[int], list[MapJob]]:
-        """Reorder's plan: each row's new block list (its source's, with a fresh block where it
-        copies the partial block), the pages behind each row's new window (its source's), and
-        the mapping jobs. The caller checked ``sum(copied)`` blocks are free."""
-        fresh = iter(self.pool.peek(sum(copied)))
+    def plan_reorder(self, rows: list[Allocation], sources: list[Allocation], copied: list[bool],
+                     fresh: list[int]) -> tuple[list[list[int]], list[int], list[MapJob]]:
+        """Reorder's plan: each row's new block list (its source's, with a block of ``fresh``
+        where it copies the partial block), the pages behind each row's new window (its
+        source's), and the mapping jobs."""
+        fresh = iter(fresh)
         blocks = [self.reserved_blocks(source) for source in sources]
         blocks = [row_blocks[:-1] + [next(fresh)] if copy else list(row_blocks)
                   for row_blocks, copy in zip(blocks, copied)]
         behind = [source.num_released for source in sources]  # a row takes its source's window
-        jobs = [MapJob(row.slot, count, row_blocks[count:], keep=len(row.blocks))
+        jobs = [MapJob(row.slot, count, row_blocks[count:], keep=len(row.blocks), group=self.index)
                 for row, row_blocks, count in zip(rows, blocks, behind)]
         return blocks, behind, jobs
 
@@ -305,36 +356,27 @@ class KVCacheGroup:
             return None
         return keep - 1
 
-    def truncate_jobs(self, alloc: Allocation, num_tokens: int) -> list[MapJob] | None:
-        """What truncating maps (a private copy of the new last block, or nothing); None when
-        that copy has no free block."""
-        page = self.truncate_copy(alloc, num_tokens)
-        if page is None:
-            return []
-        if not self.pool.num_free:
-            return None
-        return [MapJob(alloc.slot, page, self.pool.peek(1), keep=len(alloc.blocks))]
-
-    def truncations_fit(self, rows: list[Allocation], num_tokens: int) -> bool:
-        """Whether truncating ``rows`` to ``num_tokens`` in order finds a free block for each copy
-        (``truncate_copy``'s rule). A block an earlier row gives back is free for a later one,
-        and a last block an earlier row copied away from may be the later row's alone."""
+    def truncations_fit(self, rows: list[Allocation], num_tokens: int, free: int) -> int | None:
+        """The free blocks left after truncating ``rows`` to ``num_tokens`` in order, starting
+        from ``free``, or None when a copy (``truncate_copy``'s rule) finds none. A block an
+        earlier row gives back is free for a later one, and a last block an earlier row copied
+        away from may be the later row's alone."""
         keep = self.layout.logical_pages_for(num_tokens)
         partial = keep and num_tokens % self.tokens_per_page
-        free, dropped = self.pool.num_free, Counter()  # references the earlier rows give back
+        dropped: dict[int, int] = {}  # references the earlier rows give back
         for row in rows:
             given_back = row.blocks[keep:]
             last = row.blocks[keep - 1] if partial else None
-            if last is not None and (self.pool.ref[last] - dropped[last] > 1
+            if last is not None and (self.pool.ref[last] - dropped.get(last, 0) > 1
                                      or self.pool.hash_of[last] is not None):
                 if not free:
-                    return False
+                    return None
                 free -= 1
                 given_back = given_back + [last]
             for block in given_back:
-                dropped[block] += 1
+                dropped[block] = dropped.get(block, 0) + 1
                 free += self.pool.ref[block] == dropped[block]
-        return True
+        return free
 
     def choose_slot(self, blocks: list[int], behind: int, slot: int | None = None) -> int:
         """The free slot for a request whose block list is ``blocks`` (``slot`` when given): one
@@ -342,7 +384,7 @@ class KVCacheGroup:
         with blocks behind its window maps none there, so any."""
         return self.slots.choose(blocks[0] if blocks and not behind else None, slot)
 
-    # --- carrying plans out --------------------------------------------------------------------
+    # --- carrying plans out (the coordinator takes the fresh blocks between map and finish) -----
     def map_and_bind(self, plan: Plan) -> None:
         """A planned binding (admit, fork, swap in): the chosen slot's pages behind the window
         read nothing (a free slot's stale mappings: nobody reads them), the plan is mapped (the
@@ -352,30 +394,26 @@ class KVCacheGroup:
         self.slots.map_blocks(plan.slot, plan.first, plan.mapped, plan.keep)
         self.slots.bind(slot=plan.slot, behind=plan.behind)
 
-    def execute_admit(self, alloc: Allocation, admission: Admission, plan: Plan,
-                      hashes: list[bytes]) -> None:
-        """Carry out ``plan``: map, then take the blocks, copying the host tier's hits in."""
-        self.map_and_bind(plan)
-        self.pool.acquire(plan.share)
+    def finish_admit(self, alloc: Allocation, admission: Admission, plan: Plan, claimed: list) -> None:
+        """After the take: copy the host tier's ``claimed`` entries into the first fresh blocks
+        (registered again) and bind the allocation."""
+        self.promote(plan.take, admission.promote, claimed)
         cached = admission.cached
-        alloc.bind(plan.slot, admission.hits + self.take_promoting(plan.take, admission.promote),
-                   admission.num_tokens, cached, cached // self.tokens_per_page, plan.behind)
+        alloc.bind(plan.slot, admission.hits + plan.take, admission.num_tokens, cached,
+                   cached // self.tokens_per_page, plan.behind)
 
-    def execute_grow(self, alloc: Allocation, plan: Plan | None, num_new_tokens: int) -> None:
-        new_blocks = []
+    def map_grow(self, plan: Plan | None) -> None:
         if plan is not None:  # crosses into blocks not mapped yet
             self.slots.map_blocks(plan.slot, plan.first, plan.mapped, plan.keep)  # may be refused
-            if plan.take:
-                new_blocks = self.pool.take(plan.take)
-        alloc.grow(num_new_tokens, new_blocks)
 
     def register(self, alloc: Allocation, index: int, token_ids: list[int], hashes: list[bytes],
                  root: bytes) -> None:
         """Offer full block ``index`` to the prefix cache, with its tokens and parent (for KV
         events and the partial-page hit count)."""
         tokens = token_ids[index * self.tokens_per_page:(index + 1) * self.tokens_per_page]
-        self.pool.register(alloc.blocks[index], hashes[index], tokens,
-                           hashes[index - 1] if index else None, None if index else root)
+        self.pool.register(alloc.blocks[index], self.key(hashes[index]), tokens,
+                           self.key(hashes[index - 1]) if index else None,
+                           None if index else self.key(root))
 
     def register_full(self, alloc: Allocation, full: int, token_ids: list[int], hashes: list[bytes],
                       root: bytes) -> None:
@@ -418,26 +456,29 @@ class KVCacheGroup:
             self.slots.release(alloc.slot)
         alloc.reset()
 
-    def execute_fork(self, parent: Allocation, child: Allocation, plan: Plan) -> None:
-        self.map_and_bind(plan)
-        self.pool.acquire(plan.share)
+    def finish_fork(self, parent: Allocation, child: Allocation, plan: Plan) -> None:
+        """After the take: copy the parent's partial last block into the fresh one."""
         behind = plan.behind  # the child's window is the parent's: nothing is shared behind it
         copy = []
         if plan.take:  # the parent's partial last block, the one after the shared ones
-            last = parent.blocks[behind + len(plan.share)]
-            copy = [self.copy_of(last, *self.pool.take(plan.take))]
+            copy = [self.copy_of(parent.blocks[behind + len(plan.share)], plan.take[0])]
         child.copy_from(parent, plan.slot, parent.blocks[:behind] + plan.share + copy, behind)
 
-    def reorder(self, rows: list[Allocation], sources: list[Allocation], copied: list[bool],
-                plan: tuple[list[list[int]], list[int], list[MapJob]]) -> None:
-        """Carry out ``plan_reorder``'s plan (the caller checked the mapping budget takes it)."""
-        blocks_of, behind, jobs = plan
-        reserved = [self.reserved_blocks(source) for source in sources]
+    def map_reorder(self, rows: list[Allocation], plan: tuple) -> None:
+        """Map every row's new blocks, then unmap behind each row's new window (the caller
+        checked the mapping budget takes both)."""
+        _, behind, jobs = plan
         self.slots.map_jobs(jobs)
         for row, count in zip(rows, behind):  # after map_jobs (a row reads these until now)
             self.slots.unmap_behind(row.slot, count)
+
+    def finish_reorder(self, rows: list[Allocation], sources: list[Allocation], copied: list[bool],
+                       plan: tuple) -> None:
+        """After the take: share the sources' blocks, copy the partial ones, give the rows' old
+        blocks back and make each row its source's copy."""
+        blocks_of, behind, _ = plan
+        reserved = [self.reserved_blocks(source) for source in sources]
         snapshots = [source.snapshot() for source in sources]
-        self.pool.take([blocks[-1] for blocks, copy in zip(blocks_of, copied) if copy])
         for blocks, source_blocks, copy, count in zip(blocks_of, reserved, copied, behind):
             self.pool.acquire(blocks[count:-1] if copy else blocks[count:])
             if copy:
@@ -448,13 +489,22 @@ class KVCacheGroup:
             row.copy_from(snapshot, row.slot, blocks, count)
             self.slots.set_behind(row.slot, count)
 
-    def truncate(self, alloc: Allocation, num_tokens: int, jobs: list[MapJob]) -> None:
-        """Carry out ``truncate_jobs``' plan: copy the new last block first when it must."""
-        if jobs:
-            job = jobs[0]
-            last = alloc.blocks[job.first]
+    def truncate_jobs(self, alloc: Allocation, num_tokens: int, fresh: list[int]) -> list[MapJob]:
+        """What truncating maps: a private copy (into ``fresh``) of the new last block, or nothing."""
+        page = self.truncate_copy(alloc, num_tokens)
+        if page is None:
+            return []
+        return [MapJob(alloc.slot, page, fresh, keep=len(alloc.blocks), group=self.index)]
+
+    def map_truncate(self, alloc: Allocation, jobs: list[MapJob]) -> None:
+        for job in jobs:
             self.slots.map_blocks(alloc.slot, job.first, job.blocks, keep=job.keep)
-            self.pool.release([alloc.replace_block(job.first, self.copy_of(last, self.pool.take(job.blocks)[0]))])
+
+    def finish_truncate(self, alloc: Allocation, num_tokens: int, jobs: list[MapJob]) -> None:
+        """After the take: copy the new last block first when it must, then forget the tail."""
+        for job in jobs:
+            last = alloc.blocks[job.first]
+            self.pool.release([alloc.replace_block(job.first, self.copy_of(last, job.blocks[0]))])
         full = num_tokens // self.tokens_per_page
         self.pool.release(reversed(alloc.truncate(num_tokens, self.layout.logical_pages_for(num_tokens), full)))
 
@@ -469,21 +519,18 @@ class KVCacheGroup:
         checked the room). Returns the bytes copied."""
         private = self.private_blocks(alloc)
         self.trim_lookahead(alloc)
-        host = self.swap.store(self.block_window(), [alloc.blocks[i] for i in private])
+        host = self.swap.store(self.memory.block_window(), [alloc.blocks[i] for i in private])
         self.pool.release(reversed([alloc.blocks[i] for i in private]))
         self.slots.release(alloc.slot)
         alloc.swap_out(list(zip(private, host)))
         return len(private) * self.layout.block_bytes
 
-    def execute_swap_in(self, alloc: Allocation, plan: Plan, revive: dict[int, int],
-                        token_ids: list[int], hashes: list[bytes], root: bytes) -> int:
-        """Carry out ``plan_swap_in``'s plan (the mapping may be refused, leaving the request
-        swapped). Returns the bytes copied back."""
-        self.map_and_bind(plan)  # refused: it stays swapped
-        self.pool.acquire(plan.share)
-        self.pool.take(plan.take)
+    def finish_swap_in(self, alloc: Allocation, plan: Plan, revive: dict[int, int],
+                       token_ids: list[int], hashes: list[bytes], root: bytes) -> int:
+        """After the take: copy the swapped blocks back into the fresh ones and register the
+        full ones again. Returns the bytes copied back."""
         copied = [host for index, host in alloc.swapped if index not in revive]  # plan.take's order
-        self.swap.load(self.block_window(), copied, plan.take)
+        self.swap.load(self.memory.block_window(), copied, plan.take)
         self.swap.discard([host for index, host in alloc.swapped if index in revive])
         behind = plan.behind
         alloc.swap_in(plan.slot, alloc.blocks[:behind] + plan.mapped)
@@ -501,7 +548,7 @@ class KVCacheGroup:
         first = len(alloc.blocks)
         new = self.pool.allocate(needed)
         alloc.add_lookahead(new)
-        return MapJob(alloc.slot, first, new)
+        return MapJob(alloc.slot, first, new, group=self.index)
 
     def trim_lookahead(self, alloc: Allocation) -> None:
         """Release blocks past the reservation (given early by a lookahead)."""
@@ -514,37 +561,23 @@ class KVCacheGroup:
         """The request's blocks without lookahead ones."""
         return alloc.blocks[: self.layout.logical_pages_for(alloc.num_tokens)]
 
-    def take_promoting(self, planned: list[int], host_hits: list[bytes]) -> list[int]:
-        """Take the ``planned`` blocks (``pool.peek``) and copy the host tier's ``host_hits``
-        into the first of them, registered in the device pool again. Call it only once every
-        refusable step of the operation succeeded: it changes the tier and the pool."""
-        if not host_hits:
-            return self.pool.take(planned)
-        claimed = self.host_tier.claim(host_hits)  # the take's own demotions cannot evict them
-        blocks = self.pool.take(planned)
-        promoted = blocks[:len(host_hits)]
-        origins = self.host_tier.promote(self.block_window(), host_hits, claimed, promoted)
-        for block, block_hash, origin in zip(promoted, host_hits, origins):
-            self.pool.register(block, block_hash, origin.token_ids, origin.parent_hash, origin.root)
-        return blocks
-
-    def _demote(self, evicted: list[EvictedBlock]) -> None:
-        """The pool's eviction hook: evicted cached blocks go to the host tier."""
-        self.host_tier.demote(self.block_window(), evicted)
+    def promote(self, blocks: list[int], host_keys: list[bytes], claimed: list) -> None:
+        """Copy the host tier's ``claimed`` entries (of ``host_keys``) into the first of the
+        just-taken ``blocks``, registered in the device pool again."""
+        if not host_keys:
+            return
+        promoted = blocks[:len(host_keys)]
+        origins = self.host_tier.promote(self.memory.block_window(), host_keys, claimed, promoted)
+        for block, key, origin in zip(promoted, host_keys, origins):
+            self.pool.register(block, key, origin.token_ids, origin.parent_hash, origin.root)
 
     def copy_of(self, source: int, copy: int) -> int:
         """Copy block ``source``'s bytes onto ``copy`` (just taken); returns ``copy``."""
-        self.backend.copy_pages(self.layout.physical_pages(np.array([source])).tolist(),
-                                self.layout.physical_pages(np.array([copy])).tolist())
-        self.stats.blocks_copied += 1
         self.blocks_copied += 1
-        return copy
+        return self.memory.copy_of(source, copy)
 
     def block_window(self) -> torch.Tensor:
-        """The pool as ``[num_blocks, block_bytes]`` uint8 rows: what swap, the host tier and
-        tensor-parallel replay copy blocks through."""
-        pages = self.pool.num_blocks * self.layout.pages_per_block  # filler pages may follow
-        return self.backend.pool_window()[:pages].view(self.pool.num_blocks, self.layout.block_bytes)
+        return self.memory.block_window()
 
     def kv_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Group layer ``layer``'s K and V over every slot (its index among ``layers``)."""
@@ -558,13 +591,13 @@ class KVCacheGroup:
         return list(request.allocations[self.index].blocks)
 
     # --- invariants ----------------------------------------------------------------------------
-    def check(self, allocations: list[tuple[str, Allocation, int]]) -> list[int | None]:
-        """Assert the invariants over this group's pool, slots and each ``(name, allocation,
-        hashes known)``; returns the bound slots (None for swapped requests)."""
+    def check(self, allocations: list[tuple[str, Allocation, int]]) -> tuple[list, list[int], list[int]]:
+        """Assert the invariants of this group's slots and each ``(name, allocation, hashes
+        known)``; returns the bound slots (None for swapped requests), the blocks the requests
+        hold here (one entry a reference) and the host rows of their swapped blocks, for the
+        memory's check."""
         pool, tokens_per_page = self.pool, self.tokens_per_page
-        pool.check()
-        refs = np.zeros(pool.num_blocks, dtype=np.int64)
-        bound, writers = [], {}
+        bound, writers, held_all, rows = [], {}, [], []
         for name, held_by, num_hashes in allocations:
             name = f"{name} (layer group {self.index})" if self.index else name
             blocks, released, num_tokens = held_by.blocks, held_by.num_released, held_by.num_tokens
@@ -573,8 +606,7 @@ class KVCacheGroup:
             assert RELEASED not in blocks[released:], f"{name}: a hole past the released run"
             assert released <= self.spec.first_needed_block(held_by.num_computed, tokens_per_page), (
                 f"{name}: released {released} blocks, its next query reads one of them")
-            held = [b for i, b in enumerate(blocks) if i not in swapped and i >= released]
-            np.add.at(refs, np.asarray(held, dtype=np.int64), 1)
+            held_all += [b for i, b in enumerate(blocks) if i not in swapped and i >= released]
             assert held_by.num_computed <= num_tokens <= len(blocks) * tokens_per_page
             # Blocks past the reservation are lookahead: mapped early, private, unhashed (below).
             assert len(blocks) >= self.layout.logical_pages_for(num_tokens), (
@@ -584,6 +616,7 @@ class KVCacheGroup:
                 assert len(blocks) == self.layout.logical_pages_for(num_tokens)
                 assert held_by.slot is None
                 bound.append(None)
+                rows += [host for _, host in held_by.swapped]
                 continue
             bound.append(held_by.slot)
             self.slots.check_request(held_by.slot, blocks, released)
@@ -592,15 +625,11 @@ class KVCacheGroup:
                 assert pool.ref[block] == 1, f"{name} can write shared block {block}"
                 assert block not in writers, f"block {block} writable by {writers.get(block)} and {name}"
                 writers[block] = name
-        assert np.array_equal(refs, np.asarray(pool.ref)), "reference counts differ from references held"
+        for block in set(held_all):  # a block holds one group's layers: no other group's key
+            key = pool.hash_of[block]
+            assert key is None or key[32:] == self.tag, f"block {block} of group {self.index} has another group's key"
         running = [slot for slot in bound if slot is not None]
         assert len(set(running)) == len(running), "two requests share a slot"
         assert not set(running) & set(self.slots.free_slots()), "a bound slot is also free"
         assert len(running) + self.slots.num_free == self.slots.num_slots, "a slot was lost"
-        swapped_host = [host for _, a, _ in allocations if a.swapped is not None for _, host in a.swapped]
-        self.host_tier.check()
-        tier_rows = self.host_tier.rows()
-        assert not set(swapped_host) & set(tier_rows), "a host row is both swapped and cached"
-        assert len(swapped_host) + len(tier_rows) + self.swap.num_free == self.swap.num_blocks, (
-            "host rows leaked")
-        return bound
+        return bound, held_all, rows

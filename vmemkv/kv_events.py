@@ -26,9 +26,10 @@ The shapes are vLLM's (``vllm/distributed/kv_events.py``), so routers written fo
 ``["BlockRemoved", block_hashes, medium]`` or ``["AllBlocksCleared"]`` (msgspec's array-like,
 tagged structs). Hashes are the 32-byte digests of ``hashing.py``, sent as msgpack binary.
 
-**Layout groups.** A hybrid model's KV cache (``hybrid.HybridKVCacheManager``) keeps its local
-(sliding-window) and global layers in two pools, each with its own prefix cache, so one content
-hash may be cached in one group and not the other. As vLLM's hybrid KV cache does, each group's
+**Layer groups.** A hybrid model's KV cache (``KVCacheManager`` with ``layer_windows``) keeps its
+local (sliding-window, chunked) and global layers in layer groups, each with its own prefix index
+(in a pool of its own, or in one pool the groups share: ``shared_sink``), so one content hash may
+be cached in one group and not the other. As vLLM's hybrid KV cache does, each group's
 ``BlockStored`` carries ``group_idx`` (0: global layers, 1: local), ``kv_cache_spec_kind``
 (``"full_attention"``, ``"sliding_window"``) and ``kv_cache_spec_sliding_window`` (the window, or
 None), and each ``BlockRemoved`` its ``group_idx`` (``group_sink`` tags them). A model with one
@@ -123,6 +124,45 @@ def group_sink(events: KVEventSink | None, group_idx: int, sliding_window: int |
         elif isinstance(event, BlockRemoved):
             event = replace(event, group_idx=group_idx)
         events(event)
+
+    return tell
+
+
+HASH_BYTES = 32  # hashing.py's digests; a later group of a shared pool keys its blocks by one byte more
+
+
+def shared_sink(events: KVEventSink | None, groups: "list[tuple[int, int | None, bool]]") -> KVEventSink | None:
+    """A sink for one pool shared by several layer groups (``groups``: each one's ``(group_idx,
+    sliding_window, chunked)``, the first group's blocks keyed by their hash, a later group's by
+    its hash and one byte, its ``group_idx``): each event goes to ``events`` once per group it
+    concerns, with the plain hashes and tagged as ``group_sink`` tags them (a reset: once for
+    every group, as separate pools would tell it)."""
+    events = check_sink(events)
+    if events is None:
+        return None
+    sinks = {index: group_sink(events, index, window, chunked) for index, window, chunked in groups}
+    first = groups[0][0]
+
+    def split(key: bytes | None) -> tuple[int, bytes | None]:
+        if key is not None and len(key) == HASH_BYTES + 1:
+            return key[-1], key[:-1]
+        return first, key
+
+    def tell(event: KVCacheEvent) -> None:
+        if isinstance(event, BlockStored):
+            index, plain = split(event.block_hashes[0])
+            sinks[index](replace(event, block_hashes=[split(h)[1] for h in event.block_hashes],
+                                 parent_block_hash=split(event.parent_block_hash)[1]))
+        elif isinstance(event, BlockRemoved):
+            by_group: dict[int, list[bytes]] = {}
+            for key in event.block_hashes:
+                index, plain = split(key)
+                by_group.setdefault(index, []).append(plain)
+            for index, hashes in by_group.items():
+                sinks[index](replace(event, block_hashes=hashes))
+        else:
+            for sink in sinks.values():
+                sink(event)
 
     return tell
 

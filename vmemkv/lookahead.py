@@ -30,7 +30,7 @@ class LookaheadOps(ManagerState):
         """Give each request whose reservation ends within ``margin_tokens`` of its last block's
         end the blocks that cover ``margin_tokens`` more positions (never past ``max_model_len``)
         now, without mapping them, while more than ``keep_free`` blocks stay free (of the first
-        group; every other group keeps the same share of its own pool free). Only clean blocks
+        group's pool; every other pool keeps the same share of its blocks free). Only clean blocks
         are taken, so no cached prefix is evicted for a guess. Returns the jobs for
         ``map_lookahead`` (each names its group), which may run on another thread while the
         device computes: it touches only mapping state, and only pages past every reserved
@@ -40,13 +40,16 @@ class LookaheadOps(ManagerState):
         keep_free = check.count(keep_free, "keep_free")
         running = self._running_list(requests, "requests")
         groups, first = self.groups, self.groups[0]
-        keep = [-(-keep_free * group.num_blocks // first.num_blocks) for group in groups]
+        memories = self.memories
+        keep = [-(-keep_free * memory.pool.num_blocks // first.num_blocks) for memory in memories]
         jobs = []
         for req in running:
             end = min(req.allocation.num_tokens + margin_tokens, self.config.max_model_len)
             needed = first.lookahead_blocks(req.allocation, end)  # as many in every group
-            if needed <= 0 or not all(needed <= group.pool.num_clean and group.pool.num_free - needed >= kept
-                                      for group, kept in zip(groups, keep)):
+            if needed <= 0 or not all(
+                    needed * len(memory.groups) <= memory.pool.num_clean
+                    and memory.pool.num_free - needed * len(memory.groups) >= kept
+                    for memory, kept in zip(memories, keep)):
                 continue
             for group, alloc in zip(groups, req.allocations):
                 job = group.add_lookahead(alloc, needed)

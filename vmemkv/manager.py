@@ -91,8 +91,10 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
     (``layout_groups``). ``config`` then describes the whole model: ``num_blocks`` blocks of all
     layers, whose bytes the groups share (``layer_groups.split_blocks``: each local group gets
     what its window needs at most, ``local_blocks`` when given, ``chunk_tokens`` being the most
-    tokens one step computes); ``backends`` gives each group's backend (tensor parallelism records
-    them). Block counts (``num_blocks``, ``num_free_blocks``, ``blocks_for_tokens``, ...) are the
+    tokens one step computes); groups whose blocks have the same bytes share one pool
+    (``memories``), whose blocks go to whichever group needs them, unless ``local_blocks`` fixes
+    the local groups' shares; ``backends`` gives each pool's backend, a list or a callable taking
+    the pool's config (tensor parallelism records them). Block counts (``num_blocks``, ``num_free_blocks``, ``blocks_for_tokens``, ...) are the
     first group's, the one that grows with a request; every operation checks every group."""
 
     @classmethod
@@ -102,7 +104,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         """A manager with one layer group per kind of ``layer_windows`` (each layer's window,
         ``AttentionSpec`` or None), or with one group of every layer (keeping every block) when
         ``layer_windows`` is None or the groups' pages cannot hold one number of tokens.
-        ``backends``: makes a group's backend from the group's config (or None: each its own)."""
+        ``backends``: makes a pool's backend from the pool's config (or None: each its own)."""
         if layer_windows:
             from .layer_groups import LayerGroups, group_configs
             try:
@@ -111,8 +113,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
                 configs = None
             if configs is not None and len(configs) > 1:
                 return cls(config, metrics=metrics, events=events, layer_windows=layer_windows,
-                           chunk_tokens=chunk_tokens,
-                           backends=None if backends is None else [backends(group) for group in configs])
+                           chunk_tokens=chunk_tokens, backends=backends)
         return cls(config, backend=None if backends is None else backends(config), metrics=metrics,
                    events=events)
 
@@ -124,9 +125,9 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
 
     @timed
     def usage(self) -> float:
-        """Fraction of blocks held by requests (the fullest group's)."""
+        """Fraction of blocks held by requests (of the fullest pool)."""
         self._check_open()
-        return max(group.usage() for group in self.groups)
+        return max(memory.pool.num_in_use / memory.pool.num_blocks for memory in self.memories)
 
     @timed
     def match_prefix(self, token_ids: "Sequence[int] | KVRequest",
@@ -165,26 +166,29 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
             total = len(token_ids)
             hits = ([[] for _ in self.groups] if not self.config.enable_prefix_caching else self._cached_hits(
                 self.hasher.block_hashes(token_ids, self.tokens_per_page, check.cache_keys(keys)), total))
-        return self._slot_available(None) and all(
-            group.fits_admission(group_hits, total) for group, group_hits in zip(self.groups, hits))
+        return self._slot_available(None) and self._fits(
+            [group.admit_needs(group_hits, total) for group, group_hits in zip(self.groups, hits)], hits)
 
     @timed
     def can_allocate(self, request: "KVRequest | str", num_new_tokens: int) -> bool:
         req = self._running(request)
         num_new_tokens = check.count(num_new_tokens, "num_new_tokens")
-        return all(group.blocks_needed(alloc, num_new_tokens) <= group.pool.num_free
-                   for group, alloc in zip(self.groups, req.allocations))
+        return self._fits([group.grow_needs(alloc, num_new_tokens)
+                           for group, alloc in zip(self.groups, req.allocations)])
 
     @timed
     def blocks_needed(self, request: "KVRequest | str", num_new_tokens: int) -> int:
-        """New blocks (of the first group: every group needs as many) for ``num_new_tokens``."""
+        """New blocks of the first group's pool for ``num_new_tokens`` more positions (as many
+        for every group drawing from it)."""
         req = self._running(request)
-        return self.groups[0].blocks_needed(req.allocation, check.count(num_new_tokens, "num_new_tokens"))
+        num_new_tokens = check.count(num_new_tokens, "num_new_tokens")
+        return sum(group.grow_needs(req.allocations[group.index], num_new_tokens)
+                   for group in self.memories[0].groups)
 
     # --- sizes and counts (what a scheduler or an adapter asks instead of reading the parts) -----
     @property
     def num_blocks(self) -> int:
-        """Blocks (logical pages) in the (first group's) pool."""
+        """Blocks (logical pages) in the first group's pool (every group's, when they share one)."""
         return self.groups[0].pool.num_blocks
 
     @property
@@ -199,7 +203,7 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
     @property
     def kv_bytes_in_use(self) -> int:
         """Bytes of the blocks held by requests, in every group."""
-        return sum(group.kv_bytes_in_use for group in self.groups)
+        return sum(memory.pool.num_in_use * memory.layout.block_bytes for memory in self.memories)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -217,7 +221,8 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
 
     @property
     def layout_groups(self) -> tuple[KVCacheGroup, ...]:
-        """The layer groups, each with its own virtual tensors and pool (one for most models)."""
+        """The layer groups, each with its own virtual tensors (one for most models); groups
+        whose blocks have the same bytes draw from one pool (``memories``)."""
         return self.groups
 
     def layer_group(self, layer: int) -> KVCacheGroup:
@@ -236,8 +241,9 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         """The most blocks a request of ``num_tokens`` tokens holds at once. With a sliding
         window and ``chunk_tokens`` (the most tokens computed in one step: a prefill chunk),
         blocks behind the window are released as it runs, so it holds about the window plus a
-        chunk (``AttentionSpec.peak_blocks``); otherwise every block of its tokens."""
-        return self.groups[0].blocks_for_tokens(num_tokens, chunk_tokens)
+        chunk (``AttentionSpec.peak_blocks``); otherwise every block of its tokens. Counted in the
+        first group's pool: with groups sharing it, the blocks of all of them."""
+        return sum(group.blocks_for_tokens(num_tokens, chunk_tokens) for group in self.memories[0].groups)
 
     def why_never_fits(self, num_tokens: int, chunk_tokens: int | None = None) -> str | None:
         """None when a request of ``num_tokens`` tokens (computed in chunks of at most
@@ -246,10 +252,14 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         if num_tokens > self.config.max_model_len:
             return (f"{num_tokens} tokens exceed max_model_len {self.config.max_model_len}; "
                     "shorten it or raise max_model_len")
-        for group in self.groups:
-            why = group.why_never_fits(num_tokens, chunk_tokens)
-            if why is not None:
-                return why
+        for memory in self.memories:
+            blocks = sum(group.blocks_for_tokens(num_tokens, chunk_tokens) for group in memory.groups)
+            if blocks > memory.pool.num_blocks:
+                where = "" if len(self.groups) == 1 else " in the pool of {}".format(
+                    " and ".join(f"the {group.spec.describe()} layers" for group in memory.groups))
+                return (f"{num_tokens} tokens need {blocks} KV blocks of {self.tokens_per_page} tokens"
+                        f"{where} but the pool has {memory.pool.num_blocks}; shorten it or give the "
+                        "KV cache more memory (num_blocks)")
         return None
 
     def can_ever_fit(self, num_tokens: int, chunk_tokens: int | None = None) -> bool:
@@ -291,22 +301,45 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         max_cached_tokens = check.count(max_cached_tokens, "max_cached_tokens", optional=True)
         admissions = self._admission(req, num_new_tokens, token_budget, max_cached_tokens)
         groups = self.groups
-        if not self._slot_available(slot) or not all(
-                group.fits_admission(admission.hits, admission.num_tokens)
-                for group, admission in zip(groups, admissions)):
+        needs = [group.admit_needs(admission.hits, admission.num_tokens)
+                 for group, admission in zip(groups, admissions)]
+        hits = [admission.hits for admission in admissions]
+        if not self._slot_available(slot) or not self._fits(needs, hits):
             return None
+        fresh = self._peek(needs, hits)
         plans = []
         for group, admission in zip(groups, admissions):  # the first group chooses the slot
-            plans.append(group.plan_admit(admission.hits, admission.num_tokens, slot))
+            plans.append(group.plan_admit(admission.hits, slot, fresh[group.index]))
             slot = plans[0].slot
         if len(groups) > 1:
             check_mapping_budget([(group.slots, plan.jobs, plan.behind) for group, plan in zip(groups, plans)],
                                  "admit")
-        hashes = req.chain.hashes
+        # map (the one refusable step), share, then take every memory's blocks in one call: the
+        # host tier's entries claimed first, so the take's own demotions cannot evict them
+        for group, plan in zip(groups, plans):
+            group.map_and_bind(plan)
+        for group, plan in zip(groups, plans):
+            group.pool.acquire(plan.share)
+        claimed = self._claim([admission.promote for admission in admissions])
+        self._take([plan.take for plan in plans])
         for group, alloc, admission, plan in zip(groups, req.allocations, admissions, plans):
-            group.execute_admit(alloc, admission, plan, hashes)
+            group.finish_admit(alloc, admission, plan, claimed[group.index])
         self._count_admission(req, admissions[0])
         return admissions[0].cached
+
+    def _claim(self, promote: list[list[bytes]]) -> list[list]:
+        """Each group's host-tier entries of ``promote[g]``, claimed from its memory's tier in one
+        call (nothing evicts them until they are promoted)."""
+        claimed: list[list] = [[] for _ in self.groups]
+        for memory in self.memories:
+            keys = [key for group in memory.groups for key in promote[group.index]]
+            if not keys:
+                continue
+            entries = memory.host_tier.claim(keys)
+            for group in memory.groups:
+                count = len(promote[group.index])
+                claimed[group.index], entries = entries[:count], entries[count:]
+        return claimed
 
     def _admission(self, req: KVRequest, num_new_tokens: int | None, token_budget: int | None,
                    max_cached_tokens: int | None) -> list:
@@ -383,18 +416,23 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         total = first.num_tokens + num_new_tokens
         tokens_per_page = self.tokens_per_page
         needed = -(-total // tokens_per_page) - len(first.blocks)  # as many in every group
-        if needed > 0 and any(needed > group.pool.num_free for group in groups):
+        if needed > 0 and not self._fits([needed] * len(groups)):
             return False
         if -(-total // tokens_per_page) <= -(-first.num_tokens // tokens_per_page):
             for alloc in allocs:  # a decode inside its block (the engine's): nothing to map or take
                 alloc.grow(num_new_tokens)
         else:
-            plans = [group.plan_grow(alloc, num_new_tokens) for group, alloc in zip(groups, allocs)]
+            fresh = self._peek([needed] * len(groups)) if needed > 0 else [[]] * len(groups)
+            plans = [group.plan_grow(alloc, num_new_tokens, fresh[group.index])
+                     for group, alloc in zip(groups, allocs)]
             if len(groups) > 1:
                 check_mapping_budget([(group.slots, plan.jobs, 0) for group, plan in zip(groups, plans)],
                                      "allocate")
-            for group, alloc, plan in zip(groups, allocs, plans):
-                group.execute_grow(alloc, plan, num_new_tokens)
+            for group, plan in zip(groups, plans):
+                group.map_grow(plan)  # the one refusable step
+            self._take(fresh)
+            for alloc, new_blocks in zip(allocs, fresh):
+                alloc.grow(num_new_tokens, new_blocks)
         if new_token_ids:
             tokens = req.token_ids
             if req.chain.num_checked == len(tokens):  # every earlier token checked: these are too
@@ -523,13 +561,13 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         request holds blocks (their hashes would go stale mid-flight). Returns how many cached
         blocks (of the first group) were dropped."""
         self._check_open()
-        for group in self.groups:
-            if group.pool.num_in_use:
+        for memory in self.memories:
+            if memory.pool.num_in_use:
                 raise PrefixCacheBusyError(
-                    f"cannot reset the prefix cache: {group.pool.num_in_use} blocks "
-                    f"{group.in_group()}are held by {len(self._requests)} request(s); free or finish "
-                    "them first")
-        dropped = [group.pool.reset_cache() + group.host_tier.clear() for group in self.groups]
+                    f"cannot reset the prefix cache: {memory.pool.num_in_use} blocks "
+                    f"{memory.groups[0].in_group()}are held by {len(self._requests)} request(s); "
+                    "free or finish them first")
+        dropped = [memory.pool.reset_cache() + memory.host_tier.clear() for memory in self.memories]
         return dropped[0]
 
     # --- what attention and the engine read ---------------------------------------------------
@@ -609,8 +647,8 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
             "pages_unmapped": slots.pages_unmapped,
             "tokens_per_page": self.tokens_per_page, "page_bytes": self.layout.page_size,
             "padding_fraction": self.layout.padding_fraction,
-            "backend_map_seconds": sum(group.backend.stats.map_seconds for group in self.groups),
-            "backend_unmap_seconds": sum(group.backend.stats.unmap_seconds for group in self.groups),
+            "backend_map_seconds": sum(memory.backend.stats.map_seconds for memory in self.memories),
+            "backend_unmap_seconds": sum(memory.backend.stats.unmap_seconds for memory in self.memories),
             "kv_bytes_in_use": self.kv_bytes_in_use,
         }
         for group in self.groups[1:]:
@@ -637,7 +675,8 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         self._closed = True
         for group in self.groups:
             group.slots.close()
-            group.backend.close()
+        for memory in self.memories:
+            memory.backend.close()
 
     def __enter__(self):
         return self

@@ -28,17 +28,18 @@ is public and read-only: a frozen description of where K and V sit, which attent
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Sequence
 
 from . import validation as check
 from .attention_spec import CHUNKED, AttentionSpec
 from .cache_config import CacheConfig, CacheStats
-from .cache_group import KVCacheGroup
+from .cache_group import KVCacheGroup, KVMemory
 from .errors import (ConfigError, InvalidInputError, ManagerClosedError, RequestStateError,
                      RequestTooLongError, VmemkvError)
 from .hashing import CacheKeys, PrefixHasher
-from .kv_events import KVEventSink, check_sink, group_sink
+from .kv_events import KVEventSink, check_sink, group_sink, shared_sink
 from .kv_metrics import KVMetricsCollector
 from .layer_groups import LayerGroups, group_configs
 from .layout import KVLayout
@@ -84,17 +85,17 @@ class ManagerState:
         self.events = check_sink(events)  # told what enters and leaves the prefix cache
         self.stats = CacheStats()
         layers, configs = self._group_layers(config, layer_windows, chunk_tokens, local_blocks)
-        if backends is None:
-            backends = [backend] + [None] * (len(configs) - 1)
-        elif len(backends) != len(configs):
-            raise ConfigError(f"{len(backends)} backends for {len(configs)} layer groups")
-        self.groups = tuple(
-            KVCacheGroup(index, group_config, group_layers, spec, self.stats, group_backend,
-                         self.events if len(configs) == 1 else group_sink(
-                             self.events, index, spec.window, chunked=spec.kind == CHUNKED),
-                         metrics)
-            for index, ((group_layers, spec), group_config, group_backend)
-            in enumerate(zip(layers, configs, backends)))
+        self.memories = self._memories(configs, [spec for _, spec in layers], local_blocks is None,
+                                       backend, backends, metrics)
+        members = {index: memory for memory, indices in self.memories for index in indices}
+        self.memories = tuple(memory for memory, _ in self.memories)
+        self.groups = tuple(KVCacheGroup(index, group_config, group_layers, spec, members[index])
+                            for index, ((group_layers, spec), group_config)
+                            in enumerate(zip(layers, configs)))
+        # each memory with the indices of the groups drawing from it, for the steps over memories
+        self._members = tuple((memory, tuple(group.index for group in memory.groups)) for memory in self.memories)
+        for group in self.groups:  # every mapper's views exist now: the references are the manager's
+            group.slots.count_own_references()
         first = self.groups[0]
         self.spec, self.window = first.spec, first.window  # the first group's (full attention if any)
         self._layout = first.layout
@@ -126,6 +127,49 @@ class ManagerState:
         return list(zip(groups.layers, groups.specs)), group_configs(config, groups, chunk_tokens,
                                                                      local_blocks)
 
+    def _memories(self, configs: list[CacheConfig], specs: list[AttentionSpec], share: bool,
+                  backend, backends, metrics) -> list[tuple[KVMemory, list[int]]]:
+        """The memories behind the groups, each with the indices of the groups it serves: one for
+        all groups of one block layout when ``share`` (no fixed ``local_blocks``), holding the
+        blocks of all of them; else one each. ``backends``: one per memory (a list), or a callable
+        making one from a memory's config; ``backend``: the first memory's."""
+        layouts: dict = {}  # layout -> group indices
+        for index, group_config in enumerate(configs):
+            layout = group_config.make_layout()
+            layouts.setdefault(layout if share else index, []).append(index)
+        memories = []
+        for position, indices in enumerate(layouts.values()):
+            memory_config = configs[indices[0]]
+            if len(indices) > 1:  # the bytes of every member's blocks, in one pool
+                memory_config = dataclasses.replace(
+                    memory_config, num_blocks=sum(configs[i].num_blocks for i in indices),
+                    swap_space_bytes=sum(configs[i].swap_space_bytes for i in indices),
+                    host_cache_bytes=sum(configs[i].host_cache_bytes for i in indices),
+                    sliding_window=next((specs[i].window for i in indices if specs[i].window), None),
+                    attention_chunk_size=next((specs[i].size for i in indices if specs[i].kind == CHUNKED), None))
+            if callable(backends):
+                memory_backend = backends(memory_config)
+            elif backends is not None:
+                if len(backends) != len(layouts):
+                    raise ConfigError(f"{len(backends)} backends for {len(layouts)} memories of layer groups")
+                memory_backend = backends[position]
+            else:
+                memory_backend = backend if position == 0 else None
+            memories.append((KVMemory(memory_config, self.stats, memory_backend,
+                                      self._sink([(i, specs[i]) for i in indices], len(configs)), metrics),
+                             indices))
+        return memories
+
+    def _sink(self, members: list[tuple[int, AttentionSpec]], num_groups: int):
+        """The events sink of a memory serving ``members`` (group index, spec): the manager's own
+        for a one-group model, each event tagged with its group otherwise."""
+        if num_groups == 1:
+            return self.events
+        if len(members) == 1:
+            index, spec = members[0]
+            return group_sink(self.events, index, spec.window, chunked=spec.kind == CHUNKED)
+        return shared_sink(self.events, [(index, spec.window, spec.kind == CHUNKED) for index, spec in members])
+
     # --- the first group's parts (the only group's, for most models) ------------------------------
     @property
     def layout(self) -> KVLayout:
@@ -155,9 +199,14 @@ class ManagerState:
                         len(other.blocks), other.swapped is None) == (
                     first.slot, first.num_tokens, first.num_computed, first.num_registered,
                     len(first.blocks), first.swapped is None), f"{req.request_id}: groups differ"
-        bound = [group.check([(req.request_id, req.allocations[group.index], len(req.chain.hashes))
-                              for req in requests]) for group in self.groups]
+        results = {group.index: group.check([(req.request_id, req.allocations[group.index],
+                                              len(req.chain.hashes)) for req in requests])
+                   for group in self.groups}
+        bound = [slots for slots, _, _ in results.values()]
         assert all(slots == bound[0] for slots in bound), "the groups bind different slots"
+        for memory in self.memories:
+            memory.check([b for group in memory.groups for b in results[group.index][1]],
+                         [row for group in memory.groups for row in results[group.index][2]])
         free = [sorted(group.slots.free_slots()) for group in self.groups]
         assert all(slots == free[0] for slots in free), "the groups have different free slots"
 
@@ -262,6 +311,44 @@ class ManagerState:
                 f"request {req.request_id!r} has {req.num_tokens - req.num_computed_tokens} reserved "
                 "tokens not yet computed; commit() them first")
 
+    # --- the memories' blocks over every group ------------------------------------------------------
+    def _fits(self, needs: list[int], revived: "list[list[int]] | None" = None) -> bool:
+        """Whether every memory has the fresh blocks its groups need (``needs[g]`` for group
+        ``g``) once the cached blocks of ``revived[g]`` (hits leaving the free queue) are not free."""
+        for memory, members in self._members:
+            needed = needs[members[0]] if len(members) == 1 else sum(needs[g] for g in members)
+            if revived is None:
+                if needed > memory.pool.num_free:
+                    return False
+            elif not memory.fits(needed, [b for g in members for b in revived[g]]):
+                return False
+        return True
+
+    def _peek(self, needs: list[int], exclude: "list[list[int]] | None" = None) -> list[list[int]]:
+        """The fresh blocks each group's part of an operation takes (``needs[g]`` of them for
+        group ``g``), as its memory will hand them out in one take after every group took its
+        shared references (``exclude[g]``: cached hits those references take out of the queue)."""
+        fresh: list[list[int]] = [[]] * len(needs)  # replaced, never appended to
+        for memory, members in self._members:
+            total = needs[members[0]] if len(members) == 1 else sum(needs[g] for g in members)
+            if not total:
+                continue
+            kept = () if exclude is None else [b for g in members for b in exclude[g]]
+            blocks = memory.pool.peek(total, exclude=kept)
+            if len(members) == 1:
+                fresh[members[0]] = blocks
+                continue
+            for g in members:
+                fresh[g], blocks = blocks[:needs[g]], blocks[needs[g]:]
+        return fresh
+
+    def _take(self, fresh: list[list[int]]) -> None:
+        """Take the blocks ``_peek`` planned, one call for each memory, in its groups' order."""
+        for memory, members in self._members:
+            planned = fresh[members[0]] if len(members) == 1 else [b for g in members for b in fresh[g]]
+            if planned:
+                memory.pool.take(planned)
+
     # --- prefix hits over every group ------------------------------------------------------------
     def _common_hits(self, hashes: list[bytes], hits: list[list[int]], length: int) -> list[list[int]]:
         """Every group's ``hits`` of ``hashes`` cut to the longest prefix of at most ``length``
@@ -307,13 +394,14 @@ class ManagerState:
         if max_blocks is not None:
             end = min(end, max_blocks)
         candidates = req.chain.hashes[device:end]
-        run = min(len(group.host_run(candidates)) for group in groups)
+        run = min(group.host_run(candidates) for group in groups)
         for keep in range(run, 0, -1):
             cached = (device + keep) * tokens_per_page
             new = num_prompt - cached if num_new_tokens is None else num_new_tokens
             if token_budget is not None:
                 new = min(new, token_budget)
-            if all(group.fits_admission(group_hits, cached + new) for group, group_hits in zip(groups, hits)):
+            if self._fits([group.admit_needs(group_hits, cached + new) for group, group_hits in zip(groups, hits)],
+                          hits):
                 return device + keep
         return device
 

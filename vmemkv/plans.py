@@ -58,20 +58,44 @@ def _cost(slots: SlotBinder, jobs: list[MapJob], behind: "int | list[int]") -> t
     return reorder_mapping_cost(slots, jobs, behind)
 
 
+def _most_added(slots: SlotBinder, jobs: list[MapJob], behind: "int | list[int]") -> int:
+    """A bound on the mappings a part can add: a page mapped or unmapped alone in a run splits
+    it, adding at most two mappings."""
+    behind_pages = behind * len(jobs) if isinstance(behind, int) else sum(behind)
+    return 2 * slots.layout.pages_per_block * (sum(len(job.blocks) for job in jobs) + behind_pages)
+
+
 def _first_misfit(parts: list[BudgetPart]) -> tuple[int, int, int] | None:
     """(Which part, the mappings it needs at its peak, the room it has) for the first part the
-    budget does not take when the parts are carried out in order, or None."""
+    budget does not take when the parts are carried out in order, or None. Far from the limit
+    the exact counts (numpy over the page tables) are not needed: when the tightest backend has
+    room for every part's bound together, each part fits whatever the parts before it add."""
+    bound = sum(_most_added(slots, jobs, behind) for slots, jobs, behind in parts if jobs)
+    if not bound:
+        return None
+    rooms = [room for room in (slots.mapping_room() for slots, jobs, _ in parts if jobs) if room is not None]
+    if not rooms or bound <= min(rooms):
+        return None
+    return _exact_misfit(parts)
+
+
+def _exact_misfit(parts: list[BudgetPart]) -> tuple[int, int, int] | None:
+    """``_first_misfit`` counted exactly: each part's peak against its room after the parts
+    before it."""
     charged = 0  # mappings the parts before this one add to the process's budget
+    by_backend: dict[int, int] = {}  # ... and to each backend's own (groups sharing a pool share one)
     for index, (slots, jobs, behind) in enumerate(parts):
         if not jobs:  # nothing to map (a decode inside its block)
             continue
-        room = slots.mapping_room(charged)
+        here = by_backend.get(id(slots.backend), 0)
+        room = slots.mapping_room(charged - here, here)
         if room is None:  # no budget (CUDA, block tables)
             continue
         peak, added = _cost(slots, jobs, behind)
         if peak > room:
             return index, peak, room
         charged += added
+        by_backend[id(slots.backend)] = here + added
     return None
 
 

@@ -42,7 +42,8 @@ class PreemptionOps(ManagerState):
         return PreemptionEstimate(
             swap_bytes, recompute, 2 * swap_bytes / self.config.swap_bytes_per_second,
             recompute / self.config.prefill_tokens_per_second,
-            all(count <= group.swap.num_free for count, group in zip(private, self.groups)))
+            all(sum(private[group.index] for group in memory.groups) <= memory.swap.num_free
+                for memory in self.memories))
 
     @timed
     def preempt(self, request: "KVRequest | str", mode: Literal["recompute", "swap", "auto"] = "auto") -> str:
@@ -64,8 +65,9 @@ class PreemptionOps(ManagerState):
             self._preempted.add(req.request_id)
             self.stats.preemptions_recompute += 1
             return mode
-        for group, alloc in zip(self.groups, req.allocations):  # refuse before any group changes
-            group.swap.check_room(len(group.private_blocks(alloc)))
+        for memory in self.memories:  # refuse before any group changes
+            memory.swap.check_room(sum(len(group.private_blocks(req.allocations[group.index]))
+                                       for group in memory.groups))
         for group, alloc in zip(self.groups, req.allocations):
             self.stats.swap_out_bytes += group.swap_out(alloc)
         self.stats.preemptions_swap += 1
@@ -94,10 +96,13 @@ class PreemptionOps(ManagerState):
             return None
         revive = [group.swap_in_revivals(alloc, req.chain.hashes)
                   for group, alloc in zip(self.groups, req.allocations)]
-        if all(group.swap_in_fits(alloc, group_revive)
-               for group, alloc, group_revive in zip(self.groups, req.allocations, revive)):
+        if self._fits(self._swap_in_needs(req, revive), [list(group_revive.values()) for group_revive in revive]):
             return revive
         return None
+
+    def _swap_in_needs(self, req: KVRequest, revive: list[dict[int, int]]) -> list[int]:
+        """Fresh blocks each group's swap-in copies into (its swapped blocks not revived)."""
+        return [len(alloc.swapped) - len(group_revive) for alloc, group_revive in zip(req.allocations, revive)]
 
     @timed
     def swap_in(self, request: "KVRequest | str", slot: int | None = None) -> bool:
@@ -110,15 +115,21 @@ class PreemptionOps(ManagerState):
         if revive is None:
             return False
         groups = self.groups
+        fresh = self._peek(self._swap_in_needs(req, revive), [list(group_revive.values()) for group_revive in revive])
         plans = []
         for group, alloc, group_revive in zip(groups, req.allocations, revive):  # the first chooses the slot
-            plans.append(group.plan_swap_in(alloc, slot, group_revive))
+            plans.append(group.plan_swap_in(alloc, slot, group_revive, fresh[group.index]))
             slot = plans[0].slot
         if len(groups) > 1:
             check_mapping_budget([(group.slots, plan.jobs, plan.behind) for group, plan in zip(groups, plans)],
                                  "swap in")
+        for group, plan in zip(groups, plans):
+            group.map_and_bind(plan)  # the one refusable step: refused, it stays swapped
+        for group, plan in zip(groups, plans):
+            group.pool.acquire(plan.share)
+        self._take(fresh)
         root = self._chain_root(req.keys)
         for group, alloc, plan, group_revive in zip(groups, req.allocations, plans, revive):
-            self.stats.swap_in_bytes += group.execute_swap_in(alloc, plan, group_revive, req.token_ids,
-                                                              req.chain.hashes, root)
+            self.stats.swap_in_bytes += group.finish_swap_in(alloc, plan, group_revive, req.token_ids,
+                                                             req.chain.hashes, root)
         return True

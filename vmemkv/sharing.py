@@ -37,11 +37,13 @@ class SharingOps(ManagerState):
         child_id = self._fork_child_id(parent, child)
         partial = parent.allocation.num_tokens % self.tokens_per_page != 0
         groups = self.groups
-        if not self._slot_available(slot) or (partial and not all(group.pool.num_free for group in groups)):
+        needs = [int(partial)] * len(groups)  # a copy of the partial last block in every group
+        if not self._slot_available(slot) or not self._fits(needs):
             return None
+        fresh = self._peek(needs)
         plans = []
         for group, alloc in zip(groups, parent.allocations):  # the first group chooses the slot
-            plans.append(group.plan_fork(alloc, slot))
+            plans.append(group.plan_fork(alloc, slot, fresh[group.index]))
             slot = plans[0].slot
         if len(groups) > 1:
             check_mapping_budget([(group.slots, plan.jobs, plan.behind) for group, plan in zip(groups, plans)],
@@ -49,8 +51,13 @@ class SharingOps(ManagerState):
         if not isinstance(child, KVRequest):
             child = KVRequest(child_id, [], parent.keys)
         child.hold_groups(len(groups))
+        for group, plan in zip(groups, plans):
+            group.map_and_bind(plan)  # the one refusable step
+        for group, plan in zip(groups, plans):
+            group.pool.acquire(plan.share)
+        self._take(fresh)
         for group, parent_alloc, child_alloc, plan in zip(groups, parent.allocations, child.allocations, plans):
-            group.execute_fork(parent_alloc, child_alloc, plan)
+            group.finish_fork(parent_alloc, child_alloc, plan)
         child.token_ids[:] = parent.token_ids
         child.chain.copy_from(parent.chain)  # the parent's keys, hashes and owner (this manager)
         self._requests[child_id] = child
@@ -85,19 +92,24 @@ class SharingOps(ManagerState):
         rows, sources = self._check_reorder_rows(requests, sources)
         copied = reorder_copies(self.tokens_per_page, rows, sources)
         groups = self.groups
-        if any(sum(copied) > group.pool.num_free for group in groups):
+        needs = [sum(copied)] * len(groups)
+        if not self._fits(needs):
             return False
         # Plan every group's rows, check the budget for all (the unmaps after the maps must not
-        # be refused), then map and move the references group by group.
+        # be refused), map every group, take the copies' blocks, then move the references.
+        fresh = self._peek(needs)
         per_group = [([row.allocations[group.index] for row in rows],
                       [source.allocations[group.index] for source in sources]) for group in groups]
-        plans = [group.plan_reorder(row_allocs, source_allocs, copied)
+        plans = [group.plan_reorder(row_allocs, source_allocs, copied, fresh[group.index])
                  for group, (row_allocs, source_allocs) in zip(groups, per_group)]
         check_mapping_budget([(group.slots, jobs, behind) for group, (_, behind, jobs) in zip(groups, plans)],
                              "reorder")
         snapshots = [(list(s.token_ids), s.chain.snapshot()) for s in sources]
+        for group, (row_allocs, _), plan in zip(groups, per_group, plans):
+            group.map_reorder(row_allocs, plan)
+        self._take(fresh)
         for group, (row_allocs, source_allocs), plan in zip(groups, per_group, plans):
-            group.reorder(row_allocs, source_allocs, copied, plan)
+            group.finish_reorder(row_allocs, source_allocs, copied, plan)
         for row, (tokens, chain) in zip(rows, snapshots):
             # the keys travel with the content: later block hashes continue the source's chain
             row.token_ids[:] = tokens  # in place: the caller's list stays the request's
@@ -130,14 +142,21 @@ class SharingOps(ManagerState):
         req = self._running(request)
         num_tokens = self._check_truncate(req, num_tokens)
         groups = self.groups
-        jobs = [group.truncate_jobs(alloc, num_tokens) for group, alloc in zip(groups, req.allocations)]
-        if None in jobs:
+        needs = [int(group.truncate_copy(alloc, num_tokens) is not None)
+                 for group, alloc in zip(groups, req.allocations)]
+        if not self._fits(needs):
             return False
+        fresh = self._peek(needs)
+        jobs = [group.truncate_jobs(alloc, num_tokens, fresh[group.index])
+                for group, alloc in zip(groups, req.allocations)]
         if len(groups) > 1:
             check_mapping_budget([(group.slots, group_jobs, 0) for group, group_jobs in zip(groups, jobs)],
                                  "truncate")
         for group, alloc, group_jobs in zip(groups, req.allocations, jobs):
-            group.truncate(alloc, num_tokens, group_jobs)
+            group.map_truncate(alloc, group_jobs)  # the one refusable step
+        self._take(fresh)
+        for group, alloc, group_jobs in zip(groups, req.allocations, jobs):
+            group.finish_truncate(alloc, num_tokens, group_jobs)
         del req.token_ids[num_tokens:]  # in place: the caller's list stays the request's
         req.chain.truncate(num_tokens, num_tokens // self.tokens_per_page)
         return True
@@ -169,5 +188,10 @@ class SharingOps(ManagerState):
         rows = list({id(row): row for row in map(self._running, requests)}.values())  # once each
         for row in rows:
             num_tokens = self._check_truncate(row, num_tokens)
-        return all(group.truncations_fit([row.allocations[group.index] for row in rows], num_tokens)
-                   for group in self.groups)
+        for memory in self.memories:  # the groups of one pool draw on one count of free blocks
+            free = memory.pool.num_free
+            for group in memory.groups:
+                free = group.truncations_fit([row.allocations[group.index] for row in rows], num_tokens, free)
+                if free is None:
+                    return False
+        return True

@@ -197,9 +197,10 @@ class SlotBinder:
         tables map nothing."""
         return 0, 0
 
-    def mapping_room(self, charged_elsewhere: int = 0) -> int | None:
+    def mapping_room(self, charged_elsewhere: int = 0, charged_here: int = 0) -> int | None:
         """Mappings the backend may still add (after ``charged_elsewhere`` more elsewhere in the
-        process); None: no budget."""
+        process and ``charged_here`` more in this backend: another mapper's over it); None: no
+        budget."""
         return None
 
     def reclaim_stale(self, keep: dict[int, int] | None = None) -> None:
@@ -239,6 +240,11 @@ class SlotBinder:
             storage = view.untyped_storage()
             storages.setdefault((storage.device, storage.data_ptr()), storage)
         return [sys.getrefcount(view) for view in views] + [_use_count(s) for s in storages.values()]
+
+    def count_own_references(self) -> None:
+        """Take the references to the views as they are now as the mapper's own (after another
+        mapper over the same backend made its views of the same storage)."""
+        self._own_references = self._reference_counts()
 
     def views_in_use(self) -> int:
         """References to the views (or to tensors and arrays made from them) held outside; 0
@@ -412,9 +418,11 @@ class SlotMapper(SlotBinder):
         first, last = count_range_mappings(after_behind) - base, count_range_mappings(after_jobs) - base
         return max(first, last), last
 
-    def mapping_room(self, charged_elsewhere: int = 0) -> int | None:
+    def mapping_room(self, charged_elsewhere: int = 0, charged_here: int = 0) -> int | None:
         room = getattr(self.backend, "mapping_room", None)
-        return None if room is None else room(charged_elsewhere)
+        if room is None:
+            return None
+        return room(charged_elsewhere, charged_here) if charged_here else room(charged_elsewhere)
 
     def _job_pages(self, jobs: list[MapJob]) -> tuple[np.ndarray, np.ndarray]:
         """The (virtual page, physical page) pairs the jobs ask for."""

@@ -193,7 +193,7 @@ class LLMEngine:
     def _record_memory(self) -> None:
         """Peak KV blocks held, and internal fragmentation: bytes of the blocks in use beyond the
         bytes the running sequences' tokens fill (tokens in blocks given back behind a window are
-        neither; each layout group of a hybrid model counted with its own blocks). An estimate:
+        neither; each pool of a hybrid model's layer groups counted with its own blocks). An estimate:
         blocks in use include lookahead blocks and swapped requests' shared ones, and a prefix
         shared by several sequences is one block but counted in each one's tokens (a group's
         figure is clipped at zero)."""
@@ -203,12 +203,12 @@ class LLMEngine:
         running = [seq.kv for seq in self.scheduler.running]
         if not running:
             return
-        for group in self.manager.layout_groups:
-            layout = group.layout
+        for memory in self.manager.memories:  # a pool and the groups drawing from it
+            layout = memory.layout
             tokens = sum(kv.num_tokens - kv.group_released_blocks(group.index) * layout.tokens_per_page
-                         for kv in running)
+                         for group in memory.groups for kv in running)
             stored = tokens * layout.token_bytes
-            self._fragmentation[0] += max(group.num_blocks_in_use * layout.block_bytes - stored, 0)
+            self._fragmentation[0] += max(memory.pool.num_in_use * layout.block_bytes - stored, 0)
             self._fragmentation[1] += stored
 
     def stats(self) -> dict:

@@ -154,10 +154,10 @@ class _RowBookkeeping:
         every row or none (each row's ids checked and each group's blocks counted first)."""
         end = self._length + count
         growth = [self._growth(i, row.kv, end, ids) for i, row in enumerate(self._rows)]
-        needed = [sum(group.blocks_needed(row.kv.allocations[group.index], grow)
-                      for row, (grow, _) in zip(self._rows, growth))
-                  for group in self.manager.layout_groups]
-        if any(blocks > group.num_free_blocks for blocks, group in zip(needed, self.manager.layout_groups)):
+        needed = [sum(group.grow_needs(row.kv.allocations[group.index], grow)
+                      for group in memory.groups for row, (grow, _) in zip(self._rows, growth))
+                  for memory in self.manager.memories]  # each pool, for every group drawing from it
+        if any(blocks > memory.pool.num_free for blocks, memory in zip(needed, self.manager.memories)):
             raise OutOfBlocksError(
                 f"growing {len(self._rows)} row(s) to {end} positions needs {max(needed)} more "
                 f"block(s); {blocks_free(self.manager)}. Release rows or give the manager more "
@@ -187,18 +187,19 @@ class _RowBookkeeping:
     def _reorder(self, targets: list[int], sources: list[int]) -> None:
         """Rows ``targets[i]`` become copies of rows ``sources[i]`` (as they were)."""
         kvs = [row.kv for row in self._rows]
-        groups = self.manager.layout_groups
-        before = [(group.num_blocks_in_use, group.blocks_copied) for group in groups]
+        memories = self.manager.memories
+        before = [(memory.pool.num_in_use, sum(group.blocks_copied for group in memory.groups))
+                  for memory in memories]
         if not self.manager.reorder([kvs[t] for t in targets], [kvs[s] for s in sources]):
             raise OutOfBlocksError(
                 f"reordering {len(targets)} rows needs blocks for the copied partial blocks; "
                 f"{blocks_free(self.manager)}; give the manager more num_blocks")
         # the copies were held next to the blocks they replaced, within the call
-        held = [in_use + group.blocks_copied - copied
-                for group, (in_use, copied) in zip(groups, before)]
+        held = [in_use + sum(group.blocks_copied for group in memory.groups) - copied
+                for memory, (in_use, copied) in zip(memories, before)]
         self.peak_pages_in_use = max(self.peak_pages_in_use, held[0])
         self.peak_kv_bytes = max(self.peak_kv_bytes,
-                                 sum(count * group.block_bytes for count, group in zip(held, groups)))
+                                 sum(count * memory.layout.block_bytes for count, memory in zip(held, memories)))
         # each row keeps its KVRequest (the manager copied the source's content into it); the
         # mask travels with the content
         masks = [row.masked for row in self._rows]

@@ -188,13 +188,14 @@ class CpuBackend(VirtualMemoryBackend):
         """VMAs this backend holds now (ranges, runs, gaps, the pool window)."""
         return self._mappings_used
 
-    def mapping_room(self, charged_elsewhere: int = 0) -> int:
+    def mapping_room(self, charged_elsewhere: int = 0, charged_here: int = 0) -> int:
         """How many more VMAs this backend may use before map/unmap/reserve is refused; with
-        ``charged_elsewhere``, once other backends of the process hold that many more (a caller
-        planning mappings in several backends before making any)."""
-        room = self._budget.limit - self._budget.used - charged_elsewhere
+        ``charged_elsewhere``, once other backends of the process hold that many more, and with
+        ``charged_here``, once this one does (a caller planning mappings in several backends, or
+        several reservations of this one, before making any)."""
+        room = self._budget.limit - self._budget.used - charged_elsewhere - charged_here
         if self.max_mappings is not None:
-            room = min(room, self.max_mappings - self._mappings_used)
+            room = min(room, self.max_mappings - self._mappings_used - charged_here)
         return room
 
     def _charge(self, count: int, what: str) -> None:

@@ -11,10 +11,11 @@ then runs the forward. Page ids and mappings agree by construction, and prefix c
 beam search, swap and recompute need nothing of their own: they are all rank-0 decisions.
 
 A manager of several layer groups (local and global layers: ``KVCacheManager.layout_groups``)
-has one backend and one swap space per group. Each is wrapped by its own recorder, and the
+has one backend and one swap space per pool (``KVCacheManager.memories``: one for groups whose
+blocks have the same bytes, else one each). Each is wrapped by its own recorder, and the
 recorders of a rank share one ``Recording``: one log, in the order memory saw the calls, each
-entry naming its group (``(group, "map", range, virtual, physical)``). A worker builds the same
-groups and replays each entry on its group's backend and swap space.
+entry naming its pool (``(pool, "map", range, virtual, physical)``). A worker builds the same
+pools and replays each entry on its pool's backend and swap space.
 
 ``state_digest`` summarises what a rank's memory looks like (every group's reservations' page
 tables and its swap space's free host blocks) so a debug mode can compare ranks after every step.
@@ -36,7 +37,7 @@ LogEntry = tuple  # (group, "map", range index, virtual, physical), (group, "cop
 
 
 class Recording:
-    """One rank's recorders (one per layout group, in the order the manager builds its groups)
+    """One rank's recorders (one per pool of layer groups, in the order the manager builds them)
     and the log they share: one lock orders every group's calls, the lookahead mapper's too."""
 
     def __init__(self):

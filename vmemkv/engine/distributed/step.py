@@ -83,8 +83,8 @@ def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | Non
     manager = KVCacheManager.for_layers(cache, hybrid_windows(config, model), config.max_num_batched_tokens,
                                         metrics=metrics, **manager_options,
                                         backends=lambda group: _recorded_backend(group, recording))
-    for group, recorder in zip(manager.layout_groups, recording.recorders):
-        group.swap = group.host_tier.store = SwapRecorder(group.swap, recorder)  # one store
+    for memory, recorder in zip(manager.memories, recording.recorders):  # one backend each
+        memory.swap = memory.host_tier.store = SwapRecorder(memory.swap, recorder)  # one store
     recording.take_log()
     return manager, recording
 

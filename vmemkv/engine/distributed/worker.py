@@ -38,7 +38,7 @@ def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
         reads = _ReplayedReads(manager)
         addressing = choose_addressing(config, reads, runner.device,
                                        text_config(model.config).num_attention_heads)
-        block_windows, step = [group.block_window() for group in manager.layout_groups], 0
+        block_windows, step = [memory.block_window() for memory in manager.memories], 0
         while (message := receive(groups)) is not None:
             replay(message.log, recording, block_windows)
             recording.take_log()  # this rank's own calls are not replayed anywhere
