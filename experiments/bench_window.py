@@ -227,7 +227,7 @@ def hybrid_manager_run(kv_backend: str, grouped: bool, args) -> dict:
         req.token_ids.append(step % 200 + 1)
         assert m.allocate(req, 1)
         m.commit(req)
-        peak_bytes = max(peak_bytes, sum(g.num_blocks_in_use * g.block_bytes for g in groups))
+        peak_bytes = max(peak_bytes, m.kv_bytes_in_use)  # every pool's blocks held, once each
         if grouped:
             peak_local = max(peak_local, len(req.group_block_table(1)) - req.group_released_blocks(1))
     released = m.cache_stats().blocks_released_behind_window
@@ -272,7 +272,7 @@ def hybrid_engine_run(kv_backend: str, grouped: bool, args) -> dict:
     m = engine.manager
     groups = m.layout_groups
     assert len(groups) == (2 if grouped else 1), [group.spec for group in groups]
-    row = drive(engine, args, lambda: sum(g.num_blocks_in_use * g.block_bytes for g in groups),
+    row = drive(engine, args, lambda: engine.manager.kv_bytes_in_use,
                 "peak_kv_bytes_per_running_request")
     return {"kv_backend": kv_backend, "layout_groups": GROUPS_LABEL[grouped], **row}
 
