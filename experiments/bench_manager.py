@@ -19,8 +19,8 @@ bookkeeping around them — commit, free of the probe request — is done betwee
 * ``preempt_swap`` / ``swap_in``: swap a request's private blocks to host memory and back.
 
 ``--hybrid`` runs the same operations on a model of two layer groups, as Gemma-2 (one layer of
-full attention, one of a ``--window`` sliding window, each group with ``--num-blocks`` blocks or
-more), to set against the one-group run (two full-attention layers): every operation then plans,
+full attention, one of a ``--window`` sliding window, drawing from one shared pool of the same
+bytes), to set against the one-group run (two full-attention layers): every operation then plans,
 checks and carries out its work in both groups.
 
 The trace: groups of requests share system prompts of different lengths, with random suffixes and
@@ -196,10 +196,9 @@ def measure_ops(args, run: int) -> tuple[dict, Timer, list[float], list[float]]:
         head = [next(fresh) for _ in range(4 * tpp)] if cold else list(rng.choice(systems))
         return head + [next(fresh) for _ in range(rng.randrange(1, tpp))]
 
-    groups = {}
-    if args.hybrid:  # layer 0 slides, layer 1 has full attention; each group gets >= num_blocks
-        config = CacheConfig(**{**config.__dict__, "num_blocks": 2 * args.num_blocks})
-        groups = dict(layer_windows=[args.window, None], local_blocks=args.num_blocks)
+    # --hybrid: layer 0 slides, layer 1 has full attention: two groups of one layer, whose blocks
+    # have the same bytes, so one shared pool of 2 x num_blocks one-layer blocks (the same bytes)
+    groups = dict(layer_windows=[args.window, None]) if args.hybrid else {}
     with KVCacheManager(config, **groups) as m:
         ids = [f"live{i}" for i in range(args.live)]
         for i, request_id in enumerate(ids):  # the background: 1,000 live requests
@@ -269,7 +268,7 @@ def measure_ops(args, run: int) -> tuple[dict, Timer, list[float], list[float]]:
             "page_bytes": m.layout.page_size, "tokens_per_page": tpp,
             "max_model_len": args.max_model_len, "layout": m.layout.kind,
             "layer_groups": [group.spec.describe() for group in m.layout_groups],
-            "group_blocks": [group.num_blocks for group in m.layout_groups],
+            "pool_blocks": [memory.pool.num_blocks for memory in m.memories],
             "backend_mappings_at_end": getattr(m.backend, "mappings_in_use", None),
         }
     return out, timer, in_map, outside_map
@@ -376,7 +375,8 @@ def markdown(r: dict) -> str:
         "",
         (f"{r['live_requests']} live requests in {r['slots']} slots, {r['blocks']} blocks of "
          f"{r['tokens_per_page']} tokens ({r['page_bytes'] // 1024} KiB pages, {r['layout']}), "
-         f"layer groups: {' + '.join(r['layer_groups'])} ({' + '.join(map(str, r['group_blocks']))} blocks), "
+         f"layer groups: {' + '.join(r['layer_groups'])} in {len(r['pool_blocks'])} pool(s) of "
+         f"{' + '.join(map(str, r['pool_blocks']))} blocks, "
          f"max_model_len {r['max_model_len']}; {r['cpu']}, {r['cpus']} CPUs, Linux {r['kernel']}, "
          f"{r['date']}, load average {r['load_average_1min']:.1f} at the start and "
          f"{r['load_average_1min_end']:.1f} at the end (other jobs share this VM), torch threads "

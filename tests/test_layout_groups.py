@@ -14,7 +14,8 @@ import torch
 
 from vmemkv import CacheConfig, KVCacheManager
 from vmemkv.attention_spec import AttentionSpec
-from vmemkv.cache_group import KVCacheGroup, backend_pages
+from vmemkv.cache_group import KVCacheGroup
+from vmemkv.kv_memory import backend_pages
 from vmemkv.integrations.transformers_cache import layer_windows
 from vmemkv.layer_groups import LayerGroups, group_configs
 from vmemkv.vmm import create_backend

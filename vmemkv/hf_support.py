@@ -142,7 +142,8 @@ def uniform_window(config: Any) -> int | None:
 def hybrid_layer_windows(config: Any, max_len: int) -> list[int | None] | None:
     """Each layer's window (None: the layer reads every token) when ``config`` mixes global
     layers with local ones of one window shorter than ``max_len`` (Gemma-2/3, GPT-OSS, Cohere2):
-    what ``HybridKVCacheManager`` needs to give back the local layers' blocks behind the window.
+    what ``KVCacheManager(layer_windows=...)`` needs to give back the local layers' blocks behind
+    the window.
     None for any other model (every layer global, or every layer sliding: ``uniform_window``)."""
     text = text_config(config)
     window = getattr(text, "sliding_window", None)

@@ -330,7 +330,9 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
     def _claim(self, promote: list[list[bytes]]) -> list[list]:
         """Each group's host-tier entries of ``promote[g]``, claimed from its memory's tier in one
         call (nothing evicts them until they are promoted)."""
-        claimed: list[list] = [[] for _ in self.groups]
+        claimed: list[list] = [[]] * len(self.groups)  # replaced, never appended to
+        if not any(promote):
+            return claimed
         for memory in self.memories:
             keys = [key for group in memory.groups for key in promote[group.index]]
             if not keys:

@@ -35,7 +35,8 @@ from typing import Sequence
 from . import validation as check
 from .attention_spec import CHUNKED, AttentionSpec
 from .cache_config import CacheConfig, CacheStats
-from .cache_group import KVCacheGroup, KVMemory
+from .cache_group import KVCacheGroup
+from .kv_memory import KVMemory
 from .errors import (ConfigError, InvalidInputError, ManagerClosedError, RequestStateError,
                      RequestTooLongError, VmemkvError)
 from .hashing import CacheKeys, PrefixHasher
@@ -185,7 +186,9 @@ class ManagerState:
 
     # --- invariants ------------------------------------------------------------------------------
     def check(self) -> None:
-        """Assert DESIGN.md's invariants over every group's pool and slots and every request, and
+        """Assert the invariants (every block in one state, reference counts equal to the
+        references held, no block writable by two requests or hashed while writable, no slot
+        bound twice, no host row lost) over every group's pool and slots and every request, and
         that each request's allocations agree across the groups."""
         self._check_open()
         requests = list(self._requests.values())

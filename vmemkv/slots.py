@@ -492,6 +492,8 @@ class SlotMapper(SlotBinder):
             self.stats.pages_unmapped += len(virtual)
 
     def unmap_behind(self, slot: int, num_pages: int, first: int = 0) -> None:
+        if num_pages <= first:  # nothing behind a window (every admission without one)
+            return
         logical = np.arange(first, num_pages, dtype=np.int64)
         virtual = self._virtual(np.full(len(logical), slot, dtype=np.int64), logical)
         if self.hole_page is None:

@@ -58,7 +58,7 @@ class EngineConfig:
     # "sdpa": PyTorch SDPA per sequence; "auto": flash if it runs here, else triton, else sdpa.
     attention: Literal["auto", "flash", "triton", "sdpa"] = "auto"
     # Sliding windows: give back the blocks behind each layer's window while a request runs (one
-    # window for every layer, or local and global layers in two layout groups: hybrid.py); False
+    # window for every layer, or local and global layers in layer groups: cache_group.py); False
     # keeps every block (O(length) KV per request: the A/B's keep-everything baseline).
     release_behind_window: bool = True
     # Decoding requests get the block their next `lookahead_tokens` tokens need mapped on a

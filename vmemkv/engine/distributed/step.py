@@ -25,7 +25,7 @@ from ...attention_spec import CHUNKED, AttentionSpec
 from ...hf_support import hybrid_layer_windows, layer_chunks
 from ...kv_metrics import KVMetricsCollector
 from ...manager import KVCacheManager
-from ...cache_group import backend_pages
+from ...kv_memory import backend_pages
 from ...vmm import create_backend
 from ..config import EngineConfig
 from .recorder import BackendRecorder, Recording, SwapRecorder
@@ -92,7 +92,7 @@ def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | Non
 def _recorded_backend(cache: CacheConfig, recording: Recording) -> BackendRecorder:
     """A backend for a manager of ``cache``, sized as the manager sizes its own (the pool, filler
     pages for batched reads on CPU, the hole page behind windows on CUDA:
-    ``cache_group.backend_pages``), recorded into ``recording``."""
+    ``kv_memory.backend_pages``), recorded into ``recording``."""
     layout = cache.make_layout()
     return BackendRecorder(create_backend(cache.device, layout.page_size, backend_pages(cache, layout)[0]),
                            recording)
