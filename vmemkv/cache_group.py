@@ -27,6 +27,7 @@ from .allocation import RELEASED, Allocation
 from .attention_spec import AttentionSpec
 from .cache_config import CacheConfig
 from .errors import MappingLimitError
+from .kv_events import HASH_BYTES
 from .kv_memory import KVMemory
 from .slots import MapJob, SlotBinder, SlotMapper
 
@@ -189,8 +190,6 @@ class KVCacheGroup:
     def grow_needs(self, alloc: Allocation, num_new_tokens: int) -> int:
         """New blocks for ``num_new_tokens`` more positions (lookahead blocks count as held)."""
         return max(-(-(alloc.num_tokens + num_new_tokens) // self.tokens_per_page) - len(alloc.blocks), 0)
-
-    blocks_needed = grow_needs
 
     # --- plans, given the fresh blocks ------------------------------------------------------------
     def plan_admit(self, hits: list[int], slot: int | None, fresh: list[int]) -> Plan:
@@ -535,7 +534,8 @@ class KVCacheGroup:
                 writers[block] = name
         for block in set(held_all):  # a block holds one group's layers: no other group's key
             key = pool.hash_of[block]
-            assert key is None or key[32:] == self.tag, f"block {block} of group {self.index} has another group's key"
+            assert key is None or key[HASH_BYTES:] == self.tag, (
+                f"block {block} of group {self.index} has another group's key")
         running = [slot for slot in bound if slot is not None]
         assert len(set(running)) == len(running), "two requests share a slot"
         assert not set(running) & set(self.slots.free_slots()), "a bound slot is also free"

@@ -150,7 +150,7 @@ def shared_sink(events: KVEventSink | None, groups: "list[tuple[int, int | None,
 
     def tell(event: KVCacheEvent) -> None:
         if isinstance(event, BlockStored):
-            index, plain = split(event.block_hashes[0])
+            index = split(event.block_hashes[0])[0]  # one group's blocks in one event
             sinks[index](replace(event, block_hashes=[split(h)[1] for h in event.block_hashes],
                                  parent_block_hash=split(event.parent_block_hash)[1]))
         elif isinstance(event, BlockRemoved):

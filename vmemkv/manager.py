@@ -42,6 +42,7 @@ from .hashing import CacheKeys
 from .lookahead import LookaheadOps
 from .kv_metrics import KVMetricsCollector, timed
 from .kv_events import KVEventSink
+from .layer_groups import LayerGroups, group_configs
 from .manager_state import PrefixCacheBusyError, UnknownRequestError
 from .plans import check_mapping_budget
 from .preemption import PreemptionOps
@@ -106,7 +107,6 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
         ``layer_windows`` is None or the groups' pages cannot hold one number of tokens.
         ``backends``: makes a pool's backend from the pool's config (or None: each its own)."""
         if layer_windows:
-            from .layer_groups import LayerGroups, group_configs
             try:
                 configs = group_configs(config, LayerGroups.from_windows(layer_windows), chunk_tokens)
             except ConfigError:

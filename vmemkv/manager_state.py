@@ -86,15 +86,14 @@ class ManagerState:
         self.events = check_sink(events)  # told what enters and leaves the prefix cache
         self.stats = CacheStats()
         layers, configs = self._group_layers(config, layer_windows, chunk_tokens, local_blocks)
-        self.memories = self._memories(configs, [spec for _, spec in layers], local_blocks is None,
-                                       backend, backends, metrics)
-        members = {index: memory for memory, indices in self.memories for index in indices}
-        self.memories = tuple(memory for memory, _ in self.memories)
-        self.groups = tuple(KVCacheGroup(index, group_config, group_layers, spec, members[index])
+        # each memory with the indices of the groups drawing from it, for the steps over memories
+        self._members = tuple((memory, tuple(indices)) for memory, indices in self._memories(
+            configs, [spec for _, spec in layers], local_blocks is None, backend, backends, metrics))
+        self.memories = tuple(memory for memory, _ in self._members)
+        memory_of = {index: memory for memory, indices in self._members for index in indices}
+        self.groups = tuple(KVCacheGroup(index, group_config, group_layers, spec, memory_of[index])
                             for index, ((group_layers, spec), group_config)
                             in enumerate(zip(layers, configs)))
-        # each memory with the indices of the groups drawing from it, for the steps over memories
-        self._members = tuple((memory, tuple(group.index for group in memory.groups)) for memory in self.memories)
         for group in self.groups:  # every mapper's views exist now: the references are the manager's
             group.slots.count_own_references()
         first = self.groups[0]
