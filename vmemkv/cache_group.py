@@ -363,13 +363,17 @@ class KVCacheGroup:
             self.slots.release(alloc.slot)
         alloc.reset()
 
+    def fork_copies(self, parent: Allocation, plan: Plan) -> list[tuple[int, int]]:
+        """The block copy a fork makes after the take: the parent's partial last block (the one
+        after the shared ones) onto the fresh one; none when it is full."""
+        if not plan.take:
+            return []
+        return [(parent.blocks[plan.behind + len(plan.share)], plan.take[0])]
+
     def finish_fork(self, parent: Allocation, child: Allocation, plan: Plan) -> None:
-        """After the take: copy the parent's partial last block into the fresh one."""
+        """After the take: the child holds the shared blocks and its copy of the partial one."""
         behind = plan.behind  # the child's window is the parent's: nothing is shared behind it
-        copy = []
-        if plan.take:  # the parent's partial last block, the one after the shared ones
-            copy = [self.copy_of(parent.blocks[behind + len(plan.share)], plan.take[0])]
-        child.copy_from(parent, plan.slot, parent.blocks[:behind] + plan.share + copy, behind)
+        child.copy_from(parent, plan.slot, parent.blocks[:behind] + plan.share + plan.take, behind)
 
     def map_reorder(self, rows: list[Allocation], plan: tuple) -> None:
         """Map every row's new blocks, then unmap behind each row's new window (the caller
@@ -379,17 +383,21 @@ class KVCacheGroup:
         for row, count in zip(rows, behind):  # after map_jobs (a row reads these until now)
             self.slots.unmap_behind(row.slot, count)
 
+    def reorder_copies(self, sources: list[Allocation], copied: list[bool], plan: tuple) -> list[tuple[int, int]]:
+        """The block copies a reorder makes after the take: each copying row's source's partial
+        last block onto the row's fresh one."""
+        blocks_of = plan[0]
+        return [(self.reserved_blocks(source)[-1], blocks[-1])
+                for source, blocks, copy in zip(sources, blocks_of, copied) if copy]
+
     def finish_reorder(self, rows: list[Allocation], sources: list[Allocation], copied: list[bool],
                        plan: tuple) -> None:
-        """After the take: share the sources' blocks, copy the partial ones, give the rows' old
-        blocks back and make each row its source's copy."""
+        """After the take and the copies: share the sources' blocks, give the rows' old blocks
+        back and make each row its source's copy."""
         blocks_of, behind, _ = plan
-        reserved = [self.reserved_blocks(source) for source in sources]
         snapshots = [source.snapshot() for source in sources]
-        for blocks, source_blocks, copy, count in zip(blocks_of, reserved, copied, behind):
+        for blocks, copy, count in zip(blocks_of, copied, behind):
             self.pool.acquire(blocks[count:-1] if copy else blocks[count:])
-            if copy:
-                self.copy_of(source_blocks[-1], blocks[-1])
         for row in rows:  # their old blocks, lookahead included
             self.pool.release(reversed(row.blocks[row.num_released:]))
         for row, blocks, count, snapshot in zip(rows, blocks_of, behind, snapshots):
@@ -407,11 +415,16 @@ class KVCacheGroup:
         for job in jobs:
             self.slots.map_blocks(alloc.slot, job.first, job.blocks, keep=job.keep)
 
+    @staticmethod
+    def truncate_copies(alloc: Allocation, jobs: list[MapJob]) -> list[tuple[int, int]]:
+        """The block copy a truncate makes after the take: the new last block onto its private copy."""
+        return [(alloc.blocks[job.first], job.blocks[0]) for job in jobs]
+
     def finish_truncate(self, alloc: Allocation, num_tokens: int, jobs: list[MapJob]) -> None:
-        """After the take: copy the new last block first when it must, then forget the tail."""
+        """After the take and the copy: the private copy replaces the new last block, then the
+        tail is forgotten."""
         for job in jobs:
-            last = alloc.blocks[job.first]
-            self.pool.release([alloc.replace_block(job.first, self.copy_of(last, job.blocks[0]))])
+            self.pool.release([alloc.replace_block(job.first, job.blocks[0])])
         full = num_tokens // self.tokens_per_page
         self.pool.release(reversed(alloc.truncate(num_tokens, self.layout.logical_pages_for(num_tokens), full)))
 
@@ -477,11 +490,6 @@ class KVCacheGroup:
         origins = self.host_tier.promote(self.memory.block_window(), host_keys, claimed, promoted)
         for block, key, origin in zip(promoted, host_keys, origins):
             self.pool.register(block, key, origin.token_ids, origin.parent_hash, origin.root)
-
-    def copy_of(self, source: int, copy: int) -> int:
-        """Copy block ``source``'s bytes onto ``copy`` (just taken); returns ``copy``."""
-        self.blocks_copied += 1
-        return self.memory.copy_of(source, copy)
 
     def block_window(self) -> torch.Tensor:
         return self.memory.block_window()

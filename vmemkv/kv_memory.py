@@ -70,12 +70,14 @@ class KVMemory:
         """The pool's eviction hook: evicted cached blocks go to the host tier."""
         self.host_tier.demote(self.block_window(), evicted)
 
-    def copy_of(self, source: int, copy: int) -> int:
-        """Copy block ``source``'s bytes onto ``copy`` (just taken); returns ``copy``."""
-        self.backend.copy_pages(self.layout.physical_pages(np.array([source])).tolist(),
-                                self.layout.physical_pages(np.array([copy])).tolist())
-        self.stats.blocks_copied += 1
-        return copy
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each pair's source block onto its copy (just taken), all in one backend call."""
+        if not pairs:
+            return
+        physical = self.layout.physical_pages
+        self.backend.copy_pages(physical(np.array([s for s, _ in pairs])).tolist(),
+                                physical(np.array([c for _, c in pairs])).tolist())
+        self.stats.blocks_copied += len(pairs)
 
     def block_window(self) -> torch.Tensor:
         """The pool as ``[num_blocks, block_bytes]`` uint8 rows: what swap, the host tier and

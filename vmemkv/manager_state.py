@@ -351,6 +351,14 @@ class ManagerState:
             if planned:
                 memory.pool.take(planned)
 
+    def _copy(self, copies: list[list[tuple[int, int]]]) -> None:
+        """Make each group's block copies ``copies[g]`` (source, copy), one call for each memory."""
+        for memory, members in self._members:
+            pairs = copies[members[0]] if len(members) == 1 else [p for g in members for p in copies[g]]
+            memory.copy_blocks(pairs)
+        for group, group_copies in zip(self.groups, copies):
+            group.blocks_copied += len(group_copies)
+
     # --- prefix hits over every group ------------------------------------------------------------
     def _common_hits(self, hashes: list[bytes], hits: list[list[int]], length: int) -> list[list[int]]:
         """Every group's ``hits`` of ``hashes`` cut to the longest prefix of at most ``length``

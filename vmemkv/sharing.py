@@ -56,6 +56,7 @@ class SharingOps(ManagerState):
         for group, plan in zip(groups, plans):
             group.pool.acquire(plan.share)
         self._take(fresh)
+        self._copy([group.fork_copies(alloc, plan) for group, alloc, plan in zip(groups, parent.allocations, plans)])
         for group, parent_alloc, child_alloc, plan in zip(groups, parent.allocations, child.allocations, plans):
             group.finish_fork(parent_alloc, child_alloc, plan)
         child.token_ids[:] = parent.token_ids
@@ -108,6 +109,8 @@ class SharingOps(ManagerState):
         for group, (row_allocs, _), plan in zip(groups, per_group, plans):
             group.map_reorder(row_allocs, plan)
         self._take(fresh)
+        self._copy([group.reorder_copies(source_allocs, copied, plan)
+                    for group, (_, source_allocs), plan in zip(groups, per_group, plans)])
         for group, (row_allocs, source_allocs), plan in zip(groups, per_group, plans):
             group.finish_reorder(row_allocs, source_allocs, copied, plan)
         for row, (tokens, chain) in zip(rows, snapshots):
@@ -155,6 +158,7 @@ class SharingOps(ManagerState):
         for group, alloc, group_jobs in zip(groups, req.allocations, jobs):
             group.map_truncate(alloc, group_jobs)  # the one refusable step
         self._take(fresh)
+        self._copy([group.truncate_copies(alloc, group_jobs) for group, alloc, group_jobs in zip(groups, req.allocations, jobs)])
         for group, alloc, group_jobs in zip(groups, req.allocations, jobs):
             group.finish_truncate(alloc, num_tokens, group_jobs)
         del req.token_ids[num_tokens:]  # in place: the caller's list stays the request's
