@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from vmemkv import CacheConfig, KVCacheManager
 from vmemkv.attention import BlockTableAttention, ContiguousAttention, SequenceSpan
-from vmemkv.engine.models import BUILTIN_MODELS
+from vmemkv.engine.models.zoo import BUILTIN_MODELS
 
 LAYOUTS = ("token_major", "per_layer")
 VARIANTS = ("vmem", "vmem-per-seq", "paged", "contiguous")

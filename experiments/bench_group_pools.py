@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vmemkv import CacheConfig, KVCacheManager, KVRequest  # noqa: E402
-from vmemkv.layer_groups import LayerGroups, group_configs  # noqa: E402
+from vmemkv.cache.layer_groups import LayerGroups, group_configs  # noqa: E402
 
 from machine import cpu_model, write_results  # noqa: E402
 from report_group_pages import MODELS  # noqa: E402

@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 
 from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
-from vmemkv.engine.metrics import percentile
-from vmemkv.swap import SwapSpace
+from vmemkv.engine.core.metrics import percentile
+from vmemkv.cache.swap import SwapSpace
 from machine import cpu_model  # experiments/machine.py, beside this script
 
 

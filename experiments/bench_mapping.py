@@ -38,8 +38,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vmemkv.vmm import CpuBackend, VirtualMemoryBackend
-from vmemkv.vmm.cpu import load_native
+from vmemkv.memory.vmm import CpuBackend, VirtualMemoryBackend
+from vmemkv.memory.vmm.cpu import load_native
 from machine import cpu_model, write_results  # experiments/machine.py, beside this script
 
 EXIT_SKIPPED = 3  # nothing to measure here (no CUDA with --cuda-only); gpu_check.sh: "skipped"
@@ -227,7 +227,7 @@ def run_cuda(args) -> dict:
     failure, import of cuda-bindings included, comes back as ``cuda_error``: a GPU is here, so a
     backend that cannot run is broken."""
     try:
-        from vmemkv.vmm.cuda import CudaBackend
+        from vmemkv.memory.vmm.cuda import CudaBackend
 
         with CudaBackend(args.cuda_page_size, args.cuda_num_pages) as backend:
             results = bench_backend(backend, args.cuda_num_pages, args.reps, args.seed, False, 0)

@@ -38,8 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from vmemkv.ab.workloads import make_workload
 from vmemkv.engine import EngineConfig, LLMEngine
-from vmemkv.engine.metrics import percentile
-from vmemkv.engine.models import load_model
+from vmemkv.engine.core.metrics import percentile
+from vmemkv.engine.models.zoo import load_model
 from machine import cpu_model  # experiments/machine.py, beside this script
 
 POLICIES = ("fcfs", "lpm")

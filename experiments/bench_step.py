@@ -35,7 +35,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from vmemkv.attention import BlockTableAttention, ContiguousAttention
 from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
-from vmemkv.engine.models import load_model
+from vmemkv.engine.models.zoo import load_model
 
 BARE = "vmemkv_bench_bare"
 VARIANTS = ("vmem", "vmem-per-seq", "paged", "paged-per-seq")

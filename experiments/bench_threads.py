@@ -1,6 +1,6 @@
 """Engine throughput against torch's intra-op threads, on a quiet machine and beside busy
 processes: what ``EngineConfig.threads``' default (the usable cores less one,
-``vmemkv/engine/threads.py``) is chosen from.
+``vmemkv/engine/core/threads.py``) is chosen from.
 
 Each run starts a fresh ``LLM`` with ``threads=t`` and generates greedily for a batch of short
 prompts, while ``hogs`` other processes spin on the CPU (0: quiet). Wall-clock tokens per second,
@@ -31,7 +31,7 @@ def spin(stop) -> None:
 
 def run_once(model: str, threads: int, prompts: int, tokens: int) -> float:
     from vmemkv.engine import SamplingParams
-    from vmemkv.engine.llm import LLM
+    from vmemkv.engine.core.llm import LLM
 
     llm = LLM(model=model, threads=threads, max_num_seqs=prompts, max_model_len=256)
     texts = [f"Tell me about the number {i} in one sentence." for i in range(prompts)]

@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 
 from vmemkv.engine import LLM, SamplingParams
-from vmemkv.engine.hub import REAL_MODELS, ensure_real_model
-from vmemkv.engine.models import load_model, model_config
+from vmemkv.engine.models.hub import REAL_MODELS, ensure_real_model
+from vmemkv.engine.models.zoo import load_model, model_config
 from machine import cpu_model, write_results  # experiments/machine.py, beside this script
 
 SYSTEMS = ("vmemkv", "hf_generate", "generate_batch")
@@ -275,7 +275,7 @@ def profile_vmemkv(system: VmemkvSystem, prompts, new_tokens, top: int) -> dict:
                      "cum_ms_per_step": cumtime * 1e3 / steps, "own_ms_per_step": tottime * 1e3 / steps})
     # Wrappers say nothing: the call chain above the engine's step (this script, LLM.generate) and
     # torch's / transformers' call plumbing.
-    wrappers = ("experiments/", "vmemkv/engine/llm.py", "torch/nn/modules/module.py",
+    wrappers = ("experiments/", "vmemkv/engine/core/llm.py", "torch/nn/modules/module.py",
                 "torch/utils/_contextlib.py", "transformers/utils/", "transformers/modeling_layers.py")
     by_cum = sorted((r for r in rows if not r["function"].startswith(wrappers)
                      and "run_to_completion" not in r["function"]), key=lambda r: -r["cum_ms_per_step"])
@@ -294,22 +294,22 @@ def profile_vmemkv(system: VmemkvSystem, prompts, new_tokens, top: int) -> dict:
 
 # (label, file part, function name): where a step's time goes, for the results table.
 PROFILE_BREAKDOWN = (
-    ("engine step, total", "vmemkv/engine/llm_engine.py", "step"),
-    ("scheduler.schedule", "vmemkv/engine/scheduler.py", "schedule"),
-    ("model forward (HF modelling code + attention)", "vmemkv/engine/model_runner.py", "forward"),
+    ("engine step, total", "vmemkv/engine/core/llm_engine.py", "step"),
+    ("scheduler.schedule", "vmemkv/engine/core/scheduler.py", "schedule"),
+    ("model forward (HF modelling code + attention)", "vmemkv/engine/core/model_runner.py", "forward"),
     ("linear layers (all matmuls incl. lm_head)", "torch._C._nn.linear", "linear>"),
-    ("vmemkv attention, whole (write + per-sequence loop)", "vmemkv/engine/model_runner.py", "_attention"),
+    ("vmemkv attention, whole (write + per-sequence loop)", "vmemkv/engine/core/model_runner.py", "_attention"),
     ("SDPA kernel calls", "scaled_dot_product_attention", "scaled_dot_product_attention>"),
     ("K/V write into slots", "vmemkv/attention/contiguous.py", "write"),
     ("K/V slot views (read)", "vmemkv/attention/contiguous.py", "read"),
     ("torch.cat", "torch.cat", "cat>"),
     ("transformers create_causal_mask (skipped mask, still preprocessed)", "transformers/masking_utils.py",
      "create_causal_mask"),
-    ("sampler", "vmemkv/engine/sampler.py", "sample"),
-    ("manager.commit", "vmemkv/manager.py", "commit"),
-    ("_append_token (stop checks, detokenizer, metrics)", "vmemkv/engine/llm_engine.py", "_append_token"),
-    ("detokenizer.append", "vmemkv/engine/detokenizer.py", "append"),
-    ("metrics.on_step", "vmemkv/engine/metrics.py", "on_step"),
+    ("sampler", "vmemkv/engine/core/sampler.py", "sample"),
+    ("manager.commit", "vmemkv/cache/manager.py", "commit"),
+    ("_append_token (stop checks, detokenizer, metrics)", "vmemkv/engine/core/llm_engine.py", "_append_token"),
+    ("detokenizer.append", "vmemkv/engine/core/detokenizer.py", "append"),
+    ("metrics.on_step", "vmemkv/engine/core/metrics.py", "on_step"),
 )
 
 

@@ -140,7 +140,7 @@ def tiny_mistral(window: int):
 
 def engine_run(kv_backend: str, release: bool, args) -> dict:
     from vmemkv.engine import EngineConfig, LLMEngine
-    from vmemkv.engine.models import byte_tokenizer
+    from vmemkv.engine.models.zoo import byte_tokenizer
 
     class Config(EngineConfig):
         def cache_config(self, model):  # keeping every block: the manager without the window
@@ -260,7 +260,7 @@ def tiny_gemma2(window: int):
 
 def hybrid_engine_run(kv_backend: str, grouped: bool, args) -> dict:
     from vmemkv.engine import EngineConfig, LLMEngine
-    from vmemkv.engine.models import byte_tokenizer
+    from vmemkv.engine.models.zoo import byte_tokenizer
 
     # prefill chunks of 64 tokens: the local group is sized for the window and one step's chunk;
     # release_behind_window=False: one group keeping every block

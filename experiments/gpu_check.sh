@@ -270,7 +270,7 @@ run_step environment 0 - bash -c "
 import importlib, platform
 print('python', platform.python_version())
 for name in ('torch', 'triton', 'transformers', 'numpy', 'setuptools', 'cuda.bindings', 'flash_attn',
-             'vmemkv', 'vmemkv._native', 'vmemkv.vmm.cuda', 'fastapi', 'openai'):
+             'vmemkv', 'vmemkv._native', 'vmemkv.memory.vmm.cuda', 'fastapi', 'openai'):
     try:
         module = importlib.import_module(name)
         print(f'{name:16s}', getattr(module, '__version__', '(no __version__)'))

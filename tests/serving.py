@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from vmemkv.engine.async_engine import AsyncEngine
-from vmemkv.engine.server import build_app
+from vmemkv.engine.serving.async_engine import AsyncEngine
+from vmemkv.engine.serving.server import build_app
 
 
 @contextlib.contextmanager

@@ -255,7 +255,7 @@ def test_two_ranks_give_the_tokens_and_hits_of_one():
     """One quick workload on the vmem variant, once on one rank and once on two (the engine
     starts the second rank and every rank loads the model by name)."""
     from vmemkv.ab.runner import run_once
-    from vmemkv.engine.models import load_model
+    from vmemkv.engine.models.zoo import load_model
 
     model, tokenizer = load_model("tiny-llama")
     workload = make_workload("shared-prefix", quick=True)
@@ -338,7 +338,7 @@ def test_hybrid_pool_holds_every_request_only_with_release(page, quick):
     import torch
 
     from vmemkv import CacheConfig
-    from vmemkv.layer_groups import LayerGroups, group_configs
+    from vmemkv.cache.layer_groups import LayerGroups, group_configs
 
     workload = make_workload("hybrid", quick=quick, tokens_per_page=page)
     engine, count = workload.engine, len(workload.requests)

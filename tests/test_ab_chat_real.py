@@ -11,8 +11,8 @@ from vmemkv.ab import VARIANTS, make_workload, run_once
 from vmemkv.ab.cli import add_ab_arguments
 from vmemkv.ab.workloads import (DEFAULT_WORKLOADS, REAL_MODEL_WORKLOADS, default_workloads,
                                  load_chat_prompts, pages, render_chat)
-from vmemkv.engine.chat import has_chat_template
-from vmemkv.engine.models import load_model
+from vmemkv.engine.core.chat import has_chat_template
+from vmemkv.engine.models.zoo import load_model
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

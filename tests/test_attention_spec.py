@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vmemkv import CacheConfig, ConfigError, KVCacheManager, KVRequest, RequestStateError
-from vmemkv.attention_spec import CHUNKED, FULL, SLIDING, AttentionSpec
-from vmemkv.request import RELEASED
+from vmemkv.cache.attention_spec import CHUNKED, FULL, SLIDING, AttentionSpec
+from vmemkv.cache.request import RELEASED
 
 from conftest import assert_no_leaks, close_manager, read_kv_matches, write_kv
 from test_window_release import P as WINDOW_TEST_P, decode, run
@@ -151,7 +151,7 @@ def test_a_bad_chunk_size_or_both_kinds_is_a_config_error():
 # --- a hybrid model's chunked local layers (Llama-4: chunked and global layers) ---------------------
 
 def test_a_hybrid_chunked_group_gives_back_finished_chunks_and_hits_need_only_the_next_chunk():
-    from vmemkv.attention_spec import AttentionSpec as Spec
+    from vmemkv.cache.attention_spec import AttentionSpec as Spec
     from test_hybrid_groups import P as GROUP_P, close, decode, free_all, reads_back, run
 
     chunk = 40  # chunk boundaries inside 16-token blocks

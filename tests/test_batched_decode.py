@@ -14,7 +14,7 @@ from vmemkv import CacheConfig, KVCacheManager
 from vmemkv.attention import BlockTableAttention, ContiguousAttention, SequenceSpan
 from vmemkv.attention.slot_batch import (DecodeBatch, attend, call_cost_in_rows, slot_runs,
                                          worth_batching)
-from vmemkv.vmm.cpu import CpuBackend
+from vmemkv.memory.vmm.cpu import CpuBackend
 
 CPU = torch.device("cpu")
 LAYOUTS = ["token_major", "per_layer"]

@@ -20,8 +20,8 @@ from transformers import Llama4ForCausalLM, Llama4TextConfig, LlamaConfig
 
 from vmemkv.engine import LLMEngine
 from vmemkv.errors import UnsupportedModelError
-from vmemkv.attention_spec import CHUNKED, AttentionSpec
-from vmemkv.hf_support import check_attention_supported, layer_chunks, uniform_chunk
+from vmemkv.cache.attention_spec import CHUNKED, AttentionSpec
+from vmemkv.engine.models.hf_support import check_attention_supported, layer_chunks, uniform_chunk
 
 from test_sliding_window_models import close_clean, run_model
 

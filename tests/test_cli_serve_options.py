@@ -29,7 +29,7 @@ def test_salt_per_key_without_a_key_is_a_clear_error(capsys, monkeypatch):
 def test_serve_without_the_server_packages_says_what_to_install(capsys, monkeypatch):
     # As on the GPU image, which has neither fastapi nor uvicorn.
     monkeypatch.setitem(sys.modules, "fastapi", None)
-    monkeypatch.delitem(sys.modules, "vmemkv.engine.server", raising=False)
+    monkeypatch.delitem(sys.modules, "vmemkv.engine.serving.server", raising=False)
     assert main(["serve", "--device", "cpu"]) == 2
     assert "vmemkv serve needs fastapi, which is not installed: python -m pip install fastapi uvicorn" \
         in capsys.readouterr().err
@@ -46,7 +46,7 @@ def test_kv_events_endpoint_reaches_the_engine_config():
 def test_a_taken_or_bad_endpoint_is_a_clear_error():
     pytest.importorskip("zmq", reason="the publisher needs pyzmq")
     pytest.importorskip("msgpack", reason="the publisher needs msgpack")
-    from vmemkv.engine.kv_event_publisher import KVEventPublisher
+    from vmemkv.engine.serving.kv_event_publisher import KVEventPublisher
 
     publisher = KVEventPublisher("tcp://127.0.0.1:*")
     try:
@@ -59,7 +59,7 @@ def test_a_taken_or_bad_endpoint_is_a_clear_error():
 
 
 def test_without_pyzmq_the_publisher_says_what_to_install(monkeypatch):
-    from vmemkv.engine.kv_event_publisher import KVEventPublisher
+    from vmemkv.engine.serving.kv_event_publisher import KVEventPublisher
 
     monkeypatch.setitem(sys.modules, "zmq", None)  # import zmq now raises ImportError
     with pytest.raises(ValueError, match=r"pip install 'vmemkv\[server\]'"):

@@ -10,8 +10,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from vmemkv.engine.detokenizer import IncrementalDetokenizer
-from vmemkv.engine.sampling_params import SamplingParams
+from vmemkv.engine.core.detokenizer import IncrementalDetokenizer
+from vmemkv.engine.core.sampling_params import SamplingParams
 
 CORPUS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from vmemkv.engine import LLMEngine, EngineConfig, SamplingParams
-from vmemkv.engine.llm_engine import run_to_completion
-from vmemkv.engine.models import load_model
+from vmemkv.engine.core.llm_engine import run_to_completion
+from vmemkv.engine.models.zoo import load_model
 from vmemkv.errors import RequestTooLongError
 
 NEW_TOKENS = 12

@@ -35,7 +35,7 @@ IMPORT_CHECK = """
 import torch
 import vmemkv
 from vmemkv import CacheConfig, KVCacheManager, NativeExtensionError, VmemkvError
-from vmemkv.vmm import create_backend
+from vmemkv.memory.vmm import create_backend
 
 config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, num_blocks=4, max_num_seqs=2,
                      max_model_len=64, dtype=torch.float16)
@@ -125,7 +125,7 @@ def test_bench_mapping_skips_without_cuda_with_its_own_exit_status(bench_mapping
 
 
 def test_bench_mapping_fails_when_the_cuda_backend_is_broken(bench_mapping, monkeypatch, capsys):
-    import vmemkv.vmm.cuda
+    import vmemkv.memory.vmm.cuda
     from vmemkv.errors import CudaDriverError
 
     class BrokenBackend:
@@ -133,7 +133,7 @@ def test_bench_mapping_fails_when_the_cuda_backend_is_broken(bench_mapping, monk
             raise CudaDriverError("cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY")
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    monkeypatch.setattr(vmemkv.vmm.cuda, "CudaBackend", BrokenBackend)
+    monkeypatch.setattr(vmemkv.memory.vmm.cuda, "CudaBackend", BrokenBackend)
     assert bench_mapping.main(["--json", "--cuda-only"]) == 1
     result = json.loads(capsys.readouterr().out)
     assert "CUDA_ERROR_OUT_OF_MEMORY" in result["cuda_error"]

@@ -20,7 +20,7 @@ from vmemkv.attention.flash_args import (FlashUnsupportedError, block_varlen_arg
 from vmemkv.attention.flash_kernels import FlashKernel
 from vmemkv.attention.flash_reference import reference_varlen, varlen_attention_reference
 from vmemkv.attention.packed import SequenceSpan
-from vmemkv.request import RELEASED
+from vmemkv.cache.request import RELEASED
 
 REFERENCE_KERNEL = FlashKernel("reference", reference_varlen)
 SCALE = 0.3  # not head_dim ** -0.5: the scale must travel through

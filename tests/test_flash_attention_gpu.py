@@ -191,7 +191,7 @@ def test_engine_with_flash_agrees_with_sdpa(kv_backend):
     """Greedy tokens of the flash engine and the SDPA engine, both float16: kernels round
     differently, so a near-tie may flip a late token; most must agree, every first token must."""
     from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
-    from vmemkv.engine.llm_engine import run_to_completion
+    from vmemkv.engine.core.llm_engine import run_to_completion
     from vmemkv.errors import ConfigError
 
     flash_kernel(paged=kv_backend == "paged")

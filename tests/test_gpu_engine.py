@@ -54,8 +54,8 @@ def test_manager_on_cuda_keeps_data_through_fork_and_swap():
                                                    ("paged", "triton")])
 def test_engine_on_cuda_matches_hf_generate(kv_backend, attention):
     from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
-    from vmemkv.engine.llm_engine import run_to_completion
-    from vmemkv.engine.models import load_model
+    from vmemkv.engine.core.llm_engine import run_to_completion
+    from vmemkv.engine.models.zoo import load_model
 
     prompts = [[(31 * i + 7 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((5, 17, 33, 48))]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)

@@ -11,7 +11,7 @@ import torch
 
 from test_hybrid_groups import THREE_KINDS, WINDOWS, close, make_hybrid, run
 from vmemkv import CacheConfig, KVCacheManager, KVRequest
-from vmemkv.request import RELEASED
+from vmemkv.cache.request import RELEASED
 
 TOKENS = list(range(40))  # two full 16-token blocks and a partial one
 

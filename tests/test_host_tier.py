@@ -16,8 +16,8 @@ import torch
 from conftest import close_manager, manager_state, read_kv_matches, tiny_config, write_kv
 from vmemkv import (AllBlocksCleared, BlockRemoved, BlockStored, CacheKeys, KVCacheManager,
                     KVEventBuffer, MappingLimitError)
-from vmemkv.kv_events import MEDIUM_DEVICE, MEDIUM_HOST
-from vmemkv.vmm import CpuBackend
+from vmemkv.cache.events import MEDIUM_DEVICE, MEDIUM_HOST
+from vmemkv.memory.vmm import CpuBackend
 
 TOKENS_PER_PAGE = 4
 FP32 = dict(num_layers=1, num_kv_heads=2, head_dim=128, dtype=torch.float32,

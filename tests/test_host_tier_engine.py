@@ -11,8 +11,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
-from vmemkv.engine.llm_engine import run_to_completion
-from vmemkv.engine.models import load_model
+from vmemkv.engine.core.llm_engine import run_to_completion
+from vmemkv.engine.models.zoo import load_model
 
 NEW_TOKENS = 8
 SHARED = [(13 * j) % 250 + 1 for j in range(64)]  # four full 16-token pages

@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from conftest import close_manager, read_kv_matches, tiny_config, write_kv
 from test_host_tier import BLOCK_BYTES, FP32, TENANTS, TOKENS_PER_PAGE
 from vmemkv import AllBlocksCleared, BlockStored, CacheKeys, KVCacheManager, KVEventBuffer
-from vmemkv.kv_events import MEDIUM_DEVICE
+from vmemkv.cache.events import MEDIUM_DEVICE
 
 PREFIXES = [[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9, 9, 9]]
 

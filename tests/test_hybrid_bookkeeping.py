@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vmemkv import CacheConfig, InvalidInputError, KVCacheManager, KVRequest, PrefixCacheBusyError
-from vmemkv.allocation import Allocation
+from vmemkv.cache.allocation import Allocation
 from vmemkv.errors import OutOfBlocksError, RequestStateError
 from vmemkv.integrations.transformers_cache import VmemkvCache
 

@@ -14,12 +14,12 @@ import torch
 
 from vmemkv.attention.paged import BlockTableAttention
 from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
-from vmemkv.engine.addressing import GroupedBlockTableAddressing
-from vmemkv.engine.llm_engine import run_to_completion
-from vmemkv.engine.models import byte_tokenizer, load_model
+from vmemkv.engine.core.addressing import GroupedBlockTableAddressing
+from vmemkv.engine.core.llm_engine import run_to_completion
+from vmemkv.engine.models.zoo import byte_tokenizer, load_model
 from vmemkv import KVCacheManager
-from vmemkv.attention_spec import SLIDING
-from vmemkv.request import RELEASED
+from vmemkv.cache.attention_spec import SLIDING
+from vmemkv.cache.request import RELEASED
 
 from test_sliding_window_models import build, prompts, reference
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from test_hybrid_groups import BACKENDS, P, THREE_KINDS, W, WINDOWS, close, decode, make_hybrid, run
 from vmemkv import BlockRemoved, BlockStored, KVEventBuffer, KVRequest
-from vmemkv.kv_events import AllBlocksCleared, decode_batch, encode_batch
+from vmemkv.cache.events import AllBlocksCleared, decode_batch, encode_batch
 
 GLOBAL, LOCAL, CHUNKED_LOCAL = 0, 1, 2  # group_idx of each group (THREE_KINDS has the third)
 THREE_KINDS_SPECS = {GLOBAL: ("full_attention", None), LOCAL: ("sliding_window", W),

@@ -18,10 +18,10 @@ from vmemkv.attention.flash_args import flat_rows, slot_geometry
 from vmemkv.attention.flash_kernels import FlashKernel
 from vmemkv.attention.flash_reference import reference_varlen
 from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
-from vmemkv.engine import addressing
-from vmemkv.engine.llm_engine import run_to_completion
-from vmemkv.engine.models import byte_tokenizer
-from vmemkv.attention_spec import SLIDING
+from vmemkv.engine.core import addressing
+from vmemkv.engine.core.llm_engine import run_to_completion
+from vmemkv.engine.models.zoo import byte_tokenizer
+from vmemkv.cache.attention_spec import SLIDING
 
 from test_sliding_window_models import build, prompts
 

@@ -83,9 +83,9 @@ def run(shape: str, batch: list[list[int]], new_tokens: int = NEW_TOKENS, **over
     """(each prompt's tokens, the engine's stats, its attention label, whether it was hybrid: the
     global layers in layer group 0 and the local ones, window ``WINDOW``, in group 1)."""
     from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
-    from vmemkv.engine.llm_engine import run_to_completion
-    from vmemkv.engine.models import byte_tokenizer
-    from vmemkv.attention_spec import SLIDING, AttentionSpec
+    from vmemkv.engine.core.llm_engine import run_to_completion
+    from vmemkv.engine.models.zoo import byte_tokenizer
+    from vmemkv.cache.attention_spec import SLIDING, AttentionSpec
 
     options = dict(device=DEVICE, dtype=str(SHAPES[shape]["dtype"]).removeprefix("torch."), max_num_seqs=4,
                    max_model_len=256, max_num_batched_tokens=64, swap_space_bytes=64 << 20)

@@ -17,10 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vmemkv import CacheConfig, ConfigError, KVCacheManager, KVRequest
-from vmemkv.attention_spec import CHUNKED, AttentionSpec
-from vmemkv.hf_support import hybrid_layer_windows
-from vmemkv.layer_groups import LayerGroups
-from vmemkv.request import RELEASED
+from vmemkv.cache.attention_spec import CHUNKED, AttentionSpec
+from vmemkv.engine.models.hf_support import hybrid_layer_windows
+from vmemkv.cache.layer_groups import LayerGroups
+from vmemkv.cache.request import RELEASED
 
 from conftest import close_manager, group_view, groups_read_back, read_kv_matches, write_groups, write_kv
 from test_sliding_window_models import build, prompts, reference

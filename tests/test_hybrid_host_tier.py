@@ -18,8 +18,8 @@ from test_host_tier_walk import apply_event, swap_out_or_in
 from test_hybrid_groups import BACKENDS, P, W, close, make_hybrid
 from vmemkv import KVCacheManager
 from vmemkv import AllBlocksCleared, CacheKeys, KVEventBuffer, KVRequest
-from vmemkv.kv_events import MEDIUM_DEVICE
-from vmemkv.window import first_needed_block
+from vmemkv.cache.events import MEDIUM_DEVICE
+from vmemkv.cache.window import first_needed_block
 
 GROUP_BLOCK_BYTES = 16 * 4 * 2 * 2 * 16 * 4  # P tokens x 4 layers x K/V x 2 heads x 16 dim x fp32
 TENANTS = {None: 0, "tenant-a": 1, "tenant-b": 2}  # cache salt -> K/V pattern salt

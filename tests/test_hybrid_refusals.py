@@ -38,11 +38,11 @@ from conftest import manager_state
 from test_hybrid_groups import (BACKENDS, C, P, THREE_KINDS, W, WINDOWS, close, decode, make_hybrid,
                                 reads_back, run, write)
 from vmemkv import KVRequest, MappingLimitError, OutOfSwapSpaceError, RequestStateError
-from vmemkv.attention_spec import CHUNKED, AttentionSpec
-from vmemkv.plans import fit_or_reclaim
-from vmemkv.request import RELEASED
-from vmemkv.slots import MapJob
-from vmemkv.vmm.cpu import process_mapping_budget
+from vmemkv.cache.attention_spec import CHUNKED, AttentionSpec
+from vmemkv.cache.plans import fit_or_reclaim
+from vmemkv.cache.request import RELEASED
+from vmemkv.memory.slots import MapJob
+from vmemkv.memory.vmm.cpu import process_mapping_budget
 
 CHUNKED_FIRST = [AttentionSpec(CHUNKED, C), W, None, None]  # groups: full, chunked local, sliding
 KINDS = {"one-kind": None, "two-kinds": WINDOWS, "three-kinds": THREE_KINDS, "chunked-first": CHUNKED_FIRST}

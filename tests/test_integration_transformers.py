@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from vmemkv.hf_support import layer_kinds
+from vmemkv.engine.models.hf_support import layer_kinds
 from vmemkv.integrations.transformers_cache import VmemkvCache, cache_kwarg, manager_for
 from vmemkv.errors import ConfigError, InvalidInputError
-from vmemkv.slots import NoFreeSlotError
+from vmemkv.memory.slots import NoFreeSlotError
 
 VOCAB = 512
 PAD = 0

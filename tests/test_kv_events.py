@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from vmemkv import (AllBlocksCleared, BlockRemoved, BlockStored, CacheConfig, CacheKeys,
                     ConfigError, KVCacheManager, KVEventBuffer)
-from vmemkv.kv_events import MEDIUM_DEVICE, MEDIUM_HOST, decode_batch, encode_batch
+from vmemkv.cache.events import MEDIUM_DEVICE, MEDIUM_HOST, decode_batch, encode_batch
 
 TOKENS_PER_PAGE = 4
 

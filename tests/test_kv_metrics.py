@@ -9,9 +9,9 @@ import threading
 import pytest
 
 from vmemkv import ConfigError, KVCacheManager, KVMetricsCollector, UnknownRequestError
-from vmemkv.engine.config import EngineConfig
-from vmemkv.engine.llm_engine import LLMEngine, run_to_completion
-from vmemkv.engine.sampling_params import SamplingParams
+from vmemkv.engine.core.config import EngineConfig
+from vmemkv.engine.core.llm_engine import LLMEngine, run_to_completion
+from vmemkv.engine.core.sampling_params import SamplingParams
 
 from conftest import assert_no_leaks, close_manager, tiny_config
 

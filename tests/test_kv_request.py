@@ -19,8 +19,8 @@ from hypothesis.stateful import invariant
 import vmemkv
 from vmemkv import (CacheKeys, InvalidInputError, KVRequest, RequestStateError,
                     UnknownRequestError)
-from vmemkv.cache_config import CacheStats
-from vmemkv.hashing import PrefixHasher
+from vmemkv.cache.config import CacheStats
+from vmemkv.cache.hashing import PrefixHasher
 from test_manager_state_machine import RUNS, SETTINGS, ManagerMachine
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vmemkv import CacheConfig, ConfigError, KVCacheManager, KVLayout
-from vmemkv.layout import default_page_size
+from vmemkv.memory.layout import default_page_size
 
 MiB = 1 << 20
 

@@ -13,12 +13,12 @@ import dataclasses
 import torch
 
 from vmemkv import CacheConfig, KVCacheManager
-from vmemkv.attention_spec import AttentionSpec
-from vmemkv.cache_group import KVCacheGroup
-from vmemkv.kv_memory import backend_pages
+from vmemkv.cache.attention_spec import AttentionSpec
+from vmemkv.cache.group import KVCacheGroup
+from vmemkv.cache.memory import backend_pages
 from vmemkv.integrations.transformers_cache import layer_windows
-from vmemkv.layer_groups import LayerGroups, group_configs
-from vmemkv.vmm import create_backend
+from vmemkv.cache.layer_groups import LayerGroups, group_configs
+from vmemkv.memory.vmm import create_backend
 
 WINDOWS = [None, 8, 8, None]  # global, local, local, global
 

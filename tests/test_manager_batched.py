@@ -14,8 +14,8 @@ from conftest import assert_no_leaks, close_manager, manager_state as state, tin
 from vmemkv import (KVCacheManager, KVRequest, RequestStateError, RequestTooLongError,
                     UnknownRequestError)
 from vmemkv.engine import EngineConfig, SamplingParams
-from vmemkv.engine.scheduler import Scheduler
-from vmemkv.engine.sequence import Sequence, SequenceGroup
+from vmemkv.engine.core.scheduler import Scheduler
+from vmemkv.engine.core.sequence import Sequence, SequenceGroup
 from vmemkv.errors import InvalidInputError, MappingLimitError
 
 

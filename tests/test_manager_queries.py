@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vmemkv import CacheConfig, CacheStats, InvalidInputError
-from vmemkv.hf_support import cache_config_for, kv_shape
+from vmemkv.engine.models.hf_support import cache_config_for, kv_shape
 
 # conftest's TINY: 4 tokens per page, 10 blocks, 4 slots, max_model_len 40.
 
@@ -79,7 +79,7 @@ def test_hf_adapter_shapes_a_cache_config_for_a_model():
 
 
 def test_engine_config_derives_its_cache_config():
-    from vmemkv.engine.config import CACHE_FIELDS, EngineConfig
+    from vmemkv.engine.core.config import CACHE_FIELDS, EngineConfig
 
     model = _fake_model(num_key_value_heads=2)
     model.parameters = lambda: iter([torch.zeros(1, dtype=torch.bfloat16)])

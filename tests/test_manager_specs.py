@@ -11,7 +11,7 @@ import pytest
 
 from vmemkv import (CacheKeys, MultimodalItem, RequestStateError, PrefixCacheBusyError,
                     RequestTooLongError, UnknownRequestError)
-from vmemkv.swap import OutOfSwapSpaceError
+from vmemkv.cache.swap import OutOfSwapSpaceError
 from vmemkv.errors import InvalidInputError
 
 from conftest import manager_state
@@ -590,7 +590,7 @@ def test_a_new_request_in_a_reused_slot_maps_only_differing_pages(make_manager):
 def test_the_hash_chain_continues_from_any_page():
     """commit() hashes only the pages that just filled, continuing the chain: the result must
     equal hashing the whole prefix at once, multimodal positions included."""
-    from vmemkv.hashing import PrefixHasher
+    from vmemkv.cache.hashing import PrefixHasher
 
     hasher = PrefixHasher(seed=b"chain")
     token_ids = tokens(0, 23)
@@ -617,7 +617,7 @@ def test_a_mapping_refused_by_the_os_limit_changes_no_ownership():
     would make the next write fault)."""
     from conftest import assert_no_leaks, tiny_config
     from vmemkv import KVCacheManager, MappingLimitError
-    from vmemkv.vmm import CpuBackend
+    from vmemkv.memory.vmm import CpuBackend
 
     config = tiny_config(num_blocks=20, swap_space_bytes=4 * PAGE_BYTES)
     backend = CpuBackend(config.make_layout().page_size, 20, max_mappings=10)
@@ -672,7 +672,7 @@ def test_a_mapping_refused_by_the_os_limit_changes_no_ownership():
 def test_a_refused_mapping_reclaims_the_stale_tail_of_the_slot_being_mapped():
     from conftest import assert_no_leaks, tiny_config
     from vmemkv import KVCacheManager
-    from vmemkv.vmm import CpuBackend
+    from vmemkv.memory.vmm import CpuBackend
 
     config = tiny_config(num_blocks=20)
     backend = CpuBackend(config.make_layout().page_size, 20, max_mappings=1000)

@@ -38,8 +38,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from vmemkv import (CacheConfig, KVCacheManager, MappingLimitError, PrefixCacheBusyError,
                     RequestStateError, RequestTooLongError)
-from vmemkv.swap import OutOfSwapSpaceError
-from vmemkv.vmm import CpuBackend
+from vmemkv.cache.swap import OutOfSwapSpaceError
+from vmemkv.memory.vmm import CpuBackend
 
 from conftest import assert_no_leaks, close_manager, manager_state, read_kv_matches, write_kv
 

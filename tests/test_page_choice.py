@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vmemkv import CacheConfig, ConfigError, KVCacheManager
-from vmemkv.layout import MAX_TOKENS_PER_PAGE, STRIDE_ALIGNMENT, choose_page, unpadded_row_bytes
+from vmemkv.memory.layout import MAX_TOKENS_PER_PAGE, STRIDE_ALIGNMENT, choose_page, unpadded_row_bytes
 
 MiB = 1 << 20
 CUDA_PAGE = 2 * MiB  # stock drivers' granularity

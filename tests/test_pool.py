@@ -174,11 +174,11 @@ def test_a_pool_needs_blocks():
 
 def test_page_pool_is_a_deprecated_alias_of_block_pool():
     import vmemkv
-    import vmemkv.pool
+    import vmemkv.cache.pool
     with pytest.warns(DeprecationWarning, match="BlockPool"):
         assert vmemkv.PagePool is BlockPool
     with pytest.warns(DeprecationWarning, match="BlockPool"):
-        assert vmemkv.pool.PagePool is BlockPool
+        assert vmemkv.cache.pool.PagePool is BlockPool
 
 
 def test_check_catches_a_corrupted_state():

@@ -8,7 +8,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from vmemkv import CacheConfig, CacheKeys, KVCacheManager
-from vmemkv.engine.metrics import EngineMetrics
+from vmemkv.engine.core.metrics import EngineMetrics
 
 
 def make_manager(num_blocks: int = 16) -> KVCacheManager:

@@ -17,9 +17,9 @@ from transformers import DynamicCache
 from vmemkv.integrations.transformers_cache import VmemkvCache, cache_kwarg
 from vmemkv.cli import main
 from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
-from vmemkv.engine.chat import chat_prompt_ids, end_of_turn_token_ids
-from vmemkv.engine.hub import ensure_real_model, load_from_hub_cache
-from vmemkv.engine.llm_engine import run_to_completion
+from vmemkv.engine.core.chat import chat_prompt_ids, end_of_turn_token_ids
+from vmemkv.engine.models.hub import ensure_real_model, load_from_hub_cache
+from vmemkv.engine.core.llm_engine import run_to_completion
 from vmemkv.errors import ModelUnavailableError
 
 NAME = "smollm2-135m-instruct"

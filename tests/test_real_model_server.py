@@ -13,7 +13,7 @@ uvicorn = pytest.importorskip("uvicorn", reason="the server needs uvicorn (pip i
 openai = pytest.importorskip("openai", reason="the client tests need openai (pip install openai)")
 
 from vmemkv.engine import EngineConfig, LLMEngine  # noqa: E402
-from vmemkv.engine.async_engine import AsyncEngine  # noqa: E402
+from vmemkv.engine.serving.async_engine import AsyncEngine  # noqa: E402
 from serving import running_server  # noqa: E402
 
 WAIT_S = 60.0  # a CPU forward pass of the real model is slow on a loaded machine

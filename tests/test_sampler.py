@@ -5,13 +5,13 @@ import math
 import pytest
 import torch
 
-from vmemkv.engine.sampler import (
+from vmemkv.engine.core.sampler import (
     Sampler,
     apply_min_p,
     apply_top_k_top_p,
     make_generator,
 )
-from vmemkv.engine.sampling_params import SamplingParams
+from vmemkv.engine.core.sampling_params import SamplingParams
 
 INF = float("inf")
 

@@ -18,8 +18,8 @@ from test_engine_correctness import hf_greedy, NEW_TOKENS
 from vmemkv import KVCacheManager, KVRequest
 from vmemkv.cli import build_parser, engine_config_from_args
 from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
-from vmemkv.engine.scheduler import Scheduler
-from vmemkv.engine.sequence import Sequence, SequenceGroup
+from vmemkv.engine.core.scheduler import Scheduler
+from vmemkv.engine.core.sequence import Sequence, SequenceGroup
 from vmemkv.errors import ConfigError
 
 PAGE = 4  # tokens per page of tiny_config

@@ -26,12 +26,12 @@ openai = pytest.importorskip("openai", reason="these tests use the openai client
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from vmemkv.cache_config import CacheStats
-from vmemkv.engine.async_engine import AsyncEngine, EngineDeadError
-from vmemkv.engine.detokenizer import IncrementalDetokenizer
-from vmemkv.engine.metrics import EngineMetrics
-from vmemkv.engine.outputs import CompletionOutput, RequestOutput
-from vmemkv.engine.sampling_params import SamplingParams
+from vmemkv.cache.config import CacheStats
+from vmemkv.engine.serving.async_engine import AsyncEngine, EngineDeadError
+from vmemkv.engine.core.detokenizer import IncrementalDetokenizer
+from vmemkv.engine.core.metrics import EngineMetrics
+from vmemkv.engine.core.outputs import CompletionOutput, RequestOutput
+from vmemkv.engine.core.sampling_params import SamplingParams
 from vmemkv.errors import RequestTooLongError
 
 from serving import running_server  # noqa: E402

@@ -19,9 +19,9 @@ msgpack = pytest.importorskip("msgpack", reason="KV events need msgpack (pip ins
 
 from vmemkv import CacheKeys
 from vmemkv.engine import EngineConfig, LLMEngine
-from vmemkv.engine.async_engine import AsyncEngine
-from vmemkv.engine.server import tenant_salt
-from vmemkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from vmemkv.engine.serving.async_engine import AsyncEngine
+from vmemkv.engine.serving.server import tenant_salt
+from vmemkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 
 from serving import running_server  # noqa: E402
 

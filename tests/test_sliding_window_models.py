@@ -20,8 +20,8 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, 
                           MistralConfig, Qwen2Config)
 
 from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
-from vmemkv.engine.llm_engine import run_to_completion
-from vmemkv.engine.models import byte_tokenizer
+from vmemkv.engine.core.llm_engine import run_to_completion
+from vmemkv.engine.models.zoo import byte_tokenizer
 from vmemkv.integrations.transformers_cache import VmemkvCache, cache_kwarg
 
 WINDOW = 3

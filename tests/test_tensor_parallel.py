@@ -23,11 +23,11 @@ from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
 from vmemkv.engine.distributed import TensorParallelError
 from vmemkv.engine.distributed.recorder import BackendRecorder, Recording, replay, state_digest
 from vmemkv.engine.distributed.sharding import check_shardable
-from vmemkv.engine.models import byte_tokenizer, load_model, model_config
+from vmemkv.engine.models.zoo import byte_tokenizer, load_model, model_config
 from vmemkv.errors import ConfigError, UnsupportedModelError
-from vmemkv.attention_spec import SLIDING, AttentionSpec
-from vmemkv.swap import SwapSpace
-from vmemkv.vmm import create_backend
+from vmemkv.cache.attention_spec import SLIDING, AttentionSpec
+from vmemkv.cache.swap import SwapSpace
+from vmemkv.memory.vmm import create_backend
 
 TP = dict(tensor_parallel_size=2, tensor_parallel_check=True, tensor_parallel_timeout=30)
 

@@ -18,7 +18,7 @@ import httpx  # noqa: E402 - after the skips: the server's packages
 
 from test_engine_correctness import make_engine  # noqa: E402
 from test_tensor_parallel import TP  # noqa: E402
-from vmemkv.engine.server import run_server  # noqa: E402
+from vmemkv.engine.serving.server import run_server  # noqa: E402
 
 
 @pytest.mark.spawns

@@ -11,8 +11,8 @@ import torch
 
 from vmemkv.cli import build_parser, engine_config_from_args
 from vmemkv.engine import EngineConfig, LLMEngine
-from vmemkv.engine.llm import LLM
-from vmemkv.engine.threads import available_cores, default_threads
+from vmemkv.engine.core.llm import LLM
+from vmemkv.engine.core.threads import available_cores, default_threads
 from vmemkv.errors import ConfigError
 
 SMALL = dict(max_num_seqs=2, max_model_len=64)
@@ -42,7 +42,7 @@ def test_the_engine_applies_threads_and_none_leaves_them(restore_threads):
 
 
 def test_llm_and_the_cli_default_to_the_usable_cores_less_one(restore_threads, monkeypatch):
-    monkeypatch.setattr("vmemkv.engine.llm.default_threads", lambda: 1)
+    monkeypatch.setattr("vmemkv.engine.core.llm.default_threads", lambda: 1)
     torch.set_num_threads(2)
     LLM(**SMALL).engine.close()
     assert torch.get_num_threads() == 1

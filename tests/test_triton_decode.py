@@ -386,7 +386,7 @@ def test_gpu_slot_stride_past_2_to_the_31_elements():
 
 def _cuda_bindings_missing() -> bool:
     try:
-        from vmemkv.vmm.cuda import load_driver
+        from vmemkv.memory.vmm.cuda import load_driver
         load_driver()
     except Exception:  # noqa: BLE001 - any failure to load the driver means: skip
         return True

@@ -19,12 +19,12 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, 
 import vmemkv
 from vmemkv.integrations.transformers_cache import VmemkvCache
 from vmemkv.engine import EngineConfig, LLMEngine
-from vmemkv.engine.llm_engine import run_to_completion
-from vmemkv.engine.model_runner import _attention
-from vmemkv.engine.models import byte_tokenizer
-from vmemkv.engine.sampling_params import SamplingParams
+from vmemkv.engine.core.llm_engine import run_to_completion
+from vmemkv.engine.core.model_runner import _attention
+from vmemkv.engine.models.zoo import byte_tokenizer
+from vmemkv.engine.core.sampling_params import SamplingParams
 from vmemkv.errors import UnsupportedModelError
-from vmemkv.hf_support import check_attention_supported, layer_kinds
+from vmemkv.engine.models.hf_support import check_attention_supported, layer_kinds
 
 WINDOW = 16
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vmemkv.errors import ConfigError, MappingError, MappingLimitError
-from vmemkv.vmm import CpuBackend, MapStats, VirtualMemoryBackend, VirtualRange, create_backend
-from vmemkv.vmm.cpu import count_range_mappings, huge_page_info, process_mapping_budget
+from vmemkv.memory.vmm import CpuBackend, MapStats, VirtualMemoryBackend, VirtualRange, create_backend
+from vmemkv.memory.vmm.cpu import count_range_mappings, huge_page_info, process_mapping_budget
 
 # A machine that did not build the C extension (a GPU box) skips this file instead of erroring.
 _native = pytest.importorskip("vmemkv._native", reason="the C extension vmemkv._native is not built")
@@ -478,7 +478,7 @@ def test_create_backend_picks_the_cpu_backend():
 def test_the_backend_reports_its_mapping_granularity(monkeypatch):
     import mmap
 
-    from vmemkv.vmm import device_granularity
+    from vmemkv.memory.vmm import device_granularity
 
     assert CpuBackend.granularity == mmap.PAGESIZE == device_granularity("cpu")
     with CpuBackend(PAGE, 4) as backend:

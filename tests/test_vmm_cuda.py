@@ -2,7 +2,7 @@
 
 The first half runs everywhere: the pure logic the backend uses (run coalescing, the driver
 result check against a fake driver, index validation, the DLPack view builder on CPU memory,
-page copies through a window: ``vmemkv.vmm.cuda``, ``cuda_driver``, ``dlpack`` and the shared
+page copies through a window: ``vmemkv.memory.vmm.cuda``, ``cuda_driver``, ``dlpack`` and the shared
 checks in ``base``), and the backend's driver protocol against a strict fake driver. The second half, ``TestOnGpu``, needs a CUDA GPU and
 cuda-python and is skipped with the reason otherwise; ``experiments/gpu_check.sh`` runs it.
 """
@@ -25,10 +25,10 @@ import pytest
 import torch
 
 from vmemkv.errors import ConfigError, CudaDriverError, MappingError
-from vmemkv.vmm import base as vbase
-from vmemkv.vmm import cuda as vcuda
-from vmemkv.vmm import dlpack
-from vmemkv.vmm.base import VirtualRange
+from vmemkv.memory.vmm import base as vbase
+from vmemkv.memory.vmm import cuda as vcuda
+from vmemkv.memory.vmm import dlpack
+from vmemkv.memory.vmm.base import VirtualRange
 
 
 def _has_cuda_python() -> bool:
@@ -461,7 +461,7 @@ def fake(monkeypatch):
 
 class TestProtocolAgainstFakeDriver:
     def test_granularity_comes_from_the_driver(self, fake):
-        from vmemkv.vmm import device_granularity
+        from vmemkv.memory.vmm import device_granularity
 
         fake.GRANULARITY = 4 << 20
         assert device_granularity("cuda:0") == vcuda.CudaBackend.device_granularity(0) == 4 << 20
@@ -854,7 +854,7 @@ class TestOnGpu:
         # A fault poisons the CUDA context for good, so it happens in a child process.
         script = textwrap.dedent("""
             import torch
-            from vmemkv.vmm.cuda import CudaBackend
+            from vmemkv.memory.vmm.cuda import CudaBackend
             b = CudaBackend(num_pages=2)
             r = b.reserve(2)
             b.map(r, [0], [1])

@@ -18,12 +18,12 @@ from transformers import AutoModelForCausalLM, Gemma2Config, MistralConfig
 
 from vmemkv import CacheConfig, ConfigError, KVCacheManager, KVRequest, RequestStateError
 from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
-from vmemkv.engine.llm_engine import run_to_completion
-from vmemkv.engine.metrics import EngineMetrics
-from vmemkv.engine.models import byte_tokenizer
-from vmemkv.hf_support import cache_config_for, uniform_window
-from vmemkv.request import RELEASED
-from vmemkv.window import first_needed_block, peak_blocks, windowed_prefix_hits
+from vmemkv.engine.core.llm_engine import run_to_completion
+from vmemkv.engine.core.metrics import EngineMetrics
+from vmemkv.engine.models.zoo import byte_tokenizer
+from vmemkv.engine.models.hf_support import cache_config_for, uniform_window
+from vmemkv.cache.request import RELEASED
+from vmemkv.cache.window import first_needed_block, peak_blocks, windowed_prefix_hits
 
 from conftest import assert_no_leaks, close_manager, read_kv_matches, write_kv
 from test_vmm_cuda import fake  # noqa: F401 -- the fake CUDA driver fixture
@@ -330,8 +330,8 @@ def test_pages_behind_the_window_point_at_the_hole_page_where_the_backend_needs_
     """On CUDA, FlashAttention may load a tile before the window start, so released pages point
     at one shared hole page instead of being unmapped (shown here on the CPU backend, which maps
     one page at many addresses as cuMemMap does)."""
-    from vmemkv.slots import SlotMapper
-    from vmemkv.vmm import CpuBackend
+    from vmemkv.memory.slots import SlotMapper
+    from vmemkv.memory.vmm import CpuBackend
 
     config = CacheConfig(num_layers=1, num_kv_heads=2, head_dim=128, dtype=torch.float32,
                          tokens_per_page=P, num_blocks=12, max_num_seqs=2, max_model_len=64)
@@ -377,7 +377,7 @@ def test_the_block_table_a_kernel_gets_for_released_blocks(kind):
     the request's first held block there in its arguments (written K/V, finite; masked rows)."""
     from vmemkv.attention.choice import AttentionChoice
     from vmemkv.attention.flash_args import block_varlen_args
-    from vmemkv.engine.addressing import BlockTableAddressing
+    from vmemkv.engine.core.addressing import BlockTableAddressing
 
     m = make_manager(kv_backend="paged")
     req = KVRequest("a", list(range(1, 21)))

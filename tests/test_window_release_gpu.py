@@ -37,8 +37,8 @@ def mistral():
 
 def generate(kv_backend: str, attention: str, release: bool) -> tuple[list[list[int]], int]:
     from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
-    from vmemkv.engine.llm_engine import run_to_completion
-    from vmemkv.engine.models import byte_tokenizer
+    from vmemkv.engine.core.llm_engine import run_to_completion
+    from vmemkv.engine.models.zoo import byte_tokenizer
 
     class Config(EngineConfig):
         def cache_config(self, model):  # keeping every block: the manager without the window

@@ -5,21 +5,24 @@ while physical pages come from a reference-counted pool with prefix caching, cop
 preemption. See README.md for the API.
 """
 
-from .errors import (BlockStateError, ConfigError, CudaDriverError, InvalidInputError,
-                     InvalidStateError, ManagerClosedError, MappingError, MappingLimitError,
-                     NativeExtensionError, OutOfBlocksError, RequestStateError, RequestTooLongError,
-                     UnsupportedModelError, VmemkvError)
-from .errors import deprecated_name as _deprecated_name
-from .hashing import CacheKeys, MultimodalItem
-from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventBuffer
-from .kv_metrics import KVMetricsCollector
-from .layout import KVLayout
-from .cache_config import CacheConfig, CacheStats, PreemptionEstimate
-from .manager import KVCacheManager, PrefixCacheBusyError, UnknownRequestError
-from .pool import BlockPool
-from .request import KVRequest
-from .slots import NoFreeSlotError
-from .swap import OutOfSwapSpaceError
+from vmemkv.errors import (BlockStateError, ConfigError, CudaDriverError, InvalidInputError,
+                           InvalidStateError, ManagerClosedError, MappingError, MappingLimitError,
+                           NativeExtensionError, OutOfBlocksError, RequestStateError, RequestTooLongError,
+                           UnsupportedModelError, VmemkvError)
+from vmemkv.errors import deprecated_name as _deprecated_name
+from vmemkv.cache.hashing import CacheKeys, MultimodalItem
+from vmemkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventBuffer
+from vmemkv.cache.metrics import KVMetricsCollector
+from vmemkv.memory.layout import KVLayout
+from vmemkv.cache.config import CacheConfig, CacheStats, PreemptionEstimate
+from vmemkv.cache.manager import KVCacheManager, PrefixCacheBusyError, UnknownRequestError
+from vmemkv.cache.pool import BlockPool
+from vmemkv.cache.request import KVRequest
+from vmemkv.memory.slots import NoFreeSlotError
+from vmemkv.cache.swap import OutOfSwapSpaceError
+from vmemkv import _moved
+
+_moved.install()  # the modules' paths before the concept folders, for one release
 
 __version__ = "0.1.0"
 
@@ -48,6 +51,6 @@ def __getattr__(name: str):
         return _deprecated_name(__name__, name)
     # The engine pulls in transformers; load it only when asked for.
     if name in _ENGINE_NAMES:
-        from . import engine
+        from vmemkv import engine
         return getattr(engine, name)
     raise AttributeError(f"module 'vmemkv' has no attribute {name!r}")

@@ -24,7 +24,7 @@ class HelpFormatter(argparse.HelpFormatter):
             return text
         default = action.default
         if default is None:
-            from vmemkv.engine.config import EngineConfig
+            from vmemkv.engine.core.config import EngineConfig
 
             field = EngineConfig.__dataclass_fields__.get(action.dest)
             default = None if field is None else field.default
@@ -95,8 +95,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace):
     """An ``EngineConfig`` from parsed ``add_engine_args`` options."""
-    from vmemkv.engine.config import EngineConfig
-    from vmemkv.engine.threads import default_threads
+    from vmemkv.engine.core.config import EngineConfig
+    from vmemkv.engine.core.threads import default_threads
 
     device = args.device or _default_device()
     dtype = args.dtype
@@ -139,8 +139,8 @@ def _default_device() -> str:
 
 
 def _build_engine(args: argparse.Namespace):
-    from vmemkv.engine.llm_engine import LLMEngine
-    from vmemkv.engine.models import is_random_weight, random_weight_notice
+    from vmemkv.engine.core.llm_engine import LLMEngine
+    from vmemkv.engine.models.zoo import is_random_weight, random_weight_notice
 
     if is_random_weight(args.model):
         print(f"vmemkv: note: {random_weight_notice(args.model)}", file=sys.stderr)
@@ -183,7 +183,7 @@ def _add_generate_parser(subparsers) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from vmemkv.engine.sampling_params import SamplingParams
+    from vmemkv.engine.core.sampling_params import SamplingParams
 
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p,
@@ -207,7 +207,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _chat_ids(engine, args: argparse.Namespace, prompt: str) -> list[int]:
-    from vmemkv.engine.chat import chat_prompt_ids
+    from vmemkv.engine.core.chat import chat_prompt_ids
 
     messages = [{"role": "system", "content": args.system}] if args.system is not None else []
     return chat_prompt_ids(engine.tokenizer, [*messages, {"role": "user", "content": prompt}],
@@ -260,7 +260,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.cache_salt_per_api_key and not (args.api_key or api_keys):
         raise ValueError("--cache-salt-per-api-key needs --api-key or --api-keys-file")
     try:
-        from vmemkv.engine.server import run_server
+        from vmemkv.engine.serving.server import run_server
     except ModuleNotFoundError as exc:  # a machine without the server's packages (the GPU image)
         if exc.name not in ("fastapi", "uvicorn", "starlette"):
             raise

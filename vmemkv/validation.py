@@ -60,9 +60,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .cache_config import CacheConfig
-from .errors import ConfigError, InvalidInputError, ManagerClosedError
-from .hashing import CacheKeys, MultimodalItem
+from vmemkv.cache.config import CacheConfig
+from vmemkv.errors import ConfigError, InvalidInputError, ManagerClosedError
+from vmemkv.cache.hashing import CacheKeys, MultimodalItem
 
 TOKEN_ID_LIMIT = 2 ** 63  # ids are hashed as int64
 PREEMPT_MODES = ("recompute", "swap", "auto")

@@ -37,8 +37,8 @@ DEFAULT_REPEATS = 3
 def add_ab_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``vmemkv ab`` options. It brings its own ``--model``: don't combine with
     ``vmemkv.cli.add_engine_args`` (each workload sets its own engine sizes)."""
-    from .variants import DEFAULT_VARIANTS, KEEP_VARIANTS, VARIANTS
-    from .workloads import DEFAULT_WORKLOADS, REAL_MODEL_WORKLOADS, WORKLOADS
+    from vmemkv.ab.variants import DEFAULT_VARIANTS, KEEP_VARIANTS, VARIANTS
+    from vmemkv.ab.workloads import DEFAULT_WORKLOADS, REAL_MODEL_WORKLOADS, WORKLOADS
 
     parser.add_argument("--workloads", default=None,
                         help=f"comma-separated, from {', '.join(WORKLOADS)} (default: "
@@ -121,10 +121,10 @@ def command_line(args: argparse.Namespace, repeats: int) -> str:
 
 
 def run_ab(args: argparse.Namespace) -> int:
-    from . import report
-    from .runner import run_experiment
-    from .variants import VARIANTS, default_variants
-    from .workloads import WORKLOADS, default_workloads
+    from vmemkv.ab import report
+    from vmemkv.ab.runner import run_experiment
+    from vmemkv.ab.variants import VARIANTS, default_variants
+    from vmemkv.ab.workloads import WORKLOADS, default_workloads
 
     if args.workloads is None:
         args.workloads = ",".join(default_workloads(args.model))

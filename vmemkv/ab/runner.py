@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.config import EngineConfig
-from ..engine.llm_engine import LLMEngine
-from ..engine.metrics import percentile
-from ..engine.models import load_model
-from ..engine.sampling_params import SamplingParams
-from .variants import REFERENCE_VARIANT, VARIANTS, Variant
-from .workloads import Workload, make_workload
+from vmemkv.engine.core.config import EngineConfig
+from vmemkv.engine.core.llm_engine import LLMEngine
+from vmemkv.engine.core.metrics import percentile
+from vmemkv.engine.models.zoo import load_model
+from vmemkv.engine.core.sampling_params import SamplingParams
+from vmemkv.ab.variants import REFERENCE_VARIANT, VARIANTS, Variant
+from vmemkv.ab.workloads import Workload, make_workload
 
 
 # Every run's metrics dict has exactly these keys (all numbers).

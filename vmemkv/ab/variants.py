@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .workloads import make_workload
+from vmemkv.ab.workloads import make_workload
 
 
 @dataclass(frozen=True)

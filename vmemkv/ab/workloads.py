@@ -37,10 +37,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 
-from ..engine.chat import chat_prompt_ids, has_chat_template
-from ..hf_support import hybrid_layer_windows, uniform_window
-from ..window import peak_blocks
-from ..engine.sampling_params import SamplingParams
+from vmemkv.engine.core.chat import chat_prompt_ids, has_chat_template
+from vmemkv.engine.models.hf_support import hybrid_layer_windows, uniform_window
+from vmemkv.cache.window import peak_blocks
+from vmemkv.engine.core.sampling_params import SamplingParams
 
 TOKEN_MIN, TOKEN_MAX = 1, 250
 DEFAULT_TOKENS_PER_PAGE = 16  # EngineConfig's default on CPU
@@ -352,7 +352,7 @@ def window(seed: int = 0, quick: bool = False,
     blocks behind the window go back to the pool. Both kinds of variant give them back (the
     block-table baseline as vLLM's hybrid manager does): the A/B compares peak KV per request and
     preemptions (none may happen), and the greedy tokens."""
-    from ..engine.models import TINY_MISTRAL_WINDOW
+    from vmemkv.engine.models.zoo import TINY_MISTRAL_WINDOW
 
     rng = random.Random(f"window-{seed}")
     count, output = (3, 384) if quick else (6, 768)
@@ -382,7 +382,7 @@ def hybrid(seed: int = 0, quick: bool = False,
     back their blocks behind the window; a variant keeping every block (``vmem-keep``,
     ``paged-keep``) fits fewer at once and preempts. The A/B compares KV per request, how many
     requests ran at once, and the greedy tokens."""
-    from ..engine.models import TINY_GEMMA2_WINDOW
+    from vmemkv.engine.models.zoo import TINY_GEMMA2_WINDOW
 
     rng = random.Random(f"hybrid-{seed}")
     count, output = (3, 384) if quick else (6, 768)
@@ -518,7 +518,7 @@ REAL_MODEL_WORKLOADS = ("chat-real", "pressure")
 
 
 def default_workloads(model_name: str) -> tuple[str, ...]:
-    from ..engine.models import is_random_weight
+    from vmemkv.engine.models.zoo import is_random_weight
 
     return DEFAULT_WORKLOADS if is_random_weight(model_name) else REAL_MODEL_WORKLOADS
 

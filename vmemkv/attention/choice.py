@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError
-from .flash_args import (FlashUnsupportedError, block_varlen_args, fa2_block_size_supported,
-                         flatten_slots, slot_geometry, slot_varlen_args)
-from .flash_kernels import FlashKernel, flash_kernel_for, kvcache_batch_index_safe, shape_supported
-from .flash_reference import varlen_attention_reference
-from .packed import SequenceSpan
+from vmemkv.errors import ConfigError
+from vmemkv.attention.flash_args import (FlashUnsupportedError, block_varlen_args, fa2_block_size_supported,
+                                         flatten_slots, slot_geometry, slot_varlen_args)
+from vmemkv.attention.flash_kernels import FlashKernel, flash_kernel_for, kvcache_batch_index_safe, shape_supported
+from vmemkv.attention.flash_reference import varlen_attention_reference
+from vmemkv.attention.packed import SequenceSpan
 
 KINDS = ("auto", "flash", "triton", "sdpa")
 
@@ -62,7 +62,7 @@ def choose_attention(requested: str, device: torch.device, kv_backend: str, dtyp
                 raise ConfigError(f"attention='flash' cannot run here: {exc}") from exc
             why_not = str(exc)
     try:
-        from . import triton_decode  # noqa: F401
+        from vmemkv.attention import triton_decode  # noqa: F401
     except ImportError:
         if requested == "triton":
             raise

@@ -8,13 +8,13 @@ from typing import Callable, Protocol
 
 import torch
 
-from .metadata import StepMetadata
-from .packed import PackedAttention, SequenceSpan
-from .slot_batch import DecodeBatch, slot_runs, worth_batching
+from vmemkv.attention.metadata import StepMetadata
+from vmemkv.attention.packed import PackedAttention, SequenceSpan
+from vmemkv.attention.slot_batch import DecodeBatch, slot_runs, worth_batching
 
 
 class SlotReads(Protocol):
-    """What batched reads need from the slot mapper (``vmemkv.slots.SlotMapper``)."""
+    """What batched reads need from the slot mapper (``vmemkv.memory.slots.SlotMapper``)."""
 
     num_layers: int
 
@@ -84,7 +84,7 @@ class ContiguousAttention(PackedAttention):
         return k_cache[batch.lo:end, start:batch.read_len], v_cache[batch.lo:end, start:batch.read_len]
 
     def decode(self, layer, q, scale, **variant):
-        from .triton_decode import decode_attention_contiguous
+        from vmemkv.attention.triton_decode import decode_attention_contiguous
 
         k_cache, v_cache = self.kv_views(layer)
         return decode_attention_contiguous(q, k_cache, v_cache, self.decode_slots, self.decode_lens,

@@ -17,12 +17,12 @@ from typing import Callable
 
 import torch
 
-from .contiguous import ContiguousAttention
-from .flash_args import VarlenArgs, block_varlen_args, flatten_slots, slot_varlen_args
-from .flash_kernels import FlashKernel, package_kvcache_decode
-from .metadata import StepMetadata
-from .packed import SequenceSpan
-from .paged import BlockTableAttention
+from vmemkv.attention.contiguous import ContiguousAttention
+from vmemkv.attention.flash_args import VarlenArgs, block_varlen_args, flatten_slots, slot_varlen_args
+from vmemkv.attention.flash_kernels import FlashKernel, package_kvcache_decode
+from vmemkv.attention.metadata import StepMetadata
+from vmemkv.attention.packed import SequenceSpan
+from vmemkv.attention.paged import BlockTableAttention
 
 
 def _stage_varlen(staged: StepMetadata, args: VarlenArgs) -> None:

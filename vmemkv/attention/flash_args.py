@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..request import RELEASED
-from .packed import SequenceSpan
+from vmemkv.cache.request import RELEASED
+from vmemkv.attention.packed import SequenceSpan
 
 INT32_MAX = 2**31 - 1
 FA2_BLOCK_MULTIPLE = 256  # FlashAttention-2's paged KV needs blocks of a multiple of 256 tokens

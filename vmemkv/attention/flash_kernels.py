@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from .flash_args import FlashUnsupportedError, INT32_MAX
+from vmemkv.attention.flash_args import FlashUnsupportedError, INT32_MAX
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 

@@ -21,10 +21,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .metadata import StepMetadata
-from .slot_batch import DecodeBatch, attend
-from .variants import (causal_chunk_mask, causal_window_mask, chunk_start, explicit_attention,
-                       needs_explicit, window_start)
+from vmemkv.attention.metadata import StepMetadata
+from vmemkv.attention.slot_batch import DecodeBatch, attend
+from vmemkv.attention.variants import (causal_chunk_mask, causal_window_mask, chunk_start, explicit_attention,
+                                       needs_explicit, window_start)
 
 
 class SequenceSpan(NamedTuple):

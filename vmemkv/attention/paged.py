@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from .metadata import StepMetadata
-from .packed import PackedAttention, SequenceSpan
-from .slot_batch import DecodeBatch, gather_padded, worth_batching
+from vmemkv.attention.metadata import StepMetadata
+from vmemkv.attention.packed import PackedAttention, SequenceSpan
+from vmemkv.attention.slot_batch import DecodeBatch, gather_padded, worth_batching
 
 
 class BlockTableAttention(PackedAttention):
@@ -105,7 +105,7 @@ class BlockTableAttention(PackedAttention):
         return ids
 
     def decode(self, layer, q, scale, **variant):
-        from .triton_decode import decode_attention_paged
+        from vmemkv.attention.triton_decode import decode_attention_paged
 
         k_blocks, v_blocks = self.block_views(layer)
         return decode_attention_paged(q, k_blocks, v_blocks, self.decode_tables, self.decode_lens,

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .variants import explicit_attention, needs_explicit
+from vmemkv.attention.variants import explicit_attention, needs_explicit
 
 if TYPE_CHECKING:  # packed imports this module
-    from .packed import SequenceSpan
+    from vmemkv.attention.packed import SequenceSpan
 
 # Batch when padding to the longest costs less than the per-sequence calls it saves. Measured on
 # CPU (one thread, caches flushed between calls as a forward's weights do, 4-32 decodes of 64-256

@@ -44,7 +44,7 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
         "vmemkv.attention.triton_decode needs Triton (pip install triton); "
         "use the SDPA attention (vmemkv.attention.ContiguousAttention) without it") from exc
 
-from .decode_checks import check_inputs, check_values, check_variant
+from vmemkv.attention.decode_checks import check_inputs, check_values, check_variant
 
 __all__ = ["decode_attention_contiguous", "decode_attention_paged", "default_num_splits", "triton_interprets"]
 

@@ -1,9 +1,9 @@
 """The serving engine: continuous batching of Hugging Face models with the KV cache in vmemkv."""
 
-from .config import EngineConfig
-from .llm import LLM
-from .llm_engine import LLMEngine
-from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+from vmemkv.engine.core.config import EngineConfig
+from vmemkv.engine.core.llm import LLM
+from vmemkv.engine.core.llm_engine import LLMEngine
+from vmemkv.engine.core.outputs import CompletionOutput, RequestOutput
+from vmemkv.engine.core.sampling_params import SamplingParams
 
 __all__ = ["EngineConfig", "LLM", "LLMEngine", "CompletionOutput", "RequestOutput", "SamplingParams"]

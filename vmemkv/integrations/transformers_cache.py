@@ -70,12 +70,12 @@ from typing import Self
 import torch
 from transformers.cache_utils import Cache
 
-from ..errors import ConfigError, InvalidInputError, InvalidStateError, OutOfBlocksError
-from ..manager import KVCacheManager
-from .transformers_layer import _VmemkvLayer
-from .transformers_model import cache_kwarg, layer_windows, manager_for
-from .transformers_prefix import _PrefixReuse
-from .transformers_rows import _RowBookkeeping, _Row, blocks_free
+from vmemkv.errors import ConfigError, InvalidInputError, InvalidStateError, OutOfBlocksError
+from vmemkv.cache.manager import KVCacheManager
+from vmemkv.integrations.transformers_layer import _VmemkvLayer
+from vmemkv.integrations.transformers_model import cache_kwarg, layer_windows, manager_for
+from vmemkv.integrations.transformers_prefix import _PrefixReuse
+from vmemkv.integrations.transformers_rows import _RowBookkeeping, _Row, blocks_free
 
 __all__ = ["VmemkvCache", "cache_kwarg", "layer_windows", "manager_for"]
 

@@ -9,7 +9,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 if TYPE_CHECKING:
-    from .transformers_cache import VmemkvCache
+    from vmemkv.integrations.transformers_cache import VmemkvCache
 
 
 class _VmemkvLayer(CacheLayerMixin):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import inspect
 
-from ..hf_support import cache_config_for, check_attention_supported, hybrid_layer_windows
-from ..manager import KVCacheManager
+from vmemkv.engine.models.hf_support import cache_config_for, check_attention_supported, hybrid_layer_windows
+from vmemkv.cache.manager import KVCacheManager
 
 
 def manager_for(model, max_batch_size: int, max_cache_len: int, num_blocks: int | None = None,

@@ -10,8 +10,8 @@ import inspect
 
 import torch
 
-from ..errors import ConfigError, InvalidStateError
-from .transformers_model import cache_kwarg
+from vmemkv.errors import ConfigError, InvalidStateError
+from vmemkv.integrations.transformers_model import cache_kwarg
 
 
 class _PrefixReuse:

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError, OutOfBlocksError
-from ..hashing import CacheKeys
-from ..request import KVRequest
-from ..slots import NoFreeSlotError
+from vmemkv.errors import ConfigError, OutOfBlocksError
+from vmemkv.cache.hashing import CacheKeys
+from vmemkv.cache.request import KVRequest
+from vmemkv.memory.slots import NoFreeSlotError
 
 
 def blocks_free(manager) -> str:

@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ...errors import VmemkvError
+from vmemkv.errors import VmemkvError
 
 IDLE_TIMEOUT = timedelta(days=365)  # the step-message group: workers wait there while idle
 START_TIMEOUT = timedelta(minutes=10)  # every rank started and its model loaded

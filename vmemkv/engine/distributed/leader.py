@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..config import EngineConfig
-from ..model_runner import ModelRunner
-from .group import (TensorParallelError, join, launched_by_torchrun, leave, local_rendezvous,
-                    rank_device, torchrun_rendezvous)
-from .sharding import check_shardable, shard_model
-from .step import StepMessage, batched_reads_of, broadcast, check_digests, shard_manager
-from .worker import run_worker, spawned_worker
+from vmemkv.engine.core.config import EngineConfig
+from vmemkv.engine.core.model_runner import ModelRunner
+from vmemkv.engine.distributed.group import (TensorParallelError, join, launched_by_torchrun, leave, local_rendezvous,
+                                             rank_device, torchrun_rendezvous)
+from vmemkv.engine.distributed.sharding import check_shardable, shard_model
+from vmemkv.engine.distributed.step import StepMessage, batched_reads_of, broadcast, check_digests, shard_manager
+from vmemkv.engine.distributed.worker import run_worker, spawned_worker
 
 STOP_WAIT_S = 10.0  # how long close() waits for spawned workers to stop by themselves
 TERMINATE_WAIT_S = 2.0  # then how long for SIGTERM before SIGKILL

@@ -30,8 +30,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ...swap import SwapSpace
-from ...vmm.base import VirtualMemoryBackend, VirtualRange, index_array
+from vmemkv.cache.swap import SwapSpace
+from vmemkv.memory.vmm.base import VirtualMemoryBackend, VirtualRange, index_array
 
 LogEntry = tuple  # (group, "map", range index, virtual, physical), (group, "copy", src, dst), ...
 

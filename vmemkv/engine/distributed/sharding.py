@@ -23,8 +23,8 @@ import re
 import torch
 import torch.distributed as dist
 
-from ...errors import ConfigError, UnsupportedModelError
-from ...hf_support import kv_shape, text_config
+from vmemkv.errors import ConfigError, UnsupportedModelError
+from vmemkv.engine.models.hf_support import kv_shape, text_config
 
 
 def check_shardable(model_config, size: int) -> None:

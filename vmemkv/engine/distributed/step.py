@@ -19,17 +19,17 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from ...attention import SequenceSpan
-from ...cache_config import CacheConfig
-from ...attention_spec import CHUNKED, AttentionSpec
-from ...hf_support import hybrid_layer_windows, layer_chunks
-from ...kv_metrics import KVMetricsCollector
-from ...manager import KVCacheManager
-from ...kv_memory import backend_pages
-from ...vmm import create_backend
-from ..config import EngineConfig
-from .recorder import BackendRecorder, Recording, SwapRecorder
-from .group import Groups, TensorParallelError
+from vmemkv.attention import SequenceSpan
+from vmemkv.cache.config import CacheConfig
+from vmemkv.cache.attention_spec import CHUNKED, AttentionSpec
+from vmemkv.engine.models.hf_support import hybrid_layer_windows, layer_chunks
+from vmemkv.cache.metrics import KVMetricsCollector
+from vmemkv.cache.manager import KVCacheManager
+from vmemkv.cache.memory import backend_pages
+from vmemkv.memory.vmm import create_backend
+from vmemkv.engine.core.config import EngineConfig
+from vmemkv.engine.distributed.recorder import BackendRecorder, Recording, SwapRecorder
+from vmemkv.engine.distributed.group import Groups, TensorParallelError
 
 
 HEADER_BYTES = 1024  # the first broadcast of every step: the size, and the message when it fits

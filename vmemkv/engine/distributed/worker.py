@@ -14,15 +14,15 @@ import sys
 
 import torch
 
-from ...hf_support import text_config
-from ..addressing import choose_addressing
-from ..config import EngineConfig
-from ..model_runner import ModelRunner
-from ..models import load_model
-from .group import Rendezvous, join, leave, rank_device
-from .recorder import replay, state_digest
-from .sharding import shard_model
-from .step import check_digests, receive, shard_manager
+from vmemkv.engine.models.hf_support import text_config
+from vmemkv.engine.core.addressing import choose_addressing
+from vmemkv.engine.core.config import EngineConfig
+from vmemkv.engine.core.model_runner import ModelRunner
+from vmemkv.engine.models.zoo import load_model
+from vmemkv.engine.distributed.group import Rendezvous, join, leave, rank_device
+from vmemkv.engine.distributed.recorder import replay, state_digest
+from vmemkv.engine.distributed.sharding import shard_model
+from vmemkv.engine.distributed.step import check_digests, receive, shard_manager
 
 
 def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:

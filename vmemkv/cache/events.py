@@ -1,0 +1,239 @@
+"""KV events: what enters and leaves the prefix cache, for routers and observers.
+
+The block pool emits one event each time its content-hash index changes:
+
+* ``BlockStored``: a block's content hash is newly registered (a full block was computed and no
+  other block already held that content). It carries the hash, the parent's hash (None for the
+  first block of a prompt), the block's token ids, the block size and the tier (``medium``).
+* ``BlockRemoved``: cached blocks were evicted (their hashes are forgotten) to be handed out again.
+* ``AllBlocksCleared``: the prefix cache was reset; every hash is forgotten.
+
+A hash registered again after its block was evicted is stored again. Replaying the events in
+order therefore rebuilds exactly the set of hashes the pool can hit, and which tokens each holds.
+
+Each event names its tier (``medium``): ``"GPU"`` for the device pool, ``"CPU"`` for the prefix
+cache's host tier (``host_tier.py``). A block evicted from the device and copied to the host tier
+(demoted) sends ``BlockRemoved(medium="GPU")`` then ``BlockStored(medium="CPU")`` with the same
+hash, parent and tokens; a host hit copied back (promoted) sends ``BlockRemoved(medium="CPU")``
+then ``BlockStored(medium="GPU")``; a block dropped from the full host tier sends
+``BlockRemoved(medium="CPU")``. ``AllBlocksCleared`` clears both tiers. Replaying the events of
+one medium rebuilds that tier's hashes; a hash may be in both tiers at once (content computed
+again on the device while its demoted copy still waits on the host).
+
+The shapes are vLLM's (``vllm/distributed/kv_events.py``), so routers written for vLLM read them:
+``encode_batch`` turns a batch into msgpack-ready arrays, ``[ts, [event, ...]]`` with each event
+``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]``,
+``["BlockRemoved", block_hashes, medium]`` or ``["AllBlocksCleared"]`` (msgspec's array-like,
+tagged structs). Hashes are the 32-byte digests of ``hashing.py``, sent as msgpack binary.
+
+**Layer groups.** A hybrid model's KV cache (``KVCacheManager`` with ``layer_windows``) keeps its
+local (sliding-window, chunked) and global layers in layer groups, each with its own prefix index
+(in a pool of its own, or in one pool the groups share: ``shared_sink``), so one content hash may
+be cached in one group and not the other. As vLLM's hybrid KV cache does, each group's
+``BlockStored`` carries ``group_idx`` (0: global layers, 1: local), ``kv_cache_spec_kind``
+(``"full_attention"``, ``"sliding_window"``) and ``kv_cache_spec_sliding_window`` (the window, or
+None), and each ``BlockRemoved`` its ``group_idx`` (``group_sink`` tags them). A model with one
+group sends them as None, and its encoding is the one above, unchanged. Where set, they follow
+vLLM's field order: ``BlockStored`` continues after ``medium`` with ``lora_name``, ``extra_keys``
+(both None here), ``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``;
+``BlockRemoved`` with ``group_idx``. Replaying the events of one (group, medium) rebuilds that
+group's tier.
+
+A sink is any callable taking one event: pass it as ``KVCacheManager(config, events=sink)``. It is
+called on the thread that changes the cache, inside the manager's operation, so it must be quick
+and must not call back into the manager. ``KVEventBuffer`` is a sink that keeps events until a
+caller drains them as one timestamped batch (the engine does so once per step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from vmemkv.errors import ConfigError
+
+# The tier a block lives in. vLLM's names: "GPU" is the device's KV pool (whatever the device:
+# vmemkv's CPU backend reports its pool as the device tier too); "CPU" is host memory.
+MEDIUM_DEVICE = "GPU"
+MEDIUM_HOST = "CPU"
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None  # None: the first block of a prompt
+    token_ids: list[int]  # the tokens of all the blocks, in order
+    block_size: int  # tokens per block
+    lora_id: int | None = None  # vmemkv has no adapters yet
+    medium: str = MEDIUM_DEVICE
+    group_idx: int | None = None  # the layout group (hybrid models only: see the module docstring)
+    kv_cache_spec_kind: str | None = None  # "full_attention" or "sliding_window"
+    kv_cache_spec_sliding_window: int | None = None
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hashes: list[bytes]
+    medium: str = MEDIUM_DEVICE
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    pass
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+KVEventSink = Callable[[KVCacheEvent], None]
+
+
+@dataclass
+class KVEventBatch:
+    ts: float  # seconds since the epoch (time.time()) when the batch was taken
+    events: list[KVCacheEvent] = field(default_factory=list)
+
+
+def check_sink(events: object) -> KVEventSink | None:
+    """``events`` as a sink, or a clear error when it is not callable."""
+    if events is not None and not callable(events):
+        raise ConfigError(f"events must be a callable taking one KV event (e.g. a "
+                          f"vmemkv.KVEventBuffer) or None; got {type(events).__name__}")
+    return events
+
+
+SPEC_FULL_ATTENTION = "full_attention"  # vLLM's KVCacheSpecKind values for the two groups
+SPEC_SLIDING_WINDOW = "sliding_window"
+SPEC_CHUNKED_LOCAL = "chunked_local_attention"  # this project's name; vLLM's not checked
+
+
+def group_sink(events: KVEventSink | None, group_idx: int, sliding_window: int | None = None,
+               chunked: bool = False) -> KVEventSink | None:
+    """A sink for one layout group's pool and host tier: ``events`` told each of its events with
+    the group (``group_idx``, and the kind and window of its layers on ``BlockStored``;
+    ``chunked``: a group of chunked local layers)."""
+    events = check_sink(events)
+    if events is None:
+        return None
+    kind = SPEC_CHUNKED_LOCAL if chunked else SPEC_SLIDING_WINDOW if sliding_window else SPEC_FULL_ATTENTION
+
+    def tell(event: KVCacheEvent) -> None:
+        if isinstance(event, BlockStored):
+            event = replace(event, group_idx=group_idx, kv_cache_spec_kind=kind,
+                            kv_cache_spec_sliding_window=sliding_window)
+        elif isinstance(event, BlockRemoved):
+            event = replace(event, group_idx=group_idx)
+        events(event)
+
+    return tell
+
+
+HASH_BYTES = 32  # hashing.py's digests; a later group of a shared pool keys its blocks by one byte more
+
+
+def shared_sink(events: KVEventSink | None, groups: "list[tuple[int, int | None, bool]]") -> KVEventSink | None:
+    """A sink for one pool shared by several layer groups (``groups``: each one's ``(group_idx,
+    sliding_window, chunked)``, the first group's blocks keyed by their hash, a later group's by
+    its hash and one byte, its ``group_idx``): each event goes to ``events`` once per group it
+    concerns, with the plain hashes and tagged as ``group_sink`` tags them (a reset: once for
+    every group, as separate pools would tell it)."""
+    events = check_sink(events)
+    if events is None:
+        return None
+    sinks = {index: group_sink(events, index, window, chunked) for index, window, chunked in groups}
+    first = groups[0][0]
+
+    def split(key: bytes | None) -> tuple[int, bytes | None]:
+        if key is not None and len(key) == HASH_BYTES + 1:
+            return key[-1], key[:-1]
+        return first, key
+
+    def tell(event: KVCacheEvent) -> None:
+        if isinstance(event, BlockStored):
+            index = split(event.block_hashes[0])[0]  # one group's blocks in one event
+            sinks[index](replace(event, block_hashes=[split(h)[1] for h in event.block_hashes],
+                                 parent_block_hash=split(event.parent_block_hash)[1]))
+        elif isinstance(event, BlockRemoved):
+            by_group: dict[int, list[bytes]] = {}
+            for key in event.block_hashes:
+                index, plain = split(key)
+                by_group.setdefault(index, []).append(plain)
+            for index, hashes in by_group.items():
+                sinks[index](replace(event, block_hashes=hashes))
+        else:
+            for sink in sinks.values():
+                sink(event)
+
+    return tell
+
+
+class KVEventBuffer:
+    """A sink that keeps events in order until ``drain()``. A block stored right after its parent
+    joins the parent's ``BlockStored`` (one event per run of blocks, as vLLM sends a prefill).
+    Use it from one thread (the one that runs the manager), or guard it yourself."""
+
+    def __init__(self) -> None:
+        self._events: list[KVCacheEvent] = []
+
+    def __call__(self, event: KVCacheEvent) -> None:
+        last = self._events[-1] if self._events else None
+        if (isinstance(event, BlockStored) and isinstance(last, BlockStored)
+                and event.parent_block_hash is not None
+                and event.parent_block_hash == last.block_hashes[-1]
+                and (event.block_size, event.lora_id, event.medium, event.group_idx)
+                == (last.block_size, last.lora_id, last.medium, last.group_idx)):
+            self._events[-1] = replace(last, block_hashes=last.block_hashes + event.block_hashes,
+                                       token_ids=last.token_ids + event.token_ids)
+            return
+        self._events.append(event)
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def drain(self, ts: float | None = None) -> KVEventBatch | None:
+        """The events since the last drain as one batch (None when there are none)."""
+        if not self._events:
+            return None
+        events, self._events = self._events, []
+        return KVEventBatch(time.time() if ts is None else ts, events)
+
+
+def encode_event(event: KVCacheEvent) -> list:
+    """One event as vLLM's array-like msgpack struct (the tag first, then the fields in order)."""
+    if isinstance(event, BlockStored):
+        fields = ["BlockStored", list(event.block_hashes), event.parent_block_hash,
+                  list(event.token_ids), event.block_size, event.lora_id, event.medium]
+        if event.group_idx is not None:  # lora_name and extra_keys (None), then the group
+            fields += [None, None, event.group_idx, event.kv_cache_spec_kind,
+                       event.kv_cache_spec_sliding_window]
+        return fields
+    if isinstance(event, BlockRemoved):
+        fields = ["BlockRemoved", list(event.block_hashes), event.medium]
+        return fields if event.group_idx is None else fields + [event.group_idx]
+    if isinstance(event, AllBlocksCleared):
+        return ["AllBlocksCleared"]
+    raise TypeError(f"not a KV event: {type(event).__name__}")
+
+
+def encode_batch(batch: KVEventBatch) -> list:
+    """A batch as vLLM's ``KVEventBatch`` array, ``[ts, events]`` (its data-parallel rank left
+    out, as msgspec omits a default), ready for ``msgpack.packb``."""
+    return [batch.ts, [encode_event(event) for event in batch.events]]
+
+
+def decode_event(fields: list) -> KVCacheEvent:
+    """The inverse of ``encode_event`` (for subscribers and tests)."""
+    tag, rest = fields[0], fields[1:]
+    if tag == "BlockStored":
+        hashes, parent, token_ids, block_size, lora_id, medium = rest[:6]
+        group = rest[8:11] if len(rest) > 8 else ()  # past lora_name and extra_keys
+        return BlockStored(list(hashes), parent, list(token_ids), block_size, lora_id, medium, *group)
+    if tag == "BlockRemoved":
+        return BlockRemoved(list(rest[0]), rest[1], *rest[2:3])
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise ValueError(f"unknown KV event tag {tag!r}")
+
+
+def decode_batch(fields: list) -> KVEventBatch:
+    return KVEventBatch(fields[0], [decode_event(event) for event in fields[1]])

@@ -1,0 +1,551 @@
+"""One attention group's KV cache: :class:`KVCacheGroup`, a single-type manager over the layers
+that read earlier positions by one rule (its :class:`AttentionSpec`: full attention, a sliding
+window, attention chunks), as vLLM v1's ``SingleTypeKVCacheManager``. Its blocks come from a
+:class:`vmemkv.cache.memory.KVMemory`, shared by the groups whose blocks have the same bytes; a later
+group of a shared memory keys its blocks in the prefix index by its hash and one byte (``key``),
+so a hash cached in one group never hits in another, whose block holds other layers.
+
+A group owns the virtual tensors of its layers (``slots``, one slot index shared by every group)
+and its spec's rules. It keeps no requests: each request's blocks in this group are the
+:class:`Allocation` ``request.allocations[group.index]``, which the group's steps below read and
+change through the allocation's transitions. The steps are what one operation of the
+:class:`vmemkv.KVCacheManager` (the coordinator) asks of each group: which prefix blocks it reuses
+(its spec's rule), how many fresh blocks it needs, what it maps given the fresh blocks the
+coordinator peeked for it (a :class:`Plan`), and carrying the plan out. The coordinator owns the
+order of the pools: it checks every memory's free blocks for all its groups at once, peeks each
+memory's fresh blocks for its groups in order, and takes them in one call after every group
+mapped and took its shared references, so what each group maps is what the pool hands out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vmemkv.cache.allocation import RELEASED, Allocation
+from vmemkv.cache.attention_spec import AttentionSpec
+from vmemkv.cache.config import CacheConfig
+from vmemkv.errors import MappingLimitError
+from vmemkv.cache.events import HASH_BYTES
+from vmemkv.cache.memory import KVMemory
+from vmemkv.memory.slots import MapJob, SlotBinder, SlotMapper
+
+
+@dataclass(slots=True)
+class Plan:
+    """One group's part of a planned binding or growth (``plan_admit``, ``plan_grow``,
+    ``plan_fork``, ``plan_swap_in``): it makes the slot's leading ``behind`` logical pages
+    (behind the request's window) read nothing, then points logical pages ``first ..`` at
+    ``mapped`` (``keep``: pages someone owns meanwhile, as in ``MapJob``). It takes one more
+    reference on each block of ``share`` and the fresh blocks ``take`` (peeked by the
+    coordinator, in order) from the pool."""
+
+    slot: int
+    behind: int
+    first: int
+    mapped: list[int]
+    keep: int
+    share: list[int]
+    take: list[int]
+
+    @property
+    def jobs(self) -> list[MapJob]:
+        """The mapping as ``slots.map_jobs`` and ``slots.mapping_cost`` take it (empty: none)."""
+        return [MapJob(self.slot, self.first, self.mapped, self.keep)] if self.mapped else []
+
+
+@dataclass(slots=True)
+class Admission:
+    """What ``admit`` reuses and reserves in one group, before its plan: the device prefix
+    ``hits`` (``RELEASED`` behind the window), the host tier's blocks it copies in after them
+    (``promote``, hashes) out of ``host_blocks`` host hits (with a window, hits wholly behind the
+    next query's window are reused without a copy: ``RELEASED``), the tokens already computed
+    (``cached``) and the tokens reserved (``num_tokens``)."""
+
+    hits: list[int]
+    promote: list[bytes]
+    host_blocks: int
+    cached: int
+    num_tokens: int
+
+
+class KVCacheGroup:
+    """``KVCacheGroup(index, config, layers, spec, memory)``: ``config`` is the group's (its
+    ``num_layers`` are its own); ``layers`` the model layers it holds, in order; ``memory`` the
+    :class:`KVMemory` its blocks come from (shared with other groups of the same layout, or its
+    own)."""
+
+    def __init__(self, index: int, config: CacheConfig, layers: tuple[int, ...], spec: AttentionSpec,
+                 memory: KVMemory):
+        self.index, self.config, self.layers, self.spec, self.memory = index, config, layers, spec, memory
+        self.window = spec.window
+        self.layout = memory.layout
+        self.tokens_per_page = self.layout.tokens_per_page
+        self.stats = memory.stats
+        # the first group of a memory keys blocks by their hash, a later one by hash + its index
+        self.tag = bytes([index]) if memory.groups else b""
+        memory.groups.append(self)
+        mapper = SlotMapper if config.kv_backend == "vmem" else SlotBinder
+        extra = {"hole_page": memory.hole_page} if config.kv_backend == "vmem" else {}
+        self.slots = mapper(memory.backend, self.layout, config.max_num_seqs, config.max_model_len,
+                            memory.config.num_blocks, **extra)
+        self.blocks_copied = 0  # this group's share of stats.blocks_copied
+
+    # the memory's parts, as a group's own (shared when the memory is)
+    pool = property(lambda self: self.memory.pool)
+    backend = property(lambda self: self.memory.backend)
+    swap = property(lambda self: self.memory.swap)
+    host_tier = property(lambda self: self.memory.host_tier)
+
+    def key(self, block_hash: bytes) -> bytes:
+        """The key of a chain hash in this group's prefix index."""
+        return block_hash + self.tag if self.tag else block_hash
+
+    def keys(self, hashes: list[bytes]) -> list[bytes]:
+        tag = self.tag
+        return [h + tag for h in hashes] if tag else hashes
+
+    # --- counts (the memory's: shared with the groups drawing from it) ---------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        return self.pool.num_in_use
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.pool.num_cached
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layout.block_bytes
+
+    def blocks_for_tokens(self, num_tokens: int, chunk_tokens: int | None = None) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds here at once
+        (``AttentionSpec.peak_blocks``)."""
+        return self.spec.peak_blocks(num_tokens, chunk_tokens, self.tokens_per_page)
+
+    def in_group(self) -> str:
+        return "" if self.index == 0 else f"in layer group {self.index} ({self.spec.describe()}) "
+
+    # --- prefix hits (the spec's rule) ---------------------------------------------------------
+    def cached_blocks(self, hashes: list[bytes]) -> list[int]:
+        """The cached blocks of the longest usable prefix of ``hashes`` (full attention: the
+        leading run; a window or chunks: ``RELEASED`` before the first block its next query
+        reads, then cached blocks: ``AttentionSpec.prefix_hits``)."""
+        lookup, keys = self.pool.lookup, self.keys(hashes)
+        if not self.spec.releases:
+            hits = []
+            for key in keys:
+                block = lookup(key)
+                if block is None:
+                    break
+                hits.append(block)
+            return hits
+        num_hits, first = self.spec.prefix_hits(len(keys), lambda i: lookup(keys[i]) is not None,
+                                                self.tokens_per_page)
+        return [RELEASED] * first + [lookup(key) for key in keys[first:num_hits]]
+
+    def capped_hits(self, hashes: list[bytes], hits: list[int], max_blocks: int) -> list[int]:
+        """``hits`` (``cached_blocks(hashes)``) cut to at most ``max_blocks`` blocks; with a
+        window, the longest windowed hit within them (a shorter prefix's window starts earlier)."""
+        if len(hits) <= max_blocks:
+            return hits
+        if self.spec.releases:
+            return self.cached_blocks(hashes[:max_blocks])
+        return hits[:max_blocks]
+
+    def host_run(self, hashes: list[bytes]) -> int:
+        """How many leading ``hashes`` the host tier holds for this group."""
+        return len(self.host_tier.leading_hits(self.keys(hashes))) if self.host_tier.capacity else 0
+
+    def admission(self, hits: list[int], host_hits: list[bytes], cached: int, num_tokens: int) -> Admission:
+        """This group's admission of ``hits`` and then ``host_hits`` (chain hashes; ``cached``
+        tokens in all) reserving ``num_tokens``: host hits wholly behind the next query's window
+        would be copied in only to be released at the first commit, so they (and the hits before
+        them) stay ``RELEASED``."""
+        promote = self.keys(host_hits)
+        if host_hits and self.spec.releases:
+            skip = self.spec.first_needed_block(cached, self.tokens_per_page) - len(hits)
+            if skip > 0:
+                hits, promote = [RELEASED] * (len(hits) + skip), promote[skip:]
+        return Admission(hits, promote, len(host_hits), cached, num_tokens)
+
+    # --- fresh blocks an operation needs here (the coordinator checks and peeks them) ----------
+    def admit_needs(self, hits: list[int], num_tokens: int) -> int:
+        return self.layout.logical_pages_for(num_tokens) - len(hits)
+
+    def fits_admission(self, hits: list[int], total: int) -> bool:
+        """Whether this group alone (no other group drawing on its pool) could admit a request
+        of ``total`` tokens whose hits here are ``hits``."""
+        return self.memory.fits(self.admit_needs(hits, total), hits)
+
+    def grow_needs(self, alloc: Allocation, num_new_tokens: int) -> int:
+        """New blocks for ``num_new_tokens`` more positions (lookahead blocks count as held)."""
+        return max(-(-(alloc.num_tokens + num_new_tokens) // self.tokens_per_page) - len(alloc.blocks), 0)
+
+    # --- plans, given the fresh blocks ------------------------------------------------------------
+    def plan_admit(self, hits: list[int], slot: int | None, fresh: list[int]) -> Plan:
+        behind = hits.count(RELEASED)  # a windowed hit: blocks before its window need not be held
+        live = hits[behind:]
+        return Plan(self.choose_slot(hits, behind, slot), behind, behind, live + fresh, 0, live, fresh)
+
+    def plan_grow(self, alloc: Allocation, num_new_tokens: int, fresh: list[int]) -> Plan | None:
+        """What growing by ``num_new_tokens`` maps and takes; None inside the mapped blocks.
+        Lookahead blocks are normally mapped already; one whose background mapping was refused
+        is mapped again here, so no position is ever written through a stale mapping."""
+        tokens_per_page, blocks, num_tokens = self.tokens_per_page, alloc.blocks, alloc.num_tokens
+        first = -(-num_tokens // tokens_per_page)
+        end = -(-(num_tokens + num_new_tokens) // tokens_per_page)
+        if end <= first:
+            return None
+        return Plan(alloc.slot, 0, first, blocks[first:end] + fresh, len(blocks), [], fresh)
+
+    def plan_fork(self, parent: Allocation, slot: int | None, fresh: list[int]) -> Plan:
+        """``fresh``: a block for the parent's partial last block (none when it is full)."""
+        reserved = self.reserved_blocks(parent)
+        behind = parent.num_released  # the child's window is the parent's: none shared behind
+        shared = reserved[behind:-1] if fresh else reserved[behind:]
+        return Plan(self.choose_slot(reserved, behind, slot), behind, behind, shared + fresh, 0,
+                    shared, fresh)
+
+    def swap_in_revivals(self, alloc: Allocation, hashes: list[bytes]) -> dict[int, int]:
+        """Swapped full blocks still in the prefix cache (index -> block: taken, not copied
+        back); the rest need fresh blocks."""
+        revive = {}
+        for index, _ in alloc.swapped:
+            if index < alloc.num_registered:
+                block = self.pool.lookup(self.key(hashes[index]))
+                if block is not None:
+                    revive[index] = block
+        return revive
+
+    def plan_swap_in(self, alloc: Allocation, slot: int | None, revived: dict[int, int],
+                     fresh: list[int]) -> Plan:
+        """Fresh blocks take the other swapped blocks' places in ``alloc.swapped``'s order."""
+        copies = [index for index, _ in alloc.swapped if index not in revived]
+        blocks = list(alloc.blocks)
+        for index, block in zip(copies, fresh):
+            blocks[index] = block
+        for index, block in revived.items():
+            blocks[index] = block
+        behind = alloc.num_released
+        return Plan(self.choose_slot(blocks, behind, slot), behind, behind, blocks[behind:], 0,
+                    list(revived.values()), fresh)
+
+    def plan_reorder(self, rows: list[Allocation], sources: list[Allocation], copied: list[bool],
+                     fresh: list[int]) -> tuple[list[list[int]], list[int], list[MapJob]]:
+        """Reorder's plan: each row's new block list (its source's, with a block of ``fresh``
+        where it copies the partial block), the pages behind each row's new window (its
+        source's), and the mapping jobs."""
+        fresh = iter(fresh)
+        blocks = [self.reserved_blocks(source) for source in sources]
+        blocks = [row_blocks[:-1] + [next(fresh)] if copy else list(row_blocks)
+                  for row_blocks, copy in zip(blocks, copied)]
+        behind = [source.num_released for source in sources]  # a row takes its source's window
+        jobs = [MapJob(row.slot, count, row_blocks[count:], keep=len(row.blocks), group=self.index)
+                for row, row_blocks, count in zip(rows, blocks, behind)]
+        return blocks, behind, jobs
+
+    def truncate_copy(self, alloc: Allocation, num_tokens: int) -> int | None:
+        """The logical page truncating to ``num_tokens`` must copy to a private block before the
+        request writes it again (its new last block, when partial and shared or cached), or None."""
+        keep = self.layout.logical_pages_for(num_tokens)
+        last = alloc.blocks[keep - 1] if keep and num_tokens % self.tokens_per_page else None
+        if last is None or (self.pool.ref[last] == 1 and self.pool.hash_of[last] is None):
+            return None
+        return keep - 1
+
+    def truncations_fit(self, rows: list[Allocation], num_tokens: int, free: int) -> int | None:
+        """The free blocks left after truncating ``rows`` to ``num_tokens`` in order, starting
+        from ``free``, or None when a copy (``truncate_copy``'s rule) finds none. A block an
+        earlier row gives back is free for a later one, and a last block an earlier row copied
+        away from may be the later row's alone."""
+        keep = self.layout.logical_pages_for(num_tokens)
+        partial = keep and num_tokens % self.tokens_per_page
+        dropped: dict[int, int] = {}  # references the earlier rows give back
+        for row in rows:
+            given_back = row.blocks[keep:]
+            last = row.blocks[keep - 1] if partial else None
+            if last is not None and (self.pool.ref[last] - dropped.get(last, 0) > 1
+                                     or self.pool.hash_of[last] is not None):
+                if not free:
+                    return None
+                free -= 1
+                given_back = given_back + [last]
+            for block in given_back:
+                dropped[block] = dropped.get(block, 0) + 1
+                free += self.pool.ref[block] == dropped[block]
+        return free
+
+    def choose_slot(self, blocks: list[int], behind: int, slot: int | None = None) -> int:
+        """The free slot for a request whose block list is ``blocks`` (``slot`` when given): one
+        already mapping its first block when there is one (``SlotBinder.choose``); a request
+        with blocks behind its window maps none there, so any."""
+        return self.slots.choose(blocks[0] if blocks and not behind else None, slot)
+
+    # --- carrying plans out (the coordinator takes the fresh blocks between map and finish) -----
+    def map_and_bind(self, plan: Plan) -> None:
+        """A planned binding (admit, fork, swap in): the chosen slot's pages behind the window
+        read nothing (a free slot's stale mappings: nobody reads them), the plan is mapped (the
+        step the mapping budget may refuse, changing no mapping anyone owns), and the slot is
+        bound. The caller then changes the pool and the request."""
+        self.slots.unmap_behind(plan.slot, plan.behind)
+        self.slots.map_blocks(plan.slot, plan.first, plan.mapped, plan.keep)
+        self.slots.bind(slot=plan.slot, behind=plan.behind)
+
+    def finish_admit(self, alloc: Allocation, admission: Admission, plan: Plan, claimed: list) -> None:
+        """After the take: copy the host tier's ``claimed`` entries into the first fresh blocks
+        (registered again) and bind the allocation."""
+        self.promote(plan.take, admission.promote, claimed)
+        cached = admission.cached
+        alloc.bind(plan.slot, admission.hits + plan.take, admission.num_tokens, cached,
+                   cached // self.tokens_per_page, plan.behind)
+
+    def map_grow(self, plan: Plan | None) -> None:
+        if plan is not None:  # crosses into blocks not mapped yet
+            self.slots.map_blocks(plan.slot, plan.first, plan.mapped, plan.keep)  # may be refused
+
+    def register(self, alloc: Allocation, index: int, token_ids: list[int], hashes: list[bytes],
+                 root: bytes) -> None:
+        """Offer full block ``index`` to the prefix cache, with its tokens and parent (for KV
+        events and the partial-page hit count)."""
+        tokens = token_ids[index * self.tokens_per_page:(index + 1) * self.tokens_per_page]
+        self.pool.register(alloc.blocks[index], self.key(hashes[index]), tokens,
+                           self.key(hashes[index - 1]) if index else None,
+                           None if index else self.key(root))
+
+    def register_full(self, alloc: Allocation, full: int, token_ids: list[int], hashes: list[bytes],
+                      root: bytes) -> None:
+        """Offer the full blocks from ``alloc.num_registered`` to ``full`` (not hashed yet) to
+        the prefix cache."""
+        blocks, hash_of = alloc.blocks, self.pool.hash_of
+        for index in range(alloc.num_registered, full):
+            if hash_of[blocks[index]] is None:
+                self.register(alloc, index, token_ids, hashes, root)
+        alloc.register(full)
+
+    def release_behind_window(self, alloc: Allocation) -> None:
+        """Give back the running request's blocks wholly behind its next query's window (cached
+        ones stay in the prefix cache's LRU) and unmap them from its slot. Opportunistic: if the
+        mapping budget refuses the unmap, nothing changes and a later commit tries again."""
+        released = alloc.num_released
+        first = min(self.spec.first_needed_block(alloc.num_computed, self.tokens_per_page),
+                    len(alloc.blocks))
+        if first <= released:
+            return
+        try:
+            self.slots.release_behind(alloc.slot, first)
+        except MappingLimitError:
+            return
+        # oldest first into the LRU queue: a windowed prefix hit needs the blocks near its end,
+        # so the earliest ones are the first to be evicted
+        self.pool.release(alloc.release_behind(first))
+        self.stats.blocks_released_behind_window += first - released
+
+    def free(self, alloc: Allocation) -> None:
+        """Give back what the request holds here (deepest first, so a shared prefix outlives its
+        tails in the LRU queue); its slot keeps its mappings."""
+        if alloc.swapped is not None:
+            swapped = {index for index, _ in alloc.swapped}
+            self.swap.discard([host for _, host in alloc.swapped])
+            self.pool.release(reversed([b for i, b in enumerate(alloc.blocks)
+                                        if i not in swapped and b != RELEASED]))
+        else:
+            self.pool.release(reversed(alloc.blocks[alloc.num_released:]))
+            self.slots.release(alloc.slot)
+        alloc.reset()
+
+    def fork_copies(self, parent: Allocation, plan: Plan) -> list[tuple[int, int]]:
+        """The block copy a fork makes after the take: the parent's partial last block (the one
+        after the shared ones) onto the fresh one; none when it is full."""
+        if not plan.take:
+            return []
+        return [(parent.blocks[plan.behind + len(plan.share)], plan.take[0])]
+
+    def finish_fork(self, parent: Allocation, child: Allocation, plan: Plan) -> None:
+        """After the take: the child holds the shared blocks and its copy of the partial one."""
+        behind = plan.behind  # the child's window is the parent's: nothing is shared behind it
+        child.copy_from(parent, plan.slot, parent.blocks[:behind] + plan.share + plan.take, behind)
+
+    def map_reorder(self, rows: list[Allocation], plan: tuple) -> None:
+        """Map every row's new blocks, then unmap behind each row's new window (the caller
+        checked the mapping budget takes both)."""
+        _, behind, jobs = plan
+        self.slots.map_jobs(jobs)
+        for row, count in zip(rows, behind):  # after map_jobs (a row reads these until now)
+            self.slots.unmap_behind(row.slot, count)
+
+    def reorder_copies(self, sources: list[Allocation], copied: list[bool], plan: tuple) -> list[tuple[int, int]]:
+        """The block copies a reorder makes after the take: each copying row's source's partial
+        last block onto the row's fresh one."""
+        blocks_of = plan[0]
+        return [(self.reserved_blocks(source)[-1], blocks[-1])
+                for source, blocks, copy in zip(sources, blocks_of, copied) if copy]
+
+    def finish_reorder(self, rows: list[Allocation], sources: list[Allocation], copied: list[bool],
+                       plan: tuple) -> None:
+        """After the take and the copies: share the sources' blocks, give the rows' old blocks
+        back and make each row its source's copy."""
+        blocks_of, behind, _ = plan
+        snapshots = [source.snapshot() for source in sources]
+        for blocks, copy, count in zip(blocks_of, copied, behind):
+            self.pool.acquire(blocks[count:-1] if copy else blocks[count:])
+        for row in rows:  # their old blocks, lookahead included
+            self.pool.release(reversed(row.blocks[row.num_released:]))
+        for row, blocks, count, snapshot in zip(rows, blocks_of, behind, snapshots):
+            row.copy_from(snapshot, row.slot, blocks, count)
+            self.slots.set_behind(row.slot, count)
+
+    def truncate_jobs(self, alloc: Allocation, num_tokens: int, fresh: list[int]) -> list[MapJob]:
+        """What truncating maps: a private copy (into ``fresh``) of the new last block, or nothing."""
+        page = self.truncate_copy(alloc, num_tokens)
+        if page is None:
+            return []
+        return [MapJob(alloc.slot, page, fresh, keep=len(alloc.blocks), group=self.index)]
+
+    def map_truncate(self, alloc: Allocation, jobs: list[MapJob]) -> None:
+        for job in jobs:
+            self.slots.map_blocks(alloc.slot, job.first, job.blocks, keep=job.keep)
+
+    @staticmethod
+    def truncate_copies(alloc: Allocation, jobs: list[MapJob]) -> list[tuple[int, int]]:
+        """The block copy a truncate makes after the take: the new last block onto its private copy."""
+        return [(alloc.blocks[job.first], job.blocks[0]) for job in jobs]
+
+    def finish_truncate(self, alloc: Allocation, num_tokens: int, jobs: list[MapJob]) -> None:
+        """After the take and the copy: the private copy replaces the new last block, then the
+        tail is forgotten."""
+        for job in jobs:
+            self.pool.release([alloc.replace_block(job.first, job.blocks[0])])
+        full = num_tokens // self.tokens_per_page
+        self.pool.release(reversed(alloc.truncate(num_tokens, self.layout.logical_pages_for(num_tokens), full)))
+
+    # --- preemption ----------------------------------------------------------------------------
+    def private_blocks(self, alloc: Allocation) -> list[int]:
+        """Indices of the reserved blocks only this request holds (what a swap copies out)."""
+        return [i for i, b in enumerate(self.reserved_blocks(alloc))
+                if b != RELEASED and self.pool.ref[b] == 1]
+
+    def swap_out(self, alloc: Allocation) -> int:
+        """Copy the private blocks to host rows, give them back and unbind the slot (the caller
+        checked the room). Returns the bytes copied."""
+        private = self.private_blocks(alloc)
+        self.trim_lookahead(alloc)
+        host = self.swap.store(self.memory.block_window(), [alloc.blocks[i] for i in private])
+        self.pool.release(reversed([alloc.blocks[i] for i in private]))
+        self.slots.release(alloc.slot)
+        alloc.swap_out(list(zip(private, host)))
+        return len(private) * self.layout.block_bytes
+
+    def finish_swap_in(self, alloc: Allocation, plan: Plan, revive: dict[int, int],
+                       token_ids: list[int], hashes: list[bytes], root: bytes) -> int:
+        """After the take: copy the swapped blocks back into the fresh ones and register the
+        full ones again. Returns the bytes copied back."""
+        copied = [host for index, host in alloc.swapped if index not in revive]  # plan.take's order
+        self.swap.load(self.memory.block_window(), copied, plan.take)
+        self.swap.discard([host for index, host in alloc.swapped if index in revive])
+        behind = plan.behind
+        alloc.swap_in(plan.slot, alloc.blocks[:behind] + plan.mapped)
+        for index, block in zip(range(behind, alloc.num_registered), alloc.blocks[behind:]):
+            if self.pool.hash_of[block] is None:
+                self.register(alloc, index, token_ids, hashes, root)
+        return len(copied) * self.layout.block_bytes
+
+    # --- lookahead -----------------------------------------------------------------------------
+    def lookahead_blocks(self, alloc: Allocation, end: int) -> int:
+        """Blocks a request needs to cover ``end`` positions past those it holds (<= 0: none)."""
+        return self.layout.logical_pages_for(end) - len(alloc.blocks)
+
+    def add_lookahead(self, alloc: Allocation, needed: int) -> MapJob:
+        first = len(alloc.blocks)
+        new = self.pool.allocate(needed)
+        alloc.add_lookahead(new)
+        return MapJob(alloc.slot, first, new, group=self.index)
+
+    def trim_lookahead(self, alloc: Allocation) -> None:
+        """Release blocks past the reservation (given early by a lookahead)."""
+        needed = self.layout.logical_pages_for(alloc.num_tokens)
+        if len(alloc.blocks) > needed:
+            self.pool.release(reversed(alloc.drop_from(needed)))
+
+    # --- helpers -------------------------------------------------------------------------------
+    def reserved_blocks(self, alloc: Allocation) -> list[int]:
+        """The request's blocks without lookahead ones."""
+        return alloc.blocks[: self.layout.logical_pages_for(alloc.num_tokens)]
+
+    def promote(self, blocks: list[int], host_keys: list[bytes], claimed: list) -> None:
+        """Copy the host tier's ``claimed`` entries (of ``host_keys``) into the first of the
+        just-taken ``blocks``, registered in the device pool again."""
+        if not host_keys:
+            return
+        promoted = blocks[:len(host_keys)]
+        origins = self.host_tier.promote(self.memory.block_window(), host_keys, claimed, promoted)
+        for block, key, origin in zip(promoted, host_keys, origins):
+            self.pool.register(block, key, origin.token_ids, origin.parent_hash, origin.root)
+
+    def block_window(self) -> torch.Tensor:
+        return self.memory.block_window()
+
+    def kv_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Group layer ``layer``'s K and V over every slot (its index among ``layers``)."""
+        return self.slots.kv_views(layer)
+
+    def block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.slots.block_views(layer)
+
+    def block_table(self, request) -> list[int]:
+        """``request``'s blocks in this group (``RELEASED`` behind the window)."""
+        return list(request.allocations[self.index].blocks)
+
+    # --- invariants ----------------------------------------------------------------------------
+    def check(self, allocations: list[tuple[str, Allocation, int]]) -> tuple[list, list[int], list[int]]:
+        """Assert the invariants of this group's slots and each ``(name, allocation, hashes
+        known)``; returns the bound slots (None for swapped requests), the blocks the requests
+        hold here (one entry a reference) and the host rows of their swapped blocks, for the
+        memory's check."""
+        pool, tokens_per_page = self.pool, self.tokens_per_page
+        bound, writers, held_all, rows = [], {}, [], []
+        for name, held_by, num_hashes in allocations:
+            name = f"{name} (layer group {self.index})" if self.index else name
+            blocks, released, num_tokens = held_by.blocks, held_by.num_released, held_by.num_tokens
+            swapped = {i for i, _ in held_by.swapped} if held_by.swapped is not None else set()
+            assert all(b == RELEASED for b in blocks[:released]), f"{name}: released run"
+            assert RELEASED not in blocks[released:], f"{name}: a hole past the released run"
+            assert released <= self.spec.first_needed_block(held_by.num_computed, tokens_per_page), (
+                f"{name}: released {released} blocks, its next query reads one of them")
+            held_all += [b for i, b in enumerate(blocks) if i not in swapped and i >= released]
+            assert held_by.num_computed <= num_tokens <= len(blocks) * tokens_per_page
+            # Blocks past the reservation are lookahead: mapped early, private, unhashed (below).
+            assert len(blocks) >= self.layout.logical_pages_for(num_tokens), (
+                f"{name}: {len(blocks)} blocks for {num_tokens} tokens")
+            assert held_by.num_registered <= num_hashes
+            if held_by.swapped is not None:
+                assert len(blocks) == self.layout.logical_pages_for(num_tokens)
+                assert held_by.slot is None
+                bound.append(None)
+                rows += [host for _, host in held_by.swapped]
+                continue
+            bound.append(held_by.slot)
+            self.slots.check_request(held_by.slot, blocks, released)
+            for block in blocks[held_by.num_computed // tokens_per_page:]:  # writable pages
+                assert pool.hash_of[block] is None, f"{name} can write hashed block {block}"
+                assert pool.ref[block] == 1, f"{name} can write shared block {block}"
+                assert block not in writers, f"block {block} writable by {writers.get(block)} and {name}"
+                writers[block] = name
+        for block in set(held_all):  # a block holds one group's layers: no other group's key
+            key = pool.hash_of[block]
+            assert key is None or key[HASH_BYTES:] == self.tag, (
+                f"block {block} of group {self.index} has another group's key")
+        running = [slot for slot in bound if slot is not None]
+        assert len(set(running)) == len(running), "two requests share a slot"
+        assert not set(running) & set(self.slots.free_slots()), "a bound slot is also free"
+        assert len(running) + self.slots.num_free == self.slots.num_slots, "a slot was lost"
+        return bound, held_all, rows

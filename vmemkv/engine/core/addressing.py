@@ -1,0 +1,158 @@
+"""How a step addresses the KV cache, chosen once per engine: slots or block tables.
+
+``kv_backend="vmem"``: every sequence's K/V is one virtually contiguous slot, read in place by the
+contiguous attention (or FlashAttention over the slots), and decoding sequences may get their next
+block mapped ahead of time (``lookahead``). ``kv_backend="paged"``: every sequence is a block table,
+read by the block-table attention (or FlashAttention over block tables). ``choose_addressing``
+resolves the backend and the attention kernel (``config.attention``) into one of the two
+strategies below (block tables of a hybrid model: one table per layout group); the step never
+branches on either again.
+"""
+
+from __future__ import annotations
+
+from vmemkv.attention import BlockTableAttention, ContiguousAttention, SequenceSpan
+from vmemkv.attention.choice import AttentionChoice, choose_attention
+from vmemkv.attention.flash import FlashBlockTableAttention, FlashSlotAttention
+from vmemkv.attention.flash_args import flat_rows, slot_geometry
+from vmemkv.cache.manager import KVCacheManager
+from vmemkv.cache.request import KVRequest
+from vmemkv.engine.core.config import EngineConfig
+
+
+class Addressing:
+    """One sequence's span of the packed batch, and the step's attention over all spans."""
+
+    uses_lookahead = False  # decoding sequences get their next block mapped during the forward
+
+    def __init__(self, manager: KVCacheManager, device, choice: AttentionChoice):
+        self.manager = manager
+        self.device = device
+        self.choice = choice
+
+    def span(self, kv: KVRequest, begin: int, count: int, computed: int) -> SequenceSpan:
+        """A running sequence's span (read from its KVRequest: no lookup by id)."""
+        raise NotImplementedError
+
+    def attention(self, spans: list[SequenceSpan]):
+        """The attention object the model's layers call this step (it writes K/V and attends)."""
+        raise NotImplementedError
+
+
+class SlotAddressing(Addressing):
+    """Virtually contiguous slots: a sequence is its slot; attention reads the slot in place."""
+
+    uses_lookahead = True
+
+    def __init__(self, manager: KVCacheManager, device, choice: AttentionChoice):
+        super().__init__(manager, device, choice)
+        if choice.kind == "flash":
+            kernel, geometry = choice.kernel, layer_geometries(manager)
+            distinct = sorted(set(geometry))
+            if len(distinct) == 1:
+                rows_per_slot, num_rows = distinct[0]
+                self.attention = lambda spans: FlashSlotAttention(
+                    spans, manager.kv_views, device, kernel, rows_per_slot, num_rows)
+            else:  # layout groups whose slots flatten differently: one varlen geometry each
+                group_of = [distinct.index(layer) for layer in geometry]
+                self.attention = lambda spans: GroupedAttention(
+                    [FlashSlotAttention(spans, manager.kv_views, device, kernel, rows, num)
+                     for rows, num in distinct], group_of, spans)
+        else:
+            decode_kernel, reads = choice.kind == "triton", manager.batched_reads()
+            self.attention = lambda spans: ContiguousAttention(
+                spans, manager.kv_views, device, decode_kernel, reads=reads)  # batched reads (CPU)
+
+    def span(self, kv: KVRequest, begin: int, count: int, computed: int) -> SequenceSpan:
+        return SequenceSpan(kv.slot, begin, count, computed)
+
+
+def layer_geometries(manager: KVCacheManager) -> list[tuple[int, int]]:
+    """Each model layer's flattened slot views for FlashAttention: (rows per slot, rows). One
+    pair for every layer of a manager; layout groups of a hybrid model with different numbers
+    of layers differ in the per-layer layout (a slot's rows span its group's layers)."""
+    geometry = []
+    for layer in range(manager.config.num_layers):
+        k_view, v_view = manager.kv_views(layer)
+        rows = slot_geometry(k_view, v_view)
+        geometry.append((rows, flat_rows(k_view, rows)))
+    return geometry
+
+
+class BlockTableAddressing(Addressing):
+    """Block tables (the paged baseline): a sequence is its list of blocks."""
+
+    def __init__(self, manager: KVCacheManager, device, choice: AttentionChoice):
+        super().__init__(manager, device, choice)
+        tokens_per_page = manager.tokens_per_page
+        # Blocks released behind a sliding window stay RELEASED (-1) in the spans; FlashAttention's
+        # arguments point them at the first held block (flash_args.fill_released).
+        if choice.kind == "flash":
+            kernel = choice.kernel
+            self.attention = lambda spans: FlashBlockTableAttention(
+                spans, manager.block_views, tokens_per_page, device, kernel)
+        else:
+            decode_kernel = choice.kind == "triton"
+            self.attention = lambda spans: BlockTableAttention(
+                spans, manager.block_views, tokens_per_page, device, decode_kernel)
+
+    def span(self, kv: KVRequest, begin: int, count: int, computed: int) -> SequenceSpan:
+        return SequenceSpan(kv.slot, begin, count, computed, kv.block_table)
+
+
+class GroupedAttention:
+    """A hybrid model's step attention: one attention per layout group, each over its group's
+    spans (its own block tables), and each layer sent to its group's (``group_of[layer]``).
+    ``spans``: the step's spans as the addressing made them (one per group for each sequence)."""
+
+    def __init__(self, parts: list, group_of: list[int], spans: list):
+        self.parts, self.group_of, self.spans = parts, group_of, spans
+
+    def upload(self, **model_inputs: list[int]) -> dict:
+        # one upload per group: on CUDA two host-to-device copies a step instead of one
+        inputs = self.parts[0].upload(**model_inputs)
+        for part in self.parts[1:]:
+            part.upload()
+        return inputs
+
+    def __call__(self, layer: int, *args, **kwargs):
+        return self.parts[self.group_of[layer]](layer, *args, **kwargs)
+
+    seconds = property(lambda self: sum(part.seconds for part in self.parts))
+    copy_seconds = property(lambda self: sum(part.copy_seconds for part in self.parts))
+
+
+class GroupedBlockTableAddressing(BlockTableAddressing):
+    """Block tables of a manager with several layer groups (``KVCacheManager.layout_groups``):
+    each group has its own pool, so a sequence has one block table per group (a local group's
+    with its blocks behind the window released), and each group's layers read through its own.
+    A span is the tuple of the sequence's spans, one per group."""
+
+    def __init__(self, manager: KVCacheManager, device, choice: AttentionChoice):
+        super().__init__(manager, device, choice)
+        self.num_groups = len(manager.layout_groups)
+        group_of = [manager.layer_group(layer).index for layer in range(manager.config.num_layers)]
+        one_group = self.attention
+        self.attention = lambda spans: GroupedAttention(
+            [one_group([group_spans[g] for group_spans in spans]) for g in range(self.num_groups)],
+            group_of, spans)
+
+    def span(self, kv: KVRequest, begin: int, count: int, computed: int) -> tuple[SequenceSpan, ...]:
+        return tuple(SequenceSpan(kv.slot, begin, count, computed, kv.group_block_table(g))
+                     for g in range(self.num_groups))
+
+
+def choose_addressing(config: EngineConfig, manager: KVCacheManager, device,
+                      num_query_heads: int) -> Addressing:
+    """``config.kv_backend`` and ``config.attention`` resolved once for this device, dtype, shapes."""
+    layout = manager.layout
+    paged = config.kv_backend == "paged"
+    views = [] if paged else [manager.kv_views(layer) for layer in range(manager.config.num_layers)]
+    choice = choose_attention(config.attention, device, config.kv_backend, layout.dtype,
+                              num_query_heads, layout.num_kv_heads, layout.head_dim,
+                              manager.tokens_per_page, views[0] if views else None, views[1:])
+    if not paged:
+        return SlotAddressing(manager, device, choice)
+    # several layer groups (of a manager, or of a tensor-parallel worker's view of one)
+    grouped = len(manager.layout_groups) > 1
+    return (GroupedBlockTableAddressing if grouped else BlockTableAddressing)(manager, device, choice)

@@ -1,0 +1,124 @@
+"""Engine configuration: one dataclass, shared by the offline API, the CLI and the server.
+
+The KV cache's knobs (``CACHE_FIELDS``) are ``vmemkv.CacheConfig`` fields under the same names and
+with the same defaults (``swap_space_bytes`` aside: the engine reserves 1 GiB); they stay flat here
+because a ``CacheConfig`` also needs the model's shapes, known only once it is loaded:
+``EngineConfig.cache_config(model)`` derives it (``vmemkv.engine.models.hf_support.cache_config_for``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from vmemkv.cache.config import CacheConfig
+from vmemkv.errors import ConfigError
+from vmemkv.engine.models.hf_support import cache_config_for, uniform_chunk
+from vmemkv.engine.core.threads import check_threads
+
+# EngineConfig fields passed to CacheConfig as they are.
+CACHE_FIELDS = ("max_num_seqs", "max_model_len", "num_blocks", "device", "tokens_per_page",
+                "enable_prefix_caching", "swap_space_bytes", "host_cache_bytes", "layout",
+                "kv_backend")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "tiny-llama"  # a built-in random-weight model name or a local HF directory
+    # float32 on every device: bf16 is about 2.4x faster on a CPU with avx512_bf16 (SmolLM2-135M),
+    # but its greedy tokens part from Hugging Face's float32 reference, which the tests compare
+    # token for token; pass dtype="bfloat16" for speed.
+    dtype: str = "float32"
+    device: str = CacheConfig.device
+    max_num_seqs: int = 64  # slots: sequences running at once
+    max_model_len: int = 1024
+    num_blocks: int | None = None  # KV pool size in blocks; None: enough for every slot at full length
+    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
+    tokens_per_page: int = CacheConfig.tokens_per_page
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+    preemption_mode: Literal["auto", "swap", "recompute"] = "auto"
+    swap_space_bytes: int = 1 << 30
+    # host memory for the prefix cache's host tier (evicted cached pages wait there); 0: none
+    host_cache_bytes: int = CacheConfig.host_cache_bytes
+    seed: int = 0
+    # "lpm": longest cached prefix first (engine/lpm.py), priority still first; a request passed
+    # over in lpm_max_passed_over steps goes next; only the first lpm_window waiting are ranked
+    policy: Literal["fcfs", "priority", "lpm"] = "fcfs"
+    lpm_max_passed_over: int = 8
+    lpm_window: int = 128
+    watermark: float = 0.01  # fraction of blocks kept free at admission to avoid instant preemption
+    layout: Literal["token_major", "per_layer"] = CacheConfig.layout
+    # virtually contiguous slots, or block tables
+    kv_backend: Literal["vmem", "paged"] = CacheConfig.kv_backend
+    # "flash": one FlashAttention-2 varlen call per layer per step, prefill and decode together,
+    # over the slots (or block tables of 256-token multiples) in place (CUDA, fp16/bf16);
+    # "triton": decodes in one Triton launch that reads the cache in place, prefill by SDPA (CUDA);
+    # "sdpa": PyTorch SDPA per sequence; "auto": flash if it runs here, else triton, else sdpa.
+    attention: Literal["auto", "flash", "triton", "sdpa"] = "auto"
+    # Sliding windows: give back the blocks behind each layer's window while a request runs (one
+    # window for every layer, or local and global layers in layer groups: cache_group.py); False
+    # keeps every block (O(length) KV per request: the A/B's keep-everything baseline).
+    release_behind_window: bool = True
+    # Decoding requests get the block their next `lookahead_tokens` tokens need mapped on a
+    # background thread while the current step computes (0: map only when needed, inline).
+    lookahead_tokens: int = 1
+    # Publish KV events (blocks stored in / removed from the prefix cache) over ZeroMQ at this
+    # address, e.g. "tcp://*:5557" (engine/kv_event_publisher.py); None: no events.
+    kv_events_endpoint: str | None = None
+    # Ranks the model and its KV heads are split across (engine/distributed/): vmemkv spawns the
+    # other ranks, or torchrun starts them; a collective that waits longer than the timeout stops
+    # the engine; tensor_parallel_check compares every rank's page-mapping state every step.
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout: float = 60.0
+    tensor_parallel_check: bool = False
+    # torch's intra-op threads, set when the engine starts (engine/threads.py); None leaves them
+    # as they are. vmemkv generate / serve and LLM default to the usable cores less one.
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0 or self.max_model_len <= 1 or self.max_num_batched_tokens <= 0:
+            raise ConfigError("max_num_seqs, max_num_batched_tokens must be positive and "
+                              "max_model_len at least 2")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ConfigError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
+        if self.policy not in ("fcfs", "priority", "lpm"):
+            raise ConfigError(f"policy must be fcfs, priority or lpm, got {self.policy!r}")
+        if (type(self.lpm_max_passed_over) is not int or self.lpm_max_passed_over < 0
+                or type(self.lpm_window) is not int or self.lpm_window < 1):
+            raise ConfigError(f"lpm_max_passed_over must be an int >= 0 and lpm_window an int >= 1; "
+                              f"got {self.lpm_max_passed_over!r}, {self.lpm_window!r}")
+        if self.attention not in ("auto", "flash", "triton", "sdpa"):
+            raise ConfigError(f"attention must be auto, flash, triton or sdpa, got {self.attention!r}")
+        if self.attention in ("flash", "triton") and not str(self.device).startswith("cuda"):
+            raise ConfigError(f"attention={self.attention!r} needs a CUDA device; use attention='sdpa' "
+                              "(or 'auto') on CPU")
+        if self.kv_backend not in ("vmem", "paged"):
+            raise ConfigError(f"kv_backend must be vmem or paged, got {self.kv_backend!r}")
+        if self.tensor_parallel_size < 1 or self.tensor_parallel_timeout <= 0:
+            raise ConfigError(f"tensor_parallel_size must be at least 1 and tensor_parallel_timeout "
+                              f"positive; got {self.tensor_parallel_size}, {self.tensor_parallel_timeout}")
+        check_threads(self.threads)
+        if type(self.release_behind_window) is not bool:
+            raise ConfigError(f"release_behind_window must be True or False, got "
+                              f"{self.release_behind_window!r}")
+        self.torch_dtype  # validates the name
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype = getattr(torch, str(self.dtype).removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ConfigError(f"unknown dtype {self.dtype!r}; use float32, float16 or bfloat16")
+        return dtype
+
+    def cache_config(self, model) -> CacheConfig:
+        """The KV cache for ``model`` (a Hugging Face causal LM) under this configuration; without
+        ``num_blocks``, enough blocks for every slot at full length."""
+        options = {name: getattr(self, name) for name in CACHE_FIELDS}
+        chunk = uniform_chunk(model.config)  # the engine's attention reads from chunk starts
+        if self.release_behind_window and chunk is not None and chunk < self.max_model_len:
+            options["attention_chunk_size"] = chunk
+        return cache_config_for(model, check_token_ids=True,
+                                release_behind_window=self.release_behind_window,
+                                dtype=next(model.parameters()).dtype, **options)

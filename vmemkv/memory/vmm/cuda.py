@@ -1,0 +1,415 @@
+"""The CUDA backend: the driver's virtual-memory API through cuda-python.
+
+One ``cuMemCreate`` handle per physical page; ``cuMemAddressReserve`` for every range;
+``cuMemMap`` per page and one ``cuMemSetAccess`` per run of consecutive virtual pages;
+``cuMemUnmap`` per run, only after the device has finished (the driver does not wait for
+kernels that may still read the range; PyTorch's "Note [Expandable Segments]" does the same).
+Everything lives in torch's primary context of the device, so torch tensors and our mappings
+share one address space.
+
+Driver loading and result checks live in :mod:`vmemkv.memory.vmm.cuda_driver`, views over raw device
+memory (DLPack) in :mod:`vmemkv.memory.vmm.dlpack`, index and view checks and page copies shared with the
+CPU backend in :mod:`vmemkv.memory.vmm.base`. Importing this module needs only torch and numpy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from vmemkv.errors import ConfigError, CudaDriverError, MappingError
+from vmemkv.memory.vmm.base import (MapStats, VirtualMemoryBackend, VirtualRange, check_indices,
+                                    consecutive_runs, index_array)
+# Re-exported: `from vmemkv.memory.vmm.cuda import load_driver` is the public spelling, and the backend
+# looks these names up here, so tests can replace them with fakes (monkeypatch this module).
+from vmemkv.memory.vmm.cuda_driver import (DEFAULT_GRANULARITY, allocation_granularity, allocation_prop,
+                                           call_driver, check_result, load_driver)
+from vmemkv.memory.vmm.dlpack import tensor_from_address
+
+__all__ = ["CudaBackend", "DEFAULT_GRANULARITY", "call_driver", "check_result", "load_driver",
+           "tensor_from_address", "validate_map_request", "validate_unmap_request"]
+
+
+def validate_map_request(vrange: VirtualRange, virtual_pages: Sequence[int] | np.ndarray,
+                         physical_pages: Sequence[int] | np.ndarray,
+                         pool_pages: int) -> tuple[np.ndarray, np.ndarray]:
+    """Check a map request before anything changes; return int64 arrays sorted by virtual page."""
+    virtual = index_array(virtual_pages, "virtual_pages")
+    physical = index_array(physical_pages, "physical_pages")
+    if virtual.shape != physical.shape:
+        raise MappingError(f"map got {virtual.size} virtual pages but {physical.size} physical "
+                           f"pages; pass one physical page per virtual page")
+    check_indices(virtual, vrange.num_pages, "virtual page", "range")
+    check_indices(physical, pool_pages, "physical page", "pool")
+    order = np.argsort(virtual, kind="stable")
+    virtual, physical = virtual[order], physical[order]
+    if virtual.size > 1 and np.any(np.diff(virtual) == 0):
+        dup = int(virtual[np.flatnonzero(np.diff(virtual) == 0)[0]])
+        raise MappingError(f"virtual page {dup} appears twice in one map call; map each "
+                           f"virtual page once")
+    return virtual, physical
+
+
+def validate_unmap_request(vrange: VirtualRange,
+                           virtual_pages: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Sorted unique int64 virtual pages, all inside ``vrange`` (else MappingError)."""
+    virtual = check_indices(index_array(virtual_pages, "virtual_pages"), vrange.num_pages,
+                            "virtual page", "range")
+    return np.unique(virtual)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+class CudaBackend(VirtualMemoryBackend):
+    """Physical pages are ``cuMemCreate`` handles on one GPU; ranges are driver reservations.
+
+    ``stats.map_calls`` counts ``cuMemMap`` calls (one per page: a handle is one page);
+    ``access_calls`` counts ``cuMemSetAccess`` calls (one per run of consecutive virtual pages);
+    ``stats.unmap_calls`` counts ``cuMemUnmap`` calls (one per run). The pool window is not
+    counted in ``stats``.
+    """
+
+    copy_by_gather = True
+    granularity = DEFAULT_GRANULARITY  # an instance has its GPU's, asked of the driver
+
+    @classmethod
+    def device_granularity(cls, device: int | str | torch.device = 0) -> int:
+        """The allocation granularity of GPU ``device`` in bytes, without building a backend.
+
+        Asks the driver where a GPU and cuda-python are present; anywhere else (a CPU machine,
+        a driver that cannot answer) returns the documented default, ``DEFAULT_GRANULARITY``.
+        """
+        if not torch.cuda.is_available():
+            return DEFAULT_GRANULARITY
+        try:
+            index = torch.device(device).index if not isinstance(device, int) else device
+            driver = load_driver()
+            call_driver(driver, "cuInit", 0)
+            return allocation_granularity(driver, allocation_prop(driver, index or 0))
+        except Exception:  # noqa: BLE001 -- the backend itself reports a broken driver clearly
+            return DEFAULT_GRANULARITY
+
+    def __init__(self, page_size: int | None = None, num_pages: int = 0,
+                 device: int | str | torch.device = 0) -> None:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) \
+                or num_pages < 1:
+            raise ConfigError(f"num_pages must be a positive integer; got {num_pages!r}")
+        self.num_pages = int(num_pages)
+        if not torch.cuda.is_available():
+            raise ConfigError("the CUDA backend needs a CUDA GPU, and torch.cuda.is_available() "
+                              "is False; use the CPU backend (vmemkv.memory.vmm.cpu) instead")
+        self._driver = load_driver()
+        self.device = self._resolve_device(device)
+        self.stats = MapStats()
+        self.access_calls = 0
+        self._closed = True  # until the constructor has finished
+        self._ranges: dict[VirtualRange, torch.Tensor | None] = {}
+        self._handles: list[Any] = []
+        self._window_address: int | None = None
+        self._window: torch.Tensor | None = None
+        self._ctx = None
+        self._ctx_id = 0
+
+        ordinal = self.device.index
+        torch.cuda.init()
+        self._call("cuInit", 0)
+        self._cu_device = self._call("cuDeviceGet", ordinal)
+        supported = self._call(
+            "cuDeviceGetAttribute",
+            self._driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
+            self._cu_device)
+        if not supported:
+            raise ConfigError(f"GPU {ordinal} does not support CUDA virtual memory management "
+                              f"(cuMemMap); use the CPU backend or a newer GPU/driver")
+        self._ctx = self._call("cuDevicePrimaryCtxRetain", self._cu_device)
+        self._ctx_id = int(self._ctx)
+        self._closed = False
+        try:
+            with self._context():
+                self._prop = allocation_prop(self._driver, ordinal)
+                self._access = self._access_desc(ordinal)
+                self.granularity = allocation_granularity(self._driver, self._prop)
+                self.page_size = self._check_page_size(page_size)
+                self._create_pages()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- setup --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _resolve_device(device: int | str | torch.device) -> torch.device:
+        if isinstance(device, (int, np.integer)) and not isinstance(device, bool):
+            dev = torch.device("cuda", int(device))
+        else:
+            dev = torch.device(device)
+        if dev.type != "cuda":
+            raise ConfigError(f"the CUDA backend needs a cuda device; got {dev}")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        count = torch.cuda.device_count()
+        if not 0 <= dev.index < count:
+            raise ConfigError(f"GPU {dev.index} does not exist; this process sees {count} GPU(s) "
+                              f"(0..{count - 1})")
+        return dev
+
+    def _access_desc(self, ordinal: int) -> Any:
+        d = self._driver
+        desc = d.CUmemAccessDesc()
+        desc.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = ordinal
+        desc.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        return desc
+
+    def _check_page_size(self, page_size: int | None) -> int:
+        if page_size is None:
+            return self.granularity
+        if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) \
+                or page_size <= 0 or page_size % self.granularity:
+            raise ConfigError(
+                f"page_size {page_size!r} is not a positive multiple of the CUDA allocation "
+                f"granularity {self.granularity} bytes of GPU {self.device.index}; use "
+                f"{self.granularity} or a multiple of it")
+        return int(page_size)
+
+    def _create_pages(self) -> None:
+        total = self.num_pages * self.page_size
+        for i in range(self.num_pages):
+            self._handles.append(self._call(
+                "cuMemCreate", self.page_size, self._prop, 0,
+                context=lambda: f"creating physical page {i} of {self.num_pages}, "
+                                f"{self.page_size} bytes each, {_gib(total)} in all; lower "
+                                f"num_pages or free GPU memory"))
+
+    # -- driver plumbing ----------------------------------------------------------------------
+
+    def _call(self, function: str, *args: Any, context: str | Callable[[], str] = "") -> Any:
+        return call_driver(self._driver, function, *args, context=context)
+
+    @contextlib.contextmanager
+    def _context(self) -> Iterator[None]:
+        """Run driver calls in torch's primary context of our device, restoring the caller's."""
+        current = self._call("cuCtxGetCurrent")
+        if current is not None and int(current) == self._ctx_id:
+            yield
+            return
+        self._call("cuCtxPushCurrent", self._ctx)
+        try:
+            yield
+        finally:
+            self._call("cuCtxPopCurrent")
+
+    def _check_range(self, vrange: VirtualRange) -> None:
+        self._check_open()
+        if vrange not in self._ranges:
+            raise MappingError(f"range at {vrange.address:#x} was not reserved by this backend "
+                               f"or has been released")
+
+    def _unmap_pages(self, vrange: VirtualRange, pages: np.ndarray) -> None:
+        """cuMemUnmap each run of consecutive mapped ``pages`` (sorted, unique); the caller has
+        synchronized. The page table follows every successful call."""
+        start = time.perf_counter()
+        try:
+            for run_start, length in consecutive_runs(pages):
+                self._call("cuMemUnmap", vrange.address + run_start * vrange.page_size,
+                           length * vrange.page_size,
+                           context=lambda: f"unmapping virtual pages {run_start}.."
+                                           f"{run_start + length - 1}")
+                vrange.page_table[run_start:run_start + length] = -1
+                self.stats.unmap_calls += 1
+                self.stats.pages_unmapped += length
+        finally:
+            self.stats.unmap_seconds += time.perf_counter() - start
+
+    # -- the interface ------------------------------------------------------------------------
+
+    def reserve(self, num_pages: int) -> VirtualRange:
+        self._check_open()
+        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) \
+                or num_pages < 1:
+            raise ConfigError(f"reserve needs a positive number of pages; got {num_pages!r}")
+        size = int(num_pages) * self.page_size
+        with self._context():
+            address = int(self._call("cuMemAddressReserve", size, self._alignment(), 0, 0,
+                                     context=f"reserving {num_pages} pages, {_gib(size)}"))
+        vrange = VirtualRange(address=address, num_pages=int(num_pages), page_size=self.page_size,
+                              page_table=np.full(int(num_pages), -1, dtype=np.int64))
+        self._ranges[vrange] = None
+        return vrange
+
+    def _alignment(self) -> int:
+        # cuMemAddressReserve wants a power of two; every page start is granularity-aligned.
+        ps = self.page_size
+        return ps if ps & (ps - 1) == 0 else self.granularity
+
+    def release(self, vrange: VirtualRange) -> None:
+        self._check_range(vrange)
+        mapped = vrange.mapped_pages()
+        if mapped.size:
+            self.synchronize()  # the device may still read these pages
+        with self._context():
+            if mapped.size:
+                self._unmap_pages(vrange, mapped)
+            self._call("cuMemAddressFree", vrange.address, vrange.size)
+        del self._ranges[vrange]
+
+    def map(self, vrange: VirtualRange, virtual_pages: Sequence[int] | np.ndarray,
+            physical_pages: Sequence[int] | np.ndarray) -> None:
+        began = time.perf_counter() if self.metrics is not None else 0.0
+        self._check_range(vrange)
+        virtual, physical = validate_map_request(vrange, virtual_pages, physical_pages,
+                                                 self.num_pages)
+        current = vrange.page_table[virtual]
+        changed = current != physical  # mapping a page where it already is costs nothing
+        virtual, physical, current = virtual[changed], physical[changed], current[changed]
+        if virtual.size == 0:
+            return
+        base = vrange.address
+        remapped = virtual[current >= 0]  # CUDA cannot map over a mapping: unmap those first,
+        if remapped.size:                 # once the device is done with them
+            self.synchronize()
+        with self._context():
+            if remapped.size:
+                self._unmap_pages(vrange, remapped)
+            start = time.perf_counter()
+            try:
+                position = 0
+                for run_start, length in consecutive_runs(virtual):
+                    run_physical = physical[position:position + length]
+                    position += length
+                    self._map_run(base, run_start, run_physical)
+                    vrange.page_table[run_start:run_start + length] = run_physical
+            finally:
+                self.stats.map_seconds += time.perf_counter() - start
+        if self.metrics is not None:
+            self.metrics.record_mapping(time.perf_counter() - began)
+
+    def _map_run(self, base: int, run_start: int, run_physical: np.ndarray) -> None:
+        """Map one run of consecutive virtual pages and open it for the device, all or nothing."""
+        ps, done = self.page_size, 0
+        try:
+            for k, page in enumerate(run_physical):
+                self._call("cuMemMap", base + (run_start + k) * ps, ps, 0,
+                           self._handles[int(page)], 0,
+                           context=lambda: f"mapping physical page {int(page)} at virtual "
+                                           f"page {run_start + k}")
+                done += 1
+                self.stats.map_calls += 1
+            self._call("cuMemSetAccess", base + run_start * ps, len(run_physical) * ps,
+                       [self._access], 1,
+                       context=lambda: f"opening virtual pages {run_start}.."
+                                       f"{run_start + done - 1}")
+            self.access_calls += 1
+            self.stats.pages_mapped += len(run_physical)
+        except BaseException:
+            if done:  # give the addresses of this run back; nothing was visible yet
+                with contextlib.suppress(CudaDriverError):
+                    self._call("cuMemUnmap", base + run_start * ps, done * ps)
+            raise
+
+    def unmap(self, vrange: VirtualRange, virtual_pages: Sequence[int] | np.ndarray) -> None:
+        began = time.perf_counter() if self.metrics is not None else 0.0
+        self._check_range(vrange)
+        virtual = validate_unmap_request(vrange, virtual_pages)
+        virtual = virtual[vrange.page_table[virtual] >= 0]  # already unmapped: nothing to do
+        if virtual.size == 0:
+            return
+        self.synchronize()  # the device may still read these pages
+        with self._context():
+            self._unmap_pages(vrange, virtual)
+        if self.metrics is not None:
+            self.metrics.record_mapping(time.perf_counter() - began)
+
+    def pool_window(self) -> torch.Tensor:
+        self._check_open()
+        if self._window is None:
+            size = self.num_pages * self.page_size
+            with self._context():
+                address = int(self._call("cuMemAddressReserve", size, self._alignment(), 0, 0,
+                                         context=f"reserving the pool window, {_gib(size)}"))
+                mapped = 0
+                try:
+                    for i, handle in enumerate(self._handles):
+                        self._call("cuMemMap", address + i * self.page_size, self.page_size, 0,
+                                   handle, 0,
+                                   context=lambda: f"mapping physical page {i} in the window")
+                        mapped += 1
+                    self._call("cuMemSetAccess", address, size, [self._access], 1,
+                               context="opening the pool window")
+                except BaseException:
+                    with contextlib.suppress(CudaDriverError):
+                        if mapped:
+                            self._call("cuMemUnmap", address, mapped * self.page_size)
+                        self._call("cuMemAddressFree", address, size)
+                    raise
+            self._window_address = address
+            self._window = tensor_from_address(address, size, self.device).view(
+                self.num_pages, self.page_size)
+        return self._window
+
+    def _range_bytes(self, vrange: VirtualRange) -> torch.Tensor:
+        self._check_range(vrange)
+        base = self._ranges[vrange]
+        if base is None:
+            base = tensor_from_address(vrange.address, vrange.size, self.device)
+            self._ranges[vrange] = base
+        return base
+
+    def synchronize(self) -> None:
+        if not self._closed:
+            torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        """Synchronize, unmap and free every range and the window, release every page.
+
+        Idempotent. Tensors made by this backend must not be used afterwards.
+        """
+        if self._closed and self._ctx is None:
+            return
+        errors: list[BaseException] = []
+
+        def attempt(fn, *args):
+            try:
+                fn(*args)
+            except Exception as exc:  # keep freeing; report the first failure at the end
+                errors.append(exc)
+
+        was_open, self._closed = not self._closed, True
+        if was_open:
+            attempt(torch.cuda.synchronize, self.device)
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(self._context())
+            except Exception as exc:
+                errors.append(exc)
+            for vrange in list(self._ranges):
+                mapped = vrange.mapped_pages()
+                if mapped.size:
+                    attempt(self._unmap_pages, vrange, mapped)
+                attempt(self._call, "cuMemAddressFree", vrange.address, vrange.size)
+            self._ranges.clear()
+            if self._window_address is not None:
+                size = self.num_pages * self.page_size
+                attempt(self._call, "cuMemUnmap", self._window_address, size)
+                attempt(self._call, "cuMemAddressFree", self._window_address, size)
+                self._window_address, self._window = None, None
+            for handle in self._handles:
+                attempt(self._call, "cuMemRelease", handle)
+            self._handles.clear()
+        if self._ctx is not None:
+            attempt(self._call, "cuDevicePrimaryCtxRelease", self._cu_device)
+            self._ctx = None
+        if errors:
+            raise errors[0]
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._ranges)} ranges"
+        return (f"CudaBackend(device={self.device}, page_size={getattr(self, 'page_size', None)}, "
+                f"num_pages={self.num_pages}, {state})")
