@@ -157,7 +157,8 @@ def test_growing_into_a_lookahead_block_whose_mapping_was_refused_maps_it(budget
 def test_few_and_many_page_map_jobs_map_the_same_pages_and_skip_mapped_ones(make_manager):
     """map_jobs keeps a few token-major pages (a step's lookahead) in plain Python and many in
     numpy: both map exactly the pages whose block differs and count the others as already mapped."""
-    from vmemkv.memory.slots import SMALL_MAP, MapJob
+    from vmemkv.memory.slot_mapper import SMALL_MAP
+    from vmemkv.memory.slots import MapJob
 
     for pages in (3, SMALL_MAP + 5):
         slots = make_manager(**FP32, num_blocks=128, max_model_len=128).slots

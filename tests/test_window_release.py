@@ -330,7 +330,7 @@ def test_pages_behind_the_window_point_at_the_hole_page_where_the_backend_needs_
     """On CUDA, FlashAttention may load a tile before the window start, so released pages point
     at one shared hole page instead of being unmapped (shown here on the CPU backend, which maps
     one page at many addresses as cuMemMap does)."""
-    from vmemkv.memory.slots import SlotMapper
+    from vmemkv.memory.slot_mapper import SlotMapper
     from vmemkv.memory.vmm import CpuBackend
 
     config = CacheConfig(num_layers=1, num_kv_heads=2, head_dim=128, dtype=torch.float32,

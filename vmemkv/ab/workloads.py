@@ -23,105 +23,21 @@ starts with the same system-prompt tokens and hits its pages in the prefix cache
 model's tokenizer (``make_workload(..., tokenizer=...)``; the runner passes it); without one the
 text is taken as bytes, the built-in random-weight models' vocabulary.
 
-(Over 400 lines on purpose: one short function per workload beside the shared helpers and the
-registry, so their sizing reads side by side.)
+A workload is a ``Workload`` (``workload.py``); the stored chat text is read in ``chat_text.py``.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from importlib import resources
 
-from vmemkv.engine.core.chat import chat_prompt_ids, has_chat_template
-from vmemkv.engine.models.hf_support import hybrid_layer_windows, uniform_window
+from vmemkv.ab.chat_text import CHAT_PROMPTS, load_chat_prompts, render_chat
+from vmemkv.ab.workload import (DEFAULT_TOKENS_PER_PAGE, TOKEN_MAX, TOKEN_MIN, Request, Workload,
+                                full_length_pages, pages)
+from vmemkv.engine.core.chat import has_chat_template
 from vmemkv.cache.window import peak_blocks
 from vmemkv.engine.core.sampling_params import SamplingParams
-
-TOKEN_MIN, TOKEN_MAX = 1, 250
-DEFAULT_TOKENS_PER_PAGE = 16  # EngineConfig's default on CPU
-
-Request = tuple[str, list[int], SamplingParams]
-
-
-@dataclass
-class Workload:
-    name: str
-    description: str
-    requests: list[Request]
-    # EngineConfig fields this workload sets (pool size, slots, step budget, ...): every variant
-    # gets the same values, so only the KV backend and layout differ between variants.
-    engine: dict = field(default_factory=dict)
-    greedy: bool = True  # greedy: all variants must give identical tokens
-    expect_preemption: bool = False  # the pool is sized to force preemptions
-    # The sliding window the pool was sized for (None: any model): the model must attend to at
-    # most this many tokens back, and no request may be preempted (blocks behind the window go
-    # back to the pool in every variant).
-    sliding_window: int | None = None
-    tokens_per_page: int = DEFAULT_TOKENS_PER_PAGE  # the page the sizes above were chosen for
-    # The model mixes local layers (of at most ``sliding_window``) and global ones (the engine's
-    # two layout groups), rather than every layer sliding.
-    hybrid: bool = False
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(ids) for _, ids, _ in self.requests)
-
-    @property
-    def num_output_tokens(self) -> int:
-        """Tokens the requests will generate (all of them: ``ignore_eos``, ``n`` completions)."""
-        return sum(params.max_tokens * params.n for _, _, params in self.requests)
-
-    def pages_at_full_length(self, tokens_per_page: int) -> int:
-        """Pages every sequence needs at full length at once, nothing shared."""
-        return sum(full_length_pages(self.requests, tokens_per_page))
-
-    def engine_for(self, tokens_per_page: int) -> dict:
-        """The engine sizes for a variant whose pages hold ``tokens_per_page`` tokens: this
-        workload's own when it was sized for that page, else a pool of the same tokens (never
-        smaller than the largest request, nor, without expected pressure, than everything)."""
-        engine = dict(self.engine)
-        if tokens_per_page != self.tokens_per_page:
-            pool_tokens = engine["num_blocks"] * self.tokens_per_page
-            each = full_length_pages(self.requests, tokens_per_page)
-            floor = max(each) if self.expect_preemption else sum(each)
-            engine["num_blocks"] = max(pages(pool_tokens, tokens_per_page), floor)
-        return engine
-
-    def check_model(self, model) -> None:
-        """ValueError unless ``model`` suits this workload: one sized for a sliding window needs
-        every layer to attend at most that many tokens back (its pool holds no more)."""
-        if self.sliding_window is None:
-            return
-        if self.hybrid:
-            windows = hybrid_layer_windows(model.config, self.engine["max_model_len"])
-            if not windows or max(w for w in windows if w) > self.sliding_window:
-                raise ValueError(f"workload {self.name!r} needs a model mixing local layers (a "
-                                 f"sliding window of at most {self.sliding_window} tokens) with "
-                                 f"global ones; {model.config.model_type} does not: use "
-                                 "--model tiny-gemma2")
-            return
-        window = uniform_window(model.config)
-        if window is None or window > self.sliding_window:
-            raise ValueError(f"workload {self.name!r} needs a model whose every layer has a sliding "
-                             f"window of at most {self.sliding_window} tokens (its pool holds only "
-                             f"that); {model.config.model_type} has "
-                             f"sliding_window={getattr(model.config, 'sliding_window', None)}: use "
-                             "--model tiny-mistral")
-
-    def describe(self) -> dict:
-        prompts = [len(ids) for _, ids, _ in self.requests]
-        return {"description": self.description, "num_requests": len(self.requests),
-                "num_sequences": sum(p.n for _, _, p in self.requests),
-                "prompt_tokens": self.num_prompt_tokens, "output_tokens": self.num_output_tokens,
-                "prompt_len_min": min(prompts), "prompt_len_max": max(prompts),
-                "greedy": self.greedy, "expect_preemption": self.expect_preemption,
-                "sliding_window": self.sliding_window,
-                "tokens_per_page": self.tokens_per_page, "engine": dict(self.engine)}
 
 
 # --- helpers ----------------------------------------------------------------------------------------
@@ -132,16 +48,6 @@ def _tokens(rng: random.Random, count: int) -> list[int]:
 def _lognormal(rng: random.Random, median: float, sigma: float, low: int, high: int) -> int:
     """A log-normal length with the given median, clipped to ``[low, high]``."""
     return int(min(max(round(rng.lognormvariate(math.log(median), sigma)), low), high))
-
-
-def pages(tokens: int, tokens_per_page: int) -> int:
-    """Pages that hold ``tokens`` tokens."""
-    return -(-tokens // tokens_per_page)
-
-
-def full_length_pages(requests: list[Request], tokens_per_page: int) -> list[int]:
-    """The pages each request's sequences (all ``n`` of them) need at full length."""
-    return [pages(len(ids) + p.max_tokens, tokens_per_page) * p.n for _, ids, p in requests]
 
 
 def _roomy_pool(requests: list[Request], tokens_per_page: int, min_tokens: int = 8192) -> int:
@@ -405,45 +311,6 @@ def hybrid(seed: int = 0, quick: bool = False,
                     {"max_num_seqs": count, "max_model_len": max_model_len,
                      "num_blocks": num_blocks, "max_num_batched_tokens": chunk},
                     tokens_per_page=tokens_per_page, sliding_window=TINY_GEMMA2_WINDOW, hybrid=True)
-
-
-# --- real text: chat-real ----------------------------------------------------------------------------
-CHAT_PROMPTS = "chat_prompts.json"  # in vmemkv/ab/data/, package data
-
-
-@functools.cache
-def _chat_prompts_text() -> str:
-    return resources.files("vmemkv.ab").joinpath("data", CHAT_PROMPTS).read_text(encoding="utf-8")
-
-
-def load_chat_prompts() -> dict:
-    """The stored chat text: ``{"about": ..., "assistants": [{"name", "system", "questions"}]}``
-    (a fresh copy each call)."""
-    data = json.loads(_chat_prompts_text())
-    for assistant in data["assistants"]:
-        if not assistant["system"] or not assistant["questions"]:
-            raise ValueError(f"{CHAT_PROMPTS}: assistant {assistant.get('name')!r} needs a system "
-                             "prompt and questions")
-    return data
-
-
-def plain_chat_text(system: str, question: str) -> str:
-    """The conversation as plain text, for a tokenizer without a chat template (the system prompt
-    first, so requests that share it share a token prefix)."""
-    return f"{system}\n\nUser: {question}\nAssistant:"
-
-
-def render_chat(tokenizer, system: str, question: str) -> list[int]:
-    """Token ids of a system prompt and one user question: through the tokenizer's chat template
-    (with the assistant's generation prompt) when it has one, else plain text through the
-    tokenizer, else (no tokenizer) the plain text's UTF-8 bytes, the built-in models' vocabulary."""
-    if tokenizer is not None and has_chat_template(tokenizer):
-        return chat_prompt_ids(tokenizer, [{"role": "system", "content": system},
-                                           {"role": "user", "content": question}])
-    text = plain_chat_text(system, question)
-    if tokenizer is None:
-        return list(text.encode("utf-8"))
-    return list(tokenizer(text)["input_ids"])
 
 
 def chat_real(seed: int = 0, quick: bool = False, tokens_per_page: int = DEFAULT_TOKENS_PER_PAGE,

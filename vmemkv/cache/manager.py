@@ -22,21 +22,17 @@ sliding-window and full-attention layers; Llama-4: chunked local and full) gets 
 one layer group per kind (``KVCacheManager.for_layers``): the same operations, each planned and
 checked in every group before any group changes (``manager_state.py``).
 
-About 500 lines: the core operations (with their batched forms for an engine's step) and the
-queries a scheduler asks belong together; the other groups of operations are in their own modules
-(see ``KVCacheManager``).
+This module has the manager's construction and the core operations (admission, growth, commit,
+free, with their batched forms for an engine's step); what it tells without changing anything is
+in ``queries.py``, the other operations in their own modules (see ``KVCacheManager``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
-
-import torch
 
 from vmemkv import validation as check
 from vmemkv.cache.config import CacheConfig, CacheStats, PreemptionEstimate
-from vmemkv.cache.group import KVCacheGroup
 from vmemkv.errors import ConfigError, InvalidInputError, ManagerClosedError, MappingLimitError, RequestStateError
 from vmemkv.cache.hashing import CacheKeys
 from vmemkv.cache.lookahead import LookaheadOps
@@ -46,6 +42,7 @@ from vmemkv.cache.layer_groups import LayerGroups, group_configs
 from vmemkv.cache.manager_state import PrefixCacheBusyError, UnknownRequestError
 from vmemkv.cache.plans import check_mapping_budget
 from vmemkv.cache.preemption import PreemptionOps
+from vmemkv.cache.queries import GroupReads, ManagerQueries
 from vmemkv.cache.request import KVRequest
 from vmemkv.cache.sharing import SharingOps
 
@@ -55,28 +52,13 @@ __all__ = ["CacheConfig", "CacheStats", "KVCacheManager", "KVRequest", "Preempti
            "PrefixCacheBusyError", "UnknownRequestError", "GroupReads"]
 
 
-class GroupReads:
-    """``SlotReads`` over every layer group: a batch of consecutive slots is read in one call
-    only when each group can make its rows readable (a group that could keeps its filler
-    pinned until ``release_reads``, harmlessly)."""
-
-    def __init__(self, groups: list, num_layers: int):
-        self.groups, self.num_layers = groups, num_layers
-
-    def make_readable(self, slots: list[int], num_tokens: int) -> bool:
-        return all([group.make_readable(slots, num_tokens) for group in self.groups])
-
-    def release_reads(self) -> None:
-        for group in self.groups:
-            group.release_reads()
-
-
-class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
-    """The scheduler-facing API. This module holds the core (queries, admission and growth,
-    commit and prefix registration, freeing, views, stats, close); fork, reorder and truncate
-    are in ``sharing.py``, preemption and swap in ``preemption.py``, the overlapped (lookahead)
-    mapping in ``lookahead.py``, the layer groups, the requests, their helpers and the invariant
-    check in ``manager_state.py``, each group's own steps in ``cache_group.py``.
+class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
+    """The scheduler-facing API. This module holds the core (admission and growth, commit and
+    prefix registration, freeing, close); the queries, sizes, views and stats are in
+    ``queries.py``, fork, reorder and truncate in ``sharing.py``, preemption and swap in
+    ``preemption.py``, the overlapped (lookahead) mapping in ``lookahead.py``, the layer groups,
+    the requests, their helpers and the invariant check in ``manager_state.py``, each group's own
+    steps in ``group.py``.
 
     ``KVCacheManager(config, backend=None, metrics=None, events=None, *, layer_windows=None,
     chunk_tokens=None, local_blocks=None, backends=None)``: ``backend`` defaults to the device's
@@ -116,168 +98,6 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
                            chunk_tokens=chunk_tokens, backends=backends)
         return cls(config, backend=None if backends is None else backends(config), metrics=metrics,
                    events=events)
-
-    # --- queries without side effects ----------------------------------------------------------
-    @property
-    def num_free_slots(self) -> int:
-        self._check_open()
-        return self.groups[0].slots.num_free
-
-    @timed
-    def usage(self) -> float:
-        """Fraction of blocks held by requests (of the fullest pool)."""
-        self._check_open()
-        return max(memory.pool.num_in_use / memory.pool.num_blocks for memory in self.memories)
-
-    @timed
-    def match_prefix(self, token_ids: "Sequence[int] | KVRequest",
-                     keys: CacheKeys = CacheKeys()) -> tuple[list[int], list[bytes]]:
-        """Cached blocks holding a prefix of ``token_ids`` (whole blocks, leaving at least one
-        token to compute) and the hashes of all full blocks of ``token_ids``. With a sliding
-        window, the longest prefix whose blocks its next query's window reads are cached, with
-        ``RELEASED`` (-1) for the blocks before that window (they need not be cached); with
-        several layer groups, the first group's blocks of the longest prefix every group can
-        reuse. Given a KVRequest, its own tokens and keys, and its hash chain (extended, never
-        recomputed)."""
-        self._check_open()
-        if not self.config.enable_prefix_caching:
-            return [], []
-        if isinstance(token_ids, KVRequest):
-            req = token_ids
-            self._check_not_foreign(req)
-            self._own(req)  # its hash chain is this manager's from now on
-            hashes = list(self._extend_chain(req, len(req.token_ids) // self.tokens_per_page))
-            return self._cached_hits(hashes, len(req.token_ids))[0], hashes
-        token_ids = self._token_ids(token_ids, "token_ids")
-        hashes = self.hasher.block_hashes(token_ids, self.tokens_per_page, check.cache_keys(keys))
-        return self._cached_hits(hashes, len(token_ids))[0], hashes
-
-    @timed
-    def can_admit(self, token_ids: "Sequence[int] | KVRequest", keys: CacheKeys = CacheKeys()) -> bool:
-        """Whether ``admit`` of all of ``token_ids`` (or of a KVRequest) would succeed now."""
-        self._check_open()
-        if isinstance(token_ids, KVRequest):
-            self._check_not_foreign(token_ids)
-            self._own(token_ids)
-            self._check_tokens(token_ids, len(token_ids.token_ids))
-            hits, total = self._prefix_hits(token_ids), len(token_ids.token_ids)
-        else:
-            token_ids = self._token_ids(token_ids, "token_ids")
-            total = len(token_ids)
-            hits = ([[] for _ in self.groups] if not self.config.enable_prefix_caching else self._cached_hits(
-                self.hasher.block_hashes(token_ids, self.tokens_per_page, check.cache_keys(keys)), total))
-        return self._slot_available(None) and self._fits(
-            [group.admit_needs(group_hits, total) for group, group_hits in zip(self.groups, hits)], hits)
-
-    @timed
-    def can_allocate(self, request: "KVRequest | str", num_new_tokens: int) -> bool:
-        req = self._running(request)
-        num_new_tokens = check.count(num_new_tokens, "num_new_tokens")
-        return self._fits([group.grow_needs(alloc, num_new_tokens)
-                           for group, alloc in zip(self.groups, req.allocations)])
-
-    @timed
-    def blocks_needed(self, request: "KVRequest | str", num_new_tokens: int) -> int:
-        """New blocks of the first group's pool for ``num_new_tokens`` more positions (as many
-        for every group drawing from it)."""
-        req = self._running(request)
-        num_new_tokens = check.count(num_new_tokens, "num_new_tokens")
-        return sum(group.grow_needs(req.allocations[group.index], num_new_tokens)
-                   for group in self.memories[0].groups)
-
-    # --- sizes and counts (what a scheduler or an adapter asks instead of reading the parts) -----
-    @property
-    def num_blocks(self) -> int:
-        """Blocks (logical pages) in the first group's pool (every group's, when they share one)."""
-        return self.groups[0].pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks no request holds: clean ones and cached ones (evicted when taken)."""
-        return self.groups[0].pool.num_free
-
-    @property
-    def num_blocks_in_use(self) -> int:
-        return self.groups[0].pool.num_in_use
-
-    @property
-    def kv_bytes_in_use(self) -> int:
-        """Bytes of the blocks held by requests, in every group."""
-        return sum(memory.pool.num_in_use * memory.layout.block_bytes for memory in self.memories)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Free blocks still holding prefix-cache content."""
-        return self.groups[0].pool.num_cached
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block: all (the first group's) layers' K and V of ``tokens_per_page`` tokens."""
-        return self.layout.block_bytes
-
-    @property
-    def num_slots(self) -> int:
-        return self.groups[0].slots.num_slots
-
-    @property
-    def layout_groups(self) -> tuple[KVCacheGroup, ...]:
-        """The layer groups, each with its own virtual tensors (one for most models); groups
-        whose blocks have the same bytes draw from one pool (``memories``)."""
-        return self.groups
-
-    def layer_group(self, layer: int) -> KVCacheGroup:
-        """The layer group holding model layer ``layer`` (its ``spec`` is the layer's rule)."""
-        return self._where[check.layer_index(layer, self.config.num_layers)][0]
-
-    def free_slots(self) -> list[int]:
-        self._check_open()
-        return sorted(self.groups[0].slots.free_slots())
-
-    def is_slot_free(self, slot: int) -> bool:
-        self._check_open()
-        return self.groups[0].slots.is_free(check.slot_index(slot, self.num_slots))
-
-    def blocks_for_tokens(self, num_tokens: int, chunk_tokens: int | None = None) -> int:
-        """The most blocks a request of ``num_tokens`` tokens holds at once. With a sliding
-        window and ``chunk_tokens`` (the most tokens computed in one step: a prefill chunk),
-        blocks behind the window are released as it runs, so it holds about the window plus a
-        chunk (``AttentionSpec.peak_blocks``); otherwise every block of its tokens. Counted in the
-        first group's pool: with groups sharing it, the blocks of all of them."""
-        return sum(group.blocks_for_tokens(num_tokens, chunk_tokens) for group in self.memories[0].groups)
-
-    def why_never_fits(self, num_tokens: int, chunk_tokens: int | None = None) -> str | None:
-        """None when a request of ``num_tokens`` tokens (computed in chunks of at most
-        ``chunk_tokens``, as ``blocks_for_tokens``) fits once nothing else is held; otherwise
-        which limit it exceeds and what to change."""
-        if num_tokens > self.config.max_model_len:
-            return (f"{num_tokens} tokens exceed max_model_len {self.config.max_model_len}; "
-                    "shorten it or raise max_model_len")
-        for memory in self.memories:
-            blocks = sum(group.blocks_for_tokens(num_tokens, chunk_tokens) for group in memory.groups)
-            if blocks > memory.pool.num_blocks:
-                where = "" if len(self.groups) == 1 else " in the pool of {}".format(
-                    " and ".join(f"the {group.spec.describe()} layers" for group in memory.groups))
-                return (f"{num_tokens} tokens need {blocks} KV blocks of {self.tokens_per_page} tokens"
-                        f"{where} but the pool has {memory.pool.num_blocks}; shorten it or give the "
-                        "KV cache more memory (num_blocks)")
-        return None
-
-    def can_ever_fit(self, num_tokens: int, chunk_tokens: int | None = None) -> bool:
-        """Whether a request of ``num_tokens`` tokens fits once nothing else is held."""
-        return self.why_never_fits(num_tokens, chunk_tokens) is None
-
-    def cache_stats(self) -> CacheStats:
-        """A copy of the counters (prefix hits, preemptions, swap bytes, forks, block copies)."""
-        self._check_open()
-        return dataclasses.replace(self.stats)
-
-    def batched_reads(self):
-        """What CPU attention needs to read several consecutive slots in one call
-        (``make_readable``, ``release_reads``, ``num_layers``: ``attention.contiguous.SlotReads``)."""
-        self._check_open()
-        if len(self.groups) == 1:
-            return self.groups[0].slots
-        return GroupReads([group.slots for group in self.groups], self.config.num_layers)
 
     # --- admission and growth ------------------------------------------------------------------
     @timed
@@ -571,96 +391,6 @@ class KVCacheManager(SharingOps, PreemptionOps, LookaheadOps):
                     "free or finish them first")
         dropped = [memory.pool.reset_cache() + memory.host_tier.clear() for memory in self.memories]
         return dropped[0]
-
-    # --- what attention and the engine read ---------------------------------------------------
-    def kv_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Model layer ``layer``'s K and V over every slot, ``[num_slots, max_model_len, kv_heads,
-        dim]``, from its group's virtual tensors (vmem only). Touch only positions below a
-        request's reservation."""
-        self._check_open()
-        group, index = self._where[check.layer_index(layer, self.config.num_layers)]
-        return group.kv_views(index)
-
-    def block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s K and V as block tensors ``[num_blocks, tokens_per_page, kv_heads,
-        dim]`` of its group's pool, addressed through ``block_table(request, layer)`` (both
-        backends)."""
-        self._check_open()
-        group, index = self._where[check.layer_index(layer, self.config.num_layers)]
-        return group.block_views(index)
-
-    def request(self, request_id: str) -> KVRequest:
-        """The admitted (running or swapped) request of this id: the caller's KVRequest, or the
-        one ``admit`` made for an id."""
-        return self._known(check.request_id(request_id))
-
-    @timed
-    def slot_of(self, request: "KVRequest | str") -> int:
-        return self._running(request).allocation.slot
-
-    @timed
-    def num_tokens(self, request: "KVRequest | str") -> int:
-        return self._running(request).allocation.num_tokens
-
-    def num_computed_tokens(self, request: "KVRequest | str") -> int:
-        return self._known(request).allocation.num_computed
-
-    @timed
-    def block_table(self, request: "KVRequest | str", layer: int | None = None) -> list[int]:
-        """The request's blocks (in layer ``layer``'s group; default: the first group)."""
-        req = self._running(request)
-        if layer is None:
-            return list(req.allocation.blocks)
-        return self.layer_group(layer).block_table(req)
-
-    def token_ids(self, request: "KVRequest | str") -> list[int]:
-        """A copy of the request's token ids (a KVRequest's own list is ``request.token_ids``)."""
-        return list(self._known(request).token_ids)
-
-    def is_swapped(self, request: "KVRequest | str") -> bool:
-        self._check_open()
-        if isinstance(request, KVRequest):
-            return self._requests.get(request.request_id) is request and request.is_swapped
-        req = self._requests.get(check.request_id(request))
-        return req is not None and req.allocation.swapped is not None
-
-    def request_ids(self) -> list[str]:
-        self._check_open()
-        return list(self._requests)
-
-    def snapshot_stats(self) -> dict:
-        """The counters and the first group's pool and mapping counts; with several layer groups,
-        each later group's block counts beside them (``group<i>_blocks_*``) and
-        ``kv_bytes_in_use`` over all."""
-        self._check_open()
-        first = self.groups[0]
-        pool = first.pool.counters()
-        slots = first.slots.stats
-        out = {
-            **{k: getattr(self.stats, k) for k in self.stats.__dataclass_fields__},
-            "pages_copied": self.stats.blocks_copied,  # the old name of blocks_copied, for one release
-            "prefix_hit_rate": self.stats.prefix_hit_rate,
-            "usage": self.usage(),
-            "blocks_total": pool.num_blocks, "blocks_in_use": pool.in_use,
-            "blocks_cached": pool.cached, "blocks_clean": pool.clean, "evictions": pool.evictions,
-            "host_blocks_cached": len(first.host_tier), "host_blocks_total": first.host_tier.capacity,
-            "map_calls": slots.map_calls, "pages_mapped": slots.pages_mapped,
-            "map_calls_saved": slots.pages_already_mapped, "unmap_calls": slots.unmap_calls,
-            "pages_unmapped": slots.pages_unmapped,
-            "tokens_per_page": self.tokens_per_page, "page_bytes": self.layout.page_size,
-            "padding_fraction": self.layout.padding_fraction,
-            "backend_map_seconds": sum(memory.backend.stats.map_seconds for memory in self.memories),
-            "backend_unmap_seconds": sum(memory.backend.stats.unmap_seconds for memory in self.memories),
-            "kv_bytes_in_use": self.kv_bytes_in_use,
-        }
-        for group in self.groups[1:]:
-            counts = group.pool.counters()
-            out.update({f"group{group.index}_blocks_total": counts.num_blocks,
-                        f"group{group.index}_blocks_in_use": counts.in_use,
-                        f"group{group.index}_blocks_cached": counts.cached,
-                        f"group{group.index}_blocks_clean": counts.clean,
-                        f"group{group.index}_host_blocks_cached": len(group.host_tier)})
-        return out
 
     def close(self) -> None:
         """Give the memory back; every later call raises ManagerClosedError. Refused while

@@ -11,6 +11,8 @@ groups, ``manager_state.py`` the coordinator's steps over the memories (``_fits`
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -23,6 +25,9 @@ from vmemkv.cache.pool import BlockPool, EvictedBlock
 from vmemkv.cache.swap import SwapSpace
 from vmemkv.memory.vmm import create_backend
 from vmemkv.memory.vmm.base import VirtualMemoryBackend
+
+if TYPE_CHECKING:
+    from vmemkv.cache.group import KVCacheGroup
 
 
 def backend_pages(config: CacheConfig, layout: KVLayout) -> tuple[int, int | None]:

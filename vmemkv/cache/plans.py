@@ -10,11 +10,50 @@ maps (reorder), ``check_mapping_budget`` asks whether the budget takes every pla
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from vmemkv.errors import MappingLimitError
 from vmemkv.cache.request import KVRequest
 from vmemkv.memory.slots import MapJob, SlotBinder, kept_pages
+
+@dataclass(slots=True)
+class Plan:
+    """One group's part of a planned binding or growth (``plan_admit``, ``plan_grow``,
+    ``plan_fork``, ``plan_swap_in``): it makes the slot's leading ``behind`` logical pages
+    (behind the request's window) read nothing, then points logical pages ``first ..`` at
+    ``mapped`` (``keep``: pages someone owns meanwhile, as in ``MapJob``). It takes one more
+    reference on each block of ``share`` and the fresh blocks ``take`` (peeked by the
+    coordinator, in order) from the pool."""
+
+    slot: int
+    behind: int
+    first: int
+    mapped: list[int]
+    keep: int
+    share: list[int]
+    take: list[int]
+
+    @property
+    def jobs(self) -> list[MapJob]:
+        """The mapping as ``slots.map_jobs`` and ``slots.mapping_cost`` take it (empty: none)."""
+        return [MapJob(self.slot, self.first, self.mapped, self.keep)] if self.mapped else []
+
+
+@dataclass(slots=True)
+class Admission:
+    """What ``admit`` reuses and reserves in one group, before its plan: the device prefix
+    ``hits`` (``RELEASED`` behind the window), the host tier's blocks it copies in after them
+    (``promote``, hashes) out of ``host_blocks`` host hits (with a window, hits wholly behind the
+    next query's window are reused without a copy: ``RELEASED``), the tokens already computed
+    (``cached``) and the tokens reserved (``num_tokens``)."""
+
+    hits: list[int]
+    promote: list[bytes]
+    host_blocks: int
+    cached: int
+    num_tokens: int
+
 
 # One group's part for the budget: its mapper, its jobs, and the pages behind the window it
 # unmaps first (an int), or, for reorder, after each job's mapping (a list, one per job).
