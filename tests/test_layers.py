@@ -1,0 +1,54 @@
+"""The package's shape: the layers import downward only (the cache never imports attention, the
+engine or the A/B harness; memory never imports the cache), at most eight modules sit directly
+in ``vmemkv/``, and no module (of ``vmemkv/`` or ``integrations/``) is over 450 lines. Read from the source with ``ast``."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "vmemkv"
+# layer -> the vmemkv packages it may not import (higher layers)
+FORBIDDEN = {
+    "memory": ("vmemkv.cache", "vmemkv.attention", "vmemkv.engine", "vmemkv.ab", "vmemkv_transformers"),
+    "cache": ("vmemkv.attention", "vmemkv.engine", "vmemkv.ab", "vmemkv_transformers"),
+    "attention": ("vmemkv.engine", "vmemkv.ab", "vmemkv_transformers"),
+    "engine": ("vmemkv.ab", "vmemkv_transformers"),
+}
+MAX_TOP_LEVEL_MODULES = 8
+MAX_LINES = 450
+
+
+def imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            raise AssertionError(f"{path}: relative import (the package imports by absolute paths)")
+    return names
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_a_layer_imports_no_layer_above_it(layer):
+    offending = []
+    for path in sorted((PACKAGE / layer).rglob("*.py")):
+        for name in imported_modules(path):
+            if any(name == bad or name.startswith(bad + ".") for bad in FORBIDDEN[layer]):
+                offending.append(f"{path.relative_to(PACKAGE.parent)} imports {name}")
+    assert not offending, "\n".join(offending)
+
+
+def test_few_modules_sit_directly_in_the_package():
+    modules = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(modules) <= MAX_TOP_LEVEL_MODULES, modules
+
+
+def test_no_module_is_over_450_lines():
+    sources = sorted(PACKAGE.rglob("*.py")) + sorted((PACKAGE.parent / "integrations").rglob("*.py"))
+    long = [f"{p.relative_to(PACKAGE.parent)}: {n}" for p in sources
+            if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert not long, "\n".join(long)
