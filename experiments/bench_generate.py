@@ -45,7 +45,7 @@ import transformers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from vmemkv.integrations.transformers_cache import VmemkvCache, cache_kwarg
+from vmemkv_transformers import VmemkvCache, cache_kwarg
 
 from machine import write_results  # experiments/machine.py, beside this script
 

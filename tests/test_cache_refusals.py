@@ -24,7 +24,7 @@ from conftest import manager_state
 from test_hybrid_refusals import state as groups_state
 from vmemkv import CacheConfig, KVCacheManager, KVRequest, OutOfBlocksError
 from vmemkv.errors import ConfigError, RequestStateError
-from vmemkv.integrations.transformers_cache import VmemkvCache
+from vmemkv_transformers import VmemkvCache
 
 HEADS, DIM, P = 1, 128, 4  # float32: 1 KiB a token and layer; 4 KiB pages hold 4 tokens of a layer
 WINDOW = 8  # the hybrid's local layer: wider than the crops below reach back

@@ -15,7 +15,7 @@ import torch
 from vmemkv import CacheConfig, InvalidInputError, KVCacheManager, KVRequest, PrefixCacheBusyError
 from vmemkv.cache.allocation import Allocation
 from vmemkv.errors import OutOfBlocksError, RequestStateError
-from vmemkv.integrations.transformers_cache import VmemkvCache
+from vmemkv_transformers import VmemkvCache
 
 from test_hybrid_groups import P, close, decode, make_hybrid, reads_back, run, write
 

@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from vmemkv.engine.models.hf_support import layer_kinds
-from vmemkv.integrations.transformers_cache import VmemkvCache, cache_kwarg, manager_for
+from vmemkv_transformers import VmemkvCache, cache_kwarg, manager_for
 from vmemkv.errors import ConfigError, InvalidInputError
 from vmemkv.memory.slots import NoFreeSlotError
 

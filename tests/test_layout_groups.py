@@ -16,7 +16,7 @@ from vmemkv import CacheConfig, KVCacheManager
 from vmemkv.cache.attention_spec import AttentionSpec
 from vmemkv.cache.group import KVCacheGroup
 from vmemkv.cache.memory import backend_pages
-from vmemkv.integrations.transformers_cache import layer_windows
+from vmemkv_transformers import layer_windows
 from vmemkv.cache.layer_groups import LayerGroups, group_configs
 from vmemkv.memory.vmm import create_backend
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,6 +92,10 @@ def test_engine_config_derives_its_cache_config():
     assert cfg.num_blocks == 3 * cfg.make_layout().logical_pages_for(32)
 
 
-def test_the_integrations_live_under_the_vmemkv_namespace():
-    assert importlib.util.find_spec("vmemkv.integrations.transformers_cache") is not None
-    assert importlib.util.find_spec("integrations") is None, "a top-level 'integrations' is installed"
+def test_the_integrations_install_as_packages_of_their_own():
+    """``integrations/`` is a folder of adapter packages, installed with vmemkv, not a package."""
+    spec = importlib.util.find_spec("vmemkv_transformers")
+    assert spec is not None and Path(spec.origin).parent.parent.name == "integrations"
+    from importlib.metadata import distribution
+    top_level = set(distribution("vmemkv").read_text("top_level.txt").split())
+    assert top_level == {"vmemkv", "vmemkv_transformers"}

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from vmemkv.integrations.transformers_cache import VmemkvCache, cache_kwarg
+from vmemkv_transformers import VmemkvCache, cache_kwarg
 from vmemkv.cli import main
 from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
 from vmemkv.engine.core.chat import chat_prompt_ids, end_of_turn_token_ids

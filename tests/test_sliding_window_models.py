@@ -22,7 +22,7 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, 
 from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
 from vmemkv.engine.core.llm_engine import run_to_completion
 from vmemkv.engine.models.zoo import byte_tokenizer
-from vmemkv.integrations.transformers_cache import VmemkvCache, cache_kwarg
+from vmemkv_transformers import VmemkvCache, cache_kwarg
 
 WINDOW = 3
 NEW_TOKENS = 10

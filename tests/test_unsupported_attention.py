@@ -17,7 +17,7 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, 
                           Llama4TextConfig, LlavaConfig, MistralConfig, PretrainedConfig, Qwen2Config)
 
 import vmemkv
-from vmemkv.integrations.transformers_cache import VmemkvCache
+from vmemkv_transformers import VmemkvCache
 from vmemkv.engine import EngineConfig, LLMEngine
 from vmemkv.engine.core.llm_engine import run_to_completion
 from vmemkv.engine.core.model_runner import _attention

@@ -28,6 +28,10 @@ MOVED |= {"vmemkv.layout": "vmemkv.memory.layout", "vmemkv.slots": "vmemkv.memor
           "vmemkv.engine.hub": "vmemkv.engine.models.hub"}
 MOVED |= {f"vmemkv.engine.{name}": f"vmemkv.engine.core.{name}" for name in _CORE}
 MOVED |= {f"vmemkv.engine.{name}": f"vmemkv.engine.serving.{name}" for name in _SERVING}
+# the transformers adapter moved out of the package, to integrations/vmemkv_transformers
+MOVED |= {"vmemkv.integrations": "vmemkv_transformers"}
+MOVED |= {f"vmemkv.integrations.transformers_{name}": f"vmemkv_transformers.{name}"
+          for name in ("cache", "layer", "model", "prefix", "rows")}
 # packages moved whole: every module under them
 MOVED_PACKAGES = {"vmemkv.vmm": "vmemkv.memory.vmm"}
 

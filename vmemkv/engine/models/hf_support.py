@@ -3,7 +3,7 @@
 
 Used by the engine (``LLMEngine``, through ``EngineConfig.cache_config``), the model runner (which
 relies on the engine's :func:`check_attention_supported`) and the transformers integration
-(``vmemkv.integrations.transformers_cache``).
+(``vmemkv_transformers.cache``).
 
 The engine replaces the model's attention function with
 its own, which applies what transformers passes it per layer: the scaling, a sliding window

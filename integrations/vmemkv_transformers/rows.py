@@ -2,7 +2,7 @@
 consecutive slots. Admitting rows (with the cache keys that name their model and padding), growing
 them step by step with the token ids fed, checking the attention mask, beam reorders (remapping
 pages) and row expansion (forks) live here, as a mixin of
-:class:`vmemkv.integrations.transformers_cache.VmemkvCache`, which owns the state they work on:
+:class:`vmemkv_transformers.cache.VmemkvCache`, which owns the state they work on:
 ``manager``, ``_rows``, ``_first_slot``, ``_length``, ``_tracked``, ``_windowed``, ``_model_key``,
 ``_prefix``, ``_request_counter``, ``peak_pages_in_use`` and ``peak_kv_bytes``.
 
@@ -18,10 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vmemkv.errors import ConfigError, OutOfBlocksError
-from vmemkv.cache.hashing import CacheKeys
-from vmemkv.cache.request import KVRequest
-from vmemkv.memory.slots import NoFreeSlotError
+from vmemkv import CacheKeys, ConfigError, KVRequest, NoFreeSlotError, OutOfBlocksError
 
 
 def blocks_free(manager) -> str:

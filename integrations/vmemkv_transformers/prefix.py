@@ -1,8 +1,8 @@
 """Prefix reuse across ``generate`` calls for a ``VmemkvCache``: admit a prompt mapping the blocks
 the prefix cache already holds, compute the rest once per row (:meth:`_PrefixReuse.prefill`) and
 run ``model.generate`` on it (:meth:`_PrefixReuse.generate`). A mixin of
-:class:`vmemkv.integrations.transformers_cache.VmemkvCache`, which provides the rows
-(:mod:`.transformers_rows`), ``attach``, ``release`` and the model it is hooked to."""
+:class:`vmemkv_transformers.cache.VmemkvCache`, which provides the rows
+(:mod:`.rows`), ``attach``, ``release`` and the model it is hooked to."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import inspect
 
 import torch
 
-from vmemkv.errors import ConfigError, InvalidStateError
-from vmemkv.integrations.transformers_model import cache_kwarg
+from vmemkv import ConfigError, InvalidStateError
+from vmemkv_transformers.model import cache_kwarg
 
 
 class _PrefixReuse:

@@ -9,7 +9,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 if TYPE_CHECKING:
-    from vmemkv.integrations.transformers_cache import VmemkvCache
+    from vmemkv_transformers.cache import VmemkvCache
 
 
 class _VmemkvLayer(CacheLayerMixin):
@@ -30,15 +30,15 @@ class _VmemkvLayer(CacheLayerMixin):
 
     @property
     def is_initialized(self) -> bool:
-        return bool(self._cache._rows)
+        return self._cache.num_rows > 0
 
     @property
     def keys(self) -> torch.Tensor | None:
-        return self._cache.layer_views(self.layer_idx)[0] if self._cache._rows else None
+        return self._cache.layer_views(self.layer_idx)[0] if self._cache.num_rows else None
 
     @property
     def values(self) -> torch.Tensor | None:
-        return self._cache.layer_views(self.layer_idx)[1] if self._cache._rows else None
+        return self._cache.layer_views(self.layer_idx)[1] if self._cache.num_rows else None
 
     def lazy_initialization(self, key_states, value_states) -> None:
         pass

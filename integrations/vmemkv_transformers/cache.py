@@ -13,7 +13,7 @@ reference-counted pool on demand, so
 
 Usage::
 
-    from vmemkv.integrations.transformers_cache import VmemkvCache
+    from vmemkv_transformers import VmemkvCache
 
     cache = VmemkvCache.from_model(model, max_batch_size=8, max_cache_len=2048)
 
@@ -70,12 +70,11 @@ from typing import Self
 import torch
 from transformers.cache_utils import Cache
 
-from vmemkv.errors import ConfigError, InvalidInputError, InvalidStateError, OutOfBlocksError
-from vmemkv.cache.manager import KVCacheManager
-from vmemkv.integrations.transformers_layer import _VmemkvLayer
-from vmemkv.integrations.transformers_model import cache_kwarg, layer_windows, manager_for
-from vmemkv.integrations.transformers_prefix import _PrefixReuse
-from vmemkv.integrations.transformers_rows import _RowBookkeeping, _Row, blocks_free
+from vmemkv import ConfigError, InvalidInputError, InvalidStateError, KVCacheManager, OutOfBlocksError
+from vmemkv_transformers.layer import _VmemkvLayer
+from vmemkv_transformers.model import cache_kwarg, layer_windows, manager_for
+from vmemkv_transformers.prefix import _PrefixReuse
+from vmemkv_transformers.rows import _RowBookkeeping, _Row, blocks_free
 
 __all__ = ["VmemkvCache", "cache_kwarg", "layer_windows", "manager_for"]
 
@@ -181,6 +180,11 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
     @property
     def batch_size(self) -> int:
         return len(self._rows) if self._rows else -1
+
+    @property
+    def num_rows(self) -> int:
+        """The rows held now (0 before the first forward and after :meth:`release`)."""
+        return len(self._rows)
 
     @property
     def request_ids(self) -> list[str]:

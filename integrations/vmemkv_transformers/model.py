@@ -2,15 +2,15 @@
 for the model's KV (checking its attention is one ``VmemkvCache`` can serve; sliding-window
 layers get their own blocks, released behind the window), :func:`layer_windows` says which layers
 a manager keeps windowed, and :func:`cache_kwarg` names the keyword ``generate`` takes a cache by
-in this transformers version. Part of :mod:`vmemkv.integrations.transformers_cache`, which
+in this transformers version. Part of :mod:`vmemkv_transformers.cache`, which
 re-exports them."""
 
 from __future__ import annotations
 
 import inspect
 
+from vmemkv import KVCacheManager
 from vmemkv.engine.models.hf_support import cache_config_for, check_attention_supported, hybrid_layer_windows
-from vmemkv.cache.manager import KVCacheManager
 
 
 def manager_for(model, max_batch_size: int, max_cache_len: int, num_blocks: int | None = None,
