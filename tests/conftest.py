@@ -97,10 +97,12 @@ def manager_state(manager: KVCacheManager) -> tuple:
 
 def counters(manager: KVCacheManager) -> dict:
     """The manager's stats less the mapping counters and times (reclaiming stale mappings moves
-    them)."""
+    them) and the counts of blocks with memory behind them (a lookahead block taken and given
+    back when its mapping is refused counts as backed from then on, conservatively)."""
     stats = manager.snapshot_stats()
     for key in ("map_calls", "pages_mapped", "map_calls_saved", "unmap_calls", "pages_unmapped",
-                "backend_map_seconds", "backend_unmap_seconds"):
+                "backend_map_seconds", "backend_unmap_seconds", "blocks_backed",
+                "blocks_taken_again", "kv_bytes_resident"):
         del stats[key]
     return stats
 

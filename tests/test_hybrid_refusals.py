@@ -26,6 +26,7 @@ budget asks the same of every step, and the queries that predict an operation (`
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 from collections import Counter
@@ -75,6 +76,12 @@ def allocation(alloc) -> tuple:
             alloc.num_released, None if alloc.swapped is None else list(alloc.swapped))
 
 
+def unbacked(counters):
+    """Pool counters less the memory behind the blocks (a block taken and given back by a
+    refused step counts as backed from then on: ``conftest.counters``)."""
+    return dataclasses.replace(counters, backed=0, given_back=0, taken_again=0)
+
+
 def state(manager) -> tuple:
     """``manager_state`` (the requests with their token ids, the first group's pool, the counters
     with every group's block counts, the free slots), and for every layer group: its pool's
@@ -86,7 +93,7 @@ def state(manager) -> tuple:
     for group in manager.layout_groups:
         pool = group.pool
         groups.append((list(pool.ref), list(pool.hash_of), dict(pool.block_of_hash), pool.free_queue(),
-                       sorted(pool._clean), pool.counters(), group.slots.free_slots(), group.swap.num_free,
+                       sorted(pool._clean), unbacked(pool.counters()), group.slots.free_slots(), group.swap.num_free,
                        sorted(group.host_tier.rows()), group.blocks_copied))
     requests = {}
     for request_id in manager.request_ids():

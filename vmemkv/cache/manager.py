@@ -392,6 +392,17 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
         dropped = [memory.pool.reset_cache() + memory.host_tier.clear() for memory in self.memories]
         return dropped[0]
 
+    # --- giving memory back ----------------------------------------------------------------------
+    def release_free_memory(self, keep_blocks: int = 0) -> int:
+        """Give the memory behind free clean blocks back to the OS (CPU: punched out of the memfd),
+        keeping ``keep_blocks`` of them in each pool backed, the ones the next allocations take
+        (a floor, so a step after an idle spell takes no page faults). Blocks held by requests
+        and cached blocks keep theirs (``reset_prefix_cache`` first to give those back too).
+        Returns the bytes given back; 0 on a backend that cannot (CUDA, for now)."""
+        self._check_open()
+        keep_blocks = check.count(keep_blocks, "keep_blocks")
+        return sum(memory.give_back(keep_blocks) * memory.layout.block_bytes for memory in self.memories)
+
     def close(self) -> None:
         """Give the memory back; every later call raises ManagerClosedError. Refused while
         tensors viewing the memory (from kv_views/block_views) are still held: reading one

@@ -84,6 +84,18 @@ class KVMemory:
                                 physical(np.array([c for _, c in pairs])).tolist())
         self.stats.blocks_copied += len(pairs)
 
+    def give_back(self, keep: int) -> int:
+        """Give the memory of this pool's free clean blocks back to the OS, all but ``keep`` of
+        them (the ones handed out first stay); their blocks stay free and take memory again when
+        written. Returns the blocks given back (none on a backend that cannot)."""
+        blocks = self.pool.give_back_candidates(self.pool.num_backed_clean - keep)
+        if not blocks:
+            return 0
+        if not self.backend.discard_pages(self.layout.physical_pages(np.array(blocks)).tolist()):
+            return 0
+        self.pool.mark_given_back(blocks)
+        return len(blocks)
+
     def block_window(self) -> torch.Tensor:
         """The pool as ``[num_blocks, block_bytes]`` uint8 rows: what swap, the host tier and
         tensor-parallel replay copy blocks through."""

@@ -41,6 +41,9 @@ from vmemkv.cache.events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, B
 PARTIAL_MATCH_CANDIDATES = 64
 
 
+NEVER, BACKED, GIVEN_BACK = 0, 1, 2  # the memory behind a block (BlockPool._memory)
+
+
 class BlockOrigin(NamedTuple):
     """What a hashed block was registered with: its tokens and its place in the hash chain."""
     token_ids: tuple[int, ...]
@@ -62,6 +65,9 @@ class PoolCounters:
     cached: int
     clean: int
     evictions: int
+    backed: int = 0  # blocks with memory behind them (BlockPool.num_backed)
+    given_back: int = 0
+    taken_again: int = 0
 
     @property
     def free(self) -> int:
@@ -92,6 +98,13 @@ class BlockPool:
         self._clean = list(range(num_blocks))  # a heap: lowest id first
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recent first
         self.evictions = 0
+        # Memory behind each block: NEVER until first handed out, BACKED from then on, GIVEN_BACK
+        # once give_back_candidates' blocks are given back (until handed out again). Clean
+        # blocks can be either; in-use and cached ones are always BACKED.
+        self._memory = bytearray(num_blocks)
+        self.num_backed = 0
+        self.num_backed_clean = 0
+        self.blocks_given_back = self.blocks_taken_again = 0
         # told the cached blocks allocate hands out again, while their bytes are intact
         self.on_evict: Callable[[list[EvictedBlock]], None] | None = None
 
@@ -115,7 +128,8 @@ class BlockPool:
 
     def counters(self) -> PoolCounters:
         return PoolCounters(self.num_blocks, self.num_in_use, self.num_cached, self.num_clean,
-                            self.evictions)
+                            self.evictions, self.num_backed, self.blocks_given_back,
+                            self.blocks_taken_again)
 
     def free_queue(self) -> list[int]:
         """Cached blocks in eviction order (next victim first)."""
@@ -146,10 +160,13 @@ class BlockPool:
         if n == 1 and self._clean:  # the decode hot path
             block = heapq.heappop(self._clean)
             self.ref[block] = 1
+            self._back(block)
             return [block]
         if n > self.num_free:
             raise OutOfBlocksError(self._short_message(n))
         blocks = [heapq.heappop(self._clean) for _ in range(min(n, len(self._clean)))]
+        for block in blocks:
+            self._back(block)
         evicted = []
         while len(blocks) < n:
             block, _ = self._lru.popitem(last=False)
@@ -164,6 +181,36 @@ class BlockPool:
         if evicted and self.on_evict is not None:
             self.on_evict(evicted)
         return blocks
+
+    def _back(self, block: int) -> None:
+        """A clean block is handed out: it has memory behind it from now on."""
+        memory = self._memory[block]
+        if memory == BACKED:
+            self.num_backed_clean -= 1
+            return
+        self.blocks_taken_again += memory == GIVEN_BACK
+        self._memory[block] = BACKED
+        self.num_backed += 1
+
+    def give_back_candidates(self, n: int) -> list[int]:
+        """Up to ``n`` clean blocks with memory behind them, the last ones ``allocate`` would hand
+        out first (highest id first), to give their memory back."""
+        if n <= 0 or not self.num_backed_clean:
+            return []
+        memory = self._memory
+        return sorted((b for b in self._clean if memory[b] == BACKED), reverse=True)[:n]
+
+    def mark_given_back(self, blocks: list[int]) -> None:
+        """The memory behind clean blocks ``blocks`` (``give_back_candidates``) went back to the OS."""
+        memory = self._memory
+        for block in blocks:
+            if self.ref[block] or self.hash_of[block] is not None or memory[block] != BACKED:
+                raise BlockStateError(f"block {block} is not a clean block with memory behind it")
+        for block in blocks:
+            memory[block] = GIVEN_BACK
+        self.num_backed -= len(blocks)
+        self.num_backed_clean -= len(blocks)
+        self.blocks_given_back += len(blocks)
 
     def _forget(self, block: int) -> BlockOrigin:
         content_hash = self.hash_of[block]
@@ -232,6 +279,7 @@ class BlockPool:
             if self.ref[block] == 0:
                 if self.hash_of[block] is None:
                     heapq.heappush(self._clean, block)
+                    self.num_backed_clean += 1
                 else:
                     self._lru[block] = None
 
@@ -297,6 +345,7 @@ class BlockPool:
         dropped = len(self._lru)
         for block in self._lru:
             heapq.heappush(self._clean, block)
+        self.num_backed_clean += dropped
         self._lru.clear()
         self.block_of_hash.clear()
         self.hash_of = [None] * self.num_blocks
@@ -319,6 +368,11 @@ class BlockPool:
         assert all(r >= 0 for r in self.ref), "negative reference count"
         assert all(self.hash_of[p] is None for p in clean), "a clean block has a hash"
         assert all(self.hash_of[p] is not None for p in cached), "a cached block has no hash"
+        memory = self._memory
+        assert all(memory[p] == BACKED for p in in_use | cached), "a held or cached block has no memory"
+        assert self.num_backed == memory.count(BACKED), "backed blocks miscounted"
+        assert self.num_backed_clean == sum(memory[p] == BACKED for p in clean), (
+            "backed clean blocks miscounted")
         for h, p in self.block_of_hash.items():
             assert self.hash_of[p] == h, f"index says block {p} holds a hash it does not"
         hashed = sum(h is not None for h in self.hash_of)

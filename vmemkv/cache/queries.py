@@ -129,6 +129,12 @@ class ManagerQueries(ManagerState):
         return sum(memory.pool.num_in_use * memory.layout.block_bytes for memory in self.memories)
 
     @property
+    def kv_bytes_resident(self) -> int:
+        """Bytes of the blocks with memory behind them, in every pool: held, cached, and free
+        clean blocks not given back (``release_free_memory``)."""
+        return sum(memory.pool.num_backed * memory.layout.block_bytes for memory in self.memories)
+
+    @property
     def num_cached_blocks(self) -> int:
         """Free blocks still holding prefix-cache content."""
         return self.groups[0].pool.num_cached
@@ -282,6 +288,9 @@ class ManagerQueries(ManagerState):
             "backend_map_seconds": sum(memory.backend.stats.map_seconds for memory in self.memories),
             "backend_unmap_seconds": sum(memory.backend.stats.unmap_seconds for memory in self.memories),
             "kv_bytes_in_use": self.kv_bytes_in_use,
+            "kv_bytes_resident": self.kv_bytes_resident,
+            "blocks_backed": pool.backed, "blocks_given_back": pool.given_back,
+            "blocks_taken_again": pool.taken_again,
         }
         for group in self.groups[1:]:
             counts = group.pool.counters()

@@ -58,6 +58,8 @@ class MapStats:
     pages_unmapped: int = 0
     map_seconds: float = 0.0
     unmap_seconds: float = 0.0
+    pages_discarded: int = 0  # physical pages given back to the OS (discard_pages)
+    discard_seconds: float = 0.0
 
 
 class VirtualMemoryBackend(ABC):
@@ -99,6 +101,16 @@ class VirtualMemoryBackend(ABC):
     @abstractmethod
     def unmap(self, vrange: VirtualRange, virtual_pages: Sequence[int] | np.ndarray) -> None:
         """Unmap the given virtual pages; their addresses go back to the reservation."""
+
+    def discard_pages(self, pages: Sequence[int]) -> int:
+        """Give the memory behind physical pages ``pages`` back to the OS: their mappings stay
+        valid, their bytes are gone (they read zeros), and touching one takes a page again.
+        Returns the pages given back: 0 on a backend that cannot (its memory stays resident)."""
+        return 0
+
+    def resident_bytes(self) -> int | None:
+        """Bytes of physical memory the pages hold now (None where the backend cannot tell)."""
+        return None
 
     @abstractmethod
     def pool_window(self) -> torch.Tensor:

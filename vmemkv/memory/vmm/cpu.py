@@ -47,6 +47,24 @@ from vmemkv.memory.vmm.cpu_limits import (budget_lock, count_range_mappings, hug
 _native: ModuleType | None = None
 
 OS_PAGE_SIZE = mmap.PAGESIZE
+
+# fallocate(2) with its flags, for giving pages back (Python's os has only posix_fallocate)
+_libc = ctypes.CDLL(None, use_errno=True)
+_fallocate = _libc.fallocate
+_fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_KEEP_SIZE, _PUNCH_HOLE = 0x01, 0x02
+
+
+def _runs(pages: list[int]) -> list[tuple[int, int]]:
+    """Sorted distinct ``pages`` as runs ``(first, count)`` of consecutive pages."""
+    runs: list[list[int]] = []
+    for page in pages:
+        if runs and page == runs[-1][0] + runs[-1][1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([page, 1])
+    return [(first, count) for first, count in runs]
+
 def load_native() -> ModuleType:
     """The ``vmemkv._native`` module; raises :class:`NativeExtensionError` when it is not built."""
     global _native
@@ -355,6 +373,33 @@ class CpuBackend(VirtualMemoryBackend):
         if state is None or state.vrange is not vrange:
             state = self._state(vrange)  # raises MappingError
         return state.bytes_view
+
+    # ---------------------------------------------------------------- giving memory back
+
+    def discard_pages(self, pages: Sequence[int]) -> int:
+        """Punch the pages out of the memfd (``fallocate(PUNCH_HOLE)``, one call per run of
+        consecutive pages): the page cache frees them, every mapping of them stays and reads
+        zeros, and the next write faults a fresh page in."""
+        self._check_open()
+        pages = sorted(set(index_array(pages, "pages").tolist()))
+        if pages and not 0 <= pages[0] <= pages[-1] < self.num_pages:
+            raise MappingError(f"discard_pages: pages must lie in [0, {self.num_pages}); got "
+                               f"{pages[0]}..{pages[-1]}")
+        start = time.perf_counter()
+        for first, count in _runs(pages):
+            if _fallocate(self._fd, _PUNCH_HOLE | _KEEP_SIZE, first * self.page_size,
+                          count * self.page_size) != 0:
+                errno = ctypes.get_errno()
+                raise MappingError(f"fallocate(PUNCH_HOLE) of {count} pages refused: {os.strerror(errno)}")
+        self.stats.pages_discarded += len(pages)
+        self.stats.discard_seconds += time.perf_counter() - start
+        return len(pages)
+
+    def resident_bytes(self) -> int:
+        """The memfd's allocated bytes (``st_blocks``): the pool's, the filler's and the hole
+        page's pages touched and not given back."""
+        self._check_open()
+        return os.fstat(self._fd).st_blocks * 512
 
     # ---------------------------------------------------------------- lifetime
 
