@@ -38,3 +38,12 @@ def test_unmoved_modules_are_not_redirected():
     assert new_name("vmemkv.errors") is None
     assert new_name("vmemkv.engine") is None
     assert new_name("vmemkv.vmmx") is None
+
+
+def test_the_model_zoo_names_import_from_the_old_module_path():
+    from vmemkv.engine.models import zoo
+    with pytest.warns(DeprecationWarning, match="vmemkv.engine.models.load_model is now"):
+        from vmemkv.engine.models import load_model  # noqa: PLC0415
+    assert load_model is zoo.load_model
+    with pytest.raises(ImportError):
+        from vmemkv.engine.models import no_such_name  # noqa: F401, PLC0415
