@@ -1,21 +1,15 @@
 """The manager's batched step entries (``allocate_each``, ``commit_all``) do what one call per
-request does, refuse without changing anything, and the scheduler's use of them schedules and
-preempts exactly as its one-call-per-sequence loop.
+request does and refuse without changing anything (``test_scheduler_batched.py``: the scheduler's
+use of them schedules and preempts exactly as one call per sequence).
 
 Managers from the ``make_manager`` fixture: 10 blocks of 4 tokens, 4 slots, max_model_len 40."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from conftest import assert_no_leaks, close_manager, manager_state as state, tiny_config
-from vmemkv import (KVCacheManager, KVRequest, RequestStateError, RequestTooLongError,
-                    UnknownRequestError)
-from vmemkv.engine import EngineConfig, SamplingParams
-from vmemkv.engine.core.scheduler import Scheduler
-from vmemkv.engine.core.sequence import Sequence, SequenceGroup
+from conftest import manager_state as state
+from vmemkv import RequestStateError, RequestTooLongError, UnknownRequestError
 from vmemkv.errors import InvalidInputError, MappingLimitError
 
 
@@ -99,63 +93,3 @@ def test_commit_all_is_one_commit_per_request_and_checks_them_all_first(make_man
     batched.request("c").token_ids.append(206)
     batched.commit_all(["a", "c"])
     assert [batched.num_computed_tokens(r) for r in "ac"] == [10, 7]
-
-
-# --- the scheduler ---------------------------------------------------------------------------------
-class PerCallManager:
-    """A manager without the batched entries: the scheduler then allocates one call per
-    sequence (as for a caller's own manager)."""
-
-    def __init__(self, manager: KVCacheManager):
-        self._manager = manager
-
-    def __getattr__(self, name):
-        if name in ("allocate_each", "commit_all"):
-            raise AttributeError(name)
-        return getattr(self._manager, name)
-
-
-def drive(scheduler: Scheduler, prompts: list[list[int]], seed: int) -> list:
-    """Admit the prompts, then step until all are done, growing each computed sequence by one
-    token a step; returns each step's (scheduled ids and counts, preemptions, failures)."""
-    rng = random.Random(seed)
-    for index, prompt in enumerate(prompts):
-        group = SequenceGroup(str(index), None, list(prompt), SamplingParams(max_tokens=1))
-        seq = Sequence(KVRequest(str(index), list(prompt)), group, 0)
-        group.seqs.append(seq)
-        scheduler.add(seq)
-    trace = []
-    for _ in range(200):
-        if not (scheduler.running or scheduler.waiting or scheduler.swapped):
-            break
-        out = scheduler.schedule()
-        trace.append(([(item.seq.group.request_id, item.num_new_tokens) for item in out.scheduled],
-                      scheduler.num_preemptions, [seq.group.request_id for seq, _ in out.failed]))
-        for item in out.scheduled:
-            scheduler.manager.commit(item.seq.kv)
-            kv = item.seq.kv
-            if kv.num_computed_tokens == len(kv.token_ids):
-                if len(kv.token_ids) >= 30:
-                    scheduler.remove(item.seq)
-                else:
-                    kv.token_ids.append(rng.randrange(1, 200))
-    assert not (scheduler.running or scheduler.waiting or scheduler.swapped)
-    return trace
-
-
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_the_scheduler_batched_schedules_and_preempts_as_one_call_per_sequence(mode):
-    prompts = [[100 + i] + [(i * 7 + j) % 90 + 1 for j in range(5 + 3 * i)] for i in range(6)]
-    traces = []
-    for wrap in (lambda m: m, PerCallManager):
-        manager = KVCacheManager(tiny_config(num_blocks=16, max_num_seqs=6, max_model_len=40))
-        try:
-            config = EngineConfig(max_num_seqs=6, max_model_len=40, max_num_batched_tokens=24,
-                                  watermark=0.0, preemption_mode=mode)
-            traces.append(drive(Scheduler(config, wrap(manager)), prompts, seed=1))
-            assert_no_leaks(manager)
-        finally:
-            close_manager(manager)
-    batched, per_call = traces
-    assert batched == per_call
-    assert batched[-1][1] > 0  # the pool is short: sequences were preempted

@@ -15,9 +15,9 @@ from vmemkv.attention import BlockTableAttention, ContiguousAttention, SequenceS
 from vmemkv.attention.choice import AttentionChoice, choose_attention
 from vmemkv.attention.flash import FlashBlockTableAttention, FlashSlotAttention
 from vmemkv.attention.flash_args import flat_rows, slot_geometry
-from vmemkv.cache.manager import KVCacheManager
 from vmemkv.cache.request import KVRequest
 from vmemkv.engine.core.config import EngineConfig
+from vmemkv.engine.core.kv_manager import KVViews
 
 
 class Addressing:
@@ -25,7 +25,7 @@ class Addressing:
 
     uses_lookahead = False  # decoding sequences get their next block mapped during the forward
 
-    def __init__(self, manager: KVCacheManager, device, choice: AttentionChoice):
+    def __init__(self, manager: KVViews, device, choice: AttentionChoice):
         self.manager = manager
         self.device = device
         self.choice = choice
@@ -44,7 +44,7 @@ class SlotAddressing(Addressing):
 
     uses_lookahead = True
 
-    def __init__(self, manager: KVCacheManager, device, choice: AttentionChoice):
+    def __init__(self, manager: KVViews, device, choice: AttentionChoice):
         super().__init__(manager, device, choice)
         if choice.kind == "flash":
             kernel, geometry = choice.kernel, layer_geometries(manager)
@@ -67,7 +67,7 @@ class SlotAddressing(Addressing):
         return SequenceSpan(kv.slot, begin, count, computed)
 
 
-def layer_geometries(manager: KVCacheManager) -> list[tuple[int, int]]:
+def layer_geometries(manager: KVViews) -> list[tuple[int, int]]:
     """Each model layer's flattened slot views for FlashAttention: (rows per slot, rows). One
     pair for every layer of a manager; layout groups of a hybrid model with different numbers
     of layers differ in the per-layer layout (a slot's rows span its group's layers)."""
@@ -82,7 +82,7 @@ def layer_geometries(manager: KVCacheManager) -> list[tuple[int, int]]:
 class BlockTableAddressing(Addressing):
     """Block tables (the paged baseline): a sequence is its list of blocks."""
 
-    def __init__(self, manager: KVCacheManager, device, choice: AttentionChoice):
+    def __init__(self, manager: KVViews, device, choice: AttentionChoice):
         super().__init__(manager, device, choice)
         tokens_per_page = manager.tokens_per_page
         # Blocks released behind a sliding window stay RELEASED (-1) in the spans; FlashAttention's
@@ -123,12 +123,12 @@ class GroupedAttention:
 
 
 class GroupedBlockTableAddressing(BlockTableAddressing):
-    """Block tables of a manager with several layer groups (``KVCacheManager.layout_groups``):
+    """Block tables of a manager with several layer groups (``KVViews.layout_groups``):
     each group has its own pool, so a sequence has one block table per group (a local group's
     with its blocks behind the window released), and each group's layers read through its own.
     A span is the tuple of the sequence's spans, one per group."""
 
-    def __init__(self, manager: KVCacheManager, device, choice: AttentionChoice):
+    def __init__(self, manager: KVViews, device, choice: AttentionChoice):
         super().__init__(manager, device, choice)
         self.num_groups = len(manager.layout_groups)
         group_of = [manager.layer_group(layer).index for layer in range(manager.config.num_layers)]
@@ -142,7 +142,7 @@ class GroupedBlockTableAddressing(BlockTableAddressing):
                      for g in range(self.num_groups))
 
 
-def choose_addressing(config: EngineConfig, manager: KVCacheManager, device,
+def choose_addressing(config: EngineConfig, manager: KVViews, device,
                       num_query_heads: int) -> Addressing:
     """``config.kv_backend`` and ``config.attention`` resolved once for this device, dtype, shapes."""
     layout = manager.layout

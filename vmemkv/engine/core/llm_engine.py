@@ -1,10 +1,13 @@
 """The engine: requests in, one step at a time, outputs out.
 
-A step is three one-way calls: the scheduler decides who runs with how many tokens
-(``scheduler.py``); the runner packs them into one ragged forward over the KV cache, addressed
-the way chosen once at construction (``runner.py``, ``addressing.py``); the postprocessor commits,
-forks, samples, appends and finishes (``postprocess.py``). This module holds the requests, the
-construction of those parts, and the engine's stats.
+A step is four one-way calls: the scheduler plans who runs with how many tokens and every KV
+change of the step (admission, growth, swap, preemption, the forks of ``n > 1``, lookahead blocks:
+``scheduler.py``); the runner carries out the forward, one ragged batch over the KV cache
+addressed the way chosen once at construction, mapping the lookahead blocks the plan names
+(``runner.py``, ``addressing.py``); the postprocessor commits, carries out the planned forks,
+samples, appends and finishes, and says what happened (``postprocess.py``); the scheduler's
+``update`` takes that, the one place its queues change after the plan. This module holds the
+requests, the construction of those parts, and the engine's stats.
 """
 
 from __future__ import annotations
@@ -18,14 +21,13 @@ from vmemkv.cache.hashing import CacheKeys
 from vmemkv.engine.models.hf_support import check_attention_supported, text_config
 from vmemkv.cache.events import KVEventBuffer
 from vmemkv.cache.metrics import KVMetricsCollector
-from vmemkv.cache.manager import KVCacheManager
 from vmemkv.cache.request import KVRequest
 from vmemkv.engine.core.addressing import choose_addressing
 from vmemkv.engine.core.chat import end_of_turn_token_ids
 from vmemkv.engine.core.config import EngineConfig
 from vmemkv.engine.core.detokenizer import IncrementalDetokenizer
+from vmemkv.engine.core.kv_manager import KVManager, make_kv_manager
 from vmemkv.engine.distributed import TensorParallelLeader
-from vmemkv.engine.distributed.step import hybrid_windows
 from vmemkv.engine.core.threads import apply_threads
 from vmemkv.engine.serving.kv_event_publisher import KVEventPublisher
 from vmemkv.engine.core.metrics import EngineMetrics
@@ -69,27 +71,30 @@ class LLMEngine:
         # Local and global layers (Gemma-2/3, GPT-OSS, Llama-4): one layer group per kind, so the
         # local layers' blocks behind the window go back to their pool (slots or block tables).
         # Under tensor parallelism every rank builds the same groups (distributed/step.py).
+        self.manager: KVManager
         if tp is not None:
             self.manager = tp.shard_manager(model, self.kv_metrics, events=self.kv_events)
         else:
-            cache = config.cache_config(model)
-            self.manager = KVCacheManager.for_layers(cache, hybrid_windows(config, model),
-                                                     config.max_num_batched_tokens,
-                                                     metrics=self.kv_metrics, events=self.kv_events)
+            self.manager = make_kv_manager(config.cache_config(model), model.config,
+                                           max_model_len=config.max_model_len,
+                                           chunk_tokens=config.max_num_batched_tokens,
+                                           release_behind_window=config.release_behind_window,
+                                           metrics=self.kv_metrics, events=self.kv_events)
         self.kv_event_publisher = (KVEventPublisher(config.kv_events_endpoint)
                                    if config.kv_events_endpoint else None)
         model_runner = ModelRunner(model) if tp is None else tp.model_runner(model)
-        self.scheduler = Scheduler(config, self.manager)
         # The KV addressing (slots or block tables) and its attention, chosen once.
         self.addressing = choose_addressing(config, self.manager, model_runner.device,
                                             text_config(model.config).num_attention_heads)
         self.attention_choice = self.addressing.choice
         self.attention_kernel = self.attention_choice.label  # what runs: flash-bundled, triton, sdpa
         self.decode_kernel = self.attention_choice.kind == "triton"
-        # Overlapped mapping (slots only): decoding sequences' next block mapped during the forward.
-        lookahead = (LookaheadMapper(self.manager, config.lookahead_tokens, self.scheduler.watermark_blocks)
-                     if self.addressing.uses_lookahead and config.lookahead_tokens > 0 else None)
-        self.runner = StepRunner(model_runner, self.addressing, lookahead)
+        # Overlapped mapping (slots only): the scheduler gives decoding sequences their next block,
+        # the runner maps it during the forward.
+        lookahead_tokens = config.lookahead_tokens if self.addressing.uses_lookahead else 0
+        self.scheduler = Scheduler(config, self.manager, self._new_sequence, lookahead_tokens)
+        self.runner = StepRunner(model_runner, self.addressing,
+                                 LookaheadMapper(self.manager) if lookahead_tokens > 0 else None)
         self.metrics = EngineMetrics(kv_metrics=self.kv_metrics, cache_stats=self.manager.cache_stats)
         self.groups: dict[str, SequenceGroup] = {}
         eos = text_config(model.config).eos_token_id
@@ -100,8 +105,8 @@ class LLMEngine:
         self.eos_token_ids |= set(generation_eos if isinstance(generation_eos, list)
                                   else [generation_eos] if generation_eos is not None else [])
         self.eos_token_ids |= set(end_of_turn_token_ids(tokenizer))
-        self.postprocessor = Postprocessor(config, self.manager, self.scheduler, self.metrics,
-                                           self.groups, self.eos_token_ids, self._new_sequence, stream)
+        self.postprocessor = Postprocessor(config, self.manager, self.metrics, self.groups,
+                                           self.eos_token_ids, stream)
         self.step_seconds = 0.0
         self.num_steps = 0
         self.peak_blocks_in_use = 0
@@ -168,18 +173,19 @@ class LLMEngine:
 
     # --- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the forward, postprocess: one way, each part once."""
+        """Plan, run the forward, postprocess, update the queues: one way, each part once."""
         start = time.perf_counter()
         plan = self.scheduler.schedule()
-        forward = self.runner.run(plan.scheduled) if plan.scheduled else None
-        touched = self.postprocessor.process(plan, forward)
+        forward = self.runner.run(plan.scheduled, plan.lookahead) if plan.scheduled else None
+        progress = self.postprocessor.process(plan, forward)
+        self.scheduler.update(progress.result)
         self.step_seconds += time.perf_counter() - start
         self.num_steps += 1
         self._record_memory()
         self._update_gauges()
         if self.kv_event_publisher is not None and (batch := self.kv_events.drain()):
             self.kv_event_publisher.publish(batch)
-        return self.postprocessor.outputs(touched)
+        return self.postprocessor.outputs(progress)
 
     def _update_gauges(self) -> None:
         """Set the metrics' gauges to the scheduler and cache state now: after every step, and

@@ -24,14 +24,14 @@ Each step the scheduler offers waiting requests for admission in the order this 
 
 from __future__ import annotations
 
-from vmemkv.cache.manager import KVCacheManager
+from vmemkv.engine.core.kv_manager import KVManager
 from vmemkv.engine.core.sequence import Sequence, SequenceStatus
 
 
 class LongestPrefixFirst:
     """The admission order of ``--policy lpm``; the scheduler tells it who was admitted."""
 
-    def __init__(self, manager: KVCacheManager, window: int, max_passed_over: int):
+    def __init__(self, manager: KVManager, window: int, max_passed_over: int):
         self.manager = manager
         self.window = window
         self.max_passed_over = max_passed_over

@@ -6,18 +6,29 @@ sequence is preempted (swap or recompute, as configured) until it can. Then swap
 back; then, only if none are left swapped, waiting sequences are admitted while slots, the budget
 and a free-block watermark allow: in arrival order (FCFS), by priority then arrival
 (``priority``), or longest cached prefix first with a bound on how long a request is passed over
-(``lpm``, ``lpm.py``). The KV cache manager does what it is told.
+(``lpm``, ``lpm.py``). Then the step's KV plan is completed: a group whose prompt completes
+this step gets its other ``n - 1`` sequences planned as forks (a slot each and a copy of the
+prompt's partial last block, from what admission left and above the watermark; children without
+room wait as new requests), and decoding sequences about to cross a block boundary get their next
+block as lookahead (slots only), for the runner to map during the forward.
+
+The plan (``SchedulerOutput``) is carried out by the runner (the forward, the lookahead mapping)
+and the postprocessor (commit, the planned forks, sampling); what the step did comes back as one
+``StepResult`` to ``update``, the only place the queues change between two schedules (besides
+requests added and aborted). The KV cache manager does what it is told.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 from vmemkv.errors import MappingLimitError
-from vmemkv.cache.manager import KVCacheManager
+from vmemkv.engine.core.kv_manager import KVManager
 from vmemkv.engine.core.config import EngineConfig
 from vmemkv.engine.core.lpm import LongestPrefixFirst
-from vmemkv.engine.core.sequence import Sequence, SequenceStatus
+from vmemkv.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from vmemkv.memory.slots import MapJob
 
 
 @dataclass(slots=True)
@@ -26,16 +37,41 @@ class ScheduledSeq:
     num_new_tokens: int
 
 
+@dataclass(slots=True)
+class Fork:
+    """A group's other sequences, to be forked from ``parent`` once its prompt is committed."""
+    parent: Sequence
+    children: list[Sequence]
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     failed: list[tuple[Sequence, str]]  # sequences that can never fit, with the reason
+    forks: list[Fork] = field(default_factory=list)  # room counted: carried out after the commit
+    lookahead: list[MapJob] = field(default_factory=list)  # blocks given, for the runner to map
+
+
+@dataclass
+class StepResult:
+    """What a step did that the queues follow (``Scheduler.update``)."""
+    finished: list[Sequence] = field(default_factory=list)  # out of the queues, blocks given back
+    forked: list[Sequence] = field(default_factory=list)  # children holding their parent's KV: run
+    refused_forks: list[Sequence] = field(default_factory=list)  # the manager refused: wait
+    refused_lookahead: list[MapJob] = field(default_factory=list)  # mapping refused: blocks back
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, manager: KVCacheManager):
+    """``new_sequence(group, index)`` makes a group's sequence ``index`` (needed for ``n > 1``);
+    ``lookahead_tokens``: how far ahead decoding sequences get their next block (0: never)."""
+
+    def __init__(self, config: EngineConfig, manager: KVManager,
+                 new_sequence: Callable[[SequenceGroup, int], Sequence] | None = None,
+                 lookahead_tokens: int = 0):
         self.config = config
         self.manager = manager
+        self.new_sequence = new_sequence
+        self.lookahead_tokens = lookahead_tokens
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -48,11 +84,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
-
-    def add_running(self, seq: Sequence) -> None:
-        """A sequence that already holds its KV cache (a fork of a running one) runs from now on."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queues and give its blocks back (finish or abort)."""
@@ -72,7 +103,22 @@ class Scheduler:
         budget = self._schedule_swapped(budget, out)
         if not self.swapped:
             self._schedule_waiting(budget, out)
+        fork_blocks = self._plan_forks(out)
+        if self.lookahead_tokens:
+            out.lookahead = self._plan_lookahead(out.scheduled, self.watermark_blocks + fork_blocks)
         return out
+
+    def update(self, result: StepResult) -> None:
+        """Follow what the step did: the one place the queues change after ``schedule``."""
+        if result.refused_lookahead:  # first: the requests' block lists still end with those blocks
+            self.manager.cancel_lookahead(result.refused_lookahead)
+        for seq in result.forked:
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        for seq in result.refused_forks:
+            self.add(seq)
+        for seq in result.finished:
+            self.remove(seq)
 
     # --- the three queues ------------------------------------------------------------------------
     def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
@@ -104,10 +150,7 @@ class Scheduler:
         (``allocate_each``), up to the first one that does not fit; returns (its index, the
         budget left). The caller's loop goes on from there, preempting for it: the same outcome
         as one ``allocate`` per sequence, which costs more (measured 2-3 % of a B = 32-64 decode
-        step with commits). A manager without the batched call (a caller's own) is left to the loop."""
-        allocate_each = getattr(self.manager, "allocate_each", None)
-        if allocate_each is None:
-            return 0, budget
+        step with commits)."""
         planned, growing, counts = [], [], []
         remaining = budget
         for seq in self.running:
@@ -121,7 +164,7 @@ class Scheduler:
                 counts.append(count - reserved)
             planned.append((seq, count, count > reserved))
             remaining -= count
-        granted = allocate_each(growing, counts) if growing else 0
+        granted = self.manager.allocate_each(growing, counts) if growing else 0
         for index, (seq, count, grows) in enumerate(planned):
             if grows:
                 if granted == 0:
@@ -187,6 +230,53 @@ class Scheduler:
                 lpm.admitted(seq, cached)
         if lpm is not None:
             lpm.end_step(admitted)
+
+    # --- the rest of the plan ---------------------------------------------------------------------
+    def _plan_forks(self, out: SchedulerOutput) -> int:
+        """At a group's first sample (the step computing its prompt's last token), plan its other
+        ``n - 1`` sequences as forks of the one sampling: each takes a slot and a copy of the
+        prompt's partial last block, out of what admission left and above the watermark. Children
+        without room wait as new requests (their prompt then hits the prefix cache). Returns the
+        blocks the planned forks take."""
+        slots = self.manager.num_free_slots
+        spare = self.manager.num_free_blocks - self.watermark_blocks
+        taken = 0
+        for item in out.scheduled:
+            seq, group = item.seq, item.seq.group
+            if group.forked or seq.num_computed + item.num_new_tokens < len(seq.token_ids):
+                continue
+            group.forked = True  # from now on the group has all its sequences
+            children = [self.new_sequence(group, index) for index in range(1, group.params.n)]
+            group.seqs += children
+            blocks_each = int(len(seq.token_ids) % self.manager.tokens_per_page != 0)
+            room = spare // blocks_each if blocks_each else len(children)
+            fit = max(min(len(children), slots, room), 0)
+            if fit:
+                out.forks.append(Fork(seq, children[:fit]))
+            for child in children[fit:]:
+                self.add(child)
+            slots, spare, taken = slots - fit, spare - fit * blocks_each, taken + fit * blocks_each
+        return taken
+
+    def _plan_lookahead(self, scheduled: list[ScheduledSeq], keep_free: int) -> list[MapJob]:
+        """Give decoding sequences about to cross a block boundary their next block now, while
+        ``keep_free`` blocks stay free; the runner maps them during the forward (they lie past
+        every reservation, which the forward never reads)."""
+        # Only a sequence whose next `margin` positions reach a block past its reservation can
+        # get one (the manager skips the others): ask about those alone.
+        margin, size = self.lookahead_tokens, self.manager.tokens_per_page
+        decoding = []
+        for item in scheduled:
+            seq = item.seq
+            kv = seq.kv
+            reserved = kv.num_tokens
+            # blocks_for_tokens(reserved + margin) > blocks_for_tokens(reserved), inlined and
+            # asked first (true for about one sequence in tokens_per_block / margin): this loop
+            # runs over every running sequence each step
+            if (-(-(reserved + margin) // size) > -(-reserved // size)
+                    and kv.num_computed_tokens >= seq.num_prompt_tokens):
+                decoding.append(kv)
+        return self.manager.allocate_lookahead(decoding, margin, keep_free) if decoding else []
 
     def _head_of_queue(self):
         """FCFS and priority: the waiting queue's head, until the loop stops taking it away."""

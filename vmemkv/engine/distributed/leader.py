@@ -82,7 +82,7 @@ class TensorParallelLeader:
 
     def shard_manager(self, model, metrics, **manager_options):
         """Rank 0's manager, built exactly as every worker builds its own (one layout group, or
-        two for a hybrid model: ``step.hybrid_windows``), ``manager_options``: what only rank 0's
+        two for a hybrid model: ``kv_manager.make_kv_manager``), ``manager_options``: what only rank 0's
         manager gets, such as an event sink."""
         manager, self.recording = shard_manager(self.config, model, metrics, **manager_options)
         return manager

@@ -3,7 +3,7 @@
 Every rank builds its KV cache manager from the same configuration and the same sharded model
 config, with its backend wrapped in a ``BackendRecorder`` (``shard_manager``): layouts, page counts
 and reservations then agree, so rank 0's log names the same pages everywhere. A model mixing local
-and global layers gets a manager of several layer groups on every rank (``hybrid_windows``: the
+and global layers gets a manager of several layer groups on every rank (``make_kv_manager``: the
 engine's rule), each group's backend recorded into one ``Recording``. Each forward, rank 0
 broadcasts a ``StepMessage``: the log since the last one, the packed batch's token ids and
 positions, the rows to take logits of, and each sequence's span (slot, rows, cached length, block
@@ -21,13 +21,11 @@ import torch.distributed as dist
 
 from vmemkv.attention import SequenceSpan
 from vmemkv.cache.config import CacheConfig
-from vmemkv.cache.attention_spec import CHUNKED, AttentionSpec
-from vmemkv.engine.models.hf_support import hybrid_layer_windows, layer_chunks
 from vmemkv.cache.metrics import KVMetricsCollector
-from vmemkv.cache.manager import KVCacheManager
 from vmemkv.cache.memory import backend_pages
 from vmemkv.memory.vmm import create_backend
 from vmemkv.engine.core.config import EngineConfig
+from vmemkv.engine.core.kv_manager import KVManager, make_kv_manager
 from vmemkv.engine.distributed.recorder import BackendRecorder, Recording, SwapRecorder
 from vmemkv.engine.distributed.group import Groups, TensorParallelError
 
@@ -57,22 +55,8 @@ def batched_reads_of(attention) -> list[tuple[tuple[int, ...], int]]:
             for batch in attention.batches]
 
 
-def hybrid_windows(config: EngineConfig, model) -> "list[int | AttentionSpec | None] | None":
-    """Each layer's window (or, for chunked local layers, its ``AttentionSpec``; None: global)
-    when the engine keeps local and global layers in two layout groups, by the rule ``LLMEngine``
-    applies (blocks no later query reads released), else None. Every rank applies it to the same
-    configuration, so every rank builds the same groups."""
-    if not config.release_behind_window:
-        return None
-    windows = hybrid_layer_windows(model.config, config.max_model_len)
-    chunks = layer_chunks(model.config)  # Llama-4: chunked local layers and global ones
-    if windows is None and chunks and None in chunks and min(filter(None, chunks)) < config.max_model_len:
-        return [AttentionSpec(CHUNKED, chunk) if chunk else None for chunk in chunks]
-    return windows
-
-
 def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | None = None,
-                  **manager_options) -> tuple["KVCacheManager", Recording]:
+                  **manager_options) -> tuple[KVManager, Recording]:
     """This rank's manager over its share of the KV heads (``model`` is sharded already), every
     group's backend and swap space recorded; the construction's own calls are not part of any
     step. ``manager_options`` go to the manager (one group's or the hybrid's) as they are (rank 0's own,
@@ -80,9 +64,10 @@ def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | Non
     # On this rank's own device (cuda:<local rank>; the config says only "cuda").
     cache = replace(config.cache_config(model), device=str(next(model.parameters()).device))
     recording = Recording()
-    manager = KVCacheManager.for_layers(cache, hybrid_windows(config, model), config.max_num_batched_tokens,
-                                        metrics=metrics, **manager_options,
-                                        backends=lambda group: _recorded_backend(group, recording))
+    manager = make_kv_manager(cache, model.config, max_model_len=config.max_model_len,
+                              chunk_tokens=config.max_num_batched_tokens,
+                              release_behind_window=config.release_behind_window, metrics=metrics,
+                              **manager_options, backends=lambda group: _recorded_backend(group, recording))
     for memory, recorder in zip(manager.memories, recording.recorders):  # one backend each
         memory.swap = memory.host_tier.store = SwapRecorder(memory.swap, recorder)  # one store
     recording.take_log()

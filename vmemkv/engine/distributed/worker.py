@@ -17,6 +17,7 @@ import torch
 from vmemkv.engine.models.hf_support import text_config
 from vmemkv.engine.core.addressing import choose_addressing
 from vmemkv.engine.core.config import EngineConfig
+from vmemkv.engine.core.kv_manager import KVManager
 from vmemkv.engine.core.model_runner import ModelRunner
 from vmemkv.engine.models.zoo import load_model
 from vmemkv.engine.distributed.group import Rendezvous, join, leave, rank_device
@@ -56,7 +57,7 @@ def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
 
 
 class _ReplayedReads:
-    """This rank's manager as its attention sees it, with rank 0's batched CPU reads: a run of
+    """This rank's manager as its attention sees it (``KVViews``), with rank 0's batched CPU reads: a run of
     slots is read in one call exactly when rank 0 read it so (``StepMessage.batched_reads``).
     Rank 0's reads mapped filler pages where the run needed them, by its slot mapper's own
     state; those mappings arrive through the log, so this rank maps nothing of its own and the
@@ -64,11 +65,18 @@ class _ReplayedReads:
     rank asks only for runs its own ``worth_batching`` picks, with its share of the KV heads: the
     rule batches more rows as a row gets smaller, so it picks at least rank 0's runs."""
 
-    def __init__(self, manager):
+    def __init__(self, manager: KVManager):
         self._manager, self.runs = manager, set()
         reads = manager.batched_reads()
         self.num_layers = reads.num_layers if reads is not None else 0
         self._has_reads = reads is not None
+        # the rest of KVViews: the manager's own
+        self.config, self.layout, self.tokens_per_page = manager.config, manager.layout, manager.tokens_per_page
+        self.layer_group, self.kv_views, self.block_views = manager.layer_group, manager.kv_views, manager.block_views
+
+    @property
+    def layout_groups(self):
+        return self._manager.layout_groups
 
     def batched_reads(self) -> "_ReplayedReads | None":
         return self if self._has_reads else None
@@ -78,9 +86,6 @@ class _ReplayedReads:
 
     def release_reads(self) -> None:
         pass
-
-    def __getattr__(self, name: str):
-        return getattr(self._manager, name)
 
 
 def spawned_worker(rank: int, config: EngineConfig, rendezvous: Rendezvous) -> None:

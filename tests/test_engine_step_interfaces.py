@@ -1,0 +1,135 @@
+"""The engine's seams, as behaviour: the manager it is built with satisfies the protocol it calls
+(``kv_manager.KVManager``; a tensor-parallel worker's view of one, ``KVViews``); one factory
+shapes the manager for a model (one layer group, or one per kind of layer); the scheduler plans
+every KV change of a step (the forks of ``n > 1`` under its slots and watermark, lookahead
+blocks) and its ``update`` is where the queues follow what the step did."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import assert_no_leaks, close_manager, tiny_config
+from vmemkv import KVCacheManager, KVRequest
+from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
+from vmemkv.engine.core.kv_manager import KVManager, KVViews, layer_windows, make_kv_manager
+from vmemkv.engine.core.scheduler import Scheduler, StepResult
+from vmemkv.engine.core.sequence import Sequence, SequenceGroup
+from vmemkv.engine.distributed.worker import _ReplayedReads
+
+from test_sliding_window_models import build
+
+
+def test_the_engines_manager_satisfies_the_protocol_and_a_workers_view_its_views():
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_num_seqs=2, max_model_len=64))
+    assert isinstance(engine.manager, KVManager)
+    view = _ReplayedReads(engine.manager)
+    assert isinstance(view, KVViews)
+    assert view.layout_groups == engine.manager.layout_groups
+    engine.close()
+
+
+def test_the_factory_gives_a_hybrid_model_one_group_per_kind_of_layer_unless_told_not_to():
+    model = build("gemma2")
+    config = EngineConfig(model="tiny-gemma2", max_num_seqs=2, max_model_len=96, tokens_per_page=4)
+    assert layer_windows(model.config, 96) == [3, None]
+    assert layer_windows(model.config, 96, release_behind_window=False) is None
+    for release, groups in ((True, 2), (False, 1)):
+        manager = make_kv_manager(config.cache_config(model), model.config, max_model_len=96,
+                                  chunk_tokens=8, release_behind_window=release)
+        assert len(manager.layout_groups) == groups
+        assert isinstance(manager, KVManager)
+        manager.close()
+
+
+# --- the scheduler plans the step's KV changes; update is where its queues follow the step ----------
+def new_sequence(group: SequenceGroup, index: int) -> Sequence:
+    seq_id = group.request_id if index == 0 else f"{group.request_id}#{index}"
+    return Sequence(KVRequest(seq_id, list(group.prompt_token_ids)), group, index)
+
+
+def request(name: str, tokens, n: int = 1) -> Sequence:
+    group = SequenceGroup(name, None, list(tokens), SamplingParams(max_tokens=4, n=n))
+    group.seqs.append(new_sequence(group, 0))
+    return group.seqs[0]
+
+
+@pytest.fixture
+def scheduler_on():
+    """scheduler_on(slots, num_blocks=64, watermark=0.0, lookahead_tokens=0) -> Scheduler on a
+    fresh manager (4-token pages; every request freed and the manager closed afterwards)."""
+    managers = []
+
+    def build(slots: int, num_blocks: int = 64, watermark: float = 0.0, lookahead_tokens: int = 0):
+        manager = KVCacheManager(tiny_config(num_blocks=num_blocks, max_num_seqs=slots, max_model_len=128))
+        managers.append(manager)
+        config = EngineConfig(max_num_seqs=slots, max_model_len=128, max_num_batched_tokens=256,
+                              watermark=watermark)
+        return Scheduler(config, manager, new_sequence, lookahead_tokens)
+
+    yield build
+    for manager in managers:
+        assert_no_leaks(manager)
+        close_manager(manager)
+
+
+def carry_out(scheduler: Scheduler, plan) -> None:
+    """What the runner and the postprocessor do with a plan's KV (no forward): commit, fork."""
+    scheduler.manager.commit_all([item.seq.kv for item in plan.scheduled])
+    forked = [child for fork in plan.forks for child in fork.children
+              if scheduler.manager.fork(fork.parent.kv, child.kv) is not None]
+    scheduler.update(StepResult(forked=forked))
+
+
+def test_forks_are_planned_with_the_prompts_last_chunk_within_the_free_slots(scheduler_on):
+    scheduler = scheduler_on(slots=2)
+    parent = request("a", range(1, 7), n=3)  # 6 tokens: each fork copies the partial last block
+    scheduler.add(parent)
+    plan = scheduler.schedule()
+    assert [(fork.parent, [child.index for child in fork.children]) for fork in plan.forks] == [(parent, [1])]
+    assert [seq.index for seq in scheduler.waiting] == [2]  # no slot left: waits as a new request
+    assert [seq.index for seq in parent.group.seqs] == [0, 1, 2]
+    carry_out(scheduler, plan)
+    assert [seq.index for seq in scheduler.running] == [0, 1]
+    assert scheduler.manager.cache_stats().forks == 1
+    assert scheduler.schedule().forks == []  # a group forks once
+
+
+@pytest.mark.parametrize("watermark,forks", [(0.0, 2), (0.5, 0)])
+def test_forks_count_their_blocks_against_the_watermark(scheduler_on, watermark, forks):
+    scheduler = scheduler_on(slots=3, num_blocks=4, watermark=watermark)  # 0.5: 2 blocks kept free
+    parent = request("a", range(1, 7), n=3)  # 2 blocks, and 1 for each fork
+    scheduler.add(parent)
+    plan = scheduler.schedule()
+    assert sum(len(fork.children) for fork in plan.forks) == forks
+    assert len(scheduler.waiting) == 2 - forks
+    carry_out(scheduler, plan)
+    assert len(scheduler.running) == 1 + forks
+
+
+def test_lookahead_is_planned_by_the_scheduler_and_a_refused_mapping_gives_it_back(scheduler_on):
+    scheduler = scheduler_on(slots=1, lookahead_tokens=1)
+    seq = request("a", range(1, 8))  # 7 tokens: the first decode fills the second block
+    scheduler.add(seq)
+    plan = scheduler.schedule()
+    assert plan.lookahead == []  # a prefill gets none
+    carry_out(scheduler, plan)
+    seq.token_ids.append(9)
+    free = scheduler.manager.num_free_blocks
+    plan = scheduler.schedule()
+    assert plan.lookahead, "the decode reaching a block's end gets the next block"
+    assert scheduler.manager.num_free_blocks == free - 1
+    scheduler.update(StepResult(refused_lookahead=plan.lookahead))
+    assert scheduler.manager.num_free_blocks == free
+    scheduler.manager.check()
+
+
+def test_children_without_a_slot_wait_and_sample_the_same_greedy_tokens():
+    from test_engine_correctness import assert_clean, assert_matches_hf, greedy, make_engine, prompts, run
+
+    engine = make_engine(max_num_seqs=2)
+    batch = prompts(1, lengths=(21,))
+    outputs = run(engine, batch, greedy(n=3))
+    assert len(outputs[0].outputs) == 3
+    assert engine.manager.cache_stats().forks == 1  # the third waited for a slot
+    assert_matches_hf("tiny-llama", batch, outputs)
+    assert_clean(engine)
