@@ -5,24 +5,32 @@ while physical pages come from a reference-counted pool with prefix caching, cop
 preemption. See README.md for the API.
 """
 
+from vmemkv import _moved
+from vmemkv._lazy import lazy_exports
 from vmemkv.errors import (BlockStateError, ConfigError, CudaDriverError, InvalidInputError,
                            InvalidStateError, ManagerClosedError, MappingError, MappingLimitError,
                            NativeExtensionError, OutOfBlocksError, RequestStateError, RequestTooLongError,
                            UnsupportedModelError, VmemkvError)
 from vmemkv.errors import deprecated_name as _deprecated_name
-from vmemkv.cache.hashing import CacheKeys, MultimodalItem
-from vmemkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventBuffer
-from vmemkv.cache.metrics import KVMetricsCollector
-from vmemkv.memory.layout import KVLayout
-from vmemkv.cache.config import CacheConfig, CacheStats, PreemptionEstimate
-from vmemkv.cache.manager import KVCacheManager, PrefixCacheBusyError, UnknownRequestError
-from vmemkv.cache.pool import BlockPool
-from vmemkv.cache.request import KVRequest
-from vmemkv.memory.slots import NoFreeSlotError
-from vmemkv.cache.swap import OutOfSwapSpaceError
-from vmemkv import _moved
 
 _moved.install()  # the modules' paths before the concept folders, for one release
+
+# The rest of the public API, imported on first use: `import vmemkv` (and `vmemkv --help`) loads
+# no torch. Name -> the module that defines it.
+_LAZY = {
+    **dict.fromkeys(("CacheKeys", "MultimodalItem"), "vmemkv.cache.hashing"),
+    **dict.fromkeys(("AllBlocksCleared", "BlockRemoved", "BlockStored", "KVEventBatch",
+                     "KVEventBuffer"), "vmemkv.cache.events"),
+    "KVMetricsCollector": "vmemkv.cache.metrics",
+    "KVLayout": "vmemkv.memory.layout",
+    **dict.fromkeys(("CacheConfig", "CacheStats", "PreemptionEstimate"), "vmemkv.cache.config"),
+    **dict.fromkeys(("KVCacheManager", "PrefixCacheBusyError", "UnknownRequestError"),
+                    "vmemkv.cache.manager"),
+    "BlockPool": "vmemkv.cache.pool",
+    "KVRequest": "vmemkv.cache.request",
+    "NoFreeSlotError": "vmemkv.memory.slots",
+    "OutOfSwapSpaceError": "vmemkv.cache.swap",
+}
 
 __version__ = "0.1.0"
 
@@ -30,18 +38,24 @@ _ENGINE_NAMES = {"LLM", "SamplingParams", "EngineConfig"}
 
 
 def _hybrid_manager(config, layer_windows, chunk_tokens=None, local_blocks=None, metrics=None,
-                    backends=None, events=None) -> KVCacheManager:
+                    backends=None, events=None) -> "KVCacheManager":
     """``HybridKVCacheManager(...)`` as it was called before 0.2."""
-    return KVCacheManager(config, metrics=metrics, events=events, layer_windows=layer_windows,
-                          chunk_tokens=chunk_tokens, local_blocks=local_blocks, backends=backends)
+    manager = __getattr__("KVCacheManager")
+    return manager(config, metrics=metrics, events=events, layer_windows=layer_windows,
+                   chunk_tokens=chunk_tokens, local_blocks=local_blocks, backends=backends)
+
+
+_lazy_getattr, _lazy_dir = lazy_exports(__name__, _LAZY)
 
 
 def __getattr__(name: str):
+    if name in _LAZY:
+        return _lazy_getattr(name)
     if name == "PagePool":  # the pre-0.2 name of BlockPool, kept for one release
         import warnings
         warnings.warn("vmemkv.PagePool is deprecated; use vmemkv.BlockPool", DeprecationWarning,
                       stacklevel=2)
-        return BlockPool
+        return __getattr__("BlockPool")
     if name == "HybridKVCacheManager":  # before 0.2: a second manager; now KVCacheManager's groups
         import warnings
         warnings.warn("vmemkv.HybridKVCacheManager is deprecated; use vmemkv.KVCacheManager(config, "
@@ -54,3 +68,7 @@ def __getattr__(name: str):
         from vmemkv import engine
         return getattr(engine, name)
     raise AttributeError(f"module 'vmemkv' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(_lazy_dir()) | _ENGINE_NAMES)

@@ -17,13 +17,15 @@ class HelpFormatter(argparse.HelpFormatter):
     """Shows each option's default: argparse's own, or for an engine option left unset (None),
     the ``EngineConfig`` default it falls back to."""
 
+    engine_defaults = True  # False: no option falls back to EngineConfig (nor imports it: torch)
+
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         if (not action.option_strings or "default" in text or action.default is argparse.SUPPRESS
                 or isinstance(action.default, bool)):
             return text
         default = action.default
-        if default is None:
+        if default is None and self.engine_defaults:
             from vmemkv.engine.core.config import EngineConfig
 
             field = EngineConfig.__dataclass_fields__.get(action.dest)
@@ -31,6 +33,12 @@ class HelpFormatter(argparse.HelpFormatter):
         if default is None:
             return text
         return f"{text} (default: {str(default).replace('%', '%%')})"
+
+
+class ABHelpFormatter(HelpFormatter):
+    """``vmemkv ab``'s options set no engine field (each workload sets its own sizes)."""
+
+    engine_defaults = False
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -299,7 +307,7 @@ def _add_ab_parser(subparsers) -> None:
 
     add_ab_arguments(subparsers.add_parser(
         "ab", help="A/B: the same engine and requests on vmem slots vs block tables",
-        formatter_class=HelpFormatter))
+        formatter_class=ABHelpFormatter))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

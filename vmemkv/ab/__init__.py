@@ -2,9 +2,10 @@
 virtually contiguous (vmem, token-major or per-layer) or in block tables (paged), side by side;
 on sliding-window models also keeping every block (vmem-keep, paged-keep)."""
 
-from vmemkv.ab.runner import METRIC_KEYS, run_experiment, run_once
-from vmemkv.ab.variants import VARIANTS
-from vmemkv.ab.workloads import WORKLOADS, Workload, make_workload
+from vmemkv._lazy import lazy_exports
 
-__all__ = ["METRIC_KEYS", "VARIANTS", "WORKLOADS", "Workload", "make_workload", "run_experiment",
-           "run_once"]
+_EXPORTS = {**dict.fromkeys(("METRIC_KEYS", "run_experiment", "run_once"), "vmemkv.ab.runner"),
+            "VARIANTS": "vmemkv.ab.variants",
+            **dict.fromkeys(("WORKLOADS", "Workload", "make_workload"), "vmemkv.ab.workloads")}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -63,9 +63,9 @@ def add_ab_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plots", action="store_true",
                         help="write ab.md and ab.json only (plots also need matplotlib)")
     parser.add_argument("--tokens-per-page", type=int, default=None,
-                        help="ask the engine for pages of this many tokens (EngineConfig."
-                             "tokens_per_page; on CUDA a page is at least 2 MiB); the workloads "
-                             "are sized for the page the engine really uses")
+                        help="ask the engine for pages of this many tokens (on CUDA a page is "
+                             "at least 2 MiB); the workloads are sized for the page the engine "
+                             "really uses (default: the engine's, EngineConfig.tokens_per_page)")
     parser.add_argument("--model", default="tiny-llama",
                         help="tiny-llama (default) or another built-in random-weight model; the "
                              "built-in real model smollm2-135m-instruct (fetched from PyPI and "

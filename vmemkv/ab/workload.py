@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vmemkv.engine.core.sampling_params import SamplingParams
-from vmemkv.engine.models.hf_support import hybrid_layer_windows, uniform_window
 
 TOKEN_MIN, TOKEN_MAX = 1, 250
 DEFAULT_TOKENS_PER_PAGE = 16  # EngineConfig's default on CPU
@@ -63,6 +62,8 @@ class Workload:
         every layer to attend at most that many tokens back (its pool holds no more)."""
         if self.sliding_window is None:
             return
+        from vmemkv.engine.models.hf_support import hybrid_layer_windows, uniform_window  # torch
+
         if self.hybrid:
             windows = hybrid_layer_windows(model.config, self.engine["max_model_len"])
             if not windows or max(w for w in windows if w) > self.sliding_window:
