@@ -72,12 +72,18 @@ def scheduler_on():
         close_manager(manager)
 
 
-def carry_out(scheduler: Scheduler, plan) -> None:
-    """What the runner and the postprocessor do with a plan's KV (no forward): commit, fork."""
+def carry_out(scheduler: Scheduler, plan, token: int = 99) -> None:
+    """What the runner and the postprocessor do with a plan (no forward): commit, and each
+    sequence whose prompt is computed and each planned child samples a token."""
     scheduler.manager.commit_all([item.seq.kv for item in plan.scheduled])
-    forked = [child for fork in plan.forks for child in fork.children
-              if scheduler.manager.fork(fork.parent.kv, child.kv) is not None]
-    scheduler.update(StepResult(forked=forked))
+    for item in plan.scheduled:
+        kv = item.seq.kv
+        if kv.num_computed_tokens == len(kv.token_ids):
+            kv.token_ids.append(token)
+    for fork in plan.forks:
+        for child in fork.children:
+            child.kv.token_ids.append(token + 1 + child.index)
+    scheduler.update(StepResult())
 
 
 def test_forks_are_planned_with_the_prompts_last_chunk_within_the_free_slots(scheduler_on):
@@ -89,21 +95,27 @@ def test_forks_are_planned_with_the_prompts_last_chunk_within_the_free_slots(sch
     assert [seq.index for seq in scheduler.waiting] == [2]  # no slot left: waits as a new request
     assert [seq.index for seq in parent.group.seqs] == [0, 1, 2]
     carry_out(scheduler, plan)
+    assert scheduler.manager.cache_stats().forks == 0  # the postprocessor forks nothing
+    plan = scheduler.schedule()  # forks the planned child first, then grows both
+    assert scheduler.manager.cache_stats().forks == 1 and plan.forks == []  # a group forks once
     assert [seq.index for seq in scheduler.running] == [0, 1]
-    assert scheduler.manager.cache_stats().forks == 1
-    assert scheduler.schedule().forks == []  # a group forks once
+    child = scheduler.running[1]
+    assert child.kv.token_ids == list(range(1, 7)) + [101]  # its own sampled token, not the parent's
+    assert [item.seq.index for item in plan.scheduled] == [0, 1]
 
 
-@pytest.mark.parametrize("watermark,forks", [(0.0, 2), (0.5, 0)])
+@pytest.mark.parametrize("watermark,forks", [(0.0, 2), (0.25, 1), (0.5, 0)])
 def test_forks_count_their_blocks_against_the_watermark(scheduler_on, watermark, forks):
-    scheduler = scheduler_on(slots=3, num_blocks=4, watermark=watermark)  # 0.5: 2 blocks kept free
+    scheduler = scheduler_on(slots=3, num_blocks=4, watermark=watermark)  # 0.25 / 0.5: 1 / 2 kept free
     parent = request("a", range(1, 7), n=3)  # 2 blocks, and 1 for each fork
     scheduler.add(parent)
     plan = scheduler.schedule()
     assert sum(len(fork.children) for fork in plan.forks) == forks
     assert len(scheduler.waiting) == 2 - forks
     carry_out(scheduler, plan)
-    assert len(scheduler.running) == 1 + forks
+    scheduler.schedule()  # forks the planned children first; the decodes fit their blocks
+    assert len(scheduler.running) == 1 + forks and scheduler.manager.cache_stats().forks == forks
+    assert scheduler.manager.num_free_blocks >= scheduler.watermark_blocks  # the forks kept it
 
 
 def test_lookahead_is_planned_by_the_scheduler_and_a_refused_mapping_gives_it_back(scheduler_on):
@@ -112,8 +124,7 @@ def test_lookahead_is_planned_by_the_scheduler_and_a_refused_mapping_gives_it_ba
     scheduler.add(seq)
     plan = scheduler.schedule()
     assert plan.lookahead == []  # a prefill gets none
-    carry_out(scheduler, plan)
-    seq.token_ids.append(9)
+    carry_out(scheduler, plan)  # the prefill's sampled token: its decode comes next
     free = scheduler.manager.num_free_blocks
     plan = scheduler.schedule()
     assert plan.lookahead, "the decode reaching a block's end gets the next block"

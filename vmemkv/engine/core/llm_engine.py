@@ -4,9 +4,10 @@ A step is four one-way calls: the scheduler plans who runs with how many tokens 
 change of the step (admission, growth, swap, preemption, the forks of ``n > 1``, lookahead blocks:
 ``scheduler.py``); the runner carries out the forward, one ragged batch over the KV cache
 addressed the way chosen once at construction, mapping the lookahead blocks the plan names
-(``runner.py``, ``addressing.py``); the postprocessor commits, carries out the planned forks,
-samples, appends and finishes, and says what happened (``postprocess.py``); the scheduler's
-``update`` takes that, the one place its queues change after the plan. This module holds the
+(``runner.py``, ``addressing.py``); the postprocessor commits, samples (the planned children of
+``n > 1`` from their parent's row), appends and finishes, and says what happened
+(``postprocess.py``); the scheduler's ``update`` takes that, the one place its queues change
+after the plan, and the next plan starts by forking those children. This module holds the
 requests, the construction of those parts, and the engine's stats.
 """
 

@@ -3,11 +3,10 @@ and build the outputs.
 
 ``Postprocessor.process`` takes the scheduler's plan and the runner's logits and, in this order
 (each step needs the one before): marks the scheduled positions computed and commits them to the
-KV cache manager; forks the children the plan names (a fork shares the parent's *committed*
-blocks and copies its partial last block, so it follows the commit); samples one token per
-sampling sequence in one sampler call (children included, from their parent's row, so the global
-RNG draws once for every unseeded row); appends the tokens and checks the stop conditions,
-finishing sequences. It returns what happened (``StepProgress``: the ``StepResult`` the
+KV cache manager; samples one token per sampling sequence in one sampler call (a group's
+children planned this step included, from their parent's row, so the global RNG draws once for
+every unseeded row; the next ``schedule`` forks them, once the prompt is committed); appends the
+tokens and checks the stop conditions, finishing sequences. It returns what happened (``StepProgress``: the ``StepResult`` the
 scheduler's ``update`` takes, and the groups that progressed); it never touches the scheduler's
 queues. ``outputs`` then turns those groups into ``RequestOutput``s and retires finished requests.
 """
@@ -17,14 +16,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from vmemkv.errors import MappingLimitError
 from vmemkv.engine.core.config import EngineConfig
 from vmemkv.engine.core.kv_manager import KVManager
 from vmemkv.engine.core.metrics import EngineMetrics
 from vmemkv.engine.core.outputs import CompletionOutput, RequestOutput
 from vmemkv.engine.core.runner import ForwardOutput
 from vmemkv.engine.core.sampler import Sampler
-from vmemkv.engine.core.scheduler import Fork, SchedulerOutput, StepResult
+from vmemkv.engine.core.scheduler import SchedulerOutput, StepResult
 from vmemkv.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -59,7 +57,7 @@ class Postprocessor:
             # every reserved position: exactly the scheduled ones, in one call (one call per
             # sequence costs more through the timing wrapper)
             self.manager.commit_all([item.seq.kv for item in plan.scheduled])
-            members = self._fork(plan.forks, progress.result)
+            members = {fork.parent: fork.children for fork in plan.forks}
             generated: dict[str, int] = {}  # tokens per request this step, for the metrics
             for seq, token, logprobs in self._sample(forward, members):
                 self._append_token(seq, token, logprobs, progress)
@@ -69,24 +67,6 @@ class Postprocessor:
             self.metrics.on_step_tokens(generated, time.monotonic())
         self._finish_failed_groups(progress)
         return progress
-
-    def _fork(self, forks: list[Fork], result: StepResult) -> dict[Sequence, list[Sequence]]:
-        """Fork the children the plan names from their parent (committed now); returns who
-        samples from each parent's row besides it. A child the manager still refuses (the
-        mapping budget) waits as a new request, as the plan's children without room do."""
-        members: dict[Sequence, list[Sequence]] = {}
-        for fork in forks:
-            forked = members[fork.parent] = []
-            for child in fork.children:
-                (forked if self._forked(fork.parent, child) else result.refused_forks).append(child)
-            result.forked += forked
-        return members
-
-    def _forked(self, parent: Sequence, child: Sequence) -> bool:
-        try:
-            return self.manager.fork(parent.kv, child.kv) is not None  # child's list: a copy of parent's
-        except MappingLimitError:
-            return False
 
     def _sample(self, forward: ForwardOutput,
                 members: dict[Sequence, list[Sequence]]) -> list[tuple[Sequence, int, dict | None]]:

@@ -13,9 +13,12 @@ room wait as new requests), and decoding sequences about to cross a block bounda
 block as lookahead (slots only), for the runner to map during the forward.
 
 The plan (``SchedulerOutput``) is carried out by the runner (the forward, the lookahead mapping)
-and the postprocessor (commit, the planned forks, sampling); what the step did comes back as one
-``StepResult`` to ``update``, the only place the queues change between two schedules (besides
-requests added and aborted). The KV cache manager does what it is told.
+and the postprocessor (commit; sampling, the planned children from their parent's row); what
+the step did comes back as one ``StepResult`` to ``update``, the only place the queues change
+between two schedules (besides requests added and aborted). The next ``schedule`` first forks
+the planned children from their parent, whose prompt is committed by then: every change of a
+request's KV is made here, the runner's and postprocessor's only being the commit and the
+mapping the plan names. The KV cache manager does what it is told.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ class ScheduledSeq:
 
 @dataclass(slots=True)
 class Fork:
-    """A group's other sequences, to be forked from ``parent`` once its prompt is committed."""
+    """A group's other sequences, which sample from ``parent``'s row at its prompt's last token and
+    are forked from it at the next ``schedule`` (its prompt committed by then)."""
     parent: Sequence
     children: list[Sequence]
 
@@ -56,8 +60,6 @@ class SchedulerOutput:
 class StepResult:
     """What a step did that the queues follow (``Scheduler.update``)."""
     finished: list[Sequence] = field(default_factory=list)  # out of the queues, blocks given back
-    forked: list[Sequence] = field(default_factory=list)  # children holding their parent's KV: run
-    refused_forks: list[Sequence] = field(default_factory=list)  # the manager refused: wait
     refused_lookahead: list[MapJob] = field(default_factory=list)  # mapping refused: blocks back
 
 
@@ -76,6 +78,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.num_preemptions = 0
+        self._forks: list[Fork] = []  # planned last step: forked at the start of the next
         self.watermark_blocks = int(config.watermark * manager.num_blocks)
         # --policy lpm: cache-aware admission order with a starvation bound (lpm.py)
         self.lpm = (LongestPrefixFirst(manager, config.lpm_window, config.lpm_max_passed_over)
@@ -94,6 +97,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     def schedule(self) -> SchedulerOutput:
+        self._fork_planned()
         out = SchedulerOutput([], [])
         budget = self.config.max_num_batched_tokens
         if self.config.policy in ("priority", "lpm"):
@@ -106,17 +110,13 @@ class Scheduler:
         fork_blocks = self._plan_forks(out)
         if self.lookahead_tokens:
             out.lookahead = self._plan_lookahead(out.scheduled, self.watermark_blocks + fork_blocks)
+        self._forks = out.forks
         return out
 
     def update(self, result: StepResult) -> None:
         """Follow what the step did: the one place the queues change after ``schedule``."""
         if result.refused_lookahead:  # first: the requests' block lists still end with those blocks
             self.manager.cancel_lookahead(result.refused_lookahead)
-        for seq in result.forked:
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-        for seq in result.refused_forks:
-            self.add(seq)
         for seq in result.finished:
             self.remove(seq)
 
@@ -230,6 +230,36 @@ class Scheduler:
                 lpm.admitted(seq, cached)
         if lpm is not None:
             lpm.end_step(admitted)
+
+    # --- forks of n > 1 ------------------------------------------------------------------------------
+    def _fork_planned(self) -> None:
+        """Fork last step's planned children from their parent, whose prompt is committed now (a
+        fork shares its committed blocks and copies the partial last one), each keeping the token
+        it sampled from the parent's row. A child that finished on that token holds nothing; one
+        whose parent has ended, or that the manager refuses (the mapping budget), waits as a new
+        request (its prompt then hits the prefix cache)."""
+        forks, self._forks = self._forks, []
+        for fork in forks:
+            for child in fork.children:
+                if child.is_finished:
+                    continue
+                if fork.parent.status is SequenceStatus.RUNNING and self._fork(fork.parent, child):
+                    child.status = SequenceStatus.RUNNING
+                    self.running.append(child)
+                else:
+                    self.add(child)
+
+    def _fork(self, parent: Sequence, child: Sequence) -> bool:
+        tokens = child.kv.token_ids
+        prompt = len(parent.group.prompt_token_ids)
+        sampled = tokens[prompt:]
+        try:
+            if self.manager.fork(parent.kv, child.kv) is None:  # copies the parent's token ids
+                return False
+        except MappingLimitError:
+            return False
+        tokens[prompt:] = sampled  # the child's own token, not computed yet
+        return True
 
     # --- the rest of the plan ---------------------------------------------------------------------
     def _plan_forks(self, out: SchedulerOutput) -> int:
