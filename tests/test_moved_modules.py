@@ -14,6 +14,10 @@ OLD_PATHS = sorted(MOVED) + ["vmemkv.vmm", "vmemkv.vmm.cpu", "vmemkv.vmm.base"]
 
 @pytest.mark.parametrize("old", OLD_PATHS)
 def test_an_old_path_is_the_module_at_its_new_path(old):
+    try:
+        importlib.import_module(new_name(old))
+    except ModuleNotFoundError as e:  # the server's modules without the server packages installed
+        pytest.skip(f"{new_name(old)} needs {e.name}, which is not installed here")
     sys.modules.pop(old, None)
     with pytest.warns(DeprecationWarning, match=f"{old} is now {new_name(old)}"):
         module = importlib.import_module(old)
