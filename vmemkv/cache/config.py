@@ -68,6 +68,12 @@ class CacheConfig:
     # (Llama-4's chunked local attention): the blocks of finished chunks are given back while a
     # request runs. At most one of sliding_window and attention_chunk_size.
     attention_chunk_size: int | None = None
+    # One KV memory budget shared by several engines (processes) on one machine
+    # (memory/budget.py): the manager's pools back blocks with memory only within its share of the
+    # budget named ``kv_pool``, which the first member creates with ``kv_pool_bytes`` bytes (a
+    # later member gives the same number or None). ``num_blocks`` stays each pool's most blocks.
+    kv_pool: str | None = None
+    kv_pool_bytes: int | None = None
 
     def make_layout(self) -> KVLayout:
         shape = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)

@@ -47,8 +47,8 @@ class LookaheadOps(ManagerState):
             end = min(req.allocation.num_tokens + margin_tokens, self.config.max_model_len)
             needed = first.lookahead_blocks(req.allocation, end)  # as many in every group
             if needed <= 0 or not all(
-                    needed * len(memory.groups) <= memory.pool.num_clean
-                    and memory.pool.num_free - needed * len(memory.groups) >= kept
+                    needed * len(memory.groups) <= memory.pool.num_clean_available
+                    and memory.pool.num_available - needed * len(memory.groups) >= kept
                     for memory, kept in zip(memories, keep)):
                 continue
             for group, alloc in zip(groups, req.allocations):

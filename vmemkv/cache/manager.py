@@ -393,15 +393,20 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
         return dropped[0]
 
     # --- giving memory back ----------------------------------------------------------------------
-    def release_free_memory(self, keep_blocks: int = 0) -> int:
+    def release_free_memory(self, keep_blocks: int = 0, cached: bool = False) -> int:
         """Give the memory behind free clean blocks back to the OS (CPU: punched out of the memfd),
         keeping ``keep_blocks`` of them in each pool backed, the ones the next allocations take
         (a floor, so a step after an idle spell takes no page faults). Blocks held by requests
-        and cached blocks keep theirs (``reset_prefix_cache`` first to give those back too).
-        Returns the bytes given back; 0 on a backend that cannot (CUDA, for now)."""
+        keep theirs; cached blocks too unless ``cached``, which forgets the least recently used
+        ones' content first (all of them but what ``keep_blocks`` still keeps). With a shared KV
+        budget (``CacheConfig.kv_pool``) the bytes go back to the budget. Returns the bytes given
+        back; 0 on a backend that cannot (CUDA, for now)."""
         self._check_open()
         keep_blocks = check.count(keep_blocks, "keep_blocks")
-        return sum(memory.give_back(keep_blocks) * memory.layout.block_bytes for memory in self.memories)
+        if type(cached) is not bool:
+            raise InvalidInputError(f"cached must be True or False, got {cached!r}")
+        return sum(memory.give_back(keep_blocks, cached) * memory.layout.block_bytes
+                   for memory in self.memories)
 
     def close(self) -> None:
         """Give the memory back; every later call raises ManagerClosedError. Refused while
@@ -420,6 +425,8 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
             group.slots.close()
         for memory in self.memories:
             memory.backend.close()
+        if self.budget is not None:
+            self.budget.close()
 
     def __enter__(self):
         return self

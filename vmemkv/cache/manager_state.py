@@ -43,6 +43,7 @@ from vmemkv.cache.hashing import CacheKeys, PrefixHasher
 from vmemkv.cache.events import KVEventSink, check_sink, group_sink, shared_sink
 from vmemkv.cache.metrics import KVMetricsCollector
 from vmemkv.cache.layer_groups import LayerGroups, group_configs
+from vmemkv.memory.budget import SharedKVBudget
 from vmemkv.memory.layout import KVLayout
 from vmemkv.cache.request import KVRequest
 from vmemkv.memory.vmm.base import VirtualMemoryBackend
@@ -138,6 +139,8 @@ class ManagerState:
             layout = group_config.make_layout()
             layouts.setdefault(layout if share else index, []).append(index)
         memories = []
+        self.budget = (SharedKVBudget(self.config.kv_pool, self.config.kv_pool_bytes)
+                       if self.config.kv_pool is not None else None)
         for position, indices in enumerate(layouts.values()):
             memory_config = configs[indices[0]]
             if len(indices) > 1:  # the bytes of every member's blocks, in one pool
@@ -156,7 +159,8 @@ class ManagerState:
             else:
                 memory_backend = backend if position == 0 else None
             memories.append((KVMemory(memory_config, self.stats, memory_backend,
-                                      self._sink([(i, specs[i]) for i in indices], len(configs)), metrics),
+                                      self._sink([(i, specs[i]) for i in indices], len(configs)), metrics,
+                                      self.budget),
                              indices))
         return memories
 
@@ -320,7 +324,7 @@ class ManagerState:
         for memory, members in self._members:
             needed = needs[members[0]] if len(members) == 1 else sum(needs[g] for g in members)
             if revived is None:
-                if needed > memory.pool.num_free:
+                if not memory.fits(needed):
                     return False
             elif not memory.fits(needed, [b for g in members for b in revived[g]]):
                 return False

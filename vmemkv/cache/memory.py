@@ -20,11 +20,18 @@ from vmemkv.cache.allocation import RELEASED
 from vmemkv.cache.config import CacheConfig, CacheStats
 from vmemkv.cache.host_tier import HostTier
 from vmemkv.cache.events import KVEventSink
+from vmemkv.memory.budget import SharedKVBudget
 from vmemkv.memory.layout import KVLayout
 from vmemkv.cache.pool import BlockPool, EvictedBlock
 from vmemkv.cache.swap import SwapSpace
 from vmemkv.memory.vmm import create_backend
 from vmemkv.memory.vmm.base import VirtualMemoryBackend
+
+# A memory's share of a shared budget grows by at least what an operation needs, and by up to
+# this much (at most 1/SHARE_CHUNKS_PER_BUDGET of the budget) while the budget has room: one
+# take for many blocks, and little held unused.
+SHARE_CHUNK_BYTES = 4 << 20
+SHARE_CHUNKS_PER_BUDGET = 32
 
 if TYPE_CHECKING:
     from vmemkv.cache.group import KVCacheGroup
@@ -53,7 +60,7 @@ class KVMemory:
     sharing the memory has this layout). ``groups`` lists the groups drawing from it."""
 
     def __init__(self, config: CacheConfig, stats: CacheStats, backend: VirtualMemoryBackend | None = None,
-                 events: KVEventSink | None = None, metrics=None):
+                 events: KVEventSink | None = None, metrics=None, budget: SharedKVBudget | None = None):
         self.config, self.stats = config, stats
         self.layout = config.make_layout()
         num_pages, self.hole_page = backend_pages(config, self.layout)
@@ -61,6 +68,12 @@ class KVMemory:
         if metrics is not None:  # the backend reports its map/unmap time to the manager's collector
             self.backend.metrics = metrics
         self.pool = BlockPool(config.num_blocks, events, self.layout.tokens_per_page)
+        # A budget shared with other engines (memory/budget.py): the pool backs at most the blocks
+        # this memory's share pays for; the share grows when an operation needs it (in chunks of
+        # SHARE_CHUNK_BYTES) and shrinks when memory is given back.
+        self.budget = budget
+        if budget is not None:
+            self.pool.backing.limit = 0
         block_bytes = self.layout.block_bytes
         host_tier_blocks = config.host_cache_bytes // block_bytes if config.enable_prefix_caching else 0
         # one host block store: swap_space_bytes of rows for swapped requests beside the tier's
@@ -84,17 +97,55 @@ class KVMemory:
                                 physical(np.array([c for _, c in pairs])).tolist())
         self.stats.blocks_copied += len(pairs)
 
-    def give_back(self, keep: int) -> int:
+    def give_back(self, keep: int, cached: bool = False) -> int:
         """Give the memory of this pool's free clean blocks back to the OS, all but ``keep`` of
         them (the ones handed out first stay); their blocks stay free and take memory again when
-        written. Returns the blocks given back (none on a backend that cannot)."""
-        blocks = self.pool.give_back_candidates(self.pool.num_backed_clean - keep)
-        if not blocks:
-            return 0
-        if not self.backend.discard_pages(self.layout.physical_pages(np.array(blocks)).tolist()):
-            return 0
-        self.pool.mark_given_back(blocks)
+        written. ``cached``: the cached blocks' too, least recently used first (their content is
+        forgotten first; the host tier, if any, keeps a copy). With a shared budget the share
+        falls to the blocks still backed. Returns the blocks given back (none on a backend that
+        cannot)."""
+        pool, backing = self.pool, self.pool.backing
+        if cached and self.backend.can_discard:
+            pool.evict_cached(pool.num_cached - max(0, keep - backing.num_backed_clean))
+        blocks = pool.give_back_candidates(backing.num_backed_clean - keep)
+        if blocks and self.backend.discard_pages(self.layout.physical_pages(np.array(blocks)).tolist()):
+            pool.mark_given_back(blocks)
+        else:
+            blocks = []
+        self._shrink_share()
         return len(blocks)
+
+    # --- the share of a shared budget -------------------------------------------------------------
+    def _shrink_share(self) -> None:
+        """Give the budget back the share no block has memory behind."""
+        backing = self.pool.backing
+        if self.budget is not None and backing.limit > backing.num_backed:
+            self.budget.give((backing.limit - backing.num_backed) * self.layout.block_bytes)
+            backing.limit = backing.num_backed
+
+    def _grow_share(self, want: int, need: int) -> None:
+        """Take the bytes of ``want`` more blocks (a chunk when the budget has room), at least
+        ``need``, or nothing, for clean blocks waiting for memory (never more than wait)."""
+        pool, backing, block_bytes = self.pool, self.pool.backing, self.layout.block_bytes
+        waiting = backing.unbackable(pool.num_clean)
+        if waiting < need or not waiting:
+            return
+        chunk = min(SHARE_CHUNK_BYTES, self.budget.total_bytes // SHARE_CHUNKS_PER_BUDGET) // block_bytes
+        want = min(waiting, max(want, chunk))
+        granted = self.budget.take(want * block_bytes, need * block_bytes)
+        if granted % block_bytes:
+            self.budget.give(granted % block_bytes)
+        backing.limit += granted // block_bytes
+
+    def available(self, with_budget: bool = False) -> int:
+        """Blocks an allocation can take now; ``with_budget``: also those the shared budget's
+        free bytes would back (read, not taken)."""
+        pool = self.pool
+        available = pool.num_available
+        if with_budget and self.budget is not None:
+            waiting = pool.num_free - available
+            available += min(waiting, self.budget.free_bytes() // self.layout.block_bytes)
+        return available
 
     def block_window(self) -> torch.Tensor:
         """The pool as ``[num_blocks, block_bytes]`` uint8 rows: what swap, the host tier and
@@ -104,8 +155,17 @@ class KVMemory:
 
     def fits(self, needed: int, revived: "list[int] | set[int]" = ()) -> bool:
         """Whether ``needed`` fresh blocks are free once the cached blocks of ``revived`` (hits
-        taken out of the free queue) are not."""
-        return needed <= self.pool.num_free - sum(self.pool.ref[b] == 0 for b in revived if b != RELEASED)
+        taken out of the free queue) are not. With a shared budget, the share grows first where
+        the clean blocks it backs fall short, so the budget's room is used before this pool's own
+        cached blocks are evicted (the one side effect of a check: the share is this memory's,
+        and shrinks when memory is given back)."""
+        pool = self.pool
+        revived_free = sum(pool.ref[b] == 0 for b in revived if b != RELEASED)
+        short = needed - (pool.num_available - revived_free)
+        if self.budget is not None and needed > pool.num_clean_available:
+            self._grow_share(needed - pool.num_clean_available, max(short, 0))
+            short = needed - (pool.num_available - revived_free)
+        return short <= 0
 
     def check(self, held: list[int], swapped_rows: list[int]) -> None:
         """Assert the pool's and host rows' invariants, ``held`` being every reference the

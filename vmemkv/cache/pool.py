@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
 
+from vmemkv.cache.backing import BACKED, Backing
 from vmemkv.errors import BlockStateError, OutOfBlocksError
 from vmemkv.cache.events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEventSink
 
@@ -41,7 +42,6 @@ from vmemkv.cache.events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, B
 PARTIAL_MATCH_CANDIDATES = 64
 
 
-NEVER, BACKED, GIVEN_BACK = 0, 1, 2  # the memory behind a block (BlockPool._memory)
 
 
 class BlockOrigin(NamedTuple):
@@ -65,7 +65,7 @@ class PoolCounters:
     cached: int
     clean: int
     evictions: int
-    backed: int = 0  # blocks with memory behind them (BlockPool.num_backed)
+    backed: int = 0  # blocks with memory behind them (BlockPool.backing, backing.py)
     given_back: int = 0
     taken_again: int = 0
 
@@ -98,13 +98,7 @@ class BlockPool:
         self._clean = list(range(num_blocks))  # a heap: lowest id first
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recent first
         self.evictions = 0
-        # Memory behind each block: NEVER until first handed out, BACKED from then on, GIVEN_BACK
-        # once give_back_candidates' blocks are given back (until handed out again). Clean
-        # blocks can be either; in-use and cached ones are always BACKED.
-        self._memory = bytearray(num_blocks)
-        self.num_backed = 0
-        self.num_backed_clean = 0
-        self.blocks_given_back = self.blocks_taken_again = 0
+        self.backing = Backing(num_blocks)  # the memory behind each block, and its limit
         # told the cached blocks allocate hands out again, while their bytes are intact
         self.on_evict: Callable[[list[EvictedBlock]], None] | None = None
 
@@ -113,6 +107,17 @@ class BlockPool:
     def num_free(self) -> int:
         """Blocks an allocation can take: clean plus cached (evictable)."""
         return len(self._clean) + len(self._lru)
+
+    @property
+    def num_available(self) -> int:
+        """Free blocks an allocation can take now: every free block but the clean ones without
+        memory that the backing limit does not let it back."""
+        return self.num_free - self.backing.unbackable(len(self._clean))
+
+    @property
+    def num_clean_available(self) -> int:
+        """Clean blocks an allocation can take now (no cached block evicted)."""
+        return len(self._clean) - self.backing.unbackable(len(self._clean))
 
     @property
     def num_cached(self) -> int:
@@ -128,8 +133,8 @@ class BlockPool:
 
     def counters(self) -> PoolCounters:
         return PoolCounters(self.num_blocks, self.num_in_use, self.num_cached, self.num_clean,
-                            self.evictions, self.num_backed, self.blocks_given_back,
-                            self.blocks_taken_again)
+                            self.evictions, self.backing.num_backed, self.backing.given_back,
+                            self.backing.taken_again)
 
     def free_queue(self) -> list[int]:
         """Cached blocks in eviction order (next victim first)."""
@@ -140,12 +145,14 @@ class BlockPool:
         """The blocks ``allocate(n)`` would hand out, in order, changing nothing, so a caller can
         plan (map them, check every other limit) before taking them. Cached blocks in ``exclude``
         are skipped: the caller acquires them before allocating."""
-        if n == 1 and self._clean:
+        if self.backing.limited(n, len(self._clean)):
+            blocks = self.backing.backable(self._clean, n)
+        elif n == 1 and self._clean:
             return [self._clean[0]]
-        # pop and push back: O(n log N), where nsmallest would scan the whole heap
-        blocks = [heapq.heappop(self._clean) for _ in range(min(n, len(self._clean)))]
-        for block in blocks:
-            heapq.heappush(self._clean, block)
+        else:  # pop and push back: O(n log N), where nsmallest would scan the whole heap
+            blocks = [heapq.heappop(self._clean) for _ in range(min(n, len(self._clean)))]
+            for block in blocks:
+                heapq.heappush(self._clean, block)
         if len(blocks) < n:
             skip = set(exclude)
             victims = (block for block in self._lru if block not in skip)
@@ -157,16 +164,24 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         """Hand out ``n`` blocks with ``ref = 1``: clean blocks first, then the least recently used
         cached blocks, whose hashes are dropped. Raises with no side effect when ``n`` don't fit."""
-        if n == 1 and self._clean:  # the decode hot path
+        backing = self.backing
+        limited = backing.limited(n, len(self._clean))
+        if n == 1 and self._clean and not limited:  # the decode hot path
             block = heapq.heappop(self._clean)
             self.ref[block] = 1
-            self._back(block)
+            backing.back(block)
             return [block]
-        if n > self.num_free:
+        if n > self.num_available:
             raise OutOfBlocksError(self._short_message(n))
-        blocks = [heapq.heappop(self._clean) for _ in range(min(n, len(self._clean)))]
+        if limited:  # rare: only when a shared budget's share is short
+            blocks = backing.backable(self._clean, n)
+            taken = set(blocks)
+            self._clean = [block for block in self._clean if block not in taken]
+            heapq.heapify(self._clean)
+        else:
+            blocks = [heapq.heappop(self._clean) for _ in range(min(n, len(self._clean)))]
         for block in blocks:
-            self._back(block)
+            backing.back(block)
         evicted = []
         while len(blocks) < n:
             block, _ = self._lru.popitem(last=False)
@@ -182,35 +197,35 @@ class BlockPool:
             self.on_evict(evicted)
         return blocks
 
-    def _back(self, block: int) -> None:
-        """A clean block is handed out: it has memory behind it from now on."""
-        memory = self._memory[block]
-        if memory == BACKED:
-            self.num_backed_clean -= 1
-            return
-        self.blocks_taken_again += memory == GIVEN_BACK
-        self._memory[block] = BACKED
-        self.num_backed += 1
-
     def give_back_candidates(self, n: int) -> list[int]:
         """Up to ``n`` clean blocks with memory behind them, the last ones ``allocate`` would hand
         out first (highest id first), to give their memory back."""
-        if n <= 0 or not self.num_backed_clean:
-            return []
-        memory = self._memory
-        return sorted((b for b in self._clean if memory[b] == BACKED), reverse=True)[:n]
+        return self.backing.candidates(self._clean, n)
 
     def mark_given_back(self, blocks: list[int]) -> None:
         """The memory behind clean blocks ``blocks`` (``give_back_candidates``) went back to the OS."""
-        memory = self._memory
+        state = self.backing.state
         for block in blocks:
-            if self.ref[block] or self.hash_of[block] is not None or memory[block] != BACKED:
+            if self.ref[block] or self.hash_of[block] is not None or state[block] != BACKED:
                 raise BlockStateError(f"block {block} is not a clean block with memory behind it")
-        for block in blocks:
-            memory[block] = GIVEN_BACK
-        self.num_backed -= len(blocks)
-        self.num_backed_clean -= len(blocks)
-        self.blocks_given_back += len(blocks)
+        self.backing.mark_given_back(blocks)
+
+    def evict_cached(self, n: int) -> int:
+        """Drop the hashes of up to ``n`` least recently used cached blocks, which become clean
+        (their memory can then be given back); told to the events sink and ``on_evict`` as an
+        allocation's evictions are. Returns how many."""
+        evicted = []
+        while self._lru and len(evicted) < n:
+            block, _ = self._lru.popitem(last=False)
+            evicted.append(EvictedBlock(block, self.hash_of[block], self._forget(block)))
+            heapq.heappush(self._clean, block)
+            self.backing.cleaned()
+        self.evictions += len(evicted)
+        if evicted and self.events is not None:
+            self.events(BlockRemoved([e.block_hash for e in evicted], self.medium))
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
+        return len(evicted)
 
     def _forget(self, block: int) -> BlockOrigin:
         content_hash = self.hash_of[block]
@@ -245,8 +260,12 @@ class BlockPool:
         return blocks
 
     def _short_message(self, n: int) -> str:
+        waiting = self.backing.unbackable(len(self._clean))
+        budget = (f", {waiting} of the clean ones without memory past this pool's share of the "
+                  f"shared KV budget ({self.backing.limit} blocks)") if waiting else ""
         return (f"asked for {n} blocks, {self.num_free} free ({self.num_clean} clean + "
-                f"{self.num_cached} cached) of {self.num_blocks}; free requests or enlarge the pool")
+                f"{self.num_cached} cached{budget}) of {self.num_blocks}; free requests or enlarge "
+                "the pool")
 
     def acquire(self, blocks: Iterable[int]) -> None:
         """Take one more reference on each block (a prefix hit or a fork). A cached block leaves the
@@ -279,7 +298,7 @@ class BlockPool:
             if self.ref[block] == 0:
                 if self.hash_of[block] is None:
                     heapq.heappush(self._clean, block)
-                    self.num_backed_clean += 1
+                    self.backing.cleaned()
                 else:
                     self._lru[block] = None
 
@@ -345,7 +364,7 @@ class BlockPool:
         dropped = len(self._lru)
         for block in self._lru:
             heapq.heappush(self._clean, block)
-        self.num_backed_clean += dropped
+        self.backing.cleaned(dropped)
         self._lru.clear()
         self.block_of_hash.clear()
         self.hash_of = [None] * self.num_blocks
@@ -368,11 +387,7 @@ class BlockPool:
         assert all(r >= 0 for r in self.ref), "negative reference count"
         assert all(self.hash_of[p] is None for p in clean), "a clean block has a hash"
         assert all(self.hash_of[p] is not None for p in cached), "a cached block has no hash"
-        memory = self._memory
-        assert all(memory[p] == BACKED for p in in_use | cached), "a held or cached block has no memory"
-        assert self.num_backed == memory.count(BACKED), "backed blocks miscounted"
-        assert self.num_backed_clean == sum(memory[p] == BACKED for p in clean), (
-            "backed clean blocks miscounted")
+        self.backing.check(in_use | cached, clean)
         for h, p in self.block_of_hash.items():
             assert self.hash_of[p] == h, f"index says block {p} holds a hash it does not"
         hashed = sum(h is not None for h in self.hash_of)

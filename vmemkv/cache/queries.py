@@ -116,8 +116,9 @@ class ManagerQueries(ManagerState):
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks no request holds: clean ones and cached ones (evicted when taken)."""
-        return self.groups[0].pool.num_free
+        """Blocks an allocation can take: clean ones and cached ones (evicted when taken), less,
+        with a shared KV budget, the clean ones its free bytes would not back."""
+        return self.memories[0].available(with_budget=True)
 
     @property
     def num_blocks_in_use(self) -> int:
@@ -132,7 +133,7 @@ class ManagerQueries(ManagerState):
     def kv_bytes_resident(self) -> int:
         """Bytes of the blocks with memory behind them, in every pool: held, cached, and free
         clean blocks not given back (``release_free_memory``)."""
-        return sum(memory.pool.num_backed * memory.layout.block_bytes for memory in self.memories)
+        return sum(memory.pool.backing.num_backed * memory.layout.block_bytes for memory in self.memories)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -292,6 +293,10 @@ class ManagerQueries(ManagerState):
             "blocks_backed": pool.backed, "blocks_given_back": pool.given_back,
             "blocks_taken_again": pool.taken_again,
         }
+        if self.budget is not None:  # the shared KV budget: its size, every member's use, ours
+            budget = self.budget.stats()
+            out.update({"kv_pool_bytes": budget["total_bytes"], "kv_pool_used_bytes": budget["used_bytes"],
+                        "kv_pool_share_bytes": budget["held_bytes"], "kv_pool_members": budget["members"]})
         for group in self.groups[1:]:
             counts = group.pool.counters()
             out.update({f"group{group.index}_blocks_total": counts.num_blocks,

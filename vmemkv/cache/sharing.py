@@ -193,7 +193,7 @@ class SharingOps(ManagerState):
         for row in rows:
             num_tokens = self._check_truncate(row, num_tokens)
         for memory in self.memories:  # the groups of one pool draw on one count of free blocks
-            free = memory.pool.num_free
+            free = memory.pool.num_available
             for group in memory.groups:
                 free = group.truncations_fit([row.allocations[group.index] for row in rows], num_tokens, free)
                 if free is None:

@@ -102,6 +102,8 @@ class VirtualMemoryBackend(ABC):
     def unmap(self, vrange: VirtualRange, virtual_pages: Sequence[int] | np.ndarray) -> None:
         """Unmap the given virtual pages; their addresses go back to the reservation."""
 
+    can_discard = False  # whether discard_pages gives memory back
+
     def discard_pages(self, pages: Sequence[int]) -> int:
         """Give the memory behind physical pages ``pages`` back to the OS: their mappings stay
         valid, their bytes are gone (they read zeros), and touching one takes a page again.

@@ -376,6 +376,8 @@ class CpuBackend(VirtualMemoryBackend):
 
     # ---------------------------------------------------------------- giving memory back
 
+    can_discard = True
+
     def discard_pages(self, pages: Sequence[int]) -> int:
         """Punch the pages out of the memfd (``fallocate(PUNCH_HOLE)``, one call per run of
         consecutive pages): the page cache frees them, every mapping of them stays and reads

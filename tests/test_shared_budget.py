@@ -1,0 +1,258 @@
+"""One KV memory budget shared by several engines (memory/budget.py): what one member takes the
+others cannot; a member killed with SIGKILL, even while it holds the lock, gives its bytes back;
+managers drawing on one budget never back more blocks than it pays for, evict their own cached
+blocks before refusing, change nothing when they refuse, and never see each other's pages."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import close_manager, read_kv_matches, slot_rows, tiny_config, write_kv
+from vmemkv import KVCacheManager
+from vmemkv.errors import ConfigError
+from vmemkv.memory.budget import SharedKVBudget
+
+FP32 = dict(dtype=torch.float32)
+
+
+@pytest.fixture
+def pool_dir(tmp_path, monkeypatch):
+    """Budgets of this test live in its own directory (``$VMEMKV_KV_POOL_DIR``)."""
+    monkeypatch.setenv("VMEMKV_KV_POOL_DIR", str(tmp_path))
+    return tmp_path
+
+
+def name() -> str:
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+def admit_written(manager, request_id, tokens):
+    cached = manager.admit(request_id, tokens)
+    if cached is not None:
+        write_kv(manager, request_id, cached, len(tokens))
+        manager.commit(request_id)
+    return cached
+
+
+def backed_bytes(manager) -> int:
+    return manager.kv_bytes_resident
+
+
+# --- the budget alone ---------------------------------------------------------------------------
+def test_members_take_from_one_total_and_leaving_gives_back(pool_dir):
+    pool = name()
+    a, b = SharedKVBudget(pool, 1000), SharedKVBudget(pool)
+    try:
+        assert a.take(600) == 600
+        assert b.take(600) == 0  # all or nothing by default
+        assert b.take(600, need=300) == 400  # at least need, at most what is free
+        assert a.stats() == {"total_bytes": 1000, "used_bytes": 1000, "held_bytes": 600, "members": 2}
+        a.give(100)
+        assert b.take(100) == 100 and b.held == 500
+        a.close()
+        assert b.free_bytes() == 500 and b.stats()["members"] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_second_member_must_agree_on_the_size(pool_dir):
+    pool = name()
+    with pytest.raises(ConfigError, match="does not exist yet"):
+        SharedKVBudget(pool)
+    a = SharedKVBudget(pool, 1000)
+    try:
+        with pytest.raises(ConfigError, match="holds 1000 bytes"):
+            SharedKVBudget(pool, 2000)
+        with pytest.raises(ConfigError, match="letters, digits"):
+            SharedKVBudget("../etc", 10)
+        with pytest.raises(ValueError, match="giving back"):
+            a.give(1)
+    finally:
+        a.close()
+
+
+CHILD = textwrap.dedent("""
+    import fcntl, sys, time
+    from vmemkv.memory.budget import SharedKVBudget
+    budget = SharedKVBudget(sys.argv[1])
+    assert budget.take(int(sys.argv[2])) == int(sys.argv[2])
+    if sys.argv[3] == "hold-lock":
+        fcntl.flock(budget._fd, fcntl.LOCK_EX)  # dies inside the critical section
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("where", ["idle", "hold-lock"])
+def test_a_killed_members_bytes_come_back(pool_dir, where):
+    pool = name()
+    survivor = SharedKVBudget(pool, 1000)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, pool, "700", where], stdout=subprocess.PIPE,
+                             env={**os.environ, "VMEMKV_KV_POOL_DIR": str(pool_dir)}, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        if where == "idle":
+            assert survivor.take(500) == 0  # the live child holds 700
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+        assert survivor.take(1000) == 1000  # its 700 came back (and its lock went with it)
+        assert survivor.stats()["members"] == 1
+    finally:
+        if child.poll() is None:
+            child.kill()
+        survivor.close()
+
+
+# --- managers drawing on one budget ---------------------------------------------------------------
+def budget_config(pool, total_blocks, **overrides):
+    config = tiny_config(**FP32, **overrides)
+    block_bytes = config.make_layout().block_bytes
+    return tiny_config(**FP32, kv_pool=pool, kv_pool_bytes=total_blocks * block_bytes, **overrides)
+
+
+@pytest.fixture
+def budget_managers(pool_dir):
+    """``make(pool, total_blocks, **overrides)``: a manager on the budget ``pool``, checked and
+    closed when the test ends."""
+    managers = []
+
+    def make(pool, total_blocks, **overrides):
+        managers.append(KVCacheManager(budget_config(pool, total_blocks, **overrides)))
+        return managers[-1]
+
+    yield make
+    for manager in managers:
+        close_manager(manager)
+
+
+def test_a_manager_backs_no_more_than_its_share_and_gives_it_back(budget_managers):
+    pool = name()
+    manager = budget_managers(pool, 6, num_blocks=16, max_model_len=64)
+    assert manager.num_free_blocks == 6  # the pool has 16, the budget pays for 6
+    assert admit_written(manager, "a", list(range(1, 18))) == 0  # 5 blocks
+    assert manager.admit("b", list(range(100, 110))) is None  # 3 more: refused
+    stats = manager.snapshot_stats()
+    assert stats["kv_pool_share_bytes"] <= 6 * manager.block_bytes
+    manager.free("a")
+    assert manager.release_free_memory(cached=True) == 5 * manager.block_bytes
+    assert manager.snapshot_stats()["kv_pool_share_bytes"] == 0
+    manager.check()
+    close_manager(manager)
+    joined = SharedKVBudget(pool)
+    assert joined.free_bytes() == 6 * manager.block_bytes  # closing gave it all back
+    joined.close()
+
+
+def test_under_the_budget_a_manager_evicts_its_own_cached_blocks_first(budget_managers):
+    pool = name()
+    manager = budget_managers(pool, 6, num_blocks=16, max_model_len=64)
+    admit_written(manager, "a", list(range(1, 18)))  # 4 full blocks cached when it ends
+    manager.free("a")
+    assert manager.snapshot_stats()["blocks_cached"] == 4
+    # 5 blocks: the clean one, one the budget's room backs, then 3 from the cache
+    assert admit_written(manager, "b", list(range(100, 117))) == 0
+    assert manager.snapshot_stats()["evictions"] == 3
+    assert backed_bytes(manager) <= 6 * manager.block_bytes
+    manager.check()
+    manager.free("b")
+
+
+def test_two_managers_never_see_each_others_pages(budget_managers):
+    pool = name()
+    a, b = (budget_managers(pool, 12, num_blocks=12, max_model_len=64) for _ in range(2))
+    tokens = list(range(1, 20))  # 5 blocks in each
+    admit_written(a, "r", tokens)
+    assert b.admit("r", tokens) == 0  # no hit across engines
+    slot = b.slot_of("r")
+    assert not any(slot_rows(b, layer, kv, slot)[: len(tokens)].any()  # b's fresh pages: zeros,
+                   for layer in range(b.config.num_layers) for kv in range(2))  # not a's bytes
+    write_kv(b, "r", 0, len(tokens))
+    b.commit("r")
+    assert read_kv_matches(a, "r") and read_kv_matches(b, "r")
+    assert backed_bytes(a) + backed_bytes(b) <= 12 * a.block_bytes
+    a.free("r")
+    b.free("r")
+
+
+def snapshot(manager):
+    stats = manager.snapshot_stats()
+    return ({rid: (manager.block_table(rid), manager.num_tokens(rid)) for rid in manager.request_ids()},
+            stats["blocks_in_use"], stats["blocks_cached"], stats["blocks_clean"], stats["blocks_backed"])
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_managers_sharing_a_budget_stay_within_it_and_refusals_change_nothing(seed):
+    """Two managers on one budget smaller than both pools: random admissions (sharing system
+    prompts), appends, forks, frees and give-backs (with and without the cached blocks). After
+    every step the blocks backed in both are within the budget, the budget counts exactly what
+    each backs plus its unused share, every running request reads back its own bytes, and a
+    refused operation left its manager as it was."""
+    import tempfile
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory() as directory:
+        os.environ["VMEMKV_KV_POOL_DIR"] = directory
+        try:
+            pool = name()
+            config = budget_config(pool, 20, num_blocks=16, max_num_seqs=6, max_model_len=40)
+            managers = [KVCacheManager(config), KVCacheManager(config)]
+            run_walk(rng, managers, 20 * managers[0].block_bytes)
+        finally:
+            del os.environ["VMEMKV_KV_POOL_DIR"]
+
+
+def run_walk(rng, managers, total):
+    live = [[], []]
+    systems = [list(range(1000 * s, 1000 * s + 8)) for s in range(3)]
+    fresh = iter(range(10**6, 10**7))
+    try:
+        for step in range(40):
+            i = rng.randrange(2)
+            manager, mine = managers[i], live[i]
+            before = snapshot(manager)
+            op = rng.choice(["admit", "admit", "grow", "fork", "free", "give_back"])
+            refused = False
+            if op == "admit" and manager.num_free_slots:
+                rid = f"r{step}"
+                tokens = rng.choice(systems) + [next(fresh) for _ in range(rng.randint(1, 20))]
+                refused = admit_written(manager, rid, tokens) is None
+                if not refused:
+                    mine.append(rid)
+            elif op == "grow" and mine:
+                rid = rng.choice(mine)
+                if manager.num_tokens(rid) < 39:
+                    refused = not manager.allocate(rid, 1, [next(fresh)])
+                    if not refused:
+                        write_kv(manager, rid, manager.num_tokens(rid) - 1, manager.num_tokens(rid))
+                        manager.commit(rid)
+            elif op == "fork" and mine and manager.num_free_slots:
+                child = manager.fork(rng.choice(mine), f"f{step}")
+                refused = child is None
+                if not refused:
+                    mine.append(child.request_id)
+            elif op == "free" and mine:
+                manager.free(mine.pop(rng.randrange(len(mine))))
+            elif op == "give_back":
+                manager.release_free_memory(keep_blocks=rng.choice([0, 1]), cached=rng.random() < 0.5)
+            if refused:
+                assert snapshot(manager) == before, op
+            for m, rids in zip(managers, live):
+                m.check()
+                assert all(read_kv_matches(m, rid) for rid in rids)
+            assert sum(backed_bytes(m) for m in managers) <= total
+            shares = [m.snapshot_stats()["kv_pool_share_bytes"] for m in managers]
+            assert all(share >= backed_bytes(m) for share, m in zip(shares, managers))
+            assert managers[0].snapshot_stats()["kv_pool_used_bytes"] == sum(shares) <= total
+    finally:
+        for m in managers:
+            close_manager(m)
