@@ -1,6 +1,23 @@
 """The Python blocks marked ``<!-- runnable -->`` in the README and in ``docs/*.md`` run as written on
 CPU; those marked ``<!-- runnable: smollm2-135m-instruct -->`` too, once the real model can be
-obtained. The relative links between those pages point at files (and headings) that exist."""
+obtained. The relative links between those pages point at files (and headings) that exist.
+
+A runnable block that prints shows what it prints in a ```` ```text ```` block right after it (at
+most one blank line between), and the test compares the block's stdout with it, line by line::
+
+    <!-- runnable -->
+    ```python
+    print("hello")
+    ```
+
+    ```text
+    hello
+    ```
+
+Trailing spaces and trailing blank lines are ignored. ``...`` in a shown line matches any text on
+that line (as doctest's ELLIPSIS, but never across lines); keep it for what really varies between
+runs (timings, addresses, sizes that depend on the machine). A runnable block that prints nothing
+has no output block; one that prints with none fails, so a page cannot drift from its code."""
 
 from __future__ import annotations
 
@@ -12,8 +29,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
-BLOCK = re.compile(r"<!-- runnable(?P<needs>: [\w.-]+)? -->\n```python\n(?P<code>.*?)```", re.S)
+BLOCK = re.compile(r"<!-- runnable(?P<needs>: [\w.-]+)? -->\n```python\n(?P<code>.*?)```\n"
+                   r"(?:\n?```text\n(?P<shown>.*?)```)?", re.S)
 LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
+ELLIPSIS = "..."
 
 
 def page_name(page: Path) -> str:
@@ -21,13 +40,41 @@ def page_name(page: Path) -> str:
 
 
 def runnable_blocks(pages: list[Path] = PAGES) -> list:
+    """One ``pytest.param(code, needs, page, shown)`` per runnable block; ``shown`` is the text of
+    its output block, or None when it has none."""
     params = []
     for page in pages:
         for i, m in enumerate(BLOCK.finditer(page.read_text())):
             code, needs = m["code"], (m["needs"] or "")[2:]
-            params.append(pytest.param(code, needs, page_name(page),
+            params.append(pytest.param(code, needs, page_name(page), m["shown"],
                                        id=f"{page_name(page)}-block{i}-line{code.splitlines()[0][:30]}"))
     return params
+
+
+def output_lines(text: str) -> list[str]:
+    lines = [line.rstrip() for line in text.splitlines()]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def output_matches(shown: str, printed: str) -> bool:
+    """Whether ``printed`` is what ``shown`` shows: the same lines, ``...`` matching any text on its line."""
+    shown_lines, printed_lines = output_lines(shown), output_lines(printed)
+    return len(shown_lines) == len(printed_lines) and all(
+        re.fullmatch(".*".join(map(re.escape, want.split(ELLIPSIS))), got)
+        for want, got in zip(shown_lines, printed_lines))
+
+
+def test_output_matching():
+    assert output_matches("a\nb\n", "a  \nb\n\n")
+    assert output_matches("took ... s\n", "took 0.25 s\n")
+    assert output_matches(" Paris.\n\nThe answer is:\n", " Paris.\n\nThe answer is:\n")
+    assert not output_matches("Red, Blue\n", "red, blue\n")
+    assert not output_matches("Paris\n", " Paris\n")
+    assert not output_matches("a\n", "a\nb\n")
+    assert not output_matches("a ... c\n", "a b\nc\n")
+    assert not output_matches("", "a\n")
 
 
 def test_the_library_snippet_is_marked_runnable():
@@ -35,14 +82,27 @@ def test_the_library_snippet_is_marked_runnable():
         assert any("KVCacheManager(" in param.values[0] for param in runnable_blocks([page])), page_name(page)
 
 
-@pytest.mark.parametrize("code,needs,page", runnable_blocks())
-def test_readme_block_runs(code, needs, page, request, capsys):
+@pytest.mark.parametrize("code,needs,page,shown", runnable_blocks())
+def test_a_block_that_prints_shows_its_output(code, needs, page, shown):
+    """Checked without running, so it holds where the real model is unavailable too."""
+    if "print(" in code:
+        assert shown is not None, f"{page}: this block prints; show its output in a ```text block after it"
+
+
+@pytest.mark.parametrize("code,needs,page,shown", runnable_blocks())
+def test_readme_block_runs(code, needs, page, shown, request, capsys):
     if needs:
         assert needs == "smollm2-135m-instruct", f"unknown requirement {needs!r}"
         request.getfixturevalue("real_model_dir")  # skips with the reason when unavailable
+        capsys.readouterr()  # what fetching the model printed is not the block's
     exec(compile(code, f"{page} block ({code.splitlines()[0]})", "exec"), {"__name__": "__readme__"})
-    if "capital of France" in code:
-        assert "Paris" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    if shown is None:
+        assert not printed, (f"{page}: the block printed output but the page shows none; add after it:\n"
+                             f"```text\n{printed}```")
+    else:
+        assert output_matches(shown, printed), (f"{page}: the block printed\n{printed}\nbut the page "
+                                                f"shows\n{shown}")
 
 
 def heading_anchors(text: str) -> set[str]:

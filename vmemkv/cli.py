@@ -13,11 +13,30 @@ from collections.abc import Sequence
 from typing import Any
 
 
+# The EngineConfig defaults that the engine options' help shows, written out here because
+# EngineConfig's module loads torch and transformers, which --help must not wait for (seconds).
+# tests/test_cli_startup.py checks that the help shows EngineConfig's own defaults.
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "max_num_seqs": 64,
+    "max_model_len": 1024,
+    "max_num_batched_tokens": 2048,
+    "tokens_per_page": 16,
+    "preemption_mode": "auto",
+    "host_cache_bytes": 0,
+    "kv_backend": "vmem",
+    "attention": "auto",
+    "policy": "fcfs",
+    "lookahead_tokens": 1,
+    "tensor_parallel_size": 1,
+    "seed": 0,
+}
+
+
 class HelpFormatter(argparse.HelpFormatter):
     """Shows each option's default: argparse's own, or for an engine option left unset (None),
-    the ``EngineConfig`` default it falls back to."""
+    the ``EngineConfig`` default it falls back to (from ``engine_defaults``)."""
 
-    engine_defaults = True  # False: no option falls back to EngineConfig (nor imports it: torch)
+    engine_defaults: dict[str, Any] = ENGINE_DEFAULTS  # empty: no option falls back to EngineConfig
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -25,11 +44,8 @@ class HelpFormatter(argparse.HelpFormatter):
                 or isinstance(action.default, bool)):
             return text
         default = action.default
-        if default is None and self.engine_defaults:
-            from vmemkv.engine.core.config import EngineConfig
-
-            field = EngineConfig.__dataclass_fields__.get(action.dest)
-            default = None if field is None else field.default
+        if default is None:
+            default = self.engine_defaults.get(action.dest)
         if default is None:
             return text
         return f"{text} (default: {str(default).replace('%', '%%')})"
@@ -38,7 +54,7 @@ class HelpFormatter(argparse.HelpFormatter):
 class ABHelpFormatter(HelpFormatter):
     """``vmemkv ab``'s options set no engine field (each workload sets its own sizes)."""
 
-    engine_defaults = False
+    engine_defaults: dict[str, Any] = {}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
