@@ -106,6 +106,9 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def seconds_to_idle_release(self) -> float | None:
+        return None  # no KV memory to give back
+
     def step(self) -> list[RequestOutput]:
         time.sleep(self.step_delay_s)
         outputs = []

@@ -115,6 +115,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "or run under torchrun with N processes in all)")
     group.add_argument("--seed", type=int, default=None,
                        help="engine seed: makes sampling of unseeded requests reproducible")
+    group.add_argument("--kv-pool", default=None,
+                       help="share one KV memory budget of this name with the other engines on "
+                            "this machine that name it (the first one sizes it: --kv-pool-bytes)")
+    group.add_argument("--kv-pool-bytes", type=int, default=None,
+                       help="the shared KV budget's bytes, for the engine that creates it")
+    group.add_argument("--kv-idle-release-s", type=float, default=None,
+                       help="give free KV memory back (cached pages too) after this many seconds "
+                            "without a request; default: 1 with --kv-pool, else never")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -150,6 +158,9 @@ def engine_config_from_args(args: argparse.Namespace):
         "release_behind_window": False if args.keep_blocks_behind_window else None,
         "kv_events_endpoint": getattr(args, "kv_events_endpoint", None),  # serve only
         "tensor_parallel_size": args.tensor_parallel_size,
+        "kv_pool": args.kv_pool,
+        "kv_pool_bytes": args.kv_pool_bytes,
+        "kv_idle_release_s": args.kv_idle_release_s,
         "threads": args.threads if args.threads is not None else default_threads(),
     }
     # Unset options keep EngineConfig's defaults (num_blocks=None means "derive" there too).

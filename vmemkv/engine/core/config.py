@@ -21,7 +21,7 @@ from vmemkv.engine.core.threads import check_threads
 # EngineConfig fields passed to CacheConfig as they are.
 CACHE_FIELDS = ("max_num_seqs", "max_model_len", "num_blocks", "device", "tokens_per_page",
                 "enable_prefix_caching", "swap_space_bytes", "host_cache_bytes", "layout",
-                "kv_backend")
+                "kv_backend", "kv_pool", "kv_pool_bytes")
 
 
 @dataclass
@@ -76,6 +76,14 @@ class EngineConfig:
     # torch's intra-op threads, set when the engine starts (engine/threads.py); None leaves them
     # as they are. vmemkv generate / serve and LLM default to the usable cores less one.
     threads: int | None = None
+    # One KV memory budget shared with other engines on this machine (vmemkv/memory/budget.py):
+    # its name, and its bytes for the engine that creates it (a later one gives the same or
+    # None). The pool backs blocks with memory only within the engine's share of it.
+    kv_pool: str | None = None
+    kv_pool_bytes: int | None = None
+    # Give free KV memory back (cached blocks too) once the engine has had no request for this
+    # many seconds (engine/core/elastic.py); None: 1 s with a kv_pool, never without.
+    kv_idle_release_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_model_len <= 1 or self.max_num_batched_tokens <= 0:
@@ -103,7 +111,21 @@ class EngineConfig:
         if type(self.release_behind_window) is not bool:
             raise ConfigError(f"release_behind_window must be True or False, got "
                               f"{self.release_behind_window!r}")
+        if (self.kv_pool is not None or self.kv_idle_release_s is not None) and self.tensor_parallel_size > 1:
+            raise ConfigError("kv_pool and kv_idle_release_s are not supported with tensor "
+                              "parallelism yet: every rank would give memory back on its own")
+        if self.kv_idle_release_s is not None and not (
+                isinstance(self.kv_idle_release_s, (int, float)) and self.kv_idle_release_s >= 0):
+            raise ConfigError(f"kv_idle_release_s must be a number >= 0 or None, got "
+                              f"{self.kv_idle_release_s!r}")
         self.torch_dtype  # validates the name
+
+    @property
+    def idle_release_seconds(self) -> float | None:
+        """``kv_idle_release_s``, or its default: 1 s with a shared ``kv_pool``, else never."""
+        if self.kv_idle_release_s is not None:
+            return float(self.kv_idle_release_s)
+        return 1.0 if self.kv_pool is not None else None
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -53,6 +53,18 @@ class LLM:
         prompts = [chat_prompt_ids(self.tokenizer, messages, name) for messages in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def sleep(self, level: int = 1) -> int:
+        """Give back every KV page (level 1 also moves the weights to host memory on CUDA;
+        level 2 discards them), as vLLM's ``LLM.sleep``; returns the KV bytes given back."""
+        return self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Undo ``sleep``: weights back (reloaded after level 2), KV pages taken as needed."""
+        self.engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return bool(self.engine.sleep_level)
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

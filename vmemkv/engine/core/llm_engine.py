@@ -17,7 +17,7 @@ import time
 from typing import Sequence as Seq
 
 from vmemkv import validation as check
-from vmemkv.errors import ConfigError, RequestTooLongError
+from vmemkv.errors import ConfigError, RequestStateError, RequestTooLongError
 from vmemkv.cache.hashing import CacheKeys
 from vmemkv.engine.models.hf_support import check_attention_supported, text_config
 from vmemkv.cache.events import KVEventBuffer
@@ -27,6 +27,7 @@ from vmemkv.engine.core.addressing import choose_addressing
 from vmemkv.engine.core.chat import end_of_turn_token_ids
 from vmemkv.engine.core.config import EngineConfig
 from vmemkv.engine.core.detokenizer import IncrementalDetokenizer
+from vmemkv.engine.core.elastic import ElasticMemory
 from vmemkv.engine.core.kv_manager import KVManager, make_kv_manager
 from vmemkv.engine.distributed import TensorParallelLeader
 from vmemkv.engine.core.threads import apply_threads
@@ -52,6 +53,7 @@ class LLMEngine:
         self.config = config
         self.stream = stream
         apply_threads(config.threads)  # before the model loads (and its first ops pick threads)
+        loaded_by_name = model is None
         if model is None:
             model, tokenizer = load_model(config.model, config.torch_dtype, config.device, config.seed)
         elif config.tensor_parallel_size > 1:
@@ -96,7 +98,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.manager, self._new_sequence, lookahead_tokens)
         self.runner = StepRunner(model_runner, self.addressing,
                                  LookaheadMapper(self.manager) if lookahead_tokens > 0 else None)
-        self.metrics = EngineMetrics(kv_metrics=self.kv_metrics, cache_stats=self.manager.cache_stats)
+        self.metrics = EngineMetrics(kv_metrics=self.kv_metrics, cache_stats=self.manager.cache_stats,
+                                     memory_stats=self.manager.snapshot_stats)
         self.groups: dict[str, SequenceGroup] = {}
         eos = text_config(model.config).eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -108,6 +111,10 @@ class LLMEngine:
         self.eos_token_ids |= set(end_of_turn_token_ids(tokenizer))
         self.postprocessor = Postprocessor(config, self.manager, self.metrics, self.groups,
                                            self.eos_token_ids, stream)
+        # Idle give-back and sleep/wake (elastic.py); level-2 sleep reloads the weights by name.
+        reload = ((lambda: load_model(config.model, config.torch_dtype, config.device, config.seed)[0])
+                  if loaded_by_name and tp is None else None)
+        self.elastic = ElasticMemory(self.manager, model, config.idle_release_seconds, reload)
         self.step_seconds = 0.0
         self.num_steps = 0
         self.peak_blocks_in_use = 0
@@ -124,6 +131,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, keys: CacheKeys | None = None) -> None:
         params = params or SamplingParams()
+        self.elastic.check_awake()
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
@@ -132,6 +140,7 @@ class LLMEngine:
         group = SequenceGroup(request_id, text, token_ids, params, priority, keys or CacheKeys())
         group.seqs.append(self._new_sequence(group, 0))
         self.groups[request_id] = group
+        self.elastic.busy()
         self.scheduler.add(group.seqs[0])
         self.metrics.on_request_added(request_id, len(token_ids), time.monotonic())
 
@@ -167,6 +176,8 @@ class LLMEngine:
                 self.scheduler.remove(seq)
                 seq.finish_reason = "abort"
         self.metrics.on_request_finished(request_id, "abort", time.monotonic())
+        if not self.groups:
+            self.elastic.idle()
         self._update_gauges()  # its blocks are free now; no step may come to say so
 
     def has_unfinished_requests(self) -> bool:
@@ -186,7 +197,10 @@ class LLMEngine:
         self._update_gauges()
         if self.kv_event_publisher is not None and (batch := self.kv_events.drain()):
             self.kv_event_publisher.publish(batch)
-        return self.postprocessor.outputs(progress)
+        outputs = self.postprocessor.outputs(progress)  # finished requests leave self.groups
+        if not self.groups:
+            self.elastic.idle()
+        return outputs
 
     def _update_gauges(self) -> None:
         """Set the metrics' gauges to the scheduler and cache state now: after every step, and
@@ -195,6 +209,42 @@ class LLMEngine:
         self.metrics.on_step(len(self.scheduler.running), len(self.scheduler.waiting),
                              len(self.scheduler.swapped), self.manager.usage(),
                              self.scheduler.num_preemptions)
+
+    # --- elastic memory (elastic.py) -----------------------------------------------------------
+    def on_idle(self) -> int:
+        """For a loop with nothing to step: once the engine has been idle for
+        ``kv_idle_release_s``, give its free KV memory back (once per idle spell). Returns the
+        bytes given back; ``seconds_to_idle_release()`` says when to call again."""
+        given = self.elastic.on_idle()
+        if given:
+            self._update_gauges()
+        return given
+
+    def seconds_to_idle_release(self) -> float | None:
+        """Seconds until ``on_idle`` has memory to give back (0: now), or None: nothing to come."""
+        return self.elastic.seconds_to_release()
+
+    def sleep(self, level: int = 1) -> int:
+        """Give back every KV page (the prefix cache too); level 1 also moves the weights to host
+        memory on CUDA, level 2 discards them (``wake_up`` loads them again). Refused while
+        requests are unfinished. Returns the KV bytes given back."""
+        if self.groups:
+            raise RequestStateError(f"cannot sleep with {len(self.groups)} unfinished request(s); "
+                                    "finish or abort them first")
+        if self.tensor_parallel is not None:
+            raise ConfigError("sleep is not supported with tensor parallelism yet")
+        given = self.elastic.sleep(level)
+        self._update_gauges()
+        return given
+
+    def wake_up(self) -> None:
+        """Undo ``sleep``: the weights come back; KV pages are taken again as requests need them."""
+        self.elastic.wake_up()
+
+    @property
+    def sleep_level(self) -> int:
+        """0 awake, else the level of ``sleep``."""
+        return self.elastic.sleep_level
 
     # --- introspection -------------------------------------------------------------------------
     def _record_memory(self) -> None:
@@ -232,7 +282,10 @@ class LLMEngine:
                 "swapped": len(self.scheduler.swapped), "step_seconds": self.step_seconds,
                 "map_background_seconds": self.map_background_seconds,
                 "map_wait_seconds": self.map_wait_seconds,
-                "map_hidden_seconds": max(self.map_background_seconds - self.map_wait_seconds, 0.0)}
+                "map_hidden_seconds": max(self.map_background_seconds - self.map_wait_seconds, 0.0),
+                "idle_releases": self.elastic.idle_releases,
+                "idle_released_bytes": self.elastic.idle_released_bytes,
+                "sleep_level": self.elastic.sleep_level}
 
     def close(self) -> None:
         self.runner.close()

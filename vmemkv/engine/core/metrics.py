@@ -67,13 +67,17 @@ class EngineMetrics:
 
     def __init__(self, max_samples: int = 100_000,
                  kv_metrics: KVMetricsCollector | None = None,
-                 cache_stats: Callable[[], CacheStats] | None = None) -> None:
+                 cache_stats: Callable[[], CacheStats] | None = None,
+                 memory_stats: Callable[[], dict] | None = None) -> None:
+        """``memory_stats``: the KV memory's counts when scraped (``snapshot_stats``)."""
         self.registry = CollectorRegistry()
         self._define_metrics()
         if kv_metrics is not None:
             self.registry.register(_KVTimeExporter(kv_metrics))
         if cache_stats is not None:
             self.registry.register(_PrefixCacheExporter(cache_stats))
+        if memory_stats is not None:
+            self.registry.register(_KVMemoryExporter(memory_stats))
         self._requests: dict[str, _RequestTimes] = {}
         # Raw samples for summary(); bounded so a long-lived server does not grow without limit.
         self.ttft_s: deque[float] = deque(maxlen=max_samples)
@@ -287,6 +291,35 @@ class _PrefixCacheExporter:
         yield CounterMetricFamily("vmemkv_kv_blocks_released_behind_window", "KV blocks given back "
                                   "while their request ran, wholly behind its sliding window",
                                   value=stats.blocks_released_behind_window)
+
+
+class _KVMemoryExporter:
+    """Elastic KV memory when scraped: resident bytes, blocks given back and taken again, and the
+    shared KV budget (``kv_pool``): its size, every engine's use, this engine's share."""
+
+    GAUGES = (("kv_bytes_resident", "vmemkv_kv_resident_bytes", "Bytes of KV blocks with memory behind them"),
+              ("kv_pool_bytes", "vmemkv_kv_pool_bytes", "Bytes of the shared KV budget"),
+              ("kv_pool_used_bytes", "vmemkv_kv_pool_used_bytes", "Bytes of the shared KV budget "
+               "every engine holds"),
+              ("kv_pool_share_bytes", "vmemkv_kv_pool_share_bytes", "Bytes of the shared KV budget "
+               "this engine holds"))
+    COUNTERS = (("blocks_given_back", "vmemkv_kv_blocks_given_back", "KV blocks whose memory went back"),
+                ("blocks_taken_again", "vmemkv_kv_blocks_taken_again", "KV blocks given back, then "
+                 "written again"))
+
+    def __init__(self, memory_stats: Callable[[], dict]) -> None:
+        self.memory_stats = memory_stats
+
+    def collect(self):
+        try:
+            stats = self.memory_stats()
+        except VmemkvError:  # the manager is closed: nothing to report
+            return
+        for key, name, text in self.GAUGES:
+            if key in stats:
+                yield GaugeMetricFamily(name, text, value=stats[key])
+        for key, name, text in self.COUNTERS:
+            yield CounterMetricFamily(name, text, value=stats[key])
 
 
 def _now(now: float | None) -> float:

@@ -54,12 +54,20 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Call:
+    """Run ``fn(engine)`` on the engine thread between steps (sleep, wake_up)."""
+    fn: Callable[[Any], Any]
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future  # its result, or its error
+
+
 class AsyncEngine:
     def __init__(self, engine: Any,
                  on_failure: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
         self._on_failure = on_failure
-        self._commands: deque[_Add | _Abort] = deque()
+        self._commands: deque[_Add | _Abort | _Call] = deque()
         self._wakeup = threading.Condition()
         self._streams: dict[str, _Stream] = {}  # only the engine thread touches it
         self._stopping = False
@@ -136,7 +144,14 @@ class AsyncEngine:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(engine)`` on the engine thread between steps; its result (or error)."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._submit(_Call(fn, loop, done))
+        return await done
+
+    def _submit(self, command: "_Add | _Abort | _Call") -> None:
         with self._wakeup:
             if self._stopping or self.error is not None:
                 raise EngineDeadError(self._dead_reason())
@@ -169,18 +184,30 @@ class AsyncEngine:
         if self.error is not None and self._on_failure is not None:
             self._on_failure(self.error)
 
-    def _wait_for_work(self) -> list[_Add | _Abort] | None:
-        """Sleep until there is a command or a request to step; None when shutting down."""
+    def _wait_for_work(self) -> "list[_Add | _Abort | _Call] | None":
+        """Sleep until there is a command or a request to step; None when shutting down. An
+        idle engine gives its free KV memory back when its idle give-back falls due."""
         with self._wakeup:
             while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
-                self._wakeup.wait()
+                due = self.engine.seconds_to_idle_release()
+                if due is not None and due <= 0:
+                    self.engine.on_idle()
+                    continue
+                self._wakeup.wait(due)
             if self._stopping:
                 return None
             commands = list(self._commands)
             self._commands.clear()
             return commands
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _apply(self, command: "_Add | _Abort | _Call") -> None:
+        if isinstance(command, _Call):
+            try:
+                result, error = command.fn(self.engine), None
+            except Exception as exc:  # refused (e.g. sleep with requests running): tell the caller
+                result, error = None, exc
+            _call_in_loop(command.loop, _settle, command.done, error, result)
+            return
         if isinstance(command, _Abort):
             self._streams.pop(command.request_id, None)
             self.engine.abort_request(command.request_id)
@@ -220,15 +247,17 @@ class AsyncEngine:
         for command in pending:
             if isinstance(command, _Add):
                 _call_in_loop(command.stream.loop, _settle, command.accepted, error)
+            elif isinstance(command, _Call):
+                _call_in_loop(command.loop, _settle, command.done, error)
         for stream in self._streams.values():
             _call_in_loop(stream.loop, stream.queue.put_nowait, error)
         self._streams.clear()
 
 
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+def _settle(future: asyncio.Future, error: BaseException | None, result: Any = None) -> None:
     if not future.done():  # the waiter may have been cancelled meanwhile
         if error is None:
-            future.set_result(None)
+            future.set_result(result)
         else:
             future.set_exception(error)
 

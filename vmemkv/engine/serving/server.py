@@ -42,6 +42,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vmemkv.cache.hashing import CacheKeys
 from vmemkv.engine.serving.async_engine import AsyncEngine, EngineDeadError
 from vmemkv.engine.core.chat import has_chat_template
+from vmemkv.engine.core.elastic import EngineAsleepError
+from vmemkv.errors import ConfigError, RequestStateError
 from vmemkv.engine.distributed import TensorParallelError
 from vmemkv.engine.models.zoo import is_random_weight, random_weight_notice
 from vmemkv.engine.serving.openai_inputs import (cache_keys, chat_prompt_ids, check_model, completion_prompt_ids,
@@ -150,6 +152,27 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None,
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(async_engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # Sleep and wake (engine/core/elastic.py), as vLLM's server: POST /sleep?level=1|2 gives back
+    # every KV page (and offloads or drops the weights), POST /wake_up undoes it.
+    @app.post("/sleep")
+    async def sleep(level: int = 1) -> Response:
+        try:
+            given = await async_engine.call(lambda engine: engine.sleep(level))
+        except RequestStateError as exc:  # requests still running
+            raise OpenAIError(409, str(exc)) from exc
+        except ConfigError as exc:
+            raise OpenAIError(400, str(exc), param="level") from exc
+        return JSONResponse({"sleeping": True, "level": level, "kv_bytes_released": given})
+
+    @app.post("/wake_up")
+    async def wake_up() -> Response:
+        await async_engine.call(lambda engine: engine.wake_up())
+        return JSONResponse({"sleeping": False})
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> Response:
+        return JSONResponse({"is_sleeping": bool(async_engine.engine.sleep_level)})
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -268,6 +291,8 @@ class _Server:
                                        keys=None if keys == CacheKeys() else keys)
         try:
             first = await anext(outputs)
+        except EngineAsleepError as exc:
+            raise OpenAIError(503, str(exc), type="server_error") from exc
         except ValueError as exc:  # RequestTooLongError is a ValueError too
             raise OpenAIError(400, str(exc), param="prompt") from exc
         except EngineDeadError as exc:
