@@ -40,7 +40,7 @@ from vmemkv.cache.metrics import KVMetricsCollector, timed
 from vmemkv.cache.events import KVEventSink
 from vmemkv.cache.layer_groups import LayerGroups, group_configs
 from vmemkv.cache.manager_state import PrefixCacheBusyError, UnknownRequestError
-from vmemkv.cache.plans import check_mapping_budget
+from vmemkv.cache.plans import check_plans_budget
 from vmemkv.cache.preemption import PreemptionOps
 from vmemkv.cache.queries import GroupReads, ManagerQueries
 from vmemkv.cache.request import KVRequest
@@ -132,8 +132,7 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
             plans.append(group.plan_admit(admission.hits, slot, fresh[group.index]))
             slot = plans[0].slot
         if len(groups) > 1:
-            check_mapping_budget([(group.slots, plan.jobs, plan.behind) for group, plan in zip(groups, plans)],
-                                 "admit")
+            check_plans_budget(groups, plans, "admit")
         # map (the one refusable step), share, then take every memory's blocks in one call: the
         # host tier's entries claimed first, so the take's own demotions cannot evict them
         for group, plan in zip(groups, plans):
@@ -248,8 +247,7 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
             plans = [group.plan_grow(alloc, num_new_tokens, fresh[group.index])
                      for group, alloc in zip(groups, allocs)]
             if len(groups) > 1:
-                check_mapping_budget([(group.slots, plan.jobs, 0) for group, plan in zip(groups, plans)],
-                                     "allocate")
+                check_plans_budget(groups, plans, "allocate")
             for group, plan in zip(groups, plans):
                 group.map_grow(plan)  # the one refusable step
             self._take(fresh)

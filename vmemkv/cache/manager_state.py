@@ -380,10 +380,13 @@ class ManagerState:
         """Each group's cached blocks of the longest prefix of ``hashes`` every group can reuse,
         leaving at least one of ``num_tokens`` tokens to compute."""
         hashes = hashes[: (num_tokens - 1) // self.tokens_per_page]
-        hits = [group.cached_blocks(hashes) for group in self.groups]
-        if len(hits) == 1:
+        hits, length = [], len(hashes)
+        for group in self.groups:  # a later group looks only as far as the earlier ones hit
+            hits.append(group.cached_blocks(hashes if length == len(hashes) else hashes[:length]))
+            length = min(length, len(hits[-1]))
+        if all(len(group_hits) == length for group_hits in hits):
             return hits
-        return self._common_hits(hashes, hits, min(len(group_hits) for group_hits in hits))
+        return self._common_hits(hashes, hits, length)
 
     def _prefix_hits(self, req: KVRequest) -> list[list[int]]:
         """``req``'s cached prefix blocks in every group, hashing only blocks its chain does not

@@ -138,6 +138,25 @@ def _exact_misfit(parts: list[BudgetPart]) -> tuple[int, int, int] | None:
     return None
 
 
+def check_plans_budget(groups, plans: list[Plan], what: str) -> None:
+    """``check_mapping_budget`` of one operation's plans, ``plans[g]`` group ``groups[g]``'s
+    (each with its ``slots``). Far from the limit (nearly always) the plans' sizes answer it
+    alone, as ``_first_misfit``'s bound: no MapJob is made, no page table read, and groups
+    sharing a backend ask its room once."""
+    bound, mappers = 0, {}
+    for group, plan in zip(groups, plans):
+        if plan.mapped:
+            slots = group.slots
+            bound += 2 * slots.layout.pages_per_block * (len(plan.mapped) + plan.behind)
+            mappers.setdefault(id(slots.backend), slots)
+    if not bound:
+        return
+    rooms = [room for room in (slots.mapping_room() for slots in mappers.values()) if room is not None]
+    if rooms and bound > min(rooms):
+        check_mapping_budget([(group.slots, plan.jobs, plan.behind) for group, plan in zip(groups, plans)],
+                             what)
+
+
 def check_mapping_budget(parts: list[BudgetPart], what: str) -> None:
     """Refuse (MappingLimitError, nothing changed) unless the mapping budget takes every group's
     part of an operation, carried out in order. Stale mappings (free slots, pages past what the

@@ -149,6 +149,8 @@ class BlockPool:
             blocks = self.backing.backable(self._clean, n)
         elif n == 1 and self._clean:
             return [self._clean[0]]
+        elif n == 2 and len(self._clean) >= 2:  # a decode's block in each group of a two-group model
+            return [self._clean[0], min(self._clean[1:3])]  # a heap's second smallest: a root's child
         else:  # pop and push back: O(n log N), where nsmallest would scan the whole heap
             blocks = [heapq.heappop(self._clean) for _ in range(min(n, len(self._clean)))]
             for block in blocks:
@@ -166,11 +168,12 @@ class BlockPool:
         cached blocks, whose hashes are dropped. Raises with no side effect when ``n`` don't fit."""
         backing = self.backing
         limited = backing.limited(n, len(self._clean))
-        if n == 1 and self._clean and not limited:  # the decode hot path
-            block = heapq.heappop(self._clean)
-            self.ref[block] = 1
-            backing.back(block)
-            return [block]
+        if n <= len(self._clean) and not limited:  # no eviction (a decode's one block per group)
+            blocks = [heapq.heappop(self._clean) for _ in range(n)]
+            for block in blocks:
+                self.ref[block] = 1
+                backing.back(block)
+            return blocks
         if n > self.num_available:
             raise OutOfBlocksError(self._short_message(n))
         if limited:  # rare: only when a shared budget's share is short

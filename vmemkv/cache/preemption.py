@@ -17,7 +17,7 @@ from vmemkv.cache.allocation import RELEASED
 from vmemkv.cache.config import PreemptionEstimate
 from vmemkv.cache.metrics import timed
 from vmemkv.cache.manager_state import ManagerState, UnknownRequestError
-from vmemkv.cache.plans import check_mapping_budget
+from vmemkv.cache.plans import check_plans_budget
 from vmemkv.cache.request import KVRequest
 
 
@@ -121,8 +121,7 @@ class PreemptionOps(ManagerState):
             plans.append(group.plan_swap_in(alloc, slot, group_revive, fresh[group.index]))
             slot = plans[0].slot
         if len(groups) > 1:
-            check_mapping_budget([(group.slots, plan.jobs, plan.behind) for group, plan in zip(groups, plans)],
-                                 "swap in")
+            check_plans_budget(groups, plans, "swap in")
         for group, plan in zip(groups, plans):
             group.map_and_bind(plan)  # the one refusable step: refused, it stays swapped
         for group, plan in zip(groups, plans):

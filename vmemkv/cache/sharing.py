@@ -16,7 +16,7 @@ from vmemkv import validation as check
 from vmemkv.errors import InvalidInputError, RequestStateError
 from vmemkv.cache.metrics import timed
 from vmemkv.cache.manager_state import ManagerState
-from vmemkv.cache.plans import check_mapping_budget, reorder_copies
+from vmemkv.cache.plans import check_mapping_budget, check_plans_budget, reorder_copies
 from vmemkv.cache.request import KVRequest
 
 
@@ -46,8 +46,7 @@ class SharingOps(ManagerState):
             plans.append(group.plan_fork(alloc, slot, fresh[group.index]))
             slot = plans[0].slot
         if len(groups) > 1:
-            check_mapping_budget([(group.slots, plan.jobs, plan.behind) for group, plan in zip(groups, plans)],
-                                 "fork")
+            check_plans_budget(groups, plans, "fork")
         if not isinstance(child, KVRequest):
             child = KVRequest(child_id, [], parent.keys)
         child.hold_groups(len(groups))
