@@ -39,8 +39,17 @@ MODELS = ("tiny-llama", "tiny-qwen2")
 
 # --- one engine process ------------------------------------------------------------------------
 def worker(conn, model_name: str, threads: int) -> None:
-    """Serves commands from the coordinator: ``probe``, ``start``, ``burst``, ``idle``, ``sleep``,
-    ``stop``; every reply is a dict."""
+    """Serves commands from the coordinator (``probe``, ``start``, ``burst``, ``idle``, ``sleep``,
+    ``stop``) until it closes the pipe; every reply is a dict (``{"error": traceback}`` when the
+    command failed)."""
+    try:
+        serve(conn, model_name, threads)
+    except Exception:
+        import traceback
+        conn.send({"error": traceback.format_exc()})
+
+
+def serve(conn, model_name: str, threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
@@ -55,7 +64,10 @@ def worker(conn, model_name: str, threads: int) -> None:
         samples.append((time.time(), engine.manager.kv_bytes_resident))
 
     while True:
-        command, args = conn.recv()
+        try:
+            command, args = conn.recv()
+        except EOFError:  # the coordinator is done
+            return
         if command == "probe":  # the bytes of one KV block of this model
             cache = EngineConfig(**base).cache_config(model)
             conn.send({"block_bytes": cache.make_layout().block_bytes})
@@ -90,16 +102,19 @@ def worker(conn, model_name: str, threads: int) -> None:
             engine.sleep(1)
             sample()
             conn.send({"resident": engine.manager.kv_bytes_resident})
-        elif command == "stop":
+        elif command == "stop":  # this mode's engine ends; the next mode starts a new one
             conn.send({"samples": samples})
             engine.close()
-            return
+            engine, samples = None, []
 
 
 # --- the coordinator -----------------------------------------------------------------------------
 def ask(conn, command: str, args=None) -> dict:
     conn.send((command, args))
-    return conn.recv()
+    reply = conn.recv()
+    if "error" in reply:
+        raise RuntimeError(f"the engine process failed at {command!r}:\n{reply['error']}")
+    return reply
 
 
 def prompts_for(engine_index: int, burst: int, args) -> list[list[int]]:
@@ -204,6 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
              for (_, child), name in zip(pipes, MODELS)]
     for proc in procs:
         proc.start()
+    for _, child in pipes:
+        child.close()  # the processes hold them: a dead one's pipe then reads EOF here
     conns = [parent for parent, _ in pipes]
     try:
         block_bytes = [ask(conn, "probe")["block_bytes"] for conn in conns]
@@ -222,6 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
         for mode in ("shared", "static"):
             results[mode] = run_mode(mode, conns, budget, block_bytes, args)
     finally:
+        for conn in conns:
+            conn.close()
         for proc in procs:
             proc.join(timeout=30)
             if proc.is_alive():
