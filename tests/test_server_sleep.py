@@ -5,7 +5,7 @@ resident KV bytes. The real engine (tiny-llama) under uvicorn on 127.0.0.1."""
 
 from __future__ import annotations
 
-import threading
+import time
 
 import pytest
 
@@ -54,21 +54,21 @@ def test_sleep_and_wake_up_over_http():
 
 
 def test_sleep_is_refused_while_a_request_runs():
-    engine = LLMEngine(EngineConfig(max_model_len=128, max_num_seqs=2))
+    engine = LLMEngine(EngineConfig(max_model_len=256, max_num_seqs=2))
+    forward = engine.runner.model_runner.forward
+
+    def slow_forward(*args, **kwargs):  # a step of 20 ms: the request runs for seconds
+        time.sleep(0.02)
+        return forward(*args, **kwargs)
+
+    engine.runner.model_runner.forward = slow_forward
     with running_server(AsyncEngine(engine), engine.model_name, WAIT_S) as url, \
             httpx.Client(base_url=url, timeout=WAIT_S) as http:
-        running = threading.Thread(target=complete, args=(http,), kwargs={"max_tokens": 80,
-                                                                          "ignore_eos": True})
-        running.start()
-        try:
-            refused = None
-            for _ in range(200):  # until the request is in the engine
-                response = http.post("/sleep")
-                if response.status_code == 409:
-                    refused = response
-                    break
-                http.post("/wake_up")
-            assert refused is not None and "unfinished" in refused.text
-        finally:
-            running.join(WAIT_S)
+        body = {"prompt": PROMPT, "max_tokens": 150, "temperature": 0, "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as stream:
+            lines = stream.iter_lines()  # kept: a dropped iterator closes the stream (an abort)
+            next(lines)  # its first event: the request runs in the engine
+            refused = http.post("/sleep")
+            assert refused.status_code == 409 and "unfinished" in refused.text
         assert http.post("/sleep", params={"level": 3}).status_code == 400
+        assert http.get("/is_sleeping").json() == {"is_sleeping": False}

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,6 +183,40 @@ def test_two_managers_never_see_each_others_pages(budget_managers):
     assert backed_bytes(a) + backed_bytes(b) <= 12 * a.block_bytes
     a.free("r")
     b.free("r")
+
+
+ENGINE_CHILD = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[3])
+    from conftest import tiny_config
+    from vmemkv import KVCacheManager
+    import torch
+    manager = KVCacheManager(tiny_config(dtype=torch.float32, num_blocks=12, max_model_len=64,
+                                         kv_pool=sys.argv[1], kv_pool_bytes=int(sys.argv[2])))
+    assert manager.admit("r", list(range(1, 40))) == 0  # 10 blocks backed
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_killed_engines_pages_come_back_to_the_others(budget_managers, pool_dir):
+    pool = name()
+    block_bytes = tiny_config(**FP32).make_layout().block_bytes
+    child = subprocess.Popen([sys.executable, "-c", ENGINE_CHILD, pool, str(12 * block_bytes),
+                              str(Path(__file__).parent)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "VMEMKV_KV_POOL_DIR": str(pool_dir)})
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        survivor = budget_managers(pool, 12, num_blocks=12, max_model_len=64)
+        assert survivor.admit("a", list(range(100, 139))) is None  # 10 blocks: 2 are left
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+        assert admit_written(survivor, "a", list(range(100, 139))) == 0  # the dead one's came back
+        survivor.check()
+        survivor.free("a")
+    finally:
+        if child.poll() is None:
+            child.kill()
 
 
 def snapshot(manager):

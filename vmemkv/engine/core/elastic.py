@@ -24,6 +24,11 @@ class EngineAsleepError(VmemkvError):
     """The engine is asleep: ``wake_up()`` it before adding requests."""
 
 
+def check_sleep_level(level) -> None:
+    if level not in (1, 2):
+        raise ConfigError(f"sleep level must be 1 or 2, got {level!r}")
+
+
 class ElasticMemory:
     """The idle give-back and sleep state of one engine (its ``manager`` and ``model``)."""
 
@@ -71,8 +76,7 @@ class ElasticMemory:
     def sleep(self, level: int) -> int:
         """Give back every KV page (level 1 and 2), then offload (level 1, CUDA) or discard
         (level 2) the weights; returns the KV bytes given back."""
-        if level not in (1, 2):
-            raise ConfigError(f"sleep level must be 1 or 2, got {level!r}")
+        check_sleep_level(level)
         if self.sleep_level:
             return 0
         if level == 2 and self._reload_weights is None:

@@ -27,7 +27,7 @@ from vmemkv.engine.core.addressing import choose_addressing
 from vmemkv.engine.core.chat import end_of_turn_token_ids
 from vmemkv.engine.core.config import EngineConfig
 from vmemkv.engine.core.detokenizer import IncrementalDetokenizer
-from vmemkv.engine.core.elastic import ElasticMemory
+from vmemkv.engine.core.elastic import ElasticMemory, check_sleep_level
 from vmemkv.engine.core.kv_manager import KVManager, make_kv_manager
 from vmemkv.engine.distributed import TensorParallelLeader
 from vmemkv.engine.core.threads import apply_threads
@@ -228,6 +228,7 @@ class LLMEngine:
         """Give back every KV page (the prefix cache too); level 1 also moves the weights to host
         memory on CUDA, level 2 discards them (``wake_up`` loads them again). Refused while
         requests are unfinished. Returns the KV bytes given back."""
+        check_sleep_level(level)
         if self.groups:
             raise RequestStateError(f"cannot sleep with {len(self.groups)} unfinished request(s); "
                                     "finish or abort them first")
