@@ -71,3 +71,32 @@ def test_engine_on_cuda_matches_hf_generate(kv_backend, attention):
     engine.manager.check()
     assert engine.manager.num_blocks_in_use == 0
     engine.close()
+
+
+@skip_without_bindings
+def test_sleep_on_cuda_moves_the_weights_to_host_and_wake_up_restores_the_same_tokens():
+    from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
+    from vmemkv.engine.core.llm_engine import run_to_completion
+
+    prompts = [[(31 * i + 7 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((9, 40))]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    engine = LLMEngine(EngineConfig(model="tiny-llama", device="cuda", max_num_seqs=4, max_model_len=128),
+                       stream=False)
+
+    def generate(tag):
+        final = run_to_completion(engine, [(f"{tag}{i}", p, params) for i, p in enumerate(prompts)])
+        return [final[f"{tag}{i}"].outputs[0].token_ids for i in range(len(prompts))]
+
+    before = generate("a")
+    model = engine.runner.model_runner.model
+    allocated = torch.cuda.memory_allocated()
+    engine.sleep(1)  # the weights go to host memory: the device's allocation falls
+    assert all(param.numel() == 0 for param in model.parameters())
+    assert torch.cuda.memory_allocated() < allocated
+    engine.wake_up()
+    assert next(model.parameters()).device.type == "cuda"
+    assert generate("b") == before
+    engine.sleep(2)  # dropped, then loaded again by name
+    engine.wake_up()
+    assert generate("c") == before
+    engine.close()

@@ -10,7 +10,8 @@ from __future__ import annotations
 import inspect
 
 from vmemkv import KVCacheManager
-from vmemkv.engine.models.hf_support import cache_config_for, check_attention_supported, hybrid_layer_windows
+from vmemkv.engine import make_kv_manager
+from vmemkv.engine.models.hf_support import cache_config_for, check_attention_supported
 
 
 def manager_for(model, max_batch_size: int, max_cache_len: int, num_blocks: int | None = None,
@@ -33,13 +34,13 @@ def manager_for(model, max_batch_size: int, max_cache_len: int, num_blocks: int 
     cache_config = cache_config_for(model, max_batch_size, max_cache_len, num_blocks,
                                     spare_blocks_per_slot=1,
                                     release_behind_window=release_behind_window, **config)
-    if release_behind_window:
-        # A forward computes every row's new tokens before any block behind the window goes
-        # back (at the commit after it): the local layers' group holds one forward's tokens,
-        # up to every row's whole prompt at once.
-        return KVCacheManager.for_layers(cache_config, hybrid_layer_windows(model.config, max_cache_len),
-                                         chunk_tokens=max_batch_size * max_cache_len)
-    return KVCacheManager(cache_config)
+    # The engine's factory. A forward computes every row's new tokens before any block behind the
+    # window goes back (at the commit after it): the local layers' group holds one forward's
+    # tokens, up to every row's whole prompt at once. The model's own attention reads chunked
+    # local layers from position 0, so they keep every token (no group of their own).
+    return make_kv_manager(cache_config, model.config, max_model_len=max_cache_len,
+                           chunk_tokens=max_batch_size * max_cache_len,
+                           release_behind_window=release_behind_window, chunked_groups=False)
 
 
 def layer_windows(manager: KVCacheManager) -> list[int | None]:

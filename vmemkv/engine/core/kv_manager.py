@@ -120,27 +120,30 @@ class KVManager(KVViews, Protocol):
     def close(self) -> None: ...
 
 
-def layer_windows(model_config, max_model_len: int,
-                  release_behind_window: bool = True) -> "list[int | AttentionSpec | None] | None":
+def layer_windows(model_config, max_model_len: int, release_behind_window: bool = True,
+                  chunked_groups: bool = True) -> "list[int | AttentionSpec | None] | None":
     """Each layer's window (or, for chunked local layers, its ``AttentionSpec``; None: global)
     when local and global layers are kept in layer groups of their own (blocks no later query
-    reads released), else None (one group keeps every layer's tokens)."""
+    reads released), else None (one group keeps every layer's tokens). ``chunked_groups``: give
+    chunked local layers a group of their own (the caller's attention reads from chunk starts)."""
     if not release_behind_window:
         return None
     windows = hybrid_layer_windows(model_config, max_model_len)
-    chunks = layer_chunks(model_config)  # Llama-4: chunked local layers and global ones
+    chunks = layer_chunks(model_config) if chunked_groups else None  # Llama-4: chunked and global
     if windows is None and chunks and None in chunks and min(filter(None, chunks)) < max_model_len:
         return [AttentionSpec(CHUNKED, chunk) if chunk else None for chunk in chunks]
     return windows
 
 
 def make_kv_manager(cache: "CacheConfig", model_config, *, max_model_len: int, chunk_tokens: int,
-                    release_behind_window: bool = True, **manager_options) -> KVCacheManager:
+                    release_behind_window: bool = True, chunked_groups: bool = True,
+                    **manager_options) -> KVCacheManager:
     """The manager for a model of ``model_config`` (a Hugging Face config) over ``cache``: one
     layer group, or one per kind of layer for a model mixing local and global layers
     (``layer_windows``). ``chunk_tokens``: the most tokens one forward computes per request
-    before any block behind a window goes back (the engine's ``max_num_batched_tokens``).
+    before any block behind a window goes back (the engine's ``max_num_batched_tokens``);
+    ``chunked_groups``: see ``layer_windows`` (``VmemkvCache`` reads no chunk starts).
     ``manager_options`` go to ``KVCacheManager.for_layers`` (metrics, events, backends). Every
     tensor-parallel rank calls it with the same arguments, so every rank builds the same groups."""
-    return KVCacheManager.for_layers(cache, layer_windows(model_config, max_model_len, release_behind_window),
-                                     chunk_tokens, **manager_options)
+    windows = layer_windows(model_config, max_model_len, release_behind_window, chunked_groups)
+    return KVCacheManager.for_layers(cache, windows, chunk_tokens, **manager_options)
