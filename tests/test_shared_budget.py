@@ -78,6 +78,8 @@ def test_a_second_member_must_agree_on_the_size(pool_dir):
             SharedKVBudget("../etc", 10)
         with pytest.raises(ValueError, match="giving back"):
             a.give(1)
+        with pytest.raises(ConfigError, match="VMEMKV_KV_POOL_DIR"):
+            SharedKVBudget(pool, 1000, directory=str(pool_dir / "missing"))
     finally:
         a.close()
 

@@ -58,7 +58,12 @@ class SharedKVBudget:
         self.name = name
         directory = directory or os.environ.get("VMEMKV_KV_POOL_DIR") or DEFAULT_DIRECTORY
         self.path = Path(directory) / f"vmemkv-kv-pool-{name}"
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as error:
+            raise ConfigError(f"cannot open KV pool {name!r} at {self.path}: {error.strerror}; set "
+                              "VMEMKV_KV_POOL_DIR to a directory every engine can write (shared memory: "
+                              "/dev/shm)") from None
         self._member_fd: int | None = None
         self.held = 0  # bytes this member holds
         try:
