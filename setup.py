@@ -1,4 +1,6 @@
-"""Builds the native batch mapper (plain C, no CUDA needed at build time)."""
+"""Builds the native parts (plain C, no CUDA or torch needed at build time): the batch page mapper,
+and the CPU decode attention. The latter is optional: where it does not build (no C compiler with
+OpenMP), the engine attends with SDPA on the CPU instead."""
 
 from setuptools import Extension, setup
 
@@ -9,6 +11,14 @@ setup(
             sources=["native/vmemkv_native.c"],
             extra_compile_args=["-O2", "-std=c11", "-D_GNU_SOURCE"],
             libraries=["dl"],
-        )
+        ),
+        Extension(
+            "vmemkv._decode_attention",
+            sources=["native/decode_attention.c"],
+            # -fno-math-errno: expf/tanhf inline; OpenMP: work items on threads, simd reductions
+            extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-fno-math-errno"],
+            extra_link_args=["-fopenmp"],
+            optional=True,
+        ),
     ]
 )

@@ -213,16 +213,18 @@ def test_batching_rules():
     assert call_cost_in_rows(10 ** 6) == 1
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "native"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kv_backend", ["vmem", "paged"])
-def test_engine_with_gaps_between_running_slots_matches_hf(kv_backend, layout):
+def test_engine_with_gaps_between_running_slots_matches_hf(kv_backend, layout, attention):
     """Requests finish at different times (gaps open below running slots) and late requests fill
-    the lowest free slots: greedy tokens still equal Hugging Face generate."""
+    the lowest free slots: greedy tokens still equal Hugging Face generate, with decodes read in
+    batches by SDPA or all at once by the native routine."""
     from test_engine_correctness import NEW_TOKENS, assert_clean, hf_greedy, make_engine, prompts
     from vmemkv.engine import SamplingParams
 
-    engine = make_engine(kv_backend=kv_backend, tokens_per_page=4, layout=layout)
-    assert engine.manager.layout.kind == layout
+    engine = make_engine(kv_backend=kv_backend, tokens_per_page=4, layout=layout, attention=attention)
+    assert engine.manager.layout.kind == layout and engine.attention_kernel == attention
     token_prompts = prompts(10)
     limits = [3, NEW_TOKENS, 5, NEW_TOKENS, 2, NEW_TOKENS, 7, NEW_TOKENS, NEW_TOKENS, NEW_TOKENS]
     final, added, slots_seen = {}, 0, []
@@ -239,7 +241,10 @@ def test_engine_with_gaps_between_running_slots_matches_hf(kv_backend, layout):
         expected = hf_greedy("tiny-llama", tuple(prompt))[:limits[index]]
         assert final[str(index)].outputs[0].token_ids == expected, f"request {index} diverged"
     assert any(s and s[-1] + 1 > len(s) for s in slots_seen), "no step ran with a gap"
-    if kv_backend == "vmem":
+    if attention == "native":  # decodes read in place, whatever the gaps: no filler pages
+        assert engine.decode_kernel
+        assert kv_backend == "paged" or engine.manager.slots.stats.pages_filled == 0
+    elif kv_backend == "vmem":
         assert engine.manager.slots.stats.pages_filled > 0  # batched reads happened
     else:
         assert engine.stats()["attention_copy_seconds"] > 0

@@ -107,11 +107,19 @@ def test_shapes_flash_attention_2_runs(dtype, head_dim, heads, ok):
 
 # --- --attention on CPU ------------------------------------------------------------------------------
 
-def test_auto_is_sdpa_on_cpu_and_explicit_gpu_kernels_are_refused():
+def test_auto_is_native_on_cpu_and_explicit_gpu_kernels_are_refused():
+    from vmemkv.attention.cpu_decode import unavailable
+
     cpu = torch.device("cpu")
     args = (cpu, "vmem", torch.bfloat16, 8, 2, 64, 16, None)
-    assert choose_attention("auto", *args).kind == "sdpa"
+    assert choose_attention("auto", *args).kind == ("sdpa" if unavailable() else "native")
     assert choose_attention("sdpa", *args).label == "sdpa"
+    half = (cpu, "vmem", torch.float16, 8, 2, 64, 16, None)  # a dtype the native routine does not read
+    assert choose_attention("auto", *half).kind == "sdpa"
+    with pytest.raises(ConfigError, match="cannot run here"):
+        choose_attention("native", *half)
+    with pytest.raises(ConfigError, match="CPU decode routine"):
+        EngineConfig(attention="native", device="cuda")
     for kind in ("flash", "triton"):
         with pytest.raises(ConfigError, match="CUDA"):
             choose_attention(kind, *args)
@@ -119,7 +127,7 @@ def test_auto_is_sdpa_on_cpu_and_explicit_gpu_kernels_are_refused():
             EngineConfig(attention=kind)
     with pytest.raises(ConfigError, match="one of"):
         choose_attention("fast", *args)
-    with pytest.raises(ConfigError, match="auto, flash, triton or sdpa"):
+    with pytest.raises(ConfigError, match="auto, flash, triton, native or sdpa"):
         EngineConfig(attention="fast")
     assert EngineConfig(attention="flash", device="cuda").attention == "flash"
 
@@ -131,11 +139,14 @@ def test_cli_offers_flash():
     assert parser.parse_args(["--attention", "flash"]).attention == "flash"
 
 
-def test_engine_on_cpu_runs_sdpa():
+@pytest.mark.parametrize("attention", ["auto", "sdpa"])
+def test_engine_on_cpu_runs_native_decodes_unless_asked_for_sdpa(attention):
+    from vmemkv.attention.cpu_decode import unavailable
     from vmemkv.engine import LLMEngine
-    engine = LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=64))
+    engine = LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=64, attention=attention))
     try:
-        assert engine.attention_kernel == "sdpa" and not engine.decode_kernel
+        native = attention == "auto" and not unavailable()
+        assert engine.attention_kernel == ("native" if native else "sdpa") and engine.decode_kernel == native
     finally:
         engine.close()
 

@@ -112,7 +112,7 @@ def test_engine_batched_decodes_read_from_the_window_start(kv_backend, monkeypat
     window = DecodeBatch.window
     monkeypatch.setattr(DecodeBatch, "window", lambda self, w: reads.append(window(self, w)) or reads[-1])
     batch = prompts((9, 9, 9, 9))
-    engine, got = run_engine("gemma2", batch, kv_backend=kv_backend)
+    engine, got = run_engine("gemma2", batch, kv_backend=kv_backend, attention="sdpa")
     assert_matches_hf("gemma2", batch, got)
     assert any(read is not None and read[0] > 0 for read in reads)  # read from the window start
     close_clean(engine)

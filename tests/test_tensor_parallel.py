@@ -47,8 +47,9 @@ def assert_every_forward_checked(engine) -> None:
 
 @pytest.fixture(scope="class")
 def swap_engine():
-    # 12 blocks of 16 tokens: the preemption workload must swap someone out.
-    engine = make_engine(num_blocks=12, preemption_mode="swap", watermark=0.0, **TP)
+    # 12 blocks of 16 tokens: the preemption workload must swap someone out. SDPA: its decodes
+    # read runs of slots, whose filler pages the worker must map as the leader does.
+    engine = make_engine(num_blocks=12, preemption_mode="swap", watermark=0.0, attention="sdpa", **TP)
     yield engine
     engine.close()
 

@@ -92,9 +92,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="vmem: virtually contiguous slots; paged: the block-table baseline")
     group.add_argument("--layout", default=None, choices=["token_major", "per_layer"],
                        help="KV layout in a page: all layers of a token (default) or vAttention's per layer")
-    group.add_argument("--attention", default=None, choices=["auto", "flash", "triton", "sdpa"],
+    group.add_argument("--attention", default=None, choices=["auto", "flash", "triton", "native", "sdpa"],
                        help="flash: one FlashAttention-2 call per layer per step (CUDA, fp16/bf16); "
-                            "triton: decodes in one Triton launch (CUDA); sdpa: per sequence; "
+                            "triton: decodes in one Triton launch (CUDA); native: decodes in one call "
+                            "of the CPU routine (CPU, fp32/bf16); sdpa: per sequence; "
                             "auto: the first of these that runs here")
     group.add_argument("--policy", default=None, choices=["fcfs", "priority", "lpm"],
                        help="admission order: fcfs, priority, or lpm (longest cached prefix first, "

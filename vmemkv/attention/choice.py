@@ -1,9 +1,11 @@
-"""Which attention the engine runs: ``--attention auto|flash|triton|sdpa``, decided once.
+"""Which attention the engine runs: ``--attention auto|flash|triton|native|sdpa``, decided once.
 
-``auto``: FlashAttention-2 (one varlen call per layer per step) when a kernel is available on this
-CUDA device for these shapes and passes ``probe``; else the Triton decode kernel (decodes in one
-launch, prefill through SDPA); else SDPA per sequence. On CPU, always SDPA. An explicit choice that
-cannot run raises ``ConfigError`` saying why, rather than silently running something else.
+``auto``: on CUDA, FlashAttention-2 (one varlen call per layer per step) when a kernel is available
+on this device for these shapes and passes ``probe``; else the Triton decode kernel (decodes in one
+launch, prefill through SDPA); else SDPA per sequence. On CPU, the native decode routine
+(``cpu_decode``: decodes in one call that reads the cache in place, prefill through SDPA) when it
+is built and reads this dtype; else SDPA. An explicit choice that cannot run raises
+``ConfigError`` saying why, rather than silently running something else.
 """
 
 from __future__ import annotations
@@ -21,20 +23,25 @@ from vmemkv.attention.flash_kernels import FlashKernel, flash_kernel_for, kvcach
 from vmemkv.attention.flash_reference import varlen_attention_reference
 from vmemkv.attention.packed import SequenceSpan
 
-KINDS = ("auto", "flash", "triton", "sdpa")
+KINDS = ("auto", "flash", "triton", "native", "sdpa")
 
 
 @dataclass(frozen=True)
 class AttentionChoice:
-    kind: str  # "flash", "triton" or "sdpa": what runs
+    kind: str  # "flash", "triton", "native" or "sdpa": what runs
     kernel: FlashKernel | None = None  # flash only
     rows_per_slot: int = 0  # flash over slots: the flattened views' geometry
     num_rows: int = 0
     why_not_flash: str = ""  # when flash was wanted (auto or flash) and is not what runs
 
     @property
+    def decode_kernel(self) -> bool:
+        """Whether decodes go through one kernel call a step (Triton on CUDA, native on CPU)."""
+        return self.kind in ("triton", "native")
+
+    @property
     def label(self) -> str:
-        """What ran, for stats and the A/B: "flash-bundled", "triton", "sdpa"."""
+        """What ran, for stats and the A/B: "flash-bundled", "triton", "native", "sdpa"."""
         return f"flash-{self.kernel.name}" if self.kernel is not None else self.kind
 
 
@@ -48,8 +55,12 @@ def choose_attention(requested: str, device: torch.device, kv_backend: str, dtyp
         raise ConfigError(f"attention must be one of {', '.join(KINDS)}, got {requested!r}")
     if device.type != "cuda":
         if requested in ("flash", "triton"):
-            raise ConfigError(f"attention={requested!r} needs a CUDA device; use 'sdpa' or 'auto' on {device}")
-        return AttentionChoice("sdpa")
+            raise ConfigError(f"attention={requested!r} needs a CUDA device; use 'native', 'sdpa' or 'auto' "
+                              f"on {device}")
+        return _cpu_choice(requested, dtype)
+    if requested == "native":
+        raise ConfigError(f"attention='native' is the CPU decode routine; on {device} use 'auto', 'flash', "
+                          "'triton' or 'sdpa'")
     if requested == "sdpa":
         return AttentionChoice("sdpa")
     why_not = ""
@@ -68,6 +79,18 @@ def choose_attention(requested: str, device: torch.device, kv_backend: str, dtyp
             raise
         return AttentionChoice("sdpa", why_not_flash=why_not)
     return AttentionChoice("triton", why_not_flash=why_not)
+
+
+def _cpu_choice(requested: str, dtype: torch.dtype) -> AttentionChoice:
+    if requested == "sdpa":
+        return AttentionChoice("sdpa")
+    from vmemkv.attention.cpu_decode import unavailable
+
+    if reason := unavailable(dtype):
+        if requested == "native":
+            raise ConfigError(f"attention='native' cannot run here: {reason}")
+        return AttentionChoice("sdpa")
+    return AttentionChoice("native")
 
 
 def _flash_choice(device, kv_backend, dtype, num_q_heads, num_kv_heads, head_dim, tokens_per_page,

@@ -84,7 +84,10 @@ class ContiguousAttention(PackedAttention):
         return k_cache[batch.lo:end, start:batch.read_len], v_cache[batch.lo:end, start:batch.read_len]
 
     def decode(self, layer, q, scale, **variant):
-        from vmemkv.attention.triton_decode import decode_attention_contiguous
+        if self.device.type == "cpu":  # the native routine (cpu_decode); Triton on CUDA
+            from vmemkv.attention.cpu_decode import decode_attention_contiguous_cpu as decode_attention_contiguous
+        else:
+            from vmemkv.attention.triton_decode import decode_attention_contiguous
 
         k_cache, v_cache = self.kv_views(layer)
         return decode_attention_contiguous(q, k_cache, v_cache, self.decode_slots, self.decode_lens,

@@ -43,8 +43,9 @@ class SequenceSpan(NamedTuple):
 
 
 class PackedAttention:
-    """``decode_kernel``: attend all single-token (decode) sequences in one Triton launch that
-    reads the cache in place (CUDA only); the others, and everything when off, go through SDPA.
+    """``decode_kernel``: attend all single-token (decode) sequences in one call that reads the
+    cache in place (the Triton kernel on CUDA, the native routine on CPU); the others, and
+    everything when off, go through SDPA.
 
     The step's index tensors are staged on the host and uploaded once (``StepMetadata``), with
     the model's inputs when the caller passes them to ``upload``: subclasses add theirs in
@@ -200,7 +201,7 @@ class PackedAttention:
         raise NotImplementedError
 
     def decode(self, layer: int, q: torch.Tensor, scale: float, **variant) -> torch.Tensor:
-        """The decode sequences' attention with the Triton kernel, ``q`` ``[B, Hq, D]``;
+        """The decode sequences' attention with the decode kernel, ``q`` ``[B, Hq, D]``;
         ``variant``: ``window``, ``softcap``, ``sinks``."""
         raise NotImplementedError
 

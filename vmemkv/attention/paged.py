@@ -105,7 +105,10 @@ class BlockTableAttention(PackedAttention):
         return ids
 
     def decode(self, layer, q, scale, **variant):
-        from vmemkv.attention.triton_decode import decode_attention_paged
+        if self.device.type == "cpu":  # the native routine (cpu_decode); Triton on CUDA
+            from vmemkv.attention.cpu_decode import decode_attention_paged_cpu as decode_attention_paged
+        else:
+            from vmemkv.attention.triton_decode import decode_attention_paged
 
         k_blocks, v_blocks = self.block_views(layer)
         return decode_attention_paged(q, k_blocks, v_blocks, self.decode_tables, self.decode_lens,

@@ -59,7 +59,7 @@ class SlotAddressing(Addressing):
                     [FlashSlotAttention(spans, manager.kv_views, device, kernel, rows, num)
                      for rows, num in distinct], group_of, spans)
         else:
-            decode_kernel, reads = choice.kind == "triton", manager.batched_reads()
+            decode_kernel, reads = choice.decode_kernel, manager.batched_reads()
             self.attention = lambda spans: ContiguousAttention(
                 spans, manager.kv_views, device, decode_kernel, reads=reads)  # batched reads (CPU)
 
@@ -92,7 +92,7 @@ class BlockTableAddressing(Addressing):
             self.attention = lambda spans: FlashBlockTableAttention(
                 spans, manager.block_views, tokens_per_page, device, kernel)
         else:
-            decode_kernel = choice.kind == "triton"
+            decode_kernel = choice.decode_kernel
             self.attention = lambda spans: BlockTableAttention(
                 spans, manager.block_views, tokens_per_page, device, decode_kernel)
 

@@ -55,8 +55,10 @@ class EngineConfig:
     # "flash": one FlashAttention-2 varlen call per layer per step, prefill and decode together,
     # over the slots (or block tables of 256-token multiples) in place (CUDA, fp16/bf16);
     # "triton": decodes in one Triton launch that reads the cache in place, prefill by SDPA (CUDA);
-    # "sdpa": PyTorch SDPA per sequence; "auto": flash if it runs here, else triton, else sdpa.
-    attention: Literal["auto", "flash", "triton", "sdpa"] = "auto"
+    # "native": decodes in one call of the CPU routine that reads the cache in place, prefill by
+    # SDPA (CPU, float32/bfloat16); "sdpa": PyTorch SDPA per sequence (or per run of slots);
+    # "auto": on CUDA flash if it runs here, else triton, else sdpa; on CPU native, else sdpa.
+    attention: Literal["auto", "flash", "triton", "native", "sdpa"] = "auto"
     # Sliding windows: give back the blocks behind each layer's window while a request runs (one
     # window for every layer, or local and global layers in layer groups: cache_group.py); False
     # keeps every block (O(length) KV per request: the A/B's keep-everything baseline).
@@ -97,11 +99,15 @@ class EngineConfig:
                 or type(self.lpm_window) is not int or self.lpm_window < 1):
             raise ConfigError(f"lpm_max_passed_over must be an int >= 0 and lpm_window an int >= 1; "
                               f"got {self.lpm_max_passed_over!r}, {self.lpm_window!r}")
-        if self.attention not in ("auto", "flash", "triton", "sdpa"):
-            raise ConfigError(f"attention must be auto, flash, triton or sdpa, got {self.attention!r}")
-        if self.attention in ("flash", "triton") and not str(self.device).startswith("cuda"):
-            raise ConfigError(f"attention={self.attention!r} needs a CUDA device; use attention='sdpa' "
-                              "(or 'auto') on CPU")
+        if self.attention not in ("auto", "flash", "triton", "native", "sdpa"):
+            raise ConfigError(f"attention must be auto, flash, triton, native or sdpa, got {self.attention!r}")
+        on_cuda = str(self.device).startswith("cuda")
+        if self.attention in ("flash", "triton") and not on_cuda:
+            raise ConfigError(f"attention={self.attention!r} needs a CUDA device; use attention='native', "
+                              "'sdpa' (or 'auto') on CPU")
+        if self.attention == "native" and on_cuda:
+            raise ConfigError("attention='native' is the CPU decode routine; use 'auto', 'flash', 'triton' "
+                              "or 'sdpa' on CUDA")
         if self.kv_backend not in ("vmem", "paged"):
             raise ConfigError(f"kv_backend must be vmem or paged, got {self.kv_backend!r}")
         if self.tensor_parallel_size < 1 or self.tensor_parallel_timeout <= 0:

@@ -90,8 +90,8 @@ class LLMEngine:
         self.addressing = choose_addressing(config, self.manager, model_runner.device,
                                             text_config(model.config).num_attention_heads)
         self.attention_choice = self.addressing.choice
-        self.attention_kernel = self.attention_choice.label  # what runs: flash-bundled, triton, sdpa
-        self.decode_kernel = self.attention_choice.kind == "triton"
+        self.attention_kernel = self.attention_choice.label  # what runs: flash-bundled, triton, native, sdpa
+        self.decode_kernel = self.attention_choice.decode_kernel
         # Overlapped mapping (slots only): the scheduler gives decoding sequences their next block,
         # the runner maps it during the forward.
         lookahead_tokens = config.lookahead_tokens if self.addressing.uses_lookahead else 0

@@ -1,0 +1,102 @@
+"""The native CPU decode attention (``vmemkv.attention.cpu_decode``) against a float64 reference,
+vmem against paged on the same bytes, with windows, soft-capping, sinks, split keys and threads;
+positions no sequence owns are NaN, so a read of one shows in the output. Then the engine with
+``attention="native"`` against HF ``generate`` token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decode_cases import NAN, assert_matches, interleaved_slots, make_case, reference, shuffled_blocks
+from vmemkv.attention.cpu_decode import (decode_attention_contiguous_cpu, decode_attention_paged_cpu,
+                                         num_splits_for, unavailable)
+
+pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "built")
+
+CASES = [
+    pytest.param([1, 77, 40], 4, 2, 64, torch.float32, id="fp32-gqa4-d64-b3"),
+    pytest.param([45, 17], 1, 2, 32, torch.bfloat16, id="bf16-mha-d32-b2"),
+    pytest.param([300, 2, 129], 3, 3, 64, torch.float32, id="fp32-gqa3-d64-smollm2-heads"),
+    pytest.param([1, 2, 65, 40, 9], 4, 1, 128, torch.bfloat16, id="bf16-gqa4-d128-b5"),
+    pytest.param([20, 3], 2, 1, 48, torch.float32, id="fp32-d48"),
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("lens, group, kv_heads, head_dim, dtype", CASES)
+def test_both_addressings_match_the_reference_and_each_other(lens, group, kv_heads, head_dim, dtype, threads):
+    generator, seqs, q, seq_lens = make_case(lens, group, kv_heads, head_dim, dtype)
+    k_cache, v_cache, slots = interleaved_slots(seqs, len(lens) + 2, max(lens) + 7, kv_heads, head_dim, dtype,
+                                                "cpu", generator)
+    k_blocks, v_blocks, tables = shuffled_blocks(seqs, 16, kv_heads, head_dim, dtype, "cpu", generator)
+    scale = head_dim ** -0.5
+    vmem = decode_attention_contiguous_cpu(q, k_cache, v_cache, slots, seq_lens, scale, num_threads=threads)
+    paged = decode_attention_paged_cpu(q, k_blocks, v_blocks, tables, seq_lens, scale, num_threads=threads)
+    assert_matches(vmem, reference(q, seqs, scale), dtype)
+    assert torch.equal(vmem, paged)  # same keys in the same order: the same float operations
+
+
+@pytest.mark.parametrize("window, softcap, with_sinks, num_splits", [
+    (7, None, False, 1), (None, 0.8, False, 1), (None, None, True, 3), (5, 0.5, True, 1), (5, 0.5, True, 3),
+    (None, None, False, 4)], ids=["window", "softcap", "sinks-split", "all", "all-split", "split"])
+def test_layer_variants_match_the_explicit_reference(window, softcap, with_sinks, num_splits):
+    from vmemkv.attention.variants import explicit_attention
+
+    lens, group, kv_heads, head_dim, dtype = [1, 70, 6, 33, 0], 2, 2, 32, torch.float32
+    generator, seqs, q, seq_lens = make_case(lens, group, kv_heads, head_dim, dtype, seed=5)
+    sinks = torch.randn(kv_heads * group, generator=generator) if with_sinks else None
+    expected = torch.zeros(q.shape, dtype=torch.float64)
+    for b, (k, v) in enumerate(seqs):
+        if k.shape[0] == 0:
+            continue  # nothing to attend: zeros
+        first = max(0, k.shape[0] - window) if window else 0
+        expected[b] = explicit_attention(q[b, :, None].double()[None], k[first:].transpose(0, 1)[None].double(),
+                                         v[first:].transpose(0, 1)[None].double(), 0.3, None, softcap,
+                                         sinks)[0, :, 0]
+    if window:  # poison what lies behind each window
+        seqs = [(k.clone(), v.clone()) for k, v in seqs]
+        for k, v in seqs:
+            k[:max(0, k.shape[0] - window)] = NAN
+            v[:max(0, v.shape[0] - window)] = NAN
+    k_cache, v_cache, slots = interleaved_slots(seqs, 6, 80, kv_heads, head_dim, dtype, "cpu", generator)
+    k_blocks, v_blocks, tables = shuffled_blocks(seqs, 16, kv_heads, head_dim, dtype, "cpu", generator)
+    variant = dict(num_splits=num_splits, window=window, softcap=softcap, sinks=sinks, num_threads=2)
+    vmem = decode_attention_contiguous_cpu(q, k_cache, v_cache, slots, seq_lens, 0.3, **variant)
+    paged = decode_attention_paged_cpu(q, k_blocks, v_blocks, tables, seq_lens, 0.3, **variant)
+    assert_matches(vmem, expected, dtype)
+    assert_matches(paged, expected, dtype)
+    assert (vmem[4] == 0).all()
+
+
+def test_split_keys_of_a_long_sequence_match_one_pass():
+    generator, seqs, q, seq_lens = make_case([2000], 3, 3, 64, torch.float32, seed=7)
+    k_cache, v_cache, slots = interleaved_slots(seqs, 2, 2048, 3, 64, torch.float32, "cpu", generator)
+    assert num_splits_for(1, 3, 2000, threads=8) > 1
+    one = decode_attention_contiguous_cpu(q, k_cache, v_cache, slots, seq_lens, 0.125, num_splits=1)
+    split = decode_attention_contiguous_cpu(q, k_cache, v_cache, slots, seq_lens, 0.125, num_splits=5,
+                                            num_threads=2)
+    torch.testing.assert_close(split, one, atol=1e-6, rtol=1e-5)
+    assert_matches(split, reference(q, seqs, 0.125), torch.float32)
+
+
+def test_bad_inputs_raise_clear_errors():
+    q = torch.zeros(2, 4, 64)
+    k = torch.zeros(3, 8, 2, 64)
+    slots, lens = torch.zeros(2, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="reads float32 and bfloat16"):
+        decode_attention_contiguous_cpu(q.half(), k.half(), k.half(), slots, lens, 1.0)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        decode_attention_contiguous_cpu(q[:, :3], k, k, slots, lens, 1.0)
+    with pytest.raises(ValueError, match="slot_ids must be"):
+        decode_attention_contiguous_cpu(q, k, k, slots.float(), lens, 1.0)
+    with pytest.raises(ValueError, match="block_tables must be"):
+        decode_attention_paged_cpu(q, k, k, torch.zeros(2, 3), lens, 1.0)
+    with pytest.raises(ValueError, match="window must be a positive"):
+        decode_attention_contiguous_cpu(q, k, k, slots, lens, 1.0, window=0)
+    with pytest.raises(ValueError, match=r"slot_ids must lie in \[0, 2\]"):
+        decode_attention_contiguous_cpu(q, k, k, torch.tensor([0, 3], dtype=torch.int32), lens, 1.0,
+                                        check_bounds=True)
+    with pytest.raises(ValueError, match="block table entries in use"):
+        decode_attention_paged_cpu(q, k, k, torch.tensor([[0, 1], [2, 99]], dtype=torch.int32),
+                                   torch.tensor([16, 9], dtype=torch.int32), 1.0, check_bounds=True)

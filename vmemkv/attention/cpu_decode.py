@@ -1,0 +1,140 @@
+"""Decode attention on the CPU over the two KV addressings, reading the cache in place: the native
+routine of ``native/decode_attention.c`` (the ``vmemkv._decode_attention`` extension), with the
+same arguments as the Triton kernels of ``triton_decode``.
+
+SDPA reads a slot's K as a strided view whose consecutive tokens sit a whole model's token stride
+apart, one sequence (or one batch of consecutive slots) per call, and block tables need a gather
+first. The native routine reads each key row where it lies, once per group of query heads, for
+all sequences of the step in one call, on OpenMP threads with the GIL released. float32 and
+bfloat16; ``unavailable()`` says why it cannot run here, and the engine then attends with SDPA.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from vmemkv.attention.decode_checks import check_inputs, check_values, check_variant
+
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MIN_KEYS_PER_SPLIT = 256  # a split's keys: fewer, and combining them costs more than it saves
+
+
+@functools.cache
+def _extension():
+    try:
+        from vmemkv import _decode_attention
+    except ImportError:
+        return None
+    return _decode_attention
+
+
+def unavailable(dtype: torch.dtype | None = None) -> str:
+    """"" when the native routine can run (for ``dtype``), else why not."""
+    if _extension() is None:
+        return ("the native decode attention (vmemkv._decode_attention) is not built: reinstall with a "
+                "C compiler that has OpenMP (pip install -e .)")
+    if dtype is not None and dtype not in DTYPES:
+        return f"the native decode attention reads float32 and bfloat16, not {dtype}"
+    return ""
+
+
+def num_splits_for(batch: int, num_kv_heads: int, longest: int, threads: int) -> int:
+    """Split each sequence's keys when there are fewer (sequence, kv head) items than threads."""
+    items = batch * num_kv_heads
+    if items >= threads or longest < 2 * MIN_KEYS_PER_SPLIT:
+        return 1
+    return max(1, min(-(-threads // items), longest // MIN_KEYS_PER_SPLIT))
+
+
+def _as_int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+def _run(q, k, v, index, index_stride_b, seq_lens, scale, block_size, out, window, softcap, sinks,
+         num_threads, num_splits, max_seq_len):
+    check_variant(q, window, softcap, sinks)
+    if q.device.type != "cpu":
+        raise ValueError(f"the native decode attention runs on the CPU, q is on {q.device}")
+    if reason := unavailable(q.dtype):
+        raise ValueError(reason)
+    batch, num_q_heads, head_dim = q.shape
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if batch == 0:
+        return out
+    seq_lens = _as_int32(seq_lens)
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
+    threads = num_threads or torch.get_num_threads()
+    if num_splits is None:
+        longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+        num_splits = num_splits_for(batch, k.shape[2], min(longest, window or longest), threads)
+    _extension().decode(
+        q.data_ptr(), out.data_ptr(), k.data_ptr(), v.data_ptr(), index.data_ptr(), seq_lens.data_ptr(),
+        sinks.data_ptr() if sinks is not None else 0, index_stride_b,
+        batch, num_q_heads, k.shape[2], head_dim, block_size,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        float(scale), window or 0, float(softcap or 0.0), DTYPES[q.dtype], max(1, int(num_splits)), threads)
+    return out
+
+
+def decode_attention_contiguous_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                    slot_ids: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                                    out: torch.Tensor | None = None, window: int | None = None,
+                                    softcap: float | None = None, sinks: torch.Tensor | None = None,
+                                    check_bounds: bool = False, num_threads: int | None = None,
+                                    num_splits: int | None = None,
+                                    max_seq_len: int | None = None) -> torch.Tensor:
+    """``q`` ``[B, Hq, D]``; ``k_cache``/``v_cache`` strided ``[num_slots, max_tokens, Hk, D]`` views
+    (last dim contiguous); sequence ``b`` attends to ``k_cache[slot_ids[b], :seq_lens[b]]`` (its last
+    ``window`` keys with a window). Returns ``[B, Hq, D]`` in q's dtype (into ``out`` when given).
+
+    The routine trusts its indices, as the engine's are right by construction: ``check_bounds=True``
+    checks slot ids and lengths first and raises ``ValueError`` (a wrong one would read outside
+    the views). ``num_threads``: default torch's intra-op threads; ``num_splits``: split each
+    sequence's keys that many ways (default: when sequences are fewer than threads)."""
+    check_inputs(q, k_cache, v_cache, seq_lens, ("k_cache", "v_cache"), out)
+    if slot_ids.shape != (q.shape[0],) or slot_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_ids must be int32/int64 [batch] = [{q.shape[0]}], got "
+                         f"{tuple(slot_ids.shape)} {slot_ids.dtype}")
+    if check_bounds and q.shape[0]:
+        check_values("seq_lens", seq_lens, 0, k_cache.shape[1], "the view's max_tokens")
+        check_values("slot_ids", slot_ids, 0, k_cache.shape[0] - 1, "num_slots - 1")
+    return _run(q, k_cache, v_cache, _as_int32(slot_ids), 1, seq_lens, scale, 0, out, window, softcap,
+                sinks, num_threads, num_splits, max_seq_len)
+
+
+def decode_attention_paged_cpu(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                               out: torch.Tensor | None = None, window: int | None = None,
+                               softcap: float | None = None, sinks: torch.Tensor | None = None,
+                               check_bounds: bool = False, num_threads: int | None = None,
+                               num_splits: int | None = None,
+                               max_seq_len: int | None = None) -> torch.Tensor:
+    """Block tables: ``k_blocks``/``v_blocks`` strided ``[num_blocks, block_size, Hk, D]``,
+    ``block_tables`` ``[B, max_blocks]``; token ``t`` of sequence ``b`` is
+    ``k_blocks[block_tables[b, t // block_size], t % block_size]``; entries behind a window or past
+    a length are never read. Other arguments as ``decode_attention_contiguous_cpu``."""
+    check_inputs(q, k_blocks, v_blocks, seq_lens, ("k_blocks", "v_blocks"), out)
+    batch = q.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype not in (torch.int32,
+                                                                                                 torch.int64):
+        raise ValueError(f"block_tables must be int32 [batch = {batch}, max_blocks], got "
+                         f"{tuple(block_tables.shape)} {block_tables.dtype}")
+    block_size = k_blocks.shape[1]
+    if check_bounds and batch:
+        check_values("seq_lens", seq_lens, 0, block_tables.shape[1] * block_size, "max_blocks * block_size")
+        starts = torch.arange(block_tables.shape[1])[None, :] * block_size
+        used = starts < seq_lens[:, None]
+        if window is not None:
+            used &= starts + block_size > seq_lens[:, None] - window
+        check_values("block table entries in use", block_tables[used], 0, k_blocks.shape[0] - 1,
+                     "num_blocks - 1")
+    tables = _as_int32(block_tables)
+    return _run(q, k_blocks, v_blocks, tables, tables.stride(0), seq_lens, scale, block_size, out, window,
+                softcap, sinks, num_threads, num_splits, max_seq_len)
