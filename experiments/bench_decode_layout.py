@@ -10,7 +10,10 @@ layer's attention call (write the new tokens, then attend) is timed for:
 * ``vmem-per-seq``: one SDPA call per sequence over its slot view;
 * ``paged``: the block-table baseline at its best, its blocks gathered into one padded tensor
   (a copy) and one SDPA call;
-* ``contiguous``: the same call over K/V already contiguous (no cache at all): the floor.
+* ``vmem-native`` / ``paged-native``: the native CPU decode routine (``attention.cpu_decode``),
+  one call for all sequences reading each slot view, or each block through its table, in place;
+* ``contiguous``: the same SDPA call over K/V already contiguous (no cache at all): the floor of
+  the SDPA paths.
 
 Variants and layouts alternate call by call, so machine drift hits all alike; their order rotates
 from call to call, and the caches are flushed before each timed call (a write over a buffer larger
@@ -22,6 +25,7 @@ compared (``max_err`` against the per-sequence path of the same layout).
 
     python experiments/bench_decode_layout.py                 # tiny-llama and smollm2-135m shapes
     python experiments/bench_decode_layout.py --batch 32 --min-len 80 --max-len 200 --calls 200
+    python experiments/bench_decode_layout.py --models smollm2-135m --batch 4 --min-len 1400 --max-len 1600
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from vmemkv.attention import BlockTableAttention, ContiguousAttention, SequenceS
 from vmemkv.engine.models.zoo import BUILTIN_MODELS
 
 LAYOUTS = ("token_major", "per_layer")
-VARIANTS = ("vmem", "vmem-per-seq", "paged", "contiguous")
+VARIANTS = ("vmem", "vmem-per-seq", "paged", "vmem-native", "paged-native")
 CPU = torch.device("cpu")
 FLUSH_BYTES = 64 << 20  # more than this machine's L3 (32 MiB)
 
@@ -83,7 +87,10 @@ class Setup:
             return ContiguousAttention(self.spans, manager.kv_views, CPU, reads=manager.batched_reads())
         if variant == "vmem-per-seq":
             return ContiguousAttention(self.spans, manager.kv_views, CPU)
-        return BlockTableAttention(self.spans, manager.block_views, manager.tokens_per_page, CPU)
+        if variant == "vmem-native":
+            return ContiguousAttention(self.spans, manager.kv_views, CPU, decode_kernel=True)
+        native = variant == "paged-native"
+        return BlockTableAttention(self.spans, manager.block_views, manager.tokens_per_page, CPU, native)
 
 
 def contiguous_call(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, query: torch.Tensor):
@@ -109,10 +116,10 @@ def bench(model: str, batch: int, min_len: int, max_len: int, calls: int, seed: 
     mask = (torch.arange(longest) <= torch.tensor(lengths)[:, None])[:, None, None, :]
     layer = 0
     flush = torch.zeros(FLUSH_BYTES // 4)
-    times: dict[str, list[float]] = {f"{layout}/{v}": [] for layout in LAYOUTS for v in VARIANTS[:3]}
+    times: dict[str, list[float]] = {f"{layout}/{v}": [] for layout in LAYOUTS for v in VARIANTS}
     times["contiguous"] = []
     outputs = {}
-    order = [(layout, variant) for layout in LAYOUTS for variant in VARIANTS[:3]]
+    order = [(layout, variant) for layout in LAYOUTS for variant in VARIANTS]
     with torch.inference_mode():
         for call in range(calls):
             # Rotated call by call: no variant always runs right after the same other one.
@@ -151,8 +158,8 @@ def bench(model: str, batch: int, min_len: int, max_len: int, calls: int, seed: 
 
 
 def markdown(results: list[dict], command: str, load: tuple) -> str:
-    names = [f"{layout}/{v}" for layout in LAYOUTS for v in VARIANTS[:3]]
-    lines = [f"`{command}` — one torch thread, load before {load[0]:.2f}; one layer's attention call "
+    names = [f"{layout}/{v}" for layout in LAYOUTS for v in VARIANTS]
+    lines = [f"`{command}` — {torch.get_num_threads()} thread(s), load before {load[0]:.2f}; one layer's attention call "
              "(write + attend), ms, median over calls, caches flushed before each", "",
              "| model | B | lengths | dtype | " + " | ".join(names) + " | contiguous floor | path chosen |",
              "|---|---|---|---|" + "---|" * len(names) + "---|---|"]

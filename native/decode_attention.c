@@ -9,16 +9,16 @@
  *   vmem (contiguous):  k + index[b] * stride_outer + t * stride_token + h * stride_head
  *   paged (block table): k + table[b][t / block_size] * stride_outer + (t % block_size) * stride_token + ...
  *
- * so the A/B harness compares addressing, not two kernels. Each K row is read once per tile and
- * used by every query head of its group; the keys of a (sequence, kv head) are walked in position
- * order, so a slot view's token-major rows stream through the cache line by line.
+ * so the A/B harness compares addressing, not two kernels. A token's K rows of every kv head are
+ * read together, once, and used by every query head of their groups; tokens are walked in position
+ * order, the next ones prefetched.
  *
  * Only positions [start, seq_len) are read (start = seq_len - window for a sliding window), so an
  * unmapped page past a sequence's end, or released behind its window, is never touched. Offsets are
  * int64: the token-major layout's slot strides pass 2^31 elements.
  *
  * Types: float32 and bfloat16 K/V/Q/out (bf16 rows are widened to float32 into a row buffer).
- * The work items, (sequence, kv head, split), run on OpenMP threads with the GIL released.
+ * The work items, (sequence, split), run on OpenMP threads with the GIL released.
  * process_item is compiled twice (target_clones): for AVX2+FMA (x86-64-v3) and for the baseline,
  * chosen at load time by the CPU it runs on.
  */
@@ -34,7 +34,8 @@
 #include <omp.h>
 #endif
 
-#define TILE 64 /* keys per online-softmax step: their scores stay in L1 */
+#define TILE 64    /* keys per online-softmax step: their scores stay in L1 */
+#define PREFETCH 8 /* tokens ahead whose rows are prefetched */
 
 enum { DT_FLOAT32 = 0, DT_BFLOAT16 = 1 };
 
@@ -81,11 +82,16 @@ static inline __attribute__((always_inline)) const float *row_f32(const char *p,
     return buf;
 }
 
+/* Eight lanes of partial sums, added as a tree at the end: one vector FMA per 8 elements, and no
+ * lane-by-lane reduction chain (what a simd reduction compiles to). */
 static inline __attribute__((always_inline)) float dot(const float *restrict a, const float *restrict b,
                                                        int64_t n) {
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    float part[8] = {0.f};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) part[l] += a[i + l] * b[i + l];
+    float s = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+    for (; i < n; i++) s += a[i] * b[i];
     return s;
 }
 
@@ -93,6 +99,26 @@ static inline __attribute__((always_inline)) void axpy(float *restrict y, float 
                                                        int64_t n) {
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+/* exp(x) for x <= 0: Cody-Waite range reduction and a degree-6 polynomial (relative error ~2e-7),
+ * written so the compiler vectorizes it (libm's expf is a call per score). Below -87 it clamps
+ * (exp(-87) ~ 1.6e-38: "nothing" next to the row's maximum, exp(0) = 1); the clamp compares bit
+ * patterns, since for x <= 0 a larger pattern is a more negative float: a float compare-select
+ * does not vectorize in GCC 12's AVX2 clone. */
+static inline __attribute__((always_inline)) float exp_nonpositive(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    bits = bits > 0xC2AE0000u ? 0xC2AE0000u : bits; /* -87.0f */
+    memcpy(&x, &bits, 4);
+    float k = (float)(int32_t)(x * 1.44269504089f - 0.5f); /* round to nearest, for x <= 0 */
+    float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.f + r * (1.f + r * (0.5f + r * (0.166666672f + r * (0.0416666418f + r * (0.00833336264f
+              + r * 0.00138925365f)))));
+    int32_t exponent = ((int32_t)k + 127) << 23;
+    float two_k;
+    memcpy(&two_k, &exponent, 4);
+    return p * two_k;
 }
 
 /* Byte offset of token t's row (kv head 0) for sequence b, in a cache with these strides. */
@@ -115,71 +141,88 @@ static void write_out(const Args *a, int64_t b, int64_t h, const float *acc) {
 
 static inline float sink_of(const Args *a, int64_t h) { return ((const float *)a->sinks)[h]; }
 
-/* One (sequence b, kv head hk, split s): its query heads' softmax over keys [lo, hi).
- * scratch: G*D (q) + G*D (acc) + G*TILE (scores) + 2*G (max, sum) + 2*D (row buffers) floats. */
+static inline __attribute__((always_inline)) void prefetch_row(const char *p, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at, 0, 1);
+}
+
+/* One (sequence b, split s): every query head's softmax over keys [lo, hi). A token's K (and V)
+ * rows of all kv heads are read together, the next tokens' prefetched: in the token-major layout
+ * one layer's rows of consecutive tokens lie a whole model's token stride apart (a new 4 KiB page
+ * each), which the hardware prefetcher does not follow.
+ * scratch: Hq*D (q) + Hq*D (acc) + Hq*TILE (scores) + 2*Hq (max, sum) + 2*Hk*D (rows) floats. */
 __attribute__((target_clones("arch=x86-64-v3", "default"))) static void process_item(const Args *a, int64_t item,
                                                                                    float *scratch) {
-    const int64_t D = a->head_dim, Hk = a->num_kv_heads, G = a->num_q_heads / Hk, S = a->num_splits;
-    const int64_t b = item / (Hk * S), hk = (item / S) % Hk, s = item % S;
-    const size_t es = elem_size(a->dtype);
-    float *q = scratch, *acc = q + G * D, *sc = acc + G * D, *mx = sc + G * TILE, *sum = mx + G;
-    float *kbuf = sum + G, *vbuf = kbuf + D;
+    const int64_t D = a->head_dim, Hq = a->num_q_heads, Hk = a->num_kv_heads, G = Hq / Hk, S = a->num_splits;
+    const int64_t b = item / S, s = item % S;
+    const int64_t es = (int64_t)elem_size(a->dtype);
+    float *q = scratch, *acc = q + Hq * D, *sc = acc + Hq * D, *mx = sc + Hq * TILE, *sum = mx + Hq;
+    float *kbuf = sum + Hq, *vbuf = kbuf + Hk * D;
 
     int64_t len = a->seq_lens[b];
     int64_t start = (a->window > 0 && len > a->window) ? len - a->window : 0;
     int64_t per = (len - start + S - 1) / S;
     int64_t lo = start + s * per, hi = lo + per < len ? lo + per : len;
 
-    for (int64_t g = 0; g < G; g++) {
-        const char *qp = a->q + (b * a->q_sb + (hk * G + g) * a->q_sh) * (int64_t)es;
-        const float *qf = row_f32(qp, a->dtype, D, kbuf);
-        for (int64_t i = 0; i < D; i++) q[g * D + i] = qf[i] * a->scale;
-        memset(acc + g * D, 0, (size_t)D * 4);
-        mx[g] = -INFINITY;
-        sum[g] = 0.f;
+    for (int64_t h = 0; h < Hq; h++) {
+        const float *qf = row_f32(a->q + (b * a->q_sb + h * a->q_sh) * es, a->dtype, D, kbuf);
+        for (int64_t i = 0; i < D; i++) q[h * D + i] = qf[i] * a->scale;
+        memset(acc + h * D, 0, (size_t)D * 4);
+        mx[h] = -INFINITY;
+        sum[h] = 0.f;
     }
-    const char *k_head = a->k + hk * a->k_sh * (int64_t)es, *v_head = a->v + hk * a->v_sh * (int64_t)es;
+    /* the bytes from a token's first kv head to the end of its last: prefetched as one range */
+    const int64_t k_span = ((Hk - 1) * a->k_sh + D) * es, v_span = ((Hk - 1) * a->v_sh + D) * es;
     for (int64_t t0 = lo; t0 < hi; t0 += TILE) {
         int64_t n = hi - t0 < TILE ? hi - t0 : TILE;
         for (int64_t j = 0; j < n; j++) {
-            const float *kr = row_f32(k_head + row_offset(a, b, t0 + j, a->k_so, a->k_st) * (int64_t)es,
-                                      a->dtype, D, kbuf);
-            for (int64_t g = 0; g < G; g++) sc[g * TILE + j] = dot(q + g * D, kr, D);
+            const char *k = a->k + row_offset(a, b, t0 + j, a->k_so, a->k_st) * es;
+            if (t0 + j + PREFETCH < hi)
+                prefetch_row(a->k + row_offset(a, b, t0 + j + PREFETCH, a->k_so, a->k_st) * es, k_span);
+            for (int64_t hk = 0; hk < Hk; hk++) {
+                const float *kr = row_f32(k + hk * a->k_sh * es, a->dtype, D, kbuf + hk * D);
+                for (int64_t g = 0; g < G; g++) sc[(hk * G + g) * TILE + j] = dot(q + (hk * G + g) * D, kr, D);
+            }
         }
-        for (int64_t g = 0; g < G; g++) {
-            float *row = sc + g * TILE, m = mx[g];
+        for (int64_t h = 0; h < Hq; h++) {
+            float *row = sc + h * TILE, m = mx[h];
             if (a->softcap > 0.f)
                 for (int64_t j = 0; j < n; j++) row[j] = a->softcap * tanhf(row[j] / a->softcap);
+#pragma omp simd reduction(max : m)
             for (int64_t j = 0; j < n; j++) m = row[j] > m ? row[j] : m;
-            float alpha = expf(mx[g] - m), total = 0.f; /* exp(-inf) = 0 on the first tile */
+            float alpha = expf(mx[h] - m), total = 0.f; /* exp(-inf) = 0 on the first tile */
+#pragma omp simd reduction(+ : total)
             for (int64_t j = 0; j < n; j++) {
-                row[j] = expf(row[j] - m);
+                row[j] = exp_nonpositive(row[j] - m);
                 total += row[j];
             }
             if (alpha != 1.f)
-                for (int64_t i = 0; i < D; i++) acc[g * D + i] *= alpha;
-            sum[g] = sum[g] * alpha + total;
-            mx[g] = m;
+                for (int64_t i = 0; i < D; i++) acc[h * D + i] *= alpha;
+            sum[h] = sum[h] * alpha + total;
+            mx[h] = m;
         }
         for (int64_t j = 0; j < n; j++) {
-            const float *vr = row_f32(v_head + row_offset(a, b, t0 + j, a->v_so, a->v_st) * (int64_t)es,
-                                      a->dtype, D, vbuf);
-            for (int64_t g = 0; g < G; g++) axpy(acc + g * D, sc[g * TILE + j], vr, D);
+            const char *v = a->v + row_offset(a, b, t0 + j, a->v_so, a->v_st) * es;
+            if (j + PREFETCH < n)
+                prefetch_row(a->v + row_offset(a, b, t0 + j + PREFETCH, a->v_so, a->v_st) * es, v_span);
+            for (int64_t hk = 0; hk < Hk; hk++) {
+                const float *vr = row_f32(v + hk * a->v_sh * es, a->dtype, D, vbuf + hk * D);
+                for (int64_t g = 0; g < G; g++)
+                    axpy(acc + (hk * G + g) * D, sc[(hk * G + g) * TILE + j], vr, D);
+            }
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        int64_t h = hk * G + g;
-        float *o = acc + g * D;
+    for (int64_t h = 0; h < Hq; h++) {
+        float *o = acc + h * D;
         if (S > 1) { /* partial output, normalized, and its log-sum-exp: combined below */
-            int64_t at = (b * a->num_q_heads + h) * S + s;
-            float inv = sum[g] > 0.f ? 1.f / sum[g] : 0.f;
+            int64_t at = (b * Hq + h) * S + s;
+            float inv = sum[h] > 0.f ? 1.f / sum[h] : 0.f;
             for (int64_t i = 0; i < D; i++) a->partial[at * D + i] = o[i] * inv;
-            a->lse[at] = sum[g] > 0.f ? mx[g] + logf(sum[g]) : -INFINITY;
+            a->lse[at] = sum[h] > 0.f ? mx[h] + logf(sum[h]) : -INFINITY;
             continue;
         }
-        float total = sum[g];
-        if (a->sinks) total += expf(sink_of(a, h) - mx[g]); /* exp(-inf) when nothing was read */
-        float inv = total > 0.f && sum[g] > 0.f ? 1.f / total : 0.f;
+        float total = sum[h];
+        if (a->sinks) total += expf(sink_of(a, h) - mx[h]); /* exp(-inf) when nothing was read */
+        float inv = total > 0.f && sum[h] > 0.f ? 1.f / total : 0.f;
         for (int64_t i = 0; i < D; i++) o[i] *= inv;
         write_out(a, b, h, o);
     }
@@ -205,9 +248,9 @@ static void combine(const Args *a, int64_t bh, float *buf) {
 }
 
 static int run(Args *a, int num_threads) {
-    const int64_t G = a->num_q_heads / a->num_kv_heads, D = a->head_dim;
-    const int64_t items = a->batch * a->num_kv_heads * a->num_splits;
-    const size_t scratch_floats = (size_t)(2 * G * D + G * TILE + 2 * G + 2 * D);
+    const int64_t Hq = a->num_q_heads, D = a->head_dim;
+    const int64_t items = a->batch * a->num_splits;
+    const size_t scratch_floats = (size_t)(2 * Hq * D + Hq * TILE + 2 * Hq + 2 * a->num_kv_heads * D);
     if (a->num_splits > 1) {
         a->partial = malloc(sizeof(float) * (size_t)(a->batch * a->num_q_heads * a->num_splits * D));
         a->lse = malloc(sizeof(float) * (size_t)(a->batch * a->num_q_heads * a->num_splits));

@@ -40,12 +40,12 @@ def unavailable(dtype: torch.dtype | None = None) -> str:
     return ""
 
 
-def num_splits_for(batch: int, num_kv_heads: int, longest: int, threads: int) -> int:
-    """Split each sequence's keys when there are fewer (sequence, kv head) items than threads."""
-    items = batch * num_kv_heads
-    if items >= threads or longest < 2 * MIN_KEYS_PER_SPLIT:
+def num_splits_for(batch: int, longest: int, threads: int) -> int:
+    """Split each sequence's keys when there are fewer sequences than threads (a work item is one
+    sequence, all its heads: a token's rows of every head are read together)."""
+    if batch >= threads or longest < 2 * MIN_KEYS_PER_SPLIT:
         return 1
-    return max(1, min(-(-threads // items), longest // MIN_KEYS_PER_SPLIT))
+    return max(1, min(-(-threads // batch), longest // MIN_KEYS_PER_SPLIT))
 
 
 def _as_int32(t: torch.Tensor) -> torch.Tensor:
@@ -72,7 +72,7 @@ def _run(q, k, v, index, index_stride_b, seq_lens, scale, block_size, out, windo
     threads = num_threads or torch.get_num_threads()
     if num_splits is None:
         longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-        num_splits = num_splits_for(batch, k.shape[2], min(longest, window or longest), threads)
+        num_splits = num_splits_for(batch, min(longest, window or longest), threads)
     _extension().decode(
         q.data_ptr(), out.data_ptr(), k.data_ptr(), v.data_ptr(), index.data_ptr(), seq_lens.data_ptr(),
         sinks.data_ptr() if sinks is not None else 0, index_stride_b,
