@@ -70,10 +70,11 @@ def make_workloads(tokenizer, seed: int = 0) -> dict[str, list[tuple[list[int], 
 
 
 # --- one system, one workload, in a process of its own ---------------------------------------------
-def run_vmemkv(model: str, threads: int, requests: list, warm: list, max_model_len: int) -> dict:
+def run_vmemkv(model: str, threads: int, requests: list, warm: list, max_model_len: int,
+               attention: str = "auto") -> dict:
     from vmemkv.engine import LLM, SamplingParams
 
-    llm = LLM(model, threads=threads, max_model_len=max_model_len, max_num_seqs=32)
+    llm = LLM(model, threads=threads, max_model_len=max_model_len, max_num_seqs=32, attention=attention)
 
     def generate(batch):
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in batch]
@@ -86,7 +87,7 @@ def run_vmemkv(model: str, threads: int, requests: list, warm: list, max_model_l
     return {"seconds": time.perf_counter() - start, "tokens": tokens}
 
 
-def run_vllm(model: str, threads: int, requests: list, warm: list, max_model_len: int) -> dict:
+def run_vllm(model: str, threads: int, requests: list, warm: list, max_model_len: int, attention: str) -> dict:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model, dtype="float32", max_model_len=max_model_len, max_num_seqs=32,
@@ -107,7 +108,7 @@ def worker(args) -> None:
     spec = json.loads(Path(args.spec).read_text())
     run = run_vmemkv if args.worker == "vmemkv" else run_vllm
     result = run(spec["model"], spec["threads"], [tuple(r) for r in spec["requests"]],
-                 [tuple(r) for r in spec["warm"]], spec["max_model_len"])
+                 [tuple(r) for r in spec["warm"]], spec["max_model_len"], spec["attention"])
     Path(args.result).write_text(json.dumps(result))
 
 
@@ -120,12 +121,13 @@ def warm_up(name: str, requests: list) -> list:
 
 
 def run_one(system: str, name: str, requests: list, threads: int, model: str, python: Path,
-            tmp: Path) -> dict:
+            tmp: Path, attention: str = "auto") -> dict:
     spec = tmp / f"{system}-{name}-{threads}.json"
     result = tmp / f"{system}-{name}-{threads}.out.json"
     longest = max(len(ids) + n for ids, n in requests)
     spec.write_text(json.dumps({"model": model, "threads": threads, "requests": requests,
-                                "warm": warm_up(name, requests), "max_model_len": 2048 if longest <= 2048 else 4096}))
+                                "warm": warm_up(name, requests), "attention": attention,
+                                "max_model_len": 2048 if longest <= 2048 else 4096}))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     if system == "vllm":
         env.update(VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else f"0-{threads - 1}",
@@ -161,6 +163,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs of each pair (alternating)")
     parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--install", action="store_true", help="make vLLM's venv when missing")
+    parser.add_argument("--vmemkv-attention", default="auto", choices=["auto", "native", "sdpa"],
+                        help="vmemkv's attention (auto: the native decode routine on CPU)")
     parser.add_argument("--out", type=Path, help="write vs_vllm_cpu.md and .json here")
     args = parser.parse_args()
     if args.worker:
@@ -186,7 +190,8 @@ def main() -> None:
                 order = ("vmemkv", "vllm") if repeat % 2 == 0 else ("vllm", "vmemkv")
                 for system in order:
                     runs[system].append(run_one(system, name, requests, threads, model,
-                                                Path(sys.executable) if system == "vmemkv" else python, tmp))
+                                                Path(sys.executable) if system == "vmemkv" else python, tmp,
+                                                args.vmemkv_attention))
             ours = statistics.median(r["tokens_per_s"] for r in runs["vmemkv"])
             theirs = statistics.median(r["tokens_per_s"] for r in runs["vllm"])
             same = sum(a == b for a, b in zip(runs["vmemkv"][0]["tokens"], runs["vllm"][0]["tokens"]))
@@ -199,23 +204,25 @@ def main() -> None:
                          "vllm_runs": [r["tokens_per_s"] for r in runs["vllm"]]})
             print(json.dumps(rows[-1]), flush=True)
             if args.out:  # after every row: a long run stopped early keeps what it measured
-                write_results(args.out, "vs_vllm_cpu", *report(rows, args.repeats, load_before))
-    print(report(rows, args.repeats, load_before)[1])
+                write_results(args.out, "vs_vllm_cpu", *report(rows, args.repeats, load_before, args.vmemkv_attention))
+    print(report(rows, args.repeats, load_before, args.vmemkv_attention)[1])
 
 
-def report(rows: list[dict], repeats: int, load_before: float) -> tuple[dict, str]:
+def report(rows: list[dict], repeats: int, load_before: float, attention: str) -> tuple[dict, str]:
     """The results JSON and its Markdown table."""
     sys.path.insert(0, str(HERE))
     from machine import cpu_model
 
     results = {"cpu": cpu_model(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
                "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
-               "model": "smollm2-135m-instruct (fp32)", "vllm": "vllm-cpu 0.32.0", "rows": rows}
+               "model": "smollm2-135m-instruct (fp32)", "vllm": "vllm-cpu 0.32.0",
+               "vmemkv_attention": attention, "rows": rows}
     lines = ["# vmemkv against vLLM's CPU build, offline", "",
              f"`python experiments/bench_vs_vllm.py --out experiments/results` ({results['date']}, "
              f"{results['cpu']}, {results['cpus']} CPUs, load average {load_before:.1f} before and "
              f"{results['load_average_after']:.1f} after; {results['model']}, {results['vllm']}; "
-             f"greedy, ignore_eos; median of {repeats} alternating run(s) each). Threads: vmemkv "
+             f"greedy, ignore_eos; median of {repeats} alternating run(s) each; vmemkv's attention "
+             f"`{attention}`). Threads: vmemkv "
              "`threads=N` (torch intra-op threads, one process); vLLM `VLLM_CPU_OMP_THREADS_BIND` "
              "(`0` or `0-1`) for its worker, its engine core a process of its own.", "",
              "| threads | workload | requests | prompt tokens | output tokens | vmemkv tok/s | vLLM tok/s | "

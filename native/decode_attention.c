@@ -145,18 +145,83 @@ static inline __attribute__((always_inline)) void prefetch_row(const char *p, in
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at, 0, 1);
 }
 
+/* Eight floats: an AVX register in the x86-64-v3 clone, two SSE ones in the baseline. */
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) float hsum8(v8f v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* out[j] = q . rows[j][off : off + D] for the tile's n tokens. D a multiple of 8: q is held in
+ * registers 64 elements at a time and each row's products summed in 8 lanes; else plain dots. */
+static inline __attribute__((always_inline)) void tile_scores(const float *restrict q, const float *const *rows,
+                                                              int64_t off, int64_t n, int64_t D,
+                                                              float *restrict out, const char *const *pf_k,
+                                                              const char *const *pf_v, int64_t pf_bytes) {
+    if (D % 8) {
+        for (int64_t j = 0; j < n; j++) out[j] = dot(q, rows[j] + off, D);
+        return;
+    }
+    for (int64_t c = 0; c < D; c += 64) {
+        const int64_t w = D - c < 64 ? D - c : 64;
+        v8f qv[8];
+        for (int64_t i = 0; i < w / 8; i++) qv[i] = load8(q + c + 8 * i);
+        for (int64_t j = 0; j < n; j++) {
+            if (pf_k) { /* the first pass over the tile fetches the tokens PREFETCH ahead */
+                prefetch_row(pf_k[j], pf_bytes);
+                prefetch_row(pf_v[j], pf_bytes);
+            }
+            const float *r = rows[j] + off + c;
+            v8f part = qv[0] * load8(r);
+            for (int64_t i = 1; i < w / 8; i++) part += qv[i] * load8(r + 8 * i);
+            out[j] = (c ? out[j] : 0.f) + hsum8(part);
+        }
+        pf_k = pf_v = NULL;
+    }
+}
+
+/* acc[0:D] += sum_j p[j] * rows[j][off : off + D], 64 elements of acc in registers at a time. */
+static inline __attribute__((always_inline)) void tile_accumulate(float *restrict acc, const float *restrict p,
+                                                                  const float *const *rows, int64_t off,
+                                                                  int64_t n, int64_t D) {
+    if (D % 8) {
+        for (int64_t j = 0; j < n; j++) axpy(acc, p[j], rows[j] + off, D);
+        return;
+    }
+    for (int64_t c = 0; c < D; c += 64) {
+        const int64_t w = D - c < 64 ? D - c : 64;
+        v8f av[8];
+        for (int64_t i = 0; i < w / 8; i++) av[i] = load8(acc + c + 8 * i);
+        for (int64_t j = 0; j < n; j++) {
+            const float *r = rows[j] + off + c;
+            for (int64_t i = 0; i < w / 8; i++) av[i] += p[j] * load8(r + 8 * i);
+        }
+        for (int64_t i = 0; i < w / 8; i++) memcpy(acc + c + 8 * i, &av[i], sizeof(v8f));
+    }
+}
+
 /* One (sequence b, split s): every query head's softmax over keys [lo, hi). A token's K (and V)
  * rows of all kv heads are read together, the next tokens' prefetched: in the token-major layout
  * one layer's rows of consecutive tokens lie a whole model's token stride apart (a new 4 KiB page
  * each), which the hardware prefetcher does not follow.
- * scratch: Hq*D (q) + Hq*D (acc) + Hq*TILE (scores) + 2*Hq (max, sum) + 2*Hk*D (rows) floats. */
+ * Per tile: every query head's scores (K rows read through pointers gathered once), the online
+ * softmax, then every head's weighted V rows, accumulated in registers.
+ * scratch: Hq*D (q) + Hq*D (acc) + Hq*TILE (scores) + 2*Hq (max, sum) + 2*TILE*Hk*D (bf16 rows). */
 __attribute__((target_clones("arch=x86-64-v3", "default"))) static void process_item(const Args *a, int64_t item,
                                                                                    float *scratch) {
     const int64_t D = a->head_dim, Hq = a->num_q_heads, Hk = a->num_kv_heads, G = Hq / Hk, S = a->num_splits;
     const int64_t b = item / S, s = item % S;
     const int64_t es = (int64_t)elem_size(a->dtype);
     float *q = scratch, *acc = q + Hq * D, *sc = acc + Hq * D, *mx = sc + Hq * TILE, *sum = mx + Hq;
-    float *kbuf = sum + Hq, *vbuf = kbuf + Hk * D;
+    float *ktile = sum + Hq, *vtile = ktile + TILE * Hk * D; /* bf16 rows widened */
+    const float *krow[TILE], *vrow[TILE];                    /* the tile's rows, as float32 */
+    const char *pf_k[TILE], *pf_v[TILE];                     /* rows PREFETCH tokens ahead */
 
     int64_t len = a->seq_lens[b];
     int64_t start = (a->window > 0 && len > a->window) ? len - a->window : 0;
@@ -164,7 +229,7 @@ __attribute__((target_clones("arch=x86-64-v3", "default"))) static void process_
     int64_t lo = start + s * per, hi = lo + per < len ? lo + per : len;
 
     for (int64_t h = 0; h < Hq; h++) {
-        const float *qf = row_f32(a->q + (b * a->q_sb + h * a->q_sh) * es, a->dtype, D, kbuf);
+        const float *qf = row_f32(a->q + (b * a->q_sb + h * a->q_sh) * es, a->dtype, D, ktile);
         for (int64_t i = 0; i < D; i++) q[h * D + i] = qf[i] * a->scale;
         memset(acc + h * D, 0, (size_t)D * 4);
         mx[h] = -INFINITY;
@@ -172,17 +237,36 @@ __attribute__((target_clones("arch=x86-64-v3", "default"))) static void process_
     }
     /* the bytes from a token's first kv head to the end of its last: prefetched as one range */
     const int64_t k_span = ((Hk - 1) * a->k_sh + D) * es, v_span = ((Hk - 1) * a->v_sh + D) * es;
+    const int64_t span = k_span > v_span ? k_span : v_span;
+    /* head strides of the rows the tile kernels read: the cache's, or the widened tile's */
+    const int64_t k_head = a->dtype == DT_FLOAT32 ? a->k_sh : D, v_head = a->dtype == DT_FLOAT32 ? a->v_sh : D;
     for (int64_t t0 = lo; t0 < hi; t0 += TILE) {
         int64_t n = hi - t0 < TILE ? hi - t0 : TILE;
         for (int64_t j = 0; j < n; j++) {
+            const int64_t ahead = t0 + j + PREFETCH < hi ? t0 + j + PREFETCH : t0 + j;
+            pf_k[j] = a->k + row_offset(a, b, ahead, a->k_so, a->k_st) * es;
+            pf_v[j] = a->v + row_offset(a, b, ahead, a->v_so, a->v_st) * es;
             const char *k = a->k + row_offset(a, b, t0 + j, a->k_so, a->k_st) * es;
-            if (t0 + j + PREFETCH < hi)
-                prefetch_row(a->k + row_offset(a, b, t0 + j + PREFETCH, a->k_so, a->k_st) * es, k_span);
-            for (int64_t hk = 0; hk < Hk; hk++) {
-                const float *kr = row_f32(k + hk * a->k_sh * es, a->dtype, D, kbuf + hk * D);
-                for (int64_t g = 0; g < G; g++) sc[(hk * G + g) * TILE + j] = dot(q + (hk * G + g) * D, kr, D);
+            const char *v = a->v + row_offset(a, b, t0 + j, a->v_so, a->v_st) * es;
+            if (a->dtype == DT_FLOAT32) {
+                krow[j] = (const float *)k;
+                vrow[j] = (const float *)v;
+                continue;
             }
+            prefetch_row(pf_k[j], span); /* widened now: fetched now */
+            prefetch_row(pf_v[j], span);
+            float *kw = ktile + j * Hk * D, *vw = vtile + j * Hk * D;
+            for (int64_t hk = 0; hk < Hk; hk++) {
+                row_f32(k + hk * a->k_sh * es, a->dtype, D, kw + hk * D);
+                row_f32(v + hk * a->v_sh * es, a->dtype, D, vw + hk * D);
+            }
+            krow[j] = kw;
+            vrow[j] = vw;
         }
+        const int prefetching = a->dtype == DT_FLOAT32;
+        for (int64_t h = 0; h < Hq; h++)
+            tile_scores(q + h * D, krow, (h / G) * k_head, n, D, sc + h * TILE,
+                        prefetching && h == 0 ? pf_k : NULL, pf_v, span);
         for (int64_t h = 0; h < Hq; h++) {
             float *row = sc + h * TILE, m = mx[h];
             if (a->softcap > 0.f)
@@ -200,16 +284,7 @@ __attribute__((target_clones("arch=x86-64-v3", "default"))) static void process_
             sum[h] = sum[h] * alpha + total;
             mx[h] = m;
         }
-        for (int64_t j = 0; j < n; j++) {
-            const char *v = a->v + row_offset(a, b, t0 + j, a->v_so, a->v_st) * es;
-            if (j + PREFETCH < n)
-                prefetch_row(a->v + row_offset(a, b, t0 + j + PREFETCH, a->v_so, a->v_st) * es, v_span);
-            for (int64_t hk = 0; hk < Hk; hk++) {
-                const float *vr = row_f32(v + hk * a->v_sh * es, a->dtype, D, vbuf + hk * D);
-                for (int64_t g = 0; g < G; g++)
-                    axpy(acc + (hk * G + g) * D, sc[(hk * G + g) * TILE + j], vr, D);
-            }
-        }
+        for (int64_t h = 0; h < Hq; h++) tile_accumulate(acc + h * D, sc + h * TILE, vrow, (h / G) * v_head, n, D);
     }
     for (int64_t h = 0; h < Hq; h++) {
         float *o = acc + h * D;
@@ -250,7 +325,7 @@ static void combine(const Args *a, int64_t bh, float *buf) {
 static int run(Args *a, int num_threads) {
     const int64_t Hq = a->num_q_heads, D = a->head_dim;
     const int64_t items = a->batch * a->num_splits;
-    const size_t scratch_floats = (size_t)(2 * Hq * D + Hq * TILE + 2 * Hq + 2 * a->num_kv_heads * D);
+    const size_t scratch_floats = (size_t)(2 * Hq * D + Hq * TILE + 2 * Hq + 2 * TILE * a->num_kv_heads * D);
     if (a->num_splits > 1) {
         a->partial = malloc(sizeof(float) * (size_t)(a->batch * a->num_q_heads * a->num_splits * D));
         a->lse = malloc(sizeof(float) * (size_t)(a->batch * a->num_q_heads * a->num_splits));

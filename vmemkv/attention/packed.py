@@ -66,6 +66,9 @@ class PackedAttention:
                                   and all(span.num_queries == 1 for span in spans))
         if self.decodes:
             self.decode_max_len = max(spans[i].length for i in self.decodes)
+        # a decode step whose rows are the packed rows in order: q read and output written in place
+        self._decodes_are_all = (0 < len(self.decodes) == len(spans)
+                                 and all(span.query_start == i for i, span in enumerate(spans)))
         self._staged: StepMetadata | None = StepMetadata()
         self.stage(self._staged)
 
@@ -130,11 +133,16 @@ class PackedAttention:
             self.seconds += time.perf_counter() - start
             return torch.cat(attended, dim=2).transpose(1, 2)
         output = None
+        variant = dict(window=window, softcap=softcap, sinks=sinks)
+        if self._decodes_are_all:  # one kernel call over the packed rows, no gather or scatter
+            output = query.new_empty((1, num_tokens, num_heads, head_dim))
+            self.decode(layer, query[0].transpose(0, 1), scale, out=output[0], **variant)
+            self.seconds += time.perf_counter() - start
+            return output
         if self.decodes:  # one gather in, one kernel, one scatter out: no per-sequence ops
             output = query.new_empty((1, num_tokens, num_heads, head_dim))
             q = query[0].index_select(1, self.decode_rows).transpose(0, 1).contiguous()  # [B, Hq, D]
-            output[0].index_copy_(0, self.decode_rows,
-                                  self.decode(layer, q, scale, window=window, softcap=softcap, sinks=sinks))
+            output[0].index_copy_(0, self.decode_rows, self.decode(layer, q, scale, **variant))
         one_by_one = self.sdpa_spans
         if self._one_batch_is_all and (read := self.batches[0].window(window)) is not None:
             # the common decode step: one batch whose rows are the packed rows, in order

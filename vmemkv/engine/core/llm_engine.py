@@ -34,6 +34,7 @@ from vmemkv.engine.core.threads import apply_threads
 from vmemkv.engine.serving.kv_event_publisher import KVEventPublisher
 from vmemkv.engine.core.metrics import EngineMetrics
 from vmemkv.engine.core.model_runner import ModelRunner
+from vmemkv.engine.models.packed_linear import pack_linears, why_not_packed
 from vmemkv.engine.models.zoo import load_model
 from vmemkv.engine.core.outputs import RequestOutput
 from vmemkv.engine.core.postprocess import Postprocessor
@@ -49,6 +50,18 @@ class LLMEngine:
     False (offline use) it returns finished requests only, and text is decoded once at the end
     for requests without stop strings."""
 
+    def _pack_linears(self, model, loaded_by_name: bool) -> str:
+        """Linear layers on oneDNN's packed weights (CPU, a model this engine loaded); returns what
+        was done, for stats: "packed N", or why not."""
+        if not self.config.packed_linears:
+            return "off"
+        if not loaded_by_name or self.config.tensor_parallel_size > 1:
+            return "off: " + ("a model object passed in is left as it is" if not loaded_by_name
+                              else "tensor parallelism shards the model's own linear layers")
+        if reason := why_not_packed(model):
+            return f"off: {reason}"
+        return f"packed {pack_linears(model)}"
+
     def __init__(self, config: EngineConfig, model=None, tokenizer=None, stream: bool = True):
         self.config = config
         self.stream = stream
@@ -61,6 +74,7 @@ class LLMEngine:
                               "model=<name or directory>, not a model object")
         self.model_name = config.model
         self.tokenizer = tokenizer
+        self.packed_linears = self._pack_linears(model, loaded_by_name)
         # Before any KV memory is taken: refuse attention the engine would silently get wrong.
         check_attention_supported(model.config, config.max_model_len, replaces_attention=True,
                                   who="the vmemkv engine", max_packed_tokens=config.max_num_batched_tokens)
