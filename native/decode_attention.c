@@ -35,7 +35,7 @@
 #endif
 
 #define TILE 64    /* keys per online-softmax step: their scores stay in L1 */
-#define PREFETCH 8 /* tokens ahead whose rows are prefetched */
+#define PREFETCH 4 /* tokens ahead whose rows are prefetched */
 
 enum { DT_FLOAT32 = 0, DT_BFLOAT16 = 1 };
 
