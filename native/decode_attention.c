@@ -9,15 +9,17 @@
  *   vmem (contiguous):  k + index[b] * stride_outer + t * stride_token + h * stride_head
  *   paged (block table): k + table[b][t / block_size] * stride_outer + (t % block_size) * stride_token + ...
  *
- * so the A/B harness compares addressing, not two kernels. A token's K rows of every kv head are
- * read together, once, and used by every query head of their groups; tokens are walked in position
- * order, the next ones prefetched.
+ * so the A/B harness compares addressing, not two kernels. Keys are walked in tiles, in position
+ * order, the tokens a few ahead prefetched (one layer's rows of consecutive tokens are a whole
+ * model's token stride apart in the token-major layout, which the hardware prefetcher does not
+ * follow); within a tile each query head's scores and weighted values are summed with its query
+ * and accumulator held in registers.
  *
  * Only positions [start, seq_len) are read (start = seq_len - window for a sliding window), so an
  * unmapped page past a sequence's end, or released behind its window, is never touched. Offsets are
  * int64: the token-major layout's slot strides pass 2^31 elements.
  *
- * Types: float32 and bfloat16 K/V/Q/out (bf16 rows are widened to float32 into a row buffer).
+ * Types: float32 and bfloat16 K/V/Q/out (bf16 rows are widened to float32 into a tile buffer).
  * The work items, (sequence, split), run on OpenMP threads with the GIL released.
  * process_item is compiled twice (target_clones): for AVX2+FMA (x86-64-v3) and for the baseline,
  * chosen at load time by the CPU it runs on.

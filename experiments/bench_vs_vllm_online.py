@@ -1,0 +1,210 @@
+"""vmemkv's server against vLLM's, measured by vLLM's own serving benchmark client.
+
+Each system serves SmolLM2-135M-Instruct's real weights (fp32) at its defaults on one port, with
+the same thread count: ``vmemkv serve --threads N``; vLLM's OpenAI server (``python -m
+vllm.entrypoints.openai.api_server``) with ``VLLM_CPU_OMP_THREADS_BIND`` = ``0`` or ``0-1`` for its
+worker (its engine core and front end are processes of their own). Then
+``vllm.benchmarks.serve`` (``add_cli_args``, ``main``; run in vLLM's venv: its CLI entry point
+fails on package metadata) sends the same requests to each: greedy, ``--ignore-eos``, on its
+``random`` (256 tokens in, 64 out) and ``prefix_repetition`` (4 prefixes of 512 tokens, 64-token
+suffixes, 32 out) datasets, 48 requests, at a few request rates (``inf``: all at once, capped by
+``--max-concurrency 16``), each rate with its own seed so no run finds the last one's prefixes
+cached. Reported: request throughput, TTFT, TPOT and ITL at p50 and p99.
+
+    python experiments/bench_vs_vllm_online.py --out experiments/results              # 1 and 2 threads
+    python experiments/bench_vs_vllm_online.py --threads 1 --rates inf --datasets random
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_VLLM_PYTHON = Path(os.environ.get("VLLM_PYTHON", "/work/vllm_venv/bin/python"))
+SERVED_NAME = "smollm2"
+DATASETS = {
+    "random": ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "64"],
+    "prefix_repetition": ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "512",
+                          "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "4",
+                          "--prefix-repetition-output-len", "32"],
+}
+METRICS = ("request_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
+           "median_itl_ms", "p99_itl_ms", "completed")
+CLIENT = """
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+try:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+except ImportError:
+    from vllm.utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_command(system: str, model: str, port: int, threads: int, vllm_python: Path) -> tuple[list, dict]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    if system == "vmemkv":
+        return ([sys.executable, "-m", "vmemkv.cli", "serve", "--model", model, "--served-model-name",
+                 SERVED_NAME, "--port", str(port), "--threads", str(threads), "--max-model-len", "2048"], env)
+    env.update(VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else f"0-{threads - 1}",
+               VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
+    return ([str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+             "--served-model-name", SERVED_NAME, "--port", str(port), "--dtype", "float32",
+             "--max-model-len", "2048", "--enable-prefix-caching", "--seed", "0"], env)
+
+
+@contextmanager
+def serving(system: str, model: str, threads: int, vllm_python: Path, log: Path, timeout_s: float = 600):
+    """Start the server, wait until ``/v1/models`` answers, yield its base URL, stop it."""
+    port = free_port()
+    command, env = server_command(system, model, port, threads, vllm_python)
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=log.parent)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{system} server exited with {process.returncode}; see {log}")
+            try:
+                urllib.request.urlopen(f"{url}/v1/models", timeout=2).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{system} server not ready after {timeout_s:.0f} s; see {log}")
+                time.sleep(1)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def run_client(vllm_python: Path, url: str, model: str, dataset: str, rate: str, seed: int,
+               num_prompts: int, tmp: Path, label: str) -> dict:
+    result = tmp / f"{label}.json"
+    result.unlink(missing_ok=True)
+    args = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", SERVED_NAME,
+            "--tokenizer", model, *DATASETS[dataset], "--num-prompts", str(num_prompts),
+            "--request-rate", rate, "--max-concurrency", "16", "--ignore-eos", "--temperature", "0",
+            "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+            "--save-result", "--result-dir", str(tmp), "--result-filename", result.name, "--disable-tqdm"]
+    subprocess.run([str(vllm_python), "-c", CLIENT, *args], check=True, cwd=tmp,
+                   stdout=subprocess.DEVNULL)
+    raw = json.loads(result.read_text())
+    return {name: raw.get(name) for name in METRICS}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = sorted({(r["threads"], r["dataset"], r["rate"]) for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for system, offset in (("vmemkv", -0.2), ("vllm", 0.2)):
+        by = {(r["threads"], r["dataset"], r["rate"]): r for r in rows if r["system"] == system}
+        xs = [i + offset for i in range(len(labels))]
+        axes[0].bar(xs, [by[k]["request_throughput"] for k in labels], width=0.4, label=system)
+        axes[1].bar(xs, [by[k]["median_tpot_ms"] for k in labels], width=0.4, label=system)
+    for axis, title in zip(axes, ("requests/s (higher is better)", "TPOT p50, ms (lower is better)")):
+        axis.set_xticks(range(len(labels)), [f"{t}t {d}\nrate {r}" for t, d, r in labels], fontsize=7)
+        axis.set_title(title)
+        axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def report(rows: list[dict], load_before: float, num_prompts: int) -> tuple[dict, str]:
+    sys.path.insert(0, str(HERE))
+    from machine import cpu_model
+
+    results = {"cpu": cpu_model(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+               "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
+               "model": "smollm2-135m-instruct (fp32)", "vllm": "vllm-cpu 0.32.0", "client": "vllm.benchmarks.serve",
+               "num_prompts": num_prompts, "max_concurrency": 16, "rows": rows}
+    lines = ["# vmemkv's server against vLLM's, with vLLM's serving benchmark client", "",
+             f"`python experiments/bench_vs_vllm_online.py --out experiments/results` ({results['date']}, "
+             f"{results['cpu']}, {results['cpus']} CPUs, load average {load_before:.1f} before, "
+             f"{results['load_average_after']:.1f} after; {results['model']}; {num_prompts} requests per run, "
+             "greedy, `--ignore-eos`, `--max-concurrency 16`). Each server at its defaults but the threads: "
+             "vmemkv `serve --threads N` (one process); vLLM `VLLM_CPU_OMP_THREADS_BIND` `0` or `0-1` "
+             "(its engine core and API server processes of their own).", "",
+             "| threads | dataset | rate (req/s) | system | req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
+             "ITL p50 / p99 ms | completed |", "|---:|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['threads']} | {r['dataset']} | {r['rate']} | {r['system']} | "
+                     f"{r['request_throughput']:.2f} | {r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | "
+                     f"{r['median_tpot_ms']:.0f} / {r['p99_tpot_ms']:.0f} | "
+                     f"{r['median_itl_ms']:.0f} / {r['p99_itl_ms']:.0f} | {r['completed']} |")
+    ratios = []
+    for r in rows:
+        if r["system"] == "vmemkv":
+            peer = next(p for p in rows if p["system"] == "vllm" and
+                        (p["threads"], p["dataset"], p["rate"]) == (r["threads"], r["dataset"], r["rate"]))
+            ratios.append(f"{r['threads']} thread(s), {r['dataset']}, rate {r['rate']}: "
+                          f"{r['request_throughput'] / peer['request_throughput']:.2f}x")
+    if ratios:
+        lines += ["", "vmemkv's request throughput over vLLM's: " + "; ".join(ratios) + "."]
+    return results, "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
+    parser.add_argument("--datasets", default=",".join(DATASETS))
+    parser.add_argument("--rates", default="inf,1", help="request rates (req/s), comma-separated")
+    parser.add_argument("--num-prompts", type=int, default=48)
+    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
+    parser.add_argument("--out", type=Path, help="write vs_vllm_online_cpu.{json,md,png} here")
+    args = parser.parse_args()
+    if not args.vllm_python.exists():
+        sys.exit(f"no vLLM venv at {args.vllm_python}: make one as bench_vs_vllm.py --install does")
+    sys.path.insert(0, str(HERE))
+    from machine import write_results
+    from vmemkv.engine.models.hub import ensure_real_model
+
+    model = str(ensure_real_model("smollm2-135m-instruct"))
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "vmemkv-vs-vllm-online"
+    tmp.mkdir(exist_ok=True)
+    rows, load_before = [], os.getloadavg()[0]
+    for threads in [int(t) for t in args.threads.split(",")]:
+        for system in ("vmemkv", "vllm"):
+            with serving(system, model, threads, args.vllm_python, tmp / f"{system}-{threads}.log") as url:
+                for dataset in args.datasets.split(","):
+                    for seed, rate in enumerate(args.rates.split(",")):
+                        label = f"{system}-{threads}-{dataset}-{rate}"
+                        metrics = run_client(args.vllm_python, url, model, dataset, rate, seed, args.num_prompts,
+                                             tmp, label)
+                        rows.append({"threads": threads, "dataset": dataset, "rate": rate, "system": system,
+                                     **metrics})
+                        print(json.dumps(rows[-1]), flush=True)
+    results, markdown = report(rows, load_before, args.num_prompts)
+    print(markdown)
+    if args.out:
+        write_results(args.out, "vs_vllm_online_cpu", results, markdown)
+        plot(rows, args.out / "vs_vllm_online_cpu.png")
+
+
+if __name__ == "__main__":
+    main()
