@@ -97,6 +97,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "triton: decodes in one Triton launch (CUDA); native: decodes in one call "
                             "of the CPU routine (CPU, fp32/bf16); sdpa: per sequence; "
                             "auto: the first of these that runs here")
+    group.add_argument("--no-packed-linears", action="store_true",
+                       help="CPU: run the linear layers with F.linear instead of on oneDNN's packed "
+                            "weights (packed by default for a model loaded by name)")
     group.add_argument("--policy", default=None, choices=["fcfs", "priority", "lpm"],
                        help="admission order: fcfs, priority, or lpm (longest cached prefix first, "
                             "priority still first, a request passed over N steps goes next)")
@@ -155,6 +158,7 @@ def engine_config_from_args(args: argparse.Namespace):
         "lpm_max_passed_over": args.lpm_max_passed_over,
         "lpm_window": args.lpm_window,
         "attention": args.attention,
+        "packed_linears": False if args.no_packed_linears else None,
         "lookahead_tokens": args.lookahead_tokens,
         "release_behind_window": False if args.keep_blocks_behind_window else None,
         "kv_events_endpoint": getattr(args, "kv_events_endpoint", None),  # serve only
