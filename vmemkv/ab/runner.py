@@ -59,6 +59,7 @@ class RunResult:
     # request id -> token ids of each completion (index order)
     tokens: dict[str, list[list[int]]]
     tokens_per_page: int = 0  # the engine's real page (manager.tokens_per_page)
+    attention: str = ""  # the attention that ran (engine.attention_kernel)
 
 
 def engine_config(model_name: str, workload: Workload, variant: Variant, seed: int,
@@ -108,6 +109,7 @@ def run_once(model, tokenizer, model_name: str, workload: Workload, variant: Var
         wall = time.perf_counter() - start
         cpu = time.process_time() - cpu_start
         stats = engine.stats()
+        attention = engine.attention_kernel
     finally:
         engine.close()
     tokens = {rid: [list(c.token_ids) for c in sorted(out.outputs, key=lambda c: c.index)]
@@ -115,7 +117,7 @@ def run_once(model, tokenizer, model_name: str, workload: Workload, variant: Var
     metrics = _metrics(workload, stats, token_times, start, wall, cpu)
     metrics.update(peak_kv_bytes_per_request=per_request.kv_bytes, most_running=per_request.running,
                    requests_fit=pool_bytes // per_request.kv_bytes if per_request.kv_bytes else 0.0)
-    return RunResult(workload.name, variant.name, repeat, metrics, tokens, page_tokens)
+    return RunResult(workload.name, variant.name, repeat, metrics, tokens, page_tokens, attention)
 
 
 def _metrics(workload: Workload, stats: dict,
@@ -293,6 +295,7 @@ def run_experiment(workloads: list[str], variants: list[str], repeats: int = 3, 
 
 def summarize(workloads: dict[str, Workload], variants: list[str], runs: list[RunResult],
               runtime_s: float, config: dict) -> dict:
+    config = {**config, "attention": ", ".join(sorted({run.attention for run in runs if run.attention}))}
     results: dict[str, dict] = {}
     checks: dict[str, dict] = {}
     for name, workload in workloads.items():
