@@ -25,7 +25,8 @@ compared (``max_err`` against the per-sequence path of the same layout).
 
     python experiments/bench_decode_layout.py                 # tiny-llama and smollm2-135m shapes
     python experiments/bench_decode_layout.py --batch 32 --min-len 80 --max-len 200 --calls 200
-    python experiments/bench_decode_layout.py --models smollm2-135m --batch 4 --min-len 1400 --max-len 1600
+    python experiments/bench_decode_layout.py --models smollm2-135m --batch 4 --min-len 1900 --max-len 2100 \
+        --calls 60 --stem decode_layout_long_cpu --out experiments/results
 """
 
 from __future__ import annotations
@@ -182,7 +183,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="experiments/results/local",
-                        help="writes decode_layout_cpu.json and .md here (untracked by default)")
+                        help="writes <stem>.json and .md here (untracked by default)")
+    parser.add_argument("--stem", default="decode_layout_cpu", help="the results' file name")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load = os.getloadavg()
@@ -191,9 +193,9 @@ def main() -> None:
     command = "python " + " ".join(sys.argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "decode_layout_cpu.json").write_text(json.dumps({"command": command, "load": load,
-                                                             "results": results}, indent=1))
-    (out / "decode_layout_cpu.md").write_text(markdown(results, command, load))
+    (out / f"{args.stem}.json").write_text(json.dumps({"command": command, "load": load,
+                                                        "results": results}, indent=1))
+    (out / f"{args.stem}.md").write_text(markdown(results, command, load))
     print(markdown(results, command, load))
 
 

