@@ -5,8 +5,9 @@ weights from memory and its speed is the GEMM's for skinny inputs. ``F.linear`` 
 weight reaches about two thirds of the memory bandwidth there; oneDNN over the same weight
 reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, what
 PyTorch's inductor does when it freezes a CPU model, and what vLLM's CPU backend runs) is measured
-1.2-2.6x faster for 1-32 rows at SmolLM2's shapes in float32 and bfloat16
-(``experiments/bench_packed_linear.py``).
+1.1-2.7x faster for 4-32 rows at SmolLM2's shapes in float32 and bfloat16, and 1.3-2.3x on its LM
+head; slower only for one row through the small 576 x 576 float32 projection (26 against 42 us)
+(``experiments/bench_packed_linear.py``, ``experiments/results/packed_linear_cpu.md``).
 
 ``pack_linears`` swaps each ``nn.Linear`` for a ``PackedLinear`` holding only the packed weight (the
 row-major one is freed, unless another module shares it: a tied LM head keeps its embedding).
