@@ -85,3 +85,31 @@ def assert_matches(out, expected, dtype):
     assert out.dtype == dtype and out.shape == expected.shape
     assert torch.isfinite(out).all(), "NaN/inf in the output: a position past a sequence was read"
     torch.testing.assert_close(out.double(), expected, **TOLERANCES[dtype])
+
+
+def variant_case(lens, window, softcap, with_sinks, num_slots, seed=5):
+    """Sequences of ``lens`` (2 kv heads, GQA 2, head dim 32, float32) in slots and in blocks, with
+    everything behind each window NaN, and the float64 ``explicit_attention`` reference of the
+    variant (zeros for an empty sequence). Returns q, seq_lens, sinks, expected, (k_cache,
+    v_cache, slots), (k_blocks, v_blocks, tables)."""
+    from vmemkv.attention.variants import explicit_attention
+
+    group, kv_heads, head_dim, dtype = 2, 2, 32, torch.float32
+    generator, seqs, q, seq_lens = make_case(lens, group, kv_heads, head_dim, dtype, seed=seed)
+    sinks = torch.randn(kv_heads * group, generator=generator) if with_sinks else None
+    expected = torch.zeros(q.shape, dtype=torch.float64)
+    for b, (k, v) in enumerate(seqs):
+        if k.shape[0] == 0:
+            continue
+        first = max(0, k.shape[0] - window) if window else 0
+        expected[b] = explicit_attention(q[b, :, None].double()[None], k[first:].transpose(0, 1)[None].double(),
+                                         v[first:].transpose(0, 1)[None].double(), 0.3, None, softcap,
+                                         sinks)[0, :, 0]
+    if window:  # poison what lies behind each window
+        seqs = [(k.clone(), v.clone()) for k, v in seqs]
+        for k, v in seqs:
+            k[:max(0, k.shape[0] - window)] = NAN
+            v[:max(0, v.shape[0] - window)] = NAN
+    slots = interleaved_slots(seqs, num_slots, 80, kv_heads, head_dim, dtype, "cpu", generator)
+    blocks = shuffled_blocks(seqs, 16, kv_heads, head_dim, dtype, "cpu", generator)
+    return q, seq_lens, sinks, expected, slots, blocks

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_cases import NAN, assert_matches, interleaved_slots, make_case, reference, shuffled_blocks
+from decode_cases import (assert_matches, interleaved_slots, make_case, reference, shuffled_blocks,
+                          variant_case)
 from vmemkv.attention.cpu_decode import (decode_attention_contiguous_cpu, decode_attention_paged_cpu,
                                          num_splits_for, unavailable)
 
@@ -41,26 +42,9 @@ def test_both_addressings_match_the_reference_and_each_other(lens, group, kv_hea
     (7, None, False, 1), (None, 0.8, False, 1), (None, None, True, 3), (5, 0.5, True, 1), (5, 0.5, True, 3),
     (None, None, False, 4)], ids=["window", "softcap", "sinks-split", "all", "all-split", "split"])
 def test_layer_variants_match_the_explicit_reference(window, softcap, with_sinks, num_splits):
-    from vmemkv.attention.variants import explicit_attention
-
-    lens, group, kv_heads, head_dim, dtype = [1, 70, 6, 33, 0], 2, 2, 32, torch.float32
-    generator, seqs, q, seq_lens = make_case(lens, group, kv_heads, head_dim, dtype, seed=5)
-    sinks = torch.randn(kv_heads * group, generator=generator) if with_sinks else None
-    expected = torch.zeros(q.shape, dtype=torch.float64)
-    for b, (k, v) in enumerate(seqs):
-        if k.shape[0] == 0:
-            continue  # nothing to attend: zeros
-        first = max(0, k.shape[0] - window) if window else 0
-        expected[b] = explicit_attention(q[b, :, None].double()[None], k[first:].transpose(0, 1)[None].double(),
-                                         v[first:].transpose(0, 1)[None].double(), 0.3, None, softcap,
-                                         sinks)[0, :, 0]
-    if window:  # poison what lies behind each window
-        seqs = [(k.clone(), v.clone()) for k, v in seqs]
-        for k, v in seqs:
-            k[:max(0, k.shape[0] - window)] = NAN
-            v[:max(0, v.shape[0] - window)] = NAN
-    k_cache, v_cache, slots = interleaved_slots(seqs, 6, 80, kv_heads, head_dim, dtype, "cpu", generator)
-    k_blocks, v_blocks, tables = shuffled_blocks(seqs, 16, kv_heads, head_dim, dtype, "cpu", generator)
+    q, seq_lens, sinks, expected, (k_cache, v_cache, slots), (k_blocks, v_blocks, tables) = variant_case(
+        [1, 70, 6, 33, 0], window, softcap, with_sinks, num_slots=6)
+    dtype = torch.float32
     variant = dict(num_splits=num_splits, window=window, softcap=softcap, sinks=sinks, num_threads=2)
     vmem = decode_attention_contiguous_cpu(q, k_cache, v_cache, slots, seq_lens, 0.3, **variant)
     paged = decode_attention_paged_cpu(q, k_blocks, v_blocks, tables, seq_lens, 0.3, **variant)

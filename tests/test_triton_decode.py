@@ -31,7 +31,8 @@ from vmemkv.attention.triton_decode import (
     decode_attention_paged,
     triton_interprets,
 )
-from decode_cases import NAN, assert_matches, interleaved_slots, make_case, reference, shuffled_blocks
+from decode_cases import (NAN, assert_matches, interleaved_slots, make_case, reference, shuffled_blocks,
+                          variant_case)
 
 INTERPRETS = triton_interprets()
 cpu_case = pytest.mark.skipif(
@@ -139,24 +140,9 @@ def test_head_dim_that_is_not_a_power_of_two_is_padded():
 def test_layer_variants_match_the_explicit_reference(window, softcap, with_sinks, num_splits):
     """Sliding window, soft-capping, sinks, against ``variants.explicit_attention`` in float64.
     Positions behind each window are NaN in both caches: a read of one would show in the output."""
-    from vmemkv.attention.variants import explicit_attention
-
-    lens, group, kv_heads, head_dim, dtype = [1, 70, 6, 33], 2, 2, 32, torch.float32
-    generator, seqs, q, seq_lens = make_case(lens, group, kv_heads, head_dim, dtype, seed=5)
-    sinks = torch.randn(kv_heads * group, generator=generator) if with_sinks else None
-    expected = torch.zeros(q.shape, dtype=torch.float64)
-    for b, (k, v) in enumerate(seqs):
-        first = max(0, k.shape[0] - window) if window else 0
-        expected[b] = explicit_attention(q[b, :, None].double()[None], k[first:].transpose(0, 1)[None].double(),
-                                         v[first:].transpose(0, 1)[None].double(), 0.3, None, softcap,
-                                         sinks)[0, :, 0]
-    if window:  # poison what lies behind each window
-        seqs = [(k.clone(), v.clone()) for k, v in seqs]
-        for k, v in seqs:
-            k[:max(0, k.shape[0] - window)] = NAN
-            v[:max(0, v.shape[0] - window)] = NAN
-    k_cache, v_cache, slots = interleaved_slots(seqs, 5, 80, kv_heads, head_dim, dtype, "cpu", generator)
-    k_blocks, v_blocks, tables = shuffled_blocks(seqs, 16, kv_heads, head_dim, dtype, "cpu", generator)
+    q, seq_lens, sinks, expected, (k_cache, v_cache, slots), (k_blocks, v_blocks, tables) = variant_case(
+        [1, 70, 6, 33], window, softcap, with_sinks, num_slots=5)
+    dtype = torch.float32
     variant = dict(num_splits=num_splits, window=window, softcap=softcap, sinks=sinks)
     vmem = decode_attention_contiguous(q, k_cache, v_cache, slots, seq_lens, 0.3, **variant)
     paged = decode_attention_paged(q, k_blocks, v_blocks, tables, seq_lens, 0.3, **variant)

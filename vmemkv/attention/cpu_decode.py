@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from vmemkv.attention.decode_checks import check_inputs, check_values, check_variant
+from vmemkv.attention.decode_checks import check_block_tables, check_inputs, check_slot_ids, check_variant
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MIN_KEYS_PER_SPLIT = 256  # a split's keys: fewer, and combining them costs more than it saves
@@ -99,12 +99,7 @@ def decode_attention_contiguous_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_ca
     the views). ``num_threads``: default torch's intra-op threads; ``num_splits``: split each
     sequence's keys that many ways (default: when sequences are fewer than threads)."""
     check_inputs(q, k_cache, v_cache, seq_lens, ("k_cache", "v_cache"), out)
-    if slot_ids.shape != (q.shape[0],) or slot_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_ids must be int32/int64 [batch] = [{q.shape[0]}], got "
-                         f"{tuple(slot_ids.shape)} {slot_ids.dtype}")
-    if check_bounds and q.shape[0]:
-        check_values("seq_lens", seq_lens, 0, k_cache.shape[1], "the view's max_tokens")
-        check_values("slot_ids", slot_ids, 0, k_cache.shape[0] - 1, "num_slots - 1")
+    check_slot_ids(slot_ids, q, seq_lens, k_cache, check_bounds)
     return _run(q, k_cache, v_cache, _as_int32(slot_ids), 1, seq_lens, scale, 0, out, window, softcap,
                 sinks, num_threads, num_splits, max_seq_len)
 
@@ -121,20 +116,8 @@ def decode_attention_paged_cpu(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks
     ``k_blocks[block_tables[b, t // block_size], t % block_size]``; entries behind a window or past
     a length are never read. Other arguments as ``decode_attention_contiguous_cpu``."""
     check_inputs(q, k_blocks, v_blocks, seq_lens, ("k_blocks", "v_blocks"), out)
-    batch = q.shape[0]
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype not in (torch.int32,
-                                                                                                 torch.int64):
-        raise ValueError(f"block_tables must be int32 [batch = {batch}, max_blocks], got "
-                         f"{tuple(block_tables.shape)} {block_tables.dtype}")
+    block_tables = check_block_tables(block_tables, q, seq_lens, k_blocks, window, check_bounds)
     block_size = k_blocks.shape[1]
-    if check_bounds and batch:
-        check_values("seq_lens", seq_lens, 0, block_tables.shape[1] * block_size, "max_blocks * block_size")
-        starts = torch.arange(block_tables.shape[1])[None, :] * block_size
-        used = starts < seq_lens[:, None]
-        if window is not None:
-            used &= starts + block_size > seq_lens[:, None] - window
-        check_values("block table entries in use", block_tables[used], 0, k_blocks.shape[0] - 1,
-                     "num_blocks - 1")
     tables = _as_int32(block_tables)
     return _run(q, k_blocks, v_blocks, tables, tables.stride(0), seq_lens, scale, block_size, out, window,
                 softcap, sinks, num_threads, num_splits, max_seq_len)

@@ -70,3 +70,43 @@ def check_values(name: str, values: torch.Tensor, low: int, high: int, high_name
     lo, hi = int(values.min()), int(values.max())
     if lo < low or hi > high:
         raise ValueError(f"{name} must lie in [{low}, {high}] ({high_name}), got values from {lo} to {hi}")
+
+
+def check_slot_ids(slot_ids: torch.Tensor, q: torch.Tensor, seq_lens: torch.Tensor, k: torch.Tensor,
+                   check_bounds: bool) -> None:
+    """Slot ids ``[batch]`` on q's device; with ``check_bounds``, lengths within the view's tokens
+    and ids within its slots."""
+    if slot_ids.shape != (q.shape[0],) or slot_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_ids must be int32/int64 [batch] = [{q.shape[0]}], got "
+                         f"{tuple(slot_ids.shape)} {slot_ids.dtype}")
+    if slot_ids.device != q.device:
+        raise ValueError(f"slot_ids is on {slot_ids.device}, q on {q.device}")
+    num_slots, max_tokens = k.shape[:2]
+    if check_bounds and q.shape[0]:
+        check_values("seq_lens", seq_lens, 0, max_tokens, "the view's max_tokens")
+        check_values("slot_ids", slot_ids, 0, num_slots - 1, "num_slots - 1")
+
+
+def check_block_tables(block_tables: torch.Tensor, q: torch.Tensor, seq_lens: torch.Tensor,
+                       k_blocks: torch.Tensor, window: int | None, check_bounds: bool) -> torch.Tensor:
+    """Block tables ``[batch, max_blocks]`` on q's device, returned with a contiguous last dim;
+    with ``check_bounds``, lengths within the tables and the entries each sequence reads (from
+    its window start: blocks behind it may be released) within ``k_blocks``."""
+    batch = q.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype not in (torch.int32,
+                                                                                                 torch.int64):
+        raise ValueError(f"block_tables must be int32 [batch = {batch}, max_blocks], got "
+                         f"{tuple(block_tables.shape)} {block_tables.dtype}")
+    if block_tables.device != q.device:
+        raise ValueError(f"block_tables is on {block_tables.device}, q on {q.device}")
+    if block_tables.shape[1] and block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    num_blocks, block_size = k_blocks.shape[:2]
+    if check_bounds and batch:
+        check_values("seq_lens", seq_lens, 0, block_tables.shape[1] * block_size, "max_blocks * block_size")
+        starts = torch.arange(block_tables.shape[1], device=q.device)[None, :] * block_size
+        used = starts < seq_lens[:, None]
+        if window is not None:
+            used &= starts + block_size > seq_lens[:, None] - window
+        check_values("block table entries in use", block_tables[used], 0, num_blocks - 1, "num_blocks - 1")
+    return block_tables

@@ -44,7 +44,7 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
         "vmemkv.attention.triton_decode needs Triton (pip install triton); "
         "use the SDPA attention (vmemkv.attention.ContiguousAttention) without it") from exc
 
-from vmemkv.attention.decode_checks import check_inputs, check_values, check_variant
+from vmemkv.attention.decode_checks import check_block_tables, check_inputs, check_slot_ids, check_variant
 
 __all__ = ["decode_attention_contiguous", "decode_attention_paged", "default_num_splits", "triton_interprets"]
 
@@ -346,15 +346,8 @@ def decode_attention_contiguous(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     soft-capping; ``sinks``: ``[Hq]`` sink logits (see ``variants``).
     """
     check_inputs(q, k_cache, v_cache, seq_lens, ("k_cache", "v_cache"), out)
-    if slot_ids.shape != (q.shape[0],) or slot_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_ids must be int32/int64 [batch] = [{q.shape[0]}], got "
-                         f"{tuple(slot_ids.shape)} {slot_ids.dtype}")
-    if slot_ids.device != q.device:
-        raise ValueError(f"slot_ids is on {slot_ids.device}, q on {q.device}")
-    num_slots, max_tokens = k_cache.shape[:2]
-    if check_bounds and q.shape[0]:
-        check_values("seq_lens", seq_lens, 0, max_tokens, "the view's max_tokens")
-        check_values("slot_ids", slot_ids, 0, num_slots - 1, "num_slots - 1")
+    check_slot_ids(slot_ids, q, seq_lens, k_cache, check_bounds)
+    max_tokens = k_cache.shape[1]
     return _launch(q, k_cache, v_cache, slot_ids, 0, seq_lens, scale, max_tokens,
                    (k_cache.stride(0), v_cache.stride(0)), paged=False, block_size=1, out=out,
                    num_splits=num_splits, max_seq_len=max_seq_len, block_n=block_n,
@@ -380,24 +373,9 @@ def decode_attention_paged(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
     against ``num_blocks``.
     """
     check_inputs(q, k_blocks, v_blocks, seq_lens, ("k_blocks", "v_blocks"), out)
-    batch = q.shape[0]
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype not in (torch.int32,
-                                                                                                 torch.int64):
-        raise ValueError(f"block_tables must be int32 [batch = {batch}, max_blocks], got "
-                         f"{tuple(block_tables.shape)} {block_tables.dtype}")
-    if block_tables.device != q.device:
-        raise ValueError(f"block_tables is on {block_tables.device}, q on {q.device}")
-    if block_tables.shape[1] and block_tables.stride(1) != 1:
-        block_tables = block_tables.contiguous()
-    num_blocks, block_size = k_blocks.shape[:2]
+    block_tables = check_block_tables(block_tables, q, seq_lens, k_blocks, window, check_bounds)
+    block_size = k_blocks.shape[1]
     capacity = block_tables.shape[1] * block_size
-    if check_bounds and batch:
-        check_values("seq_lens", seq_lens, 0, capacity, "max_blocks * block_size")
-        starts = torch.arange(block_tables.shape[1], device=q.device)[None, :] * block_size
-        used = starts < seq_lens[:, None]
-        if window is not None:  # blocks wholly behind the window are never read (may be RELEASED)
-            used &= starts + block_size > seq_lens[:, None] - window
-        check_values("block table entries in use", block_tables[used], 0, num_blocks - 1, "num_blocks - 1")
     return _launch(q, k_blocks, v_blocks, block_tables, block_tables.stride(0), seq_lens, scale, capacity,
                    (k_blocks.stride(0), v_blocks.stride(0)), paged=True, block_size=block_size, out=out,
                    num_splits=num_splits, max_seq_len=max_seq_len, block_n=block_n,

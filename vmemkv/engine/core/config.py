@@ -60,7 +60,7 @@ class EngineConfig:
     # "auto": on CUDA flash if it runs here, else triton, else sdpa; on CPU native, else sdpa.
     attention: Literal["auto", "flash", "triton", "native", "sdpa"] = "auto"
     # On CPU, a model the engine loads by name runs its linear layers on oneDNN's packed weights
-    # (engine/models/packed_linear.py: 1.2-2.6x faster for a decode's few rows); a model object
+    # (engine/models/packed_linear.py: up to 2.7x faster for a decode's few rows); a model object
     # passed in is never changed; False: F.linear. Not with tensor parallelism.
     packed_linears: bool = True
     # Sliding windows: give back the blocks behind each layer's window while a request runs (one
