@@ -162,12 +162,16 @@ def summary(result: dict) -> str:
         attention = [(w, _metric(result, w, "vmem", "attention_seconds")["median"],
                       _metric(result, w, "paged", "attention_seconds")["median"]) for w in workloads]
         faster = [f"{w} {p / v:.2f}x" for w, v, p in attention if v and p]
-        parts.append("Attention time, paged over vmem: " + ", ".join(faster) + " (on CPU the "
-                     "block-table path gathers blocks into a contiguous copy before SDPA, every "
-                     "layer and step: one padded tensor for a step's batched decodes, one per "
-                     "sequence otherwise; vmem hands SDPA the strided slot view as is; a fused "
-                     "paged GPU kernel reads blocks in place, so that part of the gap is "
-                     "CPU-specific).")
+        if "native" in result["config"].get("attention", ""):
+            why = ("decodes of both read the cache in place through the same native CPU routine, "
+                   "slot view or block table; prefills go through SDPA, the block-table path "
+                   "gathering each sequence's blocks into a copy first")
+        else:
+            why = ("on CPU the block-table path gathers blocks into a contiguous copy before SDPA, "
+                   "every layer and step: one padded tensor for a step's batched decodes, one per "
+                   "sequence otherwise; vmem hands SDPA the strided slot view as is; a fused paged "
+                   "kernel reads blocks in place, so that part of the gap is specific to SDPA")
+        parts.append("Attention time, paged over vmem: " + ", ".join(faster) + f" ({why}).")
         shares = [_metric(result, w, "vmem", "mapping_share")["median"] for w in workloads]
         managers = [(_metric(result, w, "vmem", "kv_manager_share")["median"],
                      _metric(result, w, "paged", "kv_manager_share")["median"]) for w in workloads]
