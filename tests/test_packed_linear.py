@@ -44,6 +44,22 @@ def test_pack_linears_swaps_every_linear_and_keeps_a_tied_weight():
     torch.testing.assert_close(model["head"](x), F.linear(x, embedding.weight), atol=1e-5, rtol=1e-5)
 
 
+def test_a_layer_that_cannot_be_packed_leaves_the_model_unchanged(monkeypatch):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    before = [type(m) for m in model.modules()]
+    real = PackedLinear.__init__
+
+    def fail_on_the_last(self, linear):
+        if linear.out_features == 4:
+            raise RuntimeError("oneDNN refused")
+        real(self, linear)
+
+    monkeypatch.setattr(PackedLinear, "__init__", fail_on_the_last)
+    with pytest.raises(RuntimeError, match="refused"):
+        pack_linears(model)
+    assert [type(m) for m in model.modules()] == before  # the first layer was not swapped either
+
+
 def test_why_not_packed_says_why():
     assert "no nn.Linear" in why_not_packed(nn.Sequential(nn.ReLU()))
     meta = nn.Sequential(nn.Linear(4, 4, device="meta"))

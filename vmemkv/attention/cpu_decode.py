@@ -15,7 +15,8 @@ import functools
 
 import torch
 
-from vmemkv.attention.decode_checks import check_block_tables, check_inputs, check_slot_ids, check_variant
+from vmemkv.attention.decode_checks import (check_block_tables, check_inputs, check_slot_ids, check_variant,
+                                           query_and_output)
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MIN_KEYS_PER_SPLIT = 256  # a split's keys: fewer, and combining them costs more than it saves
@@ -60,10 +61,7 @@ def _run(q, k, v, index, index_stride_b, seq_lens, scale, block_size, out, windo
     if reason := unavailable(q.dtype):
         raise ValueError(reason)
     batch, num_q_heads, head_dim = q.shape
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    q, out = query_and_output(q, out)
     if batch == 0:
         return out
     seq_lens = _as_int32(seq_lens)

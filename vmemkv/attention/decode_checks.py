@@ -110,3 +110,12 @@ def check_block_tables(block_tables: torch.Tensor, q: torch.Tensor, seq_lens: to
             used &= starts + block_size > seq_lens[:, None] - window
         check_values("block table entries in use", block_tables[used], 0, num_blocks - 1, "num_blocks - 1")
     return block_tables
+
+
+def query_and_output(q: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` with a contiguous last dim (the kernels' row loads), and ``out`` or a new output."""
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return q, out

@@ -44,7 +44,8 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
         "vmemkv.attention.triton_decode needs Triton (pip install triton); "
         "use the SDPA attention (vmemkv.attention.ContiguousAttention) without it") from exc
 
-from vmemkv.attention.decode_checks import check_block_tables, check_inputs, check_slot_ids, check_variant
+from vmemkv.attention.decode_checks import (check_block_tables, check_inputs, check_slot_ids, check_variant,
+                                           query_and_output)
 
 __all__ = ["decode_attention_contiguous", "decode_attention_paged", "default_num_splits", "triton_interprets"]
 
@@ -264,10 +265,7 @@ def _launch(q, k, v, index, stride_index_b, seq_lens, scale, capacity, outer_str
     group = num_q_heads // num_kv_heads
     if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    q, out = query_and_output(q, out)
     if batch == 0:
         return out
     interpret = triton_interprets()

@@ -73,7 +73,8 @@ def pack_linears(model: nn.Module) -> int:
     Call ``why_not_packed`` first."""
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if type(child) is nn.Linear]
-    with torch.no_grad():
-        for parent, name, child in targets:
-            setattr(parent, name, PackedLinear(child))
+    with torch.no_grad():  # every layer packed before any is swapped: a failure changes nothing
+        packed = [PackedLinear(child) for _, _, child in targets]
+    for (parent, name, _), layer in zip(targets, packed):
+        setattr(parent, name, layer)
     return len(targets)
