@@ -5,12 +5,17 @@ allocations, and a block given back is written and read again like any other. Th
 
 import random
 
+import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import close_manager, read_kv_matches, tiny_config, write_kv
 from vmemkv import KVCacheManager
+from vmemkv.cache.backing import BACKED
+from vmemkv.cache.memory import backend_pages
+from vmemkv.memory.vmm.cpu import CpuBackend
 
 FP32 = dict(dtype=torch.float32)  # the K/V patterns are 4-byte elements
 
@@ -88,15 +93,94 @@ def test_a_block_given_back_reads_zeros_until_written_again(make_manager):
     assert manager.block_table("b") == [block] and read_kv_matches(manager, "b")
 
 
+class TakesPagesBackLikeCuda(CpuBackend):
+    """The CPU backend giving pages back as the CUDA one does (``cuMemRelease``): every mapping of
+    a page given back goes, and the page has no memory until taken back: by ``take_pages``, or by
+    a map or a copy naming it (as CUDA's). What it cannot see, a write through the pool window
+    (swap-in, the host tier), is why every block the pool counts as backed must have its pages:
+    ``unbacked_pages_of_backed_blocks`` says which do not."""
+
+    takes_pages_back = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.given_back: set[int] = set()
+        self.pages_taken_back = 0
+
+    def discard_pages(self, pages) -> int:
+        going = sorted(set(map(int, pages)) - self.given_back)
+        for state in list(self._ranges.values()):
+            mapped = np.flatnonzero(np.isin(state.vrange.page_table, going))
+            if mapped.size:
+                self.unmap(state.vrange, mapped)
+        self.given_back.update(going)
+        return super().discard_pages(going)
+
+    def take_pages(self, pages) -> None:
+        back = set(np.asarray(pages).tolist()) & self.given_back
+        self.given_back -= back
+        self.pages_taken_back += len(back)
+
+    def map(self, vrange, virtual_pages, physical_pages) -> None:
+        self.take_pages(physical_pages)
+        super().map(vrange, virtual_pages, physical_pages)
+
+    def copy_pages(self, src, dst) -> None:
+        assert not set(np.asarray(src).tolist()) & self.given_back, "copied from a page given back"
+        self.take_pages(dst)
+        super().copy_pages(src, dst)
+
+
+def unbacked_pages_of_backed_blocks(manager) -> set[int]:
+    memory = manager.memories[0]
+    backed = [b for b, state in enumerate(memory.pool.backing.state) if state == BACKED]
+    pages = memory.layout.physical_pages(np.array(backed, dtype=np.int64)).tolist()
+    return set(pages) & memory.backend.given_back
+
+
+def manager_taking_pages_back(config) -> KVCacheManager:
+    layout = config.make_layout()
+    return KVCacheManager(config, backend=TakesPagesBackLikeCuda(layout.page_size,
+                                                                 backend_pages(config, layout)[0]))
+
+
+def test_where_pages_must_be_taken_back_a_block_handed_out_again_takes_them_first():
+    """Block tables: no slot mapping takes the pages back on the way, the pool's hand-out must."""
+    manager = manager_taking_pages_back(tiny_config(**FP32, enable_prefix_caching=False, kv_backend="paged",
+                                                    num_blocks=8, max_model_len=16))
+    try:
+        backend = manager.memories[0].backend
+        admit_written(manager, "a", list(range(1, 9)))  # two blocks
+        manager.free("a")
+        assert manager.release_free_memory() == 2 * manager.block_bytes
+        assert len(backend.given_back) == 2 * manager.layout.pages_per_block
+        manager.admit("b", list(range(20, 28)))  # the same two blocks, taken back when handed out
+        assert not backend.given_back
+        write_kv(manager, "b", 0, 8)
+        manager.commit("b")
+        assert read_kv_matches(manager, "b")
+        assert backend.pages_taken_back == 2 * manager.layout.pages_per_block
+        assert manager.snapshot_stats()["blocks_taken_again"] == 2
+        manager.check()
+    finally:
+        close_manager(manager)
+
+
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
-def test_giving_memory_back_never_changes_what_a_request_or_the_cache_holds(seed):
+@pytest.mark.parametrize("takes_pages_back, kv_backend", [(False, "vmem"), (True, "vmem"), (True, "paged")],
+                         ids=["cpu", "like-cuda", "like-cuda-block-tables"])
+def test_giving_memory_back_never_changes_what_a_request_or_the_cache_holds(takes_pages_back, kv_backend, seed):
     """Random admissions (sharing system prompts), appends, forks, frees and give-backs: every
     running request reads back what was written for it, every prefix hit reads the bytes first
     written, the invariants hold, and the OS never holds more than the blocks the pool counts as
-    backed (a block given back holds no memory; a backed one may not be written yet)."""
+    backed (a block given back holds no memory; a backed one may not be written yet). Also where
+    giving back removes every mapping of a page and a page must be taken back before use (CUDA's
+    rules), with slots and with block tables (no slot maps a block: only the pool's own
+    take-back stands between a write and a page given back)."""
     rng = random.Random(seed)
-    manager = KVCacheManager(tiny_config(**FP32, num_blocks=24, max_num_seqs=6, max_model_len=40))
+    config = tiny_config(**FP32, num_blocks=24, max_num_seqs=6, max_model_len=40, kv_backend=kv_backend)
+    manager = manager_taking_pages_back(config) if takes_pages_back else KVCacheManager(config)
     try:
         systems = [list(range(1000 * s, 1000 * s + 8)) for s in range(3)]
         live, fresh = [], iter(range(10**6, 10**7))
@@ -125,6 +209,7 @@ def test_giving_memory_back_never_changes_what_a_request_or_the_cache_holds(seed
             manager.check()
             assert all(read_kv_matches(manager, rid) for rid in live)
             assert resident(manager) <= manager.kv_bytes_resident  # no filler read here
+            assert not takes_pages_back or not unbacked_pages_of_backed_blocks(manager)
         held = {b for rid in live for b in manager.block_table(rid)}
         assert manager.kv_bytes_resident >= len(held) * manager.block_bytes
     finally:

@@ -90,7 +90,9 @@ def test_sleep_on_cuda_moves_the_weights_to_host_and_wake_up_restores_the_same_t
     before = generate("a")
     model = engine.runner.model_runner.model
     allocated = torch.cuda.memory_allocated()
-    engine.sleep(1)  # the weights go to host memory: the device's allocation falls
+    assert engine.sleep(1) > 0  # every KV page goes back (cuMemRelease), the cached ones too
+    assert engine.manager.memories[0].backend.resident_bytes() == 0
+    # the weights go to host memory: the device's allocation falls
     assert all(param.numel() == 0 for param in model.parameters())
     assert torch.cuda.memory_allocated() < allocated
     engine.wake_up()

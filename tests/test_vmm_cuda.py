@@ -584,6 +584,69 @@ class TestProtocolAgainstFakeDriver:
         assert fake.mappings == {} and fake.handles == {}
 
 
+    def test_giving_pages_back_releases_their_handles_and_every_mapping(self, fake):
+        g = fake.GRANULARITY
+        b = vcuda.CudaBackend(num_pages=4)
+        r = b.reserve(4)
+        b.map(r, [0, 1, 2, 3], [3, 1, 2, 0])
+        b.pool_window()
+        memory = fake.memory_left
+        fake.log.clear()
+        assert b.discard_pages([1, 2, 2]) == 2
+        assert fake.log[0] == ("sync",)  # the device may still read them
+        assert r.page_table.tolist() == [3, -1, -1, 0]  # the range's mappings of them went
+        assert fake.memory_left == memory + 2 * g  # the driver has the memory back
+        assert len(fake.handles) == 2 and b.resident_bytes() == 2 * g
+        window = b._window_address
+        assert window + g not in fake.mappings and window + 2 * g not in fake.mappings
+        assert b.stats.pages_discarded == 2
+        assert b.discard_pages([1]) == 0  # given back already
+
+        b.map(r, [2], [1])  # a map takes the page again: a new handle, in the window too
+        assert r.page_table.tolist() == [3, -1, 1, 0] and len(fake.handles) == 3
+        assert window + g in fake.mappings and window + g in fake.accessible
+        b.take_pages([0, 2])  # page 2 again; page 0 has memory: left as it is
+        assert len(fake.handles) == 4 and b.resident_bytes() == 4 * g
+        assert fake.memory_left == memory
+        b.close()
+        assert fake.mappings == {} and fake.reservations == {} and fake.handles == {}
+
+    def test_pages_given_back_before_the_window_is_made_are_left_out_of_it(self, fake):
+        g = fake.GRANULARITY
+        b = vcuda.CudaBackend(num_pages=4)
+        b.discard_pages([1])
+        window = b.pool_window()
+        assert window.shape == (4, g)
+        address = b._window_address
+        assert address + g not in fake.mappings and len(fake.mappings) == 3
+        b.copy_pages([0], [1])  # a copy onto a page given back takes it first
+        assert address + g in fake.mappings and len(fake.handles) == 4
+        b.discard_pages([0, 1, 2, 3])  # every page given back, then closed: nothing left over
+        b.close()
+        assert fake.mappings == {} and fake.reservations == {} and fake.handles == {}
+
+    def test_a_failed_take_leaves_the_page_given_back(self, fake):
+        b = vcuda.CudaBackend(num_pages=2)
+        r = b.reserve(2)
+        b.pool_window()
+        b.discard_pages([0])
+        fake.memory_left = 0  # another process took the GPU's memory meanwhile
+        with pytest.raises(CudaDriverError, match="taking physical page 0 again"):
+            b.map(r, [0], [0])
+        assert r.page_table.tolist() == [-1, -1] and b.resident_bytes() == b.page_size
+        fake.memory_left = fake.GRANULARITY
+        real_map = fake.cuMemMap
+        fake.cuMemMap = lambda *args: (fake.BAD,)  # the handle is made, the window refuses it
+        with pytest.raises(CudaDriverError, match="in the window"):
+            b.map(r, [0], [0])
+        fake.cuMemMap = real_map
+        b.map(r, [0], [0])  # the next take puts the page in the window, then maps it
+        assert r.page_table.tolist() == [0, -1] and b._window_address in fake.mappings
+        assert len(fake.handles) == 2
+        b.close()
+        assert fake.mappings == {} and fake.handles == {}
+
+
 # ============================================================================================
 # GPU: the real driver
 # ============================================================================================
@@ -803,6 +866,24 @@ class TestOnGpu:
             b.map(r, [0], [1])
         with pytest.raises(MappingError):
             b.release(r)
+
+    def test_pages_given_back_free_device_memory_and_come_back_writable(self, backend):
+        b = backend
+        r = b.reserve(4)
+        b.map(r, [0, 1, 2, 3], [0, 1, 2, 3])
+        kept = {page: _fill_page(b, page, seed=page) for page in (0, 3)}
+        window = b.pool_window()
+        free_before = torch.cuda.mem_get_info(b.device)[0]
+        assert b.discard_pages([1, 2]) == 2
+        assert r.page_table.tolist() == [0, -1, -1, 3]
+        assert torch.cuda.mem_get_info(b.device)[0] >= free_before + 2 * b.page_size
+        assert b.resident_bytes() == (NUM_PAGES - 2) * b.page_size
+        for page, data in kept.items():  # the pages kept, read through the range and the window
+            assert torch.equal(_bytes(b, r, page), data) and torch.equal(window[page], data)
+        b.map(r, [1, 2], [2, 1])  # taken again: new memory, mapped in the window as before
+        data = _fill_page(b, 2, seed=9)
+        assert torch.equal(_bytes(b, r, 1), data)
+        assert b.resident_bytes() == NUM_PAGES * b.page_size
 
     def test_mapping_from_another_thread_leaves_its_context_alone(self, backend):
         b = backend

@@ -10,7 +10,7 @@ ones, instead.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 NEVER, BACKED, GIVEN_BACK = 0, 1, 2
 
@@ -25,6 +25,9 @@ class Backing:
         self.num_backed_clean = 0
         self.given_back = self.taken_again = 0  # blocks, since creation
         self.limit: int | None = None  # the most blocks backed at once; None: no limit
+        # Called with a given-back block as it is handed out again, where memory does not come
+        # back by itself when written (CUDA: KVMemory takes the block's pages again).
+        self.on_take_again: Callable[[int], None] | None = None
 
     def back(self, block: int) -> None:
         """A clean block is handed out: it has memory behind it from now on."""
@@ -32,7 +35,10 @@ class Backing:
         if state == BACKED:
             self.num_backed_clean -= 1
             return
-        self.taken_again += state == GIVEN_BACK
+        if state == GIVEN_BACK:
+            self.taken_again += 1
+            if self.on_take_again is not None:
+                self.on_take_again(block)
         self.state[block] = BACKED
         self.num_backed += 1
 

@@ -68,6 +68,8 @@ class KVMemory:
         if metrics is not None:  # the backend reports its map/unmap time to the manager's collector
             self.backend.metrics = metrics
         self.pool = BlockPool(config.num_blocks, events, self.layout.tokens_per_page)
+        if self.backend.takes_pages_back:  # a given-back block's pages come back as it is handed out
+            self.pool.backing.on_take_again = self._take_again
         # A budget shared with other engines (memory/budget.py): the pool backs at most the blocks
         # this memory's share pays for; the share grows when an operation needs it (in chunks of
         # SHARE_CHUNK_BYTES) and shrinks when memory is given back.
@@ -87,6 +89,9 @@ class KVMemory:
     def _demote(self, evicted: list[EvictedBlock]) -> None:
         """The pool's eviction hook: evicted cached blocks go to the host tier."""
         self.host_tier.demote(self.block_window(), evicted)
+
+    def _take_again(self, block: int) -> None:
+        self.backend.take_pages(self.layout.physical_pages(np.array([block])))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each pair's source block onto its copy (just taken), all in one backend call."""

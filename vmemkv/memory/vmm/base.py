@@ -105,10 +105,20 @@ class VirtualMemoryBackend(ABC):
     can_discard = False  # whether discard_pages gives memory back
 
     def discard_pages(self, pages: Sequence[int]) -> int:
-        """Give the memory behind physical pages ``pages`` back to the OS: their mappings stay
-        valid, their bytes are gone (they read zeros), and touching one takes a page again.
-        Returns the pages given back: 0 on a backend that cannot (its memory stays resident)."""
+        """Give the memory behind physical pages ``pages`` back (to the OS, or the GPU's free
+        memory); their bytes are gone. On CPU their mappings stay valid, read zeros, and a write
+        takes a page again; where ``takes_pages_back`` (CUDA) every mapping of them goes (the
+        page tables say so) and ``take_pages`` must come before any use. Returns the pages given
+        back: 0 on a backend that cannot (its memory stays resident)."""
         return 0
+
+    # Whether a given-back page must be taken back (``take_pages``) before it is used again
+    # (CUDA: its handle is gone), rather than coming back when written (CPU: a page fault).
+    takes_pages_back = False
+
+    def take_pages(self, pages: Sequence[int]) -> None:
+        """Give physical pages ``pages`` memory again after ``discard_pages`` (new bytes, not
+        zeroed) where that is not automatic; a no-op for pages that have memory."""
 
     def resident_bytes(self) -> int | None:
         """Bytes of physical memory the pages hold now (None where the backend cannot tell)."""

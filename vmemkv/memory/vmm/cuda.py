@@ -114,6 +114,7 @@ class CudaBackend(VirtualMemoryBackend):
         self._handles: list[Any] = []
         self._window_address: int | None = None
         self._window: torch.Tensor | None = None
+        self._in_window: np.ndarray | None = None  # per page: mapped in the window (once made)
         self._ctx = None
         self._ctx_id = 0
 
@@ -271,6 +272,7 @@ class CudaBackend(VirtualMemoryBackend):
         virtual, physical, current = virtual[changed], physical[changed], current[changed]
         if virtual.size == 0:
             return
+        self.take_pages(physical)  # given-back pages get memory again first
         base = vrange.address
         remapped = virtual[current >= 0]  # CUDA cannot map over a mapping: unmap those first,
         if remapped.size:                 # once the device is done with them
@@ -334,25 +336,111 @@ class CudaBackend(VirtualMemoryBackend):
             with self._context():
                 address = int(self._call("cuMemAddressReserve", size, self._alignment(), 0, 0,
                                          context=f"reserving the pool window, {_gib(size)}"))
-                mapped = 0
+                live = np.flatnonzero([h is not None for h in self._handles])
+                in_window = np.zeros(self.num_pages, dtype=bool)
                 try:
-                    for i, handle in enumerate(self._handles):
-                        self._call("cuMemMap", address + i * self.page_size, self.page_size, 0,
-                                   handle, 0,
-                                   context=lambda: f"mapping physical page {i} in the window")
-                        mapped += 1
-                    self._call("cuMemSetAccess", address, size, [self._access], 1,
-                               context="opening the pool window")
+                    for first, count in consecutive_runs(live):
+                        self._map_window_run(address, first, count)
+                        in_window[first:first + count] = True
                 except BaseException:
                     with contextlib.suppress(CudaDriverError):
-                        if mapped:
-                            self._call("cuMemUnmap", address, mapped * self.page_size)
+                        for first, count in consecutive_runs(np.flatnonzero(in_window)):
+                            self._call("cuMemUnmap", address + first * self.page_size,
+                                       count * self.page_size)
                         self._call("cuMemAddressFree", address, size)
                     raise
-            self._window_address = address
+            self._window_address, self._in_window = address, in_window
             self._window = tensor_from_address(address, size, self.device).view(
                 self.num_pages, self.page_size)
         return self._window
+
+    def _map_window_run(self, address: int, first: int, count: int) -> None:
+        """Map pages ``first .. first+count-1`` at their place in the window and open them, all
+        or nothing."""
+        ps, done = self.page_size, 0
+        try:
+            for page in range(first, first + count):
+                self._call("cuMemMap", address + page * ps, ps, 0, self._handles[page], 0,
+                           context=lambda: f"mapping physical page {page} in the window")
+                done += 1
+            self._call("cuMemSetAccess", address + first * ps, count * ps, [self._access], 1,
+                       context="opening the pool window")
+        except BaseException:
+            if done:
+                with contextlib.suppress(CudaDriverError):
+                    self._call("cuMemUnmap", address + first * ps, done * ps)
+            raise
+
+    # -- giving memory back ---------------------------------------------------------------------
+    # A page's memory is its handle: giving it back is cuMemRelease, which frees the memory once
+    # no mapping holds it, so every mapping goes first (the window's and any range's). Taking it
+    # again is a new handle, mapped in the window where the window's old one was.
+
+    can_discard = True
+    takes_pages_back = True
+
+    def discard_pages(self, pages: Sequence[int]) -> int:
+        """Unmap every mapping of physical pages ``pages`` (the window's, and any range's: those
+        page tables then say -1), then release their handles; pages given back already are
+        skipped. ``take_pages`` (or a map naming them) gives them memory again."""
+        self._check_open()
+        pages = np.unique(check_indices(index_array(pages, "pages"), self.num_pages,
+                                        "physical page", "pool"))
+        pages = pages[[self._handles[p] is not None for p in pages.tolist()]]
+        if not pages.size:
+            return 0
+        start = time.perf_counter()
+        self.synchronize()  # the device may still read these pages
+        going = np.zeros(self.num_pages + 1, dtype=bool)  # index -1 (unmapped) reads the spare
+        going[pages] = True
+        ps = self.page_size
+        with self._context():
+            for vrange in self._ranges:
+                mapped = np.flatnonzero(going[vrange.page_table])
+                if mapped.size:
+                    self._unmap_pages(vrange, mapped)
+            for first, count in consecutive_runs(pages):
+                if self._in_window is not None:
+                    self._call("cuMemUnmap", self._window_address + first * ps, count * ps,
+                               context=lambda: f"unmapping pages {first}..{first + count - 1} "
+                                               f"from the window")
+                    self._in_window[first:first + count] = False
+                for page in range(first, first + count):
+                    self._call("cuMemRelease", self._handles[page],
+                               context=lambda: f"giving physical page {page} back")
+                    self._handles[page] = None
+        self.stats.pages_discarded += len(pages)
+        self.stats.discard_seconds += time.perf_counter() - start
+        return len(pages)
+
+    def take_pages(self, pages: Sequence[int] | np.ndarray) -> None:
+        """New handles for given-back pages among ``pages``, mapped in the window if it is made
+        (their bytes are undefined until written); pages with memory are left as they are."""
+        self._check_open()
+        pages = index_array(pages, "pages")
+        handles, in_window = self._handles, self._in_window
+        if all(handles[p] is not None for p in pages.tolist()) and (
+                in_window is None or in_window[pages].all()):
+            return  # the usual case: no driver call
+        with self._context():
+            for page in np.unique(pages).tolist():
+                if handles[page] is None:
+                    handles[page] = self._call(
+                        "cuMemCreate", self.page_size, self._prop, 0,
+                        context=lambda: f"taking physical page {page} again, {self.page_size} "
+                                        "bytes; free GPU memory or lower num_blocks")
+            if in_window is not None:  # a page made above, or one a failed take left out
+                for first, count in consecutive_runs(np.unique(pages[~in_window[pages]])):
+                    self._map_window_run(self._window_address, first, count)
+                    in_window[first:first + count] = True
+
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        self.take_pages(dst)  # a copy's target may be a page given back
+        super().copy_pages(src, dst)
+
+    def resident_bytes(self) -> int:
+        """Bytes of the pages that have a handle (every page but those given back)."""
+        return sum(h is not None for h in self._handles) * self.page_size
 
     def _range_bytes(self, vrange: VirtualRange) -> torch.Tensor:
         self._check_range(vrange)
@@ -396,12 +484,14 @@ class CudaBackend(VirtualMemoryBackend):
                 attempt(self._call, "cuMemAddressFree", vrange.address, vrange.size)
             self._ranges.clear()
             if self._window_address is not None:
-                size = self.num_pages * self.page_size
-                attempt(self._call, "cuMemUnmap", self._window_address, size)
+                size, ps = self.num_pages * self.page_size, self.page_size
+                for first, count in consecutive_runs(np.flatnonzero(self._in_window)):
+                    attempt(self._call, "cuMemUnmap", self._window_address + first * ps, count * ps)
                 attempt(self._call, "cuMemAddressFree", self._window_address, size)
-                self._window_address, self._window = None, None
+                self._window_address, self._window, self._in_window = None, None, None
             for handle in self._handles:
-                attempt(self._call, "cuMemRelease", handle)
+                if handle is not None:
+                    attempt(self._call, "cuMemRelease", handle)
             self._handles.clear()
         if self._ctx is not None:
             attempt(self._call, "cuDevicePrimaryCtxRelease", self._cu_device)
