@@ -134,8 +134,6 @@ def test_two_engines_share_one_budget(engines):
 
 
 def test_kv_pool_options_are_checked():
-    with pytest.raises(ConfigError, match="tensor parallelism"):
-        EngineConfig(kv_pool="p", tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="kv_idle_release_s"):
         EngineConfig(kv_idle_release_s=-1)
     assert EngineConfig(kv_pool="p").idle_release_seconds == 1.0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -209,6 +210,41 @@ def test_a_windowed_model_releases_blocks_on_every_rank_and_matches_hf():
         engine.close()
 
 
+def rss_shmem_bytes(pid: int) -> int:
+    """The shared memory a process has resident (its memfd pages mapped): RssShmem, /proc."""
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("RssShmem:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.spawns
+def test_a_shared_budget_pays_for_every_rank_and_an_idle_give_back_reaches_every_rank(tmp_path, monkeypatch):
+    """Rank 0 is the budget's one member and its share pays for both ranks' blocks; the idle
+    give-back is sent to the worker at once (no forward), whose resident KV memory falls; the
+    tokens after it, on blocks taken again on every rank, still equal HF's."""
+    monkeypatch.setenv("VMEMKV_KV_POOL_DIR", str(tmp_path))
+    engine = make_engine(kv_pool="tp", kv_pool_bytes=64 << 20, kv_idle_release_s=0, **TP)
+    try:
+        worker = engine.tensor_parallel.processes[0].pid
+        batch = prompts(3)
+        assert_hf(batch, run(engine, batch, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))
+        stats = engine.stats()
+        assert stats["kv_pool_share_bytes"] >= 2 * stats["kv_bytes_resident"] > 0  # both ranks' blocks
+        before, steps = rss_shmem_bytes(worker), engine.tensor_parallel.num_steps
+        assert engine.on_idle() > 0
+        assert engine.stats()["kv_pool_share_bytes"] == 0
+        assert engine.tensor_parallel.num_steps == steps  # no forward was sent
+        for _ in range(100):  # the worker replays the give-back as it receives it
+            if rss_shmem_bytes(worker) < before - stats["kv_bytes_resident"] // 2:
+                break
+            time.sleep(0.05)
+        assert rss_shmem_bytes(worker) < before - stats["kv_bytes_resident"] // 2
+        assert_hf(batch, run(engine, batch, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))
+        assert_every_forward_checked(engine)
+    finally:
+        engine.close()
+
+
 # --- without processes ---------------------------------------------------------------------------
 
 def test_replayed_log_gives_the_same_mappings_bytes_and_swap_state():
@@ -253,6 +289,31 @@ def test_replayed_log_gives_the_same_mappings_bytes_and_swap_state():
         for recording in (source, target):
             for recorder in recording.recorders:
                 recorder.close()
+
+
+def test_pages_given_back_and_taken_again_are_replayed():
+    """A give-back is logged (only when it gave something) and replayed: the other rank's pages
+    go back too (its memfd's count falls, the page reads zeros); a take is logged for backends
+    that take pages back explicitly (CUDA) and replayed as one."""
+    page = 4096
+    source, target = Recording(), Recording()
+    for recording in (source, target):
+        BackendRecorder(create_backend("cpu", page, 8), recording)
+    try:
+        for recording in (source, target):
+            recording.recorders[0].pool_window()[2:4].fill_(5)
+        (first,), (other,) = source.recorders, target.recorders
+        resident = other.resident_bytes()
+        assert first.discard_pages([2, 3]) == 2 and first.discard_pages([7]) == 1
+        first.take_pages([2])
+        log, _ = source.take_log()
+        assert [entry[:2] for entry in log] == [(0, "discard"), (0, "discard"), (0, "take")]
+        replay(log, target, [other.pool_window()])
+        assert other.resident_bytes() == resident - 2 * page
+        assert not other.pool_window()[2:4].any()
+    finally:
+        for recording in (source, target):
+            recording.recorders[0].close()
 
 
 def test_models_that_cannot_be_split_are_refused_before_anything_starts():

@@ -74,6 +74,9 @@ class CacheConfig:
     # later member gives the same number or None). ``num_blocks`` stays each pool's most blocks.
     kv_pool: str | None = None
     kv_pool_bytes: int | None = None
+    # How many ranks' pages each block stands for in that budget: a tensor-parallel engine's rank
+    # 0 is its only member, and every rank holds a block of the same size (its share of the heads).
+    kv_pool_ranks: int = 1
 
     def make_layout(self) -> KVLayout:
         shape = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)

@@ -24,6 +24,7 @@ from vmemkv.memory.budget import SharedKVBudget
 from vmemkv.memory.layout import KVLayout
 from vmemkv.cache.pool import BlockPool, EvictedBlock
 from vmemkv.cache.swap import SwapSpace
+from vmemkv.errors import ConfigError
 from vmemkv.memory.vmm import create_backend
 from vmemkv.memory.vmm.base import VirtualMemoryBackend
 
@@ -76,6 +77,10 @@ class KVMemory:
         self.budget = budget
         if budget is not None:
             self.pool.backing.limit = 0
+        ranks = config.kv_pool_ranks
+        if budget is not None and (type(ranks) is not int or ranks < 1):
+            raise ConfigError(f"kv_pool_ranks must be a positive int, got {ranks!r}")
+        self.budget_block_bytes = self.layout.block_bytes * ranks  # what a block costs the budget
         block_bytes = self.layout.block_bytes
         host_tier_blocks = config.host_cache_bytes // block_bytes if config.enable_prefix_caching else 0
         # one host block store: swap_space_bytes of rows for swapped requests beside the tier's
@@ -125,13 +130,13 @@ class KVMemory:
         """Give the budget back the share no block has memory behind."""
         backing = self.pool.backing
         if self.budget is not None and backing.limit > backing.num_backed:
-            self.budget.give((backing.limit - backing.num_backed) * self.layout.block_bytes)
+            self.budget.give((backing.limit - backing.num_backed) * self.budget_block_bytes)
             backing.limit = backing.num_backed
 
     def _grow_share(self, want: int, need: int) -> None:
         """Take the bytes of ``want`` more blocks (a chunk when the budget has room), at least
         ``need``, or nothing, for clean blocks waiting for memory (never more than wait)."""
-        pool, backing, block_bytes = self.pool, self.pool.backing, self.layout.block_bytes
+        pool, backing, block_bytes = self.pool, self.pool.backing, self.budget_block_bytes
         waiting = backing.unbackable(pool.num_clean)
         if waiting < need or not waiting:
             return
@@ -149,7 +154,7 @@ class KVMemory:
         available = pool.num_available
         if with_budget and self.budget is not None:
             waiting = pool.num_free - available
-            available += min(waiting, self.budget.free_bytes() // self.layout.block_bytes)
+            available += min(waiting, self.budget.free_bytes() // self.budget_block_bytes)
         return available
 
     def block_window(self) -> torch.Tensor:

@@ -121,9 +121,6 @@ class EngineConfig:
         if type(self.release_behind_window) is not bool:
             raise ConfigError(f"release_behind_window must be True or False, got "
                               f"{self.release_behind_window!r}")
-        if (self.kv_pool is not None or self.kv_idle_release_s is not None) and self.tensor_parallel_size > 1:
-            raise ConfigError("kv_pool and kv_idle_release_s are not supported with tensor "
-                              "parallelism yet: every rank would give memory back on its own")
         if self.kv_idle_release_s is not None and not (
                 isinstance(self.kv_idle_release_s, (int, float)) and self.kv_idle_release_s >= 0):
             raise ConfigError(f"kv_idle_release_s must be a number >= 0 or None, got "

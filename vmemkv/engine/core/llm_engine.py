@@ -231,6 +231,8 @@ class LLMEngine:
         bytes given back; ``seconds_to_idle_release()`` says when to call again."""
         given = self.elastic.on_idle()
         if given:
+            if self.tensor_parallel is not None:  # the other ranks give theirs back now too
+                self.tensor_parallel.send_log()
             self._update_gauges()
         return given
 
@@ -247,7 +249,8 @@ class LLMEngine:
             raise RequestStateError(f"cannot sleep with {len(self.groups)} unfinished request(s); "
                                     "finish or abort them first")
         if self.tensor_parallel is not None:
-            raise ConfigError("sleep is not supported with tensor parallelism yet")
+            raise ConfigError("sleep is not supported with tensor parallelism yet (the weights of "
+                              "every rank would have to move); kv_pool and the idle give-back are")
         given = self.elastic.sleep(level)
         self._update_gauges()
         return given

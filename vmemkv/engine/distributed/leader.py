@@ -84,7 +84,7 @@ class TensorParallelLeader:
         """Rank 0's manager, built exactly as every worker builds its own (one layout group, or
         two for a hybrid model: ``kv_manager.make_kv_manager``), ``manager_options``: what only rank 0's
         manager gets, such as an event sink."""
-        manager, self.recording = shard_manager(self.config, model, metrics, **manager_options)
+        manager, self.recording = shard_manager(self.config, model, 0, metrics, **manager_options)
         return manager
 
     def model_runner(self, model) -> "LeaderModelRunner":
@@ -105,6 +105,16 @@ class TensorParallelLeader:
             if check:
                 check_digests(digest, self.groups, self.num_steps)
         self.num_steps += 1
+
+    def send_log(self) -> None:
+        """Send the page operations logged since the last step with no forward (memory given
+        back while idle), so every rank gives it back now, not at the next step."""
+        self.raise_if_failed()
+        log, _ = self.recording.take_log()
+        if not log:
+            return
+        with self.collective("sending memory given back"):
+            self.broadcast_bytes += broadcast(StepMessage(log, [], [], None, [], None), self.groups)
 
     def collective(self, what: str):
         return _Collective(self, what)

@@ -2,7 +2,7 @@
 
 The scheduler and the KV cache manager run once, on rank 0. Everything they decide reaches
 memory through two narrow doors: the virtual-memory backend (``vmm/base.py``: reserve, map,
-unmap, copy pages) and the host swap space (``swap.py``: store, load, discard). On rank 0 both are
+unmap, copy pages, give pages back and take them again) and the host swap space (``swap.py``: store, load, discard). On rank 0 both are
 wrapped by recorders that log every call in the order the memory saw it (the lookahead mapper
 calls from another thread: one lock orders the log). Each step the log travels with the step's
 model inputs; a worker applies it to its own backend and swap space, which hold pages of the same
@@ -33,7 +33,8 @@ import torch
 from vmemkv.cache.swap import SwapSpace
 from vmemkv.memory.vmm.base import VirtualMemoryBackend, VirtualRange, index_array
 
-LogEntry = tuple  # (group, "map", range index, virtual, physical), (group, "copy", src, dst), ...
+LogEntry = tuple  # (group, "map", range index, virtual, physical), (group, "copy", src, dst),
+# (group, "discard", pages): memory given back, (group, "take", pages): taken again, ...
 
 
 class Recording:
@@ -71,6 +72,7 @@ class BackendRecorder(VirtualMemoryBackend):
         self.page_size, self.num_pages = inner.page_size, inner.num_pages
         self.device, self.granularity = inner.device, inner.granularity
         self.copy_by_gather = inner.copy_by_gather
+        self.can_discard, self.takes_pages_back = inner.can_discard, inner.takes_pages_back
         self.ranges: list[VirtualRange] = []
         self.swap_space: SwapSpace | None = None  # set by SwapRecorder: its replay and digest
         self.recording = recording if recording is not None else Recording()
@@ -125,6 +127,23 @@ class BackendRecorder(VirtualMemoryBackend):
         with self._lock:
             self.inner.copy_pages(src, dst)
             self._log("copy", src, dst)
+
+    def discard_pages(self, pages) -> int:
+        pages = index_array(pages, "pages").copy()
+        with self._lock:
+            given = self.inner.discard_pages(pages)
+            if given:
+                self._log("discard", pages)
+            return given
+
+    def take_pages(self, pages) -> None:
+        pages = index_array(pages, "pages").copy()
+        with self._lock:
+            self.inner.take_pages(pages)
+            self._log("take", pages)
+
+    def resident_bytes(self) -> int | None:
+        return self.inner.resident_bytes()
 
     def record_swap(self, *entry) -> None:
         """Log a swap-space operation in order with the page operations (``SwapRecorder``)."""
@@ -186,6 +205,10 @@ def replay(log: list[LogEntry], recording: Recording, block_windows: list[torch.
             backend.unmap(recorder.ranges[args[0]], args[1])
         elif kind == "copy":
             backend.copy_pages(args[0], args[1])
+        elif kind == "discard":
+            backend.discard_pages(args[0])
+        elif kind == "take":
+            backend.take_pages(args[0])
         elif kind == "swap_out":
             host = swap.store(window, args[0])
             if host != args[1]:  # the same free lists hand out the same host blocks

@@ -35,6 +35,8 @@ HEADER_BYTES = 1024  # the first broadcast of every step: the size, and the mess
 
 @dataclass
 class StepMessage:
+    """A forward's message; one with no ``input_ids`` carries only the log (memory given back
+    while idle), and no forward runs."""
     log: list
     input_ids: list[int]
     positions: list[int]
@@ -55,14 +57,18 @@ def batched_reads_of(attention) -> list[tuple[tuple[int, ...], int]]:
             for batch in attention.batches]
 
 
-def shard_manager(config: EngineConfig, model, metrics: KVMetricsCollector | None = None,
+def shard_manager(config: EngineConfig, model, rank: int, metrics: KVMetricsCollector | None = None,
                   **manager_options) -> tuple[KVManager, Recording]:
-    """This rank's manager over its share of the KV heads (``model`` is sharded already), every
+    """Rank ``rank``'s manager over its share of the KV heads (``model`` is sharded already), every
     group's backend and swap space recorded; the construction's own calls are not part of any
     step. ``manager_options`` go to the manager (one group's or the hybrid's) as they are (rank 0's own,
-    such as its event sink)."""
+    such as its event sink). With a shared KV budget (``kv_pool``) rank 0 is the engine's one
+    member and pays for every rank's blocks; the others replay its page decisions and never ask."""
     # On this rank's own device (cuda:<local rank>; the config says only "cuda").
     cache = replace(config.cache_config(model), device=str(next(model.parameters()).device))
+    if cache.kv_pool is not None:
+        cache = replace(cache, kv_pool_ranks=config.tensor_parallel_size) if rank == 0 else \
+            replace(cache, kv_pool=None, kv_pool_bytes=None)
     recording = Recording()
     manager = make_kv_manager(cache, model.config, max_model_len=config.max_model_len,
                               chunk_tokens=config.max_num_batched_tokens,

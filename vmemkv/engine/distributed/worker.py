@@ -34,7 +34,7 @@ def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
     groups = join(rendezvous, device, config.tensor_parallel_timeout)
     try:
         shard_model(model, rendezvous.rank, rendezvous.world_size)
-        manager, recording = shard_manager(config, model)
+        manager, recording = shard_manager(config, model, rendezvous.rank)
         runner = ModelRunner(model)
         reads = _ReplayedReads(manager)
         addressing = choose_addressing(config, reads, runner.device,
@@ -45,10 +45,11 @@ def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
             recording.take_log()  # this rank's own calls are not replayed anywhere
             if message.digest is not None:
                 check_digests(state_digest(recording), groups, step)
-            reads.runs = set(message.batched_reads)
-            runner.forward(message.input_ids, message.positions, addressing.attention(message.spans),
-                           message.logit_rows)
-            step += 1
+            if message.input_ids:  # else only the log: memory rank 0 gave back while idle
+                reads.runs = set(message.batched_reads)
+                runner.forward(message.input_ids, message.positions, addressing.attention(message.spans),
+                               message.logit_rows)
+                step += 1
         del addressing, runner, block_windows  # views of the cache, which close() refuses to cut
         gc.collect()
         manager.close()
