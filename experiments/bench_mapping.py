@@ -7,7 +7,8 @@ consecutive pages, which the CPU backend coalesces into one call per batch. On t
 same run also measures the floors: ``map_each`` (a C loop, one plain mmap per page, no
 bookkeeping) and one Python ``ctypes`` mmap per page, and what a decode step's lookahead block
 costs mapped over the bare reservation, over the batched-read filler, and over filler a read has
-touched (``measure_lookahead_once``).
+touched (``measure_lookahead_once``). On CUDA it also measures giving free pages back and taking
+them again, per page (``measure_give_back_once``; the CPU's: ``bench_give_back.py``).
 
     python experiments/bench_mapping.py                 # readable table
     python experiments/bench_mapping.py --json          # one JSON object
@@ -171,6 +172,20 @@ def _lookahead_case(backend: CpuBackend, case: str, slots: int, own: int, filler
         backend.release(vrange)
 
 
+def measure_give_back_once(backend: VirtualMemoryBackend, pages: int) -> dict:
+    """µs per page to give ``pages`` free pages back (CUDA: out of the pool window, then
+    ``cuMemRelease``) and to take them again (``cuMemCreate``, mapped in the window again)."""
+    backend.pool_window()  # made once: a give-back unmaps a page from it, a take maps it back
+    chosen = list(range(pages))
+    start = time.perf_counter()
+    backend.discard_pages(chosen)
+    give = time.perf_counter() - start
+    start = time.perf_counter()
+    backend.take_pages(chosen)
+    take = time.perf_counter() - start
+    return {"give_back_us_per_page": give / pages * 1e6, "take_again_us_per_page": take / pages * 1e6}
+
+
 def median_of(samples: list[dict]) -> dict:
     return {key: statistics.median(s[key] for s in samples) for key in samples[0]}
 
@@ -231,6 +246,8 @@ def run_cuda(args) -> dict:
 
         with CudaBackend(args.cuda_page_size, args.cuda_num_pages) as backend:
             results = bench_backend(backend, args.cuda_num_pages, args.reps, args.seed, False, 0)
+            results.update(median_of([measure_give_back_once(backend, min(64, args.cuda_num_pages))
+                                      for _ in range(args.reps)]))
     except Exception as e:  # noqa: BLE001 -- reported in the JSON and the exit status
         print(f"bench_mapping: CUDA backend FAILED: {type(e).__name__}: {e}", file=sys.stderr)
         return {"cuda_error": f"{type(e).__name__}: {e}"}
