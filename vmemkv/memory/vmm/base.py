@@ -206,6 +206,34 @@ def _outside(bad: int, limit: int, what: str, where: str) -> MappingError:
                         f"(valid: 0..{limit - 1})")
 
 
+def validate_map_request(vrange: VirtualRange, virtual_pages: Sequence[int] | np.ndarray,
+                         physical_pages: Sequence[int] | np.ndarray,
+                         pool_pages: int) -> tuple[np.ndarray, np.ndarray]:
+    """Check a map request before anything changes; return int64 arrays sorted by virtual page."""
+    virtual = index_array(virtual_pages, "virtual_pages")
+    physical = index_array(physical_pages, "physical_pages")
+    if virtual.shape != physical.shape:
+        raise MappingError(f"map got {virtual.size} virtual pages but {physical.size} physical "
+                           f"pages; pass one physical page per virtual page")
+    check_indices(virtual, vrange.num_pages, "virtual page", "range")
+    check_indices(physical, pool_pages, "physical page", "pool")
+    order = np.argsort(virtual, kind="stable")
+    virtual, physical = virtual[order], physical[order]
+    if virtual.size > 1 and np.any(np.diff(virtual) == 0):
+        dup = int(virtual[np.flatnonzero(np.diff(virtual) == 0)[0]])
+        raise MappingError(f"virtual page {dup} appears twice in one map call; map each "
+                           f"virtual page once")
+    return virtual, physical
+
+
+def validate_unmap_request(vrange: VirtualRange,
+                           virtual_pages: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Sorted unique int64 virtual pages, all inside ``vrange`` (else MappingError)."""
+    virtual = check_indices(index_array(virtual_pages, "virtual_pages"), vrange.num_pages,
+                            "virtual page", "range")
+    return np.unique(virtual)
+
+
 def consecutive_runs(indices: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
     """Split sorted ``indices`` into runs of consecutive values: ``[(start, length), ...]``."""
     idx = np.asarray(indices, dtype=np.int64)

@@ -24,43 +24,17 @@ import torch
 
 from vmemkv.errors import ConfigError, CudaDriverError, MappingError
 from vmemkv.memory.vmm.base import (MapStats, VirtualMemoryBackend, VirtualRange, check_indices,
-                                    consecutive_runs, index_array)
+                                    consecutive_runs, index_array, validate_map_request,
+                                    validate_unmap_request)
 # Re-exported: `from vmemkv.memory.vmm.cuda import load_driver` is the public spelling, and the backend
 # looks these names up here, so tests can replace them with fakes (monkeypatch this module).
-from vmemkv.memory.vmm.cuda_driver import (DEFAULT_GRANULARITY, allocation_granularity, allocation_prop,
-                                           call_driver, check_result, load_driver)
+from vmemkv.memory.vmm.cuda_driver import (DEFAULT_GRANULARITY, access_desc, allocation_granularity,
+                                           allocation_prop, call_driver, check_result, load_driver,
+                                           resolve_device)
 from vmemkv.memory.vmm.dlpack import tensor_from_address
 
 __all__ = ["CudaBackend", "DEFAULT_GRANULARITY", "call_driver", "check_result", "load_driver",
            "tensor_from_address", "validate_map_request", "validate_unmap_request"]
-
-
-def validate_map_request(vrange: VirtualRange, virtual_pages: Sequence[int] | np.ndarray,
-                         physical_pages: Sequence[int] | np.ndarray,
-                         pool_pages: int) -> tuple[np.ndarray, np.ndarray]:
-    """Check a map request before anything changes; return int64 arrays sorted by virtual page."""
-    virtual = index_array(virtual_pages, "virtual_pages")
-    physical = index_array(physical_pages, "physical_pages")
-    if virtual.shape != physical.shape:
-        raise MappingError(f"map got {virtual.size} virtual pages but {physical.size} physical "
-                           f"pages; pass one physical page per virtual page")
-    check_indices(virtual, vrange.num_pages, "virtual page", "range")
-    check_indices(physical, pool_pages, "physical page", "pool")
-    order = np.argsort(virtual, kind="stable")
-    virtual, physical = virtual[order], physical[order]
-    if virtual.size > 1 and np.any(np.diff(virtual) == 0):
-        dup = int(virtual[np.flatnonzero(np.diff(virtual) == 0)[0]])
-        raise MappingError(f"virtual page {dup} appears twice in one map call; map each "
-                           f"virtual page once")
-    return virtual, physical
-
-
-def validate_unmap_request(vrange: VirtualRange,
-                           virtual_pages: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Sorted unique int64 virtual pages, all inside ``vrange`` (else MappingError)."""
-    virtual = check_indices(index_array(virtual_pages, "virtual_pages"), vrange.num_pages,
-                            "virtual page", "range")
-    return np.unique(virtual)
 
 
 def _gib(nbytes: int) -> str:
@@ -106,7 +80,7 @@ class CudaBackend(VirtualMemoryBackend):
             raise ConfigError("the CUDA backend needs a CUDA GPU, and torch.cuda.is_available() "
                               "is False; use the CPU backend (vmemkv.memory.vmm.cpu) instead")
         self._driver = load_driver()
-        self.device = self._resolve_device(device)
+        self.device = resolve_device(device)
         self.stats = MapStats()
         self.access_calls = 0
         self._closed = True  # until the constructor has finished
@@ -135,7 +109,7 @@ class CudaBackend(VirtualMemoryBackend):
         try:
             with self._context():
                 self._prop = allocation_prop(self._driver, ordinal)
-                self._access = self._access_desc(ordinal)
+                self._access = access_desc(self._driver, ordinal)
                 self.granularity = allocation_granularity(self._driver, self._prop)
                 self.page_size = self._check_page_size(page_size)
                 self._create_pages()
@@ -144,30 +118,6 @@ class CudaBackend(VirtualMemoryBackend):
             raise
 
     # -- setup --------------------------------------------------------------------------------
-
-    @staticmethod
-    def _resolve_device(device: int | str | torch.device) -> torch.device:
-        if isinstance(device, (int, np.integer)) and not isinstance(device, bool):
-            dev = torch.device("cuda", int(device))
-        else:
-            dev = torch.device(device)
-        if dev.type != "cuda":
-            raise ConfigError(f"the CUDA backend needs a cuda device; got {dev}")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        count = torch.cuda.device_count()
-        if not 0 <= dev.index < count:
-            raise ConfigError(f"GPU {dev.index} does not exist; this process sees {count} GPU(s) "
-                              f"(0..{count - 1})")
-        return dev
-
-    def _access_desc(self, ordinal: int) -> Any:
-        d = self._driver
-        desc = d.CUmemAccessDesc()
-        desc.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        desc.location.id = ordinal
-        desc.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        return desc
 
     def _check_page_size(self, page_size: int | None) -> int:
         if page_size is None:
@@ -371,11 +321,7 @@ class CudaBackend(VirtualMemoryBackend):
                     self._call("cuMemUnmap", address + first * ps, done * ps)
             raise
 
-    # -- giving memory back ---------------------------------------------------------------------
-    # A page's memory is its handle: giving it back is cuMemRelease, which frees the memory once
-    # no mapping holds it, so every mapping goes first (the window's and any range's). Taking it
-    # again is a new handle, mapped in the window where the window's old one was.
-
+    # -- giving memory back: cuMemRelease frees a handle once no mapping holds it; a take: a new one
     can_discard = True
     takes_pages_back = True
 
@@ -391,9 +337,8 @@ class CudaBackend(VirtualMemoryBackend):
             return 0
         start = time.perf_counter()
         self.synchronize()  # the device may still read these pages
-        going = np.zeros(self.num_pages + 1, dtype=bool)  # index -1 (unmapped) reads the spare
+        going, ps = np.zeros(self.num_pages + 1, dtype=bool), self.page_size  # [-1]: unmapped
         going[pages] = True
-        ps = self.page_size
         with self._context():
             for vrange in self._ranges:
                 mapped = np.flatnonzero(going[vrange.page_table])
@@ -402,8 +347,7 @@ class CudaBackend(VirtualMemoryBackend):
             for first, count in consecutive_runs(pages):
                 if self._in_window is not None:
                     self._call("cuMemUnmap", self._window_address + first * ps, count * ps,
-                               context=lambda: f"unmapping pages {first}..{first + count - 1} "
-                                               f"from the window")
+                               context=lambda: f"unmapping pages from {first} in the window")
                     self._in_window[first:first + count] = False
                 for page in range(first, first + count):
                     self._call("cuMemRelease", self._handles[page],

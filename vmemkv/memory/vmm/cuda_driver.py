@@ -1,4 +1,5 @@
-"""The CUDA driver through cuda-python: loading the bindings, and the one check every call goes through.
+"""The CUDA driver through cuda-python: loading the bindings, the one check every call goes through,
+and what the backend's calls are made of (the device, allocation and access descriptors).
 
 cuda-python is imported lazily (``load_driver``), so importing this module needs nothing beyond
 the standard library; ``check_result`` and ``call_driver`` are tested on CPU against fake drivers.
@@ -91,3 +92,32 @@ def allocation_granularity(driver: Any, prop: Any) -> int:
     """The driver's minimum allocation granularity (bytes) for pages made with ``prop``."""
     flags = driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
     return int(call_driver(driver, "cuMemGetAllocationGranularity", prop, flags))
+
+
+def access_desc(driver: Any, ordinal: int) -> Any:
+    """``CUmemAccessDesc``: read and write for GPU ``ordinal``, what every mapping is opened with."""
+    desc = driver.CUmemAccessDesc()
+    desc.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = ordinal
+    desc.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    return desc
+
+
+def resolve_device(device: "int | str | torch.device") -> "torch.device":
+    """``device`` as ``cuda:<index>`` of a GPU this process sees (else ConfigError)."""
+    import numpy as np
+    import torch
+
+    if isinstance(device, (int, np.integer)) and not isinstance(device, bool):
+        dev = torch.device("cuda", int(device))
+    else:
+        dev = torch.device(device)
+    if dev.type != "cuda":
+        raise ConfigError(f"the CUDA backend needs a cuda device; got {dev}")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    count = torch.cuda.device_count()
+    if not 0 <= dev.index < count:
+        raise ConfigError(f"GPU {dev.index} does not exist; this process sees {count} GPU(s) "
+                          f"(0..{count - 1})")
+    return dev
