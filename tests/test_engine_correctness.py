@@ -252,7 +252,7 @@ def test_aborting_a_request_preempted_by_recompute_leaves_nothing_behind():
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     while not engine.scheduler.num_preemptions:
         engine.step()
-    preempted = [seq.group.request_id for seq in engine.scheduler.waiting if seq.num_computed == 0
+    preempted = [seq.request_id for seq in engine.scheduler.waiting if seq.num_computed == 0
                  and seq.output_token_ids]
     assert preempted, "the preempted request waits to be recomputed"
     for request_id in preempted:

@@ -13,7 +13,7 @@ from vmemkv import KVCacheManager, KVRequest
 from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
 from vmemkv.engine.core.kv_manager import KVManager, KVViews, layer_windows, make_kv_manager
 from vmemkv.engine.core.scheduler import Scheduler, StepResult
-from vmemkv.engine.core.sequence import Sequence, SequenceGroup
+from vmemkv.engine.core.sequence import Sequence
 from vmemkv.engine.distributed.worker import _ReplayedReads
 
 from test_sliding_window_models import build
@@ -42,15 +42,14 @@ def test_the_factory_gives_a_hybrid_model_one_group_per_kind_of_layer_unless_tol
 
 
 # --- the scheduler plans the step's KV changes; update is where its queues follow the step ----------
-def new_sequence(group: SequenceGroup, index: int) -> Sequence:
-    seq_id = group.request_id if index == 0 else f"{group.request_id}#{index}"
-    return Sequence(KVRequest(seq_id, list(group.prompt_token_ids)), group, index)
+def new_fork(first: Sequence, index: int) -> Sequence:
+    return Sequence(KVRequest(f"{first.request_id}#{index}", first.prompt_token_ids), first.request_id, None,
+                    first.params, first.num_prompt_tokens, index, parent=first)
 
 
 def request(name: str, tokens, n: int = 1) -> Sequence:
-    group = SequenceGroup(name, None, list(tokens), SamplingParams(max_tokens=4, n=n))
-    group.seqs.append(new_sequence(group, 0))
-    return group.seqs[0]
+    tokens = list(tokens)
+    return Sequence(KVRequest(name, tokens), name, None, SamplingParams(max_tokens=4, n=n), len(tokens))
 
 
 @pytest.fixture
@@ -64,7 +63,7 @@ def scheduler_on():
         managers.append(manager)
         config = EngineConfig(max_num_seqs=slots, max_model_len=128, max_num_batched_tokens=256,
                               watermark=watermark)
-        return Scheduler(config, manager, new_sequence, lookahead_tokens)
+        return Scheduler(config, manager, new_fork, lookahead_tokens)
 
     yield build
     for manager in managers:
@@ -93,7 +92,7 @@ def test_forks_are_planned_with_the_prompts_last_chunk_within_the_free_slots(sch
     plan = scheduler.schedule()
     assert [(fork.parent, [child.index for child in fork.children]) for fork in plan.forks] == [(parent, [1])]
     assert [seq.index for seq in scheduler.waiting] == [2]  # no slot left: waits as a new request
-    assert [seq.index for seq in parent.group.seqs] == [0, 1, 2]
+    assert [seq.index for seq in parent.sequences] == [0, 1, 2]
     carry_out(scheduler, plan)
     assert scheduler.manager.cache_stats().forks == 0  # the postprocessor forks nothing
     plan = scheduler.schedule()  # forks the planned child first, then grows both

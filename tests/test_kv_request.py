@@ -309,7 +309,7 @@ def test_the_engine_hashes_every_block_once_through_blocked_admissions_and_recom
     for i in range(6):
         prompt = [(31 * i + 7 * j) % 250 + 1 for j in range(28 + i)]
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
-        seqs.append(engine.groups[str(i)].seqs[0])
+        seqs.append(engine.requests[str(i)])
     blocked = 0
     while engine.has_unfinished_requests():
         blocked += len(engine.scheduler.waiting)

@@ -12,7 +12,7 @@ from conftest import assert_no_leaks, close_manager, tiny_config
 from vmemkv import KVCacheManager, KVRequest
 from vmemkv.engine import EngineConfig, SamplingParams
 from vmemkv.engine.core.scheduler import Scheduler
-from vmemkv.engine.core.sequence import Sequence, SequenceGroup
+from vmemkv.engine.core.sequence import Sequence
 
 
 class PerCallManager:
@@ -37,17 +37,16 @@ def drive(scheduler: Scheduler, prompts: list[list[int]], seed: int) -> list:
     step; returns each step's (scheduled ids and counts, preemptions, failures)."""
     rng = random.Random(seed)
     for index, prompt in enumerate(prompts):
-        group = SequenceGroup(str(index), None, list(prompt), SamplingParams(max_tokens=1))
-        seq = Sequence(KVRequest(str(index), list(prompt)), group, 0)
-        group.seqs.append(seq)
+        seq = Sequence(KVRequest(str(index), list(prompt)), str(index), None, SamplingParams(max_tokens=1),
+                       len(prompt))
         scheduler.add(seq)
     trace = []
     for _ in range(200):
         if not (scheduler.running or scheduler.waiting or scheduler.swapped):
             break
         out = scheduler.schedule()
-        trace.append(([(item.seq.group.request_id, item.num_new_tokens) for item in out.scheduled],
-                      scheduler.num_preemptions, [seq.group.request_id for seq, _ in out.failed]))
+        trace.append(([(item.seq.request_id, item.num_new_tokens) for item in out.scheduled],
+                      scheduler.num_preemptions, [seq.request_id for seq, _ in out.failed]))
         for item in out.scheduled:
             scheduler.manager.commit(item.seq.kv)
             kv = item.seq.kv

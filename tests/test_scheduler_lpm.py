@@ -19,7 +19,7 @@ from vmemkv import KVCacheManager, KVRequest
 from vmemkv.cli import build_parser, engine_config_from_args
 from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
 from vmemkv.engine.core.scheduler import Scheduler
-from vmemkv.engine.core.sequence import Sequence, SequenceGroup
+from vmemkv.engine.core.sequence import Sequence
 from vmemkv.errors import ConfigError
 
 PAGE = 4  # tokens per page of tiny_config
@@ -50,11 +50,8 @@ _arrivals = itertools.count()
 
 
 def request(name: str, tokens: list[int], priority: int = 0) -> Sequence:
-    group = SequenceGroup(name, None, list(tokens), SamplingParams(max_tokens=1), priority=priority,
-                          arrival_time=float(next(_arrivals)))
-    seq = Sequence(KVRequest(name, list(tokens)), group, 0)
-    group.seqs.append(seq)
-    return seq
+    return Sequence(KVRequest(name, list(tokens)), name, None, SamplingParams(max_tokens=1), len(tokens),
+                    priority=priority, arrival_time=float(next(_arrivals)))
 
 
 def unique(seed: int, length: int = 18) -> list[int]:
@@ -73,7 +70,7 @@ def step(scheduler: Scheduler, commit: bool = True) -> list[str]:
         for item in out.scheduled:
             scheduler.manager.commit(item.seq.kv)
             scheduler.remove(item.seq)
-    return [seq.group.request_id for seq in admitted]
+    return [seq.request_id for seq in admitted]
 
 
 def run_all(scheduler: Scheduler) -> list[str]:
@@ -169,7 +166,7 @@ def test_requests_sharing_a_prefix_being_computed_wait_and_hit_it(make):
         scheduler.add(seq)
     assert step(scheduler) == ["S0"]  # the others wait for its pages
     assert step(scheduler) == ["S1", "S2"]
-    assert [seq.group.num_cached_tokens for seq in seqs] == [0, 16, 16]
+    assert [seq.num_cached_tokens for seq in seqs] == [0, 16, 16]
 
 
 def test_a_held_back_request_counts_toward_the_bound(make):
@@ -183,7 +180,7 @@ def test_a_held_back_request_counts_toward_the_bound(make):
     assert step(scheduler, commit=False) == []
     assert step(scheduler, commit=False) == []
     assert step(scheduler, commit=False) == ["W"]
-    assert scheduler.running[-1].group.num_cached_tokens == 0
+    assert scheduler.running[-1].num_cached_tokens == 0
     drain(scheduler)
 
 

@@ -42,7 +42,7 @@ from vmemkv.engine.core.runner import LookaheadMapper, StepRunner
 from vmemkv.engine.core.sampler import make_generator
 from vmemkv.engine.core.sampling_params import SamplingParams
 from vmemkv.engine.core.scheduler import Scheduler
-from vmemkv.engine.core.sequence import Sequence, SequenceGroup
+from vmemkv.engine.core.sequence import Sequence
 
 
 class LLMEngine:
@@ -109,12 +109,12 @@ class LLMEngine:
         # Overlapped mapping (slots only): the scheduler gives decoding sequences their next block,
         # the runner maps it during the forward.
         lookahead_tokens = config.lookahead_tokens if self.addressing.uses_lookahead else 0
-        self.scheduler = Scheduler(config, self.manager, self._new_sequence, lookahead_tokens)
+        self.scheduler = Scheduler(config, self.manager, self._new_fork, lookahead_tokens)
         self.runner = StepRunner(model_runner, self.addressing,
                                  LookaheadMapper(self.manager) if lookahead_tokens > 0 else None)
         self.metrics = EngineMetrics(kv_metrics=self.kv_metrics, cache_stats=self.manager.cache_stats,
                                      memory_stats=self.manager.snapshot_stats)
-        self.groups: dict[str, SequenceGroup] = {}
+        self.requests: dict[str, Sequence] = {}  # unfinished, by id: each one's first sequence
         eos = text_config(model.config).eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         # HF generate stops at the generation config's eos too, and a chat model at its
@@ -123,7 +123,7 @@ class LLMEngine:
         self.eos_token_ids |= set(generation_eos if isinstance(generation_eos, list)
                                   else [generation_eos] if generation_eos is not None else [])
         self.eos_token_ids |= set(end_of_turn_token_ids(tokenizer))
-        self.postprocessor = Postprocessor(config, self.manager, self.metrics, self.groups,
+        self.postprocessor = Postprocessor(config, self.manager, self.metrics, self.requests,
                                            self.eos_token_ids, stream)
         # Idle give-back and sleep/wake (elastic.py); level-2 sleep reloads the weights by name.
         reload = ((lambda: load_model(config.model, config.torch_dtype, config.device, config.seed)[0])
@@ -146,16 +146,17 @@ class LLMEngine:
                     priority: int = 0, keys: CacheKeys | None = None) -> None:
         params = params or SamplingParams()
         self.elastic.check_awake()
-        if request_id in self.groups:
+        if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         token_ids = list(self.tokenizer.encode(prompt)) if text is not None else list(prompt)
         self._validate_prompt(request_id, token_ids)
-        group = SequenceGroup(request_id, text, token_ids, params, priority, keys or CacheKeys())
-        group.seqs.append(self._new_sequence(group, 0))
-        self.groups[request_id] = group
+        seq = Sequence(KVRequest(request_id, token_ids, keys or CacheKeys()), request_id, text, params,
+                       len(token_ids), priority=priority)
+        self._set_up(seq)
+        self.requests[request_id] = seq
         self.elastic.busy()
-        self.scheduler.add(group.seqs[0])
+        self.scheduler.add(seq)
         self.metrics.on_request_added(request_id, len(token_ids), time.monotonic())
 
     def _validate_prompt(self, request_id: str, token_ids: list[int]) -> None:
@@ -172,30 +173,37 @@ class LLMEngine:
         if problem is not None:
             raise RequestTooLongError(f"request {request_id!r}: {problem}")
 
-    def _new_sequence(self, group: SequenceGroup, index: int) -> Sequence:
-        seed = None if group.params.seed is None else group.params.seed + index
-        seq_id = group.request_id if index == 0 else f"{group.request_id}#{index}"
-        kv = KVRequest(seq_id, list(group.prompt_token_ids), group.keys)
-        return Sequence(kv, group, index, generator=make_generator(seed, self.runner.device),
-                        detokenizer=IncrementalDetokenizer.from_params(
-                            self.tokenizer, group.prompt_token_ids, group.params,
-                            final_only=not self.stream))
+    def _new_fork(self, first: Sequence, index: int) -> Sequence:
+        """The request ``first``'s sequence ``index`` (of its n), with the prompt alone."""
+        kv = KVRequest(f"{first.request_id}#{index}", first.prompt_token_ids, first.kv.keys)
+        fork = Sequence(kv, first.request_id, first.prompt, first.params, first.num_prompt_tokens, index,
+                        parent=first, priority=first.priority, arrival_time=first.arrival_time)
+        self._set_up(fork)
+        return fork
+
+    def _set_up(self, seq: Sequence) -> None:
+        """Its sampling generator (seeded per completion) and detokenizer."""
+        params = seq.params
+        seed = None if params.seed is None else params.seed + seq.index
+        seq.generator = make_generator(seed, self.runner.device)
+        seq.detokenizer = IncrementalDetokenizer.from_params(self.tokenizer, seq.prompt_token_ids, params,
+                                                             final_only=not self.stream)
 
     def abort_request(self, request_id: str) -> None:
-        group = self.groups.pop(request_id, None)
-        if group is None:
+        first = self.requests.pop(request_id, None)
+        if first is None:
             return
-        for seq in group.seqs:
+        for seq in first.sequences:
             if not seq.is_finished:
                 self.scheduler.remove(seq)
                 seq.finish_reason = "abort"
         self.metrics.on_request_finished(request_id, "abort", time.monotonic())
-        if not self.groups:
+        if not self.requests:
             self.elastic.idle()
         self._update_gauges()  # its blocks are free now; no step may come to say so
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.groups)
+        return bool(self.requests)
 
     # --- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -211,8 +219,8 @@ class LLMEngine:
         self._update_gauges()
         if self.kv_event_publisher is not None and (batch := self.kv_events.drain()):
             self.kv_event_publisher.publish(batch)
-        outputs = self.postprocessor.outputs(progress)  # finished requests leave self.groups
-        if not self.groups:
+        outputs = self.postprocessor.outputs(progress)  # finished requests leave self.requests
+        if not self.requests:
             self.elastic.idle()
         return outputs
 
@@ -245,8 +253,8 @@ class LLMEngine:
         memory on CUDA, level 2 discards them (``wake_up`` loads them again). Refused while
         requests are unfinished. Returns the KV bytes given back."""
         check_sleep_level(level)
-        if self.groups:
-            raise RequestStateError(f"cannot sleep with {len(self.groups)} unfinished request(s); "
+        if self.requests:
+            raise RequestStateError(f"cannot sleep with {len(self.requests)} unfinished request(s); "
                                     "finish or abort them first")
         if self.tensor_parallel is not None:
             raise ConfigError("sleep is not supported with tensor parallelism yet (the weights of "

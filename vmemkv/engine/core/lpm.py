@@ -92,8 +92,8 @@ class LongestPrefixFirst:
     def _rank(self, seq: Sequence) -> tuple[int, int, int, int]:
         position = self._position[seq]
         if self._is_overdue(seq):
-            return (seq.group.priority, 0, 0, position)
-        return (seq.group.priority, 1, -self._cached_blocks[seq], position)
+            return (seq.priority, 0, 0, position)
+        return (seq.priority, 1, -self._cached_blocks[seq], position)
 
     def _blocks_in_flight(self, running: list[Sequence]) -> set[bytes]:
         """Hashes of the prompt blocks running requests have reserved but not yet computed."""

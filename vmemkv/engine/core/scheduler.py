@@ -6,7 +6,7 @@ sequence is preempted (swap or recompute, as configured) until it can. Then swap
 back; then, only if none are left swapped, waiting sequences are admitted while slots, the budget
 and a free-block watermark allow: in arrival order (FCFS), by priority then arrival
 (``priority``), or longest cached prefix first with a bound on how long a request is passed over
-(``lpm``, ``lpm.py``). Then the step's KV plan is completed: a group whose prompt completes
+(``lpm``, ``lpm.py``). Then the step's KV plan is completed: a request whose prompt completes
 this step gets its other ``n - 1`` sequences planned as forks (a slot each and a copy of the
 prompt's partial last block, from what admission left and above the watermark; children without
 room wait as new requests), and decoding sequences about to cross a block boundary get their next
@@ -30,7 +30,7 @@ from vmemkv.errors import MappingLimitError
 from vmemkv.engine.core.kv_manager import KVManager
 from vmemkv.engine.core.config import EngineConfig
 from vmemkv.engine.core.lpm import LongestPrefixFirst
-from vmemkv.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from vmemkv.engine.core.sequence import Sequence, SequenceStatus
 from vmemkv.memory.slots import MapJob
 
 
@@ -42,7 +42,7 @@ class ScheduledSeq:
 
 @dataclass(slots=True)
 class Fork:
-    """A group's other sequences, which sample from ``parent``'s row at its prompt's last token and
+    """A request's other sequences, which sample from ``parent``'s row at its prompt's last token and
     are forked from it at the next ``schedule`` (its prompt committed by then)."""
     parent: Sequence
     children: list[Sequence]
@@ -64,15 +64,15 @@ class StepResult:
 
 
 class Scheduler:
-    """``new_sequence(group, index)`` makes a group's sequence ``index`` (needed for ``n > 1``);
+    """``new_fork(first, index)`` makes the request ``first``'s sequence ``index`` (for ``n > 1``);
     ``lookahead_tokens``: how far ahead decoding sequences get their next block (0: never)."""
 
     def __init__(self, config: EngineConfig, manager: KVManager,
-                 new_sequence: Callable[[SequenceGroup, int], Sequence] | None = None,
+                 new_fork: Callable[[Sequence, int], Sequence] | None = None,
                  lookahead_tokens: int = 0):
         self.config = config
         self.manager = manager
-        self.new_sequence = new_sequence
+        self.new_fork = new_fork
         self.lookahead_tokens = lookahead_tokens
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -219,7 +219,7 @@ class Scheduler:
             if cached is None:
                 break
             self.waiting.remove(seq)
-            seq.group.num_cached_tokens = max(seq.group.num_cached_tokens, cached)
+            seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, cached)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             count = seq.kv.num_tokens - cached
@@ -251,7 +251,7 @@ class Scheduler:
 
     def _fork(self, parent: Sequence, child: Sequence) -> bool:
         tokens = child.kv.token_ids
-        prompt = len(parent.group.prompt_token_ids)
+        prompt = parent.num_prompt_tokens
         sampled = tokens[prompt:]
         try:
             if self.manager.fork(parent.kv, child.kv) is None:  # copies the parent's token ids
@@ -263,8 +263,8 @@ class Scheduler:
 
     # --- the rest of the plan ---------------------------------------------------------------------
     def _plan_forks(self, out: SchedulerOutput) -> int:
-        """At a group's first sample (the step computing its prompt's last token), plan its other
-        ``n - 1`` sequences as forks of the one sampling: each takes a slot and a copy of the
+        """At a request's first sample (the step computing its prompt's last token), plan its other
+        ``n - 1`` sequences as forks of its first: each takes a slot and a copy of the
         prompt's partial last block, out of what admission left and above the watermark. Children
         without room wait as new requests (their prompt then hits the prefix cache). Returns the
         blocks the planned forks take."""
@@ -272,12 +272,11 @@ class Scheduler:
         spare = self.manager.num_free_blocks - self.watermark_blocks
         taken = 0
         for item in out.scheduled:
-            seq, group = item.seq, item.seq.group
-            if group.forked or seq.num_computed + item.num_new_tokens < len(seq.token_ids):
+            seq = item.seq
+            if seq.forks is not None or seq.parent is not None \
+                    or seq.num_computed + item.num_new_tokens < len(seq.token_ids):
                 continue
-            group.forked = True  # from now on the group has all its sequences
-            children = [self.new_sequence(group, index) for index in range(1, group.params.n)]
-            group.seqs += children
+            children = seq.forks = [self.new_fork(seq, index) for index in range(1, seq.params.n)]
             blocks_each = int(len(seq.token_ids) % self.manager.tokens_per_page != 0)
             room = spare // blocks_each if blocks_each else len(children)
             fit = max(min(len(children), slots, room), 0)
@@ -348,4 +347,4 @@ class Scheduler:
     def _never_fits(self, seq: Sequence, num_tokens: int) -> str | None:
         """Why ``seq`` holding ``num_tokens`` tokens can never run, even alone; None if it can."""
         problem = self.manager.why_never_fits(num_tokens, self.config.max_num_batched_tokens)
-        return None if problem is None else f"request {seq.group.request_id!r}: {problem}"
+        return None if problem is None else f"request {seq.request_id!r}: {problem}"
