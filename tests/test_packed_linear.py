@@ -96,18 +96,18 @@ def test_fused_projections_equal_each_f_linear_in_any_order(dtype, tolerance, bi
     with torch.inference_mode():
         for name in ("q_proj", "k_proj", "v_proj", "mlp.gate_proj", "mlp.up_proj"):  # HF's order
             check(name, x)
-        assert all(group._output is None and group._input is None for group in groups)  # nothing kept
+        assert all(group.cache.output is None and group.cache.input is None for group in groups)  # nothing kept
         check("q_proj", x)
-        assert model.q_proj.group._input is x  # kept for k and v
+        assert model.q_proj.group.cache.input is x  # kept for k and v
         check("k_proj", y)  # another input: its own GEMM, not x's
         check("q_proj", x)  # the cache now holds y's
         check("q_proj", x)  # a slice already taken is computed again
         check("v_proj", y)
         check("v_proj", x)
         check("k_proj", x)
-        assert model.q_proj.group._input is x
+        assert model.q_proj.group.cache.input is x
         check("q_proj", x)  # v, k, q: all three slices of x's output taken
-        assert model.q_proj.group._output is None
+        assert model.q_proj.group.cache.output is None
         for name in ("mlp.up_proj", "mlp.gate_proj", "mlp.gate_proj", "mlp.up_proj"):
             check(name, x[0])  # [T, hidden] rows, up first
 
@@ -191,6 +191,6 @@ def test_engine_with_fused_projections_matches_hf(name):
             assert output.outputs[0].token_ids == tiny_gemma2_reference(tuple(prompt), NEW_TOKENS)
     else:
         assert_matches_hf(name, batch, outputs)
-    assert all(group._output is None for group in groups)  # no output kept between steps
+    assert all(group.cache.output is None for group in groups)  # no output kept between steps
     assert_clean(engine)
     engine.close()

@@ -54,6 +54,17 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed (oneDNN)"
 
 
+class _Cached:
+    """A ``FusedPackedLinear``'s output for one input, and which layers took their slice."""
+
+    __slots__ = ("input", "output", "taken")
+
+    def __init__(self):
+        self.input: torch.Tensor | None = None
+        self.output: torch.Tensor | None = None
+        self.taken: set[int] = set()
+
+
 class FusedPackedLinear(nn.Module):
     """Linear layers over one input (``q|k|v``, ``gate|up``) as one GEMM over their weights
     concatenated and packed. Layer ``i``'s output is ``output(x, i)``: its columns of the GEMM over
@@ -75,9 +86,7 @@ class FusedPackedLinear(nn.Module):
             bias = torch.cat([linear.weight.new_zeros(linear.out_features) if linear.bias is None
                               else linear.bias.detach() for linear in linears])
             self.bias = nn.Parameter(bias, requires_grad=False)
-        self._input: torch.Tensor | None = None  # the input of the cached output
-        self._output: torch.Tensor | None = None
-        self._taken: set[int] = set()  # the slices of the cached output handed out
+        self.cache = _Cached()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Every layer's output, concatenated along the last dimension."""
@@ -87,12 +96,14 @@ class FusedPackedLinear(nn.Module):
 
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """Layer ``index``'s output for ``x`` (a view into the group's output)."""
-        if x is not self._input or index in self._taken:
-            self._input, self._output, self._taken = x, self(x), set()
-        output = self._output
-        self._taken.add(index)
-        if len(self._taken) == len(self.sizes):  # every slice handed out: keep nothing alive
-            self._input = self._output = None
+        cache = self.cache  # a plain object: nn.Module's attribute setting costs microseconds
+        if x is not cache.input or index in cache.taken:
+            cache.input, cache.output = x, self.forward(x)
+            cache.taken.clear()
+        output = cache.output
+        cache.taken.add(index)
+        if len(cache.taken) == len(self.sizes):  # every slice handed out: keep nothing alive
+            cache.input = cache.output = None
         return output[..., self.starts[index]:self.starts[index] + self.sizes[index]]
 
     def extra_repr(self) -> str:
