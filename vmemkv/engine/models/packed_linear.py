@@ -72,7 +72,8 @@ class FusedPackedLinear(nn.Module):
     ``x``, computed at the first layer's call and kept for the others' calls with the same tensor
     (``x is`` the cached input). The cache is dropped once every layer has taken its slice; a call
     with another tensor, or a second call for a slice already taken, computes the GEMM again (for
-    that tensor), so results never depend on the order of calls, only the time does."""
+    that tensor), so results never depend on the order of calls, only the time does. (It assumes
+    the input is not changed in place between the calls, as HF's attention and MLP modules do not.)"""
 
     def __init__(self, linears: list[nn.Linear]):
         super().__init__()
