@@ -71,14 +71,18 @@ def test_without_a_kv_pool_or_a_delay_nothing_is_given_back(engines):
     assert resident(engine) > 0
 
 
-@pytest.mark.parametrize("level", [1, 2])
-def test_sleep_gives_back_every_page_and_wake_up_restores_the_same_tokens(engines, level):
-    engine = engines()
+@pytest.mark.parametrize("level, model", [(1, "tiny-llama"), (2, "tiny-llama"), (2, "tiny-qwen2")])
+def test_sleep_gives_back_every_page_and_wake_up_restores_the_same_tokens(engines, level, model):
+    """Level 2 on CPU drops the packed linear weights too (buffers; tiny-qwen2's fused q|k|v has a
+    bias, a parameter of the fused layer), and the wake builds them the same way again."""
+    engine = engines(model=model)
     before = generate(engine)
     assert engine.sleep(level) > 0
     assert resident(engine) == 0 and engine.sleep_level == level
     if level == 2:  # the weights are gone until wake_up loads them again
-        assert all(param.numel() == 0 for param in engine.runner.model_runner.model.parameters())
+        weights = engine.runner.model_runner.model
+        assert engine.packed_linears.startswith("packed")
+        assert all(tensor.numel() == 0 for tensor in [*weights.parameters(), *weights.buffers()])
     with pytest.raises(EngineAsleepError, match="wake_up"):
         engine.add_request("late", PROMPTS[0], GREEDY)
     engine.wake_up()

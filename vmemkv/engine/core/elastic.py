@@ -85,9 +85,11 @@ class ElasticMemory:
         self.manager.reset_prefix_cache()  # no request holds blocks: the engine checked
         given = self.manager.release_free_memory(cached=True)
         params = dict(self.model.named_parameters())
-        if level == 2:
+        if level == 2:  # parameters and buffers (packed CPU weights are buffers)
             for param in params.values():
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            for name, buffer in self.model.named_buffers():
+                _set_buffer(self.model, name, torch.empty(0, dtype=buffer.dtype, device=buffer.device))
         elif next(iter(params.values())).device.type == "cuda":
             self._host_weights = {name: param.data.to("cpu") for name, param in params.items()}
             for param in params.values():
@@ -101,10 +103,13 @@ class ElasticMemory:
             return
         params = dict(self.model.named_parameters())
         if self.sleep_level == 2:
-            fresh = dict(self._reload_weights().named_parameters())
+            model = self._reload_weights()
+            fresh = dict(model.named_parameters())
             device = next(iter(params.values())).device
             for name, param in params.items():
                 param.data = fresh[name].data.to(device)
+            for name, buffer in model.named_buffers():
+                _set_buffer(self.model, name, buffer.to(device))
         elif self._host_weights is not None:
             for name, param in params.items():
                 param.data = self._host_weights[name].to(param.device)
@@ -116,3 +121,9 @@ class ElasticMemory:
         if self.sleep_level:
             raise EngineAsleepError(f"the engine is asleep (level {self.sleep_level}); call "
                                     "wake_up() (POST /wake_up on the server) before sending requests")
+
+
+def _set_buffer(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Replace the buffer ``name`` (dotted, as ``named_buffers`` gives it) of ``model``."""
+    owner, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(owner), attribute, tensor)

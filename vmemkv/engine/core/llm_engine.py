@@ -62,6 +62,14 @@ class LLMEngine:
             return f"off: {reason}"
         return f"packed {pack_linears(model)}"
 
+    def _reload_model(self):
+        """The model loaded again by name and built as this engine's was (for a level-2 wake)."""
+        config = self.config
+        model = load_model(config.model, config.torch_dtype, config.device, config.seed)[0]
+        if self.packed_linears.startswith("packed"):
+            pack_linears(model)
+        return model
+
     def __init__(self, config: EngineConfig, model=None, tokenizer=None, stream: bool = True):
         self.config = config
         self.stream = stream
@@ -126,8 +134,7 @@ class LLMEngine:
         self.postprocessor = Postprocessor(config, self.manager, self.metrics, self.requests,
                                            self.eos_token_ids, stream)
         # Idle give-back and sleep/wake (elastic.py); level-2 sleep reloads the weights by name.
-        reload = ((lambda: load_model(config.model, config.torch_dtype, config.device, config.seed)[0])
-                  if loaded_by_name and tp is None else None)
+        reload = self._reload_model if loaded_by_name and tp is None else None
         self.elastic = ElasticMemory(self.manager, model, config.idle_release_seconds, reload)
         self.step_seconds = 0.0
         self.num_steps = 0
