@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+import textwrap
 
 import pytest
 
@@ -118,6 +119,13 @@ def test_quick_run_passes_its_checks(quick_run):
     status, result, _ = quick_run
     assert result["failures"] == []
     assert status == 0
+
+
+def test_the_terminal_output_fits_100_columns(quick_run):
+    _, result, _ = quick_run
+    table, summary = report.format_table(result), textwrap.fill(report.summary(result), report.CONSOLE_WIDTH)
+    assert "tok/s" in table and len(table.splitlines()) > 2
+    assert max(len(line) for line in [*table.splitlines(), *summary.splitlines()]) <= 100
 
 
 def test_quick_run_reports_every_metric_for_every_variant(quick_run):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import textwrap
 from collections.abc import Sequence
 
 DEFAULT_OUT = "experiments/results/local/ab"  # untracked: the recorded runs stay as they are
@@ -155,7 +156,7 @@ def run_ab(args: argparse.Namespace) -> int:
     if not args.json:
         print(report.format_table(result))
         print()
-        print(report.summary(result))
+        print(textwrap.fill(report.summary(result), report.CONSOLE_WIDTH))
         print()
         print(f"runtime {result['runtime_s']:.0f} s; wrote " + ", ".join(str(p) for p in paths))
     for failure in result["failures"]:

@@ -32,6 +32,19 @@ COLUMNS = (
     ("KV mgr %", "kv_manager_share", "{:.1f}", 100.0),
     ("attn %", "attention_share", "{:.0f}", 100.0),
 )
+# What the terminal shows (at most 100 columns): the main numbers, short headers, no ranges; the
+# Markdown report has every column.
+CONSOLE_COLUMNS = (
+    ("tok/s", "output_tokens_per_s", "{:.0f}", 1.0),
+    ("tok/CPU-s", "output_tokens_per_cpu_s", "{:.0f}", 1.0),
+    ("TTFT", "ttft_p50_ms", "{:.0f}", 1.0),
+    ("TPOT", "tpot_p50_ms", "{:.1f}", 1.0),
+    ("KV MiB", "peak_kv_mib", "{:.2f}", 1.0),
+    ("fit", "requests_fit", "{:.0f}", 1.0),
+    ("hit %", "prefix_hit_rate", "{:.1f}", 100.0),
+    ("preempt", "preemptions", "{:.0f}", 1.0),
+)
+CONSOLE_WIDTH = 100
 # Columns that also show their min-max over repeats.
 WITH_RANGE = {"output_tokens_per_s", "output_tokens_per_cpu_s"}
 COLORS = {"vmem": "#1f77b4", "paged": "#ff7f0e", "vmem-per-layer": "#2ca02c", "paged-per-layer": "#d62728",
@@ -72,14 +85,14 @@ def _cell(spread: dict, fmt: str, scale: float, with_range: bool) -> str:
     return text
 
 
-def table_rows(result: dict) -> tuple[list[str], list[list[str]]]:
-    headers = ["workload", "variant"] + [c[0] for c in COLUMNS] + ["same tokens"]
+def table_rows(result: dict, columns=COLUMNS, ranges: bool = True) -> tuple[list[str], list[list[str]]]:
+    headers = ["workload", "variant"] + [c[0] for c in columns] + ["same tokens"]
     rows = []
     for workload, per_variant in result["results"].items():
         for variant, data in per_variant.items():
             cells = [workload, variant]
-            cells += [_cell(data["metrics"][key], fmt, scale, key in WITH_RANGE)
-                      for _, key, fmt, scale in COLUMNS]
+            cells += [_cell(data["metrics"][key], fmt, scale, ranges and key in WITH_RANGE)
+                      for _, key, fmt, scale in columns]
             equal = data["tokens_equal"]
             cells.append("ref" if variant == "vmem" else "-" if equal is None
                          else "yes" if equal else "NO")
@@ -88,7 +101,9 @@ def table_rows(result: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def format_table(result: dict) -> str:
-    headers, rows = table_rows(result)
+    """The terminal's table (``CONSOLE_COLUMNS``; every column is in the Markdown report)."""
+    headers, rows = table_rows(result, CONSOLE_COLUMNS, ranges=False)
+    headers[-1] = "same"
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
 
     def line(cells: list[str]) -> str:
@@ -102,6 +117,8 @@ def format_table(result: dict) -> str:
             out.append("")
         out.append(line(row))
         previous = row[0]
+    out += ["", "TTFT, TPOT: p50 in ms; fit: requests the pool holds at once.",
+            "Every column, with ranges over the repeats: the Markdown report (--out)."]
     return "\n".join(out)
 
 
