@@ -48,7 +48,7 @@ from vmemkv.cache.config import CacheStats
 from vmemkv.errors import VmemkvError
 from vmemkv.cache.metrics import KVMetricsCollector
 
-disable_created_metrics()  # no *_created series: a scrape shows the values, as vLLM's /metrics
+disable_created_metrics()  # no *_created series (process-wide): a scrape shows the values alone
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
