@@ -360,8 +360,12 @@ def _grouped_bars(ax, result: dict, key: str, scale: float = 1.0, log: bool = Fa
             for bar, value in zip(bars, med):
                 text = f"{value:.0f}" if value >= 10 or value == int(value) else f"{value:.2f}"
                 y = bar.get_height() if value > 0 else (1 if log else 0)
+                # upright, so the labels of narrow neighbouring bars never overlap
                 ax.annotate(text, (bar.get_x() + bar.get_width() / 2, y), ha="center",
-                            va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
+                            va="bottom", fontsize=7, rotation=90, xytext=(0, 2),
+                            textcoords="offset points")
+    if label_values:
+        ax.margins(y=0.12)  # room above the tallest bar for its label
     ax.set_xticks(x, workloads, rotation=15)
     if log:
         ax.set_yscale("log")
