@@ -73,9 +73,10 @@ def test_without_a_kv_pool_or_a_delay_nothing_is_given_back(engines):
 
 @pytest.mark.parametrize("level, model", [(1, "tiny-llama"), (2, "tiny-llama"), (2, "tiny-qwen2")])
 def test_sleep_gives_back_every_page_and_wake_up_restores_the_same_tokens(engines, level, model):
-    """Level 2 on CPU drops the packed linear weights too (buffers; tiny-qwen2's fused q|k|v has a
-    bias, a parameter of the fused layer), and the wake builds them the same way again."""
-    engine = engines(model=model)
+    """Level 2 on CPU drops the packed linear weights too (buffers; tiny-qwen2 runs with fused
+    projections, whose q|k|v bias is a parameter of the fused layer), and the wake builds them the
+    same way again."""
+    engine = engines(model=model, fused_projections=model == "tiny-qwen2")
     before = generate(engine)
     assert engine.sleep(level) > 0
     assert resident(engine) == 0 and engine.sleep_level == level

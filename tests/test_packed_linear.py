@@ -78,7 +78,7 @@ def test_fused_projections_equal_each_f_linear_in_any_order(dtype, tolerance, bi
     model = Attention(bias).to(dtype)
     want = {name: (layer.weight.detach().clone(), None if layer.bias is None else layer.bias.detach().clone())
             for name, layer in model.named_modules() if isinstance(layer, nn.Linear)}
-    assert pack_linears(model) == 6
+    assert pack_linears(model, fuse=True) == 6
     assert isinstance(model.o_proj, PackedLinear)  # not one of a group
     groups = {model.q_proj.group, model.mlp.gate_proj.group}
     assert model.k_proj.group is model.v_proj.group is model.q_proj.group
@@ -112,16 +112,16 @@ def test_fused_projections_equal_each_f_linear_in_any_order(dtype, tolerance, bi
             check(name, x[0])  # [T, hidden] rows, up first
 
 
-def test_fuse_false_packs_each_projection_alone():
+def test_without_fuse_each_projection_is_packed_alone():
     model = Attention(bias=True)
-    assert pack_linears(model, fuse=False) == 6
+    assert pack_linears(model) == 6
     assert all(type(m) is PackedLinear for name, m in model.named_modules() if name.endswith("proj"))
 
 
 def test_mismatched_projections_are_packed_alone():
     model = Attention(bias=False)
     model.v_proj = nn.Linear(64, 32)  # another input width: not one GEMM with q and k
-    assert pack_linears(model) == 6
+    assert pack_linears(model, fuse=True) == 6
     assert all(type(getattr(model, name)) is PackedLinear for name in ("q_proj", "k_proj", "v_proj"))
     assert isinstance(model.mlp.gate_proj, PackedSlice)
 
@@ -138,7 +138,7 @@ def test_a_group_that_cannot_be_packed_leaves_the_model_unchanged(monkeypatch):
     real = FusedPackedLinear.__init__
     monkeypatch.setattr(FusedPackedLinear, "__init__", refuse)
     with pytest.raises(RuntimeError, match="refused"):
-        pack_linears(model)
+        pack_linears(model, fuse=True)
     assert [type(m) for m in model.modules()] == before
 
 
@@ -178,7 +178,8 @@ def test_engine_with_fused_projections_matches_hf(name):
     eager attention, soft-capping)."""
     from test_engine_correctness import NEW_TOKENS, assert_clean, assert_matches_hf, make_engine, prompts, run
 
-    engine = make_engine(name)
+    engine = make_engine(name, fused_projections=True)
+    assert engine.packed_linears.endswith("(q|k|v and gate|up fused)")
     model = engine.runner.model_runner.model
     groups = {m.group for m in model.modules() if isinstance(m, PackedSlice)}
     assert len(groups) == 2 * model.config.num_hidden_layers  # q|k|v and gate|up in every layer

@@ -63,6 +63,10 @@ class EngineConfig:
     # (engine/models/packed_linear.py: up to 2.7x faster for a decode's few rows); a model object
     # passed in is never changed; False: F.linear. Not with tensor parallelism.
     packed_linears: bool = True
+    # With packed linears: q|k|v and gate|up as one GEMM each (packed_linear.py). Off by default:
+    # faster alone at a few rows, but no faster end to end (a 32-sequence decode: 6 % slower, median)
+    # (docs/engine.md#linear-layers-on-the-cpu).
+    fused_projections: bool = False
     # Sliding windows: give back the blocks behind each layer's window while a request runs (one
     # window for every layer, or local and global layers in layer groups: cache_group.py); False
     # keeps every block (O(length) KV per request: the A/B's keep-everything baseline).

@@ -60,14 +60,15 @@ class LLMEngine:
                               else "tensor parallelism shards the model's own linear layers")
         if reason := why_not_packed(model):
             return f"off: {reason}"
-        return f"packed {pack_linears(model)}"
+        fused = self.config.fused_projections
+        return f"packed {pack_linears(model, fuse=fused)}" + (" (q|k|v and gate|up fused)" if fused else "")
 
     def _reload_model(self):
         """The model loaded again by name and built as this engine's was (for a level-2 wake)."""
         config = self.config
         model = load_model(config.model, config.torch_dtype, config.device, config.seed)[0]
         if self.packed_linears.startswith("packed"):
-            pack_linears(model)
+            pack_linears(model, fuse=self.config.fused_projections)
         return model
 
     def __init__(self, config: EngineConfig, model=None, tokenizer=None, stream: bool = True):

@@ -24,7 +24,9 @@ the first call computes the group's output for ``x`` and the others take their s
 few rows the GEMM streams the weights, and one call over the concatenation is cheaper than three:
 one decode layer of SmolLM2-135M (float32, one thread), q, k, v, gate and up 17% faster at 4 rows,
 10-12% at 1 and 16, the layer's seven projections 6-10% (``experiments/bench_packed_linear.py
---fused``).
+--fused``). End to end it measured no gain (a 32-sequence decode: median 6% slower over seven
+pairs; the slices are strided views, slower for the element-wise ops after them), so ``fuse`` is
+off by default (``EngineConfig.fused_projections``).
 """
 
 from __future__ import annotations
@@ -169,7 +171,7 @@ def why_not_packed(model: nn.Module) -> str:
     return ""
 
 
-def pack_linears(model: nn.Module, fuse: bool = True) -> int:
+def pack_linears(model: nn.Module, fuse: bool = False) -> int:
     """Replace every ``nn.Linear`` of ``model`` (on the CPU) by a ``PackedLinear``, or, with ``fuse``,
     a ``PackedSlice`` of its group's ``FusedPackedLinear`` where it is one of ``FUSED_GROUPS``;
     returns how many layers were replaced. Call ``why_not_packed`` first."""
