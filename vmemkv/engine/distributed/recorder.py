@@ -2,10 +2,11 @@
 
 The scheduler and the KV cache manager run once, on rank 0. Everything they decide reaches
 memory through two narrow doors: the virtual-memory backend (``vmm/base.py``: reserve, map,
-unmap, copy pages, give pages back and take them again) and the host swap space (``swap.py``: store, load, discard). On rank 0 both are
-wrapped by recorders that log every call in the order the memory saw it (the lookahead mapper
-calls from another thread: one lock orders the log). Each step the log travels with the step's
-model inputs; a worker applies it to its own backend and swap space, which hold pages of the same
+unmap, copy pages, give pages back and take them again) and the host swap space (``swap.py``:
+store, load, discard). On rank 0 both are wrapped by recorders that log every call in the order
+the memory saw it (the lookahead mapper calls from another thread: one lock orders the log). Each
+step the log travels with the step's model inputs (an idle give-back's in a message of its own,
+with no forward); a worker applies it to its own backend and swap space, which hold pages of the same
 count and geometry (every rank's cache holds its share of the KV heads, so the layouts agree), and
 then runs the forward. Page ids and mappings agree by construction, and prefix caching, forks,
 beam search, swap and recompute need nothing of their own: they are all rank-0 decisions.
