@@ -34,16 +34,11 @@ COLUMNS = (
 )
 # What the terminal shows (at most 100 columns): the main numbers, short headers, no ranges; the
 # Markdown report has every column.
-CONSOLE_COLUMNS = (
-    ("tok/s", "output_tokens_per_s", "{:.0f}", 1.0),
-    ("tok/CPU-s", "output_tokens_per_cpu_s", "{:.0f}", 1.0),
-    ("TTFT", "ttft_p50_ms", "{:.0f}", 1.0),
-    ("TPOT", "tpot_p50_ms", "{:.1f}", 1.0),
-    ("KV MiB", "peak_kv_mib", "{:.2f}", 1.0),
-    ("fit", "requests_fit", "{:.0f}", 1.0),
-    ("hit %", "prefix_hit_rate", "{:.1f}", 100.0),
-    ("preempt", "preemptions", "{:.0f}", 1.0),
-)
+CONSOLE_HEADERS = {"output_tokens_per_s": "tok/s", "output_tokens_per_cpu_s": "tok/CPU-s",
+                   "ttft_p50_ms": "TTFT", "tpot_p50_ms": "TPOT", "peak_kv_mib": "KV MiB",
+                   "requests_fit": "fit", "prefix_hit_rate": "hit %", "preemptions": "preempt"}
+CONSOLE_COLUMNS = tuple((CONSOLE_HEADERS[key], key, fmt, scale) for _, key, fmt, scale in COLUMNS
+                        if key in CONSOLE_HEADERS)
 CONSOLE_WIDTH = 100
 # Columns that also show their min-max over repeats.
 WITH_RANGE = {"output_tokens_per_s", "output_tokens_per_cpu_s"}

@@ -89,6 +89,7 @@ class CudaBackend(VirtualMemoryBackend):
         self._window_address: int | None = None
         self._window: torch.Tensor | None = None
         self._in_window: np.ndarray | None = None  # per page: mapped in the window (once made)
+        self._pages_out: set[int] = set()  # given back and not yet taken again (wholly)
         self._ctx = None
         self._ctx_id = 0
 
@@ -305,8 +306,7 @@ class CudaBackend(VirtualMemoryBackend):
         return self._window
 
     def _map_window_run(self, address: int, first: int, count: int) -> None:
-        """Map pages ``first .. first+count-1`` at their place in the window and open them, all
-        or nothing."""
+        """Map pages ``first .. first+count-1`` at their place in the window, all or nothing."""
         ps, done = self.page_size, 0
         try:
             for page in range(first, first + count):
@@ -353,30 +353,31 @@ class CudaBackend(VirtualMemoryBackend):
                     self._call("cuMemRelease", self._handles[page],
                                context=lambda: f"giving physical page {page} back")
                     self._handles[page] = None
+                    self._pages_out.add(page)
         self.stats.pages_discarded += len(pages)
         self.stats.discard_seconds += time.perf_counter() - start
         return len(pages)
 
     def take_pages(self, pages: Sequence[int] | np.ndarray) -> None:
-        """New handles for given-back pages among ``pages``, mapped in the window if it is made
-        (their bytes are undefined until written); pages with memory are left as they are."""
+        """New handles (bytes undefined) for given-back pages among ``pages``, in the window if made."""
         self._check_open()
-        pages = index_array(pages, "pages")
+        wanted = self._pages_out.intersection(index_array(pages, "pages").tolist()) \
+            if self._pages_out else None
+        if not wanted:
+            return  # the usual case: one set lookup, no driver call
         handles, in_window = self._handles, self._in_window
-        if all(handles[p] is not None for p in pages.tolist()) and (
-                in_window is None or in_window[pages].all()):
-            return  # the usual case: no driver call
         with self._context():
-            for page in np.unique(pages).tolist():
+            for page in sorted(wanted):
                 if handles[page] is None:
                     handles[page] = self._call(
                         "cuMemCreate", self.page_size, self._prop, 0,
                         context=lambda: f"taking physical page {page} again, {self.page_size} "
                                         "bytes; free GPU memory or lower num_blocks")
             if in_window is not None:  # a page made above, or one a failed take left out
-                for first, count in consecutive_runs(np.unique(pages[~in_window[pages]])):
+                for first, count in consecutive_runs(sorted(p for p in wanted if not in_window[p])):
                     self._map_window_run(self._window_address, first, count)
                     in_window[first:first + count] = True
+        self._pages_out -= wanted  # only once every step succeeded: a failed take is retried
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
         self.take_pages(dst)  # a copy's target may be a page given back
