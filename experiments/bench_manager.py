@@ -32,6 +32,7 @@ block, the same LRU eviction), which must give the same rate.
     python experiments/bench_manager.py --json          # one JSON object
     python experiments/bench_manager.py --out experiments/results   # manager_cpu.md / .json
     python experiments/bench_manager.py --hybrid --out experiments/results   # manager_hybrid_cpu.*
+    python experiments/bench_manager.py --compare --out experiments/results  # manager_group_ratio_cpu.*
 """
 
 from __future__ import annotations
@@ -180,8 +181,19 @@ class Timer:
         return out
 
 
-def measure_ops(args, run: int) -> tuple[dict, Timer, list[float], list[float]]:
+def measure_ops(args, run: int, hybrid: bool | None = None) -> tuple[dict, Timer, list[float], list[float]]:
     """One run on a fresh manager: (facts about it, the samples, the append_cross split in ns)."""
+    steps = operation_steps(args, run, args.hybrid if hybrid is None else hybrid)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def operation_steps(args, run: int, hybrid: bool):
+    """``measure_ops`` as a generator that pauses after each request's decode and each probe, so
+    ``--compare`` can alternate two managers' samples; it returns what ``measure_ops`` does."""
     rng = random.Random(args.seed + run)
     tpp = args.tokens_per_page
     config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float16,
@@ -198,7 +210,7 @@ def measure_ops(args, run: int) -> tuple[dict, Timer, list[float], list[float]]:
 
     # --hybrid: layer 0 slides, layer 1 has full attention: two groups of one layer, whose blocks
     # have the same bytes, so one shared pool of 2 x num_blocks one-layer blocks (the same bytes)
-    groups = dict(layer_windows=[args.window, None]) if args.hybrid else {}
+    groups = dict(layer_windows=[args.window, None]) if hybrid else {}
     with KVCacheManager(config, **groups) as m:
         ids = [f"live{i}" for i in range(args.live)]
         for i, request_id in enumerate(ids):  # the background: 1,000 live requests
@@ -240,6 +252,7 @@ def measure_ops(args, run: int) -> tuple[dict, Timer, list[float], list[float]]:
                             m.commit(request_id)
                         if crossing:
                             break
+                    yield
                 # admission with and without a cached prefix, fork and free, swap out and in
                 for i in range(args.probes):
                     probe = f"probe{round_}.{i}"
@@ -258,6 +271,7 @@ def measure_ops(args, run: int) -> tuple[dict, Timer, list[float], list[float]]:
                     victim = rng.choice(ids)
                     timer.time("preempt_swap", m.preempt, victim, "swap")
                     assert timer.time("swap_in", m.swap_in, victim)
+                    yield
         finally:
             gc.enable()
         m.check()
@@ -299,6 +313,71 @@ def measure_all_ops(args) -> dict:
     out["append_cross_native_map_median_us"] = statistics.median(in_map) / 1e3
     out["append_cross_outside_map_median_us"] = statistics.median(outside_map) / 1e3
     return out
+
+
+def compare_groups(args) -> dict:
+    """``--compare``: the one-group and the two-group manager in one process, their runs stepped
+    alternately (one request's decode or one probe each), so both see the same machine load; per
+    operation the two medians and their ratio. Runs in separate processes differ by up to 40 %
+    on a shared VM, more than the ratio being measured."""
+    ratios: dict[str, list[float]] = {op: [] for op in OPS}
+    medians: dict[str, list[tuple[float, float]]] = {op: [] for op in OPS}
+    splits = []
+    for run in range(args.repeat):
+        runs = [operation_steps(args, run, hybrid) for hybrid in (False, True)]
+        results = [None, None]
+        while None in results:
+            for index, steps in enumerate(runs):
+                if results[index] is None:
+                    try:
+                        next(steps)
+                    except StopIteration as done:
+                        results[index] = done.value
+        for op in OPS:
+            one, two = (statistics.median(timer.samples[op]) / 1e3 for _, timer, _, _ in results)
+            medians[op].append((one, two))
+            ratios[op].append(two / one)
+        splits.append([(statistics.median(in_map) / 1e3, statistics.median(outside) / 1e3)
+                       for _, _, in_map, outside in results])
+    out = {"repeat": args.repeat, "window": args.window, "live_requests": args.live,
+           "tokens_per_page": args.tokens_per_page, "ops": {}}
+    for op in OPS:
+        out["ops"][op] = {"one_group_us": [one for one, _ in medians[op]],
+                          "two_groups_us": [two for _, two in medians[op]],
+                          "ratios": ratios[op], "median_ratio": statistics.median(ratios[op])}
+    out["append_cross_split_us"] = {
+        "one_group": {"native_map": statistics.median(s[0][0] for s in splits),
+                      "outside": statistics.median(s[0][1] for s in splits)},
+        "two_groups": {"native_map": statistics.median(s[1][0] for s in splits),
+                       "outside": statistics.median(s[1][1] for s in splits)}}
+    return out
+
+
+def compare_markdown(r: dict, c: dict) -> str:
+    lines = [
+        "# KV cache manager: two layer groups against one, stepped alternately in one process",
+        "",
+        (f"`python experiments/bench_manager.py --compare` ({r['date']}, {r['cpu']}, {r['cpus']} CPUs, "
+         f"load average {r['load_average_1min']:.2f} at the start and {r['load_average_1min_end']:.2f} "
+         f"at the end, torch threads {r['torch_threads']}). One group: two full-attention layers; two "
+         f"groups: one full-attention and one sliding-window ({c['window']}) layer in one shared pool "
+         f"of the same bytes. {c['live_requests']} live requests each; {c['repeat']} runs, each a "
+         "fresh pair of managers whose samples alternate (one request's decode or one probe each)."),
+        "",
+        "| operation | one group µs | two groups µs | ratio | ratio per run |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for op in OPS:
+        o = c["ops"][op]
+        lines.append(f"| {op} | {statistics.median(o['one_group_us']):.1f} | "
+                     f"{statistics.median(o['two_groups_us']):.1f} | {o['median_ratio']:.2f} | "
+                     f"{', '.join(f'{x:.2f}' for x in o['ratios'])} |")
+    split = c["append_cross_split_us"]
+    lines += ["", ("`append_cross` split (medians, one group / two groups): "
+                   f"{split['one_group']['native_map']:.1f} / {split['two_groups']['native_map']:.1f} µs "
+                   "in the native map call (one `mmap` per group: each group's own virtual tensors), "
+                   f"{split['one_group']['outside']:.1f} / {split['two_groups']['outside']:.1f} µs outside it.")]
+    return "\n".join(lines) + "\n"
 
 
 # --- the shared-prefix trace ---------------------------------------------------------------------
@@ -441,6 +520,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--hybrid", action="store_true",
                         help="two layer groups: one full-attention layer, one sliding-window layer")
     parser.add_argument("--window", type=int, default=256, help="the sliding window with --hybrid")
+    parser.add_argument("--compare", action="store_true",
+                        help="one group against two in one process, stepped alternately "
+                             "(manager_group_ratio_cpu.md / .json with --out)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", type=Path, help="write manager_cpu.md and manager_cpu.json here")
@@ -454,6 +536,14 @@ def main(argv: list[str] | None = None) -> dict:
         "date": datetime.date.today().isoformat(), "load_average_1min": os.getloadavg()[0],
         "torch_threads": torch.get_num_threads(), "seed": args.seed, "hybrid": args.hybrid,
     }
+    if args.compare:
+        results["compare"] = compare_groups(args)
+        results["load_average_1min_end"] = os.getloadavg()[0]
+        table = compare_markdown(results, results["compare"])
+        if args.out:
+            write_results(args.out, "manager_group_ratio_cpu", results, table)
+        print(json.dumps(results) if args.json else table)
+        return results
     results.update(measure_all_ops(args))
     results["trace"] = run_trace(args)
     results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -470,4 +560,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main()["trace"]["equal"] else 1)  # the hit rates must agree
+    result = main()
+    sys.exit(0 if "compare" in result or result["trace"]["equal"] else 1)  # the hit rates must agree  # the hit rates must agree
