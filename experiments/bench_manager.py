@@ -32,7 +32,7 @@ block, the same LRU eviction), which must give the same rate.
     python experiments/bench_manager.py --json          # one JSON object
     python experiments/bench_manager.py --out experiments/results   # manager_cpu.md / .json
     python experiments/bench_manager.py --hybrid --out experiments/results   # manager_hybrid_cpu.*
-    python experiments/bench_manager.py --compare --out experiments/results  # manager_group_ratio_cpu.*
+    python experiments/bench_manager.py --compare --out experiments/results  # manager_group_compare_cpu.*
 """
 
 from __future__ import annotations
@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--window", type=int, default=256, help="the sliding window with --hybrid")
     parser.add_argument("--compare", action="store_true",
                         help="one group against two in one process, stepped alternately "
-                             "(manager_group_ratio_cpu.md / .json with --out)")
+                             "(manager_group_compare_cpu.md / .json with --out)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", type=Path, help="write manager_cpu.md and manager_cpu.json here")
@@ -541,7 +541,7 @@ def main(argv: list[str] | None = None) -> dict:
         results["load_average_1min_end"] = os.getloadavg()[0]
         table = compare_markdown(results, results["compare"])
         if args.out:
-            write_results(args.out, "manager_group_ratio_cpu", results, table)
+            write_results(args.out, "manager_group_compare_cpu", results, table)
         print(json.dumps(results) if args.json else table)
         return results
     results.update(measure_all_ops(args))

@@ -287,18 +287,25 @@ class BlockPool:
         """Drop one reference on each block, in the given order. A block reaching zero joins the
         tail of the LRU queue if hashed (so earlier-released blocks are evicted first), else
         goes back to the clean blocks. A release below zero raises before anything changes."""
-        blocks = list(blocks)
-        drops: dict[int, int] = {}
+        blocks, ref, num_blocks = list(blocks), self.ref, self.num_blocks
+        if len(set(blocks)) == len(blocks):  # each block once (a request's): one check a block
+            for block in blocks:
+                if not (0 <= block < num_blocks and ref[block]):
+                    self._check_block(block)
+                    raise BlockStateError(f"block {block} released 1 time(s) but holds 0 "
+                                          "reference(s): double free")
+        else:
+            drops: dict[int, int] = {}
+            for block in blocks:
+                self._check_block(block)
+                drops[block] = drops.get(block, 0) + 1
+                if drops[block] > ref[block]:
+                    raise BlockStateError(
+                        f"block {block} released {drops[block]} time(s) but holds {ref[block]} "
+                        "reference(s): double free")
         for block in blocks:
-            self._check_block(block)
-            drops[block] = drops.get(block, 0) + 1
-            if drops[block] > self.ref[block]:
-                raise BlockStateError(
-                    f"block {block} released {drops[block]} time(s) but holds {self.ref[block]} "
-                    "reference(s): double free")
-        for block in blocks:
-            self.ref[block] -= 1
-            if self.ref[block] == 0:
+            ref[block] -= 1
+            if ref[block] == 0:
                 if self.hash_of[block] is None:
                     heapq.heappush(self._clean, block)
                     self.backing.cleaned()
