@@ -561,4 +561,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     result = main()
-    sys.exit(0 if "compare" in result or result["trace"]["equal"] else 1)  # the hit rates must agree  # the hit rates must agree
+    sys.exit(0 if "compare" in result or result["trace"]["equal"] else 1)  # the hit rates must agree
