@@ -26,7 +26,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "host_cache_bytes": 0,
     "kv_backend": "vmem",
     "attention": "auto",
-    "policy": "fcfs",
+    "policy": "lpm",
     "lookahead_tokens": 1,
     "tensor_parallel_size": 1,
     "seed": 0,

@@ -45,7 +45,7 @@ class EngineConfig:
     seed: int = 0
     # "lpm": longest cached prefix first (engine/lpm.py), priority still first; a request passed
     # over in lpm_max_passed_over steps goes next; only the first lpm_window waiting are ranked
-    policy: Literal["fcfs", "priority", "lpm"] = "fcfs"
+    policy: Literal["fcfs", "priority", "lpm"] = "lpm"
     lpm_max_passed_over: int = 8
     lpm_window: int = 128
     watermark: float = 0.01  # fraction of blocks kept free at admission to avoid instant preemption
