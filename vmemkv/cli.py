@@ -103,8 +103,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="CPU: run the linear layers with F.linear instead of on oneDNN's packed "
                             "weights (packed by default for a model loaded by name)")
     group.add_argument("--policy", default=None, choices=["fcfs", "priority", "lpm"],
-                       help="admission order: fcfs, priority, or lpm (longest cached prefix first, "
-                            "priority still first, a request passed over N steps goes next)")
+                       help="admission order: lpm (the default: longest cached prefix first, priority "
+                            "still first, a request passed over N steps goes next), priority, or fcfs")
     group.add_argument("--lpm-max-passed-over", type=int, default=None,
                        help="lpm: steps a waiting request can be passed over before it goes next "
                             "(default 8; 0 is FCFS)")
