@@ -23,5 +23,13 @@ setup(
             extra_link_args=["-fopenmp"],
             optional=True,
         ),
+        Extension(
+            "vmemkv._panel_linear",
+            sources=["native/panel_linear.c"],
+            # -Wno-psabi: the 16-float vector helpers are always inlined, no call passes one
+            extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-Wno-psabi"],
+            extra_link_args=["-fopenmp"],
+            optional=True,
+        ),
     ]
 )

@@ -1,5 +1,6 @@
-"""A linear layer on the CPU: ``F.linear`` over the row-major weight against oneDNN over the same
-weight packed once (``vmemkv.engine.models.packed_linear.PackedLinear``), at SmolLM2-135M's shapes
+"""A linear layer on the CPU: ``F.linear`` over the row-major weight against the same weight packed
+once (``vmemkv.engine.models.packed_linear.PackedLinear``: panels for the native kernel in float32,
+oneDNN's layout in bfloat16), at SmolLM2-135M's shapes
 (hidden 576, MLP 1,536, vocabulary 49,152) for the row counts of decode steps and of a prefill
 chunk. Microseconds per call, the 25th percentile of repeated calls on one input (the weight stays
 in the caches where it fits: the MLP's does, the LM head's 113 MB does not).
@@ -14,6 +15,14 @@ model: their weights do not stay in the caches, as in a decode step); us per lay
 percentile of passes, the variants alternating.
 
     python experiments/bench_packed_linear.py --fused --out experiments/results
+
+``--panels``: instead, the two float32 kernels over a whole model's linear layers, as a step reads
+them: SmolLM2-135M's 30 decoder layers (seven projections each, packed alone) and its LM head, packed
+for the native panel kernel and for oneDNN (``PackedLinear(kernel=...)``), the two alternating;
+ms per pass (the median of ``--passes``), the weight bytes read per second, and oneDNN's time over
+the panels'.
+
+    python experiments/bench_packed_linear.py --panels --out experiments/results
 """
 
 from __future__ import annotations
@@ -109,31 +118,74 @@ def bench_fused(args) -> tuple[list[dict], list[str]]:
     return rows, lines
 
 
+def bench_panels(args) -> tuple[list[dict], list[str]]:
+    layers = {kernel: [] for kernel in ("panels", "onednn")}
+    with torch.inference_mode():
+        for i in range(args.layers + 1):  # the last: the LM head
+            shapes = [(576, 49152)] if i == args.layers else [(576, 576), (576, 192), (576, 192), (576, 576),
+                                                                  (576, 1536), (576, 1536), (1536, 576)]
+            for k, n in shapes:
+                linear = nn.Linear(k, n, bias=False)
+                for kernel, kept in layers.items():
+                    kept.append(PackedLinear(linear, kernel))
+        weight_bytes = sum(layer.in_features * layer.out_features * 4 for layer in layers["panels"])
+        rows = []
+        for m in [int(r) for r in args.rows.split(",")]:
+            inputs = {k: torch.randn(m, k) for k in (576, 1536)}
+            times = {kernel: [] for kernel in layers}
+            for i in range(args.passes + 1):  # one warm-up pass; the kernels alternate
+                for kernel, kept in layers.items():
+                    start = time.perf_counter()
+                    for layer in kept:
+                        layer(inputs[layer.in_features])
+                    if i:
+                        times[kernel].append(time.perf_counter() - start)
+            ms = {kernel: sorted(t)[len(t) // 2] * 1e3 for kernel, t in times.items()}
+            error = max(float((a(inputs[a.in_features]) - b(inputs[b.in_features])).abs().max())
+                        for a, b in zip(layers["panels"][:7], layers["onednn"][:7]))
+            rows.append({"rows": m, **{f"{kernel}_ms": v for kernel, v in ms.items()},
+                         **{f"{kernel}_gb_per_s": weight_bytes / v / 1e6 for kernel, v in ms.items()},
+                         "onednn_over_panels": ms["onednn"] / ms["panels"], "max_abs_difference": error})
+            print(rows[-1], flush=True)
+    lines = [f"{weight_bytes / 1e6:.0f} MB of float32 weights a pass", "",
+             "| rows | panels ms | GB/s | oneDNN ms | GB/s | oneDNN / panels | max abs difference |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['rows']} | {r['panels_ms']:.1f} | {r['panels_gb_per_s']:.1f} | {r['onednn_ms']:.1f} | "
+                     f"{r['onednn_gb_per_s']:.1f} | {r['onednn_over_panels']:.2f}x | {r['max_abs_difference']:.1e} |")
+    return rows, lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,4,32,256")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--fused", action="store_true", help="a decode layer's projections, separate vs fused")
-    parser.add_argument("--layers", type=int, default=30, help="--fused: layers per pass")
-    parser.add_argument("--passes", type=int, default=20, help="--fused: timed passes per variant")
+    parser.add_argument("--panels", action="store_true", help="a model's float32 linears, panels vs oneDNN")
+    parser.add_argument("--layers", type=int, default=30, help="--fused, --panels: layers per pass")
+    parser.add_argument("--passes", type=int, default=20, help="--fused, --panels: timed passes per variant")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="--fused: dtypes")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(HERE))
     from machine import cpu_model, write_results
 
-    if args.fused:
-        args.rows = args.rows if args.rows != parser.get_default("rows") else "1,4,16"
-        rows, table = bench_fused(args)
+    if args.fused or args.panels:
+        default_rows = "1,4,16" if args.fused else "1,2,4,8,16,32,256,1024"
+        args.rows = args.rows if args.rows != parser.get_default("rows") else default_rows
+        rows, table = bench_fused(args) if args.fused else bench_panels(args)
         command = " ".join(["python experiments/bench_packed_linear.py", *sys.argv[1:]])
         load = os.getloadavg()[0]
         markdown = "\n".join([f"`{command}` ({cpu_model()}, {args.threads} thread(s), {args.layers} "
-                              f"layers a pass, load average {load:.1f}): us per decode layer, 25th percentile "
-                              "of passes", "", *table]) + "\n"
+                              f"layers a pass, load average {load:.1f}): "
+                              + ("us per decode layer, 25th percentile of passes" if args.fused else
+                                 "ms per pass over every layer and the LM head, median of passes"),
+                              "", *table]) + "\n"
         print(markdown)
         if args.out:
-            write_results(args.out, "packed_linear_fused_cpu", {"cpu": cpu_model(), "threads": args.threads,
+            stem = "packed_linear_fused_cpu" if args.fused else f"packed_linear_panels_{args.threads}t_cpu"
+            write_results(args.out, stem, {"cpu": cpu_model(), "threads": args.threads,
                           "layers": args.layers, "load_average": load, "rows": rows}, markdown)
         return
 

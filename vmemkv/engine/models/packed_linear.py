@@ -1,13 +1,17 @@
-"""Linear layers on oneDNN's packed weights, for a model the engine loaded itself on the CPU.
+"""Linear layers on packed weights, for a model the engine loaded itself on the CPU.
 
 A decode step multiplies a few rows by every weight of the model, so on a CPU it streams the
 weights from memory and its speed is the GEMM's for skinny inputs. ``F.linear`` over a row-major
-weight reaches about two thirds of the memory bandwidth there; oneDNN over the same weight
-reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, what
-PyTorch's inductor does when it freezes a CPU model, and what vLLM's CPU backend runs) is measured
-1.1-2.7x faster for 4-32 rows at SmolLM2's shapes in float32 and bfloat16, and 1.3-2.3x on its LM
-head; slower only for one row through the small 576 x 576 float32 projection (26 against 42 us)
-(``experiments/bench_packed_linear.py``, ``experiments/results/packed_linear_cpu.md``).
+weight reaches about two thirds of the memory bandwidth there. Each weight is packed once, for
+the fastest kernel this machine has for its dtype:
+
+- float32: panels of 16 outputs read by vmemkv's native kernel (``panel_linear.py``): one
+  sequential, prefetched stream; over SmolLM2-135M's layers oneDNN's packed weights take 1.2-1.7x
+  its time for 1-8 rows (one thread), about the same from 32 rows up to prefill sizes;
+- otherwise (bfloat16, or no native build): oneDNN's blocked layout
+  (``torch.ops.mkldnn._reorder_linear_weight``, what PyTorch's inductor does when it freezes a CPU
+  model, and what vLLM's CPU backend runs), 1.1-2.7x ``F.linear`` for 4-32 rows in float32 and
+  bfloat16 (``experiments/results/packed_linear_cpu.md``).
 
 ``pack_linears`` swaps each ``nn.Linear`` for a ``PackedLinear`` holding only the packed weight (the
 row-major one is freed, unless another module shares it: a tied LM head keeps its embedding).
@@ -22,8 +26,8 @@ attention) or ``gate_proj`` and ``up_proj`` (its MLP) gets one packed weight for
 GEMM. The model's own code is unchanged: it still calls ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)``;
 the first call computes the group's output for ``x`` and the others take their slice of it. With a
 few rows the GEMM streams the weights, and one call over the concatenation is cheaper than three:
-one decode layer of SmolLM2-135M (float32, one thread), q, k, v, gate and up 17% faster at 4 rows,
-10-12% at 1 and 16, the layer's seven projections 6-10% (``experiments/bench_packed_linear.py
+one decode layer of SmolLM2-135M (float32, one thread, oneDNN), q, k, v, gate and up 17% faster
+at 4 rows, 10-12% at 1 and 16, the layer's seven projections 6-10% (``experiments/bench_packed_linear.py
 --fused``). End to end it measured no gain (a 32-sequence decode: median 6% slower over seven
 pairs; the slices are strided views, slower for the element-wise ops after them), so ``fuse`` is
 off by default (``EngineConfig.fused_projections``).
@@ -35,26 +39,56 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vmemkv.engine.models.panel_linear import linear as panel_linear, pack as pack_panels, unavailable as no_panels
+
+KERNELS = ("panels", "onednn")
+
+
+def kernel_for(dtype: torch.dtype) -> str:
+    """The kernel a weight of ``dtype`` is packed for here: "panels" (float32, native build), else
+    "onednn"."""
+    return "onednn" if no_panels(dtype) else "panels"
+
+
+class _Packed:
+    """One weight packed for ``kernel`` ("panels" or "onednn"), and the GEMM over it."""
+
+    @staticmethod
+    def pack(weight: torch.Tensor, kernel: str) -> torch.Tensor:
+        if kernel == "panels":
+            return pack_panels(weight)
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+    @staticmethod
+    def run(x: torch.Tensor, packed: torch.Tensor, bias, kernel: str, in_features: int,
+            out_features: int) -> torch.Tensor:
+        if kernel == "panels":
+            return panel_linear(x, packed, bias, out_features)
+        rows = x.reshape(-1, in_features)
+        out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], out_features)
+
 
 class PackedLinear(nn.Module):
-    """``y = x W^T + b`` with ``W`` in oneDNN's packed layout. ``weight`` is a meta tensor of the
-    original shape and dtype (for code that reads ``.weight.dtype`` or ``.shape``)."""
+    """``y = x W^T + b`` with ``W`` packed for ``kernel`` (default: ``kernel_for`` its dtype).
+    ``weight`` is a meta tensor of the original shape and dtype (for code that reads
+    ``.weight.dtype`` or ``.shape``)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, kernel: str | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, None), persistent=False)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.kernel = kernel or kernel_for(weight.dtype)
+        self.register_buffer("packed", _Packed.pack(weight, self.kernel), persistent=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().contiguous(),
+                                                                  requires_grad=False)
         self.weight = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return _Packed.run(x, self.packed, self.bias, self.kernel, self.in_features, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed (oneDNN)"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed ({self.kernel})"
 
 
 class _Cached:
@@ -77,14 +111,15 @@ class FusedPackedLinear(nn.Module):
     that tensor), so results never depend on the order of calls, only the time does. (It assumes
     the input is not changed in place between the calls, as HF's attention and MLP modules do not.)"""
 
-    def __init__(self, linears: list[nn.Linear]):
+    def __init__(self, linears: list[nn.Linear], kernel: str | None = None):
         super().__init__()
         self.in_features = linears[0].in_features
         self.sizes = [linear.out_features for linear in linears]
         self.starts = [sum(self.sizes[:i]) for i in range(len(linears))]
         self.out_features = sum(self.sizes)
         weight = torch.cat([linear.weight.detach() for linear in linears])
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, None), persistent=False)
+        self.kernel = kernel or kernel_for(weight.dtype)
+        self.register_buffer("packed", _Packed.pack(weight, self.kernel), persistent=False)
         self.bias = None
         if any(linear.bias is not None for linear in linears):  # a missing bias is zeros
             bias = torch.cat([linear.weight.new_zeros(linear.out_features) if linear.bias is None
@@ -94,9 +129,7 @@ class FusedPackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Every layer's output, concatenated along the last dimension."""
-        rows = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return _Packed.run(x, self.packed, self.bias, self.kernel, self.in_features, self.out_features)
 
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """Layer ``index``'s output for ``x`` (a view into the group's output)."""
@@ -111,7 +144,7 @@ class FusedPackedLinear(nn.Module):
         return output[..., self.starts[index]:self.starts[index] + self.sizes[index]]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={'+'.join(map(str, self.sizes))}, packed (oneDNN)"
+        return f"in_features={self.in_features}, out_features={'+'.join(map(str, self.sizes))}, packed ({self.kernel})"
 
 
 class PackedSlice(nn.Module):
@@ -155,19 +188,21 @@ def why_not_packed(model: nn.Module) -> str:
     weight = linears[0].weight
     if weight.device.type != "cpu":
         return f"packed weights are for the CPU, the model is on {weight.device}"
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    kernel = kernel_for(weight.dtype)
+    if kernel == "onednn" and (not torch.backends.mkldnn.is_available()
+                               or not hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return "this PyTorch build has no oneDNN linear operators"
     try:
-        probe = PackedLinear(linears[0])
+        probe = PackedLinear(linears[0], kernel)
         x = torch.randn(3, linears[0].in_features, generator=torch.Generator().manual_seed(0)).to(weight.dtype)
         with torch.inference_mode():
             got, want = probe(x).float(), F.linear(x, linears[0].weight, linears[0].bias).float()
     except RuntimeError as exc:  # a dtype or CPU oneDNN does not take
-        return f"oneDNN's packed linear failed on {weight.dtype}: {exc}"
+        return f"the packed linear ({kernel}) failed on {weight.dtype}: {exc}"
     tolerance = 1e-3 if weight.dtype == torch.float32 else 5e-2
     error = float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
     if error > tolerance:
-        return f"oneDNN's packed linear disagrees with F.linear (relative error {error:.2g})"
+        return f"the packed linear ({kernel}) disagrees with F.linear (relative error {error:.2g})"
     return ""
 
 

@@ -1,0 +1,154 @@
+/*
+ * vmemkv._panel_linear: y = x W^T + b on the CPU, float32, over a weight packed in panels.
+ *
+ * A decode step multiplies a few rows by every weight of the model: the GEMM streams the weight
+ * from memory once and does little arithmetic per byte, so its speed is how close the read comes to
+ * the memory bandwidth. The weight is packed once into panels of 16 outputs, [ceil(N / 16)][K][16]
+ * (N padded with zero rows): the whole weight is one sequential stream, 64 bytes (one cache line,
+ * one 16-float vector) per input feature per panel, prefetched ahead of the read. Each row of x is
+ * broadcast one feature at a time and multiplied into a panel's 16 accumulators; two panels are
+ * walked together (two streams, twice the independent sums in flight), eight rows at a time with
+ * AVX-512, else four (their accumulators in registers). More rows read the panels again, from
+ * L1/L2: then the kernel is compute-bound, as any GEMM with many rows.
+ *
+ * Each output is summed in input-feature order, one chain (another order than oneDNN's or
+ * F.linear's: results equal up to float rounding). Pairs of panels run on OpenMP threads with the
+ * GIL released. The kernel is compiled three times (target_clones): for AVX-512 (one register per
+ * panel row), AVX2+FMA (two) and the baseline, chosen at load time by the CPU it runs on.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#define PANEL 16     /* outputs per panel: one 64-byte line of float32 per input feature */
+#define MAX_ROWS 8   /* rows of x whose accumulators are held in registers at once: 8 with
+                      * AVX-512's 32 vector registers (16 accumulators), else 4 */
+#define AHEAD 1024   /* bytes of the weight stream prefetched ahead of the read */
+
+typedef float v16f __attribute__((vector_size(64)));
+
+static inline __attribute__((always_inline)) v16f load16(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Rows [m0, m0 + R) of y for panels [p, p + P): R x P accumulators of 16 outputs over the K input
+ * features. Two panels at once are two streams and twice the independent sums in flight: one
+ * panel alone waits on the add's latency each feature. */
+static inline __attribute__((always_inline)) void panel_rows(const float *restrict x, const float *restrict packed,
+                                                             const float *restrict bias, float *restrict y,
+                                                             int64_t m0, int R, int64_t p, int P, int64_t N,
+                                                             int64_t K, int prefetch) {
+    v16f acc[2][MAX_ROWS] = {{{0}}};
+    const float *xr[MAX_ROWS];
+    const float *panel = packed + p * K * PANEL;
+    for (int r = 0; r < R; r++) xr[r] = x + (m0 + r) * K;
+    for (int64_t k = 0; k < K; k++) {
+        for (int q = 0; q < P; q++) {
+            const float *at = panel + (q * K + k) * PANEL;
+            if (prefetch) __builtin_prefetch((const char *)at + AHEAD, 0, 0);
+            const v16f w = load16(at);
+            for (int r = 0; r < R; r++) acc[q][r] += w * xr[r][k];
+        }
+    }
+    for (int q = 0; q < P; q++) {
+        const int64_t n0 = (p + q) * PANEL, n = N - n0 < PANEL ? N - n0 : PANEL;
+        for (int r = 0; r < R; r++) {
+            float *out = y + (m0 + r) * N + n0;
+            for (int64_t i = 0; i < n; i++) out[i] = acc[q][r][i] + (bias ? bias[n0 + i] : 0.f);
+        }
+    }
+}
+
+/* Panels [p, p + P) of y, P 1 or 2, rows RB at a time: the first pass over the panels streams them
+ * from memory (prefetched), later passes hit cache. */
+static inline __attribute__((always_inline)) void run_panels_p(const float *x, const float *packed,
+                                                               const float *bias, float *y, int64_t M,
+                                                               int64_t N, int64_t K, int64_t p, int P,
+                                                               const int RB) {
+    int64_t m0 = 0;
+    for (; m0 + RB <= M; m0 += RB) panel_rows(x, packed, bias, y, m0, RB, p, P, N, K, m0 == 0);
+    switch (M - m0) { /* each remainder its own constant, so its loops unroll too */
+    case 7: panel_rows(x, packed, bias, y, m0, 7, p, P, N, K, m0 == 0); break;
+    case 6: panel_rows(x, packed, bias, y, m0, 6, p, P, N, K, m0 == 0); break;
+    case 5: panel_rows(x, packed, bias, y, m0, 5, p, P, N, K, m0 == 0); break;
+    case 4: panel_rows(x, packed, bias, y, m0, 4, p, P, N, K, m0 == 0); break;
+    case 3: panel_rows(x, packed, bias, y, m0, 3, p, P, N, K, m0 == 0); break;
+    case 2: panel_rows(x, packed, bias, y, m0, 2, p, P, N, K, m0 == 0); break;
+    case 1: panel_rows(x, packed, bias, y, m0, 1, p, P, N, K, m0 == 0); break;
+    }
+}
+
+static int wide_registers; /* AVX-512: set at import */
+
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) static void run_pair(
+    const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N, int64_t K,
+    int64_t p, int64_t panels) {
+    const int pair = p + 1 < panels; /* the last panel may be alone */
+    if (wide_registers && pair)
+        run_panels_p(x, packed, bias, y, M, N, K, p, 2, 8);
+    else if (wide_registers)
+        run_panels_p(x, packed, bias, y, M, N, K, p, 1, 8);
+    else if (pair)
+        run_panels_p(x, packed, bias, y, M, N, K, p, 2, 4);
+    else
+        run_panels_p(x, packed, bias, y, M, N, K, p, 1, 4);
+}
+
+static PyObject *linear(PyObject *self, PyObject *args) {
+    unsigned long long x, packed, bias, y;
+    long long M, N, K;
+    int num_threads;
+    if (!PyArg_ParseTuple(args, "KKKKLLLi", &x, &packed, &bias, &y, &M, &N, &K, &num_threads)) return NULL;
+    if (M < 0 || N < 0 || K < 0) {
+        PyErr_SetString(PyExc_ValueError, "negative shape");
+        return NULL;
+    }
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    const float *xp = (const float *)(uintptr_t)x, *wp = (const float *)(uintptr_t)packed;
+    const float *bp = (const float *)(uintptr_t)bias;
+    float *yp = (float *)(uintptr_t)y;
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t pair = 0; pair < (panels + 1) / 2; pair++) run_pair(xp, wp, bp, yp, M, N, K, 2 * pair, panels);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(linear_doc, "linear(x, packed, bias, y, M, N, K, num_threads)\n\n"
+                         "Raw data pointers (bias 0: none), contiguous float32; checked by "
+                         "vmemkv.engine.models.panel_linear, not here.");
+
+static PyObject *rows_per_block(PyObject *self, PyObject *args) {
+    int rows = 0;
+    if (!PyArg_ParseTuple(args, "|i", &rows)) return NULL;
+    const int before = wide_registers ? 8 : 4;
+    if (rows == 4 || (rows == 8 && __builtin_cpu_supports("avx512f")))
+        wide_registers = rows == 8;
+    else if (rows) {
+        PyErr_Format(PyExc_ValueError, "%d rows per block: 4, or 8 with AVX-512", rows);
+        return NULL;
+    }
+    return PyLong_FromLong(before);
+}
+
+static PyMethodDef methods[] = {
+    {"linear", linear, METH_VARARGS, linear_doc},
+    {"rows_per_block", rows_per_block, METH_VARARGS,
+     "rows_per_block([rows]): the rows of x taken at a time (8 with AVX-512, else 4); with rows (4, or 8\n"
+     "where AVX-512 is), set it (for tests of the other path); returns the value before."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_panel_linear",
+                                    "Float32 linear layers over weights packed in panels of 16 outputs.", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__panel_linear(void) {
+    __builtin_cpu_init();
+    wide_registers = __builtin_cpu_supports("avx512f");
+    return PyModule_Create(&module);
+}
