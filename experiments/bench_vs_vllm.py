@@ -79,10 +79,10 @@ def make_workloads(tokenizer, seed: int = 0) -> dict[str, list[tuple[list[int], 
 
 # --- one system, one workload, in a process of its own ---------------------------------------------
 def run_vmemkv(model: str, threads: int, requests: list, warm: list, max_model_len: int,
-               attention: str = "auto") -> dict:
+               attention: str = "auto", max_num_seqs: int = 32) -> dict:
     from vmemkv.engine import LLM, SamplingParams
 
-    llm = LLM(model, threads=threads, max_model_len=max_model_len, max_num_seqs=32, attention=attention)
+    llm = LLM(model, threads=threads, max_model_len=max_model_len, max_num_seqs=max_num_seqs, attention=attention)
 
     def generate(batch):
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in batch]
@@ -95,10 +95,11 @@ def run_vmemkv(model: str, threads: int, requests: list, warm: list, max_model_l
     return {"seconds": time.perf_counter() - start, "tokens": tokens}
 
 
-def run_vllm(model: str, threads: int, requests: list, warm: list, max_model_len: int, attention: str) -> dict:
+def run_vllm(model: str, threads: int, requests: list, warm: list, max_model_len: int, attention: str,
+             max_num_seqs: int = 32) -> dict:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype="float32", max_model_len=max_model_len, max_num_seqs=32,
+    llm = LLM(model=model, dtype="float32", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               enable_prefix_caching=True, seed=0)
 
     def generate(batch):
@@ -116,7 +117,7 @@ def worker(args) -> None:
     spec = json.loads(Path(args.spec).read_text())
     run = run_vmemkv if args.worker == "vmemkv" else run_vllm
     result = run(spec["model"], spec["threads"], [tuple(r) for r in spec["requests"]],
-                 [tuple(r) for r in spec["warm"]], spec["max_model_len"], spec["attention"])
+                 [tuple(r) for r in spec["warm"]], spec["max_model_len"], spec["attention"], spec["max_num_seqs"])
     Path(args.result).write_text(json.dumps(result))
 
 
@@ -129,12 +130,13 @@ def warm_up(name: str, requests: list) -> list:
 
 
 def run_one(system: str, name: str, requests: list, threads: int, model: str, python: Path,
-            tmp: Path, attention: str = "auto") -> dict:
+            tmp: Path, attention: str = "auto", max_num_seqs: int = 32) -> dict:
     spec = tmp / f"{system}-{name}-{threads}.json"
     result = tmp / f"{system}-{name}-{threads}.out.json"
     longest = max(len(ids) + n for ids, n in requests)
     spec.write_text(json.dumps({"model": model, "threads": threads, "requests": requests,
                                 "warm": warm_up(name, requests), "attention": attention,
+                                "max_num_seqs": max_num_seqs,
                                 "max_model_len": 2048 if longest <= 2048 else 4096}))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     if system == "vllm":
@@ -175,6 +177,8 @@ def main() -> None:
     parser.add_argument("--vmemkv-attention", default="auto", choices=["auto", "native", "sdpa"],
                         help="vmemkv's attention (auto: the native decode routine on CPU)")
     parser.add_argument("--out", type=Path, help="write <stem>.md and .json here")
+    parser.add_argument("--max-num-seqs", type=int, default=32,
+                        help="sequences running at once, both systems (16: the online benchmark's concurrency)")
     parser.add_argument("--stem", default="vs_vllm_cpu", help="the results' file name (default vs_vllm_cpu)")
     args = parser.parse_args()
     if args.worker:
@@ -202,7 +206,7 @@ def main() -> None:
                 for system in order:
                     runs[system].append(run_one(system, name, requests, threads, model,
                                                 Path(sys.executable) if system == "vmemkv" else python, tmp,
-                                                args.vmemkv_attention))
+                                                args.vmemkv_attention, args.max_num_seqs))
             ours = statistics.median(r["tokens_per_s"] for r in runs["vmemkv"])
             theirs = statistics.median(r["tokens_per_s"] for r in runs["vllm"])
             same = sum(a == b for a, b in zip(runs["vmemkv"][0]["tokens"], runs["vllm"][0]["tokens"]))
