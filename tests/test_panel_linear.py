@@ -76,6 +76,10 @@ def test_packed_linear_picks_the_kernel_by_dtype_and_falls_back_without_the_buil
     assert kernel_for(torch.float32) == "panels" and kernel_for(torch.bfloat16) == "onednn"
     assert PackedLinear(nn.Linear(16, 16)).kernel == "panels"
     assert PackedLinear(nn.Linear(16, 16).to(torch.bfloat16)).kernel == "onednn"
+    with pytest.raises(ValueError, match="one of"):
+        PackedLinear(nn.Linear(16, 16), kernel="mkl")
+    with pytest.raises(ValueError, match="float32 CPU weight"):  # panels asked for a bfloat16 weight
+        PackedLinear(nn.Linear(16, 16).to(torch.bfloat16), kernel="panels")
     monkeypatch.setattr(panel_linear, "_extension", lambda: None)
     assert "not built" in panel_linear.unavailable()
     model = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 8))

@@ -50,23 +50,23 @@ def kernel_for(dtype: torch.dtype) -> str:
     return "onednn" if no_panels(dtype) else "panels"
 
 
-class _Packed:
-    """One weight packed for ``kernel`` ("panels" or "onednn"), and the GEMM over it."""
+def _pack(weight: torch.Tensor, kernel: str) -> torch.Tensor:
+    """``weight`` packed once for ``kernel`` (one of ``KERNELS``)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel {kernel!r}: one of {KERNELS}")
+    if kernel == "panels":
+        return pack_panels(weight)
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
-    @staticmethod
-    def pack(weight: torch.Tensor, kernel: str) -> torch.Tensor:
-        if kernel == "panels":
-            return pack_panels(weight)
-        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
-    @staticmethod
-    def run(x: torch.Tensor, packed: torch.Tensor, bias, kernel: str, in_features: int,
+def _linear(x: torch.Tensor, packed: torch.Tensor, bias, kernel: str, in_features: int,
             out_features: int) -> torch.Tensor:
-        if kernel == "panels":
-            return panel_linear(x, packed, bias, out_features)
-        rows = x.reshape(-1, in_features)
-        out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], out_features)
+    """``x W^T + b`` over ``packed`` (from ``_pack(W, kernel)``), for ``x`` ``[..., in_features]``."""
+    if kernel == "panels":
+        return panel_linear(x, packed, bias, out_features)
+    rows = x.reshape(-1, in_features)
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return out.reshape(*x.shape[:-1], out_features)
 
 
 class PackedLinear(nn.Module):
@@ -79,13 +79,13 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.kernel = kernel or kernel_for(weight.dtype)
-        self.register_buffer("packed", _Packed.pack(weight, self.kernel), persistent=False)
+        self.register_buffer("packed", _pack(weight, self.kernel), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().contiguous(),
                                                                   requires_grad=False)
         self.weight = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Packed.run(x, self.packed, self.bias, self.kernel, self.in_features, self.out_features)
+        return _linear(x, self.packed, self.bias, self.kernel, self.in_features, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed ({self.kernel})"
@@ -119,7 +119,7 @@ class FusedPackedLinear(nn.Module):
         self.out_features = sum(self.sizes)
         weight = torch.cat([linear.weight.detach() for linear in linears])
         self.kernel = kernel or kernel_for(weight.dtype)
-        self.register_buffer("packed", _Packed.pack(weight, self.kernel), persistent=False)
+        self.register_buffer("packed", _pack(weight, self.kernel), persistent=False)
         self.bias = None
         if any(linear.bias is not None for linear in linears):  # a missing bias is zeros
             bias = torch.cat([linear.weight.new_zeros(linear.out_features) if linear.bias is None
@@ -129,7 +129,7 @@ class FusedPackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Every layer's output, concatenated along the last dimension."""
-        return _Packed.run(x, self.packed, self.bias, self.kernel, self.in_features, self.out_features)
+        return _linear(x, self.packed, self.bias, self.kernel, self.in_features, self.out_features)
 
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """Layer ``index``'s output for ``x`` (a view into the group's output)."""
