@@ -49,6 +49,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *restri
     for (int64_t k = 0; k < K; k++) {
         for (int q = 0; q < P; q++) {
             const float *at = panel + (q * K + k) * PANEL;
+            /* near the end this hint points past the weight: a prefetch never faults */
             if (prefetch) __builtin_prefetch((const char *)at + AHEAD, 0, 0);
             const v16f w = load16(at);
             for (int r = 0; r < R; r++) acc[q][r] += w * xr[r][k];

@@ -100,8 +100,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "in one call, prefills per sequence; "
                             "auto: the first of these that runs here")
     group.add_argument("--no-packed-linears", action="store_true",
-                       help="CPU: run the linear layers with F.linear instead of on oneDNN's packed "
-                            "weights (packed by default for a model loaded by name)")
+                       help="CPU: run the linear layers with F.linear instead of on packed weights (the "
+                            "native panel kernel in float32, else oneDNN; packed by default for a "
+                            "model loaded by name)")
     group.add_argument("--policy", default=None, choices=["fcfs", "priority", "lpm"],
                        help="admission order: lpm (the default: longest cached prefix first, priority "
                             "still first, a request passed over N steps goes next), priority, or fcfs")

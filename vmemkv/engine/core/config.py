@@ -59,8 +59,8 @@ class EngineConfig:
     # SDPA (CPU, float32/bfloat16); "sdpa": PyTorch SDPA per sequence (or per run of slots);
     # "auto": on CUDA flash if it runs here, else triton, else sdpa; on CPU native, else sdpa.
     attention: Literal["auto", "flash", "triton", "native", "sdpa"] = "auto"
-    # On CPU, a model the engine loads by name runs its linear layers on oneDNN's packed weights
-    # (engine/models/packed_linear.py: up to 2.7x faster for a decode's few rows); a model object
+    # On CPU, a model the engine loads by name runs its linear layers on packed weights: the native
+    # panel kernel in float32, else oneDNN (engine/models/packed_linear.py); a model object
     # passed in is never changed; False: F.linear. Not with tensor parallelism.
     packed_linears: bool = True
     # With packed linears: q|k|v and gate|up as one GEMM each (packed_linear.py). Off by default:

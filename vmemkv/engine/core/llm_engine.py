@@ -51,7 +51,7 @@ class LLMEngine:
     for requests without stop strings."""
 
     def _pack_linears(self, model, loaded_by_name: bool) -> str:
-        """Linear layers on oneDNN's packed weights (CPU, a model this engine loaded); returns what
+        """Linear layers on packed weights (CPU, a model this engine loaded); returns what
         was done, for stats: "packed N", or why not."""
         if not self.config.packed_linears:
             return "off"

@@ -53,8 +53,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """``x W^T + b`` for ``x`` ``[..., K]`` (float32, CPU), ``W`` packed by ``pack`` and ``bias`` a
-    contiguous float32 ``[N]`` or None (both checked by the caller once, not per call); on
-    torch's intra-op threads."""
+    contiguous float32 ``[N]`` or None (``PackedLinear`` makes them so once; not checked per
+    call); on torch's intra-op threads."""
     in_features = panels.shape[1]
     if x.dtype != torch.float32 or x.shape[-1] != in_features or x.device.type != "cpu":
         raise ValueError(f"input {x.dtype} [..., {x.shape[-1]}] on {x.device} for a float32 CPU weight "
