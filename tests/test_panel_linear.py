@@ -68,8 +68,10 @@ def test_wrong_inputs_are_refused():
     with pytest.raises(ValueError, match="float32 CPU weight"):
         panel_linear.pack(torch.randn(20, 8, dtype=torch.bfloat16))
     assert "float32 only" in panel_linear.unavailable(torch.bfloat16)
+    before = panel_linear._extension().rows_per_block()
     with pytest.raises(ValueError, match="rows per block"):
         panel_linear._extension().rows_per_block(5)
+    assert panel_linear._extension().rows_per_block() == before  # the refusal changed nothing
 
 
 def test_packed_linear_picks_the_kernel_by_dtype_and_falls_back_without_the_build(monkeypatch):
