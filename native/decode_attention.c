@@ -19,8 +19,14 @@
  * unmapped page past a sequence's end, or released behind its window, is never touched. Offsets are
  * int64: the token-major layout's slot strides pass 2^31 elements.
  *
+ * Shared prefixes (cascade decoding): sequences whose leading blocks are the same physical blocks
+ * (a cached prompt prefix, the forks of parallel sampling) may be passed as groups: prefix_leaders[b]
+ * is the group's first sequence and prefix_lens[b] the keys b shares with it. A group's prefix is
+ * then read once, from the leader's rows, for every member's queries (a work item per prefix
+ * split), and each sequence's own keys after it; the parts meet in `combine` by their log-sum-exp.
+ *
  * Types: float32 and bfloat16 K/V/Q/out (bf16 rows are widened to float32 into a tile buffer).
- * The work items, (sequence, split), run on OpenMP threads with the GIL released.
+ * The work items (see `plan`) run on OpenMP threads with the GIL released.
  * process_item is compiled three times (target_clones): for AVX-512 (x86-64-v4: the same 8-float
  * vectors, 32 registers of them), for AVX2+FMA (x86-64-v3) and for the baseline, chosen at load time
  * by the CPU it runs on; each with head sizes 64 and 128 as constants.
@@ -55,9 +61,19 @@ typedef struct {
     float scale, softcap;
     int64_t window; /* 0: none */
     int dtype, num_splits;
-    float *partial; /* [B, Hq, S, D] and [B, Hq, S] when num_splits > 1 */
+    const int32_t *prefix_leaders, *prefix_lens; /* [B] each, or NULL: see "Shared prefixes" above */
+    int64_t num_parts;                            /* partial results a sequence combines: 1 = none */
+    float *partial;                               /* [B, Hq, num_parts, D] and [B, Hq, num_parts] */
     float *lse;
 } Args;
+
+/* One work item: the queries of `num_members` sequences (members[0..]) over keys [lo, hi) read
+ * from sequence `rows_of`'s rows, written to partial `part` of each member (-1: to out directly). */
+typedef struct {
+    int64_t rows_of, lo, hi, part;
+    const int32_t *members;
+    int64_t num_members;
+} Work;
 
 static inline float bf16_to_float(uint16_t bits) {
     uint32_t wide = (uint32_t)bits << 16;
@@ -234,35 +250,34 @@ static inline __attribute__((always_inline)) void tile_accumulate(float *restric
     }
 }
 
-/* One (sequence b, split s): every query head's softmax over keys [lo, hi). A token's K (and V)
- * rows of all kv heads are read together, the next tokens' prefetched: in the token-major layout
- * one layer's rows of consecutive tokens lie a whole model's token stride apart (a new 4 KiB page
- * each), which the hardware prefetcher does not follow.
- * Per tile: every query head's scores (K rows read through pointers gathered once), the online
- * softmax, then every head's weighted V rows, accumulated in registers.
- * scratch: Hq*D (q) + Hq*D (acc) + Hq*TILE (scores) + 2*Hq (max, sum) + 2*TILE*Hk*D (bf16 rows). */
-static inline __attribute__((always_inline)) void process_item_d(const Args *a, int64_t item, float *scratch,
+/* One work item: every member's query heads' softmax over keys [lo, hi) of sequence rows_of. A
+ * token's K (and V) rows of all kv heads are read together, the next tokens' prefetched: in the
+ * token-major layout one layer's rows of consecutive tokens lie a whole model's token stride apart
+ * (a new 4 KiB page each), which the hardware prefetcher does not follow.
+ * Per tile: the scores of every (kv head, member, query head of that kv head) in that order, so a
+ * kv head's rows are read from memory once and then from L1 by all members' heads of its group
+ * (K rows read through pointers gathered once); the online softmax; then the weighted V rows,
+ * accumulated in registers, in the same order.
+ * scratch: M*Hq*D (q) + M*Hq*D (acc) + M*Hq*TILE (scores) + 2*M*Hq (max, sum) + 2*TILE*Hk*D (bf16 rows). */
+static inline __attribute__((always_inline)) void process_item_d(const Args *a, const Work *w, float *scratch,
                                                                 const int64_t D) {
-    const int64_t Hq = a->num_q_heads, Hk = a->num_kv_heads, G = Hq / Hk, S = a->num_splits;
-    const int64_t b = item / S, s = item % S;
-    const int64_t es = (int64_t)elem_size(a->dtype);
-    float *q = scratch, *acc = q + Hq * D, *sc = acc + Hq * D, *mx = sc + Hq * TILE, *sum = mx + Hq;
-    float *ktile = sum + Hq, *vtile = ktile + TILE * Hk * D; /* bf16 rows widened */
+    const int64_t Hq = a->num_q_heads, Hk = a->num_kv_heads, G = Hq / Hk, M = w->num_members;
+    const int64_t QH = M * Hq; /* the item's query heads: member m's head h is m * Hq + h */
+    const int64_t es = (int64_t)elem_size(a->dtype), b = w->rows_of, lo = w->lo, hi = w->hi;
+    float *q = scratch, *acc = q + QH * D, *sc = acc + QH * D, *mx = sc + QH * TILE, *sum = mx + QH;
+    float *ktile = sum + QH, *vtile = ktile + TILE * Hk * D; /* bf16 rows widened */
     const float *krow[TILE], *vrow[TILE];                    /* the tile's rows, as float32 */
     const char *pf_k[TILE], *pf_v[TILE];                     /* rows PREFETCH tokens ahead */
 
-    int64_t len = a->seq_lens[b];
-    int64_t start = (a->window > 0 && len > a->window) ? len - a->window : 0;
-    int64_t per = (len - start + S - 1) / S;
-    int64_t lo = start + s * per, hi = lo + per < len ? lo + per : len;
-
-    for (int64_t h = 0; h < Hq; h++) {
-        const float *qf = row_f32(a->q + (b * a->q_sb + h * a->q_sh) * es, a->dtype, D, ktile);
-        for (int64_t i = 0; i < D; i++) q[h * D + i] = qf[i] * a->scale;
-        memset(acc + h * D, 0, (size_t)D * 4);
-        mx[h] = -INFINITY;
-        sum[h] = 0.f;
-    }
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t h = 0; h < Hq; h++) {
+            const int64_t qh = m * Hq + h, member = w->members[m];
+            const float *qf = row_f32(a->q + (member * a->q_sb + h * a->q_sh) * es, a->dtype, D, ktile);
+            for (int64_t i = 0; i < D; i++) q[qh * D + i] = qf[i] * a->scale;
+            memset(acc + qh * D, 0, (size_t)D * 4);
+            mx[qh] = -INFINITY;
+            sum[qh] = 0.f;
+        }
     /* the bytes from a token's first kv head to the end of its last: prefetched as one range */
     const int64_t k_span = ((Hk - 1) * a->k_sh + D) * es, v_span = ((Hk - 1) * a->v_sh + D) * es;
     const int64_t span = k_span > v_span ? k_span : v_span;
@@ -292,42 +307,48 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             vrow[j] = vw;
         }
         const int prefetching = a->dtype == DT_FLOAT32;
-        for (int64_t h = 0; h < Hq; h++)
-            tile_scores(q + h * D, krow, (h / G) * k_head, n, D, sc + h * TILE,
-                        prefetching && h == 0 ? pf_k : NULL, pf_v, span);
-        for (int64_t h = 0; h < Hq; h++) {
-            float *row = sc + h * TILE, m = mx[h];
+        for (int64_t hk = 0; hk < Hk; hk++)
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t qh = m * Hq + hk * G; qh < m * Hq + (hk + 1) * G; qh++)
+                    tile_scores(q + qh * D, krow, hk * k_head, n, D, sc + qh * TILE,
+                                prefetching && qh == 0 ? pf_k : NULL, pf_v, span);
+        for (int64_t qh = 0; qh < QH; qh++) {
+            float *row = sc + qh * TILE, m = mx[qh];
             if (a->softcap > 0.f)
                 for (int64_t j = 0; j < n; j++) row[j] = a->softcap * tanhf(row[j] / a->softcap);
 #pragma omp simd reduction(max : m)
             for (int64_t j = 0; j < n; j++) m = row[j] > m ? row[j] : m;
-            float alpha = expf(mx[h] - m), total = 0.f; /* exp(-inf) = 0 on the first tile */
+            float alpha = expf(mx[qh] - m), total = 0.f; /* exp(-inf) = 0 on the first tile */
 #pragma omp simd reduction(+ : total)
             for (int64_t j = 0; j < n; j++) {
                 row[j] = exp_nonpositive(row[j] - m);
                 total += row[j];
             }
             if (alpha != 1.f)
-                for (int64_t i = 0; i < D; i++) acc[h * D + i] *= alpha;
-            sum[h] = sum[h] * alpha + total;
-            mx[h] = m;
+                for (int64_t i = 0; i < D; i++) acc[qh * D + i] *= alpha;
+            sum[qh] = sum[qh] * alpha + total;
+            mx[qh] = m;
         }
-        for (int64_t h = 0; h < Hq; h++) tile_accumulate(acc + h * D, sc + h * TILE, vrow, (h / G) * v_head, n, D);
+        for (int64_t hk = 0; hk < Hk; hk++)
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t qh = m * Hq + hk * G; qh < m * Hq + (hk + 1) * G; qh++)
+                    tile_accumulate(acc + qh * D, sc + qh * TILE, vrow, hk * v_head, n, D);
     }
-    for (int64_t h = 0; h < Hq; h++) {
-        float *o = acc + h * D;
-        if (S > 1) { /* partial output, normalized, and its log-sum-exp: combined below */
-            int64_t at = (b * Hq + h) * S + s;
-            float inv = sum[h] > 0.f ? 1.f / sum[h] : 0.f;
+    for (int64_t qh = 0; qh < QH; qh++) {
+        const int64_t member = w->members[qh / Hq], h = qh % Hq;
+        float *o = acc + qh * D;
+        if (w->part >= 0) { /* partial output, normalized, and its log-sum-exp: combined below */
+            int64_t at = (member * Hq + h) * a->num_parts + w->part;
+            float inv = sum[qh] > 0.f ? 1.f / sum[qh] : 0.f;
             for (int64_t i = 0; i < D; i++) a->partial[at * D + i] = o[i] * inv;
-            a->lse[at] = sum[h] > 0.f ? mx[h] + logf(sum[h]) : -INFINITY;
+            a->lse[at] = sum[qh] > 0.f ? mx[qh] + logf(sum[qh]) : -INFINITY;
             continue;
         }
-        float total = sum[h];
-        if (a->sinks) total += expf(sink_of(a, h) - mx[h]); /* exp(-inf) when nothing was read */
-        float inv = total > 0.f && sum[h] > 0.f ? 1.f / total : 0.f;
+        float total = sum[qh];
+        if (a->sinks) total += expf(sink_of(a, h) - mx[qh]); /* exp(-inf) when nothing was read */
+        float inv = total > 0.f && sum[qh] > 0.f ? 1.f / total : 0.f;
         for (int64_t i = 0; i < D; i++) o[i] *= inv;
-        write_out(a, b, h, o);
+        write_out(a, member, h, o);
     }
 }
 
@@ -335,24 +356,26 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
  * the query and accumulator vectors in registers, where a runtime size leaves a bound check per
  * vector and the arrays on the stack. */
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) static void process_item(
-    const Args *a, int64_t item, float *scratch) {
+    const Args *a, const Work *w, float *scratch) {
     if (a->head_dim == 64)
-        process_item_d(a, item, scratch, 64);
+        process_item_d(a, w, scratch, 64);
     else if (a->head_dim == 128)
-        process_item_d(a, item, scratch, 128);
+        process_item_d(a, w, scratch, 128);
     else
-        process_item_d(a, item, scratch, a->head_dim);
+        process_item_d(a, w, scratch, a->head_dim);
 }
 
-/* The splits of (sequence b, query head h), weighted by their exp(lse), into out. */
+/* The parts of (sequence b, query head h), weighted by their exp(lse), into out. A part nothing
+ * was written to (a prefix part of a sequence in no group) has lse -inf and is skipped. */
 static void combine(const Args *a, int64_t bh, float *buf) {
-    const int64_t D = a->head_dim, S = a->num_splits, h = bh % a->num_q_heads, b = bh / a->num_q_heads;
+    const int64_t D = a->head_dim, S = a->num_parts, h = bh % a->num_q_heads, b = bh / a->num_q_heads;
     const float *lse = a->lse + bh * S, *part = a->partial + bh * S * D;
     float m = -INFINITY, total = 0.f;
     for (int64_t s = 0; s < S; s++) m = lse[s] > m ? lse[s] : m;
     memset(buf, 0, (size_t)D * 4);
     if (m > -INFINITY) {
         for (int64_t s = 0; s < S; s++) {
+            if (lse[s] == -INFINITY) continue;
             float w = expf(lse[s] - m);
             total += w;
             for (int64_t i = 0; i < D; i++) buf[i] += w * part[s * D + i];
@@ -363,44 +386,107 @@ static void combine(const Args *a, int64_t bh, float *buf) {
     write_out(a, b, h, buf);
 }
 
-static int run(Args *a, int num_threads) {
-    const int64_t Hq = a->num_q_heads, D = a->head_dim;
-    const int64_t items = a->batch * a->num_splits;
-    const size_t scratch_floats = (size_t)(2 * Hq * D + Hq * TILE + 2 * Hq + 2 * TILE * a->num_kv_heads * D);
-    if (a->num_splits > 1) {
-        a->partial = malloc(sizeof(float) * (size_t)(a->batch * a->num_q_heads * a->num_splits * D));
-        a->lse = malloc(sizeof(float) * (size_t)(a->batch * a->num_q_heads * a->num_splits));
-        if (!a->partial || !a->lse) return -1;
+/* Whether the shared-prefix arrays describe groups: every leader in range and its own leader,
+ * every member's prefix length its leader's and within its own length. */
+static int prefixes_valid(const Args *a) {
+    for (int64_t b = 0; b < a->batch; b++) {
+        int32_t leader = a->prefix_leaders[b], len = a->prefix_lens[b];
+        if (leader < 0 || leader >= a->batch || a->prefix_leaders[leader] != leader ||
+            len != a->prefix_lens[leader] || len < 0 || len > a->seq_lens[b])
+            return 0;
     }
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && items > 1)
+    return 1;
+}
+
+/* The step's work items, largest first: per group of sequences sharing a prefix, the prefix in
+ * up to `threads` splits of at least MIN_PREFIX_SPLIT keys (each read once for all members, into
+ * parts 0..); then per sequence its own keys (past its prefix, or from its window start) in
+ * num_splits splits (parts after the prefix's). members: 2 * B entries, the groups' member lists
+ * then the identity. Sets a->num_parts; returns the number of items and the largest group. */
+#define MIN_PREFIX_SPLIT 256
+static int64_t plan(Args *a, int threads, Work *work, int32_t *members, int64_t *largest) {
+    const int64_t B = a->batch, S = a->num_splits;
+    int64_t n = 0, used = 0, prefix_parts = 0;
+    *largest = 1;
+    for (int64_t leader = 0; a->prefix_leaders && leader < B; leader++) {
+        const int64_t len = a->prefix_lens[leader];
+        if (a->prefix_leaders[leader] != leader || len == 0) continue;
+        int32_t *group = members + used;
+        int64_t size = 0;
+        for (int64_t b = 0; b < B; b++)
+            if (a->prefix_leaders[b] == leader) group[size++] = (int32_t)b;
+        used += size;
+        *largest = size > *largest ? size : *largest;
+        int64_t parts = len / MIN_PREFIX_SPLIT < threads ? len / MIN_PREFIX_SPLIT : threads;
+        parts = parts < 1 ? 1 : parts;
+        const int64_t per = (len + parts - 1) / parts;
+        for (int64_t p = 0; p < parts; p++)
+            work[n++] = (Work){leader, p * per, (p + 1) * per < len ? (p + 1) * per : len, p, group, size};
+        prefix_parts = parts > prefix_parts ? parts : prefix_parts;
+    }
+    a->num_parts = prefix_parts + S;
+    for (int64_t b = 0; b < B; b++) {
+        members[B + b] = (int32_t)b;
+        const int64_t len = a->seq_lens[b];
+        int64_t start = (a->window > 0 && len > a->window) ? len - a->window : 0;
+        if (a->prefix_leaders) start = a->prefix_lens[b]; /* no window with a prefix */
+        const int64_t per = (len - start + S - 1) / S;
+        for (int64_t s = 0; s < S; s++) {
+            const int64_t lo = start + s * per < len ? start + s * per : len;
+            const int64_t hi = lo + per < len ? lo + per : len;
+            work[n++] = (Work){b, lo, hi, a->num_parts > 1 ? prefix_parts + s : -1, members + B + b, 1};
+        }
+    }
+    return n;
+}
+
+static int run(Args *a, int num_threads) {
+    const int64_t B = a->batch, Hq = a->num_q_heads, D = a->head_dim;
+    Work *work = malloc(sizeof(Work) * (size_t)(B * (a->num_splits + num_threads) + 1));
+    int32_t *members = malloc(sizeof(int32_t) * (size_t)(2 * B + 1));
+    int failed = !work || !members;
+    int64_t items = 0, largest = 1;
+    if (!failed) items = plan(a, num_threads, work, members, &largest);
+    const int64_t parts = a->num_parts;
+    const size_t scratch_floats = (size_t)(largest * (2 * Hq * D + Hq * TILE + 2 * Hq) +
+                                           2 * TILE * a->num_kv_heads * D);
+    if (!failed && parts > 1) {
+        a->partial = malloc(sizeof(float) * (size_t)(B * Hq * parts * D));
+        a->lse = malloc(sizeof(float) * (size_t)(B * Hq * parts));
+        failed = !a->partial || !a->lse;
+        for (int64_t i = 0; !failed && i < B * Hq * parts; i++) a->lse[i] = -INFINITY;
+    }
+#pragma omp parallel num_threads(num_threads) if (!failed && num_threads > 1 && items > 1)
     {
-        float *scratch = malloc(sizeof(float) * scratch_floats);
+        float *scratch = failed ? NULL : malloc(sizeof(float) * scratch_floats);
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++)
-            if (scratch) process_item(a, item, scratch);
-        if (a->num_splits > 1) {
+            if (scratch) process_item(a, &work[item], scratch);
+        if (parts > 1) {
 #pragma omp for schedule(static)
-            for (int64_t bh = 0; bh < a->batch * a->num_q_heads; bh++)
+            for (int64_t bh = 0; bh < B * Hq; bh++)
                 if (scratch) combine(a, bh, scratch);
         }
         free(scratch);
     }
     free(a->partial);
     free(a->lse);
+    free(work);
+    free(members);
     return failed ? -1 : 0;
 }
 
 static PyObject *decode(PyObject *self, PyObject *args) {
-    unsigned long long q, out, k, v, index, seq_lens, sinks;
+    unsigned long long q, out, k, v, index, seq_lens, sinks, prefix_leaders, prefix_lens;
     Args a = {0};
     double scale, softcap;
     int num_threads;
-    if (!PyArg_ParseTuple(args, "KKKKKKK" "LLLLLLLLLLLLLLLL" "dLdiii", &q, &out, &k, &v, &index, &seq_lens, &sinks,
+    if (!PyArg_ParseTuple(args, "KKKKKKKKK" "LLLLLLLLLLLLLLLL" "dLdiii", &q, &out, &k, &v, &index, &seq_lens, &sinks,
+                          &prefix_leaders, &prefix_lens,
                           &a.index_stride_b, &a.batch, &a.num_q_heads, &a.num_kv_heads, &a.head_dim,
                           &a.block_size, &a.q_sb, &a.q_sh, &a.out_sb, &a.out_sh, &a.k_so, &a.k_st, &a.k_sh,
                           &a.v_so, &a.v_st, &a.v_sh, &scale, &a.window, &softcap, &a.dtype, &a.num_splits,
@@ -422,6 +508,14 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     a.index = (const int32_t *)(uintptr_t)index;
     a.seq_lens = (const int32_t *)(uintptr_t)seq_lens;
     a.sinks = (const char *)(uintptr_t)sinks; /* float32 [Hq], or NULL */
+    a.prefix_leaders = (const int32_t *)(uintptr_t)prefix_leaders; /* int32 [B] each, or NULL */
+    a.prefix_lens = (const int32_t *)(uintptr_t)prefix_lens;
+    if (!a.prefix_leaders != !a.prefix_lens || (a.prefix_leaders && (a.window > 0 || !prefixes_valid(&a)))) {
+        PyErr_SetString(PyExc_ValueError, "shared prefixes: leaders and lengths come together, with no window; "
+                        "every leader leads itself, and a member's prefix length is its leader's and "
+                        "at most its own length");
+        return NULL;
+    }
     a.scale = (float)scale;
     a.softcap = (float)softcap;
     int rc;
@@ -439,7 +533,7 @@ static PyObject *has_openmp(PyObject *self, PyObject *unused) {
 }
 
 PyDoc_STRVAR(decode_doc,
-             "decode(q, out, k, v, index, seq_lens, sinks, index_stride_b, batch, num_q_heads, num_kv_heads,\n"
+             "decode(q, out, k, v, index, seq_lens, sinks, prefix_leaders, prefix_lens, index_stride_b, batch, num_q_heads, num_kv_heads,\n"
              "       head_dim, block_size, q_sb, q_sh, out_sb, out_sh, k_so, k_st, k_sh, v_so, v_st, v_sh,\n"
              "       scale, window, softcap, dtype, num_splits, num_threads)\n\n"
              "Raw data pointers and element strides; checked by vmemkv.attention.cpu_decode, not here.");

@@ -30,10 +30,10 @@ class ContiguousAttention(PackedAttention):
 
     def __init__(self, spans: list[SequenceSpan],
                  kv_views: Callable[[int], tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-                 decode_kernel: bool = False, reads: SlotReads | None = None):
+                 decode_kernel: bool = False, reads: SlotReads | None = None, prefix_block_tokens: int = 0):
         self.kv_views = kv_views
         self.reads = reads if torch.device(device).type == "cpu" else None
-        super().__init__(spans, device, decode_kernel)
+        super().__init__(spans, device, decode_kernel, prefix_block_tokens)
 
     def plan_batches(self) -> list[DecodeBatch]:
         if self.reads is None:
@@ -84,11 +84,14 @@ class ContiguousAttention(PackedAttention):
         return k_cache[batch.lo:end, start:batch.read_len], v_cache[batch.lo:end, start:batch.read_len]
 
     def decode(self, layer, q, scale, **variant):
-        if self.device.type == "cpu":  # the native routine (cpu_decode); Triton on CUDA
-            from vmemkv.attention.cpu_decode import decode_attention_contiguous_cpu as decode_attention_contiguous
-        else:
-            from vmemkv.attention.triton_decode import decode_attention_contiguous
-
         k_cache, v_cache = self.kv_views(layer)
+        if self.device.type == "cpu":  # the native routine (cpu_decode); Triton on CUDA
+            from vmemkv.attention.cpu_decode import decode_attention_contiguous_cpu
+
+            return decode_attention_contiguous_cpu(q, k_cache, v_cache, self.decode_slots, self.decode_lens, scale,
+                                                   max_seq_len=self.decode_max_len,
+                                                   shared_prefix=self.shared_prefix(variant["window"]), **variant)
+        from vmemkv.attention.triton_decode import decode_attention_contiguous
+
         return decode_attention_contiguous(q, k_cache, v_cache, self.decode_slots, self.decode_lens,
                                            scale, max_seq_len=self.decode_max_len, **variant)

@@ -53,9 +53,24 @@ def _as_int32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
+def _check_shared_prefix(shared_prefix, batch: int, window: int | None):
+    """The (leaders, lengths) pair as contiguous int32 tensors; the native routine checks the values."""
+    if shared_prefix is None:
+        return None
+    if window:
+        raise ValueError("shared_prefix: a sliding window's reads do not start at the prefix")
+    leaders, lengths = shared_prefix
+    if leaders.shape != (batch,) or lengths.shape != (batch,) or leaders.device.type != "cpu" \
+            or lengths.device.type != "cpu":
+        raise ValueError(f"shared_prefix must be two [batch] = [{batch}] CPU tensors, got "
+                         f"{tuple(leaders.shape)} and {tuple(lengths.shape)}")
+    return _as_int32(leaders), _as_int32(lengths)
+
+
 def _run(q, k, v, index, index_stride_b, seq_lens, scale, block_size, out, window, softcap, sinks,
-         num_threads, num_splits, max_seq_len):
+         num_threads, num_splits, max_seq_len, shared_prefix):
     check_variant(q, window, softcap, sinks)
+    shared_prefix = _check_shared_prefix(shared_prefix, q.shape[0], window)
     if q.device.type != "cpu":
         raise ValueError(f"the native decode attention runs on the CPU, q is on {q.device}")
     if reason := unavailable(q.dtype):
@@ -73,7 +88,8 @@ def _run(q, k, v, index, index_stride_b, seq_lens, scale, block_size, out, windo
         num_splits = num_splits_for(batch, min(longest, window or longest), threads)
     _extension().decode(
         q.data_ptr(), out.data_ptr(), k.data_ptr(), v.data_ptr(), index.data_ptr(), seq_lens.data_ptr(),
-        sinks.data_ptr() if sinks is not None else 0, index_stride_b,
+        sinks.data_ptr() if sinks is not None else 0,
+        *((t.data_ptr() for t in shared_prefix) if shared_prefix else (0, 0)), index_stride_b,
         batch, num_q_heads, k.shape[2], head_dim, block_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
@@ -86,8 +102,9 @@ def decode_attention_contiguous_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_ca
                                     out: torch.Tensor | None = None, window: int | None = None,
                                     softcap: float | None = None, sinks: torch.Tensor | None = None,
                                     check_bounds: bool = False, num_threads: int | None = None,
-                                    num_splits: int | None = None,
-                                    max_seq_len: int | None = None) -> torch.Tensor:
+                                    num_splits: int | None = None, max_seq_len: int | None = None,
+                                    shared_prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+                                    ) -> torch.Tensor:
     """``q`` ``[B, Hq, D]``; ``k_cache``/``v_cache`` strided ``[num_slots, max_tokens, Hk, D]`` views
     (last dim contiguous); sequence ``b`` attends to ``k_cache[slot_ids[b], :seq_lens[b]]`` (its last
     ``window`` keys with a window). Returns ``[B, Hq, D]`` in q's dtype (into ``out`` when given).
@@ -95,11 +112,16 @@ def decode_attention_contiguous_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_ca
     The routine trusts its indices, as the engine's are right by construction: ``check_bounds=True``
     checks slot ids and lengths first and raises ``ValueError`` (a wrong one would read outside
     the views). ``num_threads``: default torch's intra-op threads; ``num_splits``: split each
-    sequence's keys that many ways (default: when sequences are fewer than threads)."""
+    sequence's keys that many ways (default: when sequences are fewer than threads).
+
+    ``shared_prefix``: ``(leaders, lengths)``, int32 ``[B]`` each, for sequences whose leading keys
+    are the same physical rows (a cached prefix): sequence ``b``'s first ``lengths[b]`` keys are
+    sequence ``leaders[b]``'s, which are then read once for the whole group (a leader leads
+    itself, and every member's length is its leader's; 0 for none). Not with a window."""
     check_inputs(q, k_cache, v_cache, seq_lens, ("k_cache", "v_cache"), out)
     check_slot_ids(slot_ids, q, seq_lens, k_cache, check_bounds)
     return _run(q, k_cache, v_cache, _as_int32(slot_ids), 1, seq_lens, scale, 0, out, window, softcap,
-                sinks, num_threads, num_splits, max_seq_len)
+                sinks, num_threads, num_splits, max_seq_len, shared_prefix)
 
 
 def decode_attention_paged_cpu(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
@@ -107,8 +129,8 @@ def decode_attention_paged_cpu(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks
                                out: torch.Tensor | None = None, window: int | None = None,
                                softcap: float | None = None, sinks: torch.Tensor | None = None,
                                check_bounds: bool = False, num_threads: int | None = None,
-                               num_splits: int | None = None,
-                               max_seq_len: int | None = None) -> torch.Tensor:
+                               num_splits: int | None = None, max_seq_len: int | None = None,
+                               shared_prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Block tables: ``k_blocks``/``v_blocks`` strided ``[num_blocks, block_size, Hk, D]``,
     ``block_tables`` ``[B, max_blocks]``; token ``t`` of sequence ``b`` is
     ``k_blocks[block_tables[b, t // block_size], t % block_size]``; entries behind a window or past
@@ -118,4 +140,4 @@ def decode_attention_paged_cpu(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks
     block_size = k_blocks.shape[1]
     tables = _as_int32(block_tables)
     return _run(q, k_blocks, v_blocks, tables, tables.stride(0), seq_lens, scale, block_size, out, window,
-                softcap, sinks, num_threads, num_splits, max_seq_len)
+                softcap, sinks, num_threads, num_splits, max_seq_len, shared_prefix)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from vmemkv.attention.metadata import StepMetadata
+from vmemkv.attention.shared_prefix import shared_prefixes
 from vmemkv.attention.slot_batch import DecodeBatch, attend
 from vmemkv.attention.variants import (causal_chunk_mask, causal_window_mask, chunk_start, explicit_attention,
                                        needs_explicit, window_start)
@@ -49,10 +50,17 @@ class PackedAttention:
 
     The step's index tensors are staged on the host and uploaded once (``StepMetadata``), with
     the model's inputs when the caller passes them to ``upload``: subclasses add theirs in
-    ``stage`` and find them as attributes of the same name."""
+    ``stage`` and find them as attributes of the same name.
 
-    def __init__(self, spans: list[SequenceSpan], device: torch.device, decode_kernel: bool = False):
+    ``prefix_block_tokens``: the tokens of a block of the spans' ``block_table``; when given (and
+    the decode kernel is the CPU's), decoding sequences that hold the same leading blocks read
+    them once per group (``shared_prefix``)."""
+
+    def __init__(self, spans: list[SequenceSpan], device: torch.device, decode_kernel: bool = False,
+                 prefix_block_tokens: int = 0):
         self.spans = spans
+        self.prefix_block_tokens = prefix_block_tokens
+        self._shared_prefix: tuple[list[int], list[int]] | None = None
         self.device = torch.device(device)
         self._masks: dict[tuple[int, int, int | None], torch.Tensor] = {}
         self.seconds = 0.0  # wall time inside attention (host time: on a GPU, launch time only)
@@ -99,6 +107,19 @@ class PackedAttention:
             decoding = [self.spans[i] for i in self.decodes]
             staged.add("decode_rows", [s.query_start for s in decoding])
             staged.add("decode_lens", [s.length for s in decoding], torch.int32)
+            self._shared_prefix = self.prefix_block_tokens and self.device.type == "cpu" and shared_prefixes(
+                [s.block_table for s in decoding], [s.length for s in decoding], self.prefix_block_tokens)
+            if self._shared_prefix:
+                leaders, lengths = self._shared_prefix
+                staged.add("decode_prefix_leaders", leaders, torch.int32)
+                staged.add("decode_prefix_lens", lengths, torch.int32)
+
+    def shared_prefix(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The decoding sequences' prefix groups for a layer's native decode call (none with a
+        window: its reads start at the window)."""
+        if not self._shared_prefix or window:
+            return None
+        return self.decode_prefix_leaders, self.decode_prefix_lens
 
     def __getattr__(self, name: str):
         # A staged tensor asked for before the upload (a caller that writes without a forward):

@@ -20,7 +20,8 @@ from vmemkv.attention.slot_batch import DecodeBatch, gather_padded, worth_batchi
 
 
 class BlockTableAttention(PackedAttention):
-    """``block_views(layer)`` gives that layer's K and V block tensors."""
+    """``block_views(layer)`` gives that layer's K and V block tensors. ``share_prefixes``:
+    decoding sequences holding the same leading blocks read them once (``shared_prefix``)."""
 
     # Stage the block ids per-sequence SDPA reads (``read``) with the step's upload; a subclass
     # whose kernel reads the tables itself turns this off, and ``read`` uploads them if asked.
@@ -28,10 +29,11 @@ class BlockTableAttention(PackedAttention):
 
     def __init__(self, spans: list[SequenceSpan],
                  block_views: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                 tokens_per_page: int, device: torch.device, decode_kernel: bool = False):
+                 tokens_per_page: int, device: torch.device, decode_kernel: bool = False,
+                 share_prefixes: bool = False):
         self.block_views = block_views
         self.tokens_per_page = tokens_per_page
-        super().__init__(spans, device, decode_kernel)
+        super().__init__(spans, device, decode_kernel, tokens_per_page if share_prefixes else 0)
 
     def stage(self, staged: StepMetadata) -> None:
         super().stage(staged)
@@ -105,11 +107,14 @@ class BlockTableAttention(PackedAttention):
         return ids
 
     def decode(self, layer, q, scale, **variant):
-        if self.device.type == "cpu":  # the native routine (cpu_decode); Triton on CUDA
-            from vmemkv.attention.cpu_decode import decode_attention_paged_cpu as decode_attention_paged
-        else:
-            from vmemkv.attention.triton_decode import decode_attention_paged
-
         k_blocks, v_blocks = self.block_views(layer)
+        if self.device.type == "cpu":  # the native routine (cpu_decode); Triton on CUDA
+            from vmemkv.attention.cpu_decode import decode_attention_paged_cpu
+
+            return decode_attention_paged_cpu(q, k_blocks, v_blocks, self.decode_tables, self.decode_lens, scale,
+                                              max_seq_len=self.decode_max_len,
+                                              shared_prefix=self.shared_prefix(variant["window"]), **variant)
+        from vmemkv.attention.triton_decode import decode_attention_paged
+
         return decode_attention_paged(q, k_blocks, v_blocks, self.decode_tables, self.decode_lens,
                                       scale, max_seq_len=self.decode_max_len, **variant)

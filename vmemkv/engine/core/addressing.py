@@ -25,10 +25,12 @@ class Addressing:
 
     uses_lookahead = False  # decoding sequences get their next block mapped during the forward
 
-    def __init__(self, manager: KVViews, device, choice: AttentionChoice):
+    def __init__(self, manager: KVViews, device, choice: AttentionChoice, share_prefixes: bool = False):
         self.manager = manager
         self.device = device
         self.choice = choice
+        # decoding sequences that hold the same leading blocks read them once (the CPU's routine)
+        self.share_prefixes = share_prefixes and choice.kind == "native"
 
     def span(self, kv: KVRequest, begin: int, count: int, computed: int) -> SequenceSpan:
         """A running sequence's span (read from its KVRequest: no lookup by id)."""
@@ -44,8 +46,9 @@ class SlotAddressing(Addressing):
 
     uses_lookahead = True
 
-    def __init__(self, manager: KVViews, device, choice: AttentionChoice):
-        super().__init__(manager, device, choice)
+    def __init__(self, manager: KVViews, device, choice: AttentionChoice, share_prefixes: bool = False):
+        # the spans carry block tables for that, which a hybrid's layout groups do not share
+        super().__init__(manager, device, choice, share_prefixes and len(manager.layout_groups) == 1)
         if choice.kind == "flash":
             kernel, geometry = choice.kernel, layer_geometries(manager)
             distinct = sorted(set(geometry))
@@ -60,10 +63,14 @@ class SlotAddressing(Addressing):
                      for rows, num in distinct], group_of, spans)
         else:
             decode_kernel, reads = choice.decode_kernel, manager.batched_reads()
+            block_tokens = manager.tokens_per_page if self.share_prefixes else 0
             self.attention = lambda spans: ContiguousAttention(
-                spans, manager.kv_views, device, decode_kernel, reads=reads)  # batched reads (CPU)
+                spans, manager.kv_views, device, decode_kernel, reads=reads,  # batched reads (CPU)
+                prefix_block_tokens=block_tokens)
 
     def span(self, kv: KVRequest, begin: int, count: int, computed: int) -> SequenceSpan:
+        if self.share_prefixes:
+            return SequenceSpan(kv.slot, begin, count, computed, kv.block_table)
         return SequenceSpan(kv.slot, begin, count, computed)
 
 
@@ -82,9 +89,9 @@ def layer_geometries(manager: KVViews) -> list[tuple[int, int]]:
 class BlockTableAddressing(Addressing):
     """Block tables (the paged baseline): a sequence is its list of blocks."""
 
-    def __init__(self, manager: KVViews, device, choice: AttentionChoice):
-        super().__init__(manager, device, choice)
-        tokens_per_page = manager.tokens_per_page
+    def __init__(self, manager: KVViews, device, choice: AttentionChoice, share_prefixes: bool = False):
+        super().__init__(manager, device, choice, share_prefixes)
+        tokens_per_page, share = manager.tokens_per_page, self.share_prefixes
         # Blocks released behind a sliding window stay RELEASED (-1) in the spans; FlashAttention's
         # arguments point them at the first held block (flash_args.fill_released).
         if choice.kind == "flash":
@@ -94,7 +101,7 @@ class BlockTableAddressing(Addressing):
         else:
             decode_kernel = choice.decode_kernel
             self.attention = lambda spans: BlockTableAttention(
-                spans, manager.block_views, tokens_per_page, device, decode_kernel)
+                spans, manager.block_views, tokens_per_page, device, decode_kernel, share)
 
     def span(self, kv: KVRequest, begin: int, count: int, computed: int) -> SequenceSpan:
         return SequenceSpan(kv.slot, begin, count, computed, kv.block_table)
@@ -128,8 +135,8 @@ class GroupedBlockTableAddressing(BlockTableAddressing):
     with its blocks behind the window released), and each group's layers read through its own.
     A span is the tuple of the sequence's spans, one per group."""
 
-    def __init__(self, manager: KVViews, device, choice: AttentionChoice):
-        super().__init__(manager, device, choice)
+    def __init__(self, manager: KVViews, device, choice: AttentionChoice, share_prefixes: bool = False):
+        super().__init__(manager, device, choice, share_prefixes)
         self.num_groups = len(manager.layout_groups)
         group_of = [manager.layer_group(layer).index for layer in range(manager.config.num_layers)]
         one_group = self.attention
@@ -151,8 +158,9 @@ def choose_addressing(config: EngineConfig, manager: KVViews, device,
     choice = choose_attention(config.attention, device, config.kv_backend, layout.dtype,
                               num_query_heads, layout.num_kv_heads, layout.head_dim,
                               manager.tokens_per_page, views[0] if views else None, views[1:])
+    share = config.shared_prefix_decode
     if not paged:
-        return SlotAddressing(manager, device, choice)
+        return SlotAddressing(manager, device, choice, share)
     # several layer groups (of a manager, or of a tensor-parallel worker's view of one)
     grouped = len(manager.layout_groups) > 1
-    return (GroupedBlockTableAddressing if grouped else BlockTableAddressing)(manager, device, choice)
+    return (GroupedBlockTableAddressing if grouped else BlockTableAddressing)(manager, device, choice, share)

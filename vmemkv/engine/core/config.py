@@ -59,6 +59,10 @@ class EngineConfig:
     # SDPA (CPU, float32/bfloat16); "sdpa": PyTorch SDPA per sequence (or per run of slots);
     # "auto": on CUDA flash if it runs here, else triton, else sdpa; on CPU native, else sdpa.
     attention: Literal["auto", "flash", "triton", "native", "sdpa"] = "auto"
+    # With the native CPU routine: decoding requests whose KV starts with the same blocks (a
+    # cached prompt prefix, parallel samples) read those blocks once per layer for all of them
+    # (attention/shared_prefix.py); False: every request reads its own.
+    shared_prefix_decode: bool = True
     # On CPU, a model the engine loads by name runs its linear layers on packed weights: the native
     # panel kernel in float32, else oneDNN (engine/models/packed_linear.py); a model object
     # passed in is never changed; False: F.linear. Not with tensor parallelism.
