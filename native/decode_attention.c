@@ -25,6 +25,9 @@
  * then read once, from the leader's rows, for every member's queries (a work item per prefix
  * split), and each sequence's own keys after it; the parts meet in `combine` by their log-sum-exp.
  *
+ * With new_k/new_v, each sequence's newest token's rows are first written at position seq_lens[b] - 1
+ * (the step's cache write, in the same call).
+ *
  * Types: float32 and bfloat16 K/V/Q/out (bf16 rows are widened to float32 into a tile buffer).
  * The work items (see `plan`) run on OpenMP threads with the GIL released.
  * process_item is compiled three times (target_clones): for AVX-512 (x86-64-v4: the same 8-float
@@ -58,6 +61,8 @@ typedef struct {
     int64_t batch, num_q_heads, num_kv_heads, head_dim, block_size; /* block_size 0: vmem */
     int64_t q_sb, q_sh, out_sb, out_sh;                              /* strides, in elements */
     int64_t k_so, k_st, k_sh, v_so, v_st, v_sh;
+    const char *new_k, *new_v; /* [B, Hk, D] rows written at seq_lens[b] - 1 first, or NULL */
+    int64_t new_k_sb, new_k_sh, new_v_sb, new_v_sh;
     float scale, softcap;
     int64_t window; /* 0: none */
     int dtype, num_splits;
@@ -440,6 +445,22 @@ static int64_t plan(Args *a, int threads, Work *work, int32_t *members, int64_t 
     return n;
 }
 
+/* Each sequence's newest token's K and V rows into its own rows at seq_lens[b] - 1: the step's
+ * cache write, done here before any read rather than as two indexed copies a layer in torch. */
+static void write_new_rows(const Args *a) {
+    const int64_t es = (int64_t)elem_size(a->dtype), bytes = a->head_dim * es;
+    for (int64_t b = 0; b < a->batch; b++) {
+        const int64_t t = a->seq_lens[b] - 1;
+        if (t < 0) continue;
+        char *k = (char *)a->k + row_offset(a, b, t, a->k_so, a->k_st) * es;
+        char *v = (char *)a->v + row_offset(a, b, t, a->v_so, a->v_st) * es;
+        for (int64_t hk = 0; hk < a->num_kv_heads; hk++) {
+            memcpy(k + hk * a->k_sh * es, a->new_k + (b * a->new_k_sb + hk * a->new_k_sh) * es, (size_t)bytes);
+            memcpy(v + hk * a->v_sh * es, a->new_v + (b * a->new_v_sb + hk * a->new_v_sh) * es, (size_t)bytes);
+        }
+    }
+}
+
 static int run(Args *a, int num_threads) {
     const int64_t B = a->batch, Hq = a->num_q_heads, D = a->head_dim;
     Work *work = malloc(sizeof(Work) * (size_t)(B * (a->num_splits + num_threads) + 1));
@@ -456,6 +477,7 @@ static int run(Args *a, int num_threads) {
         failed = !a->partial || !a->lse;
         for (int64_t i = 0; !failed && i < B * Hq * parts; i++) a->lse[i] = -INFINITY;
     }
+    if (!failed && a->new_k) write_new_rows(a);
 #pragma omp parallel num_threads(num_threads) if (!failed && num_threads > 1 && items > 1)
     {
         float *scratch = failed ? NULL : malloc(sizeof(float) * scratch_floats);
@@ -481,16 +503,16 @@ static int run(Args *a, int num_threads) {
 }
 
 static PyObject *decode(PyObject *self, PyObject *args) {
-    unsigned long long q, out, k, v, index, seq_lens, sinks, prefix_leaders, prefix_lens;
+    unsigned long long q, out, k, v, index, seq_lens, sinks, prefix_leaders, prefix_lens, new_k = 0, new_v = 0;
     Args a = {0};
     double scale, softcap;
     int num_threads;
-    if (!PyArg_ParseTuple(args, "KKKKKKKKK" "LLLLLLLLLLLLLLLL" "dLdiii", &q, &out, &k, &v, &index, &seq_lens, &sinks,
-                          &prefix_leaders, &prefix_lens,
+    if (!PyArg_ParseTuple(args, "KKKKKKKKK" "LLLLLLLLLLLLLLLL" "dLdiii" "|KKLLLL", &q, &out, &k, &v, &index,
+                          &seq_lens, &sinks, &prefix_leaders, &prefix_lens,
                           &a.index_stride_b, &a.batch, &a.num_q_heads, &a.num_kv_heads, &a.head_dim,
                           &a.block_size, &a.q_sb, &a.q_sh, &a.out_sb, &a.out_sh, &a.k_so, &a.k_st, &a.k_sh,
                           &a.v_so, &a.v_st, &a.v_sh, &scale, &a.window, &softcap, &a.dtype, &a.num_splits,
-                          &num_threads))
+                          &num_threads, &new_k, &new_v, &a.new_k_sb, &a.new_k_sh, &a.new_v_sb, &a.new_v_sh))
         return NULL;
     if (a.dtype != DT_FLOAT32 && a.dtype != DT_BFLOAT16) {
         PyErr_Format(PyExc_ValueError, "dtype code %d is not float32 (0) or bfloat16 (1)", a.dtype);
@@ -510,6 +532,8 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     a.sinks = (const char *)(uintptr_t)sinks; /* float32 [Hq], or NULL */
     a.prefix_leaders = (const int32_t *)(uintptr_t)prefix_leaders; /* int32 [B] each, or NULL */
     a.prefix_lens = (const int32_t *)(uintptr_t)prefix_lens;
+    a.new_k = (const char *)(uintptr_t)new_k; /* both or neither: checked by cpu_decode */
+    a.new_v = (const char *)(uintptr_t)new_v;
     if (!a.prefix_leaders != !a.prefix_lens || (a.prefix_leaders && (a.window > 0 || !prefixes_valid(&a)))) {
         PyErr_SetString(PyExc_ValueError, "shared prefixes: leaders and lengths come together, with no window; "
                         "every leader leads itself, and a member's prefix length is its leader's and "
@@ -535,7 +559,8 @@ static PyObject *has_openmp(PyObject *self, PyObject *unused) {
 PyDoc_STRVAR(decode_doc,
              "decode(q, out, k, v, index, seq_lens, sinks, prefix_leaders, prefix_lens, index_stride_b, batch, num_q_heads, num_kv_heads,\n"
              "       head_dim, block_size, q_sb, q_sh, out_sb, out_sh, k_so, k_st, k_sh, v_so, v_st, v_sh,\n"
-             "       scale, window, softcap, dtype, num_splits, num_threads)\n\n"
+             "       scale, window, softcap, dtype, num_splits, num_threads[, new_k, new_v, new_k_sb, new_k_sh,\n"
+             "       new_v_sb, new_v_sh])\n\n"
              "Raw data pointers and element strides; checked by vmemkv.attention.cpu_decode, not here.");
 
 static PyMethodDef methods[] = {

@@ -84,3 +84,37 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="block table entries in use"):
         decode_attention_paged_cpu(q, k, k, torch.tensor([[0, 1], [2, 99]], dtype=torch.int32),
                                    torch.tensor([16, 9], dtype=torch.int32), 1.0, check_bounds=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_new_rows_are_written_before_the_reads(dtype):
+    """``new_kv``: each sequence's last row arrives with the call (its cached copy is NaN until
+    then); it lands at ``seq_lens[b] - 1`` and nowhere else, and the output is the reference's."""
+    lens = [1, 77, 40, 300]
+    generator, seqs, q, seq_lens = make_case(lens, 3, 3, 64, dtype, seed=3)
+    new_k = torch.stack([k[-1] for k, _ in seqs])
+    new_v = torch.stack([v[-1] for _, v in seqs])
+    stale = [(k.clone(), v.clone()) for k, v in seqs]
+    for k, v in stale:
+        k[-1], v[-1] = float("nan"), float("nan")
+    k_cache, v_cache, slots = interleaved_slots(stale, 6, 310, 3, 64, dtype, "cpu", generator)
+    k_blocks, v_blocks, tables = shuffled_blocks(stale, 16, 3, 64, dtype, "cpu", generator)
+    expected_k = k_cache.clone()
+    expected_k[slots.long(), seq_lens.long() - 1] = new_k
+    vmem = decode_attention_contiguous_cpu(q, k_cache, v_cache, slots, seq_lens, 0.125, num_threads=2,
+                                           new_kv=(new_k, new_v))
+    paged = decode_attention_paged_cpu(q, k_blocks, v_blocks, tables, seq_lens, 0.125, num_threads=2,
+                                       new_kv=(new_k, new_v))
+    assert_matches(vmem, reference(q, seqs, 0.125), dtype)
+    assert torch.equal(vmem, paged)
+    assert torch.equal(k_cache.nan_to_num(7.0), expected_k.nan_to_num(7.0))  # that row, nothing else
+
+
+def test_wrong_new_rows_are_refused_and_write_nothing():
+    generator, seqs, q, seq_lens = make_case([20, 9], 2, 2, 32, torch.float32)
+    k_cache, v_cache, slots = interleaved_slots(seqs, 3, 24, 2, 32, torch.float32, "cpu", generator)
+    before = k_cache.clone()
+    with pytest.raises(ValueError, match=r"new_kv must be two CPU \[2, 2, 32\] tensors"):
+        decode_attention_contiguous_cpu(q, k_cache, v_cache, slots, seq_lens, 0.125,
+                                        new_kv=(torch.zeros(2, 2, 16), torch.zeros(2, 2, 16)))
+    assert torch.equal(k_cache.nan_to_num(7.0), before.nan_to_num(7.0))

@@ -67,10 +67,24 @@ def _check_shared_prefix(shared_prefix, batch: int, window: int | None):
     return _as_int32(leaders), _as_int32(lengths)
 
 
+def _check_new_kv(new_kv, batch: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The new rows ``[B, Hk, D]`` in the cache's dtype with a contiguous last dim."""
+    if new_kv is None:
+        return None
+    shape, rows = (batch, k.shape[2], k.shape[3]), []
+    for t in new_kv:
+        if t.shape != shape or t.device.type != "cpu":
+            raise ValueError(f"new_kv must be two CPU {list(shape)} tensors, got {tuple(t.shape)} on {t.device}")
+        t = t.to(k.dtype)
+        rows.append(t if t.stride(2) == 1 else t.contiguous())
+    return rows[0], rows[1]
+
+
 def _run(q, k, v, index, index_stride_b, seq_lens, scale, block_size, out, window, softcap, sinks,
-         num_threads, num_splits, max_seq_len, shared_prefix):
+         num_threads, num_splits, max_seq_len, shared_prefix, new_kv):
     check_variant(q, window, softcap, sinks)
     shared_prefix = _check_shared_prefix(shared_prefix, q.shape[0], window)
+    new_kv = _check_new_kv(new_kv, q.shape[0], k)
     if q.device.type != "cpu":
         raise ValueError(f"the native decode attention runs on the CPU, q is on {q.device}")
     if reason := unavailable(q.dtype):
@@ -93,7 +107,9 @@ def _run(q, k, v, index, index_stride_b, seq_lens, scale, block_size, out, windo
         batch, num_q_heads, k.shape[2], head_dim, block_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        float(scale), window or 0, float(softcap or 0.0), DTYPES[q.dtype], max(1, int(num_splits)), threads)
+        float(scale), window or 0, float(softcap or 0.0), DTYPES[q.dtype], max(1, int(num_splits)), threads,
+        *((new_kv[0].data_ptr(), new_kv[1].data_ptr(), new_kv[0].stride(0), new_kv[0].stride(1),
+           new_kv[1].stride(0), new_kv[1].stride(1)) if new_kv else ()))
     return out
 
 
@@ -103,8 +119,8 @@ def decode_attention_contiguous_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_ca
                                     softcap: float | None = None, sinks: torch.Tensor | None = None,
                                     check_bounds: bool = False, num_threads: int | None = None,
                                     num_splits: int | None = None, max_seq_len: int | None = None,
-                                    shared_prefix: tuple[torch.Tensor, torch.Tensor] | None = None
-                                    ) -> torch.Tensor:
+                                    shared_prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+                                    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``q`` ``[B, Hq, D]``; ``k_cache``/``v_cache`` strided ``[num_slots, max_tokens, Hk, D]`` views
     (last dim contiguous); sequence ``b`` attends to ``k_cache[slot_ids[b], :seq_lens[b]]`` (its last
     ``window`` keys with a window). Returns ``[B, Hq, D]`` in q's dtype (into ``out`` when given).
@@ -117,11 +133,15 @@ def decode_attention_contiguous_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_ca
     ``shared_prefix``: ``(leaders, lengths)``, int32 ``[B]`` each, for sequences whose leading keys
     are the same physical rows (a cached prefix): sequence ``b``'s first ``lengths[b]`` keys are
     sequence ``leaders[b]``'s, which are then read once for the whole group (a leader leads
-    itself, and every member's length is its leader's; 0 for none). Not with a window."""
+    itself, and every member's length is its leader's; 0 for none). Not with a window.
+
+    ``new_kv``: ``(k, v)``, ``[B, Hk, D]`` each: every sequence's newest token's K and V, written
+    at position ``seq_lens[b] - 1`` of its own rows before anything is read (the step's cache
+    write and its attention in one call)."""
     check_inputs(q, k_cache, v_cache, seq_lens, ("k_cache", "v_cache"), out)
     check_slot_ids(slot_ids, q, seq_lens, k_cache, check_bounds)
     return _run(q, k_cache, v_cache, _as_int32(slot_ids), 1, seq_lens, scale, 0, out, window, softcap,
-                sinks, num_threads, num_splits, max_seq_len, shared_prefix)
+                sinks, num_threads, num_splits, max_seq_len, shared_prefix, new_kv)
 
 
 def decode_attention_paged_cpu(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
@@ -130,7 +150,8 @@ def decode_attention_paged_cpu(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks
                                softcap: float | None = None, sinks: torch.Tensor | None = None,
                                check_bounds: bool = False, num_threads: int | None = None,
                                num_splits: int | None = None, max_seq_len: int | None = None,
-                               shared_prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                               shared_prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+                               new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Block tables: ``k_blocks``/``v_blocks`` strided ``[num_blocks, block_size, Hk, D]``,
     ``block_tables`` ``[B, max_blocks]``; token ``t`` of sequence ``b`` is
     ``k_blocks[block_tables[b, t // block_size], t % block_size]``; entries behind a window or past
@@ -140,4 +161,4 @@ def decode_attention_paged_cpu(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks
     block_size = k_blocks.shape[1]
     tables = _as_int32(block_tables)
     return _run(q, k_blocks, v_blocks, tables, tables.stride(0), seq_lens, scale, block_size, out, window,
-                softcap, sinks, num_threads, num_splits, max_seq_len, shared_prefix)
+                softcap, sinks, num_threads, num_splits, max_seq_len, shared_prefix, new_kv)

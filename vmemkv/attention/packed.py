@@ -144,10 +144,18 @@ class PackedAttention:
         ``[1, T, Hq, D]``. ``window``, ``softcap``, ``sinks``, ``chunk``: the layer's variant
         (``variants``)."""
         start = self._begin()
-        # Write every new token first, so each sequence below reads a complete cache.
-        self.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
         _, num_heads, num_tokens, head_dim = query.shape
         scale = scaling if scaling is not None else head_dim ** -0.5
+        new_kv = key[0].transpose(0, 1), value[0].transpose(0, 1)
+        if self._decodes_are_all and self.device.type == "cpu" and not chunk:
+            # the native routine writes each sequence's new token itself, then attends: one call
+            output = query.new_empty((1, num_tokens, num_heads, head_dim))
+            self.decode(layer, query[0].transpose(0, 1), scale, out=output[0], new_kv=new_kv, window=window,
+                        softcap=softcap, sinks=sinks)
+            self.seconds += time.perf_counter() - start
+            return output
+        # Write every new token first, so each sequence below reads a complete cache.
+        self.write(layer, *new_kv)
         if chunk:  # each sequence from its own chunk start; the spans tile the packed rows in order
             attended = [self._attend_span(layer, index, query, scale, None, softcap, sinks, chunk)
                         for index in range(len(self.spans))]
