@@ -107,8 +107,9 @@ class PackedAttention:
             decoding = [self.spans[i] for i in self.decodes]
             staged.add("decode_rows", [s.query_start for s in decoding])
             staged.add("decode_lens", [s.length for s in decoding], torch.int32)
-            self._shared_prefix = self.prefix_block_tokens and self.device.type == "cpu" and shared_prefixes(
-                [s.block_table for s in decoding], [s.length for s in decoding], self.prefix_block_tokens)
+            if self.prefix_block_tokens and self.device.type == "cpu":
+                self._shared_prefix = shared_prefixes([s.block_table for s in decoding],
+                                                      [s.length for s in decoding], self.prefix_block_tokens)
             if self._shared_prefix:
                 leaders, lengths = self._shared_prefix
                 staged.add("decode_prefix_leaders", leaders, torch.int32)
