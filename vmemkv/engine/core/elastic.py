@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from vmemkv.engine.core.host_malloc import give_back_freed_memory
+
 from vmemkv.errors import ConfigError, VmemkvError
 
 
@@ -90,6 +92,7 @@ class ElasticMemory:
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
             for name, buffer in self.model.named_buffers():
                 _set_buffer(self.model, name, torch.empty(0, dtype=buffer.dtype, device=buffer.device))
+            give_back_freed_memory()  # the weights' heap pages (the engine keeps freed memory)
         elif next(iter(params.values())).device.type == "cuda":
             self._host_weights = {name: param.data.to("cpu") for name, param in params.items()}
             for param in params.values():

@@ -28,6 +28,7 @@ from vmemkv.engine.core.chat import end_of_turn_token_ids
 from vmemkv.engine.core.config import EngineConfig
 from vmemkv.engine.core.detokenizer import IncrementalDetokenizer
 from vmemkv.engine.core.elastic import ElasticMemory, check_sleep_level
+from vmemkv.engine.core.host_malloc import keep_freed_memory
 from vmemkv.engine.core.kv_manager import KVManager, make_kv_manager
 from vmemkv.engine.distributed import TensorParallelLeader
 from vmemkv.engine.core.threads import apply_threads
@@ -75,6 +76,8 @@ class LLMEngine:
         self.config = config
         self.stream = stream
         apply_threads(config.threads)  # before the model loads (and its first ops pick threads)
+        if str(config.device).startswith("cpu"):  # activations reuse freed heap, not fresh pages (host_malloc.py)
+            keep_freed_memory()
         loaded_by_name = model is None
         if model is None:
             model, tokenizer = load_model(config.model, config.torch_dtype, config.device, config.seed)
