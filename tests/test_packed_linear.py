@@ -51,10 +51,10 @@ def test_a_layer_that_cannot_be_packed_leaves_the_model_unchanged(monkeypatch):
     before = [type(m) for m in model.modules()]
     real = PackedLinear.__init__
 
-    def fail_on_the_last(self, linear):
+    def fail_on_the_last(self, linear, kernel=None):
         if linear.out_features == 4:
             raise RuntimeError("oneDNN refused")
-        real(self, linear)
+        real(self, linear, kernel)
 
     monkeypatch.setattr(PackedLinear, "__init__", fail_on_the_last)
     with pytest.raises(RuntimeError, match="refused"):
@@ -130,10 +130,10 @@ def test_a_group_that_cannot_be_packed_leaves_the_model_unchanged(monkeypatch):
     model = Attention(bias=True)
     before = [type(m) for m in model.modules()]
 
-    def refuse(self, linears):
+    def refuse(self, linears, kernel=None):
         if len(linears) == 2:  # gate|up, after q|k|v was built
             raise RuntimeError("oneDNN refused")
-        real(self, linears)
+        real(self, linears, kernel)
 
     real = FusedPackedLinear.__init__
     monkeypatch.setattr(FusedPackedLinear, "__init__", refuse)

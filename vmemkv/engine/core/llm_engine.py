@@ -35,6 +35,7 @@ from vmemkv.engine.core.threads import apply_threads
 from vmemkv.engine.serving.kv_event_publisher import KVEventPublisher
 from vmemkv.engine.core.metrics import EngineMetrics
 from vmemkv.engine.core.model_runner import ModelRunner
+from vmemkv.engine.models.kernel_choice import choose_kernel
 from vmemkv.engine.models.packed_linear import pack_linears, why_not_packed
 from vmemkv.engine.models.zoo import load_model
 from vmemkv.engine.core.outputs import RequestOutput
@@ -53,23 +54,26 @@ class LLMEngine:
 
     def _pack_linears(self, model, loaded_by_name: bool) -> str:
         """Linear layers on packed weights (CPU, a model this engine loaded); returns what
-        was done, for stats: "packed N", or why not."""
+        was done, for stats: "packed N for <kernel> (why that kernel)", or why not."""
         if not self.config.packed_linears:
             return "off"
         if not loaded_by_name or self.config.tensor_parallel_size > 1:
             return "off: " + ("a model object passed in is left as it is" if not loaded_by_name
                               else "tensor parallelism shards the model's own linear layers")
-        if reason := why_not_packed(model):
+        requested = self.config.linear_kernel
+        if reason := why_not_packed(model, None if requested == "auto" else requested):
             return f"off: {reason}"
+        self.linear_kernel, why = choose_kernel(model, requested)
         fused = self.config.fused_projections
-        return f"packed {pack_linears(model, fuse=fused)}" + (" (q|k|v and gate|up fused)" if fused else "")
+        packed = pack_linears(model, fuse=fused, kernel=self.linear_kernel)
+        return f"packed {packed} for {self.linear_kernel} ({why})" + (" (q|k|v and gate|up fused)" if fused else "")
 
     def _reload_model(self):
         """The model loaded again by name and built as this engine's was (for a level-2 wake)."""
         config = self.config
         model = load_model(config.model, config.torch_dtype, config.device, config.seed)[0]
         if self.packed_linears.startswith("packed"):
-            pack_linears(model, fuse=self.config.fused_projections)
+            pack_linears(model, fuse=self.config.fused_projections, kernel=self.linear_kernel)
         return model
 
     def __init__(self, config: EngineConfig, model=None, tokenizer=None, stream: bool = True):

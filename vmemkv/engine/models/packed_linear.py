@@ -3,12 +3,14 @@
 A decode step multiplies a few rows by every weight of the model, so on a CPU it streams the
 weights from memory and its speed is the GEMM's for skinny inputs. ``F.linear`` over a row-major
 weight reaches about two thirds of the memory bandwidth there. Each weight is packed once, for
-the fastest kernel this machine has for its dtype:
+one of two kernels (the engine times both on float32 weights and takes the faster on this
+machine: ``kernel_choice.py``):
 
-- float32: panels of 16 outputs read by vmemkv's native kernel (``panel_linear.py``): one
-  sequential, prefetched stream; over SmolLM2-135M's layers oneDNN's packed weights take 1.2-1.7x
-  its time for 1-8 rows (one thread), about the same from 32 rows up to prefill sizes;
-- otherwise (bfloat16, or no native build): oneDNN's blocked layout
+- float32 only: panels of 16 outputs read by vmemkv's native kernel (``panel_linear.py``): one
+  sequential, prefetched stream; on an AMD EPYC (Zen 4), over SmolLM2-135M's layers, oneDNN's
+  packed weights take 1.2-1.7x its time for 1-8 rows (one thread), about the same from 32 rows
+  up to prefill sizes; on an Intel Xeon with AVX-512 it is the slower of the two;
+- any dtype (the only one for bfloat16, or without the native build): oneDNN's blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``, what PyTorch's inductor does when it freezes a CPU
   model, and what vLLM's CPU backend runs), 1.1-2.7x ``F.linear`` for 4-32 rows in float32 and
   bfloat16 (``experiments/results/packed_linear_cpu.md``).
@@ -180,15 +182,18 @@ def _fusable(parent: nn.Module, names: tuple[str, ...]) -> list[nn.Linear] | Non
     return linears
 
 
-def why_not_packed(model: nn.Module) -> str:
-    """"" when ``pack_linears`` can run on ``model``, else why not."""
+def why_not_packed(model: nn.Module, kernel: str | None = None) -> str:
+    """"" when ``pack_linears`` can run on ``model`` for ``kernel`` (default: ``kernel_for`` its
+    dtype), else why not."""
     linears = [m for m in model.modules() if type(m) is nn.Linear]
     if not linears:
         return "the model has no nn.Linear layers"
     weight = linears[0].weight
     if weight.device.type != "cpu":
         return f"packed weights are for the CPU, the model is on {weight.device}"
-    kernel = kernel_for(weight.dtype)
+    kernel = kernel or kernel_for(weight.dtype)
+    if kernel == "panels" and (reason := no_panels(weight.dtype)):
+        return reason
     if kernel == "onednn" and (not torch.backends.mkldnn.is_available()
                                or not hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return "this PyTorch build has no oneDNN linear operators"
@@ -206,10 +211,11 @@ def why_not_packed(model: nn.Module) -> str:
     return ""
 
 
-def pack_linears(model: nn.Module, fuse: bool = False) -> int:
+def pack_linears(model: nn.Module, fuse: bool = False, kernel: str | None = None) -> int:
     """Replace every ``nn.Linear`` of ``model`` (on the CPU) by a ``PackedLinear``, or, with ``fuse``,
     a ``PackedSlice`` of its group's ``FusedPackedLinear`` where it is one of ``FUSED_GROUPS``;
-    returns how many layers were replaced. Call ``why_not_packed`` first."""
+    packed for ``kernel`` (default: ``kernel_for`` the weight's dtype); returns how many layers
+    were replaced. Call ``why_not_packed`` first."""
     swaps: list[tuple[nn.Module, str, nn.Module]] = []
     fused: set[int] = set()  # ids of the linears packed in a group
     with torch.no_grad():  # every layer packed before any is swapped: a failure changes nothing
@@ -217,14 +223,14 @@ def pack_linears(model: nn.Module, fuse: bool = False) -> int:
             for names in FUSED_GROUPS:
                 if (linears := _fusable(parent, names)) is None:
                     continue
-                group = FusedPackedLinear(linears)
+                group = FusedPackedLinear(linears, kernel)
                 for index, (name, linear) in enumerate(zip(names, linears)):
                     swaps.append((parent, name, PackedSlice(group, index, linear)))
                     fused.add(id(linear))
         for parent in model.modules():
             for name, child in parent.named_children():
                 if type(child) is nn.Linear and id(child) not in fused:
-                    swaps.append((parent, name, PackedLinear(child)))
+                    swaps.append((parent, name, PackedLinear(child, kernel)))
     for parent, name, layer in swaps:
         setattr(parent, name, layer)
     return len(swaps)

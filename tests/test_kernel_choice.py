@@ -1,0 +1,71 @@
+"""Which kernel the engine packs float32 weights for (engine/models/kernel_choice.py): both timed on
+the model's first layers when both can run, the faster taken; a requested kernel is used as asked
+and still matches HF token for token; a bad name or one that cannot run is refused clearly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from vmemkv.engine.models import kernel_choice, panel_linear
+from vmemkv.engine.models.packed_linear import KERNELS, PackedLinear
+
+needs_panels = pytest.mark.skipif(bool(panel_linear.unavailable()), reason=panel_linear.unavailable() or "built")
+
+
+def kernels_of(engine) -> set[str]:
+    return {m.kernel for m in engine.runner.model_runner.model.modules() if isinstance(m, PackedLinear)}
+
+
+def test_the_first_layers_hold_the_bytes_asked_for():
+    model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(10)))  # 16 KiB of weights each
+    assert len(kernel_choice._first_linears(model, 40 << 10)) == 3  # 16 + 16 < 40 <= 48 KiB
+    assert len(kernel_choice._first_linears(model, 1 << 30)) == 10  # all there are
+    assert kernel_choice.last_level_cache_bytes() >= 1 << 16
+
+
+@needs_panels
+def test_both_kernels_are_timed_and_the_faster_is_chosen(monkeypatch):
+    model = nn.Sequential(nn.Linear(128, 256), nn.Linear(256, 128))
+    seconds = kernel_choice.time_kernels(model, rows=4, repeats=2)
+    assert set(seconds) == set(KERNELS) and all(s > 0 for s in seconds.values())
+    for faster in KERNELS:
+        monkeypatch.setattr(kernel_choice, "time_kernels",
+                            lambda model, f=faster: {k: 1.0 if k == f else 2.0 for k in KERNELS})
+        kernel, why = kernel_choice.choose_kernel(model)
+        assert kernel == faster and "faster here" in why
+    assert kernel_choice.choose_kernel(model, "onednn") == ("onednn", "requested")
+    bf16 = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)
+    assert kernel_choice.choose_kernel(bf16)[0] == "onednn"  # the only one for bfloat16, not timed
+
+
+@needs_panels
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_engine_packs_for_the_requested_kernel_and_matches_hf(kernel):
+    from test_engine_correctness import assert_clean, assert_matches_hf, make_engine, prompts, run
+
+    engine = make_engine("tiny-llama", linear_kernel=kernel)
+    assert kernels_of(engine) == {kernel}
+    assert engine.packed_linears.startswith("packed ") and f"for {kernel} (requested)" in engine.packed_linears
+    batch = prompts(4)
+    assert_matches_hf("tiny-llama", batch, run(engine, batch))
+    assert_clean(engine)
+    engine.close()
+
+
+def test_engine_auto_says_what_it_measured_and_a_bad_kernel_is_refused():
+    from test_engine_correctness import make_engine
+    from vmemkv.engine import EngineConfig
+    from vmemkv.errors import ConfigError
+
+    engine = make_engine("tiny-llama")
+    assert len(kernels_of(engine)) == 1 and kernels_of(engine) <= set(KERNELS)
+    if not panel_linear.unavailable():
+        assert "faster here at 16 rows: panels" in engine.packed_linears
+    engine.close()
+    with pytest.raises(ConfigError, match="linear_kernel must be auto, panels or onednn"):
+        EngineConfig(linear_kernel="mkl")
+    bf16 = make_engine("tiny-llama", linear_kernel="panels", dtype="bfloat16")
+    assert bf16.packed_linears.startswith("off: ") and "float32 only" in bf16.packed_linears
+    bf16.close()
