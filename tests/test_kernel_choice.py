@@ -26,18 +26,38 @@ def test_the_first_layers_hold_the_bytes_asked_for():
 
 
 @needs_panels
-def test_both_kernels_are_timed_and_the_faster_is_chosen(monkeypatch):
+def test_every_candidate_is_timed_and_the_fastest_is_chosen(monkeypatch):
     model = nn.Sequential(nn.Linear(128, 256), nn.Linear(256, 128))
-    seconds = kernel_choice.time_kernels(model, rows=4, repeats=2)
-    assert set(seconds) == set(KERNELS) and all(s > 0 for s in seconds.values())
-    for faster in KERNELS:
+    hint = panel_linear.prefetch_hint()
+    seconds = kernel_choice.time_kernels(model, rows=(4, 9), repeats=2)
+    assert set(seconds) == set(kernel_choice.CANDIDATES) and all(s > 0 for s in seconds.values())
+    assert panel_linear.prefetch_hint() == hint  # timing leaves the process's hint as it was
+    for fastest in kernel_choice.CANDIDATES:
         monkeypatch.setattr(kernel_choice, "time_kernels",
-                            lambda model, f=faster: {k: 1.0 if k == f else 2.0 for k in KERNELS})
-        kernel, why = kernel_choice.choose_kernel(model)
-        assert kernel == faster and "faster here" in why
-    assert kernel_choice.choose_kernel(model, "onednn") == ("onednn", "requested")
+                            lambda model, candidates, f=fastest: {c: 1.0 if c == f else 2.0 for c in candidates})
+        kernel, hint, why = kernel_choice.choose_kernel(model)
+        assert (kernel, hint) == fastest and "fastest here" in why
+    # "panels" requested: only the two hints compete, even where oneDNN would win
+    assert kernel_choice.choose_kernel(model, "panels")[:2] == ("panels", "t0")
+    assert kernel_choice.choose_kernel(model, "onednn") == ("onednn", None, "requested")
     bf16 = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)
-    assert kernel_choice.choose_kernel(bf16)[0] == "onednn"  # the only one for bfloat16, not timed
+    assert kernel_choice.choose_kernel(bf16)[:2] == ("onednn", None)  # the only one for bfloat16
+
+
+@needs_panels
+@pytest.mark.parametrize("hint", panel_linear.HINTS)
+def test_either_prefetch_hint_computes_the_same_linear(hint):
+    generator = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(200, 96, generator=generator), torch.randn(16, 96, generator=generator)
+    before = panel_linear.prefetch_hint(hint)
+    try:
+        got = panel_linear.linear(x, panel_linear.pack(weight), None, 200)
+    finally:
+        panel_linear.prefetch_hint(before)
+    torch.testing.assert_close(got, x @ weight.T, atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="one of"):
+        panel_linear.prefetch_hint("t1")
+    assert panel_linear.prefetch_hint() == before  # the refusal changed nothing
 
 
 @needs_panels
@@ -47,7 +67,8 @@ def test_engine_packs_for_the_requested_kernel_and_matches_hf(kernel):
 
     engine = make_engine("tiny-llama", linear_kernel=kernel)
     assert kernels_of(engine) == {kernel}
-    assert engine.packed_linears.startswith("packed ") and f"for {kernel} (requested)" in engine.packed_linears
+    assert engine.packed_linears.startswith("packed ") and f"for {kernel}" in engine.packed_linears
+    assert "requested" in engine.packed_linears
     batch = prompts(4)
     assert_matches_hf("tiny-llama", batch, run(engine, batch))
     assert_clean(engine)
@@ -62,7 +83,7 @@ def test_engine_auto_says_what_it_measured_and_a_bad_kernel_is_refused():
     engine = make_engine("tiny-llama")
     assert len(kernels_of(engine)) == 1 and kernels_of(engine) <= set(KERNELS)
     if not panel_linear.unavailable():
-        assert "faster here at 16 rows: panels" in engine.packed_linears
+        assert "fastest here at 16 + 256 rows: panels/t0" in engine.packed_linears
     engine.close()
     with pytest.raises(ConfigError, match="linear_kernel must be auto, panels or onednn"):
         EngineConfig(linear_kernel="mkl")

@@ -35,8 +35,9 @@ from vmemkv.engine.core.threads import apply_threads
 from vmemkv.engine.serving.kv_event_publisher import KVEventPublisher
 from vmemkv.engine.core.metrics import EngineMetrics
 from vmemkv.engine.core.model_runner import ModelRunner
-from vmemkv.engine.models.kernel_choice import choose_kernel
+from vmemkv.engine.models.kernel_choice import choose_kernel, label
 from vmemkv.engine.models.packed_linear import pack_linears, why_not_packed
+from vmemkv.engine.models.panel_linear import prefetch_hint
 from vmemkv.engine.models.zoo import load_model
 from vmemkv.engine.core.outputs import RequestOutput
 from vmemkv.engine.core.postprocess import Postprocessor
@@ -63,10 +64,13 @@ class LLMEngine:
         requested = self.config.linear_kernel
         if reason := why_not_packed(model, None if requested == "auto" else requested):
             return f"off: {reason}"
-        self.linear_kernel, why = choose_kernel(model, requested)
+        self.linear_kernel, hint, why = choose_kernel(model, requested)
+        if hint:
+            prefetch_hint(hint)
         fused = self.config.fused_projections
         packed = pack_linears(model, fuse=fused, kernel=self.linear_kernel)
-        return f"packed {packed} for {self.linear_kernel} ({why})" + (" (q|k|v and gate|up fused)" if fused else "")
+        return f"packed {packed} for {label(self.linear_kernel, hint)} ({why})" + (
+            " (q|k|v and gate|up fused)" if fused else "")
 
     def _reload_model(self):
         """The model loaded again by name and built as this engine's was (for a level-2 wake)."""

@@ -38,6 +38,19 @@ def unavailable(dtype: torch.dtype | None = None) -> str:
     return ""
 
 
+HINTS = ("nta", "t0")
+
+
+def prefetch_hint(hint: str | None = None) -> str:
+    """How the kernel prefetches a weight's first pass: "nta" (non-temporal, the default) or "t0"
+    (into every cache level); which is faster depends on the CPU (``native/panel_linear.c``), and
+    the engine times both (``kernel_choice.py``). With ``hint``, set it (for the whole process);
+    returns the hint before."""
+    if hint is not None and hint not in HINTS:
+        raise ValueError(f"prefetch hint {hint!r}: one of {HINTS}")
+    return _extension().prefetch_hint(*(() if hint is None else (hint,)))
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` ``[N, K]`` (float32, on the CPU) as panels ``[ceil(N / 16), K, 16]``: panel ``p``
     holds outputs ``16p .. 16p + 15`` for every input feature; outputs past ``N`` are zeros."""
