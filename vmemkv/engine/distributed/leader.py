@@ -120,6 +120,10 @@ class TensorParallelLeader:
         return _Collective(self, what)
 
     def raise_if_failed(self) -> None:
+        """Raise the failure, or fail now if a rank this leader started has exited: a broadcast
+        to a dead rank need not fail (gloo's send can wait on it without a deadline)."""
+        if self.failure is None and any(process.exitcode is not None for process in self.processes):
+            self.fail("checking the ranks before a collective", RuntimeError("a rank process exited"))
         if self.failure is not None:
             raise self.failure
 
@@ -151,7 +155,7 @@ class TensorParallelLeader:
             return
         self.closed = True
         atexit.unregister(self.close)
-        if self.failure is None:
+        if self.failure is None and all(process.exitcode is None for process in self.processes):
             try:
                 broadcast(None, self.groups)
             except Exception:  # noqa: BLE001 - a worker already gone: terminate below
