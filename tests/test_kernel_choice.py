@@ -26,22 +26,51 @@ def test_the_first_layers_hold_the_bytes_asked_for():
 
 
 @needs_panels
-def test_every_candidate_is_timed_and_the_fastest_is_chosen(monkeypatch):
+def test_every_candidate_is_timed_and_the_choice_follows_the_times(monkeypatch):
     model = nn.Sequential(nn.Linear(128, 256), nn.Linear(256, 128))
     hint = panel_linear.prefetch_hint()
     seconds = kernel_choice.time_kernels(model, rows=(4, 9), repeats=2)
-    assert set(seconds) == set(kernel_choice.CANDIDATES) and all(s > 0 for s in seconds.values())
+    assert set(seconds) == set(kernel_choice.CANDIDATES)
+    assert all(len(times) == 2 and min(times) > 0 for times in seconds.values())
     assert panel_linear.prefetch_hint() == hint  # timing leaves the process's hint as it was
-    for fastest in kernel_choice.CANDIDATES:
-        monkeypatch.setattr(kernel_choice, "time_kernels",
-                            lambda model, candidates, f=fastest: {c: 1.0 if c == f else 2.0 for c in candidates})
+
+    def times(table):
+        monkeypatch.setattr(kernel_choice, "time_kernels", lambda model, candidates: {c: table[c] for c in candidates})
+
+    for fastest in kernel_choice.CANDIDATES:  # one fastest at both sizes: it is taken
+        times({c: (1.0, 1.0) if c == fastest else (2.0, 2.0) for c in kernel_choice.CANDIDATES})
         kernel, hint, why = kernel_choice.choose_kernel(model)
-        assert (kernel, hint) == fastest and "fastest here" in why
-    # "panels" requested: only the two hints compete, even where oneDNN would win
+        assert (kernel, hint) == fastest and "least total" in why
+    # panels/t0 fastest for a decode batch, oneDNN for a prefill chunk: both packed
+    times({("panels", "t0"): (1.0, 5.0), ("panels", "nta"): (2.0, 6.0), ("onednn", None): (1.5, 3.0)})
+    assert kernel_choice.choose_kernel(model)[:2] == ("split", "t0")
+    monkeypatch.setattr(kernel_choice, "fits_twice", lambda model: False)  # no room for two packings
+    assert kernel_choice.choose_kernel(model)[:2] == ("onednn", None)  # least total: 4.5 against 6.0
+    # asked for: the panels' hint that is faster for a decode batch, oneDNN untimed
     assert kernel_choice.choose_kernel(model, "panels")[:2] == ("panels", "t0")
+    assert kernel_choice.choose_kernel(model, "split")[:2] == ("split", "t0")
     assert kernel_choice.choose_kernel(model, "onednn") == ("onednn", None, "requested")
     bf16 = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)
     assert kernel_choice.choose_kernel(bf16)[:2] == ("onednn", None)  # the only one for bfloat16
+
+
+@needs_panels
+def test_a_split_layer_takes_the_panels_for_few_rows_and_onednn_for_many(monkeypatch):
+    from vmemkv.engine.models import packed_linear
+
+    linear = nn.Linear(96, 200)
+    layer = PackedLinear(linear, "split")
+    assert layer.packed.shape == (13, 96, 16) and layer.packed_large is not None  # both packings
+    ran = []
+    real = packed_linear._linear
+    monkeypatch.setattr(packed_linear, "_linear", lambda x, packed, bias, kernel, *rest: ran.append(kernel)
+                        or real(x, packed, bias, kernel, *rest))
+    generator = torch.Generator().manual_seed(5)
+    for rows in (1, packed_linear.SPLIT_ROWS - 1, packed_linear.SPLIT_ROWS, 200):
+        x = torch.randn(rows, 96, generator=generator)
+        with torch.inference_mode():
+            torch.testing.assert_close(layer(x), linear(x), atol=1e-4, rtol=1e-5)
+    assert ran == ["panels", "panels", "onednn", "onednn"]
 
 
 @needs_panels
@@ -61,7 +90,7 @@ def test_either_prefetch_hint_computes_the_same_linear(hint):
 
 
 @needs_panels
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", [*KERNELS, "split"])
 def test_engine_packs_for_the_requested_kernel_and_matches_hf(kernel):
     from test_engine_correctness import assert_clean, assert_matches_hf, make_engine, prompts, run
 
@@ -81,11 +110,11 @@ def test_engine_auto_says_what_it_measured_and_a_bad_kernel_is_refused():
     from vmemkv.errors import ConfigError
 
     engine = make_engine("tiny-llama")
-    assert len(kernels_of(engine)) == 1 and kernels_of(engine) <= set(KERNELS)
+    assert len(kernels_of(engine)) == 1 and kernels_of(engine) <= {*KERNELS, "split"}
     if not panel_linear.unavailable():
-        assert "fastest here at 16 + 256 rows: panels/t0" in engine.packed_linears
+        assert "at 16 / 256 rows: panels/t0" in engine.packed_linears
     engine.close()
-    with pytest.raises(ConfigError, match="linear_kernel must be auto, panels or onednn"):
+    with pytest.raises(ConfigError, match="linear_kernel must be auto, panels, onednn or split"):
         EngineConfig(linear_kernel="mkl")
     bf16 = make_engine("tiny-llama", linear_kernel="panels", dtype="bfloat16")
     assert bf16.packed_linears.startswith("off: ") and "float32 only" in bf16.packed_linears

@@ -68,8 +68,9 @@ class EngineConfig:
     # passed in is never changed; False: F.linear. Not with tensor parallelism.
     packed_linears: bool = True
     # The kernel float32 weights are packed for: "auto" times the native panels and oneDNN on the
-    # model's first layers at the start and takes the faster (engine/models/kernel_choice.py);
-    # "panels" or "onednn" to fix it (other dtypes: oneDNN).
+    # model's first layers at the start (engine/models/kernel_choice.py) and takes the faster, or
+    # both ("split": panels for decode steps, oneDNN for prefill; twice the weights' memory);
+    # "panels", "onednn" or "split" to fix it (other dtypes: oneDNN).
     linear_kernel: str = "auto"
     # With packed linears: q|k|v and gate|up as one GEMM each (packed_linear.py). Off by default:
     # faster alone at a few rows, but no faster end to end (a 32-sequence decode: 6 % slower, median)
@@ -124,8 +125,8 @@ class EngineConfig:
         if self.attention == "native" and on_cuda:
             raise ConfigError("attention='native' is the CPU decode routine; use 'auto', 'flash', 'triton' "
                               "or 'sdpa' on CUDA")
-        if self.linear_kernel not in ("auto", "panels", "onednn"):
-            raise ConfigError(f"linear_kernel must be auto, panels or onednn, got {self.linear_kernel!r}")
+        if self.linear_kernel not in ("auto", "panels", "onednn", "split"):
+            raise ConfigError(f"linear_kernel must be auto, panels, onednn or split, got {self.linear_kernel!r}")
         if self.kv_backend not in ("vmem", "paged"):
             raise ConfigError(f"kv_backend must be vmem or paged, got {self.kv_backend!r}")
         if self.tensor_parallel_size < 1 or self.tensor_parallel_timeout <= 0:

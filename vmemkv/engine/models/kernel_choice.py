@@ -5,17 +5,20 @@ the CPU, not on the dtype alone, and so does the native panels' prefetch hint
 (``native/panel_linear.c``). Over SmolLM2-135M's first layers (96 MB) at two threads on an Intel
 Xeon (2.6 GHz, AVX-512, 48 MB L3), in ms for 16 / 256 / 2,048 rows: panels with T0 prefetches
 10.4 / 88.5 / 629, panels with non-temporal prefetches 20.8 / 103 / 600, oneDNN's packed weights
-15.3 / 70.4 / 438; end to end oneDNN was the faster there on a prefill-heavy workload. On an AMD
-EPYC (Zen 4) the panels with non-temporal prefetches read a decode step's weights 1.2-1.7x faster
-than oneDNN for 1-8 rows and matched it at prefill sizes. So when the panels can run, the engine
-times each candidate once at its start on the model's own first layers, enough of them to stream
-from memory as a step does (twice the last-level cache), for a decode batch and a prefill chunk
-(16 and 256 rows), and packs for the least total (``EngineConfig.linear_kernel="auto"``;
-``"panels"`` times the two hints only).
+15.3 / 70.4 / 438: neither is fastest at every size. On an AMD EPYC (Zen 4) the panels with
+non-temporal prefetches read a decode step's weights 1.2-1.7x faster than oneDNN for 1-8 rows
+and matched it at prefill sizes. So when the panels can run, the engine times each candidate once
+at its start on the model's own first layers, enough of them to stream from memory as a step
+does (twice the last-level cache), for a decode batch and a prefill chunk (16 and 256 rows)
+(``EngineConfig.linear_kernel="auto"``, about a second). Where the panels win the decode batch
+and oneDNN the prefill chunk, and a second packing of the weights fits in an eighth of the
+machine's memory, both are kept ("split": panels below 64 rows, oneDNN from there); else the
+candidate of least total time. ``"panels"`` and ``"split"`` asked for time the two hints only.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -58,13 +61,13 @@ def label(kernel: str, hint: str | None) -> str:
 
 
 def time_kernels(model: nn.Module, candidates=CANDIDATES, rows: tuple[int, ...] = ROWS,
-                 min_bytes: int | None = None, repeats: int = REPEATS) -> dict[tuple[str, str | None], float]:
+                 min_bytes: int | None = None, repeats: int = REPEATS) -> dict[tuple[str, str | None], tuple]:
     """Seconds of one pass through the model's first linears (``min_bytes`` of weights, default
-    twice the last-level cache) for each (kernel, prefetch hint), summed over inputs of ``rows``
-    rows: for each, the best of ``repeats`` passes, alternating candidates so that drift on the
-    machine hits each. The panels' hint is as before when it returns."""
-    return {candidate: sum(seconds) for candidate, seconds in
-            zip(candidates, zip(*(_time_at(model, candidates, count, min_bytes, repeats) for count in rows)))}
+    twice the last-level cache) for each (kernel, prefetch hint), one per entry of ``rows``
+    (inputs of that many rows): each the best of ``repeats`` passes, alternating candidates so
+    that drift on the machine hits each. The panels' hint is as before when it returns."""
+    per_rows = [_time_at(model, candidates, count, min_bytes, repeats) for count in rows]
+    return {candidate: tuple(times) for candidate, times in zip(candidates, zip(*per_rows))}
 
 
 def _time_at(model: nn.Module, candidates, rows: int, min_bytes: int | None, repeats: int) -> list[float]:
@@ -93,15 +96,36 @@ def _time_at(model: nn.Module, candidates, rows: int, min_bytes: int | None, rep
     return [min(seconds[1:]) for seconds in passes.values()]
 
 
+def fits_twice(model: nn.Module, share: int = 8) -> bool:
+    """Whether a second packing of the model's linear weights takes at most 1/``share`` of the
+    machine's memory."""
+    weights = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) is nn.Linear)
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return False
+    return weights * share <= memory
+
+
 def choose_kernel(model: nn.Module, requested: str = "auto") -> tuple[str, str | None, str]:
-    """(kernel, the panels' prefetch hint or None, why): the only kernel that can run for the
-    model's dtype, or the fastest candidate here (``time_kernels``); "onednn" as requested, and
-    "panels" with the faster hint."""
+    """(kernel, the panels' prefetch hint or None, why). "onednn" as requested, or the only kernel
+    that can run for the model's dtype; "panels" and "split" with the faster hint at a decode
+    batch; "auto": ``time_kernels`` at a decode batch and a prefill chunk, and "split" where the
+    panels win the first and oneDNN the second and both packings fit (``fits_twice``), else the
+    least total."""
     weight = next(m.weight for m in model.modules() if type(m) is nn.Linear)
     if requested == "onednn" or kernel_for(weight.dtype) != "panels":
         return "onednn", None, "requested" if requested == "onednn" else f"the only one for {weight.dtype}"
     onednn_runs = requested == "auto" and not why_not_packed(model, "onednn")
     seconds = time_kernels(model, CANDIDATES if onednn_runs else PANELS)
-    kernel, hint = min(seconds, key=seconds.get)
-    timings = ", ".join(f"{label(*candidate)} {1e3 * s:.1f} ms" for candidate, s in seconds.items())
-    return kernel, hint, ("requested; " if requested != "auto" else "") + f"fastest here at {' + '.join(map(str, ROWS))} rows: {timings}"
+    timings = ", ".join(f"{label(*candidate)} {' / '.join(f'{1e3 * t:.1f}' for t in times)} ms"
+                        for candidate, times in seconds.items())
+    why = f"at {' / '.join(map(str, ROWS))} rows: {timings}"
+    decode = min(seconds, key=lambda candidate: seconds[candidate][0])
+    if requested != "auto":
+        return requested, decode[1], f"requested; {why}"
+    prefill = min(seconds, key=lambda candidate: seconds[candidate][-1])
+    if decode[0] == "panels" and prefill[0] == "onednn" and fits_twice(model):
+        return "split", decode[1], f"panels fastest at the first, oneDNN at the last: both packed; {why}"
+    kernel, hint = min(seconds, key=lambda candidate: sum(seconds[candidate]))
+    return kernel, hint, f"least total {why}"

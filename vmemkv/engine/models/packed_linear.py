@@ -44,6 +44,10 @@ from torch import nn
 from vmemkv.engine.models.panel_linear import linear as panel_linear, pack as pack_panels, unavailable as no_panels
 
 KERNELS = ("panels", "onednn")
+# "split": both packed, panels for a decode step's few rows, oneDNN from SPLIT_ROWS rows (prefill)
+SPLIT_ROWS = 64
+PACKINGS = {"panels": (("packed", "panels"),), "onednn": (("packed", "onednn"),),
+            "split": (("packed", "panels"), ("packed_large", "onednn"))}  # buffer name, kernel
 
 
 def kernel_for(dtype: torch.dtype) -> str:
@@ -59,6 +63,23 @@ def _pack(weight: torch.Tensor, kernel: str) -> torch.Tensor:
     if kernel == "panels":
         return pack_panels(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def _register_packed(module: nn.Module, weight: torch.Tensor, kernel: str) -> None:
+    """``module``'s packed buffer(s) of ``weight`` for ``kernel`` (one of ``PACKINGS``)."""
+    if kernel not in PACKINGS:
+        raise ValueError(f"kernel {kernel!r}: one of {tuple(PACKINGS)}")
+    for name, packing in PACKINGS[kernel]:
+        module.register_buffer(name, _pack(weight, packing), persistent=False)
+
+
+def _forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A packed module's ``x W^T + b``; with "split", by the rows ``x`` has."""
+    kernel, packed = module.kernel, module.packed
+    if kernel == "split":
+        large = x.numel() >= SPLIT_ROWS * module.in_features
+        kernel, packed = ("onednn", module.packed_large) if large else ("panels", packed)
+    return _linear(x, packed, module.bias, kernel, module.in_features, module.out_features)
 
 
 def _linear(x: torch.Tensor, packed: torch.Tensor, bias, kernel: str, in_features: int,
@@ -81,13 +102,13 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.kernel = kernel or kernel_for(weight.dtype)
-        self.register_buffer("packed", _pack(weight, self.kernel), persistent=False)
+        _register_packed(self, weight, self.kernel)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().contiguous(),
                                                                   requires_grad=False)
         self.weight = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.packed, self.bias, self.kernel, self.in_features, self.out_features)
+        return _forward(self, x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed ({self.kernel})"
@@ -121,7 +142,7 @@ class FusedPackedLinear(nn.Module):
         self.out_features = sum(self.sizes)
         weight = torch.cat([linear.weight.detach() for linear in linears])
         self.kernel = kernel or kernel_for(weight.dtype)
-        self.register_buffer("packed", _pack(weight, self.kernel), persistent=False)
+        _register_packed(self, weight, self.kernel)
         self.bias = None
         if any(linear.bias is not None for linear in linears):  # a missing bias is zeros
             bias = torch.cat([linear.weight.new_zeros(linear.out_features) if linear.bias is None
@@ -131,7 +152,7 @@ class FusedPackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Every layer's output, concatenated along the last dimension."""
-        return _linear(x, self.packed, self.bias, self.kernel, self.in_features, self.out_features)
+        return _forward(self, x)
 
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """Layer ``index``'s output for ``x`` (a view into the group's output)."""
@@ -192,20 +213,24 @@ def why_not_packed(model: nn.Module, kernel: str | None = None) -> str:
     if weight.device.type != "cpu":
         return f"packed weights are for the CPU, the model is on {weight.device}"
     kernel = kernel or kernel_for(weight.dtype)
-    if kernel == "panels" and (reason := no_panels(weight.dtype)):
+    if kernel in ("panels", "split") and (reason := no_panels(weight.dtype)):
         return reason
-    if kernel == "onednn" and (not torch.backends.mkldnn.is_available()
+    if kernel in ("onednn", "split") and (not torch.backends.mkldnn.is_available()
                                or not hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return "this PyTorch build has no oneDNN linear operators"
     try:
         probe = PackedLinear(linears[0], kernel)
-        x = torch.randn(3, linears[0].in_features, generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-        with torch.inference_mode():
-            got, want = probe(x).float(), F.linear(x, linears[0].weight, linears[0].bias).float()
+        generator = torch.Generator().manual_seed(0)
+        errors = []
+        for rows in (3, SPLIT_ROWS) if kernel == "split" else (3,):  # each path a split takes
+            x = torch.randn(rows, linears[0].in_features, generator=generator).to(weight.dtype)
+            with torch.inference_mode():
+                got, want = probe(x).float(), F.linear(x, linears[0].weight, linears[0].bias).float()
+            errors.append(float((got - want).abs().max() / want.abs().max().clamp_min(1e-6)))
     except RuntimeError as exc:  # a dtype or CPU oneDNN does not take
         return f"the packed linear ({kernel}) failed on {weight.dtype}: {exc}"
     tolerance = 1e-3 if weight.dtype == torch.float32 else 5e-2
-    error = float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+    error = max(errors)
     if error > tolerance:
         return f"the packed linear ({kernel}) disagrees with F.linear (relative error {error:.2g})"
     return ""
