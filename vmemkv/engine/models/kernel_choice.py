@@ -66,33 +66,33 @@ def time_kernels(model: nn.Module, candidates=CANDIDATES, rows: tuple[int, ...] 
     twice the last-level cache) for each (kernel, prefetch hint), one per entry of ``rows``
     (inputs of that many rows): each the best of ``repeats`` passes, alternating candidates so
     that drift on the machine hits each. The panels' hint is as before when it returns."""
-    per_rows = [_time_at(model, candidates, count, min_bytes, repeats) for count in rows]
-    return {candidate: tuple(times) for candidate, times in zip(candidates, zip(*per_rows))}
-
-
-def _time_at(model: nn.Module, candidates, rows: int, min_bytes: int | None, repeats: int) -> list[float]:
-    """``time_kernels`` for one row count: a time per candidate, in order."""
     linears = _first_linears(model, min_bytes or 2 * last_level_cache_bytes())
-    generator = torch.Generator().manual_seed(0)
-    inputs = {layer.in_features: torch.randn(rows, layer.in_features, generator=generator)
-              for layer in linears}
-    passes: dict[tuple[str, str | None], list[float]] = {candidate: [] for candidate in candidates}
     hint_before = panel_linear.prefetch_hint() if any(hint for _, hint in candidates) else None
     try:
-        with torch.inference_mode():
+        with torch.inference_mode():  # each layer packed once per kernel, for every row count
             packed = {kernel: [PackedLinear(layer, kernel) for layer in linears]
                       for kernel in {kernel for kernel, _ in candidates}}
-            for _ in range(repeats + 1):  # the first pass warms up and is not counted
-                for kernel, hint in candidates:
-                    if hint:
-                        panel_linear.prefetch_hint(hint)
-                    start = time.perf_counter()
-                    for layer in packed[kernel]:
-                        layer(inputs[layer.in_features])
-                    passes[kernel, hint].append(time.perf_counter() - start)
+            per_rows = [_time_at(packed, candidates, count, repeats) for count in rows]
     finally:
         if hint_before:
             panel_linear.prefetch_hint(hint_before)
+    return {candidate: tuple(times) for candidate, times in zip(candidates, zip(*per_rows))}
+
+
+def _time_at(packed: dict[str, list[PackedLinear]], candidates, rows: int, repeats: int) -> list[float]:
+    """``time_kernels`` for one row count: a time per candidate, in order."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = {layer.in_features: torch.randn(rows, layer.in_features, generator=generator)
+              for layer in next(iter(packed.values()))}
+    passes: dict[tuple[str, str | None], list[float]] = {candidate: [] for candidate in candidates}
+    for _ in range(repeats + 1):  # the first pass warms up and is not counted
+        for kernel, hint in candidates:
+            if hint:
+                panel_linear.prefetch_hint(hint)
+            start = time.perf_counter()
+            for layer in packed[kernel]:
+                layer(inputs[layer.in_features])
+            passes[kernel, hint].append(time.perf_counter() - start)
     return [min(seconds[1:]) for seconds in passes.values()]
 
 
