@@ -20,6 +20,9 @@
  * the stream out of the caches the other data lives in, and was the faster on an AMD EPYC (Zen 4);
  * on an Intel Xeon (AVX-512) NTA lines are not kept in L2, so the second 8-row pass over a panel
  * reads memory again, and T0 (into every level) is 2x faster at 16 rows. The engine times both.
+ * Each hint is its own copy of the loops (the hint a constant in it): read inside the loop, the
+ * hint's branches left the loop short of registers, and the kernel was 1.1x (1 row) to 1.8x (32
+ * rows) slower (SmolLM2-135M's linears, Intel Xeon, 2 threads).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -75,25 +78,45 @@ static inline __attribute__((always_inline)) void panel_rows(const float *restri
     }
 }
 
+/* The last `rows` (< 8) rows: each count its own constant, so its loops unroll too; `prefetch` a
+ * constant at every call, so that no branch on it is left in the loop. */
+static inline __attribute__((always_inline)) void panel_remainder(const float *x, const float *packed,
+                                                                  const float *bias, float *y, int64_t m0,
+                                                                  int64_t rows, int64_t p, int P, int64_t N,
+                                                                  int64_t K, int prefetch) {
+    switch (rows) {
+    case 7: panel_rows(x, packed, bias, y, m0, 7, p, P, N, K, prefetch); break;
+    case 6: panel_rows(x, packed, bias, y, m0, 6, p, P, N, K, prefetch); break;
+    case 5: panel_rows(x, packed, bias, y, m0, 5, p, P, N, K, prefetch); break;
+    case 4: panel_rows(x, packed, bias, y, m0, 4, p, P, N, K, prefetch); break;
+    case 3: panel_rows(x, packed, bias, y, m0, 3, p, P, N, K, prefetch); break;
+    case 2: panel_rows(x, packed, bias, y, m0, 2, p, P, N, K, prefetch); break;
+    case 1: panel_rows(x, packed, bias, y, m0, 1, p, P, N, K, prefetch); break;
+    }
+}
+
 /* Panels [p, p + P) of y, P 1 or 2, rows RB at a time: the first pass over the panels streams them
  * from memory (prefetched), later passes hit cache. */
 static inline __attribute__((always_inline)) void run_panels_p(const float *x, const float *packed,
                                                                const float *bias, float *y, int64_t M,
                                                                int64_t N, int64_t K, int64_t p, int P,
                                                                const int RB) {
-    const int hint = prefetch_hint;
     int64_t m0 = 0;
-    for (; m0 + RB <= M; m0 += RB) panel_rows(x, packed, bias, y, m0, RB, p, P, N, K, m0 == 0 ? hint : NO_PREFETCH);
-    const int first = m0 == 0 ? hint : NO_PREFETCH;
-    switch (M - m0) { /* each remainder its own constant, so its loops unroll too */
-    case 7: panel_rows(x, packed, bias, y, m0, 7, p, P, N, K, first); break;
-    case 6: panel_rows(x, packed, bias, y, m0, 6, p, P, N, K, first); break;
-    case 5: panel_rows(x, packed, bias, y, m0, 5, p, P, N, K, first); break;
-    case 4: panel_rows(x, packed, bias, y, m0, 4, p, P, N, K, first); break;
-    case 3: panel_rows(x, packed, bias, y, m0, 3, p, P, N, K, first); break;
-    case 2: panel_rows(x, packed, bias, y, m0, 2, p, P, N, K, first); break;
-    case 1: panel_rows(x, packed, bias, y, m0, 1, p, P, N, K, first); break;
+    if (M >= RB) { /* the first pass streams the panels from memory, prefetched */
+        if (prefetch_hint == PREFETCH_T0)
+            panel_rows(x, packed, bias, y, 0, RB, p, P, N, K, PREFETCH_T0);
+        else
+            panel_rows(x, packed, bias, y, 0, RB, p, P, N, K, PREFETCH_NTA);
+        m0 = RB;
     }
+    for (; m0 + RB <= M; m0 += RB) panel_rows(x, packed, bias, y, m0, RB, p, P, N, K, NO_PREFETCH);
+    if (m0 == 0) { /* fewer rows than a block: this pass is the first */
+        if (prefetch_hint == PREFETCH_T0)
+            panel_remainder(x, packed, bias, y, 0, M, p, P, N, K, PREFETCH_T0);
+        else
+            panel_remainder(x, packed, bias, y, 0, M, p, P, N, K, PREFETCH_NTA);
+    } else
+        panel_remainder(x, packed, bias, y, m0, M - m0, p, P, N, K, NO_PREFETCH);
 }
 
 static int wide_registers; /* AVX-512: set at import */
