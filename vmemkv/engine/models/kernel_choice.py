@@ -5,7 +5,8 @@ the CPU, not on the dtype alone, and so does the native panels' prefetch hint
 (``native/panel_linear.c``). Over SmolLM2-135M's first layers (96 MB) at two threads on an Intel
 Xeon (2.6 GHz, AVX-512, 48 MB L3), in ms for 16 / 256 / 2,048 rows: panels with T0 prefetches
 10.4 / 88.5 / 629, panels with non-temporal prefetches 20.8 / 103 / 600, oneDNN's packed weights
-15.3 / 70.4 / 438: neither is fastest at every size. On an AMD EPYC (Zen 4) the panels with
+15.3 / 70.4 / 438 (panels/T0 10.5 / 87-93 at 16 / 256 rows once the hint left the inner loop,
+oneDNN 16.4 / 82-84): neither is fastest at every size. On an AMD EPYC (Zen 4) the panels with
 non-temporal prefetches read a decode step's weights 1.2-1.7x faster than oneDNN for 1-8 rows
 and matched it at prefill sizes. So when the panels can run, the engine times each candidate once
 at its start on the model's own first layers, enough of them to stream from memory as a step
