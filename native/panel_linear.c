@@ -13,8 +13,9 @@
  *
  * Each output is summed in input-feature order, one chain (another order than oneDNN's or
  * F.linear's: results equal up to float rounding). Pairs of panels run on OpenMP threads with the
- * GIL released. The kernel is compiled three times (target_clones): for AVX-512 (one register per
- * panel row), AVX2+FMA (two) and the baseline, chosen at load time by the CPU it runs on.
+ * GIL released. The kernel is compiled three times: for AVX-512 (one register per panel row, 8
+ * rows at a time), and (target_clones, 4 rows at a time) for AVX2+FMA (two) and the baseline,
+ * chosen at load time by the CPU it runs on.
  *
  * The prefetch hint is the CPU's to choose, at run time (prefetch_hint): non-temporal (NTA) keeps
  * the stream out of the caches the other data lives in, and was the faster on an AMD EPYC (Zen 4);
@@ -78,12 +79,13 @@ static inline __attribute__((always_inline)) void panel_rows(const float *restri
     }
 }
 
-/* The last `rows` (< 8) rows: each count its own constant, so its loops unroll too; `prefetch` a
- * constant at every call, so that no branch on it is left in the loop. */
+/* The last `rows` (< RB) rows: each count its own constant, so its loops unroll too (counts of RB
+ * or more cannot occur: the compiler drops their copies). */
 static inline __attribute__((always_inline)) void panel_remainder(const float *x, const float *packed,
                                                                   const float *bias, float *y, int64_t m0,
                                                                   int64_t rows, int64_t p, int P, int64_t N,
-                                                                  int64_t K, int prefetch) {
+                                                                  int64_t K, int prefetch, const int RB) {
+    if (rows >= RB) __builtin_unreachable();
     switch (rows) {
     case 7: panel_rows(x, packed, bias, y, m0, 7, p, P, N, K, prefetch); break;
     case 6: panel_rows(x, packed, bias, y, m0, 6, p, P, N, K, prefetch); break;
@@ -95,44 +97,62 @@ static inline __attribute__((always_inline)) void panel_remainder(const float *x
     }
 }
 
-/* Panels [p, p + P) of y, P 1 or 2, rows RB at a time: the first pass over the panels streams them
- * from memory (prefetched), later passes hit cache. */
+/* Panels [p, p + P) of y, P 1 or 2, rows RB at a time, `prefetch` a constant here (a branch on it
+ * in the loop costs registers): the first pass over the panels streams them from memory,
+ * prefetched, later whole blocks of rows hit cache. The remainder keeps the hint (it is the first
+ * pass when M < RB; over cached lines a prefetch is cheap), so that each hint has one copy of the
+ * remainders, not two (the build time). */
+static inline __attribute__((always_inline)) void run_panels_hint(const float *x, const float *packed,
+                                                                  const float *bias, float *y, int64_t M,
+                                                                  int64_t N, int64_t K, int64_t p, int P,
+                                                                  const int RB, int prefetch) {
+    int64_t m0 = 0;
+    if (M >= RB) {
+        panel_rows(x, packed, bias, y, 0, RB, p, P, N, K, prefetch);
+        m0 = RB;
+    }
+    for (; m0 + RB <= M; m0 += RB) panel_rows(x, packed, bias, y, m0, RB, p, P, N, K, NO_PREFETCH);
+    panel_remainder(x, packed, bias, y, m0, M - m0, p, P, N, K, prefetch, RB);
+}
+
 static inline __attribute__((always_inline)) void run_panels_p(const float *x, const float *packed,
                                                                const float *bias, float *y, int64_t M,
                                                                int64_t N, int64_t K, int64_t p, int P,
                                                                const int RB) {
-    int64_t m0 = 0;
-    if (M >= RB) { /* the first pass streams the panels from memory, prefetched */
-        if (prefetch_hint == PREFETCH_T0)
-            panel_rows(x, packed, bias, y, 0, RB, p, P, N, K, PREFETCH_T0);
-        else
-            panel_rows(x, packed, bias, y, 0, RB, p, P, N, K, PREFETCH_NTA);
-        m0 = RB;
-    }
-    for (; m0 + RB <= M; m0 += RB) panel_rows(x, packed, bias, y, m0, RB, p, P, N, K, NO_PREFETCH);
-    if (m0 == 0) { /* fewer rows than a block: this pass is the first */
-        if (prefetch_hint == PREFETCH_T0)
-            panel_remainder(x, packed, bias, y, 0, M, p, P, N, K, PREFETCH_T0);
-        else
-            panel_remainder(x, packed, bias, y, 0, M, p, P, N, K, PREFETCH_NTA);
-    } else
-        panel_remainder(x, packed, bias, y, m0, M - m0, p, P, N, K, NO_PREFETCH);
+    if (prefetch_hint == PREFETCH_T0)
+        run_panels_hint(x, packed, bias, y, M, N, K, p, P, RB, PREFETCH_T0);
+    else
+        run_panels_hint(x, packed, bias, y, M, N, K, p, P, RB, PREFETCH_NTA);
 }
 
 static int wide_registers; /* AVX-512: set at import */
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) static void run_pair(
+/* 8 rows at a time, AVX-512 only (wide_registers is set only where the CPU has it). */
+__attribute__((target("arch=x86-64-v4"))) static void run_pair_wide(const float *x, const float *packed,
+                                                                   const float *bias, float *y, int64_t M,
+                                                                   int64_t N, int64_t K, int64_t p, int64_t panels) {
+    if (p + 1 < panels)
+        run_panels_p(x, packed, bias, y, M, N, K, p, 2, 8);
+    else /* the last panel may be alone */
+        run_panels_p(x, packed, bias, y, M, N, K, p, 1, 8);
+}
+
+/* 4 rows at a time: AVX2+FMA, else the baseline (and AVX-512 CPUs told rows_per_block(4)). */
+__attribute__((target_clones("arch=x86-64-v3", "default"))) static void run_pair_narrow(
     const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N, int64_t K,
     int64_t p, int64_t panels) {
-    const int pair = p + 1 < panels; /* the last panel may be alone */
-    if (wide_registers && pair)
-        run_panels_p(x, packed, bias, y, M, N, K, p, 2, 8);
-    else if (wide_registers)
-        run_panels_p(x, packed, bias, y, M, N, K, p, 1, 8);
-    else if (pair)
+    if (p + 1 < panels)
         run_panels_p(x, packed, bias, y, M, N, K, p, 2, 4);
     else
         run_panels_p(x, packed, bias, y, M, N, K, p, 1, 4);
+}
+
+static void run_pair(const float *x, const float *packed, const float *bias, float *y, int64_t M, int64_t N,
+                     int64_t K, int64_t p, int64_t panels) {
+    if (wide_registers)
+        run_pair_wide(x, packed, bias, y, M, N, K, p, panels);
+    else
+        run_pair_narrow(x, packed, bias, y, M, N, K, p, panels);
 }
 
 static PyObject *linear(PyObject *self, PyObject *args) {
