@@ -22,7 +22,7 @@
  * on an Intel Xeon (AVX-512) NTA lines are not kept in L2, so the second 8-row pass over a panel
  * reads memory again, and T0 (into every level) is 2x faster at 16 rows. The engine times both.
  * Each hint is its own copy of the loops (the hint a constant in it): read inside the loop, the
- * hint's branches left the loop short of registers, and the kernel was 1.1x (1 row) to 1.8x (32
+ * hint's branches left the loop short of registers, and the kernel was 1.1x (1 row) to about 2x (32
  * rows) slower (SmolLM2-135M's linears, Intel Xeon, 2 threads).
  */
 #define PY_SSIZE_T_CLEAN

@@ -16,10 +16,6 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 MB = 1 << 20
 
 
-def minor_faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
 def resident_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * resource.getpagesize()
