@@ -10,7 +10,7 @@ import torch
 
 from decode_cases import (assert_matches, interleaved_slots, make_case, reference, shuffled_blocks,
                           variant_case)
-from vmemkv.attention.cpu_decode import (decode_attention_contiguous_cpu, decode_attention_paged_cpu,
+from vmemkv.attention.cpu_decode import (LayerCalls, decode_attention_contiguous_cpu, decode_attention_paged_cpu,
                                          num_splits_for, unavailable)
 
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "built")
@@ -108,6 +108,41 @@ def test_new_rows_are_written_before_the_reads(dtype):
     assert_matches(vmem, reference(q, seqs, 0.125), dtype)
     assert torch.equal(vmem, paged)
     assert torch.equal(k_cache.nan_to_num(7.0), expected_k.nan_to_num(7.0))  # that row, nothing else
+
+
+def test_layers_of_a_step_reuse_the_checked_call_with_their_own_tensors():
+    """``calls``: the second layer (same geometry, other bytes, other new rows) runs the first
+    layer's checked arguments with its own pointers and matches its own reference; a call of
+    another geometry (fewer query heads) is checked and marshalled afresh, and a wrong one is
+    still refused."""
+    lens = [5, 77, 40]
+    calls = LayerCalls()
+    for layer, seed in enumerate((3, 4)):  # two layers: their own K/V views, queries and new rows
+        generator, seqs, q, seq_lens = make_case(lens, 3, 3, 64, torch.float32, seed=seed)
+        if layer == 1:
+            seq_lens = first_lens  # one step: the lengths tensor every layer passes
+        new_k = torch.stack([k[-1] for k, _ in seqs])
+        new_v = torch.stack([v[-1] for _, v in seqs])
+        stale = [(k.clone(), v.clone()) for k, v in seqs]
+        for k, v in stale:
+            k[-1], v[-1] = float("nan"), float("nan")
+        k_cache, v_cache, slots = interleaved_slots(stale, 4, 80, 3, 64, torch.float32, "cpu", generator)
+        if layer == 0:
+            first_lens, first_slots = seq_lens, slots
+        assert torch.equal(slots, first_slots)  # the same slots for both layers' views
+        out = torch.empty_like(q)
+        got = decode_attention_contiguous_cpu(q, k_cache, v_cache, first_slots, seq_lens, 0.125, out=out,
+                                              new_kv=(new_k, new_v), calls=calls)
+        assert got is out
+        assert_matches(out, reference(q, seqs, 0.125), torch.float32)
+        assert len(calls._calls) == 1
+    narrower = q[:, :6]  # 2 query heads a KV head: another geometry
+    expected = reference(narrower, seqs, 0.125)
+    assert_matches(decode_attention_contiguous_cpu(narrower, k_cache, v_cache, first_slots, seq_lens, 0.125,
+                                                   calls=calls), expected, torch.float32)
+    assert len(calls._calls) == 2
+    with pytest.raises(ValueError, match="num_q_heads"):
+        decode_attention_contiguous_cpu(q[:, :5], k_cache, v_cache, first_slots, seq_lens, 0.125, calls=calls)
 
 
 def test_wrong_new_rows_are_refused_and_write_nothing():

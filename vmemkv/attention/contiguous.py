@@ -90,7 +90,8 @@ class ContiguousAttention(PackedAttention):
 
             return decode_attention_contiguous_cpu(q, k_cache, v_cache, self.decode_slots, self.decode_lens, scale,
                                                    max_seq_len=self.decode_max_len,
-                                                   shared_prefix=self.shared_prefix(variant["window"]), **variant)
+                                                   shared_prefix=self.shared_prefix(variant["window"]),
+                                                   calls=self.layer_calls, **variant)
         from vmemkv.attention.triton_decode import decode_attention_contiguous
 
         return decode_attention_contiguous(q, k_cache, v_cache, self.decode_slots, self.decode_lens,

@@ -80,8 +80,52 @@ def _check_new_kv(new_kv, batch: int, k: torch.Tensor) -> tuple[torch.Tensor, to
     return rows[0], rows[1]
 
 
+class LayerCalls:
+    """One step's decode calls, one per layer, checked once. Every layer of a step passes the same
+    indices and lengths and (a hybrid model's layer groups aside) tensors of one geometry: the
+    first call of each geometry runs the checks and marshals the arguments; the layers after it
+    pass their own pointers only (checked every layer, they cost about 2 ms of a 65 ms long-context
+    decode step of SmolLM2-135M's 30 layers). Make one per step: the indices it keeps are that
+    step's."""
+
+    def __init__(self):
+        self._calls: dict[tuple, tuple[list, tuple]] = {}  # geometry -> (arguments, tensors they point into)
+
+    @staticmethod
+    def geometry(q, k, v, out, new_kv, index, seq_lens, scale, window, softcap, sinks, check_bounds,
+                 num_threads, num_splits, max_seq_len, shared_prefix) -> tuple | None:
+        """What a call's checks and arguments depend on, besides its tensors' addresses; None for a
+        call that converts a tensor (a copy's address changes per call) or has per-layer sinks."""
+        if sinks is not None or check_bounds or q.stride(2) != 1:
+            return None
+        if new_kv is not None and any(t.dtype != k.dtype or t.stride(2) != 1 for t in new_kv):
+            return None
+        return (q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.shape, v.stride(), v.dtype,
+                None if out is None else (out.shape, out.stride(), out.dtype),
+                None if new_kv is None else tuple((t.shape, t.stride()) for t in new_kv),
+                id(index), id(seq_lens), None if shared_prefix is None else tuple(map(id, shared_prefix)),
+                scale, window, softcap, num_threads, num_splits, max_seq_len)
+
+    def run(self, geometry: tuple, q, k, v, out, new_kv) -> torch.Tensor | None:
+        """The call of a geometry seen before, with these tensors; None if it is new."""
+        known = self._calls.get(geometry)
+        if known is None:
+            return None
+        arguments = list(known[0])
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        arguments[:4] = q.data_ptr(), out.data_ptr(), k.data_ptr(), v.data_ptr()
+        if new_kv is not None:
+            arguments[-6:-4] = new_kv[0].data_ptr(), new_kv[1].data_ptr()
+        _extension().decode(*arguments)
+        return out
+
+    def remember(self, geometry: tuple, arguments: list, keep: tuple) -> None:
+        self._calls[geometry] = arguments, keep
+
+
 def _run(q, k, v, index, index_stride_b, seq_lens, scale, block_size, out, window, softcap, sinks,
-         num_threads, num_splits, max_seq_len, shared_prefix, new_kv):
+         num_threads, num_splits, max_seq_len, shared_prefix, new_kv, calls=None, geometry=None):
     check_variant(q, window, softcap, sinks)
     shared_prefix = _check_shared_prefix(shared_prefix, q.shape[0], window)
     new_kv = _check_new_kv(new_kv, q.shape[0], k)
@@ -100,7 +144,7 @@ def _run(q, k, v, index, index_stride_b, seq_lens, scale, block_size, out, windo
     if num_splits is None:
         longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
         num_splits = num_splits_for(batch, min(longest, window or longest), threads)
-    _extension().decode(
+    arguments = [
         q.data_ptr(), out.data_ptr(), k.data_ptr(), v.data_ptr(), index.data_ptr(), seq_lens.data_ptr(),
         sinks.data_ptr() if sinks is not None else 0,
         *((t.data_ptr() for t in shared_prefix) if shared_prefix else (0, 0)), index_stride_b,
@@ -109,7 +153,10 @@ def _run(q, k, v, index, index_stride_b, seq_lens, scale, block_size, out, windo
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         float(scale), window or 0, float(softcap or 0.0), DTYPES[q.dtype], max(1, int(num_splits)), threads,
         *((new_kv[0].data_ptr(), new_kv[1].data_ptr(), new_kv[0].stride(0), new_kv[0].stride(1),
-           new_kv[1].stride(0), new_kv[1].stride(1)) if new_kv else ()))
+           new_kv[1].stride(0), new_kv[1].stride(1)) if new_kv else ())]
+    _extension().decode(*arguments)
+    if geometry is not None:  # keep the converted indices alive with the pointers into them
+        calls.remember(geometry, arguments, (index, seq_lens, shared_prefix))
     return out
 
 
@@ -120,7 +167,8 @@ def decode_attention_contiguous_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_ca
                                     check_bounds: bool = False, num_threads: int | None = None,
                                     num_splits: int | None = None, max_seq_len: int | None = None,
                                     shared_prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
-                                    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                                    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                                    calls: LayerCalls | None = None) -> torch.Tensor:
     """``q`` ``[B, Hq, D]``; ``k_cache``/``v_cache`` strided ``[num_slots, max_tokens, Hk, D]`` views
     (last dim contiguous); sequence ``b`` attends to ``k_cache[slot_ids[b], :seq_lens[b]]`` (its last
     ``window`` keys with a window). Returns ``[B, Hq, D]`` in q's dtype (into ``out`` when given).
@@ -137,11 +185,18 @@ def decode_attention_contiguous_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_ca
 
     ``new_kv``: ``(k, v)``, ``[B, Hk, D]`` each: every sequence's newest token's K and V, written
     at position ``seq_lens[b] - 1`` of its own rows before anything is read (the step's cache
-    write and its attention in one call)."""
+    write and its attention in one call).
+
+    ``calls``: a step's ``LayerCalls``, for calls that repeat one geometry layer after layer."""
+    geometry = None if calls is None else LayerCalls.geometry(
+        q, k_cache, v_cache, out, new_kv, slot_ids, seq_lens, scale, window, softcap, sinks, check_bounds,
+        num_threads, num_splits, max_seq_len, shared_prefix)
+    if geometry is not None and (done := calls.run(geometry, q, k_cache, v_cache, out, new_kv)) is not None:
+        return done
     check_inputs(q, k_cache, v_cache, seq_lens, ("k_cache", "v_cache"), out)
     check_slot_ids(slot_ids, q, seq_lens, k_cache, check_bounds)
     return _run(q, k_cache, v_cache, _as_int32(slot_ids), 1, seq_lens, scale, 0, out, window, softcap,
-                sinks, num_threads, num_splits, max_seq_len, shared_prefix, new_kv)
+                sinks, num_threads, num_splits, max_seq_len, shared_prefix, new_kv, calls, geometry)
 
 
 def decode_attention_paged_cpu(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
@@ -151,14 +206,20 @@ def decode_attention_paged_cpu(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks
                                check_bounds: bool = False, num_threads: int | None = None,
                                num_splits: int | None = None, max_seq_len: int | None = None,
                                shared_prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
-                               new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                               new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                               calls: LayerCalls | None = None) -> torch.Tensor:
     """Block tables: ``k_blocks``/``v_blocks`` strided ``[num_blocks, block_size, Hk, D]``,
     ``block_tables`` ``[B, max_blocks]``; token ``t`` of sequence ``b`` is
     ``k_blocks[block_tables[b, t // block_size], t % block_size]``; entries behind a window or past
     a length are never read. Other arguments as ``decode_attention_contiguous_cpu``."""
+    geometry = None if calls is None else LayerCalls.geometry(
+        q, k_blocks, v_blocks, out, new_kv, block_tables, seq_lens, scale, window, softcap, sinks, check_bounds,
+        num_threads, num_splits, max_seq_len, shared_prefix)
+    if geometry is not None and (done := calls.run(geometry, q, k_blocks, v_blocks, out, new_kv)) is not None:
+        return done
     check_inputs(q, k_blocks, v_blocks, seq_lens, ("k_blocks", "v_blocks"), out)
     block_tables = check_block_tables(block_tables, q, seq_lens, k_blocks, window, check_bounds)
     block_size = k_blocks.shape[1]
     tables = _as_int32(block_tables)
     return _run(q, k_blocks, v_blocks, tables, tables.stride(0), seq_lens, scale, block_size, out, window,
-                softcap, sinks, num_threads, num_splits, max_seq_len, shared_prefix, new_kv)
+                softcap, sinks, num_threads, num_splits, max_seq_len, shared_prefix, new_kv, calls, geometry)

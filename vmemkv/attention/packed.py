@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from vmemkv.attention.cpu_decode import LayerCalls
 from vmemkv.attention.metadata import StepMetadata
 from vmemkv.attention.shared_prefix import shared_prefixes
 from vmemkv.attention.slot_batch import DecodeBatch, attend
@@ -74,6 +75,7 @@ class PackedAttention:
                                   and all(span.num_queries == 1 for span in spans))
         if self.decodes:
             self.decode_max_len = max(spans[i].length for i in self.decodes)
+            self.layer_calls = LayerCalls()  # the native decode call, checked at the first layer (CPU)
         # a decode step whose rows are the packed rows in order: q read and output written in place
         self._decodes_are_all = (0 < len(self.decodes) == len(spans)
                                  and all(span.query_start == i for i, span in enumerate(spans)))

@@ -113,7 +113,8 @@ class BlockTableAttention(PackedAttention):
 
             return decode_attention_paged_cpu(q, k_blocks, v_blocks, self.decode_tables, self.decode_lens, scale,
                                               max_seq_len=self.decode_max_len,
-                                              shared_prefix=self.shared_prefix(variant["window"]), **variant)
+                                              shared_prefix=self.shared_prefix(variant["window"]),
+                                              calls=self.layer_calls, **variant)
         from vmemkv.attention.triton_decode import decode_attention_paged
 
         return decode_attention_paged(q, k_blocks, v_blocks, self.decode_tables, self.decode_lens,
