@@ -1,6 +1,7 @@
 """Builds the native parts (plain C, no CUDA or torch needed at build time): the batch page mapper,
-and the CPU decode attention. The latter is optional: where it does not build (no C compiler with
-OpenMP), the engine attends with SDPA on the CPU instead."""
+and the CPU decode attention, linear layers and RMS norm. The last three are optional: where they
+do not build (no C compiler with OpenMP), the engine runs SDPA, oneDNN's linear layers and the
+model's own norm on the CPU instead."""
 
 from setuptools import Extension, setup
 
@@ -20,6 +21,13 @@ setup(
             # helpers are always inlined, so no call passes one across the ABI
             extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
                                 "-Wno-psabi"],
+            extra_link_args=["-fopenmp"],
+            optional=True,
+        ),
+        Extension(
+            "vmemkv._rms_norm",
+            sources=["native/rms_norm.c"],
+            extra_compile_args=["-O3", "-std=gnu11", "-fopenmp"],
             extra_link_args=["-fopenmp"],
             optional=True,
         ),

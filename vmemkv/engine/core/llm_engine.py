@@ -36,6 +36,7 @@ from vmemkv.engine.serving.kv_event_publisher import KVEventPublisher
 from vmemkv.engine.core.metrics import EngineMetrics
 from vmemkv.engine.core.model_runner import ModelRunner
 from vmemkv.engine.models.kernel_choice import choose_kernel, label
+from vmemkv.engine.models.native_norm import swap_rms_norms
 from vmemkv.engine.models.packed_linear import pack_linears, why_not_packed
 from vmemkv.engine.models.panel_linear import prefetch_hint
 from vmemkv.engine.models.zoo import load_model
@@ -78,6 +79,7 @@ class LLMEngine:
         model = load_model(config.model, config.torch_dtype, config.device, config.seed)[0]
         if self.packed_linears.startswith("packed"):
             pack_linears(model, fuse=self.config.fused_projections, kernel=self.linear_kernel)
+            swap_rms_norms(model)
         return model
 
     def __init__(self, config: EngineConfig, model=None, tokenizer=None, stream: bool = True):
@@ -95,6 +97,8 @@ class LLMEngine:
         self.model_name = config.model
         self.tokenizer = tokenizer
         self.packed_linears = self._pack_linears(model, loaded_by_name)
+        # where the linears are packed (a model this engine loaded, on the CPU), so are the norms
+        self.native_norms = swap_rms_norms(model) if self.packed_linears.startswith("packed") else 0
         # Before any KV memory is taken: refuse attention the engine would silently get wrong.
         check_attention_supported(model.config, config.max_model_len, replaces_attention=True,
                                   who="the vmemkv engine", max_packed_tokens=config.max_num_batched_tokens)

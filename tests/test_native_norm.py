@@ -1,0 +1,71 @@
+"""The native RMS norm (``engine/models/native_norm.py``): Llama's RMSNorm module's results up to
+float rounding, on decode rows, prefill rows (threaded) and odd sizes; the module's own tensor ops
+for what the native call does not take; and only Llama's norm code is swapped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+from vmemkv.engine.models.native_norm import NativeRMSNorm, is_llama_rms_norm, swap_rms_norms, unavailable
+
+pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "built")
+
+
+def llama_norm(size: int, eps: float = 1e-5, seed: int = 0) -> LlamaRMSNorm:
+    norm = LlamaRMSNorm(size, eps=eps)
+    norm.weight.data = torch.randn(size, generator=torch.Generator().manual_seed(seed))
+    return norm
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [(1, 4, 576), (1, 2048, 576), (3, 5, 7), (2, 1000)],
+                         ids=["decode", "prefill", "odd", "2d"])
+def test_native_norm_matches_llamas_module(shape, threads):
+    norm = llama_norm(shape[-1], eps=1e-6)
+    native = NativeRMSNorm(norm)
+    x = 3 * torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, want = native(x), norm(x)
+    finally:
+        torch.set_num_threads(before)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=1e-5)
+
+
+def test_what_the_native_call_does_not_take_runs_the_modules_ops():
+    norm = llama_norm(64)
+    native = NativeRMSNorm(norm)
+    strided = torch.randn(4, 128)[:, ::2]  # not contiguous
+    assert torch.equal(native(strided), norm(strided))
+    half = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(native(half), norm(half))
+
+
+def test_only_llamas_norm_code_on_a_float32_weight_is_swapped():
+    assert is_llama_rms_norm(LlamaRMSNorm(8)) and is_llama_rms_norm(Qwen2RMSNorm(8))  # a modular copy
+    assert not is_llama_rms_norm(GemmaRMSNorm(8))  # scales by 1 + weight
+    assert not is_llama_rms_norm(LlamaRMSNorm(8).to(torch.bfloat16))
+    model = nn.ModuleDict({"a": LlamaRMSNorm(8), "b": nn.Sequential(GemmaRMSNorm(8), Qwen2RMSNorm(8))})
+    assert swap_rms_norms(model) == 2
+    assert [type(m).__name__ for m in (model["a"], *model["b"])] == ["NativeRMSNorm", "GemmaRMSNorm",
+                                                                      "NativeRMSNorm"]
+
+
+def test_the_engine_runs_native_norms_on_a_model_it_loads_and_matches_hf():
+    from test_engine_correctness import assert_clean, assert_matches_hf, make_engine, prompts, run
+
+    batch = prompts(4)
+    engine = make_engine("tiny-llama")
+    model = engine.runner.model_runner.model
+    assert engine.native_norms == 2 * model.config.num_hidden_layers + 1  # two a layer and the last
+    assert sum(isinstance(m, NativeRMSNorm) for m in model.modules()) == engine.native_norms
+    assert_matches_hf("tiny-llama", batch, run(engine, batch))
+    assert_clean(engine)
+    engine.close()
