@@ -100,7 +100,7 @@ class LayerCalls:
             return None
         if new_kv is not None and any(t.dtype != k.dtype or t.stride(2) != 1 for t in new_kv):
             return None
-        return (q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.shape, v.stride(), v.dtype,
+        return (q.device, q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.shape, v.stride(), v.dtype,
                 None if out is None else (out.shape, out.stride(), out.dtype),
                 None if new_kv is None else tuple((t.shape, t.stride()) for t in new_kv),
                 id(index), id(seq_lens), None if shared_prefix is None else tuple(map(id, shared_prefix)),
