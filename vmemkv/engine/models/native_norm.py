@@ -4,7 +4,7 @@
 A decode step runs two norms per layer on a few rows, and transformers' module runs six tensor
 ops for each (the cast, square, mean, rsqrt and two products), plus its hub-kernel wrapper:
 about 50 µs a call on a 2.6 GHz Xeon, 3 ms of a long-context step of SmolLM2-135M (61 norms);
-the native call takes under 10 µs. ``swap_rms_norms`` replaces only norms whose ``forward`` is
+this module takes about 15 µs, its call included. ``swap_rms_norms`` replaces only norms whose ``forward`` is
 Llama's own code (Llama, Qwen2/3, Mistral, SmolLM2 share it; Gemma's adds one to its weight and is
 left alone). Results equal the module's up to float rounding (another summation order).
 """
