@@ -1,7 +1,7 @@
 """Builds the native parts (plain C, no CUDA or torch needed at build time): the batch page mapper,
-and the CPU decode attention, linear layers and RMS norm. The last three are optional: where they
-do not build (no C compiler with OpenMP), the engine runs SDPA, oneDNN's linear layers and the
-model's own norm on the CPU instead."""
+and the CPU decode attention, linear layers, RMS norm and rotary embedding. The last four are
+optional: where they do not build (no C compiler with OpenMP), the engine runs SDPA, oneDNN's linear
+layers and the model's own norm and rotary embedding on the CPU instead."""
 
 from setuptools import Extension, setup
 
@@ -28,6 +28,14 @@ setup(
             "vmemkv._rms_norm",
             sources=["native/rms_norm.c"],
             extra_compile_args=["-O3", "-std=gnu11", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
+            optional=True,
+        ),
+        Extension(
+            "vmemkv._rotary",
+            sources=["native/rotary.c"],
+            # no fused multiply-adds: each product rounds as transformers' tensor ops round it
+            extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-ffp-contract=off"],
             extra_link_args=["-fopenmp"],
             optional=True,
         ),

@@ -37,6 +37,7 @@ from vmemkv.engine.core.metrics import EngineMetrics
 from vmemkv.engine.core.model_runner import ModelRunner
 from vmemkv.engine.models.kernel_choice import choose_kernel, label
 from vmemkv.engine.models.native_norm import swap_rms_norms
+from vmemkv.engine.models.native_rotary import swap_rotaries
 from vmemkv.engine.models.packed_linear import pack_linears, why_not_packed
 from vmemkv.engine.models.panel_linear import prefetch_hint
 from vmemkv.engine.models.zoo import load_model
@@ -80,6 +81,7 @@ class LLMEngine:
         if self.packed_linears.startswith("packed"):
             pack_linears(model, fuse=self.config.fused_projections, kernel=self.linear_kernel)
             swap_rms_norms(model)
+            swap_rotaries(model)
         return model
 
     def __init__(self, config: EngineConfig, model=None, tokenizer=None, stream: bool = True):
@@ -98,7 +100,10 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.packed_linears = self._pack_linears(model, loaded_by_name)
         # where the linears are packed (a model this engine loaded, on the CPU), so are the norms
-        self.native_norms = swap_rms_norms(model) if self.packed_linears.startswith("packed") else 0
+        # and the rotary embedding
+        packed = self.packed_linears.startswith("packed")
+        self.native_norms = swap_rms_norms(model) if packed else 0
+        self.native_rotaries = swap_rotaries(model) if packed else 0
         # Before any KV memory is taken: refuse attention the engine would silently get wrong.
         check_attention_supported(model.config, config.max_model_len, replaces_attention=True,
                                   who="the vmemkv engine", max_packed_tokens=config.max_num_batched_tokens)
