@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -668,6 +669,35 @@ def test_async_engine_shutdown_ends_open_streams():
     with pytest.raises(EngineDeadError, match="shut down"):
         _run(read_until_shutdown())
 
+
+
+def test_async_engine_builds_a_built_on_request_engine_on_its_own_thread():
+    built_on = []
+
+    def build() -> _CountingEngine:
+        built_on.append(threading.current_thread())
+        return _CountingEngine()
+
+    async_engine = AsyncEngine(build)
+    try:
+        assert built_on == [async_engine._thread] and isinstance(async_engine.engine, _CountingEngine)
+
+        async def collect() -> list[RequestOutput]:
+            return [o async for o in async_engine.generate("r6", PROMPT, SamplingParams(max_tokens=3))]
+
+        assert [len(o.outputs[0].token_ids) for o in _run(collect())] == [1, 2, 3]
+    finally:
+        async_engine.shutdown()
+
+
+def test_async_engine_raises_the_build_error_and_leaves_no_thread():
+    def build():
+        raise ValueError("no such model")
+
+    before = threading.active_count()
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine(build)
+    assert threading.active_count() == before
 
 # ---- EngineMetrics on its own -------------------------------------------------------------------
 

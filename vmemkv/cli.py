@@ -7,6 +7,7 @@ keep ``EngineConfig``'s own defaults.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import sys
@@ -316,7 +317,8 @@ def _serve(args: argparse.Namespace) -> int:
         from vmemkv.errors import ConfigError
         raise ConfigError(f"vmemkv serve needs {exc.name}, which is not installed: "
                           "python -m pip install fastapi uvicorn") from None
-    run_server(_build_engine(args), host=args.host, port=args.port, api_key=args.api_key,
+    # built on the engine thread, which steps it (AsyncEngine says why)
+    run_server(functools.partial(_build_engine, args), host=args.host, port=args.port, api_key=args.api_key,
                served_model_name=args.served_model_name, api_keys=api_keys,
                cache_salt_per_api_key=args.cache_salt_per_api_key)
     return 0

@@ -308,7 +308,8 @@ class _Server:
 def run_server(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_name: str | None = None, api_keys: Sequence[str] = (),
                cache_salt_per_api_key: bool = False) -> None:
-    """Serve ``engine`` (an ``LLMEngine``) until interrupted. Raises ``SystemExit(1)`` once the
+    """Serve ``engine`` (an ``LLMEngine``, or a function that builds one: then it is built on the
+    engine thread, ``AsyncEngine``) until interrupted. Raises ``SystemExit(1)`` once the
     server has stopped after a tensor-parallel engine failed (requests meanwhile get 503; the
     engine's log says which rank failed and why, on one line)."""
     import uvicorn
@@ -323,6 +324,7 @@ def run_server(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: 
                 server.should_exit = True  # uvicorn's main loop polls it, then shuts down
 
     async_engine = AsyncEngine(engine, on_failure=stop_if_ranks_failed)
+    engine = async_engine.engine
     if not has_chat_template(engine.tokenizer):
         print(f"vmemkv: note: {engine.model_name} has no chat template; /v1/chat/completions "
               "formats messages as 'role: content' lines", file=sys.stderr)
