@@ -16,7 +16,7 @@ worker threads for each thread that starts parallel work, and the engine's start
 kernel timing): built on one thread and stepped on another, the process holds two pools, more
 OpenMP threads than cores, and libgomp then stops spinning between parallel regions, so each of
 a step's few hundred regions wakes its worker from sleep. A 16-sequence decode step of
-SmolLM2-135M at two threads took 44 ms so against 33 ms built and stepped on one thread.
+SmolLM2-135M at two threads took 44 ms that way against 33 ms built and stepped on one thread.
 """
 
 from __future__ import annotations
