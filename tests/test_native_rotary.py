@@ -10,7 +10,7 @@ from transformers.models.gemma.modeling_gemma import GemmaAttention, GemmaConfig
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaConfig, LlamaRotaryEmbedding
 
-from vmemkv.engine.models.native_rotary import (NativeRotary, is_llama_rotary, plain_function, rotaries,
+from vmemkv.engine.models.native_rotary import (NativeRotary, is_llama_rotary, kernel_funcs, plain_function,
                                                 swap_rotaries, unavailable)
 
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "built")
@@ -67,7 +67,7 @@ def test_what_the_native_call_does_not_take_runs_transformers_code():
 
 
 def native_count(model: torch.nn.Module) -> int:
-    return sum(isinstance(f, NativeRotary) for m in model.modules() for f in rotaries(m).values())
+    return sum(isinstance(f, NativeRotary) for m in model.modules() for f in kernel_funcs(m).values())
 
 
 def test_only_llamas_rotary_behind_the_per_instance_hook_is_swapped():
@@ -76,11 +76,12 @@ def test_only_llamas_rotary_behind_the_per_instance_hook_is_swapped():
     llama = LlamaAttention(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2), 0)
     gemma = GemmaAttention(GemmaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                        head_dim=16), 0)
-    if not rotaries(llama):
+    if not kernel_funcs(llama):
         pytest.skip("this transformers has no per-instance rotary hook (_kernel_funcs); the engine "
                     "keeps transformers' rotary")
     model = torch.nn.ModuleList([llama, gemma])
-    gemma_llamas = sum(is_llama_rotary(f) for f in rotaries(gemma).values())  # Gemma's file may copy Llama's
+    # Gemma's file may carry a copy of Llama's rotary code
+    gemma_llamas = sum(is_llama_rotary(f) for f in kernel_funcs(gemma).values())
     assert swap_rotaries(model) == 1 + gemma_llamas == native_count(model)
     assert swap_rotaries(model) == 0  # already swapped: a NativeRotary is not Llama's code
 
@@ -91,7 +92,7 @@ def test_the_engine_runs_the_native_rotary_on_a_model_it_loads_and_matches_hf():
     batch = prompts(4)
     engine = make_engine("tiny-llama")
     model = engine.runner.model_runner.model
-    hooked = sum(bool(rotaries(m)) for m in model.modules())
+    hooked = sum(bool(kernel_funcs(m)) for m in model.modules())
     assert engine.native_rotaries == native_count(model) == hooked
     assert hooked in (0, model.config.num_hidden_layers)  # 0: no per-instance hook in this transformers
     assert_matches_hf("tiny-llama", batch, run(engine, batch))

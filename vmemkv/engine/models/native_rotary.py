@@ -80,9 +80,10 @@ class NativeRotary:
 
     def forward(self, q, k, cos, sin, unsqueeze_dim=1):
         tokens, dim = q.shape[-2], q.shape[-1]
-        if not (unsqueeze_dim == 1 and dim % 2 == 0 and _native_layout(q, tokens, dim) and _native_layout(k, tokens, dim)
-                and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.shape == (1, tokens, dim)
-                        and t.is_contiguous() for t in (cos, sin))):
+        tables = all(t.dtype == torch.float32 and t.device.type == "cpu" and t.shape == (1, tokens, dim)
+                     and t.is_contiguous() for t in (cos, sin))
+        if not (unsqueeze_dim == 1 and dim % 2 == 0 and tables and _native_layout(q, tokens, dim)
+                and _native_layout(k, tokens, dim)):
             return self.function(q, k, cos, sin, unsqueeze_dim)
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)  # the inputs' layout (the projections')
         _extension().rotary(q.data_ptr(), k.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), cos.data_ptr(),
@@ -94,7 +95,7 @@ class NativeRotary:
     __call__ = forward
 
 
-def rotaries(module: nn.Module) -> dict:
+def kernel_funcs(module: nn.Module) -> dict:
     """The module's private wrappers of the functions its forward calls (transformers' per-instance
     hook, ``use_kernelized_func``), by name; empty where it has none."""
     funcs = module.__dict__.get("_kernel_funcs")
@@ -106,7 +107,7 @@ def swap_rotaries(model: nn.Module) -> int:
     returns how many (0 without the native build or transformers' per-instance hook)."""
     if unavailable():
         return 0
-    swaps = [(funcs, name) for module in model.modules() for funcs in (rotaries(module),)
+    swaps = [(funcs, name) for module in model.modules() for funcs in (kernel_funcs(module),)
              for name, function in funcs.items() if is_llama_rotary(function)]
     for funcs, name in swaps:
         funcs[name] = NativeRotary(plain_function(funcs[name]))
