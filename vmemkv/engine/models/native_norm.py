@@ -35,7 +35,8 @@ def unavailable() -> str:
     return ""
 
 
-def _same_code(a, b) -> bool:
+def same_code(a, b) -> bool:
+    """Whether two code objects are the same code (a modular copy in another model's file is)."""
     return (a.co_code, a.co_names, a.co_consts) == (b.co_code, b.co_names, b.co_consts)
 
 
@@ -44,7 +45,7 @@ def is_llama_rms_norm(module: nn.Module) -> bool:
     modular copy in another model's file counts) over a 1-D float32 CPU weight."""
     forward = getattr(type(module).forward, "__code__", None)
     weight = getattr(module, "weight", None)
-    return (forward is not None and _same_code(forward, LlamaRMSNorm.forward.__code__)
+    return (forward is not None and same_code(forward, LlamaRMSNorm.forward.__code__)
             and isinstance(getattr(module, "variance_epsilon", None), float)
             and isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.dtype == torch.float32
             and weight.device.type == "cpu")

@@ -24,6 +24,9 @@ import torch
 from torch import nn
 from transformers.models.llama import modeling_llama
 
+from vmemkv.engine.models.native_norm import same_code
+
+
 @functools.cache
 def _extension():
     try:
@@ -54,14 +57,10 @@ def plain_function(rotary) -> types.FunctionType | None:
     return function if isinstance(function, types.FunctionType) else None
 
 
-def _same_code(a, b) -> bool:
-    return (a.co_code, a.co_names, a.co_consts) == (b.co_code, b.co_names, b.co_consts)
-
-
 def is_llama_rotary(rotary) -> bool:
     """Whether ``rotary`` (a function or its hub-kernel wrapper) is Llama's rotary code."""
     function, llama = plain_function(rotary), plain_function(modeling_llama.apply_rotary_pos_emb)
-    return function is not None and llama is not None and _same_code(function.__code__, llama.__code__)
+    return function is not None and llama is not None and same_code(function.__code__, llama.__code__)
 
 
 def _native_layout(x: torch.Tensor, tokens: int, dim: int) -> bool:
