@@ -51,12 +51,15 @@ def forward_faults(settings: str) -> list[int]:
 
 
 def test_a_freed_activation_is_reused_without_page_faults():
-    """The first forward faults its activations in; with the settings the later ones reuse them
-    (on a Xeon: 16,114 then 1,024, 512, 0 faults; 16,637 then 1,537, 0, 1). glibc's defaults
-    trim and unmap them between forwards until its thresholds adapt, and this fails there:
-    16,667 then 6,144, 11,456, 8,704; 19,604 then 12,995, 2,048, 1 (``forward_faults("default")``)."""
+    """The first forward faults its activations in; with the settings the later ones reuse them,
+    but for one that may still grow the heap (on a Xeon: 16,114 then 1,024, 512, 0 faults; on an
+    AMD EPYC: 17,220 then 0, 513, 291; 10,155 then 4,608, 1, 1; 15,181 then 1, 2, 2,449), so the
+    median of the three is the measure. glibc's defaults trim and unmap them between forwards
+    until its thresholds adapt, and this fails there: 16,667 then 6,144, 11,456, 8,704; 19,604
+    then 12,995, 2,048, 1; 19,787 then 8,417, 1,792, 2,785; 19,788 then 0, 6,113, 5,601
+    (``forward_faults("default")``)."""
     first, *later = forward_faults("keep")
-    assert sum(later) < first // 4, (first, later)
+    assert sorted(later)[1] < first // 16, (first, later)
 
 
 def test_give_back_returns_the_freed_heap():
