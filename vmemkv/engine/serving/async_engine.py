@@ -84,9 +84,9 @@ class AsyncEngine:
         self._stopping = False
         self.error: BaseException | None = None  # what killed the engine thread, if anything
         self._thread = threading.Thread(target=self._run, args=(build,), name="vmemkv-engine", daemon=True)
-        built = self._built = threading.Event()
+        self._built = threading.Event()
         self._thread.start()
-        built.wait()
+        self._built.wait()
         if build is not None and self.engine is None:
             self._thread.join()
             raise self.error
