@@ -1,5 +1,5 @@
 """Builds the native parts (plain C, no CUDA or torch needed at build time): the batch page mapper,
-and the CPU decode attention, linear layers, RMS norm and rotary embedding. The last four are
+and the CPU decode and prefill attention, linear layers, RMS norm and rotary embedding. The last four are
 optional: where they do not build (no C compiler with OpenMP), the engine runs SDPA, oneDNN's linear
 layers and the model's own norm and rotary embedding on the CPU instead."""
 
@@ -16,9 +16,20 @@ setup(
         Extension(
             "vmemkv._decode_attention",
             sources=["native/decode_attention.c"],
+            depends=["native/exp_nonpositive.h"],
             # no errno or traps from float math: its loops vectorize (compare-selects, tanhf);
             # OpenMP: work items on threads, simd reductions; -Wno-psabi: the 8-float vector
             # helpers are always inlined, so no call passes one across the ABI
+            extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+                                "-Wno-psabi"],
+            extra_link_args=["-fopenmp"],
+            optional=True,
+        ),
+        Extension(
+            "vmemkv._prefill_attention",
+            sources=["native/prefill_attention.c"],
+            depends=["native/exp_nonpositive.h"],
+            # as the decode attention: vectorized float math, OpenMP, inlined vector helpers
             extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
                                 "-Wno-psabi"],
             extra_link_args=["-fopenmp"],

@@ -42,6 +42,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "exp_nonpositive.h"
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -124,26 +126,6 @@ static inline __attribute__((always_inline)) void axpy(float *restrict y, float 
                                                        int64_t n) {
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
-}
-
-/* exp(x) for x <= 0: Cody-Waite range reduction and a degree-6 polynomial (relative error ~2e-7),
- * written so the compiler vectorizes it (libm's expf is a call per score). Below -87 it clamps
- * (exp(-87) ~ 1.6e-38: "nothing" next to the row's maximum, exp(0) = 1); the clamp compares bit
- * patterns, since for x <= 0 a larger pattern is a more negative float: a float compare-select
- * does not vectorize in GCC 12's AVX2 clone. */
-static inline __attribute__((always_inline)) float exp_nonpositive(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, 4);
-    bits = bits > 0xC2AE0000u ? 0xC2AE0000u : bits; /* -87.0f */
-    memcpy(&x, &bits, 4);
-    float k = (float)(int32_t)(x * 1.44269504089f - 0.5f); /* round to nearest, for x <= 0 */
-    float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.f + r * (1.f + r * (0.5f + r * (0.166666672f + r * (0.0416666418f + r * (0.00833336264f
-              + r * 0.00138925365f)))));
-    int32_t exponent = ((int32_t)k + 127) << 23;
-    float two_k;
-    memcpy(&two_k, &exponent, 4);
-    return p * two_k;
 }
 
 /* Byte offset of token t's row (kv head 0) for sequence b, in a cache with these strides. */

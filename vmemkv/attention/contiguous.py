@@ -73,6 +73,12 @@ class ContiguousAttention(PackedAttention):
         k_cache[self.write_slots, self.write_positions] = key.to(k_cache.dtype)
         v_cache[self.write_slots, self.write_positions] = value.to(v_cache.dtype)
 
+    def cache_views(self, layer):
+        return self.kv_views(layer)
+
+    def prefill_index(self, members):
+        return [self.spans[i].slot for i in members], 0
+
     def read(self, layer, index, start=0):
         k_cache, v_cache = self.kv_views(layer)
         span = self.spans[index]

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from vmemkv.attention.cpu_decode import LayerCalls
+from vmemkv.attention.cpu_prefill import PrefillSpans, prefill_attention_cpu
+from vmemkv.attention.cpu_prefill import unavailable as prefill_unavailable
 from vmemkv.attention.metadata import StepMetadata
 from vmemkv.attention.shared_prefix import shared_prefixes
 from vmemkv.attention.slot_batch import DecodeBatch, attend
@@ -63,6 +65,8 @@ class PackedAttention:
         self.prefix_block_tokens = prefix_block_tokens
         self._shared_prefix: tuple[list[int], list[int]] | None = None
         self.device = torch.device(device)
+        self.decodes_natively_on_cpu = decode_kernel and self.device.type == "cpu"  # so does prefill
+        self._prefill_arrays: tuple[tuple[int, ...], PrefillSpans] | None = None
         self._masks: dict[tuple[int, int, int | None], torch.Tensor] = {}
         self.seconds = 0.0  # wall time inside attention (host time: on a GPU, launch time only)
         self.copy_seconds = 0.0  # of which gathering K/V into new tensors (block tables)
@@ -191,6 +195,12 @@ class PackedAttention:
                     continue
                 attend(query, *self.batch_kv(layer, batch, read[0]), read[1], batch, scale, output,
                        softcap, sinks)
+        if one_by_one and self._native_prefill(query, layer, window, softcap, sinks):
+            # every other sequence in one native call that reads the cache in place (cpu_prefill)
+            output = query.new_empty((1, num_tokens, num_heads, head_dim)) if output is None else output
+            prefill_attention_cpu(query[0].transpose(0, 1), *self.cache_views(layer),
+                                  self._prefill_spans(one_by_one), scale, output[0])
+            one_by_one = []
         attended = [self._attend_span(layer, index, query, scale, window, softcap, sinks)
                     for index in one_by_one]
         if output is None:  # SDPA only (CPU): the spans tile the packed rows in order, one cat
@@ -223,6 +233,35 @@ class PackedAttention:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         mask = self._chunk_mask(span, first, chunk, q.device) if chunk else self._mask(span, first, window, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+    def _native_prefill(self, query: torch.Tensor, layer: int, window: int | None, softcap: float | None,
+                        sinks: torch.Tensor | None) -> bool:
+        """Whether this layer's SDPA sequences go to the native prefill routine: on the CPU with
+        the native decode routine, plain causal attention (no window, cap or sinks), float32."""
+        if not (self.decodes_natively_on_cpu and window is None and softcap is None and sinks is None):
+            return False
+        k = self.cache_views(layer)[0]
+        return query.dtype == k.dtype and not prefill_unavailable(k.dtype, query.shape[1], k.shape[2],
+                                                                  query.shape[3])
+
+    def _prefill_spans(self, members: list[int]) -> PrefillSpans:
+        """The routine's arrays for ``members`` (span indices), made once a step."""
+        key = tuple(members)
+        if self._prefill_arrays is None or self._prefill_arrays[0] != key:
+            spans = [self.spans[i] for i in members]
+            index, block_size = self.prefill_index(members)
+            self._prefill_arrays = key, PrefillSpans([s.query_start for s in spans], [s.num_queries for s in spans],
+                                                     [s.num_cached for s in spans], index, block_size)
+        return self._prefill_arrays[1]
+
+    def prefill_index(self, members: list[int]) -> tuple[list, int]:
+        """Where ``members``' keys are, for the native prefill routine: ``(index, block_size)``,
+        slot ids and 0, or block tables (padded) and the tokens of a block."""
+        raise NotImplementedError
+
+    def cache_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V cache as ``[outer, tokens, Hk, D]``: slot views or block tensors."""
+        raise NotImplementedError
 
     def plan_batches(self) -> list[DecodeBatch]:
         """Decoding spans this addressing reads together (called once per step; none here)."""

@@ -84,6 +84,15 @@ class BlockTableAttention(PackedAttention):
         k_blocks[self.write_blocks, self.write_offsets] = key.to(k_blocks.dtype)
         v_blocks[self.write_blocks, self.write_offsets] = value.to(v_blocks.dtype)
 
+    def cache_views(self, layer):
+        return self.block_views(layer)
+
+    def prefill_index(self, members):
+        size = self.tokens_per_page
+        tables = [self.spans[i].block_table[: -(-self.spans[i].length // size)] for i in members]
+        width = max(map(len, tables))
+        return [list(table) + [0] * (width - len(table)) for table in tables], size
+
     def read(self, layer, index, start=0):
         began = time.perf_counter()
         k_blocks, v_blocks = self.block_views(layer)
