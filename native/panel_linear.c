@@ -9,7 +9,10 @@
  * broadcast one feature at a time and multiplied into a panel's 16 accumulators; two panels are
  * walked together (two streams, twice the independent sums in flight), eight rows at a time with
  * AVX-512, else four (their accumulators in registers). More rows read the panels again, from
- * L1/L2: then the kernel is compute-bound, as any GEMM with many rows.
+ * L1/L2: then the kernel is compute-bound, as any GEMM with many rows. That second pass over a
+ * pair prefetches the next pair (the thread's next, the pairs split statically), so that memory
+ * keeps streaming while it computes and the next first pass finds its panels in cache: at 16 rows,
+ * SmolLM2-135M's linears of a decode step took 30.6 ms against 37.6 at one thread (AMD EPYC, Zen 5).
  *
  * Each output is summed in input-feature order, one chain (another order than oneDNN's or
  * F.linear's: results equal up to float rounding). Pairs of panels run on OpenMP threads with the
@@ -36,7 +39,7 @@
                       * AVX-512's 32 vector registers (16 accumulators), else 4 */
 #define AHEAD 1024   /* bytes of the weight stream prefetched ahead of the read */
 
-enum { NO_PREFETCH, PREFETCH_NTA, PREFETCH_T0 };
+enum { NO_PREFETCH, PREFETCH_NTA, PREFETCH_T0, PREFETCH_NEXT_PAIR_NTA, PREFETCH_NEXT_PAIR_T0 };
 static int prefetch_hint = PREFETCH_NTA; /* for the first pass over a panel; set by prefetch_hint() */
 
 typedef float v16f __attribute__((vector_size(64)));
@@ -66,6 +69,10 @@ static inline __attribute__((always_inline)) void panel_rows(const float *restri
                 __builtin_prefetch((const char *)at + AHEAD, 0, 3);
             else if (prefetch == PREFETCH_NTA)
                 __builtin_prefetch((const char *)at + AHEAD, 0, 0);
+            else if (prefetch == PREFETCH_NEXT_PAIR_T0)
+                __builtin_prefetch(at + 2 * K * PANEL, 0, 3);
+            else if (prefetch == PREFETCH_NEXT_PAIR_NTA)
+                __builtin_prefetch(at + 2 * K * PANEL, 0, 0);
             const v16f w = load16(at);
             for (int r = 0; r < R; r++) acc[q][r] += w * xr[r][k];
         }
@@ -99,9 +106,8 @@ static inline __attribute__((always_inline)) void panel_remainder(const float *x
 
 /* Panels [p, p + P) of y, P 1 or 2, rows RB at a time, `prefetch` a constant here (a branch on it
  * in the loop costs registers): the first pass over the panels streams them from memory,
- * prefetched, later whole blocks of rows hit cache. The remainder keeps the hint (it is the first
- * pass when M < RB; over cached lines a prefetch is cheap), so that each hint has one copy of the
- * remainders, not two (the build time). */
+ * prefetched, later whole blocks of rows hit cache, and the second pass prefetches the next pair
+ * (near the last pair that points past the weight: a prefetch never faults). */
 static inline __attribute__((always_inline)) void run_panels_hint(const float *x, const float *packed,
                                                                   const float *bias, float *y, int64_t M,
                                                                   int64_t N, int64_t K, int64_t p, int P,
@@ -111,8 +117,13 @@ static inline __attribute__((always_inline)) void run_panels_hint(const float *x
         panel_rows(x, packed, bias, y, 0, RB, p, P, N, K, prefetch);
         m0 = RB;
     }
+    const int next = prefetch == PREFETCH_T0 ? PREFETCH_NEXT_PAIR_T0 : PREFETCH_NEXT_PAIR_NTA;
+    if (m0 + RB <= M) {
+        panel_rows(x, packed, bias, y, m0, RB, p, P, N, K, next);
+        m0 += RB;
+    }
     for (; m0 + RB <= M; m0 += RB) panel_rows(x, packed, bias, y, m0, RB, p, P, N, K, NO_PREFETCH);
-    panel_remainder(x, packed, bias, y, m0, M - m0, p, P, N, K, prefetch, RB);
+    panel_remainder(x, packed, bias, y, m0, M - m0, p, P, N, K, m0 > RB ? NO_PREFETCH : m0 ? next : prefetch, RB);
 }
 
 static inline __attribute__((always_inline)) void run_panels_p(const float *x, const float *packed,
