@@ -3,8 +3,8 @@
 ``auto``: on CUDA, FlashAttention-2 (one varlen call per layer per step) when a kernel is available
 on this device for these shapes and passes ``probe``; else the Triton decode kernel (decodes in one
 launch, prefill through SDPA); else SDPA per sequence. On CPU, the native decode routine
-(``cpu_decode``: decodes in one call that reads the cache in place, prefill through SDPA) when it
-is built and reads this dtype; else SDPA. An explicit choice that cannot run raises
+(``cpu_decode``: decodes in one call that reads the cache in place; float32 prompt chunks in one
+call of ``cpu_prefill``) when it is built and reads this dtype; else SDPA. An explicit choice that cannot run raises
 ``ConfigError`` saying why, rather than silently running something else.
 """
 

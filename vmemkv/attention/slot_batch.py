@@ -12,8 +12,9 @@ share a KV head become ``G`` queries of that head (``[B, Hk, G, D]``), so SDPA n
 With a sliding window the call reads from the window start when every member's window starts
 there; otherwise its members are attended one by one (``DecodeBatch.window``), so that no read
 touches a position behind a member's window.
-Prefill stays per sequence: padding queries into one masked call measured slower than SDPA's
-causal kernel per sequence (5.1 ms vs 26 ms, 32 prompts of 16-128 tokens).
+Prefill stays per sequence here: padding queries into one masked call measured slower than SDPA's
+causal kernel per sequence (5.1 ms vs 26 ms, 32 prompts of 16-128 tokens); the native CPU routine
+(``cpu_prefill``) takes every prompt chunk in one call.
 """
 
 from __future__ import annotations

@@ -55,8 +55,9 @@ class EngineConfig:
     # "flash": one FlashAttention-2 varlen call per layer per step, prefill and decode together,
     # over the slots (or block tables of 256-token multiples) in place (CUDA, fp16/bf16);
     # "triton": decodes in one Triton launch that reads the cache in place, prefill by SDPA (CUDA);
-    # "native": decodes in one call of the CPU routine that reads the cache in place, prefill by
-    # SDPA (CPU, float32/bfloat16); "sdpa": PyTorch SDPA per sequence (or per run of slots);
+    # "native": decodes in one call of the CPU routine that reads the cache in place, prompt
+    # chunks in one call of its prefill twin (float32; else SDPA) (CPU, float32/bfloat16);
+    # "sdpa": PyTorch SDPA per sequence (or per run of slots);
     # "auto": on CUDA flash if it runs here, else triton, else sdpa; on CPU native, else sdpa.
     attention: Literal["auto", "flash", "triton", "native", "sdpa"] = "auto"
     # With the native CPU routine: decoding requests whose KV starts with the same blocks (a
