@@ -182,7 +182,7 @@ static int run(const Args *a, int num_threads) {
     for (int64_t b = 0; b < a->batch; b++) items += a->num_kv_heads * ((a->num_queries[b] + per_item - 1) / per_item);
     Work *work = malloc(sizeof(Work) * (size_t)(items ? items : 1));
     if (!work) return -1;
-    /* the longest sequences' items first: the last items to start are the short ones */
+    /* items in sequence and token order; they run from the last (see below) */
     int64_t at = 0;
     for (int64_t b = 0; b < a->batch; b++)
         for (int64_t first = 0; first < a->num_queries[b]; first += per_item)

@@ -2,9 +2,9 @@
 routine of ``native/prefill_attention.c`` (the ``vmemkv._prefill_attention`` extension), float32.
 
 SDPA attends one sequence per call, over a strided view of its keys: at a 2,048-token chunk of
-SmolLM2-135M (8 prompts of 256 tokens) 15 ms a layer at one thread, a fifth of the step. The native
-routine attends every sequence of the step in one call, each KV head's group of query heads
-together. ``unavailable()`` says why it cannot run here; the engine then attends with SDPA.
+SmolLM2-135M (8 prompts of 256 tokens) 15-19 ms a layer at one thread, a fifth of the step. The
+native routine attends every sequence of the step in one call, each KV head's group of query heads
+together: 5 ms. ``unavailable()`` says why it cannot run here; the engine then attends with SDPA.
 """
 
 from __future__ import annotations

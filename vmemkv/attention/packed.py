@@ -237,8 +237,10 @@ class PackedAttention:
     def _native_prefill(self, query: torch.Tensor, layer: int, window: int | None, softcap: float | None,
                         sinks: torch.Tensor | None) -> bool:
         """Whether this layer's SDPA sequences go to the native prefill routine: on the CPU with
-        the native decode routine, plain causal attention (no window, cap or sinks), float32."""
-        if not (self.decodes_natively_on_cpu and window is None and softcap is None and sinks is None):
+        the native decode routine, plain causal attention (no window, cap or sinks), float32 rows
+        with a contiguous last dim."""
+        if not (self.decodes_natively_on_cpu and not window and softcap is None and sinks is None
+                and query.stride(3) == 1):
             return False
         k = self.cache_views(layer)[0]
         return query.dtype == k.dtype and not prefill_unavailable(k.dtype, query.shape[1], k.shape[2],
