@@ -10,10 +10,23 @@ import torch
 
 from decode_cases import (assert_matches, interleaved_slots, make_case, reference, shuffled_blocks,
                           variant_case)
+from vmemkv.attention import cpu_decode
 from vmemkv.attention.cpu_decode import (LayerCalls, decode_attention_contiguous_cpu, decode_attention_paged_cpu,
                                          num_splits_for, unavailable)
 
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "built")
+
+
+@pytest.fixture(params=[True, False], ids=["grouped-heads", "per-head"])
+def heads_path(request):
+    """Both tile loops: a kv head's query heads together (AVX-512's, where this CPU has it) and
+    one head at a time (AVX2's and the baseline's)."""
+    extension = cpu_decode._extension()
+    if request.param and not extension.grouped_heads():
+        pytest.skip("grouped heads need AVX-512, which this CPU lacks")
+    before = extension.grouped_heads(request.param)
+    yield request.param
+    extension.grouped_heads(before)
 
 CASES = [
     pytest.param([1, 77, 40], 4, 2, 64, torch.float32, id="fp32-gqa4-d64-b3"),
@@ -21,12 +34,15 @@ CASES = [
     pytest.param([300, 2, 129], 3, 3, 64, torch.float32, id="fp32-gqa3-d64-smollm2-heads"),
     pytest.param([1, 2, 65, 40, 9], 4, 1, 128, torch.bfloat16, id="bf16-gqa4-d128-b5"),
     pytest.param([20, 3], 2, 1, 48, torch.float32, id="fp32-d48"),
+    # 5 query heads a kv head: read 3 then 2 at a time; a head size not a multiple of 16: plain dots
+    pytest.param([33, 70], 5, 2, 40, torch.float32, id="fp32-gqa5-d40"),
 ]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("lens, group, kv_heads, head_dim, dtype", CASES)
-def test_both_addressings_match_the_reference_and_each_other(lens, group, kv_heads, head_dim, dtype, threads):
+def test_both_addressings_match_the_reference_and_each_other(lens, group, kv_heads, head_dim, dtype, threads,
+                                                             heads_path):
     generator, seqs, q, seq_lens = make_case(lens, group, kv_heads, head_dim, dtype)
     k_cache, v_cache, slots = interleaved_slots(seqs, len(lens) + 2, max(lens) + 7, kv_heads, head_dim, dtype,
                                                 "cpu", generator)
@@ -41,7 +57,7 @@ def test_both_addressings_match_the_reference_and_each_other(lens, group, kv_hea
 @pytest.mark.parametrize("window, softcap, with_sinks, num_splits", [
     (7, None, False, 1), (None, 0.8, False, 1), (None, None, True, 3), (5, 0.5, True, 1), (5, 0.5, True, 3),
     (None, None, False, 4)], ids=["window", "softcap", "sinks-split", "all", "all-split", "split"])
-def test_layer_variants_match_the_explicit_reference(window, softcap, with_sinks, num_splits):
+def test_layer_variants_match_the_explicit_reference(window, softcap, with_sinks, num_splits, heads_path):
     q, seq_lens, sinks, expected, (k_cache, v_cache, slots), (k_blocks, v_blocks, tables) = variant_case(
         [1, 70, 6, 33, 0], window, softcap, with_sinks, num_slots=6)
     dtype = torch.float32
