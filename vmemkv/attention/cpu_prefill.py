@@ -4,7 +4,8 @@ routine of ``native/prefill_attention.c`` (the ``vmemkv._prefill_attention`` ext
 SDPA attends one sequence per call, over a strided view of its keys: at a 2,048-token chunk of
 SmolLM2-135M (8 prompts of 256 tokens) 15-19 ms a layer at one thread, a fifth of the step. The
 native routine attends every sequence of the step in one call, each KV head's group of query heads
-together: 5 ms. ``unavailable()`` says why it cannot run here; the engine then attends with SDPA.
+together: 5 ms. It needs AVX-512 (``native/prefill_attention.c`` says why). ``unavailable()`` says
+why it cannot run here; the engine then attends with SDPA.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def unavailable(dtype: torch.dtype | None = None, num_q_heads: int = 1, num_kv_h
     if _extension() is None:
         return ("the native prefill attention (vmemkv._prefill_attention) is not built: reinstall with a "
                 "C compiler that has OpenMP (pip install -e .)")
+    if not _extension().wide_vectors():
+        return ("the native prefill attention needs AVX-512, which this CPU lacks (the same code spills on "
+                "AVX2: 3x slower than SDPA)")
     if dtype is not None and dtype != torch.float32:
         return f"the native prefill attention reads float32, not {dtype}"
     if num_kv_heads < 1 or num_q_heads % num_kv_heads or num_q_heads // num_kv_heads > MAX_GROUP:
