@@ -276,7 +276,7 @@ static inline __attribute__((always_inline)) float hsum16(v16f v) {
 #define HEADS_AT_ONCE 3
 
 /* out[g * TILE + j] = q[g] . rows[j][off : off + D] for G query heads (q[g] = q + g * D) and the
- * tile's n tokens, D a multiple of 16: the queries held in registers 64 elements at a time, four
+ * tile's n tokens, D a multiple of 16 (other head sizes take one head at a time): the queries held in registers 64 elements at a time, four
  * tokens' products at a time (four chains of dependent adds keep the FMA units busy). */
 static inline __attribute__((always_inline)) void scores_heads(const float *restrict q, const int G,
                                                                const float *const *rows, int64_t off, int64_t n,
@@ -345,8 +345,7 @@ static inline __attribute__((always_inline)) void accumulate_heads(float *restri
     }
 }
 
-/* The tile's scores of G consecutive query heads (q, out as scores_heads), HEADS_AT_ONCE at a time;
- * a head size that is not a multiple of 16 as plain dot products. */
+/* The tile's scores of G consecutive query heads (q, out as scores_heads), HEADS_AT_ONCE at a time. */
 static inline __attribute__((always_inline)) void group_scores(const float *restrict q, int64_t G,
                                                               const float *const *rows, int64_t off, int64_t n,
                                                               const int64_t D, float *restrict out,
@@ -355,22 +354,18 @@ static inline __attribute__((always_inline)) void group_scores(const float *rest
     for (int64_t g0 = 0; g0 < G; g0 += HEADS_AT_ONCE) {
         const float *qg = q + g0 * D;
         float *og = out + g0 * TILE;
-        if (D % 16) {
-            for (int64_t g = g0; g < G && g < g0 + HEADS_AT_ONCE; g++)
-                for (int64_t j = 0; j < n; j++) out[g * TILE + j] = dot(q + g * D, rows[j] + off, D);
-        } else if (G - g0 >= 3) {
+        if (G - g0 >= 3)
             scores_heads(qg, 3, rows, off, n, D, og, pf_k, pf_v, pf_bytes);
-        } else if (G - g0 == 2) {
+        else if (G - g0 == 2)
             scores_heads(qg, 2, rows, off, n, D, og, pf_k, pf_v, pf_bytes);
-        } else {
+        else
             scores_heads(qg, 1, rows, off, n, D, og, pf_k, pf_v, pf_bytes);
-        }
         pf_k = pf_v = NULL;
     }
 }
 
 /* The tile's weighted V rows into the accumulators of G consecutive query heads (as
- * accumulate_heads), HEADS_AT_ONCE at a time; a head size not a multiple of 16 one row at a time. */
+ * accumulate_heads), HEADS_AT_ONCE at a time. */
 static inline __attribute__((always_inline)) void group_accumulate(float *restrict acc, int64_t G,
                                                                   const float *restrict p,
                                                                   const float *const *rows, int64_t off,
@@ -378,16 +373,12 @@ static inline __attribute__((always_inline)) void group_accumulate(float *restri
     for (int64_t g0 = 0; g0 < G; g0 += HEADS_AT_ONCE) {
         float *ag = acc + g0 * D;
         const float *pg = p + g0 * TILE;
-        if (D % 16) {
-            for (int64_t g = g0; g < G && g < g0 + HEADS_AT_ONCE; g++)
-                for (int64_t j = 0; j < n; j++) axpy(acc + g * D, p[g * TILE + j], rows[j] + off, D);
-        } else if (G - g0 >= 3) {
+        if (G - g0 >= 3)
             accumulate_heads(ag, 3, pg, rows, off, n, D);
-        } else if (G - g0 == 2) {
+        else if (G - g0 == 2)
             accumulate_heads(ag, 2, pg, rows, off, n, D);
-        } else {
+        else
             accumulate_heads(ag, 1, pg, rows, off, n, D);
-        }
     }
 }
 
@@ -447,11 +438,11 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             krow[j] = kw;
             vrow[j] = vw;
         }
-        const int prefetching = a->dtype == DT_FLOAT32;
+        const int prefetching = a->dtype == DT_FLOAT32, grouped = wide && D % 16 == 0;
         for (int64_t hk = 0; hk < Hk; hk++)
             for (int64_t m = 0; m < M; m++) {
                 const int64_t first = m * Hq + hk * G; /* the group's first query head */
-                if (wide) {
+                if (grouped) {
                     group_scores(q + first * D, G, krow, hk * k_head, n, D, sc + first * TILE,
                                  prefetching && first == 0 ? pf_k : NULL, pf_v, span);
                     continue;
@@ -480,7 +471,7 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
         for (int64_t hk = 0; hk < Hk; hk++)
             for (int64_t m = 0; m < M; m++) {
                 const int64_t first = m * Hq + hk * G;
-                if (wide) {
+                if (grouped) {
                     group_accumulate(acc + first * D, G, sc + first * TILE, vrow, hk * v_head, n, D);
                     continue;
                 }
