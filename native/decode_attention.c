@@ -155,6 +155,15 @@ static inline __attribute__((always_inline)) void prefetch_row(const char *p, in
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at, 0, 2);
 }
 
+/* Tokens [from, to)'s K and V rows (pf_k[u], pf_v[u]: rows PREFETCH tokens ahead), `bytes` each. */
+static inline __attribute__((always_inline)) void prefetch_tokens(const char *const *pf_k, const char *const *pf_v,
+                                                                  int64_t from, int64_t to, int64_t bytes) {
+    for (int64_t u = from; u < to; u++) {
+        prefetch_row(pf_k[u], bytes);
+        prefetch_row(pf_v[u], bytes);
+    }
+}
+
 /* Eight floats: an AVX register in the x86-64-v3 clone, two SSE ones in the baseline. */
 typedef float v8f __attribute__((vector_size(32)));
 
@@ -188,10 +197,7 @@ static inline __attribute__((always_inline)) void tile_scores(const float *restr
          * token's sum is formed in the same order as alone. */
         for (; j + 4 <= n; j += 4) {
             if (pf_k) /* the first pass over the tile fetches the tokens PREFETCH ahead */
-                for (int64_t u = j; u < j + 4; u++) {
-                    prefetch_row(pf_k[u], pf_bytes);
-                    prefetch_row(pf_v[u], pf_bytes);
-                }
+                prefetch_tokens(pf_k, pf_v, j, j + 4, pf_bytes);
             const float *r0 = rows[j] + off + c, *r1 = rows[j + 1] + off + c;
             const float *r2 = rows[j + 2] + off + c, *r3 = rows[j + 3] + off + c;
             v8f p0 = qv[0] * load8(r0), p1 = qv[0] * load8(r1), p2 = qv[0] * load8(r2), p3 = qv[0] * load8(r3);
@@ -207,10 +213,7 @@ static inline __attribute__((always_inline)) void tile_scores(const float *restr
             out[j + 3] = (c ? out[j + 3] : 0.f) + hsum8(p3);
         }
         for (; j < n; j++) {
-            if (pf_k) {
-                prefetch_row(pf_k[j], pf_bytes);
-                prefetch_row(pf_v[j], pf_bytes);
-            }
+            if (pf_k) prefetch_tokens(pf_k, pf_v, j, j + 1, pf_bytes);
             const float *r = rows[j] + off + c;
             v8f part = qv[0] * load8(r);
             for (int64_t i = 1; i < w / 8; i++) part += qv[i] * load8(r + 8 * i);
@@ -291,10 +294,7 @@ static inline __attribute__((always_inline)) void scores_heads(const float *rest
         int64_t j = 0;
         for (; j + 4 <= n; j += 4) {
             if (pf_k) /* the first pass over the tile fetches the tokens PREFETCH ahead */
-                for (int64_t u = j; u < j + 4; u++) {
-                    prefetch_row(pf_k[u], pf_bytes);
-                    prefetch_row(pf_v[u], pf_bytes);
-                }
+                prefetch_tokens(pf_k, pf_v, j, j + 4, pf_bytes);
             v16f s[HEADS_AT_ONCE][4];
             for (int g = 0; g < G; g++)
                 for (int t = 0; t < 4; t++) s[g][t] = (v16f){0};
@@ -310,10 +310,7 @@ static inline __attribute__((always_inline)) void scores_heads(const float *rest
             }
         }
         for (; j < n; j++) {
-            if (pf_k) {
-                prefetch_row(pf_k[j], pf_bytes);
-                prefetch_row(pf_v[j], pf_bytes);
-            }
+            if (pf_k) prefetch_tokens(pf_k, pf_v, j, j + 1, pf_bytes);
             for (int g = 0; g < G; g++) {
                 v16f s = (v16f){0};
                 for (int64_t i = 0; i < nv; i++) s += qv[g][i] * load16(rows[j] + off + c + 16 * i);
