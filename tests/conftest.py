@@ -30,6 +30,17 @@ from vmemkv import CacheConfig, KVCacheManager  # noqa: E402
 # slower (the suite took 114-132 s instead of 36 s).
 torch.set_num_threads(1)
 
+
+@pytest.fixture(autouse=True)
+def _measurements_kept_per_test(tmp_path, monkeypatch):
+    """Each test measures afresh into its own file (an engine's start-up timings,
+    engine/models/machine_cache.py): no test reads the user's cache or another test's times, some
+    of which are made up by monkeypatching."""
+    from vmemkv.engine.models import machine_cache
+
+    monkeypatch.setattr(machine_cache, "cache_file", lambda: tmp_path / "measured.json")
+
+
 # The ~400,000 objects that importing torch, transformers and triton (and collecting the tests)
 # leaves behind are alive for the whole session, yet every full collection walked them all:
 # ~0.2-0.3 s each, for each gc.collect() a test, the A/B harness (before each timed run) or pytest

@@ -35,7 +35,8 @@ def test_every_candidate_is_timed_and_the_choice_follows_the_times(monkeypatch):
     assert panel_linear.prefetch_hint() == hint  # timing leaves the process's hint as it was
 
     def times(table):
-        monkeypatch.setattr(kernel_choice, "time_kernels", lambda model, candidates: {c: table[c] for c in candidates})
+        monkeypatch.setattr(kernel_choice, "remembered_times",
+                            lambda model, candidates: ({c: table[c] for c in candidates}, None))
 
     for fastest in kernel_choice.CANDIDATES:  # one fastest at both sizes: it is taken
         times({c: (1.0, 1.0) if c == fastest else (2.0, 2.0) for c in kernel_choice.CANDIDATES})
@@ -119,3 +120,32 @@ def test_engine_auto_says_what_it_measured_and_a_bad_kernel_is_refused():
     bf16 = make_engine("tiny-llama", linear_kernel="panels", dtype="bfloat16")
     assert bf16.packed_linears.startswith("off: ") and "float32 only" in bf16.packed_linears
     bf16.close()
+
+
+@needs_panels
+def test_the_times_are_measured_once_per_machine_and_key(monkeypatch):
+    from vmemkv.engine.models import machine_cache
+
+    model = nn.Sequential(nn.Linear(128, 256), nn.Linear(256, 128))
+    calls = []
+    real = kernel_choice.time_kernels
+    monkeypatch.setattr(machine_cache, "QUIET_SHARE", 2.0)  # a contended measurement is not kept
+    kernel_choice.choose_kernel(model)
+    kernel_choice.choose_kernel(model)
+    assert not machine_cache.cache_file().exists()
+    monkeypatch.setattr(machine_cache, "QUIET_SHARE", 0.0)  # from here on, every one counts as quiet
+    monkeypatch.setattr(kernel_choice, "time_kernels", lambda *args: calls.append(1) or real(*args, rows=(4, 9)))
+    first = kernel_choice.choose_kernel(model)
+    assert len(calls) == 1 and "(measured" not in first[2]
+    again = kernel_choice.choose_kernel(model)  # read back: the same times, choice and when
+    assert len(calls) == 1 and again[:2] == first[:2] and again[2].startswith(first[2] + " (measured 20")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)  # another thread count is another key
+    kernel_choice.choose_kernel(model)
+    assert len(calls) == 2
+    kernel_choice.choose_kernel(nn.Sequential(nn.Linear(128, 64)))  # another shape too
+    assert len(calls) == 3
+    machine_cache.cache_file().write_text("{not json")  # damaged: measured again and rewritten
+    kernel_choice.choose_kernel(model)
+    assert len(calls) == 4
+    kernel_choice.choose_kernel(model)
+    assert len(calls) == 4

@@ -11,7 +11,9 @@ non-temporal prefetches read a decode step's weights 1.2-1.7x faster than oneDNN
 and matched it at prefill sizes. So when the panels can run, the engine times each candidate once
 at its start on the model's own first layers, enough of them to stream from memory as a step
 does (twice the last-level cache), for a decode batch and a prefill chunk (16 and 256 rows)
-(``EngineConfig.linear_kernel="auto"``, about a second). Where the panels win the decode batch
+(``EngineConfig.linear_kernel="auto"``, 1-8 s on two cores). The times are kept per machine
+(``machine_cache.py``), so only an engine's first start on a machine, thread count and model
+shape measures them. Where the panels win the decode batch
 and oneDNN the prefill chunk, and a second packing of the weights fits in an eighth of the
 machine's memory, both are kept ("split": panels below 64 rows, oneDNN from there); else the
 candidate of least total time. ``"panels"`` and ``"split"`` asked for time the two hints only.
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vmemkv.engine.models import panel_linear
+from vmemkv.engine.models import machine_cache, panel_linear
 from vmemkv.engine.models.packed_linear import PackedLinear, kernel_for, why_not_packed
 
 ROWS = (16, 256)  # a decode batch and a prefill chunk
@@ -108,6 +110,21 @@ def fits_twice(model: nn.Module, share: int = 8) -> bool:
     return weights * share <= memory
 
 
+def remembered_times(model: nn.Module, candidates) -> tuple[dict[tuple[str, str | None], tuple], str | None]:
+    """``time_kernels(model, candidates)``, read from this machine's earlier measurement of the same
+    shapes, threads and builds where there is one: (times, when measured, or None if just now)."""
+    linears = _first_linears(model, 2 * last_level_cache_bytes())
+    key = {"candidates": [list(c) for c in candidates], "rows": list(ROWS), "repeats": REPEATS,
+           "shapes": [list(layer.weight.shape) for layer in linears], "dtype": str(linears[0].weight.dtype),
+           "threads": torch.get_num_threads(), "torch": torch.__version__, "panels": panel_linear.build_id()}
+
+    def measure():
+        return [[*candidate, list(times)] for candidate, times in time_kernels(model, candidates).items()]
+
+    rows, measured = machine_cache.remembered("linear-kernel-times", key, measure, threads=torch.get_num_threads())
+    return {(kernel, hint): tuple(times) for kernel, hint, times in rows}, measured
+
+
 def choose_kernel(model: nn.Module, requested: str = "auto") -> tuple[str, str | None, str]:
     """(kernel, the panels' prefetch hint or None, why). "onednn" as requested, or the only kernel
     that can run for the model's dtype; "panels" and "split" with the faster hint at a decode
@@ -118,10 +135,10 @@ def choose_kernel(model: nn.Module, requested: str = "auto") -> tuple[str, str |
     if requested == "onednn" or kernel_for(weight.dtype) != "panels":
         return "onednn", None, "requested" if requested == "onednn" else f"the only one for {weight.dtype}"
     onednn_runs = requested == "auto" and not why_not_packed(model, "onednn")
-    seconds = time_kernels(model, CANDIDATES if onednn_runs else PANELS)
+    seconds, measured = remembered_times(model, CANDIDATES if onednn_runs else PANELS)
     timings = ", ".join(f"{label(*candidate)} {' / '.join(f'{1e3 * t:.1f}' for t in times)} ms"
                         for candidate, times in seconds.items())
-    why = f"at {' / '.join(map(str, ROWS))} rows: {timings}"
+    why = f"at {' / '.join(map(str, ROWS))} rows: {timings}" + (f" (measured {measured})" if measured else "")
     decode = min(seconds, key=lambda candidate: seconds[candidate][0])
     if requested != "auto":
         return requested, decode[1], f"requested; {why}"

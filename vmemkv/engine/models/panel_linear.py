@@ -13,6 +13,7 @@ here.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -36,6 +37,16 @@ def unavailable(dtype: torch.dtype | None = None) -> str:
     if dtype is not None and dtype != torch.float32:
         return f"the native panel linear is float32 only, the weight is {dtype}"
     return ""
+
+
+def build_id() -> str:
+    """Which build of the extension this is (its file's size and time), for measurements kept
+    across starts: a rebuilt kernel is timed again."""
+    extension = _extension()
+    if extension is None:
+        return "none"
+    stat = os.stat(extension.__file__)
+    return f"{stat.st_size}-{stat.st_mtime_ns}"
 
 
 HINTS = ("nta", "t0")
