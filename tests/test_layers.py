@@ -1,6 +1,7 @@
 """The package's shape: the layers import downward only (the cache never imports attention, the
 engine or the A/B harness; memory never imports the cache), at most eight modules sit directly
-in ``vmemkv/``, and no module (of ``vmemkv/`` or ``integrations/``) is over 450 lines. Read from the source with ``ast``."""
+in ``vmemkv/``. Read from the source with ``ast``. (Modules are split by concept, not by a
+line count: there is no cap on a module's length.)"""
 
 import ast
 from pathlib import Path
@@ -16,7 +17,6 @@ FORBIDDEN = {
     "engine": ("vmemkv.ab", "vmemkv_transformers"),
 }
 MAX_TOP_LEVEL_MODULES = 8
-MAX_LINES = 450
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -46,9 +46,3 @@ def test_few_modules_sit_directly_in_the_package():
     modules = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(modules) <= MAX_TOP_LEVEL_MODULES, modules
 
-
-def test_no_module_is_over_450_lines():
-    sources = sorted(PACKAGE.rglob("*.py")) + sorted((PACKAGE.parent / "integrations").rglob("*.py"))
-    long = [f"{p.relative_to(PACKAGE.parent)}: {n}" for p in sources
-            if (n := len(p.read_text().splitlines())) > MAX_LINES]
-    assert not long, "\n".join(long)
