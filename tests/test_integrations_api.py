@@ -1,14 +1,11 @@
 """The adapters in ``integrations/`` use vmemkv's public API only: what ``vmemkv`` and
 ``vmemkv.engine`` export plus the documented modules ``integrations/README.md`` lists, and no
-private attribute of an object that is not their own. Their old paths inside vmemkv still import,
-for one release."""
+private attribute of an object that is not their own."""
 
 from __future__ import annotations
 
 import ast
 import importlib
-import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -90,29 +87,3 @@ def test_the_adapter_imports_from_its_own_package():
     assert Path(vmemkv_transformers.__file__).parent.name == "vmemkv_transformers"
 
 
-@pytest.mark.parametrize("old, new", [
-    ("vmemkv.integrations", "vmemkv_transformers"),
-    ("vmemkv.integrations.transformers_cache", "vmemkv_transformers.cache"),
-    ("vmemkv.integrations.transformers_model", "vmemkv_transformers.model"),
-])
-def test_the_old_paths_still_import_with_a_warning(old, new):
-    # the deliberate use of the old paths: everything else imports vmemkv_transformers
-    if old != "vmemkv.integrations":  # its parent's own warning, once: not this test's
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            importlib.import_module("vmemkv.integrations")
-    sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=f"{old} is now {new}"):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new)
-
-
-def test_names_import_from_the_old_cache_path():
-    sys.modules.pop("vmemkv.integrations.transformers_cache", None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from vmemkv.integrations.transformers_cache import VmemkvCache, manager_for  # noqa: PLC0415
-    import vmemkv_transformers
-
-    assert VmemkvCache is vmemkv_transformers.VmemkvCache
-    assert manager_for is vmemkv_transformers.manager_for

@@ -8,7 +8,6 @@ runs with every other request driven by object (``ObjectFormMachine``)."""
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter
 
 import pytest
@@ -279,21 +278,12 @@ def test_bad_kvrequest_construction():
     assert KVRequest("a").token_ids == []
 
 
-def test_the_old_names_still_work_and_warn():
-    with pytest.warns(DeprecationWarning, match="OutOfBlocksError"):
-        assert vmemkv.OutOfPagesError is vmemkv.OutOfBlocksError
-    with pytest.warns(DeprecationWarning, match="InvalidStateError"):
-        assert issubclass(vmemkv.RequestStateError, vmemkv.PageStateError)
-    with pytest.warns(DeprecationWarning, match="blocks_copied"):
-        assert CacheStats(blocks_copied=3).pages_copied == 3
-    hasher = PrefixHasher(seed=b"s")
-    with pytest.warns(DeprecationWarning, match="block_hashes"):
-        old = hasher.page_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4, CacheKeys(), start_page=1,
-                                 parent=hasher.block_hashes([1, 2, 3, 4], 4, CacheKeys())[0])
-    assert old == hasher.block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4, CacheKeys())[1:]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert issubclass(vmemkv.BlockStateError, vmemkv.InvalidStateError)
+def test_the_block_names_are_the_only_names():
+    # the names before blocks were called blocks went with the 0.1.0 release's sweep
+    for old in ("OutOfPagesError", "PageStateError", "PagePool", "HybridKVCacheManager"):
+        assert not hasattr(vmemkv, old)
+    assert not hasattr(CacheStats(), "pages_copied") and not hasattr(PrefixHasher(seed=b"s"), "page_hashes")
+    assert issubclass(vmemkv.BlockStateError, vmemkv.InvalidStateError)
 
 
 def test_the_engine_hashes_every_block_once_through_blocked_admissions_and_recompute():

@@ -172,15 +172,6 @@ def test_a_pool_needs_blocks():
         BlockPool(0)
 
 
-def test_page_pool_is_a_deprecated_alias_of_block_pool():
-    import vmemkv
-    import vmemkv.cache.pool
-    with pytest.warns(DeprecationWarning, match="BlockPool"):
-        assert vmemkv.PagePool is BlockPool
-    with pytest.warns(DeprecationWarning, match="BlockPool"):
-        assert vmemkv.cache.pool.PagePool is BlockPool
-
-
 def test_check_catches_a_corrupted_state():
     pool = BlockPool(3)
     pool.allocate(1)

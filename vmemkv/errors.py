@@ -66,22 +66,3 @@ class ManagerClosedError(VmemkvError):
 class ModelUnavailableError(ConfigError):
     """A model that cannot be obtained here: not built in, not cached, and not downloadable (no
     registry access, or a Hugging Face Hub id missing from the local Hugging Face cache)."""
-
-
-# Names before blocks were called blocks, kept for one release (importing one warns).
-_DEPRECATED = {"OutOfPagesError": ("OutOfBlocksError", OutOfBlocksError),
-               "PageStateError": ("InvalidStateError", InvalidStateError)}
-
-
-def deprecated_name(module: str, name: str):
-    """The class an old name stands for, with a DeprecationWarning; AttributeError otherwise."""
-    if name not in _DEPRECATED:
-        raise AttributeError(f"module {module!r} has no attribute {name!r}")
-    import warnings
-    new, cls = _DEPRECATED[name]
-    warnings.warn(f"vmemkv.{name} is deprecated; use vmemkv.{new}", DeprecationWarning, stacklevel=3)
-    return cls
-
-
-def __getattr__(name: str):
-    return deprecated_name(__name__, name)

@@ -13,8 +13,7 @@
 * its parts: ``layer`` (the per-layer objects transformers asks for), ``rows`` (row
   bookkeeping) and ``prefix`` (prefix reuse across ``generate`` calls).
 
-It uses only vmemkv's public API, and its old paths inside vmemkv still import for one release
-(``integrations/README.md``).
+It uses only vmemkv's public API (``integrations/README.md``).
 """
 
 from vmemkv_transformers.cache import VmemkvCache

@@ -120,14 +120,6 @@ class CacheStats:
     blocks_released_behind_window: int = 0  # given back while running (CacheConfig.sliding_window)
 
     @property
-    def pages_copied(self) -> int:
-        """Deprecated name of ``blocks_copied`` (kept for one release)."""
-        import warnings
-        warnings.warn("CacheStats.pages_copied is deprecated; use blocks_copied", DeprecationWarning,
-                      stacklevel=2)
-        return self.blocks_copied
-
-    @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
 

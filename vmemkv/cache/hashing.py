@@ -79,12 +79,3 @@ class PrefixHasher:
             parent = h.digest()
             hashes.append(parent)
         return hashes
-
-    def page_hashes(self, token_ids: Sequence[int], tokens_per_page: int, keys: CacheKeys,
-                    start_page: int = 0, parent: bytes | None = None,
-                    end_page: int | None = None) -> list[bytes]:
-        """Deprecated name of :meth:`block_hashes` (kept for one release)."""
-        import warnings
-        warnings.warn("PrefixHasher.page_hashes is deprecated; use block_hashes", DeprecationWarning,
-                      stacklevel=2)
-        return self.block_hashes(token_ids, tokens_per_page, keys, start_page, parent, end_page)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -410,12 +409,3 @@ class BlockPool:
     def _check_block(self, block: int) -> None:
         if not 0 <= block < self.num_blocks:
             raise BlockStateError(f"block {block} is outside the pool of {self.num_blocks} blocks")
-
-
-def __getattr__(name: str):
-    # ``PagePool`` is the pre-0.2 name of ``BlockPool``; kept for one release.
-    if name == "PagePool":
-        warnings.warn("vmemkv.cache.pool.PagePool is deprecated; use BlockPool", DeprecationWarning,
-                      stacklevel=2)
-        return BlockPool
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -275,7 +275,6 @@ class ManagerQueries(ManagerState):
         slots = first.slots.stats
         out = {
             **{k: getattr(self.stats, k) for k in self.stats.__dataclass_fields__},
-            "pages_copied": self.stats.blocks_copied,  # the old name of blocks_copied, for one release
             "prefix_hit_rate": self.stats.prefix_hit_rate,
             "usage": self.usage(),
             "blocks_total": pool.num_blocks, "blocks_in_use": pool.in_use,
