@@ -297,6 +297,21 @@ def test_cache_salts_adapters_and_multimodal_content_isolate(make_manager):
     assert m.match_prefix(prompt, CacheKeys(cache_salt="unknown"))[0] == []
 
 
+def test_an_image_at_another_offset_in_a_block_shares_no_block(make_manager):
+    """A block's multimodal key names where the item sits in it, not only its content (vLLM hashes
+    ``(identifier, offset)``): the same tokens with the same one-token image at offset 0 and at
+    offset 3 of block 0 share no block; the same placement again shares every full one."""
+    m = make_manager()
+    prompt = tokens(0, 9)
+    at_0 = CacheKeys(multimodal=(MultimodalItem(0, 1, b"image"),))
+    at_3 = CacheKeys(multimodal=(MultimodalItem(3, 1, b"image"),))
+    assert run(m, "at-0", prompt, keys=at_0) == 0
+    assert run(m, "at-3", prompt, keys=at_3) == 0
+    assert set(m.block_table("at-3")).isdisjoint(m.block_table("at-0"))
+    assert run(m, "at-3-again", prompt, keys=at_3) == 8
+    assert m.block_table("at-3-again")[:2] == m.block_table("at-3")[:2]
+
+
 def test_at_least_one_prompt_token_is_always_computed(make_manager):
     m = make_manager()
     run(m, "a", tokens(0, 8))
