@@ -27,6 +27,7 @@ _LAZY = {
     **dict.fromkeys(("KVCacheManager", "PrefixCacheBusyError", "UnknownRequestError",
                      "WrongRequestStateError"), "vmemkv.cache.manager"),
     "Refusal": "vmemkv.cache.refusal",
+    "slot_attention": "vmemkv.engine.core.addressing",
     "BlockPool": "vmemkv.cache.pool",
     "KVRequest": "vmemkv.cache.request",
     "NoFreeSlotError": "vmemkv.memory.slots",
