@@ -827,3 +827,23 @@ def test_mapping_cost_is_what_the_backend_charges(layout, seed):
                                      slots.backend.mappings_in_use - used)
     finally:
         close(manager)
+
+
+def test_last_refusal_names_the_layer_group_short_of_blocks():
+    """With a local and a global pool, the refusal says which pool had too few blocks."""
+    import torch
+
+    from vmemkv import CacheConfig, KVCacheManager
+
+    manager = KVCacheManager(CacheConfig(num_layers=2, num_kv_heads=1, head_dim=128, dtype=torch.float32,
+                                         num_blocks=16, max_num_seqs=4, max_model_len=64, tokens_per_page=4),
+                             layer_windows=[None, 8], local_blocks=3)
+    try:
+        assert manager.admit("a", list(range(20))) is None
+        why = manager.last_refusal
+        assert (why.reason, why.blocks_needed, why.blocks_available) == ("out_of_blocks", 5, 3)
+        assert why.group == "the sliding window of 8 layers"
+        assert "the pool of the sliding window of 8 layers can hand out 3" in str(why)
+        manager.check()
+    finally:
+        manager.close()

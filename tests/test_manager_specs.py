@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from vmemkv import (CacheKeys, MultimodalItem, RequestStateError, PrefixCacheBusyError,
-                    RequestTooLongError, UnknownRequestError)
+from vmemkv import (CacheKeys, MultimodalItem, RequestStateError, PrefixCacheBusyError, Refusal,
+                    RequestTooLongError, UnknownRequestError, WrongRequestStateError)
 from vmemkv.cache.swap import OutOfSwapSpaceError
 from vmemkv.errors import InvalidInputError
 
@@ -238,7 +238,7 @@ def test_unknown_and_duplicate_requests(make_manager):
         m.free("nope")
     with pytest.raises(UnknownRequestError):
         m.allocate("nope", 1)
-    with pytest.raises(UnknownRequestError):
+    with pytest.raises(WrongRequestStateError):
         m.swap_in("a")  # running, not swapped
     with pytest.raises(RequestStateError, match="already exists"):
         m.fork("a", "a")
@@ -257,6 +257,62 @@ def test_unknown_and_duplicate_requests(make_manager):
     m.free("a")
     with pytest.raises(UnknownRequestError):
         m.free("a")
+
+
+def test_swap_in_of_a_running_request_is_a_state_error_that_names_its_state(make_manager):
+    m = make_manager(swap_space_bytes=4 * PAGE_BYTES)
+    run(m, "a", tokens(0, 5))
+    before = state(m)
+    for call in (m.swap_in, m.can_swap_in):
+        with pytest.raises(WrongRequestStateError) as refused:
+            call("a")
+        # a state error of ours, still caught where an UnknownRequestError was
+        assert isinstance(refused.value, RequestStateError) and isinstance(refused.value, UnknownRequestError)
+        assert str(refused.value) == ("request 'a' is running (slot 0), not swapped out; swap_in() brings "
+                                      "back only a request preempt(req, 'swap') took off the device")
+    assert state(m) == before
+    with pytest.raises(UnknownRequestError) as unknown:
+        m.swap_in("nope")
+    assert str(unknown.value).startswith("request 'nope' is not swapped out")  # not in a KeyError's quotes
+    m.preempt("a", "swap")
+    with pytest.raises(WrongRequestStateError, match="swapped out, not running"):
+        m.allocate("a", 1)
+    assert m.swap_in("a")
+
+
+def test_a_refused_call_says_why_in_last_refusal(make_manager):
+    """admit, fork, swap_in and allocate still return None / None / False and change nothing;
+    ``last_refusal`` tells which limit stopped the last refused one."""
+    m = make_manager(max_num_seqs=2, swap_space_bytes=4 * PAGE_BYTES)
+    assert m.last_refusal is None
+    run(m, "a", tokens(0, 30))  # 8 of the 10 blocks, slot 0
+
+    def refused(call, *args, **kwargs) -> Refusal:
+        before = state(m)
+        assert call(*args, **kwargs) in (None, False)
+        assert state(m) == before
+        return m.last_refusal
+
+    why = refused(m.admit, "b", tokens(100, 12))
+    assert (why.operation, why.request_id, why.reason) == ("admit", "b", "out_of_blocks")
+    assert (why.blocks_needed, why.blocks_available, why.group) == (3, 2, None)
+    assert str(why) == ("admit('b') was refused: it needs 3 fresh KV blocks and the pool can hand out 2; "
+                        "free or preempt a request, or raise CacheConfig.num_blocks")
+    why = refused(m.admit, "b", tokens(100, 5), slot=0)
+    assert (why.reason, why.slot) == ("slot_taken", 0)
+    assert "slot 0 holds another request" in str(why)
+    run(m, "b", tokens(100, 5))  # the last 2 blocks, slot 1
+    why = refused(m.admit, "c", tokens(200, 3))
+    assert (why.operation, why.reason) == ("admit", "no_free_slot")
+    assert "raise CacheConfig.max_num_seqs" in str(why)
+    assert refused(m.fork, "b", "c").reason == "no_free_slot"
+    why = refused(m.allocate, "b", 4)
+    assert (why.operation, why.reason, why.blocks_needed, why.blocks_available) == ("allocate", "out_of_blocks", 1, 0)
+    m.preempt("b", "swap")  # its 2 blocks go to host memory
+    run(m, "c", tokens(200, 5))  # takes slot 1
+    assert refused(m.swap_in, "b").reason == "no_free_slot"
+    m.free("c")
+    assert m.swap_in("b")
 
 
 # --- caching rules ----------------------------------------------------------------------------
@@ -295,6 +351,21 @@ def test_cache_salts_adapters_and_multimodal_content_isolate(make_manager):
     assert m.block_table("image-b")[0] == m.block_table("plain")[0]
     assert m.block_table("image-b")[1] != m.block_table("image-a")[1]
     assert m.match_prefix(prompt, CacheKeys(cache_salt="unknown"))[0] == []
+
+
+def test_an_image_at_another_offset_in_a_block_shares_no_block(make_manager):
+    """A block's multimodal key names where the item sits in it, not only its content (vLLM hashes
+    ``(identifier, offset)``): the same tokens with the same one-token image at offset 0 and at
+    offset 3 of block 0 share no block; the same placement again shares every full one."""
+    m = make_manager()
+    prompt = tokens(0, 9)
+    at_0 = CacheKeys(multimodal=(MultimodalItem(0, 1, b"image"),))
+    at_3 = CacheKeys(multimodal=(MultimodalItem(3, 1, b"image"),))
+    assert run(m, "at-0", prompt, keys=at_0) == 0
+    assert run(m, "at-3", prompt, keys=at_3) == 0
+    assert set(m.block_table("at-3")).isdisjoint(m.block_table("at-0"))
+    assert run(m, "at-3-again", prompt, keys=at_3) == 8
+    assert m.block_table("at-3-again")[:2] == m.block_table("at-3")[:2]
 
 
 def test_at_least_one_prompt_token_is_always_computed(make_manager):

@@ -82,6 +82,19 @@ def test_the_library_snippet_is_marked_runnable():
         assert any("KVCacheManager(" in param.values[0] for param in runnable_blocks([page])), page_name(page)
 
 
+def test_the_library_page_runs_a_whole_custom_engine():
+    """docs/library.md's custom-engine example (run by ``test_readme_block_runs``) uses the public
+    attention call and checks its greedy tokens against Hugging Face ``generate``, with a prefix
+    hit, a fork and a swap on the way."""
+    engines = [param.values for param in runnable_blocks([ROOT / "docs" / "library.md"])
+               if "slot_attention(" in param.values[0]]
+    assert len(engines) == 1
+    code, _, _, shown = engines[0]
+    for call in (".generate(", ".fork(", '.preempt(reqs["d"], "swap")', ".swap_in(", "from vmemkv import"):
+        assert call in code
+    assert "greedy tokens equal HF generate's: True" in shown and "prefix hit: 32 tokens" in shown
+
+
 @pytest.mark.parametrize("code,needs,page,shown", runnable_blocks())
 def test_a_block_that_prints_shows_its_output(code, needs, page, shown):
     """Checked without running, so it holds where the real model is unavailable too."""

@@ -1,7 +1,8 @@
 """Content hashes of full blocks for the prefix cache.
 
 ``h_0 = H(root, tokens of block 0, keys of block 0)``, ``h_i = H(h_{i-1}, tokens of block i, keys
-of block i)``, where ``root = H(seed, adapter id, cache salt)``. The chain makes a block's hash name
+of block i)``, where ``root = H(seed, adapter id, cache salt)`` and a block's keys are the multimodal
+items it overlaps, each with its offset from the block's start. The chain makes a block's hash name
 its whole prefix, so equal hashes mean equal KV. ``seed`` is random per hasher (so per manager)
 unless configured (``CacheConfig.hash_seed``), so hashes cannot be predicted (or collided on
 purpose) from outside.
@@ -36,6 +37,15 @@ class CacheKeys:
     adapter_id: str | int | None = None
     cache_salt: str | None = None
     multimodal: tuple[MultimodalItem, ...] = field(default_factory=tuple)
+
+
+def multimodal_key(item: MultimodalItem, block_start: int) -> bytes:
+    """A block's extra key for a multimodal item it overlaps: the item's placement relative to the
+    block's start (negative when it began in an earlier block) and its content hash, as vLLM's
+    ``(identifier, offset)``. Without the placement, one image at offset 0 and at offset 3 of the
+    same tokens would give the same block hash, and the blocks would be shared."""
+    placement = np.array([item.offset - block_start, item.length, len(item.content_hash)], np.int64)
+    return placement.tobytes() + item.content_hash
 
 
 class PrefixHasher:
@@ -75,7 +85,7 @@ class PrefixHasher:
             h.update(tokens[begin - first:begin - first + tokens_per_block].tobytes())
             for item in keys.multimodal:
                 if item.offset < begin + tokens_per_block and begin < item.offset + item.length:
-                    h.update(item.content_hash)
+                    h.update(multimodal_key(item, begin))
             parent = h.digest()
             hashes.append(parent)
         return hashes

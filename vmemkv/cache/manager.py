@@ -39,7 +39,8 @@ from vmemkv.cache.lookahead import LookaheadOps
 from vmemkv.cache.metrics import KVMetricsCollector, timed
 from vmemkv.cache.events import KVEventSink
 from vmemkv.cache.layer_groups import LayerGroups, group_configs
-from vmemkv.cache.manager_state import PrefixCacheBusyError, UnknownRequestError
+from vmemkv.cache.manager_state import PrefixCacheBusyError, UnknownRequestError, WrongRequestStateError
+from vmemkv.cache.refusal import Refusal
 from vmemkv.cache.plans import check_plans_budget
 from vmemkv.cache.preemption import PreemptionOps
 from vmemkv.cache.queries import GroupReads, ManagerQueries
@@ -49,7 +50,7 @@ from vmemkv.cache.sharing import SharingOps
 _NO_TOKENS = ()  # allocate's default: nothing to check or append
 
 __all__ = ["CacheConfig", "CacheStats", "KVCacheManager", "KVRequest", "PreemptionEstimate",
-           "PrefixCacheBusyError", "UnknownRequestError", "GroupReads"]
+           "PrefixCacheBusyError", "Refusal", "UnknownRequestError", "WrongRequestStateError", "GroupReads"]
 
 
 class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
@@ -125,7 +126,7 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
                  for group, admission in zip(groups, admissions)]
         hits = [admission.hits for admission in admissions]
         if not self._slot_available(slot) or not self._fits(needs, hits):
-            return None
+            return self._refused("admit", req, slot, needs, hits)
         fresh = self._peek(needs, hits)
         plans = []
         for group, admission in zip(groups, admissions):  # the first group chooses the slot
@@ -238,6 +239,7 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
         tokens_per_page = self.tokens_per_page
         needed = -(-total // tokens_per_page) - len(first.blocks)  # as many in every group
         if needed > 0 and not self._fits([needed] * len(groups)):
+            self._short_of_blocks("allocate", req, first.slot, [needed] * len(groups))
             return False
         if -(-total // tokens_per_page) <= -(-first.num_tokens // tokens_per_page):
             for alloc in allocs:  # a decode inside its block (the engine's): nothing to map or take

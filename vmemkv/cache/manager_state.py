@@ -45,6 +45,7 @@ from vmemkv.cache.metrics import KVMetricsCollector
 from vmemkv.cache.layer_groups import LayerGroups, group_configs
 from vmemkv.memory.budget import SharedKVBudget
 from vmemkv.memory.layout import KVLayout
+from vmemkv.cache.refusal import Refusal
 from vmemkv.cache.request import KVRequest
 from vmemkv.memory.vmm.base import VirtualMemoryBackend
 
@@ -54,7 +55,17 @@ class PrefixCacheBusyError(VmemkvError):
 
 
 class UnknownRequestError(VmemkvError, KeyError):
-    """No request with this id is known to the manager (in that state)."""
+    """No request with this id is known to the manager (not admitted: new, freed, or preempted
+    by recompute)."""
+
+    def __str__(self) -> str:  # the message as written, not quoted as a KeyError's key
+        return str(self.args[0]) if self.args else ""
+
+
+class WrongRequestStateError(RequestStateError, UnknownRequestError):
+    """An admitted request that is not in the state the call needs: ``swap_in`` of a running
+    request, ``allocate`` of a swapped-out one. Also an ``UnknownRequestError``, as these were
+    before, so code catching that still catches them."""
 
 
 class ManagerState:
@@ -86,6 +97,7 @@ class ManagerState:
         self.metrics = metrics
         self.events = check_sink(events)  # told what enters and leaves the prefix cache
         self.stats = CacheStats()
+        self.last_refusal: Refusal | None = None  # why the last refused call was refused
         layers, configs = self._group_layers(config, layer_windows, chunk_tokens, local_blocks)
         # each memory with the indices of the groups drawing from it, for the steps over memories
         self._members = tuple((memory, tuple(indices)) for memory, indices in self._memories(
@@ -233,8 +245,8 @@ class ManagerState:
                 return req
         req = self._known(request)
         if req.allocation.swapped is not None:
-            raise UnknownRequestError(f"request {req.request_id!r} is swapped out, not running; "
-                                      "swap_in() it first")
+            raise WrongRequestStateError(f"request {req.request_id!r} is swapped out, not running; "
+                                         "swap_in() it first")
         return req
 
     def _running_list(self, requests, what: str) -> list[KVRequest]:
@@ -316,6 +328,31 @@ class ManagerState:
             raise RequestStateError(
                 f"request {req.request_id!r} has {req.num_tokens - req.num_computed_tokens} reserved "
                 "tokens not yet computed; commit() them first")
+
+    def _refused(self, operation: str, req: KVRequest | str, slot: int | None, needs: list[int],
+                 revived: "list[list[int]] | None" = None) -> None:
+        """Record in ``last_refusal`` why ``operation`` was refused, the slot (``slot``, or any)
+        or the fresh blocks (``needs[g]`` for group ``g``, beside the cached ``revived[g]``) not
+        being there; returns None. Called only once the call is refused, so it costs the
+        calls that succeed nothing."""
+        if not self._slot_available(slot):
+            self.last_refusal = Refusal(operation, req if isinstance(req, str) else req.request_id,
+                                        "no_free_slot" if slot is None else "slot_taken", slot)
+            return None
+        return self._short_of_blocks(operation, req, slot, needs, revived)
+
+    def _short_of_blocks(self, operation: str, req: KVRequest | str, slot: int | None, needs: list[int],
+                         revived: "list[list[int]] | None" = None) -> None:
+        """``_refused`` for a call refused by the blocks: the first pool short of them."""
+        request_id = req if isinstance(req, str) else req.request_id
+        counts = [(members, sum(needs[g] for g in members),
+                   memory.available_besides([b for g in members for b in revived[g]] if revived else ()))
+                  for memory, members in self._members]
+        members, needed, available = next((count for count in counts if count[1] > count[2]), counts[0])
+        group = None if len(self.groups) == 1 else " and ".join(
+            f"the {self.groups[g].spec.describe()} layers" for g in members)
+        self.last_refusal = Refusal(operation, request_id, "out_of_blocks", slot, needed, available, group)
+        return None
 
     # --- the memories' blocks over every group ------------------------------------------------------
     def _fits(self, needs: list[int], revived: "list[list[int]] | None" = None) -> bool:

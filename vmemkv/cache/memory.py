@@ -170,12 +170,16 @@ class KVMemory:
         cached blocks are evicted (the one side effect of a check: the share is this memory's,
         and shrinks when memory is given back)."""
         pool = self.pool
-        revived_free = sum(pool.ref[b] == 0 for b in revived if b != RELEASED)
-        short = needed - (pool.num_available - revived_free)
+        available = self.available_besides(revived)
         if self.budget is not None and needed > pool.num_clean_available:
-            self._grow_share(needed - pool.num_clean_available, max(short, 0))
-            short = needed - (pool.num_available - revived_free)
-        return short <= 0
+            self._grow_share(needed - pool.num_clean_available, max(needed - available, 0))
+            available = self.available_besides(revived)
+        return needed <= available
+
+    def available_besides(self, revived: "list[int] | set[int]" = ()) -> int:
+        """Fresh blocks the pool can hand out once the cached blocks of ``revived`` are not free."""
+        pool = self.pool
+        return pool.num_available - sum(pool.ref[b] == 0 for b in revived if b != RELEASED)
 
     def check(self, held: list[int], swapped_rows: list[int]) -> None:
         """Assert the pool's and host rows' invariants, ``held`` being every reference the

@@ -16,7 +16,7 @@ from vmemkv import validation as check
 from vmemkv.cache.allocation import RELEASED
 from vmemkv.cache.config import PreemptionEstimate
 from vmemkv.cache.metrics import timed
-from vmemkv.cache.manager_state import ManagerState, UnknownRequestError
+from vmemkv.cache.manager_state import ManagerState, UnknownRequestError, WrongRequestStateError
 from vmemkv.cache.plans import check_plans_budget
 from vmemkv.cache.request import KVRequest
 
@@ -76,29 +76,34 @@ class PreemptionOps(ManagerState):
     def can_swap_in(self, request: "KVRequest | str", slot: int | None = None) -> bool:
         """Whether ``swap_in`` (into ``slot`` when given) would find a slot and the blocks now."""
         req = self._swapped_request(request)
-        return self._revivals_if_it_fits(req, check.slot_index(slot, self.num_slots)) is not None
+        slot = check.slot_index(slot, self.num_slots)
+        return self._swap_in_fits(req, slot, self._swap_in_revivals(req))
 
     def _swapped_request(self, request) -> KVRequest:
-        """The swapped-out request ``request`` names (UnknownRequestError for any other)."""
+        """The swapped-out request ``request`` names: UnknownRequestError for one not admitted,
+        WrongRequestStateError for a running one."""
         try:
             req = self._known(request)
         except UnknownRequestError:
-            req = None
-        if req is None or req.allocation.swapped is None:
             raise UnknownRequestError(f"request {getattr(request, 'request_id', request)!r} is not "
-                                      "swapped out")
+                                      "swapped out: it is not admitted (new, freed, or preempted by "
+                                      "recompute); admit() it instead") from None
+        if req.allocation.swapped is None:
+            raise WrongRequestStateError(
+                f"request {req.request_id!r} is running (slot {req.allocation.slot}), not swapped "
+                "out; swap_in() brings back only a request preempt(req, 'swap') took off the device")
         return req
 
-    def _revivals_if_it_fits(self, req: KVRequest, slot: int | None) -> list[dict[int, int]] | None:
-        """Each group's swapped blocks still cached in its pool (``swap_in_revivals``), or None
-        when ``swap_in`` would find no slot (or not ``slot``) or not enough blocks in some group."""
-        if not self._slot_available(slot):
-            return None
-        revive = [group.swap_in_revivals(alloc, req.chain.hashes)
-                  for group, alloc in zip(self.groups, req.allocations)]
-        if self._fits(self._swap_in_needs(req, revive), [list(group_revive.values()) for group_revive in revive]):
-            return revive
-        return None
+    def _swap_in_revivals(self, req: KVRequest) -> list[dict[int, int]]:
+        """Each group's swapped blocks still cached in its pool (``swap_in_revivals``): mapped
+        again, not copied."""
+        return [group.swap_in_revivals(alloc, req.chain.hashes)
+                for group, alloc in zip(self.groups, req.allocations)]
+
+    def _swap_in_fits(self, req: KVRequest, slot: int | None, revive: list[dict[int, int]]) -> bool:
+        """Whether ``swap_in`` finds a slot (or ``slot``) and enough blocks in every group."""
+        return self._slot_available(slot) and self._fits(self._swap_in_needs(req, revive),
+                                                         [list(group_revive.values()) for group_revive in revive])
 
     def _swap_in_needs(self, req: KVRequest, revive: list[dict[int, int]]) -> list[int]:
         """Fresh blocks each group's swap-in copies into (its swapped blocks not revived)."""
@@ -111,8 +116,10 @@ class PreemptionOps(ManagerState):
         (MappingLimitError, changing nothing, when the mapping budget does not take it)."""
         req = self._swapped_request(request)
         slot = check.slot_index(slot, self.num_slots)
-        revive = self._revivals_if_it_fits(req, slot)
-        if revive is None:
+        revive = self._swap_in_revivals(req)
+        if not self._swap_in_fits(req, slot, revive):
+            self._refused("swap_in", req, slot, self._swap_in_needs(req, revive),
+                          [list(group_revive.values()) for group_revive in revive])
             return False
         groups = self.groups
         fresh = self._peek(self._swap_in_needs(req, revive), [list(group_revive.values()) for group_revive in revive])

@@ -39,7 +39,7 @@ class SharingOps(ManagerState):
         groups = self.groups
         needs = [int(partial)] * len(groups)  # a copy of the partial last block in every group
         if not self._slot_available(slot) or not self._fits(needs):
-            return None
+            return self._refused("fork", child_id, slot, needs)
         fresh = self._peek(needs)
         plans = []
         for group, alloc in zip(groups, parent.allocations):  # the first group chooses the slot

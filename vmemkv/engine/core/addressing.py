@@ -11,6 +11,8 @@ branches on either again.
 
 from __future__ import annotations
 
+import torch
+
 from vmemkv.attention import BlockTableAttention, ContiguousAttention, SequenceSpan
 from vmemkv.attention.choice import AttentionChoice, choose_attention
 from vmemkv.attention.flash import FlashBlockTableAttention, FlashSlotAttention
@@ -149,15 +151,35 @@ class GroupedBlockTableAddressing(BlockTableAddressing):
                      for g in range(self.num_groups))
 
 
+def _attention_choice(attention: str, kv_backend: str, manager: KVViews, device,
+                      num_query_heads: int) -> AttentionChoice:
+    """``attention`` resolved for this device, dtype and shapes."""
+    layout = manager.layout
+    views = [] if kv_backend == "paged" else [manager.kv_views(layer) for layer in range(manager.config.num_layers)]
+    return choose_attention(attention, device, kv_backend, layout.dtype, num_query_heads, layout.num_kv_heads,
+                            layout.head_dim, manager.tokens_per_page, views[0] if views else None, views[1:])
+
+
+def slot_attention(manager: KVViews, num_query_heads: int, device=None, attention: str = "auto"):
+    """The engine's attention over a manager's slots, for a custom engine: returns
+    ``make_step(spans)``, which takes one ``SequenceSpan(slot, query_start, num_queries,
+    num_cached)`` per request of a packed step and gives the step's attention object. Call that
+    object per layer as ``step(layer, query, key, value, scaling)`` (``query`` ``[1, Hq, T, D]``,
+    ``key``/``value`` ``[1, Hk, T, D]`` after RoPE, ``T`` every request's new tokens side by side):
+    it writes the new K/V into each request's slot at positions ``num_cached ..`` and returns the
+    attention output ``[1, T, Hq, D]``, with the kernels the engine picks for ``attention``
+    (``"auto"``: FlashAttention or Triton on CUDA, the native routines on CPU; ``"sdpa"``,
+    ``"flash"``, ``"triton"``, ``"native"``). ``device``: the manager's by default."""
+    device = torch.device(manager.config.device if device is None else device)
+    choice = _attention_choice(attention, "vmem", manager, device, num_query_heads)
+    return SlotAddressing(manager, device, choice).attention
+
+
 def choose_addressing(config: EngineConfig, manager: KVViews, device,
                       num_query_heads: int) -> Addressing:
     """``config.kv_backend`` and ``config.attention`` resolved once for this device, dtype, shapes."""
-    layout = manager.layout
     paged = config.kv_backend == "paged"
-    views = [] if paged else [manager.kv_views(layer) for layer in range(manager.config.num_layers)]
-    choice = choose_attention(config.attention, device, config.kv_backend, layout.dtype,
-                              num_query_heads, layout.num_kv_heads, layout.head_dim,
-                              manager.tokens_per_page, views[0] if views else None, views[1:])
+    choice = _attention_choice(config.attention, config.kv_backend, manager, device, num_query_heads)
     share = config.shared_prefix_decode
     if not paged:
         return SlotAddressing(manager, device, choice, share)
