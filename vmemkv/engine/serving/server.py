@@ -208,7 +208,8 @@ async def _cancel_on_disconnect(request: Request, handler: Awaitable[Response]) 
     finally:
         watcher.cancel()
         if not handler_task.done():
-            handler_task.cancel()
+            handler_task.cancel()  # takes effect at the handler's next await: wait for it
+            await asyncio.wait({handler_task})
     if handler_task.cancelled():
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
     return handler_task.result()
