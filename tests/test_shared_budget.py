@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -390,3 +391,71 @@ def test_the_cli_answers_a_size_too_large_with_the_option_and_its_limit(pool_dir
     assert "--kv-pool-bytes) must be a whole number of bytes from 1 to 18446744073709551615" \
         in capsys.readouterr().err
     assert list(pool_dir.iterdir()) == []
+
+
+# --- an engine that stops cleanly gives its row back at once ---------------------------------------
+def test_closing_an_llm_gives_its_share_back(pool_dir):
+    from vmemkv.engine import LLM, SamplingParams
+    pool, total = name(), 64 << 20
+    with LLM(max_num_seqs=2, max_model_len=64, kv_pool=pool, kv_pool_bytes=total,
+             kv_idle_release_s=600) as llm:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+        joined = SharedKVBudget(pool)
+        assert joined.free_bytes() < total  # the engine holds a share
+    assert joined.free_bytes() == total  # given back, not waiting for a reaper
+    llm.close()  # again: nothing to do
+    joined.close()
+
+
+def free_port() -> int:
+    """A free TCP port of 127.0.0.1 in 8720-8739 (the range these tests may use)."""
+    import socket
+    for port in range(8720, 8740):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    pytest.skip("no free port in 8720-8739")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_server_stopped_with_a_signal_gives_its_share_back(pool_dir, stop):
+    pytest.importorskip("uvicorn", reason="serve needs uvicorn")
+    pytest.importorskip("fastapi", reason="serve needs fastapi")
+    httpx = pytest.importorskip("httpx")
+    pool, total, port = name(), 64 << 20, free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from vmemkv.cli import main; sys.exit(main())", "serve",
+         "--device", "cpu", "--port", str(port), "--max-num-seqs", "2", "--max-model-len", "64",
+         "--kv-pool", pool, "--kv-pool-bytes", str(total), "--kv-idle-release-s", "600"],
+        env={**os.environ, "VMEMKV_KV_POOL_DIR": str(pool_dir)}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    joined = None
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            assert server.poll() is None, server.stderr.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        answer = httpx.post(f"{url}/v1/completions", timeout=60,
+                            json={"model": "tiny-llama", "prompt": "hello", "max_tokens": 2})
+        assert answer.status_code == 200, answer.text
+        joined = SharedKVBudget(pool)
+        assert joined.free_bytes() < total  # the server holds a share
+        server.send_signal(stop)
+        server.wait(timeout=60)
+        assert joined.free_bytes() == total  # given back as it stopped, not reaped later
+        assert "Traceback" not in server.stderr.read()
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        if joined is not None:
+            joined.close()
