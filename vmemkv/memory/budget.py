@@ -54,9 +54,9 @@ class SharedKVBudget:
     its total or None); a budget smaller than ``block_bytes`` (what one block of the joining engine
     costs it) is refused, since no request could ever run on it. ``take(want, need)`` grants
     between ``need`` and ``want`` bytes or nothing; ``give(n)`` returns bytes; ``close()`` gives
-    back what this member holds and leaves. Its files
-    live in ``directory`` (default ``$VMEMKV_KV_POOL_DIR`` or ``/dev/shm``) and stay there, a
-    few bytes each, after the last member leaves: the next engine to use the name joins them."""
+    back what this member holds and leaves. Its files live in ``directory`` (default
+    ``$VMEMKV_KV_POOL_DIR`` or ``/dev/shm``) and stay there, a few bytes each, after the last
+    member leaves: the next engine to use the name joins them."""
 
     def __init__(self, name: str, total_bytes: int | None = None, directory: str | None = None,
                  block_bytes: int = 1):
