@@ -1,4 +1,4 @@
-"""`vmemkv serve`'s tenant and KV-event options: parsed, checked, passed on."""
+"""`vmemkv serve`'s tenant, KV-event and process-protection options: parsed, checked, passed on."""
 
 from __future__ import annotations
 
@@ -64,3 +64,40 @@ def test_without_pyzmq_the_publisher_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "zmq", None)  # import zmq now raises ImportError
     with pytest.raises(ValueError, match=r"pip install 'vmemkv\[server\]'"):
         KVEventPublisher("tcp://127.0.0.1:*")
+
+
+def test_protect_kv_is_on_for_serve_only_and_dumpable_turns_it_off():
+    def config(*argv):
+        return engine_config_from_args(build_parser().parse_args([*argv, "--device", "cpu"]))
+
+    assert config("serve").protect_kv is True
+    assert config("serve", "--dumpable").protect_kv is False
+    assert config("generate", "--prompt", "x").protect_kv is False
+
+
+SERVE_AND_REPORT = """
+import sys
+import vmemkv.engine.serving.server as server
+from vmemkv.memory.protect import is_dumpable
+
+def report(build, **options):  # instead of serving: build the engine as serve does, then report
+    engine = build()
+    print("dumpable" if is_dumpable() else "not dumpable", flush=True)
+    engine.close()
+
+server.run_server = report
+from vmemkv.cli import main
+sys.exit(main(["serve", "--device", "cpu", "--max-num-seqs", "2", "--max-model-len", "64", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_DUMPABLE) is Linux's")
+@pytest.mark.parametrize("options, expected", [([], "not dumpable"), (["--dumpable"], "dumpable")])
+def test_serve_makes_its_process_non_dumpable_unless_asked(options, expected):
+    pytest.importorskip("uvicorn", reason="serve needs uvicorn")
+    pytest.importorskip("fastapi", reason="serve needs fastapi")
+    import subprocess
+    run = subprocess.run([sys.executable, "-c", SERVE_AND_REPORT, *options], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == expected

@@ -735,3 +735,27 @@ def test_metrics_hooks_summary_and_render():
                  "vmemkv_e2e_request_latency_seconds_count 2.0"):
         assert line in text
     assert "vmemkv_generation_throughput_tokens_per_second" in text
+
+
+def test_a_client_gone_before_the_first_output_is_answered_without_a_traceback():
+    """The handler is still waiting (for a free slot, say) when the client leaves: it is cancelled,
+    which aborts its request, and the answer is a quiet 499, not an error of the server's own."""
+    from starlette.requests import Request
+
+    from vmemkv.engine.serving.server import _cancel_on_disconnect
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    ended: list[str] = []
+
+    async def waiting_handler():
+        try:
+            await asyncio.Event().wait()  # no output yet
+        except asyncio.CancelledError:
+            ended.append("cancelled")
+            raise
+
+    request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive)
+    response = _run(_cancel_on_disconnect(request, waiting_handler()))
+    assert response.status_code == 499 and ended == ["cancelled"]

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -293,3 +294,168 @@ def run_walk(rng, managers, total):
     finally:
         for m in managers:
             close_manager(m)
+
+
+# --- what a user can get wrong -------------------------------------------------------------------
+@pytest.mark.parametrize("size", [2**64, -1, 0, 1.5, "1000"])
+def test_a_size_the_pool_cannot_hold_is_refused_before_any_file_is_made(pool_dir, size):
+    pool = name()
+    with pytest.raises(ConfigError, match=r"kv_pool_bytes \(--kv-pool-bytes\) must be .* 1 to "
+                                          r"18446744073709551615"):
+        SharedKVBudget(pool, size)
+    assert list(pool_dir.iterdir()) == []
+    with pytest.raises(ConfigError, match="does not exist yet"):  # not a 0-byte budget
+        SharedKVBudget(pool)
+
+
+def test_a_budget_smaller_than_one_block_is_refused_with_what_a_block_needs(pool_dir):
+    pool = name()
+    with pytest.raises(ConfigError, match=rf"--kv-pool-bytes\) 1000 for KV pool '{pool}' \(.*{pool}\) "
+                                          r"is less than one KV block of this engine \(4096 bytes\).*"
+                                          r"give at least 4096"):
+        SharedKVBudget(pool, 1000, block_bytes=4096)
+    assert list(pool_dir.iterdir()) == []
+    small = SharedKVBudget(pool, 1000)  # made by an engine of smaller blocks
+    try:
+        with pytest.raises(ConfigError, match=rf"KV pool '{pool}' \({pool_dir}/\S+{pool}\) holds 1000 "
+                                              r"bytes, less than one KV block of this engine \(4096 "
+                                              r"bytes\).*remove .* kv_pool_bytes of at least 4096"):
+            SharedKVBudget(pool, block_bytes=4096)
+        assert small.stats()["members"] == 1  # the refused engine did not join
+    finally:
+        small.close()
+
+
+def test_an_engine_on_a_budget_of_zero_bytes_is_refused_at_start(pool_dir):
+    """A header whose total is 0 (written by an older version that did not check the size)."""
+    pool = name()
+    SharedKVBudget(pool, 1).close()
+    path = pool_dir / f"vmemkv-kv-pool-{pool}"
+    with open(path, "r+b") as file:
+        file.seek(8)
+        file.write((0).to_bytes(8, "little"))
+    with pytest.raises(ConfigError, match=rf"\({path}\) holds 0 bytes, less than one KV block"):
+        KVCacheManager(tiny_config(**FP32, kv_pool=pool))
+
+
+def test_a_manager_on_a_budget_below_one_block_is_refused_and_leaves_nothing(pool_dir):
+    block_bytes = tiny_config(**FP32).make_layout().block_bytes
+    with pytest.raises(ConfigError, match=f"less than one KV block of this engine \\({block_bytes} bytes"):
+        KVCacheManager(tiny_config(**FP32, kv_pool=name(), kv_pool_bytes=1000))
+    assert list(pool_dir.iterdir()) == []
+
+
+def test_a_free_row_holding_bytes_is_reclaimed(pool_dir):
+    """A row of pid 0 is free: bytes counted there belong to no one and come back when short."""
+    pool = name()
+    budget = SharedKVBudget(pool, 1000)
+    try:
+        with budget._locked():
+            budget._set_row(budget.index + 1, 0, 700)
+        assert budget.free_bytes() == 300
+        assert budget.take(1000) == 1000
+        assert budget.stats() == {"total_bytes": 1000, "used_bytes": 1000, "held_bytes": 1000, "members": 1}
+    finally:
+        budget.close()
+
+
+def test_a_file_that_is_not_a_pool_is_refused_with_its_path(pool_dir):
+    pool = name()
+    path = pool_dir / f"vmemkv-kv-pool-{pool}"
+    path.write_bytes(b"vmemkvB1")  # shorter than a header and its rows
+    with pytest.raises(ConfigError, match=rf"{path} holds 8 bytes, less than a KV pool's .*remove {path}"):
+        SharedKVBudget(pool)
+    path.write_bytes(b"x" * 4096)
+    with pytest.raises(ConfigError, match=rf"{path} is not a vmemkv KV pool .*remove {path}"):
+        SharedKVBudget(pool, 1000)
+
+
+def test_a_member_lock_that_cannot_be_opened_is_named_and_the_pool_stays_uncreated(pool_dir):
+    pool = name()
+    lock = pool_dir / f"vmemkv-kv-pool-{pool}.member0"
+    lock.mkdir()
+    with pytest.raises(ConfigError, match=rf"cannot open {lock}, the lock file of row 0 .*remove it"):
+        SharedKVBudget(pool, 1000)
+    with pytest.raises(ConfigError, match="does not exist yet"):  # the refused create left no pool
+        SharedKVBudget(pool)
+    lock.rmdir()
+    budget = SharedKVBudget(pool, 2000)
+    assert budget.total_bytes == 2000
+    budget.close()
+
+
+def test_the_cli_answers_a_size_too_large_with_the_option_and_its_limit(pool_dir, capsys):
+    from vmemkv.cli import main
+    assert main(["generate", "--model", "tiny-llama", "--device", "cpu", "--prompt", "hi", "--max-tokens", "2",
+                 "--kv-pool", name(), "--kv-pool-bytes", str(2**64)]) == 2
+    assert "--kv-pool-bytes) must be a whole number of bytes from 1 to 18446744073709551615" \
+        in capsys.readouterr().err
+    assert list(pool_dir.iterdir()) == []
+
+
+# --- an engine that stops cleanly gives its row back at once ---------------------------------------
+def test_closing_an_llm_gives_its_share_back(pool_dir):
+    from vmemkv.engine import LLM, SamplingParams
+    pool, total = name(), 64 << 20
+    with LLM(max_num_seqs=2, max_model_len=64, kv_pool=pool, kv_pool_bytes=total,
+             kv_idle_release_s=600) as llm:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+        joined = SharedKVBudget(pool)
+        assert joined.free_bytes() < total  # the engine holds a share
+    assert joined.free_bytes() == total  # given back, not waiting for a reaper
+    llm.close()  # again: nothing to do
+    joined.close()
+
+
+def free_port() -> int:
+    """A free TCP port of 127.0.0.1 in 8720-8739 (the range these tests may use)."""
+    import socket
+    for port in range(8720, 8740):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    pytest.skip("no free port in 8720-8739")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_server_stopped_with_a_signal_gives_its_share_back(pool_dir, stop):
+    pytest.importorskip("uvicorn", reason="serve needs uvicorn")
+    pytest.importorskip("fastapi", reason="serve needs fastapi")
+    httpx = pytest.importorskip("httpx")
+    pool, total, port = name(), 64 << 20, free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from vmemkv.cli import main; sys.exit(main())", "serve",
+         "--device", "cpu", "--port", str(port), "--max-num-seqs", "2", "--max-model-len", "64",
+         "--kv-pool", pool, "--kv-pool-bytes", str(total), "--kv-idle-release-s", "600"],
+        env={**os.environ, "VMEMKV_KV_POOL_DIR": str(pool_dir)}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    joined = None
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            assert server.poll() is None, server.stderr.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        answer = httpx.post(f"{url}/v1/completions", timeout=60,
+                            json={"model": "tiny-llama", "prompt": "hello", "max_tokens": 2})
+        assert answer.status_code == 200, answer.text
+        joined = SharedKVBudget(pool)
+        assert joined.free_bytes() < total  # the server holds a share
+        server.send_signal(stop)
+        server.wait(timeout=60)
+        assert joined.free_bytes() == total  # given back as it stopped, not reaped later
+        assert "Traceback" not in server.stderr.read()
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        if joined is not None:
+            joined.close()

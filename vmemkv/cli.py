@@ -170,6 +170,7 @@ def engine_config_from_args(args: argparse.Namespace):
         "kv_pool": args.kv_pool,
         "kv_pool_bytes": args.kv_pool_bytes,
         "kv_idle_release_s": args.kv_idle_release_s,
+        "protect_kv": not args.dumpable if hasattr(args, "dumpable") else None,  # serve only
         "threads": args.threads if args.threads is not None else default_threads(),
     }
     # Unset options keep EngineConfig's defaults (num_blocks=None means "derive" there too).
@@ -287,6 +288,11 @@ def _add_serve_parser(subparsers) -> None:
                         help="publish KV events (blocks stored in / removed from the prefix "
                              "cache, vLLM's format) on a ZeroMQ PUB socket bound here, e.g. "
                              "tcp://*:5557")
+    parser.add_argument("--dumpable", action="store_true",
+                        help="for debugging: keep the server's processes dumpable (core dumps, "
+                             "gdb / py-spy attach). By default they are not, so that other processes "
+                             "of the same user cannot read the KV cache (/proc/PID/fd, /proc/PID/mem); "
+                             "tenants on one machine still need separate users")
     parser.set_defaults(func=_serve)
 
 

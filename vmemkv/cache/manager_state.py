@@ -151,30 +151,46 @@ class ManagerState:
             layout = group_config.make_layout()
             layouts.setdefault(layout if share else index, []).append(index)
         memories = []
-        self.budget = (SharedKVBudget(self.config.kv_pool, self.config.kv_pool_bytes)
-                       if self.config.kv_pool is not None else None)
-        for position, indices in enumerate(layouts.values()):
-            memory_config = configs[indices[0]]
-            if len(indices) > 1:  # the bytes of every member's blocks, in one pool
-                memory_config = dataclasses.replace(
-                    memory_config, num_blocks=sum(configs[i].num_blocks for i in indices),
-                    swap_space_bytes=sum(configs[i].swap_space_bytes for i in indices),
-                    host_cache_bytes=sum(configs[i].host_cache_bytes for i in indices),
-                    sliding_window=next((specs[i].window for i in indices if specs[i].window), None),
-                    attention_chunk_size=next((specs[i].size for i in indices if specs[i].kind == CHUNKED), None))
-            if callable(backends):
-                memory_backend = backends(memory_config)
-            elif backends is not None:
-                if len(backends) != len(layouts):
-                    raise ConfigError(f"{len(backends)} backends for {len(layouts)} memories of layer groups")
-                memory_backend = backends[position]
-            else:
-                memory_backend = backend if position == 0 else None
-            memories.append((KVMemory(memory_config, self.stats, memory_backend,
-                                      self._sink([(i, specs[i]) for i in indices], len(configs)), metrics,
-                                      self.budget),
-                             indices))
+        self.budget = self._join_budget(max(c.make_layout().block_bytes for c in configs))
+        try:  # a refused construction leaves the budget as it was
+            for position, indices in enumerate(layouts.values()):
+                memory_config = configs[indices[0]]
+                if len(indices) > 1:  # the bytes of every member's blocks, in one pool
+                    memory_config = dataclasses.replace(
+                        memory_config, num_blocks=sum(configs[i].num_blocks for i in indices),
+                        swap_space_bytes=sum(configs[i].swap_space_bytes for i in indices),
+                        host_cache_bytes=sum(configs[i].host_cache_bytes for i in indices),
+                        sliding_window=next((specs[i].window for i in indices if specs[i].window), None),
+                        attention_chunk_size=next((specs[i].size for i in indices
+                                                   if specs[i].kind == CHUNKED), None))
+                if callable(backends):
+                    memory_backend = backends(memory_config)
+                elif backends is not None:
+                    if len(backends) != len(layouts):
+                        raise ConfigError(f"{len(backends)} backends for {len(layouts)} memories of "
+                                          "layer groups")
+                    memory_backend = backends[position]
+                else:
+                    memory_backend = backend if position == 0 else None
+                sink = self._sink([(i, specs[i]) for i in indices], len(configs))
+                memories.append((KVMemory(memory_config, self.stats, memory_backend, sink, metrics,
+                                          self.budget), indices))
+        except BaseException:
+            if self.budget is not None:
+                self.budget.close()
+            raise
         return memories
+
+    def _join_budget(self, block_bytes: int) -> SharedKVBudget | None:
+        """The shared KV budget ``config.kv_pool``, if any, refused if it cannot pay for one
+        block (``block_bytes`` of every rank's pages)."""
+        config = self.config
+        if config.kv_pool is None:
+            return None
+        ranks = config.kv_pool_ranks
+        if type(ranks) is not int or ranks < 1:
+            raise ConfigError(f"kv_pool_ranks must be a positive int, got {ranks!r}")
+        return SharedKVBudget(config.kv_pool, config.kv_pool_bytes, block_bytes=block_bytes * ranks)
 
     def _sink(self, members: list[tuple[int, AttentionSpec]], num_groups: int):
         """The events sink of a memory serving ``members`` (group index, spec): the manager's own

@@ -24,7 +24,6 @@ from vmemkv.memory.budget import SharedKVBudget
 from vmemkv.memory.layout import KVLayout
 from vmemkv.cache.pool import BlockPool, EvictedBlock
 from vmemkv.cache.swap import SwapSpace
-from vmemkv.errors import ConfigError
 from vmemkv.memory.vmm import create_backend
 from vmemkv.memory.vmm.base import VirtualMemoryBackend
 
@@ -77,10 +76,8 @@ class KVMemory:
         self.budget = budget
         if budget is not None:
             self.pool.backing.limit = 0
-        ranks = config.kv_pool_ranks
-        if budget is not None and (type(ranks) is not int or ranks < 1):
-            raise ConfigError(f"kv_pool_ranks must be a positive int, got {ranks!r}")
-        self.budget_block_bytes = self.layout.block_bytes * ranks  # what a block costs the budget
+        # what a block costs the budget (ManagerState checked kv_pool_ranks)
+        self.budget_block_bytes = self.layout.block_bytes * config.kv_pool_ranks
         block_bytes = self.layout.block_bytes
         host_tier_blocks = config.host_cache_bytes // block_bytes if config.enable_prefix_caching else 0
         # one host block store: swap_space_bytes of rows for swapped requests beside the tier's

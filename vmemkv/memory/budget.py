@@ -12,7 +12,12 @@ The accounting is a small file in ``/dev/shm`` (shared memory) that every member
   ``kill -9`` inside ``take`` cannot wedge the others;
 * each member holds an exclusive ``flock`` on a file of its own (``<name>.member<i>``) for its
   lifetime. A member whose lock can be taken is dead: its row, and the bytes it held, come back
-  to the budget (reaped when another member's ``take`` finds the budget short, and by ``stats``).
+  to the budget (reaped when another member's ``take`` finds the budget short, and by ``stats``);
+  so do the bytes of a free row (pid 0), which no live member can hold.
+
+A pool file that is not a pool (too short, another magic), a budget that cannot pay for one block
+of the joining engine, and a size that does not fit the header are refused with a ``ConfigError``
+that names the file and what to do; a refused create leaves no pool behind.
 
 The budget counts bytes only; each engine's pages stay in its own memory (its own memfd or CUDA
 allocations), so no engine can read another's KV.
@@ -35,6 +40,7 @@ _MAGIC = b"vmemkvB1"
 _HEADER = struct.Struct("<8sQ")  # magic, total bytes
 _ROW = struct.Struct("<QQ")  # pid (0: free row), bytes held
 _SIZE = _HEADER.size + MAX_MEMBERS * _ROW.size
+MAX_TOTAL_BYTES = 2**64 - 1  # the header's field
 DEFAULT_DIRECTORY = "/dev/shm"  # or $VMEMKV_KV_POOL_DIR
 
 
@@ -43,51 +49,101 @@ class BudgetFullError(VmemkvError):
 
 
 class SharedKVBudget:
-    """``SharedKVBudget(name, total_bytes=None, directory=None)``: join the budget ``name``,
-    creating it with ``total_bytes`` if it does not exist (joining an existing one, give its
-    total or None). ``take(want, need)`` grants between ``need`` and ``want`` bytes or nothing;
-    ``give(n)`` returns bytes; ``close()`` gives back what this member holds and leaves. Its files
-    live in ``directory`` (default ``$VMEMKV_KV_POOL_DIR`` or ``/dev/shm``) and stay there, a
-    few bytes each, after the last member leaves: the next engine to use the name joins them."""
+    """``SharedKVBudget(name, total_bytes=None, directory=None, block_bytes=1)``: join the budget
+    ``name``, creating it with ``total_bytes`` if it does not exist (joining an existing one, give
+    its total or None); a budget smaller than ``block_bytes`` (what one block of the joining engine
+    costs it) is refused, since no request could ever run on it. ``take(want, need)`` grants
+    between ``need`` and ``want`` bytes or nothing; ``give(n)`` returns bytes; ``close()`` gives
+    back what this member holds and leaves. Its files live in ``directory`` (default
+    ``$VMEMKV_KV_POOL_DIR`` or ``/dev/shm``) and stay there, a few bytes each, after the last
+    member leaves: the next engine to use the name joins them."""
 
-    def __init__(self, name: str, total_bytes: int | None = None, directory: str | None = None):
+    def __init__(self, name: str, total_bytes: int | None = None, directory: str | None = None,
+                 block_bytes: int = 1):
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
             raise ConfigError(f"kv_pool name {name!r}: use 1-64 letters, digits, '_', '.' or '-'")
-        if total_bytes is not None and (type(total_bytes) is not int or total_bytes <= 0):
-            raise ConfigError(f"kv_pool_bytes must be a positive int, got {total_bytes!r}")
         self.name = name
         directory = directory or os.environ.get("VMEMKV_KV_POOL_DIR") or DEFAULT_DIRECTORY
         self.path = Path(directory) / f"vmemkv-kv-pool-{name}"
-        try:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as error:
-            raise ConfigError(f"cannot open KV pool {name!r} at {self.path}: {error.strerror}; set "
-                              "VMEMKV_KV_POOL_DIR to a directory every engine can write (shared memory: "
-                              "/dev/shm)") from None
+        if total_bytes is not None:  # checked before any file is made: a refused create leaves none
+            self._check_size(total_bytes, block_bytes)
+        self._fd = self._open(total_bytes is not None)
         self._member_fd: int | None = None
+        self._map = None
         self.held = 0  # bytes this member holds
         try:
             with self._locked():
-                if os.fstat(self._fd).st_size == 0:
-                    if total_bytes is None:
-                        raise ConfigError(f"KV pool {name!r} does not exist yet; the first engine "
-                                          "creates it and must give its size (kv_pool_bytes)")
-                    os.ftruncate(self._fd, _SIZE)
-                    self._map = mmap.mmap(self._fd, _SIZE)
-                    _HEADER.pack_into(self._map, 0, _MAGIC, total_bytes)
+                size = os.fstat(self._fd).st_size
+                if size == 0:
+                    self._create(total_bytes)
                 else:
-                    self._map = mmap.mmap(self._fd, _SIZE)
-                    magic, total = _HEADER.unpack_from(self._map, 0)
-                    if magic != _MAGIC:
-                        raise ConfigError(f"{self.path} is not a vmemkv KV pool")
-                    if total_bytes is not None and total_bytes != total:
-                        raise ConfigError(f"KV pool {name!r} holds {total} bytes, not {total_bytes}; "
-                                          "join it with its size or none")
+                    self._map = self._map_existing(size, total_bytes, block_bytes)
                 self.total_bytes = _HEADER.unpack_from(self._map, 0)[1]
-                self.index = self._join()
+                try:
+                    self.index = self._join()
+                except BaseException:
+                    if size == 0:  # back to "does not exist yet": the next engine creates it afresh
+                        os.ftruncate(self._fd, 0)
+                    raise
         except BaseException:
             self._close_files()
             raise
+
+    def _check_size(self, total_bytes, block_bytes: int) -> None:
+        """A new pool's size: a positive int that the header's 64 bits hold and that pays for at
+        least one block."""
+        if type(total_bytes) is not int or not 0 < total_bytes <= MAX_TOTAL_BYTES:
+            raise ConfigError(f"kv_pool_bytes (--kv-pool-bytes) must be a whole number of bytes from 1 "
+                              f"to {MAX_TOTAL_BYTES} (2**64 - 1), got {total_bytes!r}")
+        if total_bytes < block_bytes:
+            raise ConfigError(f"kv_pool_bytes (--kv-pool-bytes) {total_bytes} for KV pool {self.name!r} "
+                              f"({self.path}) is less than one KV block of this engine ({block_bytes} "
+                              f"bytes): no request could ever run; give at least {block_bytes}")
+
+    def _create(self, total_bytes: int | None) -> None:
+        """Write the header of a new pool (under the lock)."""
+        if total_bytes is None:
+            raise self._missing()
+        os.ftruncate(self._fd, _SIZE)
+        self._map = mmap.mmap(self._fd, _SIZE)
+        _HEADER.pack_into(self._map, 0, _MAGIC, total_bytes)
+
+    def _open(self, create: bool) -> int:
+        """The pool file's descriptor; only an engine that gives the size creates the file."""
+        try:
+            return os.open(self.path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
+        except FileNotFoundError:
+            if not create and self.path.parent.is_dir():
+                raise self._missing() from None
+            error = "no such directory"
+        except OSError as exc:
+            error = exc.strerror
+        raise ConfigError(f"cannot open KV pool {self.name!r} at {self.path}: {error}; set "
+                          "VMEMKV_KV_POOL_DIR to a directory every engine can write (shared memory: "
+                          "/dev/shm)")
+
+    def _missing(self) -> ConfigError:
+        return ConfigError(f"KV pool {self.name!r} ({self.path}) does not exist yet; the first engine "
+                           "creates it and must give its size (kv_pool_bytes)")
+
+    def _map_existing(self, size: int, total_bytes: int | None, block_bytes: int) -> mmap.mmap:
+        """Map an existing pool file after checking its header (under the lock)."""
+        remove = (f"remove {self.path} if no engine uses it (the next engine then creates the pool "
+                  "with its kv_pool_bytes), or name another kv_pool")
+        if size < _SIZE:
+            raise ConfigError(f"{self.path} holds {size} bytes, less than a KV pool's {_SIZE}: it is "
+                              f"not a vmemkv KV pool, or a damaged one; {remove}")
+        magic, total = _HEADER.unpack(os.pread(self._fd, _HEADER.size, 0))
+        if magic != _MAGIC:
+            raise ConfigError(f"{self.path} is not a vmemkv KV pool (or a damaged one); {remove}")
+        if total_bytes is not None and total_bytes != total:
+            raise ConfigError(f"KV pool {self.name!r} ({self.path}) holds {total} bytes, not "
+                              f"{total_bytes}; join it with its size or none")
+        if total < block_bytes:
+            raise ConfigError(f"KV pool {self.name!r} ({self.path}) holds {total} bytes, less than one "
+                              f"KV block of this engine ({block_bytes} bytes): no request could ever "
+                              f"run on it; {remove}, with kv_pool_bytes of at least {block_bytes}")
+        return mmap.mmap(self._fd, _SIZE)
 
     # --- the lock and the rows -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -126,7 +182,9 @@ class SharedKVBudget:
         freed = 0
         for index in range(MAX_MEMBERS):
             pid, held = self._row(index)
-            if pid and index != getattr(self, "index", None) and self._is_dead(index):
+            if index == getattr(self, "index", None):
+                continue
+            if (pid and self._is_dead(index)) or (not pid and held):  # a free row holds nothing
                 self._set_row(index, 0, 0)
                 freed += held
         return freed
@@ -136,7 +194,7 @@ class SharedKVBudget:
         for attempt in range(2):
             for index in range(MAX_MEMBERS):
                 if self._row(index)[0] == 0 or (attempt and self._is_dead(index)):
-                    fd = os.open(self._member_path(index), os.O_RDWR | os.O_CREAT, 0o600)
+                    fd = self._open_member_lock(index)
                     try:
                         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     except BlockingIOError:  # a member that has not written its row yet
@@ -146,6 +204,15 @@ class SharedKVBudget:
                     self._set_row(index, os.getpid(), 0)
                     return index
         raise BudgetFullError(f"KV pool {self.name!r} has {MAX_MEMBERS} live members already")
+
+    def _open_member_lock(self, index: int) -> int:
+        path = self._member_path(index)
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as error:
+            raise ConfigError(f"cannot open {path}, the lock file of row {index} of KV pool "
+                              f"{self.name!r}: {error.strerror}; remove it (no engine can use it), or "
+                              "name another kv_pool") from None
 
     def _used(self) -> int:
         return sum(self._row(index)[1] for index in range(MAX_MEMBERS))

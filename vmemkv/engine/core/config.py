@@ -104,6 +104,10 @@ class EngineConfig:
     # Give free KV memory back (cached blocks too) once the engine has had no request for this
     # many seconds (engine/core/elastic.py); None: 1 s with a kv_pool, never without.
     kv_idle_release_s: float | None = None
+    # Make the engine's processes non-dumpable (vmemkv/memory/protect.py), so that other processes
+    # of the same user cannot read the KV cache through /proc/<pid>/fd/<memfd> or a debugger; also
+    # no core dumps and no gdb / py-spy attach. vmemkv serve turns it on (--dumpable: off).
+    protect_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_model_len <= 1 or self.max_num_batched_tokens <= 0:
@@ -137,6 +141,8 @@ class EngineConfig:
         if type(self.release_behind_window) is not bool:
             raise ConfigError(f"release_behind_window must be True or False, got "
                               f"{self.release_behind_window!r}")
+        if type(self.protect_kv) is not bool:
+            raise ConfigError(f"protect_kv must be True or False, got {self.protect_kv!r}")
         if self.kv_idle_release_s is not None and not (
                 isinstance(self.kv_idle_release_s, (int, float)) and self.kv_idle_release_s >= 0):
             raise ConfigError(f"kv_idle_release_s must be a number >= 0 or None, got "

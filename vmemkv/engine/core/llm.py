@@ -26,6 +26,7 @@ class LLM:
         config.setdefault("threads", default_threads())
         self.engine = LLMEngine(EngineConfig(model=model, **config), hf_model, tokenizer, stream=False)
         self._ids = itertools.count()
+        self._closed = False
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -52,6 +53,19 @@ class LLM:
         name = self.engine.model_name
         prompts = [chat_prompt_ids(self.tokenizer, messages, name) for messages in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def close(self) -> None:
+        """Give back the engine's KV memory and its share of a shared KV budget (idempotent);
+        ``with LLM(...) as llm:`` closes it at the block's end."""
+        if not self._closed:
+            self._closed = True
+            self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def sleep(self, level: int = 1) -> int:
         """Give back every KV page (level 1 also moves the weights to host memory on CUDA;

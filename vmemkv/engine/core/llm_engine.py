@@ -43,6 +43,7 @@ from vmemkv.engine.models.panel_linear import prefetch_hint
 from vmemkv.engine.models.zoo import load_model
 from vmemkv.engine.core.outputs import RequestOutput
 from vmemkv.engine.core.postprocess import Postprocessor
+from vmemkv.memory.protect import protect_kv_memory
 from vmemkv.engine.core.runner import LookaheadMapper, StepRunner
 from vmemkv.engine.core.sampler import make_generator
 from vmemkv.engine.core.sampling_params import SamplingParams
@@ -88,6 +89,8 @@ class LLMEngine:
         self.config = config
         self.stream = stream
         apply_threads(config.threads)  # before the model loads (and its first ops pick threads)
+        if config.protect_kv:  # before any KV memory exists
+            protect_kv_memory()
         if str(config.device).startswith("cpu"):  # activations reuse freed heap, not fresh pages (host_malloc.py)
             keep_freed_memory()
         loaded_by_name = model is None

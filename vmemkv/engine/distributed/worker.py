@@ -24,10 +24,13 @@ from vmemkv.engine.distributed.group import Rendezvous, join, leave, rank_device
 from vmemkv.engine.distributed.recorder import replay, state_digest
 from vmemkv.engine.distributed.sharding import shard_model
 from vmemkv.engine.distributed.step import check_digests, receive, shard_manager
+from vmemkv.memory.protect import protect_kv_memory
 
 
 def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
     """Serve rank 0's steps until it stops the engine (returns) or fails (raises)."""
+    if config.protect_kv:  # a started process is dumpable again: each rank protects its own KV
+        protect_kv_memory()
     device = rank_device(config.device, rendezvous.local_rank)
     # The model first (it may take minutes): rank 0 has its own loaded before the ranks meet.
     model, _ = load_model(config.model, config.torch_dtype, device, config.seed)

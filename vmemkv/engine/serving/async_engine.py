@@ -83,6 +83,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}  # only the engine thread touches it
         self._stopping = False
         self.error: BaseException | None = None  # what killed the engine thread, if anything
+        self._engine_closed = False
         self._thread = threading.Thread(target=self._run, args=(build,), name="vmemkv-engine", daemon=True)
         self._built = threading.Event()
         self._thread.start()
@@ -152,13 +153,19 @@ class AsyncEngine:
         except EngineDeadError:
             pass  # nothing runs any more, so nothing is left to free
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread after its current step; open streams end with EngineDeadError."""
+    def shutdown(self, timeout: float = 10.0, close_engine: bool = False) -> None:
+        """Stop the engine thread after its current step; open streams end with EngineDeadError.
+        ``close_engine``: then close the engine too, once its thread has stopped, so its KV memory
+        and its share of a shared KV budget go back now, not when the process ends."""
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        if close_engine and self.engine is not None and not self._thread.is_alive() \
+                and not self._engine_closed:
+            self._engine_closed = True
+            self.engine.close()
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(engine)`` on the engine thread between steps; its result (or error)."""

@@ -208,7 +208,8 @@ async def _cancel_on_disconnect(request: Request, handler: Awaitable[Response]) 
     finally:
         watcher.cancel()
         if not handler_task.done():
-            handler_task.cancel()
+            handler_task.cancel()  # takes effect at the handler's next await: wait for it
+            await asyncio.wait({handler_task})
     if handler_task.cancelled():
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
     return handler_task.result()
@@ -305,6 +306,19 @@ class _Server:
         return outputs, first
 
 
+def _closing_server(config, async_engine: AsyncEngine):
+    """uvicorn's server, closing the engine as it shuts down (SIGINT, SIGTERM): uvicorn raises a
+    caught SIGTERM again once it is done, which ends the process before run_server's own cleanup."""
+    import uvicorn
+
+    class ClosingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            await super().shutdown(sockets=sockets)
+            async_engine.shutdown(close_engine=True)
+
+    return ClosingServer(config)
+
+
 def run_server(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_name: str | None = None, api_keys: Sequence[str] = (),
                cache_salt_per_api_key: bool = False) -> None:
@@ -331,12 +345,12 @@ def run_server(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: 
     try:
         app = build_app(async_engine, served_model_name or engine.model_name, api_key, api_keys,
                         cache_salt_per_api_key)
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
-                                               timeout_graceful_shutdown=5))
+        server = _closing_server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                                timeout_graceful_shutdown=5), async_engine)
         if not ranks_failed:
             server.run()
     finally:
-        async_engine.shutdown()
+        async_engine.shutdown(close_engine=True)
     if ranks_failed:
         raise SystemExit("vmemkv serve: exiting with status 1: the tensor-parallel engine "
                          "stopped (every rank is stopped; restart the server)")
