@@ -288,3 +288,55 @@ def test_mapping_pressure_preempts_and_everyone_still_matches_hf(spare):
         assert output.error is None
         assert output.outputs[0].token_ids == hf_greedy("tiny-llama", tuple(prompt), 20)
     assert_clean(engine)
+
+
+# --- max_model_len against the model's own limit (vLLM's _get_and_verify_max_len) ---------------
+
+def test_max_model_len_past_the_models_limit_is_refused_naming_the_limit_and_the_override():
+    from vmemkv import LLM
+    from vmemkv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"limit of 4096 tokens \(max_position_embeddings=4096.*"
+                                          r"allow_long_max_model_len=True"):
+        LLM("tiny-llama", max_model_len=5000, max_num_seqs=2, threads=1)
+
+
+def test_the_override_runs_past_the_models_limit(caplog):
+    from vmemkv import LLM
+
+    llm = LLM("tiny-llama", max_model_len=5000, allow_long_max_model_len=True, max_num_seqs=1, threads=1)
+    assert llm.engine.config.max_model_len == 5000
+    assert "limit of 4096 tokens" in caplog.text
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_max_model_len_defaults_to_the_models_limit_at_most_1024():
+    from types import SimpleNamespace
+
+    from vmemkv.engine.core.config import DEFAULT_MAX_MODEL_LEN
+
+    assert DEFAULT_MAX_MODEL_LEN == 1024
+    short, long = (SimpleNamespace(max_position_embeddings=n) for n in (512, 8192))
+    assert EngineConfig().for_model(short).max_model_len == 512
+    assert EngineConfig().for_model(long).max_model_len == 1024
+    assert EngineConfig().for_model(SimpleNamespace()).max_model_len == 1024  # no limit named
+    assert EngineConfig(max_model_len=300).for_model(short).max_model_len == 300
+
+
+@pytest.mark.parametrize("config,limit", [
+    (dict(max_position_embeddings=8192), 8192),
+    (dict(n_positions=1024, max_position_embeddings=2048), 1024),  # the smallest key
+    (dict(max_position_embeddings=4096, rope_scaling={"rope_type": "linear", "factor": 4.0}), 16384),
+    (dict(max_position_embeddings=131072, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}), 131072),
+    (dict(max_position_embeddings=131072, rope_parameters={  # already the scaled length
+        "rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}), 131072),
+    (dict(max_position_embeddings=8192, rope_parameters={"rope_type": "default", "rope_theta": 1e5}), 8192),
+])
+def test_the_models_limit_is_read_as_vllm_reads_it(config, limit):
+    from types import SimpleNamespace
+
+    from vmemkv.engine.models.hf_support import model_length_limit
+
+    assert model_length_limit(SimpleNamespace(**config))[0] == limit

@@ -20,7 +20,6 @@ from typing import Any
 # tests/test_cli_startup.py checks that the help shows EngineConfig's own defaults.
 ENGINE_DEFAULTS: dict[str, Any] = {
     "max_num_seqs": 64,
-    "max_model_len": 1024,
     "max_num_batched_tokens": 2048,
     "tokens_per_page": 16,
     "preemption_mode": "auto",
@@ -76,7 +75,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=None,
                        help="sequences running at once (KV slots)")
     group.add_argument("--max-model-len", type=int, default=None,
-                       help="longest prompt + output, in tokens")
+                       help="longest prompt + output, in tokens (default: the model's limit, its "
+                            "config's max_position_embeddings or the like, at most 1024)")
+    group.add_argument("--allow-long-max-model-len", action="store_true",
+                       help="accept a --max-model-len past the model's limit (positions past it "
+                            "may give wrong tokens)")
     group.add_argument("--num-blocks", type=int, default=None,
                        help="KV pool size in blocks; default: derived from the other sizes")
     group.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -148,6 +151,7 @@ def engine_config_from_args(args: argparse.Namespace):
         "device": device,
         "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len,
+        "allow_long_max_model_len": args.allow_long_max_model_len,
         "num_blocks": args.num_blocks,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "tokens_per_page": args.tokens_per_page,

@@ -85,7 +85,6 @@ class LLMEngine:
         return model
 
     def __init__(self, config: EngineConfig, model=None, tokenizer=None, stream: bool = True):
-        self.config = config
         self.stream = stream
         apply_threads(config.threads)  # before the model loads (and its first ops pick threads)
         if str(config.device).startswith("cpu"):  # activations reuse freed heap, not fresh pages (host_malloc.py)
@@ -96,6 +95,8 @@ class LLMEngine:
         elif config.tensor_parallel_size > 1:
             raise ConfigError("tensor_parallel_size > 1 loads the model on every rank by name: pass "
                               "model=<name or directory>, not a model object")
+        # max_model_len within the model's positions (or its default from them), before any use
+        config = self.config = config.for_model(model.config)
         self.model_name = config.model
         self.tokenizer = tokenizer
         self.packed_linears = self._pack_linears(model, loaded_by_name)
