@@ -109,3 +109,10 @@ def build_help(command: str) -> str:
     with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
         main([command, "--help"])
     return out.getvalue()
+
+
+def test_max_tokens_past_max_model_len_is_refused(capsys):
+    assert main(["generate", "--model", "tiny-llama", "--threads", "1", "--max-model-len", "32",
+                 "--prompt", "hi", "--max-tokens", "40"]) == 2
+    err = capsys.readouterr().err
+    assert "maximum context length is 32 tokens" in err and "(2 in the messages, 40 in the completion)" in err

@@ -340,3 +340,33 @@ def test_the_models_limit_is_read_as_vllm_reads_it(config, limit):
     from vmemkv.engine.models.hf_support import model_length_limit
 
     assert model_length_limit(SimpleNamespace(**config))[0] == limit
+
+
+# --- max_tokens past max_model_len: refused as vLLM's server refuses it ---------------------------
+
+def test_llm_refuses_max_tokens_past_max_model_len_before_anything_runs():
+    from vmemkv import LLM
+
+    llm = LLM("tiny-llama", max_num_seqs=4, max_model_len=64, threads=1)
+    batch = prompts(2, lengths=(10, 20))
+    with pytest.raises(RequestTooLongError, match=r"maximum context length is 64 tokens\. However, "
+                                                  r"you requested 120 tokens \(20 in the messages, "
+                                                  r"100 in the completion\)"):
+        llm.generate(batch, [greedy(), SamplingParams(max_tokens=100)], use_tqdm=False)
+    with pytest.raises(RequestTooLongError, match="max_model_len"):  # a too-long prompt, the same way
+        llm.generate([batch[0], list(range(1, 65))], greedy(), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()  # neither call added its first request
+    assert_matches_hf("tiny-llama", batch, llm.generate(batch, greedy(), use_tqdm=False))
+    assert_clean(llm.engine)
+
+
+def test_a_refused_request_leaves_a_running_one_alone():
+    engine = make_engine(max_model_len=64)
+    running = prompts(1, lengths=(30,))[0]
+    engine.add_request("running", running, greedy())
+    engine.step()
+    with pytest.raises(RequestTooLongError, match="30 in the messages, 35 in the completion"):
+        engine.check_request("refused", running, SamplingParams(max_tokens=35))
+    final = run_to_completion(engine, [])
+    assert final["running"].outputs[0].token_ids == hf_greedy("tiny-llama", tuple(running))
+    assert_clean(engine)

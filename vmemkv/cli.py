@@ -243,8 +243,12 @@ def _generate(args: argparse.Namespace) -> int:
             message = re.sub(rf"\b{field}\b(?= must)", "--" + field.replace("_", "-"), message)
         raise ValueError(message) from None
     engine = _build_engine(args)
-    for i, prompt in enumerate(args.prompt):
-        engine.add_request(str(i), _chat_ids(engine, args, prompt) if args.chat else prompt, params)
+    requests = [(str(i), _chat_ids(engine, args, prompt) if args.chat else prompt, params)
+                for i, prompt in enumerate(args.prompt)]
+    for request in requests:  # all before any runs, as LLM.generate
+        engine.check_request(*request)
+    for request in requests:
+        engine.add_request(*request)
     finished = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
