@@ -116,3 +116,20 @@ def test_max_tokens_past_max_model_len_is_refused(capsys):
                  "--prompt", "hi", "--max-tokens", "40"]) == 2
     err = capsys.readouterr().err
     assert "maximum context length is 32 tokens" in err and "(2 in the messages, 40 in the completion)" in err
+
+
+@pytest.mark.parametrize("argv,usage,hint", [
+    (["generate", "--prompt", "hi", "--max-new-tokens", "20"], "usage: vmemkv generate",
+     "unrecognized arguments: --max-new-tokens 20 (did you mean --max-tokens?)"),
+    (["generate", "--prompt", "hi", "--max-new-tokens=20", "--temprature", "0"], "usage: vmemkv generate",
+     "(did you mean --max-tokens for --max-new-tokens, --temperature for --temprature?)"),
+    (["serve", "--gpu-memory-utilization", "0.9"], "usage: vmemkv serve",
+     "unrecognized arguments: --gpu-memory-utilization 0.9"),
+    (["ab", "--quik"], "usage: vmemkv ab", "(did you mean --quick?)")])
+def test_an_unknown_option_gets_its_commands_usage_and_the_closest_option(argv, usage, hint, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage) and hint in err
+    assert "{generate,serve,ab}" not in err  # not the top-level usage

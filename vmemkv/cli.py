@@ -7,6 +7,7 @@ keep ``EngineConfig``'s own defaults.
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import os
 import re
@@ -350,7 +351,29 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_parser(subparsers)
     _add_serve_parser(subparsers)
     _add_ab_parser(subparsers)
+    parser.command_parsers = subparsers.choices  # for unknown options: parse_args below
     return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, but an unknown option is reported by its command's parser (its
+    usage, not the top level's) with the closest option it has; exit status 2 as argparse's."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = parser.command_parsers[args.command]
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{_closest_options(command, unknown)}")
+    return args
+
+
+def _closest_options(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    options = [option for action in parser._actions for option in action.option_strings]
+    given = dict.fromkeys(arg.split("=", 1)[0] for arg in unknown if arg.startswith("-"))
+    hints = {option: close[0] for option in given
+             if (close := difflib.get_close_matches(option, options, n=1))}
+    if len(hints) == 1:
+        return f" (did you mean {next(iter(hints.values()))}?)"
+    return f" (did you mean {', '.join(f'{close} for {option}' for option, close in hints.items())}?)" \
+        if hints else ""
 
 
 def _add_ab_parser(subparsers) -> None:
@@ -362,7 +385,7 @@ def _add_ab_parser(subparsers) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     try:
         _check_device(getattr(args, "device", None))
         return args.func(args)
