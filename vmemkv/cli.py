@@ -370,10 +370,11 @@ def _closest_options(parser: argparse.ArgumentParser, unknown: list[str]) -> str
     given = dict.fromkeys(arg.split("=", 1)[0] for arg in unknown if arg.startswith("-"))
     hints = {option: close[0] for option in given
              if (close := difflib.get_close_matches(option, options, n=1))}
+    if not hints:
+        return ""
     if len(hints) == 1:
         return f" (did you mean {next(iter(hints.values()))}?)"
-    return f" (did you mean {', '.join(f'{close} for {option}' for option, close in hints.items())}?)" \
-        if hints else ""
+    return " (did you mean " + ", ".join(f"{close} for {option}" for option, close in hints.items()) + "?)"
 
 
 def _add_ab_parser(subparsers) -> None:
