@@ -10,6 +10,7 @@ import io
 import json
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -392,3 +393,39 @@ def test_hybrid_fits_every_request_only_releasing_on_both_backends(capsys):
         assert keep["peak_kv_bytes_per_request"] > 1.4 * release["peak_kv_bytes_per_request"]
     assert all(result["checks"]["hybrid"]["tokens_equal"].values())
     assert "keeping every block (vmem-keep: fits" in report.summary(result)
+
+
+# --- where a run writes ----------------------------------------------------------------------------
+
+def test_each_run_without_out_gets_its_own_folder(tmp_path, monkeypatch):
+    from vmemkv.ab.cli import DEFAULT_OUT, link_latest, output_dir
+
+    monkeypatch.chdir(tmp_path)
+    first = output_dir(None, ["chat"], now=0)
+    first.mkdir(parents=True)
+    second = output_dir(None, ["chat"], now=0)  # the same second: a suffix, not the same folder
+    assert first.parent == second.parent == Path(DEFAULT_OUT)
+    assert first.name.endswith("-chat") and second.name == first.name + "-2"
+    second.mkdir()
+    link_latest(first)
+    assert link_latest(second).resolve() == second.resolve()
+    assert output_dir("somewhere", ["chat"]) == Path("somewhere")
+    assert output_dir("", ["chat"]) is None
+
+
+def test_a_run_without_out_keeps_the_last_and_says_where_it_wrote(tmp_path, monkeypatch, capsys):
+    from vmemkv.ab.cli import DEFAULT_OUT
+
+    monkeypatch.chdir(tmp_path)
+    earlier = tmp_path / DEFAULT_OUT / "20000101-000000-chat"
+    earlier.mkdir(parents=True)
+    (earlier / "ab.md").write_text("an earlier run")
+    assert main(["--quick", "--no-progress", "--no-plots", "--variants", "paged", "--workloads",
+                 "chat"]) == 0
+    out = capsys.readouterr().out
+    latest = tmp_path / DEFAULT_OUT / "latest"
+    run_dir = latest.resolve()
+    assert run_dir != earlier and (earlier / "ab.md").read_text() == "an earlier run"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["ab.json", "ab.md"]
+    assert f"wrote {DEFAULT_OUT}/{run_dir.name}/: ab.md, ab.json" in out and "latest links to it" in out
+    assert "--out" not in json.loads((run_dir / "ab.json").read_text())["command"]

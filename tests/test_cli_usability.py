@@ -76,3 +76,60 @@ def test_metrics_have_no_created_series():
     metrics.on_request_finished("r", "stop")
     page = metrics.render().decode()
     assert "vmemkv_" in page and "_created" not in page
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_max_model_len_past_the_models_limit_is_refused(command, capsys):
+    argv = ["--prompt", "hi"] if command == "generate" else ["--port", "8771"]
+    assert main([command, "--model", "tiny-llama", "--threads", "1", "--max-model-len", "100000",
+                 *argv]) == 2
+    err = capsys.readouterr().err
+    assert "limit of 4096 tokens" in err and "--allow-long-max-model-len" in err
+
+
+def test_allow_long_max_model_len_lets_generate_start(capsys):
+    assert main(["generate", "--model", "tiny-llama", "--threads", "1", "--max-num-seqs", "1",
+                 "--max-model-len", "5000", "--allow-long-max-model-len", "--prompt", "hi",
+                 "--max-tokens", "2"]) == 0
+    assert capsys.readouterr().out.startswith("hi")
+
+
+def test_max_model_len_help_names_the_default():
+    from vmemkv.engine.core.config import DEFAULT_MAX_MODEL_LEN
+
+    help_text = " ".join(build_help("generate").split())
+    assert f"at most {DEFAULT_MAX_MODEL_LEN})" in help_text
+
+
+def build_help(command: str) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        main([command, "--help"])
+    return out.getvalue()
+
+
+def test_max_tokens_past_max_model_len_is_refused(capsys):
+    assert main(["generate", "--model", "tiny-llama", "--threads", "1", "--max-model-len", "32",
+                 "--prompt", "hi", "--max-tokens", "40"]) == 2
+    err = capsys.readouterr().err
+    assert "maximum context length is 32 tokens" in err and "(2 in the messages, 40 in the completion)" in err
+
+
+@pytest.mark.parametrize("argv,usage,hint", [
+    (["generate", "--prompt", "hi", "--max-new-tokens", "20"], "usage: vmemkv generate",
+     "unrecognized arguments: --max-new-tokens 20 (did you mean --max-tokens?)"),
+    (["generate", "--prompt", "hi", "--max-new-tokens=20", "--temprature", "0"], "usage: vmemkv generate",
+     "(did you mean --max-tokens for --max-new-tokens, --temperature for --temprature?)"),
+    (["serve", "--gpu-memory-utilization", "0.9"], "usage: vmemkv serve",
+     "unrecognized arguments: --gpu-memory-utilization 0.9"),
+    (["ab", "--quik"], "usage: vmemkv ab", "(did you mean --quick?)")])
+def test_an_unknown_option_gets_its_commands_usage_and_the_closest_option(argv, usage, hint, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage) and hint in err
+    assert "{generate,serve,ab}" not in err  # not the top-level usage

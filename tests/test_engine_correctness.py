@@ -288,3 +288,85 @@ def test_mapping_pressure_preempts_and_everyone_still_matches_hf(spare):
         assert output.error is None
         assert output.outputs[0].token_ids == hf_greedy("tiny-llama", tuple(prompt), 20)
     assert_clean(engine)
+
+
+# --- max_model_len against the model's own limit (vLLM's _get_and_verify_max_len) ---------------
+
+def test_max_model_len_past_the_models_limit_is_refused_naming_the_limit_and_the_override():
+    from vmemkv import LLM
+    from vmemkv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"limit of 4096 tokens \(max_position_embeddings=4096.*"
+                                          r"allow_long_max_model_len=True"):
+        LLM("tiny-llama", max_model_len=5000, max_num_seqs=2, threads=1)
+
+
+def test_the_override_runs_past_the_models_limit(caplog):
+    from vmemkv import LLM
+
+    llm = LLM("tiny-llama", max_model_len=5000, allow_long_max_model_len=True, max_num_seqs=1, threads=1)
+    assert llm.engine.config.max_model_len == 5000
+    assert "limit of 4096 tokens" in caplog.text
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_max_model_len_defaults_to_the_models_limit_at_most_1024():
+    from types import SimpleNamespace
+
+    from vmemkv.engine.core.config import DEFAULT_MAX_MODEL_LEN
+
+    assert DEFAULT_MAX_MODEL_LEN == 1024
+    short, long = (SimpleNamespace(max_position_embeddings=n) for n in (512, 8192))
+    assert EngineConfig().for_model(short).max_model_len == 512
+    assert EngineConfig().for_model(long).max_model_len == 1024
+    assert EngineConfig().for_model(SimpleNamespace()).max_model_len == 1024  # no limit named
+    assert EngineConfig(max_model_len=300).for_model(short).max_model_len == 300
+
+
+@pytest.mark.parametrize("config,limit", [
+    (dict(max_position_embeddings=8192), 8192),
+    (dict(n_positions=1024, max_position_embeddings=2048), 1024),  # the smallest key
+    (dict(max_position_embeddings=4096, rope_scaling={"rope_type": "linear", "factor": 4.0}), 16384),
+    (dict(max_position_embeddings=131072, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}), 131072),
+    (dict(max_position_embeddings=131072, rope_parameters={  # already the scaled length
+        "rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}), 131072),
+    (dict(max_position_embeddings=8192, rope_parameters={"rope_type": "default", "rope_theta": 1e5}), 8192),
+])
+def test_the_models_limit_is_read_as_vllm_reads_it(config, limit):
+    from types import SimpleNamespace
+
+    from vmemkv.engine.models.hf_support import model_length_limit
+
+    assert model_length_limit(SimpleNamespace(**config))[0] == limit
+
+
+# --- max_tokens past max_model_len: refused as vLLM's server refuses it ---------------------------
+
+def test_llm_refuses_max_tokens_past_max_model_len_before_anything_runs():
+    from vmemkv import LLM
+
+    llm = LLM("tiny-llama", max_num_seqs=4, max_model_len=64, threads=1)
+    batch = prompts(2, lengths=(10, 20))
+    with pytest.raises(RequestTooLongError, match=r"maximum context length is 64 tokens\. However, "
+                                                  r"you requested 120 tokens \(20 in the messages, "
+                                                  r"100 in the completion\)"):
+        llm.generate(batch, [greedy(), SamplingParams(max_tokens=100)], use_tqdm=False)
+    with pytest.raises(RequestTooLongError, match="max_model_len"):  # a too-long prompt, the same way
+        llm.generate([batch[0], list(range(1, 65))], greedy(), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()  # neither call added its first request
+    assert_matches_hf("tiny-llama", batch, llm.generate(batch, greedy(), use_tqdm=False))
+    assert_clean(llm.engine)
+
+
+def test_a_refused_request_leaves_a_running_one_alone():
+    engine = make_engine(max_model_len=64)
+    running = prompts(1, lengths=(30,))[0]
+    engine.add_request("running", running, greedy())
+    engine.step()
+    with pytest.raises(RequestTooLongError, match="30 in the messages, 35 in the completion"):
+        engine.check_request("refused", running, SamplingParams(max_tokens=35))
+    final = run_to_completion(engine, [])
+    assert final["running"].outputs[0].token_ids == hf_greedy("tiny-llama", tuple(running))
+    assert_clean(engine)

@@ -444,9 +444,43 @@ def test_too_long_prompt_is_a_400(client, http, engine):
     too_long = (ids * (engine.config.max_model_len // len(ids) + 2))[:engine.config.max_model_len + 1]
     response = http.post("/v1/completions", json={"model": engine.model_name, "prompt": too_long,
                                                   "max_tokens": 4})
-    _assert_openai_error(response, 400, "max_model_len")
+    _assert_openai_error(response, 400, f"maximum context length is {engine.config.max_model_len} "
+                         f"tokens. However, you requested {len(too_long)} tokens in the messages")
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=engine.model_name, prompt=too_long, max_tokens=4, stream=True)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_past_the_context_is_a_400_as_vllm_answers(client, http, engine, stream):
+    limit = engine.config.max_model_len
+    prompt_len = len(engine.tokenizer.encode(PROMPT))
+    expected = (f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + limit} tokens ({prompt_len} in the messages, {limit} in the "
+                "completion). Please reduce the length of the messages or completion.")
+    response = http.post("/v1/completions", json={"model": engine.model_name, "prompt": PROMPT,
+                                                  "max_tokens": limit, "stream": stream})
+    _assert_openai_error(response, 400, expected)
+    for field in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError, match=f"in the messages, {limit} in the completion"):
+            client.chat.completions.create(model=engine.model_name, messages=MESSAGES,
+                                           stream=stream, **{field: limit})
+
+
+def test_a_refused_max_tokens_leaves_a_running_stream_alone(base_url, http, engine):
+    body = {**_long_request(engine), "temperature": 0, "stream": True}  # long: still running below
+    expected = http.post("/v1/completions", json={**body, "stream": False}).json()
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=base_url, timeout=WAIT_S, headers=headers) as other, \
+            other.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        text = [json.loads(next(lines)[len("data: "):])["choices"][0]["text"]]
+        refused = http.post("/v1/completions", json={**body, "max_tokens": 10**6})
+        _assert_openai_error(refused, 400, "maximum context length")
+        for line in lines:
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += [choice["text"] for choice in json.loads(line[len("data: "):])["choices"]]
+    assert "".join(text) == expected["choices"][0]["text"]
 
 
 def test_several_prompts_are_a_clear_400(http, engine):

@@ -7,6 +7,7 @@ keep ``EngineConfig``'s own defaults.
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import os
 import re
@@ -20,7 +21,6 @@ from typing import Any
 # tests/test_cli_startup.py checks that the help shows EngineConfig's own defaults.
 ENGINE_DEFAULTS: dict[str, Any] = {
     "max_num_seqs": 64,
-    "max_model_len": 1024,
     "max_num_batched_tokens": 2048,
     "tokens_per_page": 16,
     "preemption_mode": "auto",
@@ -76,7 +76,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=None,
                        help="sequences running at once (KV slots)")
     group.add_argument("--max-model-len", type=int, default=None,
-                       help="longest prompt + output, in tokens")
+                       help="longest prompt + output, in tokens (default: the model's limit, its "
+                            "config's max_position_embeddings or the like, at most 1024)")
+    group.add_argument("--allow-long-max-model-len", action="store_true",
+                       help="accept a --max-model-len past the model's limit (positions past it "
+                            "may give wrong tokens)")
     group.add_argument("--num-blocks", type=int, default=None,
                        help="KV pool size in blocks; default: derived from the other sizes")
     group.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -148,6 +152,7 @@ def engine_config_from_args(args: argparse.Namespace):
         "device": device,
         "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len,
+        "allow_long_max_model_len": args.allow_long_max_model_len,
         "num_blocks": args.num_blocks,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "tokens_per_page": args.tokens_per_page,
@@ -240,8 +245,12 @@ def _generate(args: argparse.Namespace) -> int:
             message = re.sub(rf"\b{field}\b(?= must)", "--" + field.replace("_", "-"), message)
         raise ValueError(message) from None
     engine = _build_engine(args)
-    for i, prompt in enumerate(args.prompt):
-        engine.add_request(str(i), _chat_ids(engine, args, prompt) if args.chat else prompt, params)
+    requests = [(str(i), _chat_ids(engine, args, prompt) if args.chat else prompt, params)
+                for i, prompt in enumerate(args.prompt)]
+    for request in requests:  # all before any runs, as LLM.generate
+        engine.check_request(*request)
+    for request in requests:
+        engine.add_request(*request)
     finished = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -348,7 +357,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_parser(subparsers)
     _add_serve_parser(subparsers)
     _add_ab_parser(subparsers)
+    parser.command_parsers = subparsers.choices  # for unknown options: parse_args below
     return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, but an unknown option is reported by its command's parser (its
+    usage, not the top level's) with the closest option it has; exit status 2 as argparse's."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = parser.command_parsers[args.command]
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{_closest_options(command, unknown)}")
+    return args
+
+
+def _closest_options(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    options = [option for action in parser._actions for option in action.option_strings]
+    given = dict.fromkeys(arg.split("=", 1)[0] for arg in unknown if arg.startswith("-"))
+    hints = {option: close[0] for option in given
+             if (close := difflib.get_close_matches(option, options, n=1))}
+    if not hints:
+        return ""
+    if len(hints) == 1:
+        return f" (did you mean {next(iter(hints.values()))}?)"
+    return " (did you mean " + ", ".join(f"{close} for {option}" for option, close in hints.items()) + "?)"
 
 
 def _add_ab_parser(subparsers) -> None:
@@ -360,7 +392,7 @@ def _add_ab_parser(subparsers) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     try:
         _check_device(getattr(args, "device", None))
         return args.func(args)

@@ -12,8 +12,10 @@ contiguous) or in block tables, measured side by side.
     vmemkv ab --workloads hybrid --model tiny-gemma2   # local + global layers: KV per request, requests at once
     python -m vmemkv.ab.cli ...                 # the same without the `vmemkv` entry point
 
-Results go to ``--out`` (default ``experiments/results/local/ab``, which git ignores, so a run never
-overwrites the recorded results; ``--out experiments/results/ab`` records one): ``ab.md``,
+Results go to ``--out``; without it, each run to a folder of its own,
+``experiments/results/local/ab/<date>-<time>-<workloads>/``, with ``experiments/results/local/ab/latest``
+linking to the last one (git ignores all of it, so a run never overwrites the recorded results nor
+an earlier local run; ``--out experiments/results/ab`` records one, replacing what is there): ``ab.md``,
 ``ab.json`` and PNG plots (skipped with ``--no-plots`` or without matplotlib). The workloads are sized for the engine's real
 page (``tokens_per_page`` of each variant's KV layout: 16 on CPU by default, 1024 for tiny-llama
 in fp32 on 2 MiB CUDA pages). The exit status is 1 when a check fails (greedy tokens differ
@@ -26,12 +28,16 @@ rate; the pressure checks skip variants whose pages hold other than the workload
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import textwrap
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 DEFAULT_OUT = "experiments/results/local/ab"  # untracked: the recorded runs stay as they are
+LATEST = "latest"  # under DEFAULT_OUT: a link to the last run's folder
 DEFAULT_REPEATS = 3
 
 
@@ -58,9 +64,10 @@ def add_ab_arguments(parser: argparse.ArgumentParser) -> None:
                         help="small workloads and one repeat: a smoke run")
     parser.add_argument("--json", action="store_true",
                         help="print the results JSON on stdout instead of the table")
-    parser.add_argument("--out", default=DEFAULT_OUT,
-                        help=f"directory for ab.md, ab.json and plots (default {DEFAULT_OUT}, "
-                             "untracked; '' writes nothing)")
+    parser.add_argument("--out", default=None,
+                        help=f"directory for ab.md, ab.json and plots, replacing those there "
+                             f"(default: a new folder per run under {DEFAULT_OUT}, untracked, "
+                             f"with {DEFAULT_OUT}/{LATEST} linking to the last; '' writes nothing)")
     parser.add_argument("--no-plots", action="store_true",
                         help="write ab.md and ab.json only (plots also need matplotlib)")
     parser.add_argument("--tokens-per-page", type=int, default=None,
@@ -103,11 +110,38 @@ def _names(text: str, known, what: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def output_dir(out: str | None, workloads: list[str], now: float | None = None) -> Path | None:
+    """Where a run writes: ``--out`` as given ('' : nowhere), or without it a new folder under
+    ``DEFAULT_OUT`` named by the time and workloads (a second run in the same second gets a
+    suffix), so no run replaces another."""
+    if out is not None:
+        return Path(out) if out else None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    base = Path(DEFAULT_OUT) / f"{stamp}-{'+'.join(workloads)}"
+    run_dir, count = base, 1
+    while run_dir.exists():
+        count += 1
+        run_dir = base.with_name(f"{base.name}-{count}")
+    return run_dir
+
+
+def link_latest(run_dir: Path) -> Path:
+    """Point ``DEFAULT_OUT/latest`` at ``run_dir`` (replaced in one rename: never missing)."""
+    latest = run_dir.parent / LATEST
+    staged = run_dir.parent / f".{LATEST}.{os.getpid()}"
+    staged.unlink(missing_ok=True)
+    staged.symlink_to(run_dir.name, target_is_directory=True)
+    os.replace(staged, latest)
+    return latest
+
+
 def command_line(args: argparse.Namespace, repeats: int) -> str:
-    """The command that reproduces the run, every option spelled out."""
+    """The command that reproduces the run, every option spelled out (``--out`` if given)."""
     parts = ["vmemkv", "ab", "--workloads", args.workloads, "--variants", args.variants,
              "--repeats", str(repeats), "--model", args.model, "--seed", str(args.seed),
-             "--threads", str(args.threads), "--policy", args.policy, "--out", args.out]
+             "--threads", str(args.threads), "--policy", args.policy]
+    if args.out is not None:
+        parts += ["--out", args.out]
     if args.device != "cpu":
         parts += ["--device", args.device]
     if args.tokens_per_page is not None:
@@ -152,13 +186,19 @@ def run_ab(args: argparse.Namespace) -> int:
     result["command"] = command_line(args, repeats)
     if args.json:  # first: the numbers reach stdout whatever happens to the files
         print(report.to_json(result), flush=True)
-    paths = report.write_all(result, args.out, plots=not args.no_plots) if args.out else []
-    if not args.json:
+    run_dir = output_dir(args.out, workloads)
+    paths = report.write_all(result, run_dir, plots=not args.no_plots) if run_dir else []
+    wrote = f"wrote {run_dir}/: {', '.join(p.name for p in paths)}" if run_dir else "wrote nothing (--out '')"
+    if run_dir is not None and args.out is None:
+        wrote += f"; {link_latest(run_dir)} links to it"
+    if args.json:  # stdout holds the JSON alone
+        print(f"vmemkv ab: {wrote}", file=sys.stderr)
+    else:
         print(report.format_table(result))
         print()
         print(textwrap.fill(report.summary(result), report.CONSOLE_WIDTH))
         print()
-        print(f"runtime {result['runtime_s']:.0f} s; wrote " + ", ".join(str(p) for p in paths))
+        print(f"runtime {result['runtime_s']:.0f} s; {wrote}")
     for failure in result["failures"]:
         print(f"vmemkv ab: check failed: {failure}", file=sys.stderr)
     return 1 if result["failures"] else 0

@@ -8,6 +8,8 @@ because a ``CacheConfig`` also needs the model's shapes, known only once it is l
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Literal
 
@@ -15,8 +17,14 @@ import torch
 
 from vmemkv.cache.config import CacheConfig
 from vmemkv.errors import ConfigError
-from vmemkv.engine.models.hf_support import cache_config_for, uniform_chunk
+from vmemkv.engine.models.hf_support import cache_config_for, model_length_limit, uniform_chunk
 from vmemkv.engine.core.threads import check_threads
+
+logger = logging.getLogger(__name__)
+
+# max_model_len when none is given: the model's own limit, but no more than this (slots reserve
+# max_model_len tokens each, and the default pool holds every slot at full length).
+DEFAULT_MAX_MODEL_LEN = 1024
 
 # EngineConfig fields passed to CacheConfig as they are.
 CACHE_FIELDS = ("max_num_seqs", "max_model_len", "num_blocks", "device", "tokens_per_page",
@@ -33,7 +41,12 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = CacheConfig.device
     max_num_seqs: int = 64  # slots: sequences running at once
-    max_model_len: int = 1024
+    # longest prompt + output; None: the model's limit (for_model), at most DEFAULT_MAX_MODEL_LEN
+    max_model_len: int | None = None
+    # Accept a max_model_len past the model's limit (its config's max_position_embeddings or
+    # the like, RoPE scaling included), as vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN: positions past it
+    # may give wrong tokens.
+    allow_long_max_model_len: bool = False
     num_blocks: int | None = None  # KV pool size in blocks; None: enough for every slot at full length
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     tokens_per_page: int = CacheConfig.tokens_per_page
@@ -110,7 +123,8 @@ class EngineConfig:
     protect_kv: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs <= 0 or self.max_model_len <= 1 or self.max_num_batched_tokens <= 0:
+        if (self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0
+                or (self.max_model_len is not None and self.max_model_len <= 1)):
             raise ConfigError("max_num_seqs, max_num_batched_tokens must be positive and "
                               "max_model_len at least 2")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
@@ -149,6 +163,27 @@ class EngineConfig:
                               f"{self.kv_idle_release_s!r}")
         self.torch_dtype  # validates the name
 
+    def for_model(self, model_config) -> "EngineConfig":
+        """This configuration with ``max_model_len`` checked against the model's limit (vLLM's
+        rule): unset, the limit but at most ``DEFAULT_MAX_MODEL_LEN``; past it, refused unless
+        ``allow_long_max_model_len``."""
+        found = model_length_limit(model_config)
+        if self.max_model_len is None:
+            length = DEFAULT_MAX_MODEL_LEN if found is None else min(found[0], DEFAULT_MAX_MODEL_LEN)
+            return dataclasses.replace(self, max_model_len=length)
+        if found is not None and self.max_model_len > found[0]:
+            limit, reason = found
+            past = (f"max_model_len={self.max_model_len} is longer than {self.model}'s limit of "
+                    f"{limit} tokens ({reason} in its config)")
+            if not self.allow_long_max_model_len:
+                raise ConfigError(
+                    f"{past}: positions past it may give wrong tokens. Lower max_model_len "
+                    f"(--max-model-len) to at most {limit}, or accept the risk with "
+                    "allow_long_max_model_len=True (--allow-long-max-model-len)")
+            logger.warning("vmemkv: %s; running past it as allow_long_max_model_len asks "
+                           "(positions past it may give wrong tokens)", past)
+        return self
+
     @property
     def idle_release_seconds(self) -> float | None:
         """``kv_idle_release_s``, or its default: 1 s with a shared ``kv_pool``, else never."""
@@ -166,9 +201,10 @@ class EngineConfig:
     def cache_config(self, model) -> CacheConfig:
         """The KV cache for ``model`` (a Hugging Face causal LM) under this configuration; without
         ``num_blocks``, enough blocks for every slot at full length."""
-        options = {name: getattr(self, name) for name in CACHE_FIELDS}
+        config = self if self.max_model_len is not None else self.for_model(model.config)
+        options = {name: getattr(config, name) for name in CACHE_FIELDS}
         chunk = uniform_chunk(model.config)  # the engine's attention reads from chunk starts
-        if self.release_behind_window and chunk is not None and chunk < self.max_model_len:
+        if self.release_behind_window and chunk is not None and chunk < config.max_model_len:
             options["attention_chunk_size"] = chunk
         return cache_config_for(model, check_token_ids=True,
                                 release_behind_window=self.release_behind_window,

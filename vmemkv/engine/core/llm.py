@@ -31,7 +31,9 @@ class LLM:
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (text, or a list of token ids); outputs in prompt order."""
+        """Generate for every prompt (text, or a list of token ids); outputs in prompt order.
+        Raises ``RequestTooLongError`` before anything runs if a prompt with its ``max_tokens``
+        does not fit in ``max_model_len`` (as vLLM's server answers 400)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -39,8 +41,11 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = [str(next(self._ids)) for _ in prompts]
+        requests = list(zip(ids, prompts, params))
+        for request in requests:  # all before any runs: a refused one leaves the engine as it was
+            self.engine.check_request(*request)
         with tqdm(total=len(prompts), desc="generating", disable=not use_tqdm) as progress:
-            final = run_to_completion(self.engine, list(zip(ids, prompts, params)), progress)
+            final = run_to_completion(self.engine, requests, progress)
         return [final[i] for i in ids]
 
     def chat(self, conversations: list[dict] | list[list[dict]],

@@ -46,7 +46,7 @@ from vmemkv.engine.core.postprocess import Postprocessor
 from vmemkv.memory.protect import protect_kv_memory
 from vmemkv.engine.core.runner import LookaheadMapper, StepRunner
 from vmemkv.engine.core.sampler import make_generator
-from vmemkv.engine.core.sampling_params import SamplingParams
+from vmemkv.engine.core.sampling_params import SamplingParams, check_context_length
 from vmemkv.engine.core.scheduler import Scheduler
 from vmemkv.engine.core.sequence import Sequence
 
@@ -86,7 +86,6 @@ class LLMEngine:
         return model
 
     def __init__(self, config: EngineConfig, model=None, tokenizer=None, stream: bool = True):
-        self.config = config
         self.stream = stream
         apply_threads(config.threads)  # before the model loads (and its first ops pick threads)
         if config.protect_kv:  # before any KV memory exists
@@ -99,6 +98,8 @@ class LLMEngine:
         elif config.tensor_parallel_size > 1:
             raise ConfigError("tensor_parallel_size > 1 loads the model on every rank by name: pass "
                               "model=<name or directory>, not a model object")
+        # max_model_len within the model's positions (or its default from them), before any use
+        config = self.config = config.for_model(model.config)
         self.model_name = config.model
         self.tokenizer = tokenizer
         self.packed_linears = self._pack_linears(model, loaded_by_name)
@@ -180,7 +181,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
-        token_ids = list(self.tokenizer.encode(prompt)) if text is not None else list(prompt)
+        token_ids = self._token_ids(prompt)
         self._validate_prompt(request_id, token_ids)
         seq = Sequence(KVRequest(request_id, token_ids, keys or CacheKeys()), request_id, text, params,
                        len(token_ids), priority=priority)
@@ -189,6 +190,21 @@ class LLMEngine:
         self.elastic.busy()
         self.scheduler.add(seq)
         self.metrics.on_request_added(request_id, len(token_ids), time.monotonic())
+
+    def check_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Raise what ``add_request`` would, and ``RequestTooLongError`` if the prompt and all of
+        ``max_tokens`` do not fit in ``max_model_len`` (vLLM's server rule; ``add_request`` itself
+        lets such a request run and stops it at ``max_model_len``, as vLLM's engine); changes
+        nothing. ``LLM.generate`` and ``vmemkv generate`` check every request before adding one."""
+        token_ids = self._token_ids(prompt)
+        self._validate_prompt(request_id, token_ids)
+        try:
+            check_context_length(len(token_ids), params.max_tokens, self.config.max_model_len)
+        except RequestTooLongError as exc:
+            raise RequestTooLongError(f"request {request_id!r}: {exc}") from None
+
+    def _token_ids(self, prompt: str | list[int]) -> list[int]:
+        return list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
 
     def _validate_prompt(self, request_id: str, token_ids: list[int]) -> None:
         if not token_ids:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from vmemkv.errors import RequestTooLongError
+
 
 @dataclass
 class SamplingParams:
@@ -70,6 +72,22 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+
+def check_context_length(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """Refuse a request whose prompt and ``max_tokens`` together pass ``max_model_len``, in the
+    words of vLLM's server (which answers such a request with a 400, not a shorter output)."""
+    if prompt_tokens >= max_model_len:
+        raise RequestTooLongError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens} tokens in the messages. Please reduce the length of the "
+            "messages.")
+    if prompt_tokens + max_tokens > max_model_len:
+        raise RequestTooLongError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+            f"{max_tokens} in the completion). Please reduce the length of the messages or "
+            "completion.")
 
 
 def _check_int(name: str, value: object, minimum: int | None = None,

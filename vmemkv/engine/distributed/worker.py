@@ -34,6 +34,7 @@ def run_worker(config: EngineConfig, rendezvous: Rendezvous) -> None:
     device = rank_device(config.device, rendezvous.local_rank)
     # The model first (it may take minutes): rank 0 has its own loaded before the ranks meet.
     model, _ = load_model(config.model, config.torch_dtype, device, config.seed)
+    config = config.for_model(model.config)  # under torchrun, max_model_len may be unset here
     groups = join(rendezvous, device, config.tensor_parallel_timeout)
     try:
         shard_model(model, rendezvous.rank, rendezvous.world_size)

@@ -51,6 +51,46 @@ def text_config(config: Any) -> Any:
         return get()
 
 
+# Config keys that bound a model's positions, the ones vLLM reads (``_get_and_verify_max_len``).
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                "model_max_length", "max_sequence_length", "max_seq_length", "seq_len")
+# RoPE types whose factor does not lengthen the limit (their config already gives the full length).
+_UNSCALED_ROPE_TYPES = frozenset({"default", "su", "longrope", "llama3", "mrope"})
+
+
+def model_length_limit(config: Any) -> tuple[int, str] | None:
+    """The longest sequence the model's config allows, as vLLM derives it: the smallest of the
+    length keys, times the RoPE scaling factor (yarn: times its ``original_max_position_embeddings``);
+    with what says so, in words. None when the config names no length."""
+    text = text_config(config)
+    found = [(value, key) for key in _LENGTH_KEYS
+             if isinstance(value := getattr(text, key, None), int) and not isinstance(value, bool)]
+    if not found:
+        return None
+    limit, key = min(found)
+    reason = f"{key}={limit}"
+    rope = _rope_scaling(text)
+    factor = rope.get("factor") if rope else None
+    if isinstance(factor, (int, float)) and factor > 0:
+        if rope.get("rope_type", rope.get("type")) == "yarn":
+            limit = rope.get("original_max_position_embeddings", limit)
+            reason = f"original_max_position_embeddings={limit}"
+        limit = int(limit * factor)
+        reason += f" times its RoPE scaling factor {factor:g}"
+    return limit, reason
+
+
+def _rope_scaling(text: Any) -> dict | None:
+    """The RoPE parameters that scale the positions (transformers 5: ``rope_parameters``, possibly
+    one per layer kind, then the full-attention layers'; before: ``rope_scaling``), or None."""
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
+        rope = rope["full_attention"]
+    if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type")) in _UNSCALED_ROPE_TYPES:
+        return None
+    return rope
+
+
 def kv_shape(config: Any) -> tuple[int, int, int]:
     """``(num_layers, num_kv_heads, head_dim)`` of the decoder whose K/V vmemkv holds."""
     text = text_config(config)

@@ -10,7 +10,8 @@ from typing import Any
 from vmemkv.cache.hashing import CacheKeys
 from vmemkv.engine.core.chat import chat_prompt_ids as template_prompt_ids, has_chat_template
 from vmemkv.engine.serving.openai_protocol import ChatMessage, OpenAIError, SamplingFields
-from vmemkv.engine.core.sampling_params import SamplingParams
+from vmemkv.engine.core.sampling_params import SamplingParams, check_context_length
+from vmemkv.errors import RequestTooLongError
 
 
 def check_model(model: str | None, served_name: str) -> None:
@@ -70,8 +71,12 @@ def sampling_params(body: SamplingFields, prompt_ids: list[int], max_tokens: int
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             raise OpenAIError(400, f"{name} is not supported; leave it unset or 0", param=name)
-    if max_tokens is None:  # as much as the context allows (the engine rejects a full prompt)
+    if max_tokens is None:  # as much as the context allows
         max_tokens = max(1, max_model_len - len(prompt_ids))
+    try:  # vLLM's 400, before anything reaches the engine
+        check_context_length(len(prompt_ids), max_tokens, max_model_len)
+    except RequestTooLongError as exc:
+        raise OpenAIError(400, str(exc)) from exc
     try:
         return SamplingParams(
             n=body.n, max_tokens=max_tokens, logprobs=logprobs, seed=body.seed,
