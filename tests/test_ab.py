@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -429,3 +430,49 @@ def test_a_run_without_out_keeps_the_last_and_says_where_it_wrote(tmp_path, monk
     assert sorted(p.name for p in run_dir.iterdir()) == ["ab.json", "ab.md"]
     assert f"wrote {DEFAULT_OUT}/{run_dir.name}/: ab.md, ab.json" in out and "latest links to it" in out
     assert "--out" not in json.loads((run_dir / "ab.json").read_text())["command"]
+
+
+# --- the summary, rendered again from the committed results --------------------------------------
+RECORDED = sorted((Path(__file__).resolve().parents[1] / "experiments" / "results").glob("ab*/ab.json"))
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=lambda p: p.parent.name)
+def test_every_summary_ratio_names_the_side_it_favours(path):
+    """A bare "0.78x" says nothing of who won: each ratio is at least 1.00x and follows the name
+    of the variant it favours."""
+    result = json.loads(path.read_text())
+    bullets = report.summary_bullets(result)
+    assert bullets[0] == report.RATIO_CONVENTION
+    names = "|".join(sorted(map(re.escape, result["variants"]), key=len, reverse=True))
+    for bullet in bullets[1:]:
+        for ratio in re.findall(r"(\d+\.\d+)x faster", bullet):
+            assert float(ratio) >= 1.0, bullet
+        assert len(re.findall(rf"(?:{names}) \d+\.\d+x faster", bullet)) \
+            == len(re.findall(r"\d+\.\d+x faster", bullet)), bullet
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=lambda p: p.parent.name)
+def test_the_committed_summary_is_the_one_its_json_renders(path):
+    """The committed ab.md's summary and variants are what report.py writes from its ab.json, so
+    the two texts cannot drift apart."""
+    section = re.compile(r"## Summary\n.*?(?=## Workloads)", re.S)
+    rendered = report.markdown(json.loads(path.read_text()))
+    assert section.search(path.with_name("ab.md").read_text()).group(0) == section.search(rendered).group(0)
+
+
+@pytest.mark.parametrize(("attention", "reads"), [("native", "in place"), ("sdpa", "gathered"), (None, "gathered")])
+def test_the_summary_and_the_variants_say_how_paged_reads_its_blocks(attention, reads):
+    """Runs before the native routine recorded no attention: they ran SDPA, which gathers."""
+    result = json.loads(RECORDED[0].read_text())
+    result["config"]["attention"] = attention
+    how = next(b for b in report.summary_bullets(result) if b.startswith("How paged reads"))
+    assert how.split(": ", 1)[1].startswith(reads)
+    assert "read the blocks in place" in VARIANTS["paged"].description
+    assert "SDPA reads them gathered into a copy" in VARIANTS["paged"].description
+
+
+def test_a_ratio_below_one_is_turned_to_the_side_it_favours():
+    assert report._faster("vmem", "paged", 0.8) == "paged 1.25x faster"
+    assert report._faster("vmem", "paged", 1.25) == "vmem 1.25x faster"
+    assert report._faster("vmem", "paged", 0.8, lower_is_faster=True) == "vmem 1.25x faster"
+    assert report._faster("vmem", "paged", 1.001) == "level"

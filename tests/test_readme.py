@@ -29,6 +29,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+# The benchmarks' history pages link back into the docs and to the result files beside them.
+LINKED_PAGES = [*PAGES, *sorted((ROOT / "experiments" / "results" / "history").glob("*.md"))]
 BLOCK = re.compile(r"<!-- runnable(?P<needs>: [\w.-]+)? -->\n```python\n(?P<code>.*?)```\n"
                    r"(?:\n?```text\n(?P<shown>.*?)```)?", re.S)
 LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
@@ -133,7 +135,7 @@ def heading_anchors(text: str) -> set[str]:
     return anchors
 
 
-@pytest.mark.parametrize("page", PAGES, ids=page_name)
+@pytest.mark.parametrize("page", LINKED_PAGES, ids=page_name)
 def test_relative_links_resolve(page):
     broken = []
     for m in LINK.finditer(page.read_text()):

@@ -1,6 +1,6 @@
 """Formats an A/B result: the table, an honest summary, ``ab.md``, ``ab.json`` and PNG plots.
 
-(About 420 lines: the summary's sentences, one per comparison the variants run allow, beside the
+(About 480 lines: the summary's bullets, one per comparison the variants run allow, beside the
 table, the files and the plots they describe.)"""
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import os
 import platform
 import sys
 from pathlib import Path
+
+from vmemkv.ab.variants import VARIANTS
 
 # (header, metric key, format of the median, scale)
 COLUMNS = (
@@ -142,9 +144,26 @@ def _compare(a: dict, b: dict) -> tuple[float, str]:
     return ratio, verdict
 
 
-def _throughput_verdict(result: dict, a: str, b: str, lead: str = "Throughput") -> str:
-    """Tokens per CPU-second of variant ``a`` over ``b`` on each workload, with a verdict per
-    workload when there are repeats to judge the noise by; the sentence starts with ``lead``."""
+RATIO_CONVENTION = ("Ratios: the faster side over the slower one, so at least 1.00x, named after the "
+                    "side they favour (\"paged 1.05x faster\": paged's tokens per CPU-second are 1.05x "
+                    "vmem's, or its time 1/1.05 of vmem's).")
+
+
+def _faster(a: str, b: str, a_over_b: float, lower_is_faster: bool = False) -> str:
+    """``a_over_b`` (a rate, or a time with ``lower_is_faster``) as the side it favours:
+    "vmem 1.13x faster", never a bare ratio below 1 (``RATIO_CONVENTION``)."""
+    if lower_is_faster:
+        a_over_b = 1 / a_over_b if a_over_b else float("nan")
+    if math.isnan(a_over_b) or math.isclose(a_over_b, 1.0, abs_tol=0.005):
+        return "level"
+    if a_over_b > 1:
+        return f"{a} {a_over_b:.2f}x faster"
+    return f"{b} {1 / a_over_b:.2f}x faster"
+
+
+def _throughput_verdict(result: dict, a: str, b: str, lead: str) -> str:
+    """Tokens per CPU-second of variants ``a`` and ``b`` on each workload, with a verdict per
+    workload when there are repeats to judge the noise by; the bullet starts with ``lead``."""
     repeats = result["config"]["repeats"]
     wins, losses, ties = [], [], []
     for w in result["results"]:
@@ -152,50 +171,62 @@ def _throughput_verdict(result: dict, a: str, b: str, lead: str = "Throughput") 
                                   _metric(result, w, b, "output_tokens_per_cpu_s"))
         if repeats < 2:
             verdict = "overlapping"  # one run each: no noise estimate, no verdict
-        (wins if verdict == "higher" else losses if verdict == "lower" else ties).append(f"{w} {ratio:.2f}x")
+        (wins if verdict == "higher" else losses if verdict == "lower" else ties).append(
+            f"{w} ({_faster(a, b, ratio)})")
     if repeats < 2:
-        return (f"{lead} per CPU-second, {a} over {b} (one run each, so no noise estimate and "
-                f"no verdict): {', '.join(ties)}.")
-    return (f"{lead} per CPU-second, {a} over {b} (median ratio; a win only where the min-max "
-            f"ranges of {repeats} repeats do not overlap): " + "; ".join(filter(None, [
+        return f"{lead}, {a} against {b} (one run each, so no verdict): {', '.join(ties)}."
+    return (f"{lead}, {a} against {b} (a win only where the min-max ranges of {repeats} repeats "
+            f"separate): " + "; ".join(filter(None, [
                 f"{a} wins on {', '.join(wins)}" if wins else "",
                 f"{b} wins on {', '.join(losses)}" if losses else "",
                 f"within noise on {', '.join(ties)}" if ties else ""])) + ".")
 
 
-def summary(result: dict) -> str:
-    """One paragraph: where each backend wins, with the caveats that apply."""
+# How each attention kind reads a block table, against a slot view (the run's config says which ran).
+_PAGED_READS = {
+    "native": ("in place, as vmem reads its slots, through the same native CPU routines for "
+               "decodes and for plain float32 prefills (AVX-512); other prefills go through SDPA, "
+               "which reads paged blocks gathered into a copy"),
+    "sdpa": ("gathered into a contiguous copy for SDPA every layer and step, where vmem hands SDPA "
+             "the strided slot view as is"),
+    "gpu": "in place, as vmem reads its slots, through the same GPU kernels",
+}
+
+
+def _paged_reads(config: dict) -> str:
+    attention = config.get("attention") or "sdpa"  # runs that did not record it predate native
+    if "native" in attention:
+        return _PAGED_READS["native"]
+    if str(config.get("device", "cpu")).startswith("cuda") and "sdpa" not in attention:
+        return _PAGED_READS["gpu"]
+    return _PAGED_READS["sdpa"]
+
+
+def summary_bullets(result: dict) -> list[str]:
+    """Short sentences, one per comparison the variants run allow: where each backend wins, with
+    the caveats that apply. Ratios follow ``RATIO_CONVENTION``."""
     workloads = list(result["results"])
     variants = result["config"]["variants"]
     repeats = result["config"]["repeats"]
-    parts = []
+    parts = [RATIO_CONVENTION]
     if "vmem" in variants and "paged" in variants:
-        parts.append(_throughput_verdict(result, "vmem", "paged"))
+        parts.append(_throughput_verdict(result, "vmem", "paged", lead="Throughput per CPU-second"))
         attention = [(w, _metric(result, w, "vmem", "attention_seconds")["median"],
                       _metric(result, w, "paged", "attention_seconds")["median"]) for w in workloads]
-        faster = [f"{w} {p / v:.2f}x" for w, v, p in attention if v and p]
-        if "native" in result["config"].get("attention", ""):
-            why = ("decodes of both read the cache in place through the same native CPU routine, "
-                   "slot view or block table; prefills go through SDPA, the block-table path "
-                   "gathering each sequence's blocks into a copy first")
-        else:
-            why = ("on CPU the block-table path gathers blocks into a contiguous copy before SDPA, "
-                   "every layer and step: one padded tensor for a step's batched decodes, one per "
-                   "sequence otherwise; vmem hands SDPA the strided slot view as is; a fused paged "
-                   "kernel reads blocks in place, so that part of the gap is specific to SDPA")
-        parts.append("Attention time, paged over vmem: " + ", ".join(faster) + f" ({why}).")
+        times = [f"{w} ({_faster('vmem', 'paged', v / p, lower_is_faster=True)})"
+                 for w, v, p in attention if v and p]
+        parts.append("Attention time, vmem against paged: " + ", ".join(times) + ".")
+        parts.append(f"How paged reads its blocks in this run: {_paged_reads(result['config'])}.")
         shares = [_metric(result, w, "vmem", "mapping_share")["median"] for w in workloads]
         managers = [(_metric(result, w, "vmem", "kv_manager_share")["median"],
                      _metric(result, w, "paged", "kv_manager_share")["median"]) for w in workloads]
-        where = ("the lookahead worker maps the rest while the forward pass runs"
+        where = ("a worker maps the lookahead blocks during the forward pass"
                  if str(result["config"].get("device", "cpu")).startswith("cuda") else
-                 "on CPU, where the forward holds the cores, lookahead blocks are mapped on the "
-                 "step thread, so this is all of it")
-        parts.append(f"What vmem pays for it: mapping on the step's critical path is at most "
-                     f"{100 * max(shares):.2f}% of step time ({where}), and all KV-manager work is "
-                     f"{100 * min(v for v, _ in managers):.1f}-{100 * max(v for v, _ in managers):.1f}% "
-                     f"of step time for vmem against {100 * min(p for _, p in managers):.1f}-"
-                     f"{100 * max(p for _, p in managers):.1f}% for paged.")
+                 "all of it: on CPU the lookahead blocks are mapped on the step thread")
+        parts.append(f"What vmem pays for its mapping: at most {100 * max(shares):.2f}% of step time "
+                     f"on the critical path ({where}). All KV-manager work: "
+                     f"{_span(100 * v for v, _ in managers)}% of step time for vmem, "
+                     f"{_span(100 * p for _, p in managers)}% for paged.")
         peaks = [(w, _metric(result, w, "vmem", "peak_kv_bytes")["median"],
                   _metric(result, w, "paged", "peak_kv_bytes")["median"]) for w in workloads]
         same_peak = all(v == p for _, v, p in peaks)
@@ -205,56 +236,54 @@ def summary(result: dict) -> str:
         preempt = all(_metric(result, w, "vmem", "preemptions")["median"]
                       == _metric(result, w, "paged", "preemptions")["median"] for w in workloads)
         page = result["config"].get("workload_tokens_per_page", 16)
-        memory = ("Memory is a tie by construction: both hand out the same pool's pages, "
-                  f"{page} tokens each, so peak KV bytes are "
-                  + ("identical" if same_peak else "within a page or two (vmem's lookahead "
-                     "takes a decoding sequence's next page one step early)")
-                  + ", internal fragmentation differs only by that lookahead page, prefix hit "
-                  "rates are " + ("equal" if hits else "NOT equal") + " and preemption counts "
-                  + ("equal" if preempt else "differ") + ".")
-        parts.append(memory)
+        parts.append(f"Memory ties by construction (the same pool's pages, {page} tokens each): peak "
+                     "KV bytes " + ("identical" if same_peak else "within a page or two (vmem's "
+                                    "lookahead takes a decoding sequence's next page one step early)")
+                     + ", prefix hit rates " + ("equal" if hits else "NOT equal")
+                     + ", preemption counts " + ("equal" if preempt else "differ") + ".")
     if "vmem-per-layer" in variants and "vmem" in variants:
         calls = [(w, _metric(result, w, "vmem", "map_calls")["median"],
                   _metric(result, w, "vmem-per-layer", "map_calls")["median"]) for w in workloads]
         ratios = [pl / v for _, v, pl in calls if v]
         tpc = [_compare(_metric(result, w, "vmem-per-layer", "output_tokens_per_cpu_s"),
                         _metric(result, w, "vmem", "output_tokens_per_cpu_s")) for w in workloads]
-        faster = [f"{w} {r:.2f}x" for w, (r, verdict) in zip(workloads, tpc)
-                  if verdict == "higher" and repeats > 1]
-        slower = [f"{w} {r:.2f}x" for w, (r, verdict) in zip(workloads, tpc)
-                  if verdict == "lower" and repeats > 1]
-        text = (f"vAttention's per-layer layout makes {min(ratios):.0f}-{max(ratios):.0f}x the map "
-                "calls of the token-major layout (one call per layer and K/V per page, against "
-                "one per page, coalesced) ")
-        text += "but, on CPU, reads contiguous per-layer K/V instead of strided token-major rows"
-        verdicts = []
-        if faster:
-            verdicts.append(f"it is faster per CPU-second on {', '.join(faster)}")
-        if slower:
-            verdicts.append(f"slower on {', '.join(slower)}")
+        named = [f"{w} ({_faster('per-layer', 'token-major', r)})" for w, (r, _) in zip(workloads, tpc)]
+        text = (f"vAttention's per-layer layout: {_span(ratios, '{:.0f}')}x the map calls of "
+                "token-major (one call per layer and K/V per page, against one coalesced call per "
+                "page); per CPU-second")
         if repeats < 2:
-            text += ("; per CPU-second, per-layer over token-major: "
-                     + ", ".join(f"{w} {r:.2f}x" for w, (r, _) in zip(workloads, tpc)))
+            text += " (one run each, no verdict): " + ", ".join(named)
         else:
-            text += ("; " + " and ".join(verdicts) if verdicts else
-                     "; the two are within noise of each other everywhere")
-        text += "."
-        parts.append(text)
+            wins = [n for n, (_, verdict) in zip(named, tpc) if verdict != "overlapping"]
+            text += (": " + ", ".join(wins) + " beyond noise" if wins else
+                     ", the two are within noise of each other everywhere")
+        parts.append(text + ".")
     if "vmem-per-layer" in variants and "paged-per-layer" in variants:
         parts.append(_throughput_verdict(
             result, "vmem-per-layer", "paged-per-layer",
-            lead="In the per-layer layout (the same bytes, other addressing), throughput"))
+            lead="Throughput in the per-layer layout (the same bytes, other addressing)"))
     parts += _release_against_keep(result)
     failures = result.get("failures") or []
     parts.append("Greedy token ids were identical across variants on every greedy workload."
                  if not failures else "PROBLEMS: " + "; ".join(failures) + ".")
     load = result.get("machine", {}).get("load_average_1_5_15")
     if load:
-        parts.append(f"The machine's load average was {load[0]} (1 min) on "
-                     f"{result['machine']['cores']} cores, so wall-clock numbers (tok/s, TTFT, "
-                     "TPOT) carry other processes' noise; tokens per CPU-second is the steadier "
-                     "comparison.")
-    return " ".join(parts)
+        parts.append(f"Load average {load[0]} (1 min) on {result['machine']['cores']} cores: "
+                     "wall-clock numbers (tok/s, TTFT, TPOT) carry other processes' noise; tokens "
+                     "per CPU-second is the steadier comparison.")
+    return parts
+
+
+def _span(values, fmt: str = "{:.1f}") -> str:
+    """"lo-hi", or one number when they are equal as printed."""
+    values = list(values)
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def summary(result: dict) -> str:
+    """The bullets as one paragraph, for the terminal."""
+    return " ".join(summary_bullets(result))
 
 
 def _release_against_keep(result: dict) -> list[str]:
@@ -273,8 +302,8 @@ def _release_against_keep(result: dict) -> list[str]:
             kv, fit, preempted = ({v: _metric(result, w, v, key)["median"] for v in (base, keep)}
                                   for key in ("peak_kv_bytes_per_request", "requests_fit", "preemptions"))
             pairs.append(f"{base} holds {kv[base] / 1024:.0f} KiB per request releasing (the "
-                         f"pool fits {fit[base]:.0f}), {kv[keep] / 1024:.0f} KiB "
-                         f"({kv[keep] / kv[base]:.2f}x) keeping every block ({keep}: fits "
+                         f"pool fits {fit[base]:.0f}), {kv[keep] / 1024:.0f} KiB keeping every "
+                         f"block ({kv[keep] / kv[base]:.2f}x as much; {keep}: fits "
                          f"{fit[keep]:.0f}, {preempted[keep]:.0f} preemptions)")
         if pairs:
             sentences.append(f"On {w}, {'; '.join(pairs)}.")
@@ -300,9 +329,9 @@ def markdown(result: dict) -> str:
              f"{config.get('workload_tokens_per_page', 16)} tokens; "
              f"whole run {result['runtime_s']:.0f} s."), "",
              "## Results", "", markdown_table(result), "",
-             "## Summary", "", summary(result), "",
+             "## Summary", "", *(f"- {line}" for line in summary_bullets(result)), "",
              "## Variants", ""]
-    lines += [f"- `{name}`: kv_backend={v['kv_backend']}, layout={v['layout']} — {v['description']}"
+    lines += [f"- `{name}`: kv_backend={v['kv_backend']}, layout={v['layout']} — {_description(name, v)}"
               for name, v in result["variants"].items()]
     lines += ["", "## Workloads", ""]
     for name, w in result["workloads"].items():
@@ -328,10 +357,16 @@ def markdown(result: dict) -> str:
               "operations on the step thread (admission, prefix queries, growth, commit, free, "
               "fork, preemption, block tables, inline mapping) plus that wait, over step time; "
               "both timed by the library (`vmemkv.KVMetricsCollector`). attn %: attention (K/V write, "
-              "gather for paged, SDPA) over step time."),
+              "any gather of paged blocks, the kernel) over step time."),
               "", "## Machine", ""]
     lines += [f"- {key}: {value}" for key, value in machine.items()]
     return "\n".join(lines) + "\n"
+
+
+def _description(name: str, recorded: dict) -> str:
+    """The variant's text as the code says it now (a result rendered again from its ab.json gets
+    the current wording); a variant the code no longer has keeps its recorded text."""
+    return VARIANTS[name].description if name in VARIANTS else recorded["description"]
 
 
 def _grouped_bars(ax, result: dict, key: str, scale: float = 1.0, log: bool = False,

@@ -21,17 +21,22 @@ class Variant:
                 "release_behind_window": self.release}
 
 
+# How a block-table variant's blocks are read (attention/paged.py); the A/B summary says which
+# of these ran.
+PAGED_READS = ("the native CPU routines and the GPU kernels read the blocks in place; SDPA reads "
+               "them gathered into a copy")
+
 VARIANTS: dict[str, Variant] = {
     "vmem": Variant("vmem", "vmem", "token_major",
                     "virtually contiguous slots, token-major pages (all layers of each token)"),
     "paged": Variant("paged", "paged", "token_major",
-                     "block tables over the same pool (blocks gathered into a copy for CPU SDPA)"),
+                     f"block tables over the same pool ({PAGED_READS})"),
     "vmem-per-layer": Variant("vmem-per-layer", "vmem", "per_layer",
                               "virtually contiguous, vAttention's per-layer K/V tensors "
                               "(2 x layers map calls per page)"),
     "paged-per-layer": Variant("paged-per-layer", "paged", "per_layer",
                                "block tables over the per-layer pool (the same bytes as "
-                               "vmem-per-layer; blocks gathered into a copy for CPU SDPA)"),
+                               f"vmem-per-layer; {PAGED_READS})"),
     # The baselines for sliding-window models: O(length) KV per request, as without release.
     "vmem-keep": Variant("vmem-keep", "vmem", "token_major",
                          "vmem keeping every block: no release behind a sliding window, local "
