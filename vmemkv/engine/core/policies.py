@@ -25,11 +25,12 @@ if TYPE_CHECKING:
 
 
 def _sort_key(seq: "Sequence") -> tuple:
-    return seq.sort_key()  # higher priority (lower value) first, then earlier arrival
+    """``Sequence.sort_key`` (whose module loads torch): lower priority value, then arrival."""
+    return seq.sort_key()
 
 
 class PriorityNotSupportedError(InvalidInputError):
-    """A request priority other than 0 under a policy that does not order by priority."""
+    """A request priority other than 0 under a policy other than ``priority`` (as vLLM refuses it)."""
 
 
 class SchedulingPolicy:
@@ -50,7 +51,7 @@ class SchedulingPolicy:
         if priority != 0 and not self.accepts_priority:
             raise PriorityNotSupportedError(
                 f"request {request_id!r} has priority {priority}, but the scheduling policy is "
-                f"{self.name!r}, which does not order by priority (only 0 is accepted): start the "
+                f"{self.name!r}, which takes no priority from requests (only 0): start the "
                 "engine with --policy priority (policy='priority') to set priorities")
 
     def order_waiting(self, waiting: list["Sequence"]) -> None:
