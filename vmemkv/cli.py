@@ -15,6 +15,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from vmemkv.engine.core.policies import POLICIES
+
 
 # The EngineConfig defaults that the engine options' help shows, written out here because
 # EngineConfig's module loads torch and transformers, which --help must not wait for (seconds).
@@ -108,9 +110,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="CPU: run the linear layers with F.linear instead of on packed weights (the "
                             "native panel kernel in float32, else oneDNN; packed by default for a "
                             "model loaded by name)")
-    group.add_argument("--policy", default=None, choices=["fcfs", "priority", "lpm"],
-                       help="admission order: lpm (the default: longest cached prefix first, priority "
-                            "still first, a request passed over N steps goes next), priority, or fcfs")
+    group.add_argument("--policy", default=None, choices=list(POLICIES),
+                       help="admission order: lpm (the default: longest cached prefix first, a request "
+                            "passed over N steps goes next), priority (lower value first; the only "
+                            "policy under which requests may set a priority), or fcfs")
     group.add_argument("--lpm-max-passed-over", type=int, default=None,
                        help="lpm: steps a waiting request can be passed over before it goes next "
                             "(default 8; 0 is FCFS)")

@@ -81,7 +81,8 @@ def add_ab_arguments(parser: argparse.ArgumentParser) -> None:
                              "Hub id (owner/name) already in the local Hugging Face cache. Models "
                              "load in float32")
     parser.add_argument("--seed", type=int, default=0, help="workload and model seed")
-    parser.add_argument("--policy", default="fcfs", choices=["fcfs", "priority", "lpm"],
+    from vmemkv.engine.core.policies import POLICIES  # the registry: no torch
+    parser.add_argument("--policy", default="fcfs", choices=list(POLICIES),
                         help="scheduling policy, the same for every variant (default fcfs; lpm: "
                              "longest cached prefix first, see the prefix-groups workload)")
     parser.add_argument("--host-cache-bytes", type=int, default=0,

@@ -18,6 +18,7 @@ import torch
 from vmemkv.cache.config import CacheConfig
 from vmemkv.errors import ConfigError
 from vmemkv.engine.models.hf_support import cache_config_for, model_length_limit, uniform_chunk
+from vmemkv.engine.core.policies import POLICIES, policy_names
 from vmemkv.engine.core.threads import check_threads
 
 logger = logging.getLogger(__name__)
@@ -56,9 +57,11 @@ class EngineConfig:
     # host memory for the prefix cache's host tier (evicted cached pages wait there); 0: none
     host_cache_bytes: int = CacheConfig.host_cache_bytes
     seed: int = 0
-    # "lpm": longest cached prefix first (engine/lpm.py), priority still first; a request passed
-    # over in lpm_max_passed_over steps goes next; only the first lpm_window waiting are ranked
-    policy: Literal["fcfs", "priority", "lpm"] = "lpm"
+    # The scheduling policy, a name in POLICIES (engine/core/policies.py): "fcfs", "priority" (the
+    # only one under which a request may set its priority) or "lpm": longest cached prefix first
+    # (engine/core/lpm.py); a request passed over in lpm_max_passed_over steps goes next; only the
+    # first lpm_window waiting are ranked
+    policy: str = "lpm"
     lpm_max_passed_over: int = 8
     lpm_window: int = 128
     watermark: float = 0.01  # fraction of blocks kept free at admission to avoid instant preemption
@@ -129,8 +132,8 @@ class EngineConfig:
                               "max_model_len at least 2")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ConfigError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
-        if self.policy not in ("fcfs", "priority", "lpm"):
-            raise ConfigError(f"policy must be fcfs, priority or lpm, got {self.policy!r}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be {policy_names()}, got {self.policy!r}")
         if (type(self.lpm_max_passed_over) is not int or self.lpm_max_passed_over < 0
                 or type(self.lpm_window) is not int or self.lpm_window < 1):
             raise ConfigError(f"lpm_max_passed_over must be an int >= 0 and lpm_window an int >= 1; "

@@ -12,6 +12,7 @@ from vmemkv.engine.core.llm_engine import LLMEngine, run_to_completion
 from vmemkv.engine.core.outputs import RequestOutput
 from vmemkv.engine.core.sampling_params import SamplingParams
 from vmemkv.engine.core.threads import default_threads
+from vmemkv.errors import InvalidInputError
 
 
 class LLM:
@@ -30,8 +31,9 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (text, or a list of token ids); outputs in prompt order.
+        ``priority``: one int per prompt, lower first (as vLLM's; only with ``policy="priority"``).
         Raises ``RequestTooLongError`` before anything runs if a prompt with its ``max_tokens``
         does not fit in ``max_model_len`` (as vLLM's server answers 400)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -42,11 +44,24 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = [str(next(self._ids)) for _ in prompts]
         requests = list(zip(ids, prompts, params))
+        priorities = self._priorities(priority, ids)
         for request in requests:  # all before any runs: a refused one leaves the engine as it was
             self.engine.check_request(*request)
         with tqdm(total=len(prompts), desc="generating", disable=not use_tqdm) as progress:
-            final = run_to_completion(self.engine, requests, progress)
+            final = run_to_completion(self.engine, requests, progress, priorities)
         return [final[i] for i in ids]
+
+    def _priorities(self, priority: list[int] | None, ids: list[str]) -> list[int] | None:
+        """``priority`` checked whole before any request is added, so a refusal adds none."""
+        if priority is None:
+            return None
+        if not isinstance(priority, (list, tuple)) or len(priority) != len(ids):
+            count = len(priority) if isinstance(priority, (list, tuple)) else type(priority).__name__
+            raise InvalidInputError(f"priority must be a list of one int per prompt: {len(ids)} "
+                                    f"prompts, priority has {count}")
+        for request_id, value in zip(ids, priority):
+            self.engine.check_priority(request_id, value)
+        return list(priority)
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -177,6 +177,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, keys: CacheKeys | None = None) -> None:
         params = params or SamplingParams()
+        self.check_priority(request_id, priority)
         self.elastic.check_awake()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -205,6 +206,10 @@ class LLMEngine:
 
     def _token_ids(self, prompt: str | list[int]) -> list[int]:
         return list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+
+    def check_priority(self, request_id: str, priority: int) -> None:
+        """Refuse a priority the scheduling policy would ignore (``policies.py``)."""
+        self.scheduler.policy.check_priority(request_id, priority)
 
     def _validate_prompt(self, request_id: str, token_ids: list[int]) -> None:
         if not token_ids:
@@ -370,10 +375,11 @@ class LLMEngine:
 
 
 def run_to_completion(engine: LLMEngine, requests: Seq[tuple[str, str | list[int], SamplingParams]],
-                      progress=None) -> dict[str, RequestOutput]:
-    """Add the requests, step until all finish, return each request's final output."""
-    for request_id, prompt, params in requests:
-        engine.add_request(request_id, prompt, params)
+                      progress=None, priorities: Seq[int] | None = None) -> dict[str, RequestOutput]:
+    """Add the requests (with ``priorities``, one per request, if given), step until all finish,
+    return each request's final output."""
+    for index, (request_id, prompt, params) in enumerate(requests):
+        engine.add_request(request_id, prompt, params, priorities[index] if priorities else 0)
     final: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
         for output in engine.step():

@@ -8,7 +8,8 @@ Each step the scheduler offers waiting requests for admission in the order this 
   the queue. Each is asked ``manager.match_prefix(kv)``: its block-hash chain is extended the
   first time and never recomputed, so after that a request costs one hash-table lookup per cached
   block (and one for the first miss) per step.
-* **Order.** Priority first (a priority the user sets outranks the cache); then overdue requests
+* **Order.** Priority first (a sequence's priority outranks the cache; users set one only under
+  ``--policy priority``, ``policies.py``); then overdue requests
   (below) in arrival order; then the longest cached prefix; then arrival.
 * **In-batch sharing.** A request whose next uncached block is being computed by a running
   request (a prefill under way, or one admitted earlier in the same step) is held back; once that

@@ -1,15 +1,16 @@
-"""Scheduling policy: who runs this step, with how many tokens, and who is preempted.
+"""The scheduler: who runs this step, with how many tokens, and who is preempted.
 
 Continuous batching under a per-step token budget (prefill is chunked to fit it). Each step:
-running sequences first, in priority order; when one cannot grow, the lowest-priority, latest
-sequence is preempted (swap or recompute, as configured) until it can. Then swapped sequences come
-back; then, only if none are left swapped, waiting sequences are admitted while slots, the budget
-and a free-block watermark allow: in arrival order (FCFS), by priority then arrival
-(``priority``), or longest cached prefix first with a bound on how long a request is passed over
-(``lpm``, ``lpm.py``). Then the step's KV plan is completed: a request whose prompt completes
-this step gets its other ``n - 1`` sequences planned as forks (a slot each and a copy of the
-prompt's partial last block, from what admission left and above the watermark; children without
-room wait as new requests), and decoding sequences about to cross a block boundary get their next
+running sequences first, in priority order; when one cannot grow, the policy's victim (the
+lowest-priority, latest sequence) is preempted (swap or recompute, as configured) until it can.
+Then swapped sequences come back; then, only if none are left swapped, waiting sequences are
+admitted while slots, the budget and a free-block watermark allow, in the order the scheduling
+policy gives (``policies.py``): arrival (``fcfs``), priority then arrival (``priority``), or
+longest cached prefix first with a bound on how long a request is passed over (``lpm``,
+``lpm.py``). Then the step's KV plan is completed: a request whose prompt completes this step
+gets its other ``n - 1`` sequences planned as forks (a slot each and a copy of the prompt's
+partial last block, from what admission left and above the watermark; children without room
+wait as new requests), and decoding sequences about to cross a block boundary get their next
 block as lookahead (slots only), for the runner to map during the forward.
 
 The plan (``SchedulerOutput``) is carried out by the runner (the forward, the lookahead mapping)
@@ -29,7 +30,7 @@ from typing import Callable
 from vmemkv.errors import MappingLimitError
 from vmemkv.engine.core.kv_manager import KVManager
 from vmemkv.engine.core.config import EngineConfig
-from vmemkv.engine.core.lpm import LongestPrefixFirst
+from vmemkv.engine.core.policies import POLICIES
 from vmemkv.engine.core.sequence import Sequence, SequenceStatus
 from vmemkv.memory.slots import MapJob
 
@@ -80,9 +81,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._forks: list[Fork] = []  # planned last step: forked at the start of the next
         self.watermark_blocks = int(config.watermark * manager.num_blocks)
-        # --policy lpm: cache-aware admission order with a starvation bound (lpm.py)
-        self.lpm = (LongestPrefixFirst(manager, config.lpm_window, config.lpm_max_passed_over)
-                    if config.policy == "lpm" else None)
+        self.policy = POLICIES[config.policy](config, manager)  # admission order, whom to preempt
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -100,8 +99,7 @@ class Scheduler:
         self._fork_planned()
         out = SchedulerOutput([], [])
         budget = self.config.max_num_batched_tokens
-        if self.config.policy in ("priority", "lpm"):
-            self.waiting.sort(key=Sequence.sort_key)
+        self.policy.order_waiting(self.waiting)
         self.running.sort(key=Sequence.sort_key)
         budget = self._schedule_running(budget, out)
         budget = self._schedule_swapped(budget, out)
@@ -129,7 +127,7 @@ class Scheduler:
             kv = seq.kv
             count = min(len(kv.token_ids) - kv.num_computed_tokens, budget)  # seq.num_uncomputed
             while not self._allocate(seq, count):
-                victim = self.running[-1]
+                victim = self.policy.victim(self.running)
                 problem = self._never_fits(seq, seq.num_computed + count) if victim is seq else None
                 if problem is not None:
                     self.running.remove(seq)
@@ -191,13 +189,13 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         if not self.waiting or budget <= 0 or not self.manager.num_free_slots:
             return  # no one can be admitted (nor passed over)
-        lpm = self.lpm
+        policy = self.policy
         admitted: list[Sequence] = []
-        for seq in self._head_of_queue() if lpm is None else lpm.order(self.waiting, self.running):
+        for seq in policy.admission_order(self.waiting, self.running):
             if budget <= 0 or not self.manager.num_free_slots:
                 break
-            if lpm is not None and lpm.holds_back(seq):
-                continue  # its next block is being computed: it will hit it instead
+            if policy.holds_back(seq):
+                continue  # lpm: its next block is being computed: it will hit it instead
             # what it will hold at most: with a sliding window, blocks behind it are released
             needed = self.manager.blocks_for_tokens(len(seq.token_ids), self.config.max_num_batched_tokens)
             if self.running and self.manager.num_free_blocks - needed < self.watermark_blocks:
@@ -226,10 +224,8 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, count))
             budget -= count
             admitted.append(seq)
-            if lpm is not None:
-                lpm.admitted(seq, cached)
-        if lpm is not None:
-            lpm.end_step(admitted)
+            policy.admitted(seq, cached)
+        policy.end_step(admitted)
 
     # --- forks of n > 1 ------------------------------------------------------------------------------
     def _fork_planned(self) -> None:
@@ -306,11 +302,6 @@ class Scheduler:
                     and kv.num_computed_tokens >= seq.num_prompt_tokens):
                 decoding.append(kv)
         return self.manager.allocate_lookahead(decoding, margin, keep_free) if decoding else []
-
-    def _head_of_queue(self):
-        """FCFS and priority: the waiting queue's head, until the loop stops taking it away."""
-        while self.waiting:
-            yield self.waiting[0]
 
     # --- mechanics -------------------------------------------------------------------------------
     def _allocate(self, seq: Sequence, count: int) -> bool:

@@ -53,6 +53,7 @@ from vmemkv.engine.serving.openai_protocol import (MAX_LOGPROBS, ChatCompletionR
                                                    error_body, error_response)
 from vmemkv.engine.serving.openai_stream import EventStreamResponse, chat_events, completion_events
 from vmemkv.engine.core.outputs import RequestOutput
+from vmemkv.engine.core.policies import PriorityNotSupportedError
 from vmemkv.engine.core.sampling_params import SamplingParams
 
 __all__ = ["OpenAIError", "build_app", "error_body", "run_server"]
@@ -241,7 +242,7 @@ class _Server:
         params = sampling_params(body, prompt_ids, body.max_tokens, body.logprobs,
                                  self.engine.max_model_len)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        outputs, first = await self._start(request_id, prompt_ids, params, keys)
+        outputs, first = await self._start(request_id, prompt_ids, params, keys, body.priority)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return EventStreamResponse(completion_events(
@@ -268,7 +269,7 @@ class _Server:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, prompt_ids, max_tokens, logprobs, self.engine.max_model_len)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs, first = await self._start(request_id, prompt_ids, params, keys)
+        outputs, first = await self._start(request_id, prompt_ids, params, keys, body.priority)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return EventStreamResponse(chat_events(
@@ -285,15 +286,18 @@ class _Server:
             "usage": usage(final)})
 
     async def _start(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     keys: CacheKeys) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
+                     keys: CacheKeys, priority: int
+                     ) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
         """Add the request and wait for its first output, so that add_request's errors become
         an HTTP error before any streamed byte is sent."""
-        outputs = self.engine.generate(request_id, prompt_ids, params,
+        outputs = self.engine.generate(request_id, prompt_ids, params, priority,
                                        keys=None if keys == CacheKeys() else keys)
         try:
             first = await anext(outputs)
         except EngineAsleepError as exc:
             raise OpenAIError(503, str(exc), type="server_error") from exc
+        except PriorityNotSupportedError as exc:  # not under --policy priority
+            raise OpenAIError(400, str(exc), param="priority") from exc
         except ValueError as exc:  # RequestTooLongError is a ValueError too
             raise OpenAIError(400, str(exc), param="prompt") from exc
         except EngineDeadError as exc:
