@@ -16,7 +16,7 @@ Results go to ``--out``; without it, each run to a folder of its own,
 ``experiments/results/local/ab/<date>-<time>-<workloads>/``, with ``experiments/results/local/ab/latest``
 linking to the last one (git ignores all of it, so a run never overwrites the recorded results nor
 an earlier local run; ``--out experiments/results/ab`` records one, replacing what is there): ``ab.md``,
-``ab.json`` and PNG plots (skipped with ``--no-plots`` or without matplotlib). The workloads are sized for the engine's real
+``ab.json`` and PNG plots (skipped with ``--no-plots``). The workloads are sized for the engine's real
 page (``tokens_per_page`` of each variant's KV layout: 16 on CPU by default, 1024 for tiny-llama
 in fp32 on 2 MiB CUDA pages). The exit status is 1 when a check fails (greedy tokens differ
 between variants, the pressure workload never preempts, a sliding-window workload (window,
@@ -69,7 +69,7 @@ def add_ab_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default: a new folder per run under {DEFAULT_OUT}, untracked, "
                              f"with {DEFAULT_OUT}/{LATEST} linking to the last; '' writes nothing)")
     parser.add_argument("--no-plots", action="store_true",
-                        help="write ab.md and ab.json only (plots also need matplotlib)")
+                        help="write ab.md and ab.json only, no PNG plots")
     parser.add_argument("--tokens-per-page", type=int, default=None,
                         help="ask the engine for pages of this many tokens (on CUDA a page is "
                              "at least 2 MiB); the workloads are sized for the page the engine "

@@ -10,7 +10,6 @@ import json
 import math
 import os
 import platform
-import sys
 from pathlib import Path
 
 from vmemkv.ab.variants import VARIANTS
@@ -440,21 +439,15 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
 
 
 def write_all(result: dict, out_dir: str | Path, plots: bool = True) -> list[Path]:
-    """``ab.md``, ``ab.json`` and (with ``plots`` and matplotlib importable) the PNG plots under
-    ``out_dir``; returns their paths. Without matplotlib the plots are skipped with a note on
-    stderr: the numbers matter more than the pictures."""
+    """``ab.md``, ``ab.json`` and (with ``plots``) the PNG plots under ``out_dir``; returns their
+    paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ab.json").write_text(to_json(result) + "\n")
     (out / "ab.md").write_text(markdown(result))
     paths = [out / "ab.md", out / "ab.json"]
     if plots:
-        try:
-            import matplotlib  # noqa: F401 -- only to know whether plots can be drawn
-        except ImportError as exc:
-            print(f"vmemkv ab: plots skipped, matplotlib is not importable ({exc})", file=sys.stderr)
-        else:
-            paths += write_plots(result, out)
+        paths += write_plots(result, out)
     return paths
 
 
