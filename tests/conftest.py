@@ -32,13 +32,14 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
-def _measurements_kept_per_test(tmp_path, monkeypatch):
+def _measurements_kept_per_test(tmp_path_factory, monkeypatch):
     """Each test measures afresh into its own file (an engine's start-up timings,
     engine/models/machine_cache.py): no test reads the user's cache or another test's times, some
     of which are made up by monkeypatching."""
     from vmemkv.engine.models import machine_cache
 
-    monkeypatch.setattr(machine_cache, "cache_file", lambda: tmp_path / "measured.json")
+    path = tmp_path_factory.mktemp("measured") / "measured.json"  # not in the test's own tmp_path
+    monkeypatch.setattr(machine_cache, "cache_file", lambda: path)
 
 
 # The ~400,000 objects that importing torch, transformers and triton (and collecting the tests)
