@@ -99,7 +99,7 @@ class Scheduler:
                  new_fork: Callable[[Sequence, int], Sequence] | None = None,
                  lookahead_tokens: int = 0):
         self.config = config
-        self.manager = manager  # the engine's only reference to it
+        self.manager = manager  # the one engine part holding it (the lpm policy reads prefix hits too)
         self.kv_step = KVStep(manager)  # what every plan lets the runner and postprocessor do
         self.new_fork = new_fork
         self.lookahead_tokens = lookahead_tokens
