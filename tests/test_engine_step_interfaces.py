@@ -28,6 +28,24 @@ def test_the_engines_manager_satisfies_the_protocol_and_a_workers_view_its_views
     engine.close()
 
 
+def test_the_scheduler_is_the_one_part_holding_the_manager():
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_num_seqs=2, max_model_len=64, lookahead_tokens=4))
+    manager = engine.manager
+    assert manager is engine.scheduler.manager
+    parts = {"engine": engine, "runner": engine.runner, "lookahead": engine.runner.lookahead,
+             "addressing": engine.addressing, "postprocessor": engine.postprocessor,
+             "elastic": engine.elastic, "metrics": engine.metrics}
+    holders = [name for name, part in parts.items()
+               if any(value is manager or getattr(value, "__self__", None) is manager
+                      for value in vars(part).values())]
+    assert holders == []
+    with pytest.raises(AttributeError):
+        engine.manager = manager  # read-only: the scheduler's
+    plan = engine.scheduler.schedule()  # the plan carries what the runner and postprocessor do
+    assert plan.kv is engine.scheduler.kv_step and not hasattr(plan.kv, "admit")
+    engine.close()
+
+
 def test_the_factory_gives_a_hybrid_model_one_group_per_kind_of_layer_unless_told_not_to():
     model = build("gemma2")
     config = EngineConfig(model="tiny-gemma2", max_num_seqs=2, max_model_len=96, tokens_per_page=4)
@@ -74,7 +92,7 @@ def scheduler_on():
 def carry_out(scheduler: Scheduler, plan, token: int = 99) -> None:
     """What the runner and the postprocessor do with a plan (no forward): commit, and each
     sequence whose prompt is computed and each planned child samples a token."""
-    scheduler.manager.commit_all([item.seq.kv for item in plan.scheduled])
+    plan.kv.commit(plan.scheduled)
     for item in plan.scheduled:
         kv = item.seq.kv
         if kv.num_computed_tokens == len(kv.token_ids):

@@ -57,6 +57,51 @@ def test_cache_stats_is_a_copy(make_manager):
     assert m.cache_stats().forks == 1
 
 
+def test_pool_usage_and_growth_are_answered_per_pool_without_changing_anything(make_manager):
+    from conftest import manager_state
+
+    m = make_manager()
+    assert m.pool_usage() == [(0, 10, 0, m.block_bytes)]  # in use, free, copied, block bytes
+    m.admit("a", list(range(9)))  # 3 blocks of 4 tokens
+    m.admit("b", list(range(100, 104)))  # 1 full block
+    m.commit("a")
+    m.commit("b")
+    before = manager_state(m)
+    # a: 9 -> 13 tokens takes a fourth block; b: 4 -> 5 a second one; nothing for 0 tokens
+    assert m.blocks_to_grow(["a", "b"], [4, 1]) == [2]
+    assert m.blocks_to_grow([m.request("a")], [0]) == [0] and m.blocks_needed("a", 4) == 1
+    usage = m.pool_usage()
+    assert [(p.blocks_in_use, p.blocks_free) for p in usage] == [(4, 6)]
+    assert sum(p.blocks_in_use * p.block_bytes for p in usage) == m.kv_bytes_in_use
+    for bad in ((["a", "b"], [1]), ("a", [1]), (["a"], [-1])):
+        with pytest.raises(InvalidInputError):
+            m.blocks_to_grow(*bad)
+    assert manager_state(m) == before, "a query changed the cache"
+    assert m.fork("a", "c")  # copies a's partial last block
+    assert m.pool_usage()[0].blocks_copied == 1
+
+
+def test_fragmentation_is_the_blocks_bytes_past_the_tokens_they_hold(make_manager):
+    m = make_manager()
+    assert m.fragmentation([]) == (0, 0)
+    m.admit("a", list(range(9)))  # 9 tokens in 3 blocks of 4
+    a = m.request("a")
+    token_bytes = m.layout.token_bytes
+    assert m.fragmentation([a]) == (3 * m.block_bytes - 9 * token_bytes, 9 * token_bytes)
+
+
+def test_the_views_a_manager_gives_its_readers_only_read(make_manager):
+    from vmemkv.engine.core.kv_manager import KVViews
+
+    m = make_manager()
+    views = m.views()
+    assert isinstance(views, KVViews)
+    assert (views.config, views.layout, views.tokens_per_page) == (m.config, m.layout, m.tokens_per_page)
+    assert views.layout_groups == m.layout_groups and views.layer_group(0) is m.layer_group(0)
+    assert all(got.data_ptr() == want.data_ptr() for got, want in zip(views.kv_views(1), m.kv_views(1)))
+    assert not any(hasattr(views, name) for name in ("admit", "allocate", "commit_all", "free", "memories"))
+
+
 def _fake_model(**text):
     config = types.SimpleNamespace(num_hidden_layers=3, num_attention_heads=8, hidden_size=256,
                                    vocab_size=100, **text)

@@ -151,10 +151,9 @@ class _RowBookkeeping:
         every row or none (each row's ids checked and each group's blocks counted first)."""
         end = self._length + count
         growth = [self._growth(i, row.kv, end, ids) for i, row in enumerate(self._rows)]
-        needed = [sum(group.grow_needs(row.kv.allocations[group.index], grow)
-                      for group in memory.groups for row, (grow, _) in zip(self._rows, growth))
-                  for memory in self.manager.memories]  # each pool, for every group drawing from it
-        if any(blocks > memory.pool.num_free for blocks, memory in zip(needed, self.manager.memories)):
+        # each pool's blocks for every row, in every group drawing from it
+        needed = self.manager.blocks_to_grow([row.kv for row in self._rows], [grow for grow, _ in growth])
+        if any(blocks > pool.blocks_free for blocks, pool in zip(needed, self.manager.pool_usage())):
             raise OutOfBlocksError(
                 f"growing {len(self._rows)} row(s) to {end} positions needs {max(needed)} more "
                 f"block(s); {blocks_free(self.manager)}. Release rows or give the manager more "
@@ -184,19 +183,17 @@ class _RowBookkeeping:
     def _reorder(self, targets: list[int], sources: list[int]) -> None:
         """Rows ``targets[i]`` become copies of rows ``sources[i]`` (as they were)."""
         kvs = [row.kv for row in self._rows]
-        memories = self.manager.memories
-        before = [(memory.pool.num_in_use, sum(group.blocks_copied for group in memory.groups))
-                  for memory in memories]
+        before = self.manager.pool_usage()
         if not self.manager.reorder([kvs[t] for t in targets], [kvs[s] for s in sources]):
             raise OutOfBlocksError(
                 f"reordering {len(targets)} rows needs blocks for the copied partial blocks; "
                 f"{blocks_free(self.manager)}; give the manager more num_blocks")
         # the copies were held next to the blocks they replaced, within the call
-        held = [in_use + sum(group.blocks_copied for group in memory.groups) - copied
-                for memory, (in_use, copied) in zip(memories, before)]
+        after = self.manager.pool_usage()
+        held = [now.blocks_in_use + now.blocks_copied - then.blocks_copied for now, then in zip(after, before)]
         self.peak_pages_in_use = max(self.peak_pages_in_use, held[0])
         self.peak_kv_bytes = max(self.peak_kv_bytes,
-                                 sum(count * memory.layout.block_bytes for count, memory in zip(held, memories)))
+                                 sum(count * pool.block_bytes for count, pool in zip(held, after)))
         # each row keeps its KVRequest (the manager copied the source's content into it); the
         # mask travels with the content
         masks = [row.masked for row in self._rows]

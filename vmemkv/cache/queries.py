@@ -8,7 +8,7 @@ construction and the operations that change the cache).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -19,6 +19,7 @@ from vmemkv.cache.hashing import CacheKeys
 from vmemkv.cache.manager_state import ManagerState
 from vmemkv.cache.metrics import timed
 from vmemkv.cache.request import KVRequest
+from vmemkv.errors import InvalidInputError
 
 class GroupReads:
     """``SlotReads`` over every layer group: a batch of consecutive slots is read in one call
@@ -35,6 +36,32 @@ class GroupReads:
         for group in self.groups:
             group.release_reads()
 
+
+
+class PoolUsage(NamedTuple):
+    """One pool's blocks (``KVCacheManager.pool_usage``; the pools in ``memories`` order)."""
+
+    blocks_in_use: int  # held by requests
+    blocks_free: int  # clean and cached ones
+    blocks_copied: int  # copy-on-write copies its layer groups have made so far
+    block_bytes: int
+
+
+class KVCacheViews:
+    """What a step's addressing and attention read of a manager (``KVViews``): the layout, the
+    layer groups and the views over the pools, and nothing that changes the cache
+    (``KVCacheManager.views()``)."""
+
+    def __init__(self, manager: "ManagerQueries"):
+        self._manager = manager
+        # the manager's own bound methods: attention calls kv_views once per layer per step
+        self.layer_group, self.kv_views = manager.layer_group, manager.kv_views
+        self.block_views, self.batched_reads = manager.block_views, manager.batched_reads
+
+    config = property(lambda self: self._manager.config)
+    layout = property(lambda self: self._manager.layout)
+    tokens_per_page = property(lambda self: self._manager.tokens_per_page)
+    layout_groups = property(lambda self: self._manager.layout_groups)
 
 
 class ManagerQueries(ManagerState):
@@ -103,12 +130,46 @@ class ManagerQueries(ManagerState):
     def blocks_needed(self, request: "KVRequest | str", num_new_tokens: int) -> int:
         """New blocks of the first group's pool for ``num_new_tokens`` more positions (as many
         for every group drawing from it)."""
-        req = self._running(request)
-        num_new_tokens = check.count(num_new_tokens, "num_new_tokens")
-        return sum(group.grow_needs(req.allocations[group.index], num_new_tokens)
-                   for group in self.memories[0].groups)
+        return self.blocks_to_grow([request], [num_new_tokens])[0]
+
+    def blocks_to_grow(self, requests: "Sequence[KVRequest | str]", counts: Sequence[int]) -> list[int]:
+        """For each pool (``pool_usage`` order): the new blocks growing each running request
+        ``requests[i]`` by ``counts[i]`` positions takes, in every group drawing from the pool
+        (an all-or-nothing check of several requests' growth against ``blocks_free``)."""
+        reqs = self._running_list(requests, "requests")
+        if len(reqs) != len(counts):
+            raise InvalidInputError(f"{len(reqs)} requests but {len(counts)} counts; pass one count "
+                                    "per request")
+        counts = [check.count(count, "num_new_tokens") for count in counts]
+        return [sum(group.grow_needs(req.allocations[group.index], count)
+                    for group in memory.groups for req, count in zip(reqs, counts))
+                for memory in self.memories]
+
+    def fragmentation(self, requests: "Sequence[KVRequest]") -> tuple[int, int]:
+        """(Bytes of the blocks in use beyond the bytes the tokens of ``requests`` fill, those
+        bytes): each pool counted with its own blocks and clipped at zero; tokens in blocks
+        given back behind a window are neither. An estimate: blocks in use include lookahead
+        blocks and swapped requests' shared ones, and a prefix shared by several requests is one
+        block but counted in each one's tokens."""
+        wasted = stored = 0
+        for memory in self.memories:  # a pool and the groups drawing from it
+            layout = memory.layout
+            tokens = sum(kv.num_tokens - kv.group_released_blocks(group.index) * layout.tokens_per_page
+                         for group in memory.groups for kv in requests)
+            held = tokens * layout.token_bytes
+            wasted += max(memory.pool.num_in_use * layout.block_bytes - held, 0)
+            stored += held
+        return wasted, stored
 
     # --- sizes and counts (what a scheduler or an adapter asks instead of reading the parts) -----
+    def pool_usage(self) -> list[PoolUsage]:
+        """Each pool's blocks in use, free and copied, and its block bytes (one pool for most
+        models; a hybrid model's groups of different block bytes have one each)."""
+        self._check_open()
+        return [PoolUsage(memory.pool.num_in_use, memory.pool.num_free,
+                          sum(group.blocks_copied for group in memory.groups), memory.layout.block_bytes)
+                for memory in self.memories]
+
     @property
     def num_blocks(self) -> int:
         """Blocks (logical pages) in the first group's pool (every group's, when they share one)."""
@@ -210,6 +271,11 @@ class ManagerQueries(ManagerState):
         return GroupReads([group.slots for group in self.groups], self.config.num_layers)
 
     # --- what attention and the engine read ---------------------------------------------------
+    def views(self) -> KVCacheViews:
+        """A read-only view of this manager for a step's addressing and attention."""
+        self._check_open()
+        return KVCacheViews(self)
+
     def kv_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Model layer ``layer``'s K and V over every slot, ``[num_slots, max_model_len, kv_heads,
         dim]``, from its group's virtual tensors (vmem only). Touch only positions below a

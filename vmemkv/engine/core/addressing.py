@@ -23,12 +23,14 @@ from vmemkv.engine.core.kv_manager import KVViews
 
 
 class Addressing:
-    """One sequence's span of the packed batch, and the step's attention over all spans."""
+    """One sequence's span of the packed batch, and the step's attention over all spans.
+    ``views``: what it reads of the KV cache (``KVCacheManager.views()``, read-only: the
+    addressing holds no manager)."""
 
     uses_lookahead = False  # decoding sequences get their next block mapped during the forward
 
-    def __init__(self, manager: KVViews, device, choice: AttentionChoice, share_prefixes: bool = False):
-        self.manager = manager
+    def __init__(self, views: KVViews, device, choice: AttentionChoice, share_prefixes: bool = False):
+        self.views = views
         self.device = device
         self.choice = choice
         # decoding sequences that hold the same leading blocks read them once (the CPU's routine)
@@ -48,26 +50,26 @@ class SlotAddressing(Addressing):
 
     uses_lookahead = True
 
-    def __init__(self, manager: KVViews, device, choice: AttentionChoice, share_prefixes: bool = False):
+    def __init__(self, views: KVViews, device, choice: AttentionChoice, share_prefixes: bool = False):
         # the spans carry block tables for that, which a hybrid's layout groups do not share
-        super().__init__(manager, device, choice, share_prefixes and len(manager.layout_groups) == 1)
+        super().__init__(views, device, choice, share_prefixes and len(views.layout_groups) == 1)
         if choice.kind == "flash":
-            kernel, geometry = choice.kernel, layer_geometries(manager)
+            kernel, geometry = choice.kernel, layer_geometries(views)
             distinct = sorted(set(geometry))
             if len(distinct) == 1:
                 rows_per_slot, num_rows = distinct[0]
                 self.attention = lambda spans: FlashSlotAttention(
-                    spans, manager.kv_views, device, kernel, rows_per_slot, num_rows)
+                    spans, views.kv_views, device, kernel, rows_per_slot, num_rows)
             else:  # layout groups whose slots flatten differently: one varlen geometry each
                 group_of = [distinct.index(layer) for layer in geometry]
                 self.attention = lambda spans: GroupedAttention(
-                    [FlashSlotAttention(spans, manager.kv_views, device, kernel, rows, num)
+                    [FlashSlotAttention(spans, views.kv_views, device, kernel, rows, num)
                      for rows, num in distinct], group_of, spans)
         else:
-            decode_kernel, reads = choice.decode_kernel, manager.batched_reads()
-            block_tokens = manager.tokens_per_page if self.share_prefixes else 0
+            decode_kernel, reads = choice.decode_kernel, views.batched_reads()
+            block_tokens = views.tokens_per_page if self.share_prefixes else 0
             self.attention = lambda spans: ContiguousAttention(
-                spans, manager.kv_views, device, decode_kernel, reads=reads,  # batched reads (CPU)
+                spans, views.kv_views, device, decode_kernel, reads=reads,  # batched reads (CPU)
                 prefix_block_tokens=block_tokens)
 
     def span(self, kv: KVRequest, begin: int, count: int, computed: int) -> SequenceSpan:
@@ -76,13 +78,13 @@ class SlotAddressing(Addressing):
         return SequenceSpan(kv.slot, begin, count, computed)
 
 
-def layer_geometries(manager: KVViews) -> list[tuple[int, int]]:
+def layer_geometries(views: KVViews) -> list[tuple[int, int]]:
     """Each model layer's flattened slot views for FlashAttention: (rows per slot, rows). One
     pair for every layer of a manager; layout groups of a hybrid model with different numbers
     of layers differ in the per-layer layout (a slot's rows span its group's layers)."""
     geometry = []
-    for layer in range(manager.config.num_layers):
-        k_view, v_view = manager.kv_views(layer)
+    for layer in range(views.config.num_layers):
+        k_view, v_view = views.kv_views(layer)
         rows = slot_geometry(k_view, v_view)
         geometry.append((rows, flat_rows(k_view, rows)))
     return geometry
@@ -91,19 +93,19 @@ def layer_geometries(manager: KVViews) -> list[tuple[int, int]]:
 class BlockTableAddressing(Addressing):
     """Block tables (the paged baseline): a sequence is its list of blocks."""
 
-    def __init__(self, manager: KVViews, device, choice: AttentionChoice, share_prefixes: bool = False):
-        super().__init__(manager, device, choice, share_prefixes)
-        tokens_per_page, share = manager.tokens_per_page, self.share_prefixes
+    def __init__(self, views: KVViews, device, choice: AttentionChoice, share_prefixes: bool = False):
+        super().__init__(views, device, choice, share_prefixes)
+        tokens_per_page, share = views.tokens_per_page, self.share_prefixes
         # Blocks released behind a sliding window stay RELEASED (-1) in the spans; FlashAttention's
         # arguments point them at the first held block (flash_args.fill_released).
         if choice.kind == "flash":
             kernel = choice.kernel
             self.attention = lambda spans: FlashBlockTableAttention(
-                spans, manager.block_views, tokens_per_page, device, kernel)
+                spans, views.block_views, tokens_per_page, device, kernel)
         else:
             decode_kernel = choice.decode_kernel
             self.attention = lambda spans: BlockTableAttention(
-                spans, manager.block_views, tokens_per_page, device, decode_kernel, share)
+                spans, views.block_views, tokens_per_page, device, decode_kernel, share)
 
     def span(self, kv: KVRequest, begin: int, count: int, computed: int) -> SequenceSpan:
         return SequenceSpan(kv.slot, begin, count, computed, kv.block_table)
@@ -137,10 +139,10 @@ class GroupedBlockTableAddressing(BlockTableAddressing):
     with its blocks behind the window released), and each group's layers read through its own.
     A span is the tuple of the sequence's spans, one per group."""
 
-    def __init__(self, manager: KVViews, device, choice: AttentionChoice, share_prefixes: bool = False):
-        super().__init__(manager, device, choice, share_prefixes)
-        self.num_groups = len(manager.layout_groups)
-        group_of = [manager.layer_group(layer).index for layer in range(manager.config.num_layers)]
+    def __init__(self, views: KVViews, device, choice: AttentionChoice, share_prefixes: bool = False):
+        super().__init__(views, device, choice, share_prefixes)
+        self.num_groups = len(views.layout_groups)
+        group_of = [views.layer_group(layer).index for layer in range(views.config.num_layers)]
         one_group = self.attention
         self.attention = lambda spans: GroupedAttention(
             [one_group([group_spans[g] for group_spans in spans]) for g in range(self.num_groups)],
@@ -175,14 +177,14 @@ def slot_attention(manager: KVViews, num_query_heads: int, device=None, attentio
     return SlotAddressing(manager, device, choice).attention
 
 
-def choose_addressing(config: EngineConfig, manager: KVViews, device,
+def choose_addressing(config: EngineConfig, views: KVViews, device,
                       num_query_heads: int) -> Addressing:
     """``config.kv_backend`` and ``config.attention`` resolved once for this device, dtype, shapes."""
     paged = config.kv_backend == "paged"
-    choice = _attention_choice(config.attention, config.kv_backend, manager, device, num_query_heads)
+    choice = _attention_choice(config.attention, config.kv_backend, views, device, num_query_heads)
     share = config.shared_prefix_decode
     if not paged:
-        return SlotAddressing(manager, device, choice, share)
+        return SlotAddressing(views, device, choice, share)
     # several layer groups (of a manager, or of a tensor-parallel worker's view of one)
-    grouped = len(manager.layout_groups) > 1
-    return (GroupedBlockTableAddressing if grouped else BlockTableAddressing)(manager, device, choice, share)
+    grouped = len(views.layout_groups) > 1
+    return (GroupedBlockTableAddressing if grouped else BlockTableAddressing)(views, device, choice, share)

@@ -2,9 +2,10 @@
 
 * **Idle give-back.** A loop with nothing to step calls ``LLMEngine.on_idle()``; once the engine
   has had no request for ``EngineConfig.kv_idle_release_s`` seconds, its free KV memory goes back
-  (cached blocks too: ``KVCacheManager.release_free_memory(cached=True)``), and with a shared
-  budget (``kv_pool``) its share, so another engine on the machine can use it. One give-back per
-  idle spell (the hysteresis: a busy engine never gives back between steps).
+  (cached blocks too: ``Scheduler.release_free_memory(cached=True)``; the scheduler holds the KV
+  cache manager), and with a shared budget (``kv_pool``) its share, so another engine on the
+  machine can use it. One give-back per idle spell (the hysteresis: a busy engine never gives back
+  between steps).
 * **Sleep and wake** (as vLLM's ``LLM.sleep`` / ``wake_up``): ``sleep(level=1)`` gives back every
   KV page, cached ones included; on CUDA it also moves the weights to host memory. ``level=2``
   discards the weights instead; ``wake_up()`` loads them again from the model's source (its name
@@ -32,10 +33,11 @@ def check_sleep_level(level) -> None:
 
 
 class ElasticMemory:
-    """The idle give-back and sleep state of one engine (its ``manager`` and ``model``)."""
+    """The idle give-back and sleep state of one engine (its ``scheduler``, which gives KV memory
+    back, and its ``model``)."""
 
-    def __init__(self, manager, model: torch.nn.Module, idle_release_s: float | None, reload_weights):
-        self.manager, self.model = manager, model
+    def __init__(self, scheduler, model: torch.nn.Module, idle_release_s: float | None, reload_weights):
+        self.scheduler, self.model = scheduler, model
         self.idle_release_s = idle_release_s
         self._reload_weights = reload_weights  # () -> a model with the same weights, or None
         self._idle_since: float | None = time.monotonic()
@@ -69,7 +71,7 @@ class ElasticMemory:
         if due is None or due > 0:
             return 0
         self.released_idle = True
-        given = self.manager.release_free_memory(cached=True)
+        given = self.scheduler.release_free_memory(cached=True)
         self.idle_releases += 1
         self.idle_released_bytes += given
         return given
@@ -84,8 +86,8 @@ class ElasticMemory:
         if level == 2 and self._reload_weights is None:
             raise ConfigError("sleep(level=2) discards the weights, and this engine cannot load "
                               "them again (it was given a model object); use level=1")
-        self.manager.reset_prefix_cache()  # no request holds blocks: the engine checked
-        given = self.manager.release_free_memory(cached=True)
+        self.scheduler.reset_prefix_cache()  # no request holds blocks: the engine checked
+        given = self.scheduler.release_free_memory(cached=True)
         params = dict(self.model.named_parameters())
         if level == 2:  # parameters and buffers (packed CPU weights are buffers)
             for param in params.values():

@@ -2,9 +2,12 @@
 addressing, ``KVManager`` for everything else), and the one factory that shapes a manager for a
 Hugging Face model (``make_kv_manager``).
 
-``KVCacheManager`` satisfies both protocols; a tensor-parallel worker's view of its manager (its
-addressing replays rank 0's batched reads) satisfies ``KVViews``. The engine calls nothing else
-on a manager, so a member missing from these protocols is a member the engine does not use.
+``KVCacheManager`` satisfies both protocols; the read-only view it gives the step's addressing
+(``views()``) and a tensor-parallel worker's view of its manager (its addressing replays rank 0's
+batched reads) satisfy ``KVViews``. Of the engine's parts only the scheduler holds the
+manager; the engine calls nothing else on it, so a member missing from these protocols is a
+member the engine does not use (a manager's pools and groups are its own: ``memories`` is not
+here, the engine asks queries such as ``fragmentation`` instead).
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ if TYPE_CHECKING:
 
     from vmemkv.cache.config import CacheConfig, CacheStats, PreemptionEstimate
     from vmemkv.cache.group import KVCacheGroup
-    from vmemkv.cache.memory import KVMemory
     from vmemkv.cache.request import KVRequest
     from vmemkv.memory.layout import KVLayout
     from vmemkv.memory.slots import MapJob
@@ -49,11 +51,10 @@ class KVViews(Protocol):
 
 @runtime_checkable
 class KVManager(KVViews, Protocol):
-    """Every manager member the engine calls: the scheduler's admission, growth, preemption and
-    lookahead; the postprocessor's commit and fork; the runner's lookahead mapping; the
-    engine's validation, stats and close."""
-
-    memories: "tuple[KVMemory, ...]"
+    """Every manager member the engine calls, all through the scheduler that holds it: its
+    admission, growth, forks, preemption and lookahead; the commit and the lookahead mapping
+    the plan's ``KVStep`` carries out for the postprocessor and the runner; the addressing's
+    views; the engine's validation, stats, give-backs and close."""
 
     # --- what the scheduler reads ------------------------------------------------------------------
     @property
@@ -93,12 +94,14 @@ class KVManager(KVViews, Protocol):
 
     def cancel_lookahead(self, jobs: "list[MapJob]") -> None: ...
 
-    # --- what the runner and the postprocessor carry out -------------------------------------------
+    # --- what the plan's KVStep carries out for the runner and the postprocessor ----------------
     def map_lookahead(self, jobs: "list[MapJob]") -> None: ...
 
     def commit_all(self, requests: "Sequence[KVRequest]") -> None: ...
 
     def fork(self, parent: "KVRequest", child: "KVRequest") -> "KVRequest | None": ...
+
+    def views(self) -> KVViews: ...
 
     # --- stats and lifetime ------------------------------------------------------------------------
     @property
@@ -108,6 +111,8 @@ class KVManager(KVViews, Protocol):
     def kv_bytes_in_use(self) -> int: ...
 
     def usage(self) -> float: ...
+
+    def fragmentation(self, requests: "Sequence[KVRequest]") -> tuple[int, int]: ...
 
     def cache_stats(self) -> "CacheStats": ...
 

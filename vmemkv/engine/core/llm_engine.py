@@ -7,8 +7,11 @@ addressed the way chosen once at construction, mapping the lookahead blocks the 
 (``runner.py``, ``addressing.py``); the postprocessor commits, samples (the planned children of
 ``n > 1`` from their parent's row), appends and finishes, and says what happened
 (``postprocess.py``); the scheduler's ``update`` takes that, the one place its queues change
-after the plan, and the next plan starts by forking those children. This module holds the
-requests, the construction of those parts, and the engine's stats.
+after the plan, and the next plan starts by forking those children. The scheduler is the one part
+holding the KV cache manager: the runner and the postprocessor change the cache only through
+what the plan names (``SchedulerOutput.kv``), the addressing reads a read-only view of it, and
+this engine asks the scheduler for the cache's limits and stats. This module holds the requests,
+the construction of those parts, and the engine's stats.
 """
 
 from __future__ import annotations
@@ -121,20 +124,22 @@ class LLMEngine:
         # Local and global layers (Gemma-2/3, GPT-OSS, Llama-4): one layer group per kind, so the
         # local layers' blocks behind the window go back to their pool (slots or block tables).
         # Under tensor parallelism every rank builds the same groups (distributed/step.py).
-        self.manager: KVManager
+        # The scheduler, built below, holds it; the engine keeps no reference of its own.
+        manager: KVManager
         if tp is not None:
-            self.manager = tp.shard_manager(model, self.kv_metrics, events=self.kv_events)
+            manager = tp.shard_manager(model, self.kv_metrics, events=self.kv_events)
         else:
-            self.manager = make_kv_manager(config.cache_config(model), model.config,
-                                           max_model_len=config.max_model_len,
-                                           chunk_tokens=config.max_num_batched_tokens,
-                                           release_behind_window=config.release_behind_window,
-                                           metrics=self.kv_metrics, events=self.kv_events)
+            manager = make_kv_manager(config.cache_config(model), model.config,
+                                      max_model_len=config.max_model_len,
+                                      chunk_tokens=config.max_num_batched_tokens,
+                                      release_behind_window=config.release_behind_window,
+                                      metrics=self.kv_metrics, events=self.kv_events)
+        self.vocab_size = manager.config.vocab_size  # prompts are checked against it
         self.kv_event_publisher = (KVEventPublisher(config.kv_events_endpoint)
                                    if config.kv_events_endpoint else None)
         model_runner = ModelRunner(model) if tp is None else tp.model_runner(model)
         # The KV addressing (slots or block tables) and its attention, chosen once.
-        self.addressing = choose_addressing(config, self.manager, model_runner.device,
+        self.addressing = choose_addressing(config, manager.views(), model_runner.device,
                                             text_config(model.config).num_attention_heads)
         self.attention_choice = self.addressing.choice
         self.attention_kernel = self.attention_choice.label  # what runs: flash-bundled, triton, native, sdpa
@@ -142,11 +147,11 @@ class LLMEngine:
         # Overlapped mapping (slots only): the scheduler gives decoding sequences their next block,
         # the runner maps it during the forward.
         lookahead_tokens = config.lookahead_tokens if self.addressing.uses_lookahead else 0
-        self.scheduler = Scheduler(config, self.manager, self._new_fork, lookahead_tokens)
+        self.scheduler = Scheduler(config, manager, self._new_fork, lookahead_tokens)
         self.runner = StepRunner(model_runner, self.addressing,
-                                 LookaheadMapper(self.manager) if lookahead_tokens > 0 else None)
-        self.metrics = EngineMetrics(kv_metrics=self.kv_metrics, cache_stats=self.manager.cache_stats,
-                                     memory_stats=self.manager.snapshot_stats)
+                                 LookaheadMapper() if lookahead_tokens > 0 else None)
+        self.metrics = EngineMetrics(kv_metrics=self.kv_metrics, cache_stats=self.scheduler.cache_stats,
+                                     memory_stats=self.scheduler.kv_stats)
         self.requests: dict[str, Sequence] = {}  # unfinished, by id: each one's first sequence
         eos = text_config(model.config).eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -156,11 +161,10 @@ class LLMEngine:
         self.eos_token_ids |= set(generation_eos if isinstance(generation_eos, list)
                                   else [generation_eos] if generation_eos is not None else [])
         self.eos_token_ids |= set(end_of_turn_token_ids(tokenizer))
-        self.postprocessor = Postprocessor(config, self.manager, self.metrics, self.requests,
-                                           self.eos_token_ids, stream)
+        self.postprocessor = Postprocessor(config, self.metrics, self.requests, self.eos_token_ids, stream)
         # Idle give-back and sleep/wake (elastic.py); level-2 sleep reloads the weights by name.
         reload = self._reload_model if loaded_by_name and tp is None else None
-        self.elastic = ElasticMemory(self.manager, model, config.idle_release_seconds, reload)
+        self.elastic = ElasticMemory(self.scheduler, model, config.idle_release_seconds, reload)
         self.step_seconds = 0.0
         self.num_steps = 0
         self.peak_blocks_in_use = 0
@@ -172,6 +176,12 @@ class LLMEngine:
     attention_copy_seconds = property(lambda self: self.runner.attention_copy_seconds)  # block tables
     map_background_seconds = property(lambda self: self.runner.map_background_seconds)  # on the worker
     map_wait_seconds = property(lambda self: self.runner.map_wait_seconds)  # the step still waited
+
+    @property
+    def manager(self) -> KVManager:
+        """The KV cache manager, for inspection (tests, benchmarks): the scheduler holds it, and
+        the engine itself reaches it only through the scheduler's methods."""
+        return self.scheduler.manager
 
     # --- requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -214,14 +224,14 @@ class LLMEngine:
     def _validate_prompt(self, request_id: str, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt")
-        check.token_ids(token_ids, f"request {request_id!r}'s prompt", self.manager.config.vocab_size)
+        check.token_ids(token_ids, f"request {request_id!r}'s prompt", self.vocab_size)
         limit = self.config.max_model_len
         if len(token_ids) >= limit:
             raise RequestTooLongError(
                 f"request {request_id!r} has {len(token_ids)} prompt tokens; max_model_len is {limit} "
                 "and at least one token must be generated: shorten the prompt or raise max_model_len")
         # the prompt and one new token (with a sliding window: the window and one prefill chunk)
-        problem = self.manager.why_never_fits(len(token_ids) + 1, self.config.max_num_batched_tokens)
+        problem = self.scheduler.why_never_fits(len(token_ids) + 1)
         if problem is not None:
             raise RequestTooLongError(f"request {request_id!r}: {problem}")
 
@@ -262,7 +272,7 @@ class LLMEngine:
         """Plan, run the forward, postprocess, update the queues: one way, each part once."""
         start = time.perf_counter()
         plan = self.scheduler.schedule()
-        forward = self.runner.run(plan.scheduled, plan.lookahead) if plan.scheduled else None
+        forward = self.runner.run(plan) if plan.scheduled else None
         progress = self.postprocessor.process(plan, forward)
         self.scheduler.update(progress.result)
         self.step_seconds += time.perf_counter() - start
@@ -281,7 +291,7 @@ class LLMEngine:
         after an abort, which changes both between steps (the server steps only while requests
         are unfinished, so aborting the last one would leave the gauges stale)."""
         self.metrics.on_step(len(self.scheduler.running), len(self.scheduler.waiting),
-                             len(self.scheduler.swapped), self.manager.usage(),
+                             len(self.scheduler.swapped), self.scheduler.kv_usage(),
                              self.scheduler.num_preemptions)
 
     # --- elastic memory (elastic.py) -----------------------------------------------------------
@@ -326,32 +336,24 @@ class LLMEngine:
 
     # --- introspection -------------------------------------------------------------------------
     def _record_memory(self) -> None:
-        """Peak KV blocks held, and internal fragmentation: bytes of the blocks in use beyond the
-        bytes the running sequences' tokens fill (tokens in blocks given back behind a window are
-        neither; each pool of a hybrid model's layer groups counted with its own blocks). An estimate:
-        blocks in use include lookahead blocks and swapped requests' shared ones, and a prefix
-        shared by several sequences is one block but counted in each one's tokens (a group's
-        figure is clipped at zero)."""
-        in_use = self.manager.num_blocks_in_use
-        self.peak_blocks_in_use = max(self.peak_blocks_in_use, in_use)
-        self.peak_kv_bytes = max(self.peak_kv_bytes, self.manager.kv_bytes_in_use)
-        running = [seq.kv for seq in self.scheduler.running]
-        if not running:
+        """Peak KV blocks and bytes held, and internal fragmentation: bytes of the blocks in use
+        beyond the bytes the running sequences' tokens fill (``Scheduler.kv_fragmentation``: an
+        estimate), summed over steps."""
+        blocks, kv_bytes = self.scheduler.kv_in_use()
+        self.peak_blocks_in_use = max(self.peak_blocks_in_use, blocks)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, kv_bytes)
+        if not self.scheduler.running:
             return
-        for memory in self.manager.memories:  # a pool and the groups drawing from it
-            layout = memory.layout
-            tokens = sum(kv.num_tokens - kv.group_released_blocks(group.index) * layout.tokens_per_page
-                         for group in memory.groups for kv in running)
-            stored = tokens * layout.token_bytes
-            self._fragmentation[0] += max(memory.pool.num_in_use * layout.block_bytes - stored, 0)
-            self._fragmentation[1] += stored
+        wasted, stored = self.scheduler.kv_fragmentation()
+        self._fragmentation[0] += wasted
+        self._fragmentation[1] += stored
 
     def stats(self) -> dict:
         wasted, stored = self._fragmentation
         # manager_seconds, inline/background_map_seconds (and calls), manager_operations
         timing = self.kv_metrics.snapshot()
         timing["manager_operations"] = timing.pop("operations")
-        return {**self.manager.snapshot_stats(), **timing, "preemptions": self.scheduler.num_preemptions,
+        return {**self.scheduler.kv_stats(), **timing, "preemptions": self.scheduler.num_preemptions,
                 "num_steps": self.num_steps, "attention_seconds": self.attention_seconds,
                 "attention_copy_seconds": self.attention_copy_seconds,
                 "peak_kv_bytes": self.peak_kv_bytes,
@@ -367,7 +369,7 @@ class LLMEngine:
 
     def close(self) -> None:
         self.runner.close()
-        self.manager.close()
+        self.scheduler.close()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
         if self.tensor_parallel is not None:

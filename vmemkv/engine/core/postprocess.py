@@ -3,10 +3,11 @@ and build the outputs.
 
 ``Postprocessor.process`` takes the scheduler's plan and the runner's logits and, in this order
 (each step needs the one before): marks the scheduled positions computed and commits them to the
-KV cache manager; samples one token per sampling sequence in one sampler call (a request's
-forks planned this step included, from their parent's row, so the global RNG draws once for
-every unseeded row; the next ``schedule`` forks them, once the prompt is committed); appends the
-tokens and checks the stop conditions, finishing sequences. It returns what happened (``StepProgress``: the ``StepResult`` the
+KV cache (through the plan's ``KVStep``: the postprocessor holds no manager); samples one token
+per sampling sequence in one sampler call (a request's forks planned this step included, from
+their parent's row, so the global RNG draws once for every unseeded row; the next ``schedule``
+forks them, once the prompt is committed); appends the tokens and checks the stop conditions,
+finishing sequences. It returns what happened (``StepProgress``: the ``StepResult`` the
 scheduler's ``update`` takes, and the requests that progressed); it never touches the scheduler's
 queues. ``outputs`` then turns those requests into ``RequestOutput``s and retires finished ones.
 """
@@ -17,7 +18,6 @@ import time
 from dataclasses import dataclass, field
 
 from vmemkv.engine.core.config import EngineConfig
-from vmemkv.engine.core.kv_manager import KVManager
 from vmemkv.engine.core.metrics import EngineMetrics
 from vmemkv.engine.core.outputs import CompletionOutput, RequestOutput
 from vmemkv.engine.core.runner import ForwardOutput
@@ -34,10 +34,9 @@ class StepProgress:
 
 
 class Postprocessor:
-    def __init__(self, config: EngineConfig, manager: KVManager, metrics: EngineMetrics,
-                 requests: dict[str, Sequence], eos_token_ids: set[int], stream: bool):
+    def __init__(self, config: EngineConfig, metrics: EngineMetrics, requests: dict[str, Sequence],
+                 eos_token_ids: set[int], stream: bool):
         self.config = config
-        self.manager = manager
         self.metrics = metrics
         self.requests = requests  # the engine's unfinished requests (first sequences), by id
         self.eos_token_ids = eos_token_ids
@@ -54,9 +53,7 @@ class Postprocessor:
             progress.ended.add(seq.request_id)
         if plan.scheduled:
             progress.result.refused_lookahead = forward.refused_lookahead
-            # every reserved position: exactly the scheduled ones, in one call (one call per
-            # sequence costs more through the timing wrapper)
-            self.manager.commit_all([item.seq.kv for item in plan.scheduled])
+            plan.kv.commit(plan.scheduled)
             members = {fork.parent: fork.children for fork in plan.forks}
             generated: dict[str, int] = {}  # tokens per request this step, for the metrics
             for seq, token, logprobs in self._sample(forward, members):

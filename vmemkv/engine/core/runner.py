@@ -1,11 +1,12 @@
 """The step's forward: the scheduler's plan carried out, the logits of the rows that sample out.
 
-``StepRunner.run`` packs every scheduled sequence's new tokens into one ragged batch, asks the
-addressing strategy (``addressing.py``) for each sequence's span and the step's attention, maps
-the lookahead blocks the scheduler gave decoding sequences (slots only) on a worker thread while
-the forward runs (on CPU at once on the step thread, see ``LookaheadMapper``), and runs the model
-(``ModelRunner``). It decides nothing about the KV cache: a lookahead mapping refused by the
-mapping budget comes back in ``ForwardOutput`` for the scheduler to give back.
+``StepRunner.run`` takes the scheduler's plan: it packs every scheduled sequence's new tokens
+into one ragged batch, asks the addressing strategy (``addressing.py``) for each sequence's span
+and the step's attention, maps the lookahead blocks the scheduler gave decoding sequences (slots
+only; through the plan's ``KVStep``) on a worker thread while the forward runs (on CPU at once
+on the step thread, see ``LookaheadMapper``), and runs the model (``ModelRunner``). It holds no
+KV cache manager and decides nothing about the cache: a lookahead mapping refused by the mapping
+budget comes back in ``ForwardOutput`` for the scheduler to give back.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ import torch
 
 from vmemkv.errors import MappingLimitError
 from vmemkv.engine.core.addressing import Addressing
-from vmemkv.engine.core.kv_manager import KVManager
 from vmemkv.engine.core.model_runner import ModelRunner
-from vmemkv.engine.core.scheduler import ScheduledSeq
+from vmemkv.engine.core.scheduler import KVStep, SchedulerOutput
 from vmemkv.engine.core.sequence import Sequence
 from vmemkv.memory.slots import MapJob
 
@@ -40,25 +40,25 @@ class LookaheadMapper:
     sharing the GIL with it cost more than the mapping (measured on 2 shared cores, tiny-llama,
     B = 32 and 64: 0.35-0.5 ms per step, 3-5 %). That time counts as waited."""
 
-    def __init__(self, manager: KVManager):
-        self.manager = manager
+    def __init__(self):
         self._worker: ThreadPoolExecutor | None = None  # started by the first overlapped start
         self.background_seconds = 0.0  # lookahead mapping (on the worker when overlapped)
         self.wait_seconds = 0.0  # time the step still waited for it
 
-    def map_now(self, jobs: list[MapJob]) -> list[MapJob]:
-        """Map ``jobs`` on the step thread; returns them if the mapping was refused, else []."""
+    def map_now(self, kv: KVStep, jobs: list[MapJob]) -> list[MapJob]:
+        """Map ``jobs`` (through ``kv``) on the step thread; returns them if the mapping was
+        refused, else []."""
         waited = time.perf_counter()
-        refused = self._map(jobs)
+        refused = self._map(kv, jobs)
         self.wait_seconds += time.perf_counter() - waited
         return refused
 
-    def start(self, jobs: list[MapJob]) -> Future:
-        """Map ``jobs`` on the worker (they touch only positions past every sequence's
+    def start(self, kv: KVStep, jobs: list[MapJob]) -> Future:
+        """Map ``jobs`` (through ``kv``) on the worker (they touch only positions past every sequence's
         reservation, which this step's forward never reads); ``finish`` takes the result."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="vmemkv-map")
-        return self._worker.submit(self._map, jobs)
+        return self._worker.submit(self._map, kv, jobs)
 
     def finish(self, mapping: Future) -> list[MapJob]:
         """Wait for the worker; returns the jobs if their mapping was refused (it only costs the
@@ -68,10 +68,10 @@ class LookaheadMapper:
         self.wait_seconds += time.perf_counter() - waited
         return refused
 
-    def _map(self, jobs: list[MapJob]) -> list[MapJob]:
+    def _map(self, kv: KVStep, jobs: list[MapJob]) -> list[MapJob]:
         start = time.perf_counter()
         try:
-            self.manager.map_lookahead(jobs)
+            kv.map_lookahead(jobs)
         except MappingLimitError:
             return jobs
         finally:
@@ -97,8 +97,9 @@ class StepRunner:
         self.attention_seconds = 0.0
         self.attention_copy_seconds = 0.0  # of which gathering K/V (block tables)
 
-    def run(self, scheduled: list[ScheduledSeq], lookahead_jobs: list[MapJob]) -> ForwardOutput:
-        """The forward over ``scheduled``, mapping ``lookahead_jobs`` (the scheduler's plan)."""
+    def run(self, plan: SchedulerOutput) -> ForwardOutput:
+        """The forward over the plan's scheduled sequences, mapping its lookahead blocks."""
+        scheduled, lookahead_jobs = plan.scheduled, plan.lookahead
         spans, input_ids, positions, rows, samplers = [], [], [], [], []
         span_of = self.addressing.span
         for item in scheduled:
@@ -121,10 +122,10 @@ class StepRunner:
             # Inline (CPU): map the lookahead blocks before the attention makes slots readable, so
             # that no filler page goes under a block mapped in the same step (mapping over a page
             # that a batched read has touched costs 2-5x more than over the bare reservation).
-            refused = lookahead.map_now(lookahead_jobs)
+            refused = lookahead.map_now(plan.kv, lookahead_jobs)
         attention = self.addressing.attention(spans)
         # Overlapped: the worker maps while the forward runs, after the attention is built.
-        mapping = lookahead.start(lookahead_jobs) if overlap else None
+        mapping = lookahead.start(plan.kv, lookahead_jobs) if overlap else None
         # Every row sampled (all decodes): take all logits, no gather.
         all_rows = len(rows) == len(input_ids)
         logits = self.model_runner.forward(input_ids, positions, attention,

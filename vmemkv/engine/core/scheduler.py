@@ -19,13 +19,18 @@ the step did comes back as one ``StepResult`` to ``update``, the only place the 
 between two schedules (besides requests added and aborted). The next ``schedule`` first forks
 the planned children from their parent, whose prompt is committed by then: every change of a
 request's KV is made here, the runner's and postprocessor's only being the commit and the
-mapping the plan names. The KV cache manager does what it is told.
+mapping the plan names, through the plan's ``KVStep``. The KV cache manager does what it is told.
+
+The scheduler is the one engine object holding the manager (as in vLLM v1 and nano-vllm): the
+engine asks it for the cache's limits, usage and stats, and the elastic memory asks it for
+give-backs (the methods at the end of ``Scheduler``); the addressing reads a read-only view of
+the cache (``KVCacheManager.views``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from vmemkv.errors import MappingLimitError
 from vmemkv.engine.core.kv_manager import KVManager
@@ -33,6 +38,9 @@ from vmemkv.engine.core.config import EngineConfig
 from vmemkv.engine.core.policies import POLICIES
 from vmemkv.engine.core.sequence import Sequence, SequenceStatus
 from vmemkv.memory.slots import MapJob
+
+if TYPE_CHECKING:
+    from vmemkv.cache.config import CacheStats
 
 
 @dataclass(slots=True)
@@ -49,12 +57,32 @@ class Fork:
     children: list[Sequence]
 
 
+class KVStep:
+    """What a plan lets the runner and the postprocessor do to the KV cache, and nothing more:
+    map the lookahead blocks it gave (the runner, maybe on its mapping worker) and commit the
+    positions it scheduled (the postprocessor)."""
+
+    __slots__ = ("_manager",)
+
+    def __init__(self, manager: KVManager):
+        self._manager = manager
+
+    def map_lookahead(self, jobs: list[MapJob]) -> None:
+        self._manager.map_lookahead(jobs)
+
+    def commit(self, scheduled: list[ScheduledSeq]) -> None:
+        # every reserved position: exactly the scheduled ones, in one call (one call per
+        # sequence costs more through the timing wrapper)
+        self._manager.commit_all([item.seq.kv for item in scheduled])
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     failed: list[tuple[Sequence, str]]  # sequences that can never fit, with the reason
     forks: list[Fork] = field(default_factory=list)  # room counted: carried out after the commit
     lookahead: list[MapJob] = field(default_factory=list)  # blocks given, for the runner to map
+    kv: KVStep | None = None  # carries out the lookahead mapping and the commit
 
 
 @dataclass
@@ -72,7 +100,8 @@ class Scheduler:
                  new_fork: Callable[[Sequence, int], Sequence] | None = None,
                  lookahead_tokens: int = 0):
         self.config = config
-        self.manager = manager
+        self.manager = manager  # the one engine part holding it (the lpm policy reads prefix hits too)
+        self.kv_step = KVStep(manager)  # what every plan lets the runner and postprocessor do
         self.new_fork = new_fork
         self.lookahead_tokens = lookahead_tokens
         self.waiting: list[Sequence] = []
@@ -97,7 +126,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._fork_planned()
-        out = SchedulerOutput([], [])
+        out = SchedulerOutput([], [], kv=self.kv_step)
         budget = self.config.max_num_batched_tokens
         self.policy.order_waiting(self.waiting)
         self.running.sort(key=Sequence.sort_key)
@@ -337,5 +366,42 @@ class Scheduler:
 
     def _never_fits(self, seq: Sequence, num_tokens: int) -> str | None:
         """Why ``seq`` holding ``num_tokens`` tokens can never run, even alone; None if it can."""
-        problem = self.manager.why_never_fits(num_tokens, self.config.max_num_batched_tokens)
+        problem = self.why_never_fits(num_tokens)
         return None if problem is None else f"request {seq.request_id!r}: {problem}"
+
+    # --- the KV cache as the engine asks about it (no one else holds the manager) -------------------
+    def why_never_fits(self, num_tokens: int) -> str | None:
+        """Why a request of ``num_tokens`` tokens, computed in chunks of the step's token
+        budget, can never run, even alone (which limit, what to change); None if it can."""
+        return self.manager.why_never_fits(num_tokens, self.config.max_num_batched_tokens)
+
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks held by requests (of the fullest pool)."""
+        return self.manager.usage()
+
+    def kv_in_use(self) -> tuple[int, int]:
+        """(KV blocks held by requests in the first group's pool, bytes held in every pool)."""
+        return self.manager.num_blocks_in_use, self.manager.kv_bytes_in_use
+
+    def kv_fragmentation(self) -> tuple[int, int]:
+        """(Bytes of the blocks in use beyond the bytes the running sequences' tokens fill, those
+        bytes): ``KVCacheManager.fragmentation`` over the running sequences."""
+        return self.manager.fragmentation([seq.kv for seq in self.running])
+
+    def cache_stats(self) -> "CacheStats":
+        return self.manager.cache_stats()
+
+    def kv_stats(self) -> dict:
+        """The manager's counters, pool and mapping counts (``snapshot_stats``)."""
+        return self.manager.snapshot_stats()
+
+    def release_free_memory(self, cached: bool = False) -> int:
+        """Give the free KV blocks' memory back (``cached``: cached ones too); returns the bytes."""
+        return self.manager.release_free_memory(cached=cached)
+
+    def reset_prefix_cache(self) -> int:
+        return self.manager.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Close the KV cache manager (the engine's close, after the runner's)."""
+        self.manager.close()

@@ -25,7 +25,8 @@ from vmemkv.cache.metrics import KVMetricsCollector
 from vmemkv.cache.memory import backend_pages
 from vmemkv.memory.vmm import create_backend
 from vmemkv.engine.core.config import EngineConfig
-from vmemkv.engine.core.kv_manager import KVManager, make_kv_manager
+from vmemkv.cache.manager import KVCacheManager
+from vmemkv.engine.core.kv_manager import make_kv_manager
 from vmemkv.engine.distributed.recorder import BackendRecorder, Recording, SwapRecorder
 from vmemkv.engine.distributed.group import Groups, TensorParallelError
 
@@ -58,7 +59,7 @@ def batched_reads_of(attention) -> list[tuple[tuple[int, ...], int]]:
 
 
 def shard_manager(config: EngineConfig, model, rank: int, metrics: KVMetricsCollector | None = None,
-                  **manager_options) -> tuple[KVManager, Recording]:
+                  **manager_options) -> tuple[KVCacheManager, Recording]:
     """Rank ``rank``'s manager over its share of the KV heads (``model`` is sharded already), every
     group's backend and swap space recorded; the construction's own calls are not part of any
     step. ``manager_options`` go to the manager (one group's or the hybrid's) as they are (rank 0's own,
