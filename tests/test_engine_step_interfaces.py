@@ -34,7 +34,8 @@ def test_the_scheduler_is_the_one_part_holding_the_manager():
     assert manager is engine.scheduler.manager
     parts = {"engine": engine, "runner": engine.runner, "lookahead": engine.runner.lookahead,
              "addressing": engine.addressing, "postprocessor": engine.postprocessor,
-             "elastic": engine.elastic, "metrics": engine.metrics}
+             "elastic": engine.elastic, "metrics": engine.metrics,
+             "policy": engine.scheduler.policy, "lpm ranking": engine.scheduler.policy.ranking}
     holders = [name for name, part in parts.items()
                if any(value is manager or getattr(value, "__self__", None) is manager
                       for value in vars(part).values())]

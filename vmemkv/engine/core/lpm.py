@@ -25,15 +25,20 @@ Each step the scheduler offers waiting requests for admission in the order this 
 
 from __future__ import annotations
 
-from vmemkv.engine.core.kv_manager import KVManager
+from typing import Callable
+
+from vmemkv.cache.request import KVRequest
 from vmemkv.engine.core.sequence import Sequence, SequenceStatus
+
+# the prefix cache's answer for a request: (the cached blocks its prompt hits, its block hashes)
+MatchPrefix = Callable[[KVRequest], tuple[list, list[bytes]]]
 
 
 class LongestPrefixFirst:
     """The admission order of ``--policy lpm``; the scheduler tells it who was admitted."""
 
-    def __init__(self, manager: KVManager, window: int, max_passed_over: int):
-        self.manager = manager
+    def __init__(self, tokens_per_page: int, window: int, max_passed_over: int):
+        self.tokens_per_page = tokens_per_page
         self.window = window
         self.max_passed_over = max_passed_over
         self.passed_over: dict[Sequence, int] = {}  # steps each waiting request was passed over
@@ -44,13 +49,14 @@ class LongestPrefixFirst:
         self._held: list[Sequence] = []
         self._prune_at = 2 * window
 
-    def order(self, waiting: list[Sequence], running: list[Sequence]) -> list[Sequence]:
-        """The window of ``waiting`` (sorted by ``Sequence.sort_key``) in admission order."""
+    def order(self, waiting: list[Sequence], running: list[Sequence], match_prefix: MatchPrefix) -> list[Sequence]:
+        """The window of ``waiting`` (sorted by ``Sequence.sort_key``) in admission order, each
+        asked ``match_prefix`` (the KV manager's, through the scheduler: the one holder)."""
         window = waiting[: self.window]
         self._position = {seq: index for index, seq in enumerate(window)}
         self._cached_blocks, self._next_hash, self._held = {}, {}, []
         for seq in window:  # only the hit count and the next hash are kept, not the chain
-            hits, hashes = self.manager.match_prefix(seq.kv)
+            hits, hashes = match_prefix(seq.kv)
             cached = self._cached_blocks[seq] = len(hits)
             self._next_hash[seq] = hashes[cached] if cached < len(hashes) else None
         self._in_flight = self._blocks_in_flight(running)
@@ -61,7 +67,7 @@ class LongestPrefixFirst:
         if self._is_overdue(seq):
             return False
         cached = self._cached_blocks[seq]
-        usable = (len(seq.kv.token_ids) - 1) // self.manager.tokens_per_page  # one token computed
+        usable = (len(seq.kv.token_ids) - 1) // self.tokens_per_page  # one token computed
         if cached < usable and self._next_hash[seq] in self._in_flight:
             self._held.append(seq)
             return True
@@ -70,7 +76,7 @@ class LongestPrefixFirst:
     def admitted(self, seq: Sequence, num_cached_tokens: int) -> None:
         """``seq`` was admitted: the blocks it computes are in flight for the requests after it."""
         self.passed_over.pop(seq, None)
-        self._in_flight.update(seq.kv.block_hashes[num_cached_tokens // self.manager.tokens_per_page:])
+        self._in_flight.update(seq.kv.block_hashes[num_cached_tokens // self.tokens_per_page:])
 
     def end_step(self, admitted: list[Sequence]) -> None:
         """Count the step against every window request still waiting that was held back or that
@@ -98,7 +104,7 @@ class LongestPrefixFirst:
 
     def _blocks_in_flight(self, running: list[Sequence]) -> set[bytes]:
         """Hashes of the prompt blocks running requests have reserved but not yet computed."""
-        tokens_per_page = self.manager.tokens_per_page
+        tokens_per_page = self.tokens_per_page
         in_flight: set[bytes] = set()
         for seq in running:
             kv = seq.kv

@@ -20,7 +20,7 @@ from vmemkv.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from vmemkv.engine.core.config import EngineConfig
-    from vmemkv.engine.core.kv_manager import KVManager
+    from vmemkv.engine.core.lpm import MatchPrefix
     from vmemkv.engine.core.sequence import Sequence
 
 
@@ -40,9 +40,8 @@ class SchedulingPolicy:
     # whether a request may set its priority: as in vLLM, only under the priority policy
     accepts_priority: ClassVar[bool] = False
 
-    def __init__(self, config: "EngineConfig", manager: "KVManager") -> None:
+    def __init__(self, config: "EngineConfig", tokens_per_page: int) -> None:
         self.config = config
-        self.manager = manager
 
     def check_priority(self, request_id: str, priority: int) -> None:
         """Refuse a priority this policy would ignore (as vLLM does), or one that is not an int."""
@@ -58,10 +57,11 @@ class SchedulingPolicy:
         """Put the waiting queue in order at the start of a step (in place); FCFS keeps arrival
         order, preempted requests at its head."""
 
-    def admission_order(self, waiting: list["Sequence"], running: list["Sequence"]
-                        ) -> Iterable["Sequence"]:
+    def admission_order(self, waiting: list["Sequence"], running: list["Sequence"],
+                        match_prefix: "MatchPrefix") -> Iterable["Sequence"]:
         """The waiting requests offered for admission this step, in order: the queue's head, until
-        the scheduler stops taking it away."""
+        the scheduler stops taking it away. ``match_prefix``: the prefix cache's hits for a
+        request (the scheduler's manager holds the cache; a policy holds no manager)."""
         return _head_of_queue(waiting)
 
     def holds_back(self, seq: "Sequence") -> bool:
@@ -107,17 +107,17 @@ class LongestPrefixMatch(SchedulingPolicy):
 
     name = "lpm"
 
-    def __init__(self, config: "EngineConfig", manager: "KVManager") -> None:
-        super().__init__(config, manager)
+    def __init__(self, config: "EngineConfig", tokens_per_page: int) -> None:
+        super().__init__(config, tokens_per_page)
         from vmemkv.engine.core.lpm import LongestPrefixFirst  # loads torch: not at import
 
-        self.ranking = LongestPrefixFirst(manager, config.lpm_window, config.lpm_max_passed_over)
+        self.ranking = LongestPrefixFirst(tokens_per_page, config.lpm_window, config.lpm_max_passed_over)
 
     def order_waiting(self, waiting: list["Sequence"]) -> None:
         waiting.sort(key=_sort_key)  # the window is taken from the queue's head in this order
 
-    def admission_order(self, waiting, running):
-        return self.ranking.order(waiting, running)
+    def admission_order(self, waiting, running, match_prefix):
+        return self.ranking.order(waiting, running, match_prefix)
 
     def holds_back(self, seq):
         return self.ranking.holds_back(seq)

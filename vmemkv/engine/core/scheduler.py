@@ -100,7 +100,7 @@ class Scheduler:
                  new_fork: Callable[[Sequence, int], Sequence] | None = None,
                  lookahead_tokens: int = 0):
         self.config = config
-        self.manager = manager  # the one engine part holding it (the lpm policy reads prefix hits too)
+        self.manager = manager  # the one engine part holding it
         self.kv_step = KVStep(manager)  # what every plan lets the runner and postprocessor do
         self.new_fork = new_fork
         self.lookahead_tokens = lookahead_tokens
@@ -110,7 +110,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._forks: list[Fork] = []  # planned last step: forked at the start of the next
         self.watermark_blocks = int(config.watermark * manager.num_blocks)
-        self.policy = POLICIES[config.policy](config, manager)  # admission order, whom to preempt
+        self.policy = POLICIES[config.policy](config, manager.tokens_per_page)  # admission order, whom to preempt
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -220,7 +220,7 @@ class Scheduler:
             return  # no one can be admitted (nor passed over)
         policy = self.policy
         admitted: list[Sequence] = []
-        for seq in policy.admission_order(self.waiting, self.running):
+        for seq in policy.admission_order(self.waiting, self.running, self.manager.match_prefix):
             if budget <= 0 or not self.manager.num_free_slots:
                 break
             if policy.holds_back(seq):
