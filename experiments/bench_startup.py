@@ -78,7 +78,7 @@ def measure(repeats: int, threads: int) -> dict:
 def markdown(results: dict) -> str:
     lines = [f"# Warm start-up, {MODEL} ({results['cpu']}, {results['threads']} thread(s), "
              f"load {results['load']:.1f}, median of {results['repeats']})", "",
-             "`python experiments/bench_startup.py --repeats 3`", "",
+             "`python experiments/bench_startup.py --repeats 3 --out experiments/results`", "",
              "| start | import vmemkv (s) | `LLM(...)` (s) | `vmemkv generate` end to end (s) |",
              "|---|---|---|---|"]
     for case in ("first start", "later starts"):
