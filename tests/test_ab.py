@@ -391,7 +391,8 @@ def test_hybrid_fits_every_request_only_releasing_on_both_backends(capsys):
         assert keep["requests_fit"] < count and keep["preemptions"] > 0
         assert keep["peak_kv_bytes_per_request"] > 1.4 * release["peak_kv_bytes_per_request"]
     assert all(result["checks"]["hybrid"]["tokens_equal"].values())
-    assert "keeping every block (vmem-keep: fits" in report.summary(result)
+    summary = report.summary(result)
+    assert "KiB keeping every block (" in summary and "; vmem-keep: fits" in summary
 
 
 # --- where a run writes ----------------------------------------------------------------------------
