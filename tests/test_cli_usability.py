@@ -86,12 +86,12 @@ def test_max_model_len_past_the_models_limit_is_refused(command, capsys):
     assert main([command, "--model", "tiny-llama", "--threads", "1", "--max-model-len", "100000",
                  *argv]) == 2
     err = capsys.readouterr().err
-    assert "limit of 4096 tokens" in err and "--allow-long-max-model-len" in err
+    assert "limit of 32768 tokens" in err and "--allow-long-max-model-len" in err
 
 
 def test_allow_long_max_model_len_lets_generate_start(capsys):
     assert main(["generate", "--model", "tiny-llama", "--threads", "1", "--max-num-seqs", "1",
-                 "--max-model-len", "5000", "--allow-long-max-model-len", "--prompt", "hi",
+                 "--max-model-len", "40000", "--allow-long-max-model-len", "--prompt", "hi",
                  "--max-tokens", "2"]) == 0
     assert capsys.readouterr().out.startswith("hi")
 

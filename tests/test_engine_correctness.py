@@ -296,17 +296,17 @@ def test_max_model_len_past_the_models_limit_is_refused_naming_the_limit_and_the
     from vmemkv import LLM
     from vmemkv.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"limit of 4096 tokens \(max_position_embeddings=4096.*"
+    with pytest.raises(ConfigError, match=r"limit of 32768 tokens \(max_position_embeddings=32768.*"
                                           r"allow_long_max_model_len=True"):
-        LLM("tiny-llama", max_model_len=5000, max_num_seqs=2, threads=1)
+        LLM("tiny-llama", max_model_len=40000, max_num_seqs=2, threads=1)
 
 
 def test_the_override_runs_past_the_models_limit(caplog):
     from vmemkv import LLM
 
-    llm = LLM("tiny-llama", max_model_len=5000, allow_long_max_model_len=True, max_num_seqs=1, threads=1)
-    assert llm.engine.config.max_model_len == 5000
-    assert "limit of 4096 tokens" in caplog.text
+    llm = LLM("tiny-llama", max_model_len=40000, allow_long_max_model_len=True, max_num_seqs=1, threads=1)
+    assert llm.engine.config.max_model_len == 40000
+    assert "limit of 32768 tokens" in caplog.text
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
 

@@ -27,23 +27,27 @@ TINY_GEMMA2_WINDOW = 128
 
 # The tiny models use a larger init scale than the default 0.02 so that random weights give varied
 # greedy tokens (at 0.02 they repeat one or two tokens, which would make equality tests weak).
+# Their positions reach TINY_MAX_POSITIONS: the A/B sizes its workloads from the page, and on 2 MiB
+# CUDA pages (1024 tokens of tiny-llama) its prompts pass 4096 tokens; max_model_len is refused
+# past a model's limit (EngineConfig.for_model).
+TINY_MAX_POSITIONS = 32768
 BUILTIN_MODELS: dict[str, PretrainedConfig] = {
     # 4 layers, hidden 256, 8 query heads over 2 KV heads of dim 32: fast CPU tests.
     "tiny-llama": LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
                               num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                              max_position_embeddings=4096, rope_theta=10000.0,
+                              max_position_embeddings=TINY_MAX_POSITIONS, rope_theta=10000.0,
                               initializer_range=0.1),
     # A Qwen2-style model with another GQA ratio (4:1) and head_dim (64), and q/k/v biases.
     "tiny-qwen2": Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512,
                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
-                              max_position_embeddings=4096, rope_theta=10000.0,
+                              max_position_embeddings=TINY_MAX_POSITIONS, rope_theta=10000.0,
                               initializer_range=0.1),
     # tiny-llama's shape with Mistral's sliding window: every layer attends to the last
     # TINY_MISTRAL_WINDOW tokens, so blocks behind the window go back to the pool (the A/B's
     # window workload).
     "tiny-mistral": MistralConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
                                   num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                                  max_position_embeddings=4096, rope_theta=10000.0,
+                                  max_position_embeddings=TINY_MAX_POSITIONS, rope_theta=10000.0,
                                   initializer_range=0.1,
                                   sliding_window=TINY_MISTRAL_WINDOW),
     # tiny-llama's shape in Gemma-2's architecture: local (window TINY_GEMMA2_WINDOW) and global
@@ -51,7 +55,7 @@ BUILTIN_MODELS: dict[str, PretrainedConfig] = {
     # the two kinds of layer in separate layout groups (the A/B's hybrid workload).
     "tiny-gemma2": Gemma2Config(vocab_size=512, hidden_size=256, intermediate_size=512,
                                 num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                                head_dim=32, query_pre_attn_scalar=32, max_position_embeddings=4096,
+                                head_dim=32, query_pre_attn_scalar=32, max_position_embeddings=TINY_MAX_POSITIONS,
                                 rope_theta=10000.0, initializer_range=0.1,
                                 tie_word_embeddings=False,  # tied, it repeats the last token
                                 sliding_window=TINY_GEMMA2_WINDOW),
