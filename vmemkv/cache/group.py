@@ -9,9 +9,10 @@ A group owns the virtual tensors of its layers (``slots``, one slot index shared
 and its spec's rules. It keeps no requests: each request's blocks in this group are the
 :class:`Allocation` ``request.allocations[group.index]``, which the group's steps below read and
 change through the allocation's transitions. The steps are what one operation of the
-:class:`vmemkv.KVCacheManager` (the coordinator) asks of each group: which prefix blocks it reuses
+:class:`vmemkv.KVCacheManager` and its parts ask of each group: which prefix blocks it reuses
 (its spec's rule), how many fresh blocks it needs, what it maps given the fresh blocks the
-coordinator peeked for it (a :class:`Plan`), and carrying the plan out. The coordinator owns the
+coordinator (``coordinator.py``) peeked for it (a :class:`Plan`), and carrying the plan out, for
+fork, reorder and truncate too (``sharing.py`` runs them over every group). The coordinator owns the
 order of the pools: it checks every memory's free blocks for all its groups at once, peeks each
 memory's fresh blocks for its groups in order, and takes them in one call after every group
 mapped and took its shared references, so what each group maps is what the pool hands out.

@@ -20,7 +20,7 @@ accepts its id, looked up in the manager's registry)::
 A model whose layers read earlier positions by different rules (Gemma-2/3, GPT-OSS, Cohere2:
 sliding-window and full-attention layers; Llama-4: chunked local and full) gets one manager over
 one layer group per kind (``KVCacheManager.for_layers``): the same operations, each planned and
-checked in every group before any group changes (``manager_state.py``).
+checked in every group before any group changes (``coordinator.py``).
 
 The manager is a facade that composes, as vLLM v1's ``KVCacheManager``: it holds its parts and
 calls their public methods, and no part reads another's private state::

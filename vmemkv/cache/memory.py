@@ -4,9 +4,8 @@ A memory owns the pages (``backend``), the blocks' reference counts, free queues
 (``pool``), and the host rows blocks are swapped or demoted to (``swap``, ``host_tier``). Groups
 whose blocks have the same bytes (as many layers of one shape: Gemma-2's and GPT-OSS's local and
 global layers) share one memory, so one free block serves whichever group needs it: the groups'
-shares follow demand (vLLM's hybrid allocator over one ``BlockPool``); ``cache_group.py`` has the
-groups, ``manager_state.py`` the coordinator's steps over the memories (``_fits``, ``_peek``,
-``_take``).
+shares follow demand (vLLM's hybrid allocator over one ``BlockPool``); ``group.py`` has the
+groups, ``coordinator.py`` the steps over the memories (``fits``, ``peek``, ``take``).
 """
 
 from __future__ import annotations
