@@ -626,7 +626,7 @@ class KVCacheManager:
     def views(self) -> KVCacheViews:
         """A read-only view of this manager for a step's addressing and attention."""
         self.registry.check_open()
-        return KVCacheViews(self)
+        return KVCacheViews(self, self.queries)
 
     @property
     def num_free_slots(self) -> int:

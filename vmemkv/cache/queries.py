@@ -53,11 +53,12 @@ class KVCacheViews:
     layer groups and the views over the pools, and nothing that changes the cache
     (``KVCacheManager.views()``)."""
 
-    def __init__(self, manager):
+    def __init__(self, manager, queries: "CacheQueries"):
         self._manager = manager
-        # the manager's own bound methods: attention calls kv_views once per layer per step
-        self.layer_group, self.kv_views = manager.layer_group, manager.kv_views
-        self.block_views, self.batched_reads = manager.block_views, manager.batched_reads
+        # the queries' own bound methods, not the manager's that call them: attention calls
+        # kv_views once per layer per step
+        self.layer_group, self.kv_views = queries.layer_group, queries.kv_views
+        self.block_views, self.batched_reads = queries.block_views, queries.batched_reads
 
     config = property(lambda self: self._manager.config)
     layout = property(lambda self: self._manager.layout)
