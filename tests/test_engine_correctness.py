@@ -258,7 +258,7 @@ def test_aborting_a_request_preempted_by_recompute_leaves_nothing_behind():
     for request_id in preempted:
         engine.abort_request(request_id)
     run_to_completion(engine, [])
-    assert not engine.manager._preempted, "the manager still remembers aborted requests"
+    assert not engine.manager.registry.preempted, "the manager still remembers aborted requests"
     assert_clean(engine)
 
 

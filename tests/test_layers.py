@@ -46,3 +46,36 @@ def test_few_modules_sit_directly_in_the_package():
     modules = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(modules) <= MAX_TOP_LEVEL_MODULES, modules
 
+
+
+DEVICE_NAMES = ("cuda", "cpu")
+
+
+def device_names(path: Path) -> list[str]:
+    """Where ``path`` names a device in code (comments and docstrings aside): a string constant
+    or an attribute or variable name holding ``cuda`` or ``cpu``."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            text = node.value
+        elif isinstance(node, ast.Attribute):
+            text = node.attr
+        elif isinstance(node, ast.Name):
+            text = node.id
+        else:
+            continue
+        if any(name in text for name in DEVICE_NAMES):  # "CPU": vLLM events' name of the host tier
+            found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {text!r}")
+    return found
+
+
+def test_the_cache_names_no_device():
+    """What a device needs (filler or hole pages, streams for host copies) is its backend's to
+    say (``vmemkv/memory/vmm/``): the cache asks, and works the same on every device."""
+    found = [hit for path in sorted((PACKAGE / "cache").rglob("*.py")) for hit in device_names(path)]
+    assert not found, "\n".join(found)

@@ -7,7 +7,7 @@ raises a vmemkv error whose one-line message says what was asked, the limit, and
 
 Which ``KVCacheManager`` method calls which check (``check`` = ``vmemkv.validation``; ``V`` = the
 vocabulary size when the config knows it, else None; every method, queries and properties included,
-also starts with the manager's ``_check_open()`` or ``check.require_open(self._closed, "<method>")``)::
+also starts with the registry's ``check_open()`` (``RequestRegistry``) or ``check.require_open(closed, "<method>")``)::
 
     __init__                     config(config)
     admit                        request_id(id), token_ids(token_ids, "admit token_ids", V),

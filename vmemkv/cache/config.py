@@ -11,7 +11,7 @@ import torch
 
 from vmemkv.errors import ConfigError
 from vmemkv.memory.layout import KVLayout, LayoutKind, choose_page, unpadded_row_bytes
-from vmemkv.memory.vmm import device_granularity as mapping_granularity
+from vmemkv.memory.vmm import DEFAULT_DEVICE, device_granularity as mapping_granularity
 
 
 @dataclass
@@ -33,7 +33,7 @@ class CacheConfig:
     max_num_seqs: int  # slots
     max_model_len: int  # tokens each slot can hold
     dtype: torch.dtype = torch.float16
-    device: str = "cpu"
+    device: str = DEFAULT_DEVICE
     tokens_per_page: int = 16  # the fewest tokens a page should hold (see above)
     page_size: int | None = None  # bytes; chosen when None (see above)
     max_padding: float = 0.07  # padding per token row, as a fraction of the row's own bytes

@@ -9,14 +9,14 @@ A group owns the virtual tensors of its layers (``slots``, one slot index shared
 and its spec's rules. It keeps no requests: each request's blocks in this group are the
 :class:`Allocation` ``request.allocations[group.index]``, which the group's steps below read and
 change through the allocation's transitions. The steps are what one operation of the
-:class:`vmemkv.KVCacheManager` (the coordinator) asks of each group: which prefix blocks it reuses
+:class:`vmemkv.KVCacheManager` and its parts ask of each group: which prefix blocks it reuses
 (its spec's rule), how many fresh blocks it needs, what it maps given the fresh blocks the
-coordinator peeked for it (a :class:`Plan`), and carrying the plan out. The coordinator owns the
+coordinator (``coordinator.py``) peeked for it (a :class:`Plan`), and carrying the plan out, for
+fork, reorder and truncate too (``sharing.py`` runs them over every group). The coordinator owns the
 order of the pools: it checks every memory's free blocks for all its groups at once, peeks each
 memory's fresh blocks for its groups in order, and takes them in one call after every group
 mapped and took its shared references, so what each group maps is what the pool hands out.
-A group's steps of fork, reorder and truncate are in ``group_sharing.py``, its plans' data in
-``plans.py``.
+Its plans' data are in ``plans.py``.
 """
 
 from __future__ import annotations
@@ -28,14 +28,13 @@ from vmemkv.cache.attention_spec import AttentionSpec
 from vmemkv.cache.config import CacheConfig
 from vmemkv.errors import MappingLimitError
 from vmemkv.cache.events import HASH_BYTES
-from vmemkv.cache.group_sharing import GroupSharing
 from vmemkv.cache.memory import KVMemory
 from vmemkv.cache.plans import Admission, Plan
 from vmemkv.memory.slot_mapper import SlotMapper
 from vmemkv.memory.slots import MapJob, SlotBinder
 
 
-class KVCacheGroup(GroupSharing):
+class KVCacheGroup:
     """``KVCacheGroup(index, config, layers, spec, memory)``: ``config`` is the group's (its
     ``num_layers`` are its own); ``layers`` the model layers it holds, in order; ``memory`` the
     :class:`KVMemory` its blocks come from (shared with other groups of the same layout, or its
@@ -337,6 +336,125 @@ class KVCacheGroup(GroupSharing):
         origins = self.host_tier.promote(self.memory.block_window(), host_keys, claimed, promoted)
         for block, key, origin in zip(promoted, host_keys, origins):
             self.pool.register(block, key, origin.token_ids, origin.parent_hash, origin.root)
+
+    # --- copy-on-write sharing: fork, reorder, truncate (sharing.py has them over every group) ---
+    def plan_fork(self, parent: Allocation, slot: int | None, fresh: list[int]) -> Plan:
+        """``fresh``: a block for the parent's partial last block (none when it is full)."""
+        reserved = self.reserved_blocks(parent)
+        behind = parent.num_released  # the child's window is the parent's: none shared behind
+        shared = reserved[behind:-1] if fresh else reserved[behind:]
+        return Plan(self.choose_slot(reserved, behind, slot), behind, behind, shared + fresh, 0,
+                    shared, fresh)
+
+    def plan_reorder(self, rows: list[Allocation], sources: list[Allocation], copied: list[bool],
+                     fresh: list[int]) -> tuple[list[list[int]], list[int], list[MapJob]]:
+        """Reorder's plan: each row's new block list (its source's, with a block of ``fresh``
+        where it copies the partial block), the pages behind each row's new window (its
+        source's), and the mapping jobs."""
+        fresh = iter(fresh)
+        blocks = [self.reserved_blocks(source) for source in sources]
+        blocks = [row_blocks[:-1] + [next(fresh)] if copy else list(row_blocks)
+                  for row_blocks, copy in zip(blocks, copied)]
+        behind = [source.num_released for source in sources]  # a row takes its source's window
+        jobs = [MapJob(row.slot, count, row_blocks[count:], keep=len(row.blocks), group=self.index)
+                for row, row_blocks, count in zip(rows, blocks, behind)]
+        return blocks, behind, jobs
+
+    def truncate_copy(self, alloc: Allocation, num_tokens: int) -> int | None:
+        """The logical page truncating to ``num_tokens`` must copy to a private block before the
+        request writes it again (its new last block, when partial and shared or cached), or None."""
+        keep = self.layout.logical_pages_for(num_tokens)
+        last = alloc.blocks[keep - 1] if keep and num_tokens % self.tokens_per_page else None
+        if last is None or (self.pool.ref[last] == 1 and self.pool.hash_of[last] is None):
+            return None
+        return keep - 1
+
+    def truncations_fit(self, rows: list[Allocation], num_tokens: int, free: int) -> int | None:
+        """The free blocks left after truncating ``rows`` to ``num_tokens`` in order, starting
+        from ``free``, or None when a copy (``truncate_copy``'s rule) finds none. A block an
+        earlier row gives back is free for a later one, and a last block an earlier row copied
+        away from may be the later row's alone."""
+        keep = self.layout.logical_pages_for(num_tokens)
+        partial = keep and num_tokens % self.tokens_per_page
+        dropped: dict[int, int] = {}  # references the earlier rows give back
+        for row in rows:
+            given_back = row.blocks[keep:]
+            last = row.blocks[keep - 1] if partial else None
+            if last is not None and (self.pool.ref[last] - dropped.get(last, 0) > 1
+                                     or self.pool.hash_of[last] is not None):
+                if not free:
+                    return None
+                free -= 1
+                given_back = given_back + [last]
+            for block in given_back:
+                dropped[block] = dropped.get(block, 0) + 1
+                free += self.pool.ref[block] == dropped[block]
+        return free
+
+    def fork_copies(self, parent: Allocation, plan: Plan) -> list[tuple[int, int]]:
+        """The block copy a fork makes after the take: the parent's partial last block (the one
+        after the shared ones) onto the fresh one; none when it is full."""
+        if not plan.take:
+            return []
+        return [(parent.blocks[plan.behind + len(plan.share)], plan.take[0])]
+
+    def finish_fork(self, parent: Allocation, child: Allocation, plan: Plan) -> None:
+        """After the take: the child holds the shared blocks and its copy of the partial one."""
+        behind = plan.behind  # the child's window is the parent's: nothing is shared behind it
+        child.copy_from(parent, plan.slot, parent.blocks[:behind] + plan.share + plan.take, behind)
+
+    def map_reorder(self, rows: list[Allocation], plan: tuple) -> None:
+        """Map every row's new blocks, then unmap behind each row's new window (the caller
+        checked the mapping budget takes both)."""
+        _, behind, jobs = plan
+        self.slots.map_jobs(jobs)
+        for row, count in zip(rows, behind):  # after map_jobs (a row reads these until now)
+            self.slots.unmap_behind(row.slot, count)
+
+    def reorder_copies(self, sources: list[Allocation], copied: list[bool], plan: tuple) -> list[tuple[int, int]]:
+        """The block copies a reorder makes after the take: each copying row's source's partial
+        last block onto the row's fresh one."""
+        blocks_of = plan[0]
+        return [(self.reserved_blocks(source)[-1], blocks[-1])
+                for source, blocks, copy in zip(sources, blocks_of, copied) if copy]
+
+    def finish_reorder(self, rows: list[Allocation], sources: list[Allocation], copied: list[bool],
+                       plan: tuple) -> None:
+        """After the take and the copies: share the sources' blocks, give the rows' old blocks
+        back and make each row its source's copy."""
+        blocks_of, behind, _ = plan
+        snapshots = [source.snapshot() for source in sources]
+        for blocks, copy, count in zip(blocks_of, copied, behind):
+            self.pool.acquire(blocks[count:-1] if copy else blocks[count:])
+        for row in rows:  # their old blocks, lookahead included
+            self.pool.release(reversed(row.blocks[row.num_released:]))
+        for row, blocks, count, snapshot in zip(rows, blocks_of, behind, snapshots):
+            row.copy_from(snapshot, row.slot, blocks, count)
+            self.slots.set_behind(row.slot, count)
+
+    def truncate_jobs(self, alloc: Allocation, num_tokens: int, fresh: list[int]) -> list[MapJob]:
+        """What truncating maps: a private copy (into ``fresh``) of the new last block, or nothing."""
+        page = self.truncate_copy(alloc, num_tokens)
+        if page is None:
+            return []
+        return [MapJob(alloc.slot, page, fresh, keep=len(alloc.blocks), group=self.index)]
+
+    def map_truncate(self, alloc: Allocation, jobs: list[MapJob]) -> None:
+        for job in jobs:
+            self.slots.map_blocks(alloc.slot, job.first, job.blocks, keep=job.keep)
+
+    @staticmethod
+    def truncate_copies(alloc: Allocation, jobs: list[MapJob]) -> list[tuple[int, int]]:
+        """The block copy a truncate makes after the take: the new last block onto its private copy."""
+        return [(alloc.blocks[job.first], job.blocks[0]) for job in jobs]
+
+    def finish_truncate(self, alloc: Allocation, num_tokens: int, jobs: list[MapJob]) -> None:
+        """After the take and the copy: the private copy replaces the new last block, then the
+        tail is forgotten."""
+        for job in jobs:
+            self.pool.release([alloc.replace_block(job.first, job.blocks[0])])
+        full = num_tokens // self.tokens_per_page
+        self.pool.release(reversed(alloc.truncate(num_tokens, self.layout.logical_pages_for(num_tokens), full)))
 
     def block_window(self) -> torch.Tensor:
         return self.memory.block_window()

@@ -20,11 +20,22 @@ accepts its id, looked up in the manager's registry)::
 A model whose layers read earlier positions by different rules (Gemma-2/3, GPT-OSS, Cohere2:
 sliding-window and full-attention layers; Llama-4: chunked local and full) gets one manager over
 one layer group per kind (``KVCacheManager.for_layers``): the same operations, each planned and
-checked in every group before any group changes (``manager_state.py``).
+checked in every group before any group changes (``coordinator.py``).
+
+The manager is a facade that composes, as vLLM v1's ``KVCacheManager``: it holds its parts and
+calls their public methods, and no part reads another's private state::
+
+    KVCacheManager
+    ├── registry     RequestRegistry     admitted requests by id, lookups, argument checks, hash chains
+    ├── coordinator  KVCacheCoordinator  the layer groups and the memories (pools, swap, host tier)
+    ├── queries      CacheQueries        what it answers without changing anything
+    ├── sharing      Sharing             fork, reorder, truncate
+    ├── preemption   Preemption          estimate, swap out, swap in
+    └── lookahead    Lookahead           blocks given ahead and mapped on another thread
 
 This module has the manager's construction and the core operations (admission, growth, commit,
-free, with their batched forms for an engine's step); what it tells without changing anything is
-in ``queries.py``, the other operations in their own modules (see ``KVCacheManager``).
+free, with their batched forms for an engine's step); every other public method checks nothing
+itself and calls its part (docs/kv-cache.md has the picture and the rules).
 """
 
 from __future__ import annotations
@@ -32,34 +43,47 @@ from __future__ import annotations
 from typing import Sequence
 
 from vmemkv import validation as check
+from typing import Literal
+
+import torch
+
+from vmemkv.cache.attention_spec import AttentionSpec
 from vmemkv.cache.config import CacheConfig, CacheStats, PreemptionEstimate
-from vmemkv.errors import ConfigError, InvalidInputError, ManagerClosedError, MappingLimitError, RequestStateError
+from vmemkv.cache.coordinator import KVCacheCoordinator
+from vmemkv.cache.events import KVEventSink, check_sink
+from vmemkv.cache.group import KVCacheGroup
 from vmemkv.cache.hashing import CacheKeys
-from vmemkv.cache.lookahead import LookaheadOps
-from vmemkv.cache.metrics import KVMetricsCollector, timed
-from vmemkv.cache.events import KVEventSink
 from vmemkv.cache.layer_groups import LayerGroups, group_configs
-from vmemkv.cache.manager_state import PrefixCacheBusyError, UnknownRequestError, WrongRequestStateError
-from vmemkv.cache.refusal import Refusal
+from vmemkv.cache.lookahead import Lookahead
+from vmemkv.cache.metrics import KVMetricsCollector, timed
 from vmemkv.cache.plans import check_plans_budget
-from vmemkv.cache.preemption import PreemptionOps
-from vmemkv.cache.queries import GroupReads, ManagerQueries
+from vmemkv.cache.preemption import Preemption
+from vmemkv.cache.queries import CacheQueries, GroupReads, KVCacheViews, PoolUsage
+from vmemkv.cache.refusal import Refusal
+from vmemkv.cache.registry import RequestRegistry, UnknownRequestError, WrongRequestStateError
 from vmemkv.cache.request import KVRequest
-from vmemkv.cache.sharing import SharingOps
+from vmemkv.cache.sharing import Sharing
+from vmemkv.errors import (ConfigError, InvalidInputError, ManagerClosedError, MappingLimitError,
+                           RequestStateError, VmemkvError)
+from vmemkv.memory.layout import KVLayout
+from vmemkv.memory.slots import MapJob
+from vmemkv.memory.vmm.base import VirtualMemoryBackend
 
 _NO_TOKENS = ()  # allocate's default: nothing to check or append
+
+
+class PrefixCacheBusyError(VmemkvError):
+    """The prefix cache cannot be reset while requests hold blocks."""
 
 __all__ = ["CacheConfig", "CacheStats", "KVCacheManager", "KVRequest", "PreemptionEstimate",
            "PrefixCacheBusyError", "Refusal", "UnknownRequestError", "WrongRequestStateError", "GroupReads"]
 
 
-class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
-    """The scheduler-facing API. This module holds the core (admission and growth, commit and
-    prefix registration, freeing, close); the queries, sizes, views and stats are in
-    ``queries.py``, fork, reorder and truncate in ``sharing.py``, preemption and swap in
-    ``preemption.py``, the overlapped (lookahead) mapping in ``lookahead.py``, the layer groups,
-    the requests, their helpers and the invariant check in ``manager_state.py``, each group's own
-    steps in ``group.py``.
+class KVCacheManager:
+    """The scheduler-facing API, composed of its parts (``registry``, ``coordinator``,
+    ``queries``, ``sharing``, ``preemption``, ``lookahead``: see the module's picture). This
+    class holds the core (admission and growth, commit and prefix registration, freeing,
+    close); each other method calls its part.
 
     ``KVCacheManager(config, backend=None, metrics=None, events=None, *, layer_windows=None,
     chunk_tokens=None, local_blocks=None, backends=None)``: ``backend`` defaults to the device's
@@ -80,6 +104,76 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
     the local groups' shares; ``backends`` gives each pool's backend, a list or a callable taking
     the pool's config (tensor parallelism records them). Block counts (``num_blocks``, ``num_free_blocks``, ``blocks_for_tokens``, ...) are the
     first group's, the one that grows with a request; every operation checks every group."""
+
+    def __init__(self, config: CacheConfig, backend: VirtualMemoryBackend | None = None,
+                 metrics: KVMetricsCollector | None = None, events: KVEventSink | None = None, *,
+                 layer_windows: "Sequence[int | AttentionSpec | None] | None" = None,
+                 chunk_tokens: int | None = None, local_blocks: int | None = None,
+                 backends: Sequence[VirtualMemoryBackend | None] | None = None):
+        self.config = check.config(config)
+        try:
+            check.count(config.sliding_window, "CacheConfig.sliding_window", minimum=1, optional=True)
+            check.count(config.attention_chunk_size, "CacheConfig.attention_chunk_size", minimum=1,
+                        optional=True)
+        except InvalidInputError as error:
+            raise ConfigError(str(error)) from None
+        if metrics is not None and not isinstance(metrics, KVMetricsCollector):
+            raise ConfigError(f"metrics must be a vmemkv.KVMetricsCollector or None; got "
+                              f"{type(metrics).__name__}")
+        self.metrics = metrics  # times the operations (``timed``) and the backends' mapping
+        self.events = check_sink(events)  # told what enters and leaves the prefix cache
+        self.stats = CacheStats()
+        self.coordinator = coordinator = KVCacheCoordinator(
+            config, self.stats, backend, metrics, self.events, layer_windows=layer_windows,
+            chunk_tokens=chunk_tokens, local_blocks=local_blocks, backends=backends)
+        self.groups, self.memories, self.budget = coordinator.groups, coordinator.memories, coordinator.budget
+        first = coordinator.first
+        self.spec, self.window = first.spec, first.window  # the first group's (full attention if any)
+        self.tokens_per_page = coordinator.tokens_per_page
+        self.registry = RequestRegistry(self, config, self.tokens_per_page, len(self.groups))
+        self.hasher = self.registry.hasher
+        self.queries = CacheQueries(self.registry, coordinator, config, self.stats)
+        self.sharing = Sharing(self.registry, coordinator, self.stats)
+        self.preemption = Preemption(self.registry, coordinator, config, self.stats)
+        self.lookahead = Lookahead(self.registry, coordinator, config)
+
+    # --- the first group's parts (the only group's, for most models) ------------------------------
+    @property
+    def layout(self) -> KVLayout:
+        """Where K and V sit in a slot and a block (frozen: read it, never replace it); the first
+        group's (every group shares its dtype, head shapes and tokens per page)."""
+        return self.coordinator.first.layout
+
+    pool = property(lambda self: self.groups[0].pool)
+    slots = property(lambda self: self.groups[0].slots)
+    backend = property(lambda self: self.groups[0].backend)
+    swap = property(lambda self: self.groups[0].swap)
+    host_tier = property(lambda self: self.groups[0].host_tier)
+
+    @property
+    def last_refusal(self) -> Refusal | None:
+        """Why the last refused call was refused (None before any refusal)."""
+        return self.coordinator.last_refusal
+
+    # --- invariants ------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Assert the invariants (every block in one state, reference counts equal to the
+        references held, no block writable by two requests or hashed while writable, no slot
+        bound twice, no host row lost) over every group's pool and slots and every request, and
+        that each request's allocations agree across the groups."""
+        self.registry.check_open()
+        requests = list(self.registry.requests.values())
+        for req in requests:
+            assert req.chain.owner is self, f"{req.request_id} belongs to another manager"
+            assert len(req.allocations) == len(self.groups), f"{req.request_id}: allocations"
+            first = req.allocation
+            assert first is req.allocations[0]
+            for other in req.allocations[1:]:
+                assert (other.slot, other.num_tokens, other.num_computed, other.num_registered,
+                        len(other.blocks), other.swapped is None) == (
+                    first.slot, first.num_tokens, first.num_computed, first.num_registered,
+                    len(first.blocks), first.swapped is None), f"{req.request_id}: groups differ"
+        self.coordinator.check(requests)
 
     @classmethod
     def for_layers(cls, config: CacheConfig, layer_windows, chunk_tokens: int | None = None,
@@ -114,8 +208,8 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
         changing nothing, when no slot (or not ``slot``) or not enough blocks are free in every
         layer group (MappingLimitError, changing nothing, when the mapping budget does not take
         it). ``max_cached_tokens`` caps the prefix hit."""
-        self._check_open()
-        req = self._admission_request(request, token_ids, keys)
+        self.registry.check_open()
+        req = self.registry.admission_request(request, token_ids, keys)
         num_new_tokens = check.count(num_new_tokens, "num_new_tokens", optional=True)
         token_budget = check.count(token_budget, "token_budget", optional=True)
         slot = check.slot_index(slot, self.num_slots)
@@ -125,9 +219,9 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
         needs = [group.admit_needs(admission.hits, admission.num_tokens)
                  for group, admission in zip(groups, admissions)]
         hits = [admission.hits for admission in admissions]
-        if not self._slot_available(slot) or not self._fits(needs, hits):
-            return self._refused("admit", req, slot, needs, hits)
-        fresh = self._peek(needs, hits)
+        if not self.coordinator.slot_available(slot) or not self.coordinator.fits(needs, hits):
+            return self.coordinator.refused("admit", req, slot, needs, hits)
+        fresh = self.coordinator.peek(needs, hits)
         plans = []
         for group, admission in zip(groups, admissions):  # the first group chooses the slot
             plans.append(group.plan_admit(admission.hits, slot, fresh[group.index]))
@@ -140,28 +234,12 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
             group.map_and_bind(plan)
         for group, plan in zip(groups, plans):
             group.pool.acquire(plan.share)
-        claimed = self._claim([admission.promote for admission in admissions])
-        self._take([plan.take for plan in plans])
+        claimed = self.coordinator.claim([admission.promote for admission in admissions])
+        self.coordinator.take([plan.take for plan in plans])
         for group, alloc, admission, plan in zip(groups, req.allocations, admissions, plans):
             group.finish_admit(alloc, admission, plan, claimed[group.index])
         self._count_admission(req, admissions[0])
         return admissions[0].cached
-
-    def _claim(self, promote: list[list[bytes]]) -> list[list]:
-        """Each group's host-tier entries of ``promote[g]``, claimed from its memory's tier in one
-        call (nothing evicts them until they are promoted)."""
-        claimed: list[list] = [[]] * len(self.groups)  # replaced, never appended to
-        if not any(promote):
-            return claimed
-        for memory in self.memories:
-            keys = [key for group in memory.groups for key in promote[group.index]]
-            if not keys:
-                continue
-            entries = memory.host_tier.claim(keys)
-            for group in memory.groups:
-                count = len(promote[group.index])
-                claimed[group.index], entries = entries[:count], entries[count:]
-        return claimed
 
     def _admission(self, req: KVRequest, num_new_tokens: int | None, token_budget: int | None,
                    max_cached_tokens: int | None) -> list:
@@ -170,46 +248,46 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
         raises for a request already admitted or too long. Changes nothing but binding ``req``'s
         hash chain to this manager."""
         request_id, num_prompt, tokens_per_page = req.request_id, len(req.token_ids), self.tokens_per_page
-        if request_id in self._requests:
+        if request_id in self.registry.requests:
             raise RequestStateError(f"request {request_id!r} is already admitted")
-        self._check_length(request_id, num_prompt)
-        self._own(req)
-        hits = self._prefix_hits(req)
+        self.registry.check_length(request_id, num_prompt)
+        self.registry.own(req)
+        hits = self.queries.prefix_hits(req)
         limit = None if max_cached_tokens is None else max_cached_tokens // tokens_per_page
         if limit is not None and len(hits[0]) > limit:
-            hits = self._common_hits(req.chain.hashes, hits, limit)
-        reach = self._host_reach(req, hits, num_new_tokens, token_budget, limit)
+            hits = self.coordinator.common_hits(req.chain.hashes, hits, limit)
+        reach = self.coordinator.host_reach(req.chain.hashes, num_prompt, hits, num_new_tokens,
+                                              token_budget, limit)
         host_hits = req.chain.hashes[len(hits[0]):reach]
         cached = reach * tokens_per_page
         new = num_prompt - cached if num_new_tokens is None else num_new_tokens
         if token_budget is not None:
             new = min(new, token_budget)
-        self._check_length(request_id, cached + new)
+        self.registry.check_length(request_id, cached + new)
         return [group.admission(group_hits, host_hits, cached, cached + new)
                 for group, group_hits in zip(self.groups, hits)]
 
     def _count_admission(self, req: KVRequest, admission) -> None:
         """Register an admitted request and count its prefix hit."""
-        request_id, num_prompt, cached = req.request_id, len(req.token_ids), admission.cached
-        self._requests[request_id] = req
-        repeat = request_id in self._preempted
-        self._preempted.discard(request_id)
+        num_prompt, cached = len(req.token_ids), admission.cached
+        repeat = self.registry.add(req)
         if not self.config.enable_prefix_caching:
             return
+        stats = self.stats
         if repeat:
-            self.stats.reprefill_queried_tokens += num_prompt
-            self.stats.reprefill_hit_tokens += cached
+            stats.reprefill_queried_tokens += num_prompt
+            stats.reprefill_hit_tokens += cached
             return
         tokens_per_page = self.tokens_per_page
         host = admission.host_blocks * tokens_per_page
-        self.stats.prefix_queried_tokens += num_prompt
-        self.stats.prefix_hit_tokens += cached
-        self.stats.prefix_hit_tokens_device += cached - host
-        self.stats.prefix_hit_tokens_host += host
+        stats.prefix_queried_tokens += num_prompt
+        stats.prefix_hit_tokens += cached
+        stats.prefix_hit_tokens_device += cached - host
+        stats.prefix_hit_tokens_host += host
         tokens = req.token_ids
         hit_blocks = cached // tokens_per_page
-        self.stats.prefix_partial_page_tokens += self.groups[0].pool.shared_partial_tokens(
-            req.chain.hashes[hit_blocks - 1] if hit_blocks else self._chain_root(req.keys),
+        stats.prefix_partial_page_tokens += self.groups[0].pool.shared_partial_tokens(
+            req.chain.hashes[hit_blocks - 1] if hit_blocks else self.registry.chain_root(req.keys),
             tokens[cached:min(cached + tokens_per_page, len(tokens) - 1)])
 
     @timed
@@ -219,13 +297,13 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
         boundary), appending ``new_token_ids`` to the request's token ids (a KVRequest's owner may
         append them itself instead). Returns False, changing nothing, when the blocks are not
         there in every layer group."""
-        req = self._running(request)
+        req = self.registry.running(request)
         num_new_tokens = check.count(num_new_tokens, "num_new_tokens")
         if new_token_ids is not _NO_TOKENS:
-            new_token_ids = self._token_ids(new_token_ids, "new_token_ids")
+            new_token_ids = self.registry.token_ids(new_token_ids, "new_token_ids")
         total = req.allocation.num_tokens + num_new_tokens
         if total > self.config.max_model_len:
-            self._check_length(req.request_id, total)
+            self.registry.check_length(req.request_id, total)
         return self._grow(req, num_new_tokens, new_token_ids)
 
     def _grow(self, req: KVRequest, num_new_tokens: int,
@@ -238,21 +316,21 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
         total = first.num_tokens + num_new_tokens
         tokens_per_page = self.tokens_per_page
         needed = -(-total // tokens_per_page) - len(first.blocks)  # as many in every group
-        if needed > 0 and not self._fits([needed] * len(groups)):
-            self._short_of_blocks("allocate", req, first.slot, [needed] * len(groups))
+        if needed > 0 and not self.coordinator.fits([needed] * len(groups)):
+            self.coordinator.short_of_blocks("allocate", req, first.slot, [needed] * len(groups))
             return False
         if -(-total // tokens_per_page) <= -(-first.num_tokens // tokens_per_page):
             for alloc in allocs:  # a decode inside its block (the engine's): nothing to map or take
                 alloc.grow(num_new_tokens)
         else:
-            fresh = self._peek([needed] * len(groups)) if needed > 0 else [[]] * len(groups)
+            fresh = self.coordinator.peek([needed] * len(groups)) if needed > 0 else [[]] * len(groups)
             plans = [group.plan_grow(alloc, num_new_tokens, fresh[group.index])
                      for group, alloc in zip(groups, allocs)]
             if len(groups) > 1:
                 check_plans_budget(groups, plans, "allocate")
             for group, plan in zip(groups, plans):
                 group.map_grow(plan)  # the one refusable step
-            self._take(fresh)
+            self.coordinator.take(fresh)
             for alloc, new_blocks in zip(allocs, fresh):
                 alloc.grow(num_new_tokens, new_blocks)
         if new_token_ids:
@@ -270,11 +348,11 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
         mapping budget) and those after it are unchanged; bad input raises before any change."""
         if len(requests) != len(counts):
             raise InvalidInputError(f"{len(requests)} requests but {len(counts)} counts")
-        reqs = [self._running(request) for request in requests]
+        reqs = [self.registry.running(request) for request in requests]
         counts = [check.count(count, "num_new_tokens") for count in counts]
         for req, count in zip(reqs, counts):
             if req.allocation.num_tokens + count > self.config.max_model_len:
-                self._check_length(req.request_id, req.allocation.num_tokens + count)
+                self.registry.check_length(req.request_id, req.allocation.num_tokens + count)
         grow = self._grow
         for done, (req, count) in enumerate(zip(reqs, counts)):
             try:
@@ -289,7 +367,7 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
         """Mark positions up to ``num_computed_tokens`` (default: all reserved) as written. Blocks
         that are now full join the prefix cache and are never written again; a windowed group
         gives back its blocks behind the window."""
-        req = self._running(request)
+        req = self.registry.running(request)
         done = req.allocation.num_tokens if num_computed_tokens is None else check.count(
             num_computed_tokens, "num_computed_tokens")
         self._check_commit(req, done)
@@ -300,7 +378,7 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
         """``commit(request)`` for each request (every reserved position written), as one
         operation (an engine's step: one call, not one per sequence through the timing
         wrapper). Every request is checked before any is committed."""
-        reqs = [self._running(request) for request in requests]
+        reqs = [self.registry.running(request) for request in requests]
         tokens_per_page, caching = self.tokens_per_page, self.config.enable_prefix_caching
         for req in reqs:  # _check_commit, called only where it has something to check
             allocation = req.allocation
@@ -308,7 +386,7 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
             if (not allocation.num_computed <= done <= len(req.token_ids)
                     or (caching and done // tokens_per_page * tokens_per_page > req.chain.num_checked)):
                 self._check_commit(req, done)
-        releases = self._releases
+        releases = self.coordinator.releases
         for req in reqs:
             allocation = req.allocation
             done = allocation.num_tokens
@@ -328,15 +406,17 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
                 f"{computed} computed, {reserved} reserved, {known} known")
         end = done // self.tokens_per_page * self.tokens_per_page
         if self.config.enable_prefix_caching and end > req.chain.num_checked:
-            self._check_tokens(req, end)
+            self.registry.check_tokens(req, end)
 
     def _commit(self, req: KVRequest, done: int) -> None:
         full = done // self.tokens_per_page
         if self.config.enable_prefix_caching and full > req.allocation.num_registered:
-            self._register_full(req, full)  # its tokens were checked by _check_commit
+            hashes = self.registry.extend_chain(req, full)  # its tokens were checked by _check_commit
+            root = self.registry.chain_root(req.keys) if not req.allocation.num_registered else None
+            self.coordinator.register_full(req.allocations, full, req.token_ids, hashes, root)
         for alloc in req.allocations:
             alloc.commit(done)
-        if self._releases:
+        if self.coordinator.releases:
             for group, alloc in zip(self.groups, req.allocations):
                 if group.spec.releases:
                     group.release_behind_window(alloc)
@@ -347,16 +427,12 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
         """Release a request (running or swapped). Its blocks go back deepest first, so a shared
         prefix outlives its tails in the LRU queue; its slot keeps its mappings. A KVRequest keeps
         its token ids and hash chain and may be admitted again."""
-        self._check_open()
-        if request.__class__ is KVRequest:
-            req = request if self._requests.get(request.request_id) is request else None
-        else:
-            req = self._requests.get(request) if type(request) is str else None
+        registry = self.registry
+        registry.check_open()
+        req = registry.holds(request)
         if req is None:
-            self._known(request)  # raises what is wrong with it
-        request_id = req.request_id
-        del self._requests[request_id]
-        self._preempted.discard(request_id)
+            registry.known(request)  # raises what is wrong with it
+        registry.remove(req.request_id)
         for group, alloc in zip(self.groups, req.allocations):
             group.free(alloc)
 
@@ -365,15 +441,15 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
         """Forget a request for good, in whatever state it is (an abort): free what it holds;
         a request preempted by recompute holds nothing and is just forgotten; an unknown id is
         ignored."""
-        self._check_open()
+        self.registry.check_open()
         if isinstance(request, KVRequest):
-            self._check_not_foreign(request)
+            self.registry.check_not_foreign(request)
             request_id = request.request_id
-            held = self._requests.get(request_id) is request
+            held = self.registry.holds(request) is not None
         else:
             request_id = check.request_id(request)
-            held = request_id in self._requests
-        self._preempted.discard(request_id)
+            held = self.registry.holds(request_id) is not None
+        self.registry.forget_preempted(request_id)
         if held:
             self.free(request)
 
@@ -382,12 +458,12 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
         """Forget all cached content (every group's, and the host tiers'). Refused while any
         request holds blocks (their hashes would go stale mid-flight). Returns how many cached
         blocks (of the first group) were dropped."""
-        self._check_open()
+        self.registry.check_open()
         for memory in self.memories:
             if memory.pool.num_in_use:
                 raise PrefixCacheBusyError(
                     f"cannot reset the prefix cache: {memory.pool.num_in_use} blocks "
-                    f"{memory.groups[0].in_group()}are held by {len(self._requests)} request(s); "
+                    f"{memory.groups[0].in_group()}are held by {len(self.registry.requests)} request(s); "
                     "free or finish them first")
         dropped = [memory.pool.reset_cache() + memory.host_tier.clear() for memory in self.memories]
         return dropped[0]
@@ -401,7 +477,7 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
         ones' content first (all of them but what ``keep_blocks`` still keeps). With a shared KV
         budget (``CacheConfig.kv_pool``) the bytes go back to the budget. Returns the bytes given
         back; 0 on a backend that cannot (CUDA, for now)."""
-        self._check_open()
+        self.registry.check_open()
         keep_blocks = check.count(keep_blocks, "keep_blocks")
         if type(cached) is not bool:
             raise InvalidInputError(f"cached must be True or False, got {cached!r}")
@@ -412,26 +488,329 @@ class KVCacheManager(ManagerQueries, SharingOps, PreemptionOps, LookaheadOps):
         """Give the memory back; every later call raises ManagerClosedError. Refused while
         tensors viewing the memory (from kv_views/block_views) are still held: reading one
         after close would crash the process. Closing twice does nothing."""
-        if self._closed:
+        if self.registry.closed:
             return
-        held = sum(group.slots.views_in_use() for group in self.groups)
+        held = self.coordinator.views_in_use()
         if held:
             raise ManagerClosedError(
                 f"cannot close the KV cache manager: {held} reference(s) to its K/V views (from "
                 "kv_views/block_views, or tensors and arrays made from them) are still held; "
                 "drop them first, since reading them after close would crash the process")
-        self._closed = True
-        for group in self.groups:
-            group.slots.close()
-        for memory in self.memories:
-            memory.backend.close()
-        if self.budget is not None:
-            self.budget.close()
+        self.registry.closed = True
+        self.coordinator.close()
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        if exc_type is not None and any(group.slots.views_in_use() for group in self.groups):
+        if exc_type is not None and self.coordinator.views_in_use():
             return  # closing would raise and hide the error in flight; the views stay readable
         self.close()
+
+    # --- preemption (preemption.py) ----------------------------------------------------------------
+    @timed
+    def preempt(self, request: "KVRequest | str", mode: Literal["recompute", "swap", "auto"] = "auto") -> str:
+        """Take a running request off the device; returns the mode used.
+
+        recompute: its blocks are released (cached ones may be hit when it is admitted again with
+        all its tokens). swap: its private blocks are copied to host swap space and released;
+        blocks shared with other requests stay referenced; ``swap_in`` brings it back
+        (OutOfSwapSpaceError, changing nothing, when some group's swap space is short). A
+        KVRequest preempted by recompute keeps its token ids and hash chain for its
+        re-admission."""
+        req = self.registry.running(request)
+        self.registry.require_committed(req)
+        mode = check.choice(mode, "preemption mode", check.PREEMPT_MODES)
+        if mode == "auto":
+            mode = self.estimate_preemption(req).cheaper
+        if mode == "recompute":
+            self.free(req)
+            self.registry.mark_preempted(req.request_id)
+            self.stats.preemptions_recompute += 1
+            return mode
+        self.preemption.swap_out(req)
+        return mode
+
+    @timed
+    def estimate_preemption(self, request: "KVRequest | str") -> PreemptionEstimate:
+        """What swapping costs (every group's private blocks) and what recomputing costs (the
+        tokens past a prefix other requests keep alive in the first group)."""
+        return self.preemption.estimate(request)
+
+    def can_swap_in(self, request: "KVRequest | str", slot: int | None = None) -> bool:
+        """Whether ``swap_in`` (into ``slot`` when given) would find a slot and the blocks now."""
+        return self.preemption.can_swap_in(request, slot)
+
+    @timed
+    def swap_in(self, request: "KVRequest | str", slot: int | None = None) -> bool:
+        """Bring a swapped request back into any free slot (``slot`` when given), bit-exact, in
+        every group. Returns False, changing nothing, without a free slot or enough blocks
+        (MappingLimitError, changing nothing, when the mapping budget does not take it)."""
+        return self.preemption.swap_in(request, slot)
+
+    # --- overlapped mapping (lookahead.py) -----------------------------------------------------------
+    @timed
+    def allocate_lookahead(self, requests: "Sequence[KVRequest | str]", margin_tokens: int,
+                           keep_free: int = 0) -> list[MapJob]:
+        """Give each request whose reservation ends within ``margin_tokens`` of its last block's
+        end the blocks that cover ``margin_tokens`` more positions (never past ``max_model_len``)
+        now, without mapping them, while more than ``keep_free`` blocks stay free (of the first
+        group's pool; every other pool keeps the same share of its blocks free). Only clean blocks
+        are taken, so no cached prefix is evicted for a guess. Returns the jobs for
+        ``map_lookahead`` (each names its group), which may run on another thread while the
+        device computes: it touches only mapping state, and only pages past every reserved
+        position."""
+        return self.lookahead.allocate(requests, margin_tokens, keep_free)
+
+    def map_lookahead(self, jobs: list[MapJob]) -> None:
+        """Map the jobs of ``allocate_lookahead``, all or none in each group. If this raises,
+        call ``cancel_lookahead(jobs)`` on the step thread before the requests grow again: every
+        group gives its blocks back (a group that had mapped its jobs keeps those mappings, past
+        every reservation: stale, as a freed slot's, and remapped before anyone writes there).
+        With a metrics collector, its backend mapping counts as background mapping (not an
+        operation of the step thread)."""
+        if self.metrics is None:
+            self.lookahead.map(jobs)
+            return
+        with self.metrics.background():
+            self.lookahead.map(jobs)
+
+    @timed
+    def cancel_lookahead(self, jobs: list[MapJob]) -> None:
+        """Give back the blocks of lookahead jobs whose mapping was refused; call it right after
+        ``map_lookahead`` raised, before the requests change."""
+        return self.lookahead.cancel(jobs)
+
+    # --- sharing: fork, reorder, truncate (sharing.py) ----------------------------------------------
+    @timed
+    def fork(self, parent: "KVRequest | str", child: "KVRequest | str",
+             slot: int | None = None) -> KVRequest | None:
+        """Start ``child`` as a copy of ``parent`` in another slot (``slot`` when given): full
+        blocks shared, the partial last block copied. ``child`` is a KVRequest not admitted yet
+        (its token ids become a copy of the parent's, in its own list, and its keys the parent's)
+        or a new id, for which the manager makes one. Returns the child's KVRequest, or None,
+        changing nothing, without a slot (or not ``slot``) or a block in every layer group
+        (MappingLimitError, changing nothing, when the mapping budget does not take it)."""
+        return self.sharing.fork(parent, child, slot)
+
+    @timed
+    def reorder(self, requests: "Sequence[KVRequest | str]", sources: "Sequence[KVRequest | str]") -> bool:
+        """Beam-search reorder: request ``requests[i]`` becomes a copy of ``sources[i]`` (as they
+        were before the call). Full blocks are remapped, never copied; a partial block is copied
+        only when more than one request takes it. Each request keeps its object and its token
+        list, whose contents are replaced; each row keeps its window (pages behind its source's
+        window stay released). Returns False, changing nothing, when the copies need more free
+        blocks than some layer group has (MappingLimitError, changing nothing, when the mapping
+        budget does not take every group's remapping)."""
+        return self.sharing.reorder(requests, sources)
+
+    @timed
+    def truncate(self, request: "KVRequest | str", num_tokens: int) -> bool:
+        """Forget every position from ``num_tokens`` on (rejected speculative tokens, a cropped
+        cache). Blocks past the new end are released; if the new last block is partial and shared
+        or cached, it is copied to a private block first, since the request will write it again.
+        RequestStateError, changing nothing, when a windowed group's query at ``num_tokens``
+        would read positions already released; False, changing nothing, when a copy finds no
+        free block (MappingLimitError, changing nothing, when the mapping budget does not take
+        every group's copy)."""
+        return self.sharing.truncate(request, num_tokens)
+
+    @timed
+    def can_truncate(self, requests: "Sequence[KVRequest | str]", num_tokens: int) -> bool:
+        """Whether ``truncate(r, num_tokens)`` for every ``r`` of ``requests``, one after another,
+        finds a free block for every copy it makes in every group (each request checked as
+        ``truncate`` checks it: RequestStateError). Changes nothing."""
+        return self.sharing.can_truncate(requests, num_tokens)
+
+    # --- queries, sizes, views and stats (queries.py) -------------------------------------------------
+    def views(self) -> KVCacheViews:
+        """A read-only view of this manager for a step's addressing and attention."""
+        self.registry.check_open()
+        return KVCacheViews(self, self.queries)
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.queries.num_free_slots
+
+    @timed
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (of the fullest pool)."""
+        return self.queries.usage()
+
+    @timed
+    def match_prefix(self, token_ids: "Sequence[int] | KVRequest",
+                     keys: CacheKeys = CacheKeys()) -> tuple[list[int], list[bytes]]:
+        """Cached blocks holding a prefix of ``token_ids`` (whole blocks, leaving at least one
+        token to compute) and the hashes of all full blocks of ``token_ids``. With a sliding
+        window, the longest prefix whose blocks its next query's window reads are cached, with
+        ``RELEASED`` (-1) for the blocks before that window (they need not be cached); with
+        several layer groups, the first group's blocks of the longest prefix every group can
+        reuse. Given a KVRequest, its own tokens and keys, and its hash chain (extended, never
+        recomputed)."""
+        return self.queries.match_prefix(token_ids, keys)
+
+    @timed
+    def can_admit(self, token_ids: "Sequence[int] | KVRequest", keys: CacheKeys = CacheKeys()) -> bool:
+        """Whether ``admit`` of all of ``token_ids`` (or of a KVRequest) would succeed now."""
+        return self.queries.can_admit(token_ids, keys)
+
+    @timed
+    def can_allocate(self, request: "KVRequest | str", num_new_tokens: int) -> bool:
+        return self.queries.can_allocate(request, num_new_tokens)
+
+    @timed
+    def blocks_needed(self, request: "KVRequest | str", num_new_tokens: int) -> int:
+        """New blocks of the first group's pool for ``num_new_tokens`` more positions (as many
+        for every group drawing from it)."""
+        return self.queries.blocks_needed(request, num_new_tokens)
+
+    def blocks_to_grow(self, requests: "Sequence[KVRequest | str]", counts: Sequence[int]) -> list[int]:
+        """For each pool (``pool_usage`` order): the new blocks growing each running request
+        ``requests[i]`` by ``counts[i]`` positions takes, in every group drawing from the pool
+        (an all-or-nothing check of several requests' growth against ``blocks_free``)."""
+        return self.queries.blocks_to_grow(requests, counts)
+
+    def fragmentation(self, requests: "Sequence[KVRequest]") -> tuple[int, int]:
+        """(Bytes of the blocks in use beyond the bytes the tokens of ``requests`` fill, those
+        bytes): each pool counted with its own blocks and clipped at zero; tokens in blocks
+        given back behind a window are neither. An estimate: blocks in use include lookahead
+        blocks and swapped requests' shared ones, and a prefix shared by several requests is one
+        block but counted in each one's tokens."""
+        return self.queries.fragmentation(requests)
+
+    def pool_usage(self) -> list[PoolUsage]:
+        """Each pool's blocks in use, free and copied, and its block bytes (one pool for most
+        models; a hybrid model's groups of different block bytes have one each)."""
+        return self.queries.pool_usage()
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks (logical pages) in the first group's pool (every group's, when they share one)."""
+        return self.queries.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take: clean ones and cached ones (evicted when taken), less,
+        with a shared KV budget, the clean ones its free bytes would not back."""
+        return self.queries.num_free_blocks
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        return self.queries.num_blocks_in_use
+
+    @property
+    def kv_bytes_in_use(self) -> int:
+        """Bytes of the blocks held by requests, in every group."""
+        return self.queries.kv_bytes_in_use
+
+    @property
+    def kv_bytes_resident(self) -> int:
+        """Bytes of the blocks with memory behind them, in every pool: held, cached, and free
+        clean blocks not given back (``release_free_memory``)."""
+        return self.queries.kv_bytes_resident
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks still holding prefix-cache content."""
+        return self.queries.num_cached_blocks
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block: all (the first group's) layers' K and V of ``tokens_per_page`` tokens."""
+        return self.queries.block_bytes
+
+    @property
+    def num_slots(self) -> int:
+        return self.queries.num_slots
+
+    @property
+    def layout_groups(self) -> tuple[KVCacheGroup, ...]:
+        """The layer groups, each with its own virtual tensors (one for most models); groups
+        whose blocks have the same bytes draw from one pool (``memories``)."""
+        return self.queries.layout_groups
+
+    def layer_group(self, layer: int) -> KVCacheGroup:
+        """The layer group holding model layer ``layer`` (its ``spec`` is the layer's rule)."""
+        return self.queries.layer_group(layer)
+
+    def free_slots(self) -> list[int]:
+        return self.queries.free_slots()
+
+    def is_slot_free(self, slot: int) -> bool:
+        return self.queries.is_slot_free(slot)
+
+    def blocks_for_tokens(self, num_tokens: int, chunk_tokens: int | None = None) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds at once. With a sliding
+        window and ``chunk_tokens`` (the most tokens computed in one step: a prefill chunk),
+        blocks behind the window are released as it runs, so it holds about the window plus a
+        chunk (``AttentionSpec.peak_blocks``); otherwise every block of its tokens. Counted in the
+        first group's pool: with groups sharing it, the blocks of all of them."""
+        return self.queries.blocks_for_tokens(num_tokens, chunk_tokens)
+
+    def why_never_fits(self, num_tokens: int, chunk_tokens: int | None = None) -> str | None:
+        """None when a request of ``num_tokens`` tokens (computed in chunks of at most
+        ``chunk_tokens``, as ``blocks_for_tokens``) fits once nothing else is held; otherwise
+        which limit it exceeds and what to change."""
+        return self.queries.why_never_fits(num_tokens, chunk_tokens)
+
+    def can_ever_fit(self, num_tokens: int, chunk_tokens: int | None = None) -> bool:
+        """Whether a request of ``num_tokens`` tokens fits once nothing else is held."""
+        return self.queries.can_ever_fit(num_tokens, chunk_tokens)
+
+    def cache_stats(self) -> CacheStats:
+        """A copy of the counters (prefix hits, preemptions, swap bytes, forks, block copies)."""
+        return self.queries.cache_stats()
+
+    def batched_reads(self):
+        """What CPU attention needs to read several consecutive slots in one call
+        (``make_readable``, ``release_reads``, ``num_layers``: ``attention.contiguous.SlotReads``)."""
+        return self.queries.batched_reads()
+
+    def kv_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Model layer ``layer``'s K and V over every slot, ``[num_slots, max_model_len, kv_heads,
+        dim]``, from its group's virtual tensors (vmem only). Touch only positions below a
+        request's reservation."""
+        return self.queries.kv_views(layer)
+
+    def block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V as block tensors ``[num_blocks, tokens_per_page, kv_heads,
+        dim]`` of its group's pool, addressed through ``block_table(request, layer)`` (both
+        backends)."""
+        return self.queries.block_views(layer)
+
+    def request(self, request_id: str) -> KVRequest:
+        """The admitted (running or swapped) request of this id: the caller's KVRequest, or the
+        one ``admit`` made for an id."""
+        return self.queries.request(request_id)
+
+    @timed
+    def slot_of(self, request: "KVRequest | str") -> int:
+        return self.queries.slot_of(request)
+
+    @timed
+    def num_tokens(self, request: "KVRequest | str") -> int:
+        return self.queries.num_tokens(request)
+
+    def num_computed_tokens(self, request: "KVRequest | str") -> int:
+        return self.queries.num_computed_tokens(request)
+
+    @timed
+    def block_table(self, request: "KVRequest | str", layer: int | None = None) -> list[int]:
+        """The request's blocks (in layer ``layer``'s group; default: the first group)."""
+        return self.queries.block_table(request, layer)
+
+    def token_ids(self, request: "KVRequest | str") -> list[int]:
+        """A copy of the request's token ids (a KVRequest's own list is ``request.token_ids``)."""
+        return self.queries.token_ids(request)
+
+    def is_swapped(self, request: "KVRequest | str") -> bool:
+        return self.queries.is_swapped(request)
+
+    def request_ids(self) -> list[str]:
+        return self.queries.request_ids()
+
+    def snapshot_stats(self) -> dict:
+        """The counters and the first group's pool and mapping counts; with several layer groups,
+        each later group's block counts beside them (``group<i>_blocks_*``) and
+        ``kv_bytes_in_use`` over all."""
+        return self.queries.snapshot_stats()

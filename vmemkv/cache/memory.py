@@ -4,9 +4,8 @@ A memory owns the pages (``backend``), the blocks' reference counts, free queues
 (``pool``), and the host rows blocks are swapped or demoted to (``swap``, ``host_tier``). Groups
 whose blocks have the same bytes (as many layers of one shape: Gemma-2's and GPT-OSS's local and
 global layers) share one memory, so one free block serves whichever group needs it: the groups'
-shares follow demand (vLLM's hybrid allocator over one ``BlockPool``); ``cache_group.py`` has the
-groups, ``manager_state.py`` the coordinator's steps over the memories (``_fits``, ``_peek``,
-``_take``).
+shares follow demand (vLLM's hybrid allocator over one ``BlockPool``); ``group.py`` has the
+groups, ``coordinator.py`` the steps over the memories (``fits``, ``peek``, ``take``).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from vmemkv.memory.budget import SharedKVBudget
 from vmemkv.memory.layout import KVLayout
 from vmemkv.cache.pool import BlockPool, EvictedBlock
 from vmemkv.cache.swap import SwapSpace
-from vmemkv.memory.vmm import create_backend
+from vmemkv.memory.vmm import backend_class, create_backend
 from vmemkv.memory.vmm.base import VirtualMemoryBackend
 
 # A memory's share of a shared budget grows by at least what an operation needs, and by up to
@@ -37,19 +36,23 @@ if TYPE_CHECKING:
     from vmemkv.cache.group import KVCacheGroup
 
 
-def backend_pages(config: CacheConfig, layout: KVLayout) -> tuple[int, int | None]:
+def backend_pages(config: CacheConfig, layout: KVLayout,
+                  device: type[VirtualMemoryBackend] | None = None) -> tuple[int, int | None]:
     """How many physical pages a memory's backend holds, and the hole page's index (or None).
 
-    The pool's pages first. On CPU, slots read in one batched call need filler pages past the
-    pool (``SlotMapper.make_readable``): one slot's worth, owned by no request, touched only where
-    read. On CUDA with a sliding window, pages behind a window point at one "hole" page past
-    those (FlashAttention may load a tile before the window start, and an unmapped address there
-    faults); on CPU they are unmapped (no CPU path reads them)."""
+    The pool's pages first. Where the ``device``'s backend (a backend class; default:
+    ``config.device``'s) reads several slots in one batched
+    call (``batched_reads_need_filler``), filler pages past the pool (``SlotMapper.make_readable``):
+    one slot's worth, owned by no request, touched only where read. Where it needs a page behind
+    released positions (``window_holes_need_page``) and a window or chunks release some, pages
+    behind a window point at one "hole" page past those; elsewhere they are unmapped."""
+    device = device or backend_class(config.device)
     pages = config.num_blocks * layout.pages_per_block
-    cuda = str(config.device).startswith("cuda")
-    if config.kv_backend == "vmem" and not cuda:
+    if config.kv_backend != "vmem":
+        return pages, None
+    if device.batched_reads_need_filler:
         pages += layout.slot_pages(config.max_model_len)
-    if config.kv_backend == "vmem" and cuda and (config.sliding_window or config.attention_chunk_size):
+    if device.window_holes_need_page and (config.sliding_window or config.attention_chunk_size):
         return pages + 1, pages
     return pages, None
 
@@ -63,7 +66,8 @@ class KVMemory:
                  events: KVEventSink | None = None, metrics=None, budget: SharedKVBudget | None = None):
         self.config, self.stats = config, stats
         self.layout = config.make_layout()
-        num_pages, self.hole_page = backend_pages(config, self.layout)
+        device = backend_class(config.device)  # what the device needs, before its backend is built
+        num_pages, self.hole_page = backend_pages(config, self.layout, device)
         self.backend = backend or create_backend(config.device, self.layout.page_size, num_pages)
         if metrics is not None:  # the backend reports its map/unmap time to the manager's collector
             self.backend.metrics = metrics
@@ -82,7 +86,7 @@ class KVMemory:
         host_tier_blocks = config.host_cache_bytes // block_bytes if config.enable_prefix_caching else 0
         # one host block store: swap_space_bytes of rows for swapped requests beside the tier's
         self.swap = SwapSpace(config.swap_space_bytes // block_bytes + host_tier_blocks, block_bytes,
-                              pin_memory=str(config.device).startswith("cuda"))
+                              device.host_row_copier())
         self.host_tier = HostTier(host_tier_blocks, self.swap, self.layout.tokens_per_page, events, stats)
         if host_tier_blocks:
             self.pool.on_evict = self._demote

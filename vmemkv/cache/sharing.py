@@ -4,8 +4,9 @@ tail of a request, copying its new last block first if someone else can see it).
 
 Full blocks are immutable once written, so they are shared by reference (``pool.acquire``); only
 a partial last block, the one a request still writes, is ever copied. Each operation plans in
-every layer group, checks every plan, then carries each out (``KVCacheGroup``). Part of
-:class:`vmemkv.KVCacheManager` (see ``manager_state.py`` for the state these methods work on).
+every layer group, checks every plan, then carries each out (``KVCacheGroup``). A part the
+:class:`vmemkv.KVCacheManager` holds: it finds requests through the manager's
+:class:`RequestRegistry` and blocks through its :class:`KVCacheCoordinator`.
 """
 
 from __future__ import annotations
@@ -14,33 +15,33 @@ from typing import Sequence
 
 from vmemkv import validation as check
 from vmemkv.errors import InvalidInputError, RequestStateError
-from vmemkv.cache.metrics import timed
-from vmemkv.cache.manager_state import ManagerState
+from vmemkv.cache.config import CacheStats
+from vmemkv.cache.coordinator import KVCacheCoordinator
+from vmemkv.cache.registry import RequestRegistry
 from vmemkv.cache.plans import check_mapping_budget, check_plans_budget, reorder_copies
 from vmemkv.cache.request import KVRequest
 
 
-class SharingOps(ManagerState):
-    """fork, reorder, truncate (mixed into KVCacheManager)."""
+class Sharing:
+    """fork, reorder, truncate and can_truncate over every group (``KVCacheManager`` calls them
+    with its arguments unchecked; each checks them before any change)."""
 
-    @timed
+    def __init__(self, registry: RequestRegistry, coordinator: KVCacheCoordinator, stats: CacheStats):
+        self.registry, self.coordinator, self.stats = registry, coordinator, stats
+        self.tokens_per_page = coordinator.tokens_per_page
+        self.num_slots = coordinator.first.slots.num_slots
+
     def fork(self, parent: "KVRequest | str", child: "KVRequest | str",
              slot: int | None = None) -> KVRequest | None:
-        """Start ``child`` as a copy of ``parent`` in another slot (``slot`` when given): full
-        blocks shared, the partial last block copied. ``child`` is a KVRequest not admitted yet
-        (its token ids become a copy of the parent's, in its own list, and its keys the parent's)
-        or a new id, for which the manager makes one. Returns the child's KVRequest, or None,
-        changing nothing, without a slot (or not ``slot``) or a block in every layer group
-        (MappingLimitError, changing nothing, when the mapping budget does not take it)."""
-        parent = self._running(parent)
+        parent = self.registry.running(parent)
         slot = check.slot_index(slot, self.num_slots)
         child_id = self._fork_child_id(parent, child)
         partial = parent.allocation.num_tokens % self.tokens_per_page != 0
-        groups = self.groups
+        groups = self.coordinator.groups
         needs = [int(partial)] * len(groups)  # a copy of the partial last block in every group
-        if not self._slot_available(slot) or not self._fits(needs):
-            return self._refused("fork", child_id, slot, needs)
-        fresh = self._peek(needs)
+        if not self.coordinator.slot_available(slot) or not self.coordinator.fits(needs):
+            return self.coordinator.refused("fork", child_id, slot, needs)
+        fresh = self.coordinator.peek(needs)
         plans = []
         for group, alloc in zip(groups, parent.allocations):  # the first group chooses the slot
             plans.append(group.plan_fork(alloc, slot, fresh[group.index]))
@@ -54,13 +55,13 @@ class SharingOps(ManagerState):
             group.map_and_bind(plan)  # the one refusable step
         for group, plan in zip(groups, plans):
             group.pool.acquire(plan.share)
-        self._take(fresh)
-        self._copy([group.fork_copies(alloc, plan) for group, alloc, plan in zip(groups, parent.allocations, plans)])
+        self.coordinator.take(fresh)
+        self.coordinator.copy([group.fork_copies(alloc, plan) for group, alloc, plan in zip(groups, parent.allocations, plans)])
         for group, parent_alloc, child_alloc, plan in zip(groups, parent.allocations, child.allocations, plans):
             group.finish_fork(parent_alloc, child_alloc, plan)
         child.token_ids[:] = parent.token_ids
         child.chain.copy_from(parent.chain)  # the parent's keys, hashes and owner (this manager)
-        self._requests[child_id] = child
+        self.registry.requests[child_id] = child  # admitted, as the parent's copy
         self.stats.forks += 1
         return child
 
@@ -68,36 +69,28 @@ class SharingOps(ManagerState):
         """The id of a fork's ``child`` once it is checked (a KVRequest not admitted, with a
         token list of its own, or a new id); the parent must be committed."""
         if isinstance(child, KVRequest):
-            self._check_not_foreign(child)
+            self.registry.check_not_foreign(child)
             if child.token_ids is parent.token_ids:
                 raise InvalidInputError(f"fork child {child.request_id!r} has its parent's token "
                                         "list; give it a list of its own (a fork appends its own tokens)")
             child_id = child.request_id
         else:
             child_id = check.request_id(child, "child")
-        if child_id in self._requests:
+        if child_id in self.registry.requests:
             raise RequestStateError(f"request {child_id!r} already exists")
-        self._require_committed(parent)
+        self.registry.require_committed(parent)
         return child_id
 
-    @timed
     def reorder(self, requests: "Sequence[KVRequest | str]", sources: "Sequence[KVRequest | str]") -> bool:
-        """Beam-search reorder: request ``requests[i]`` becomes a copy of ``sources[i]`` (as they
-        were before the call). Full blocks are remapped, never copied; a partial block is copied
-        only when more than one request takes it. Each request keeps its object and its token
-        list, whose contents are replaced; each row keeps its window (pages behind its source's
-        window stay released). Returns False, changing nothing, when the copies need more free
-        blocks than some layer group has (MappingLimitError, changing nothing, when the mapping
-        budget does not take every group's remapping)."""
         rows, sources = self._check_reorder_rows(requests, sources)
         copied = reorder_copies(self.tokens_per_page, rows, sources)
-        groups = self.groups
+        groups = self.coordinator.groups
         needs = [sum(copied)] * len(groups)
-        if not self._fits(needs):
+        if not self.coordinator.fits(needs):
             return False
         # Plan every group's rows, check the budget for all (the unmaps after the maps must not
         # be refused), map every group, take the copies' blocks, then move the references.
-        fresh = self._peek(needs)
+        fresh = self.coordinator.peek(needs)
         per_group = [([row.allocations[group.index] for row in rows],
                       [source.allocations[group.index] for source in sources]) for group in groups]
         plans = [group.plan_reorder(row_allocs, source_allocs, copied, fresh[group.index])
@@ -107,8 +100,8 @@ class SharingOps(ManagerState):
         snapshots = [(list(s.token_ids), s.chain.snapshot()) for s in sources]
         for group, (row_allocs, _), plan in zip(groups, per_group, plans):
             group.map_reorder(row_allocs, plan)
-        self._take(fresh)
-        self._copy([group.reorder_copies(source_allocs, copied, plan)
+        self.coordinator.take(fresh)
+        self.coordinator.copy([group.reorder_copies(source_allocs, copied, plan)
                     for group, (_, source_allocs), plan in zip(groups, per_group, plans)])
         for group, (row_allocs, source_allocs), plan in zip(groups, per_group, plans):
             group.finish_reorder(row_allocs, source_allocs, copied, plan)
@@ -122,33 +115,25 @@ class SharingOps(ManagerState):
                             sources: "Sequence[KVRequest | str]") -> tuple[list[KVRequest], list[KVRequest]]:
         """``reorder``'s rows and sources, running; RequestStateError unless the rows are
         distinct, one source each, and every source is committed."""
-        rows = self._running_list(requests, "requests")
-        sources = self._running_list(sources, "sources")
+        rows = self.registry.running_list(requests, "requests")
+        sources = self.registry.running_list(sources, "sources")
         if len(rows) != len(sources) or len({id(row) for row in rows}) != len(rows):
             raise RequestStateError(
                 f"reorder needs distinct requests, one source each; got "
                 f"{[r.request_id for r in rows]} from {[s.request_id for s in sources]}")
         for source in sources:
-            self._require_committed(source)
+            self.registry.require_committed(source)
         return rows, sources
 
-    @timed
     def truncate(self, request: "KVRequest | str", num_tokens: int) -> bool:
-        """Forget every position from ``num_tokens`` on (rejected speculative tokens, a cropped
-        cache). Blocks past the new end are released; if the new last block is partial and shared
-        or cached, it is copied to a private block first, since the request will write it again.
-        RequestStateError, changing nothing, when a windowed group's query at ``num_tokens``
-        would read positions already released; False, changing nothing, when a copy finds no
-        free block (MappingLimitError, changing nothing, when the mapping budget does not take
-        every group's copy)."""
-        req = self._running(request)
+        req = self.registry.running(request)
         num_tokens = self._check_truncate(req, num_tokens)
-        groups = self.groups
+        groups = self.coordinator.groups
         needs = [int(group.truncate_copy(alloc, num_tokens) is not None)
                  for group, alloc in zip(groups, req.allocations)]
-        if not self._fits(needs):
+        if not self.coordinator.fits(needs):
             return False
-        fresh = self._peek(needs)
+        fresh = self.coordinator.peek(needs)
         jobs = [group.truncate_jobs(alloc, num_tokens, fresh[group.index])
                 for group, alloc in zip(groups, req.allocations)]
         if len(groups) > 1:
@@ -156,8 +141,8 @@ class SharingOps(ManagerState):
                                  "truncate")
         for group, alloc, group_jobs in zip(groups, req.allocations, jobs):
             group.map_truncate(alloc, group_jobs)  # the one refusable step
-        self._take(fresh)
-        self._copy([group.truncate_copies(alloc, group_jobs) for group, alloc, group_jobs in zip(groups, req.allocations, jobs)])
+        self.coordinator.take(fresh)
+        self.coordinator.copy([group.truncate_copies(alloc, group_jobs) for group, alloc, group_jobs in zip(groups, req.allocations, jobs)])
         for group, alloc, group_jobs in zip(groups, req.allocations, jobs):
             group.finish_truncate(alloc, num_tokens, group_jobs)
         del req.token_ids[num_tokens:]  # in place: the caller's list stays the request's
@@ -168,30 +153,26 @@ class SharingOps(ManagerState):
         """``num_tokens`` checked for ``truncate(req, num_tokens)``: RequestStateError unless
         ``req`` is running, committed, has that many tokens, and keeps every position a query at
         ``num_tokens`` reads in every group (none released behind its window)."""
-        req = self._running(req)
-        self._require_committed(req)
+        req = self.registry.running(req)
+        self.registry.require_committed(req)
         num_tokens = check.count(num_tokens, "num_tokens")
         if not num_tokens <= req.allocation.num_tokens:
             raise RequestStateError(f"request {req.request_id!r} has {req.allocation.num_tokens} tokens; "
                                     f"cannot truncate it to {num_tokens}")
-        for group, alloc in zip(self.groups, req.allocations):
+        for group, alloc in zip(self.coordinator.groups, req.allocations):
             if alloc.num_released > group.spec.first_needed_block(num_tokens, self.tokens_per_page):
-                layers = "" if len(self.groups) == 1 else f"{group.spec.describe()} layers' "
+                layers = "" if len(self.coordinator.groups) == 1 else f"{group.spec.describe()} layers' "
                 raise RequestStateError(
                     f"request {req.request_id!r}: cannot truncate it to {num_tokens} tokens; its "
                     f"{layers}first {alloc.num_released * self.tokens_per_page} positions were "
                     f"released behind its {group.spec.describe()}, and a query at {num_tokens} reads some")
         return num_tokens
 
-    @timed
     def can_truncate(self, requests: "Sequence[KVRequest | str]", num_tokens: int) -> bool:
-        """Whether ``truncate(r, num_tokens)`` for every ``r`` of ``requests``, one after another,
-        finds a free block for every copy it makes in every group (each request checked as
-        ``truncate`` checks it: RequestStateError). Changes nothing."""
-        rows = list({id(row): row for row in map(self._running, requests)}.values())  # once each
+        rows = list({id(row): row for row in map(self.registry.running, requests)}.values())  # once each
         for row in rows:
             num_tokens = self._check_truncate(row, num_tokens)
-        for memory in self.memories:  # the groups of one pool draw on one count of free blocks
+        for memory in self.coordinator.memories:  # the groups of one pool draw on one count of free blocks
             free = memory.pool.num_available
             for group in memory.groups:
                 free = group.truncations_fit([row.allocations[group.index] for row in rows], num_tokens, free)

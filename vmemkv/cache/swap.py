@@ -6,12 +6,9 @@ pool). ``store`` copies device blocks into free host rows, ``load`` copies host 
 device blocks and frees them, ``discard`` frees rows. Under tensor parallelism every rank's store
 replays rank 0's calls in order (``engine/distributed/recorder.py``), so both users stay in step.
 
-On CUDA the host rows are pinned and every copy runs on a side stream, asynchronously for the
-host: the side stream first waits for the compute stream (the blocks' bytes are final), and the
-compute stream then waits for the copy's event, so the next kernel that writes a demoted block or
-reads a loaded one is ordered after the copy, and the step thread never blocks. Copies on the side
-stream run in issue order, so a host row reused for another block is never overwritten before
-the earlier copy out of it finished. On the CPU a copy is a plain row copy.
+The copies themselves are the device's (``VirtualMemoryBackend.host_row_copier``): a plain row
+copy where the rows are host memory, an asynchronous copy from pinned rows ordered against the
+compute stream where the device needs one; the store only chooses rows.
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ import heapq
 import torch
 
 from vmemkv.errors import VmemkvError
+from vmemkv.memory.vmm.base import HostRowCopier
 
 
 class OutOfSwapSpaceError(VmemkvError):
@@ -28,15 +26,16 @@ class OutOfSwapSpaceError(VmemkvError):
 
 
 class SwapSpace:
-    """``num_blocks`` host blocks of ``block_bytes`` each (pinned when the pool is on a GPU)."""
+    """``num_blocks`` host blocks of ``block_bytes`` each, copied by ``copier`` (the pool's
+    backend's ``host_row_copier()``; default: plain host row copies), pinned when it asks."""
 
-    def __init__(self, num_blocks: int, block_bytes: int, pin_memory: bool = False):
+    def __init__(self, num_blocks: int, block_bytes: int, copier: HostRowCopier | None = None):
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
+        self.copier = copier or HostRowCopier()
         self.storage = torch.empty((num_blocks, block_bytes), dtype=torch.uint8,
-                                   pin_memory=pin_memory and num_blocks > 0)
+                                   pin_memory=self.copier.pin_host_memory and num_blocks > 0)
         self._free = list(range(num_blocks))  # a heap, so swapped blocks land together
-        self._copy_stream: torch.cuda.Stream | None = None  # made at the first CUDA copy
 
     @property
     def num_free(self) -> int:
@@ -69,25 +68,6 @@ class SwapSpace:
 
     def _copy_rows(self, dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor,
                    src_rows: list[int]) -> None:
-        """``dst[dst_rows[i]] = src[src_rows[i]]``, row by row: torch's indexed copies of uint8
-        rows run element by element on the CPU (~10x slower than a memcpy per row; numpy's row
-        assignment costs a tenth of a torch row copy), and a row copy between pinned host memory
-        and the device is one asynchronous memcpy."""
-        if not dst_rows:
-            return
-        device = dst.device if dst.device.type == "cuda" else src.device
-        if device.type != "cuda":
-            dst_array, src_array = dst.numpy(), src.numpy()
-            for d, s in zip(dst_rows, src_rows):
-                dst_array[d] = src_array[s]
-            return
-        compute = torch.cuda.current_stream(device)
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device)
-        self._copy_stream.wait_stream(compute)  # the blocks' bytes are final
-        with torch.cuda.stream(self._copy_stream):
-            for d, s in zip(dst_rows, src_rows):
-                dst[d].copy_(src[s], non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(self._copy_stream)
-        compute.wait_event(done)  # the next kernel that touches these blocks runs after the copy
+        """``dst[dst_rows[i]] = src[src_rows[i]]``, by the device's copier."""
+        if dst_rows:
+            self.copier.copy(dst, dst_rows, src, src_rows)

@@ -6,8 +6,10 @@ from vmemkv.errors import ConfigError
 from vmemkv.memory.vmm.base import MapStats, VirtualMemoryBackend, VirtualRange
 from vmemkv.memory.vmm.cpu import CpuBackend
 
-__all__ = ["CpuBackend", "MapStats", "VirtualMemoryBackend", "VirtualRange", "create_backend",
-           "device_granularity"]
+__all__ = ["CpuBackend", "DEFAULT_DEVICE", "MapStats", "VirtualMemoryBackend", "VirtualRange",
+           "backend_class", "create_backend", "device_granularity"]
+
+DEFAULT_DEVICE = "cpu"  # CacheConfig.device's default
 
 
 def _device_kind(device: str) -> str:
@@ -15,6 +17,16 @@ def _device_kind(device: str) -> str:
     if kind not in ("cpu", "cuda"):
         raise ConfigError(f"unknown device {device!r}; use 'cpu' or 'cuda'")
     return kind
+
+
+def backend_class(device: str) -> type[VirtualMemoryBackend]:
+    """The backend class for ``device`` ("cpu", or "cuda" / "cuda:N"): what the cache asks of
+    the device (filler pages, hole pages, host copies) before it builds one."""
+    if _device_kind(device) == "cpu":
+        return CpuBackend
+    from vmemkv.memory.vmm.cuda import CudaBackend  # imports without a GPU; builds need one
+
+    return CudaBackend
 
 
 def create_backend(device: str, page_size: int, num_pages: int, **kwargs) -> VirtualMemoryBackend:

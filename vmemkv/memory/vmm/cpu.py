@@ -129,6 +129,7 @@ class CpuBackend(VirtualMemoryBackend):
     """
 
     granularity = OS_PAGE_SIZE  # the huge page size on an instance with huge_pages=True
+    batched_reads_need_filler = True  # CPU attention reads several whole slots in one call
 
     def __init__(self, page_size: int, num_pages: int, huge_pages: bool = False,
                  max_mappings: int | None = None) -> None:

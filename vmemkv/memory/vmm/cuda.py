@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from vmemkv.errors import ConfigError, CudaDriverError, MappingError
-from vmemkv.memory.vmm.base import (MapStats, VirtualMemoryBackend, VirtualRange, check_indices,
+from vmemkv.memory.vmm.base import (HostRowCopier, MapStats, VirtualMemoryBackend, VirtualRange, check_indices,
                                     consecutive_runs, index_array, validate_map_request,
                                     validate_unmap_request)
 # Re-exported: `from vmemkv.memory.vmm.cuda import load_driver` is the public spelling, and the backend
@@ -41,6 +41,37 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
 
 
+class StreamRowCopier(HostRowCopier):
+    """Row copies between pinned host rows and the GPU on a side stream, asynchronously for the
+    host: the side stream first waits for the compute stream (the blocks' bytes are final), and
+    the compute stream then waits for the copy's event, so the next kernel that writes or reads
+    those blocks is ordered after the copy and the step thread never blocks. Copies on the side
+    stream run in issue order, so a host row reused for another block is never overwritten
+    before the earlier copy out of it finished. Rows on the host at both ends are copied there."""
+
+    pin_host_memory = True
+
+    def __init__(self) -> None:
+        self._stream: torch.cuda.Stream | None = None  # made at the first device copy
+
+    def copy(self, dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor,
+             src_rows: list[int]) -> None:
+        device = dst.device if dst.is_cuda else src.device
+        if not device.type == "cuda":
+            super().copy(dst, dst_rows, src, src_rows)
+            return
+        compute = torch.cuda.current_stream(device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        self._stream.wait_stream(compute)
+        with torch.cuda.stream(self._stream):
+            for d, s in zip(dst_rows, src_rows):
+                dst[d].copy_(src[s], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(self._stream)
+        compute.wait_event(done)
+
+
 class CudaBackend(VirtualMemoryBackend):
     """Physical pages are ``cuMemCreate`` handles on one GPU; ranges are driver reservations.
 
@@ -52,6 +83,8 @@ class CudaBackend(VirtualMemoryBackend):
 
     copy_by_gather = True
     granularity = DEFAULT_GRANULARITY  # an instance has its GPU's, asked of the driver
+    window_holes_need_page = True  # FlashAttention may load a tile before the window start
+    host_row_copier = StreamRowCopier
 
     @classmethod
     def device_granularity(cls, device: int | str | torch.device = 0) -> int:

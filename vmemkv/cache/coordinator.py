@@ -1,0 +1,327 @@
+"""The coordinator over the layer groups: :class:`KVCacheCoordinator`.
+
+A model's layers split into one :class:`KVCacheGroup` (``group.py``) per kind of KV memory (full
+attention, a sliding window, attention chunks), as vLLM v1's ``KVCacheCoordinator`` over its
+single-type managers. A model whose layers read alike has one group; Gemma-2/3, GPT-OSS, Cohere2
+and Llama-4 have two. Every group has its own virtual tensors; groups whose blocks have the same
+bytes draw from one :class:`KVMemory` (``memory.py``: pages, pool, swap space, host tier), the
+others from one each. All groups share one slot index, one hash chain per request and one set of
+counters (``stats``).
+
+The coordinator builds the groups and memories from a :class:`CacheConfig` and answers, over every
+group at once, what an operation of the manager asks before it changes anything: do the fresh
+blocks fit in every memory (``fits``), which blocks each group would get (``peek``), is the slot
+free, which prefix hits every group can reuse (``cached_hits``, ``common_hits``, ``host_reach``),
+and why a call was refused (``last_refusal``). Once every check passed it carries out the steps
+over the memories (``take``, ``copy``, ``claim``) and registers full blocks in every group. It
+knows no requests: callers pass the allocations, hashes and counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from vmemkv.cache.attention_spec import CHUNKED, AttentionSpec
+from vmemkv.cache.config import CacheConfig, CacheStats
+from vmemkv.cache.events import KVEventSink, group_sink, shared_sink
+from vmemkv.cache.group import KVCacheGroup
+from vmemkv.cache.layer_groups import LayerGroups, group_configs
+from vmemkv.cache.memory import KVMemory
+from vmemkv.cache.metrics import KVMetricsCollector
+from vmemkv.cache.refusal import Refusal
+from vmemkv.cache.request import KVRequest
+from vmemkv.errors import ConfigError
+from vmemkv.memory.budget import SharedKVBudget
+from vmemkv.memory.vmm.base import VirtualMemoryBackend
+
+
+class KVCacheCoordinator:
+    """``KVCacheCoordinator(config, stats, backend, metrics, events, *, layer_windows,
+    chunk_tokens, local_blocks, backends)``: the groups and memories of ``config`` (the arguments
+    as ``KVCacheManager``'s), counting into ``stats``."""
+
+    def __init__(self, config: CacheConfig, stats: CacheStats, backend: VirtualMemoryBackend | None,
+                 metrics: KVMetricsCollector | None, events: KVEventSink | None, *,
+                 layer_windows: "Sequence[int | AttentionSpec | None] | None" = None,
+                 chunk_tokens: int | None = None, local_blocks: int | None = None,
+                 backends: Sequence[VirtualMemoryBackend | None] | None = None):
+        self.config, self.stats, self.events = config, stats, events
+        self.last_refusal: Refusal | None = None  # why the last refused call was refused
+        layers, configs = self._group_layers(config, layer_windows, chunk_tokens, local_blocks)
+        # each memory with the indices of the groups drawing from it, for the steps over memories
+        self._members = tuple((memory, tuple(indices)) for memory, indices in self._memories(
+            configs, [spec for _, spec in layers], local_blocks is None, backend, backends, metrics))
+        self.memories = tuple(memory for memory, _ in self._members)
+        memory_of = {index: memory for memory, indices in self._members for index in indices}
+        self.groups = tuple(KVCacheGroup(index, group_config, group_layers, spec, memory_of[index])
+                            for index, ((group_layers, spec), group_config)
+                            in enumerate(zip(layers, configs)))
+        for group in self.groups:  # every mapper's views exist now: the references are the manager's
+            group.slots.count_own_references()
+        self.first = self.groups[0]  # the full-attention group if any: block counts are its
+        self.tokens_per_page = self.first.tokens_per_page
+        self.releases = any(group.spec.releases for group in self.groups)
+        self._where = {layer: (group, index) for group in self.groups
+                       for index, layer in enumerate(group.layers)}  # model layer -> group, its index
+
+    @staticmethod
+    def _group_layers(config: CacheConfig, layer_windows, chunk_tokens, local_blocks):
+        """``([(layers, spec)] per group, [CacheConfig] per group)``: one group of every layer by
+        ``config``'s window or chunks, or the groups of ``layer_windows`` (each layer's window,
+        its ``AttentionSpec``, or None: full attention)."""
+        if layer_windows is None:
+            spec = AttentionSpec.of(config.sliding_window, config.attention_chunk_size)
+            return [(tuple(range(config.num_layers)), spec)], [config]
+        if len(layer_windows) != config.num_layers:
+            raise ConfigError(f"layer_windows has {len(layer_windows)} entries for "
+                              f"{config.num_layers} layers")
+        if config.sliding_window or config.attention_chunk_size:
+            raise ConfigError("give windows or chunks per layer (layer_windows) or for every layer "
+                              "(CacheConfig.sliding_window or attention_chunk_size), not both")
+        groups = LayerGroups.from_windows(layer_windows)
+        return list(zip(groups.layers, groups.specs)), group_configs(config, groups, chunk_tokens,
+                                                                     local_blocks)
+
+    def _memories(self, configs: list[CacheConfig], specs: list[AttentionSpec], share: bool,
+                  backend, backends, metrics) -> list[tuple[KVMemory, list[int]]]:
+        """The memories behind the groups, each with the indices of the groups it serves: one for
+        all groups of one block layout when ``share`` (no fixed ``local_blocks``), holding the
+        blocks of all of them; else one each. ``backends``: one per memory (a list), or a callable
+        making one from a memory's config; ``backend``: the first memory's."""
+        layouts: dict = {}  # layout -> group indices
+        for index, group_config in enumerate(configs):
+            layout = group_config.make_layout()
+            layouts.setdefault(layout if share else index, []).append(index)
+        memories = []
+        self.budget = self._join_budget(max(c.make_layout().block_bytes for c in configs))
+        try:  # a refused construction leaves the budget as it was
+            for position, indices in enumerate(layouts.values()):
+                memory_config = configs[indices[0]]
+                if len(indices) > 1:  # the bytes of every member's blocks, in one pool
+                    memory_config = dataclasses.replace(
+                        memory_config, num_blocks=sum(configs[i].num_blocks for i in indices),
+                        swap_space_bytes=sum(configs[i].swap_space_bytes for i in indices),
+                        host_cache_bytes=sum(configs[i].host_cache_bytes for i in indices),
+                        sliding_window=next((specs[i].window for i in indices if specs[i].window), None),
+                        attention_chunk_size=next((specs[i].size for i in indices
+                                                   if specs[i].kind == CHUNKED), None))
+                if callable(backends):
+                    memory_backend = backends(memory_config)
+                elif backends is not None:
+                    if len(backends) != len(layouts):
+                        raise ConfigError(f"{len(backends)} backends for {len(layouts)} memories of "
+                                          "layer groups")
+                    memory_backend = backends[position]
+                else:
+                    memory_backend = backend if position == 0 else None
+                sink = self._sink([(i, specs[i]) for i in indices], len(configs))
+                memories.append((KVMemory(memory_config, self.stats, memory_backend, sink, metrics,
+                                          self.budget), indices))
+        except BaseException:
+            if self.budget is not None:
+                self.budget.close()
+            raise
+        return memories
+
+    def _join_budget(self, block_bytes: int) -> SharedKVBudget | None:
+        """The shared KV budget ``config.kv_pool``, if any, refused if it cannot pay for one
+        block (``block_bytes`` of every rank's pages)."""
+        config = self.config
+        if config.kv_pool is None:
+            return None
+        ranks = config.kv_pool_ranks
+        if type(ranks) is not int or ranks < 1:
+            raise ConfigError(f"kv_pool_ranks must be a positive int, got {ranks!r}")
+        return SharedKVBudget(config.kv_pool, config.kv_pool_bytes, block_bytes=block_bytes * ranks)
+
+    def _sink(self, members: list[tuple[int, AttentionSpec]], num_groups: int):
+        """The events sink of a memory serving ``members`` (group index, spec): the manager's own
+        for a one-group model, each event tagged with its group otherwise."""
+        if num_groups == 1:
+            return self.events
+        if len(members) == 1:
+            index, spec = members[0]
+            return group_sink(self.events, index, spec.window, chunked=spec.kind == CHUNKED)
+        return shared_sink(self.events, [(index, spec.window, spec.kind == CHUNKED) for index, spec in members])
+
+    # --- layers and slots --------------------------------------------------------------------------
+    def where(self, layer: int) -> tuple[KVCacheGroup, int]:
+        """The group holding model layer ``layer`` (checked) and the layer's index in it."""
+        return self._where[layer]
+
+    def slot_available(self, slot: int | None) -> bool:
+        slots = self.first.slots
+        return slots.num_free > 0 if slot is None else slots.is_free(slot)
+
+    def refused(self, operation: str, req: KVRequest | str, slot: int | None, needs: list[int],
+                 revived: "list[list[int]] | None" = None) -> None:
+        """Record in ``last_refusal`` why ``operation`` was refused, the slot (``slot``, or any)
+        or the fresh blocks (``needs[g]`` for group ``g``, beside the cached ``revived[g]``) not
+        being there; returns None. Called only once the call is refused, so it costs the
+        calls that succeed nothing."""
+        if not self.slot_available(slot):
+            self.last_refusal = Refusal(operation, req if isinstance(req, str) else req.request_id,
+                                        "no_free_slot" if slot is None else "slot_taken", slot)
+            return None
+        return self.short_of_blocks(operation, req, slot, needs, revived)
+
+    def short_of_blocks(self, operation: str, req: KVRequest | str, slot: int | None, needs: list[int],
+                         revived: "list[list[int]] | None" = None) -> None:
+        """``refused`` for a call refused by the blocks: the first pool short of them."""
+        request_id = req if isinstance(req, str) else req.request_id
+        counts = [(members, sum(needs[g] for g in members),
+                   memory.available_besides([b for g in members for b in revived[g]] if revived else ()))
+                  for memory, members in self._members]
+        members, needed, available = next((count for count in counts if count[1] > count[2]), counts[0])
+        group = None if len(self.groups) == 1 else " and ".join(
+            f"the {self.groups[g].spec.describe()} layers" for g in members)
+        self.last_refusal = Refusal(operation, request_id, "out_of_blocks", slot, needed, available, group)
+        return None
+
+    # --- the memories' blocks over every group ------------------------------------------------------
+    def fits(self, needs: list[int], revived: "list[list[int]] | None" = None) -> bool:
+        """Whether every memory has the fresh blocks its groups need (``needs[g]`` for group
+        ``g``) once the cached blocks of ``revived[g]`` (hits leaving the free queue) are not free."""
+        for memory, members in self._members:
+            needed = needs[members[0]] if len(members) == 1 else sum(needs[g] for g in members)
+            if revived is None:
+                if not memory.fits(needed):
+                    return False
+            elif not memory.fits(needed, [b for g in members for b in revived[g]]):
+                return False
+        return True
+
+    def peek(self, needs: list[int], exclude: "list[list[int]] | None" = None) -> list[list[int]]:
+        """The fresh blocks each group's part of an operation takes (``needs[g]`` of them for
+        group ``g``), as its memory will hand them out in one take after every group took its
+        shared references (``exclude[g]``: cached hits those references take out of the queue)."""
+        fresh: list[list[int]] = [[]] * len(needs)  # replaced, never appended to
+        for memory, members in self._members:
+            total = needs[members[0]] if len(members) == 1 else sum(needs[g] for g in members)
+            if not total:
+                continue
+            kept = () if exclude is None else [b for g in members for b in exclude[g]]
+            blocks = memory.pool.peek(total, exclude=kept)
+            if len(members) == 1:
+                fresh[members[0]] = blocks
+                continue
+            for g in members:
+                fresh[g], blocks = blocks[:needs[g]], blocks[needs[g]:]
+        return fresh
+
+    def take(self, fresh: list[list[int]]) -> None:
+        """Take the blocks ``peek`` planned, one call for each memory, in its groups' order."""
+        for memory, members in self._members:
+            planned = fresh[members[0]] if len(members) == 1 else [b for g in members for b in fresh[g]]
+            if planned:
+                memory.pool.take(planned)
+
+    def copy(self, copies: list[list[tuple[int, int]]]) -> None:
+        """Make each group's block copies ``copies[g]`` (source, copy), one call for each memory."""
+        for memory, members in self._members:
+            pairs = copies[members[0]] if len(members) == 1 else [p for g in members for p in copies[g]]
+            memory.copy_blocks(pairs)
+        for group, group_copies in zip(self.groups, copies):
+            group.blocks_copied += len(group_copies)
+
+    # --- prefix hits over every group ------------------------------------------------------------
+    def common_hits(self, hashes: list[bytes], hits: list[list[int]], length: int) -> list[list[int]]:
+        """Every group's ``hits`` of ``hashes`` cut to the longest prefix of at most ``length``
+        blocks that every group can reuse (a windowed group's hit within a shorter prefix starts
+        its window earlier, so it may be shorter again: repeated until they agree)."""
+        groups = self.groups
+        while True:
+            hits = [group.capped_hits(hashes, group_hits, length) for group, group_hits in zip(groups, hits)]
+            shortest = min(len(group_hits) for group_hits in hits)
+            if all(len(group_hits) == shortest for group_hits in hits):
+                return hits
+            length = shortest
+
+    def cached_hits(self, hashes: list[bytes], num_tokens: int) -> list[list[int]]:
+        """Each group's cached blocks of the longest prefix of ``hashes`` every group can reuse,
+        leaving at least one of ``num_tokens`` tokens to compute."""
+        hashes = hashes[: (num_tokens - 1) // self.tokens_per_page]
+        hits, length = [], len(hashes)
+        for group in self.groups:  # a later group looks only as far as the earlier ones hit
+            hits.append(group.cached_blocks(hashes if length == len(hashes) else hashes[:length]))
+            length = min(length, len(hits[-1]))
+        if all(len(group_hits) == length for group_hits in hits):
+            return hits
+        return self.common_hits(hashes, hits, length)
+
+    def host_reach(self, hashes: list[bytes], num_prompt: int, hits: list[list[int]],
+                   num_new_tokens: int | None, token_budget: int | None, max_blocks: int | None) -> int:
+        """How many prompt blocks an admission of a prompt of ``num_prompt`` tokens and block
+        ``hashes`` reuses: the device ``hits`` (one length in every
+        group), extended by the blocks every group's host tier holds after them, as many as
+        every group's free blocks take (each is copied into a fresh block; under a token budget,
+        chunked prefill, a shorter hit may need fewer blocks now). No side effect."""
+        groups, device = self.groups, len(hits[0])
+        if not all(group.host_tier.capacity for group in groups):
+            return device
+        tokens_per_page = self.tokens_per_page
+        end = (num_prompt - 1) // tokens_per_page
+        if max_blocks is not None:
+            end = min(end, max_blocks)
+        candidates = hashes[device:end]
+        run = min(group.host_run(candidates) for group in groups)
+        for keep in range(run, 0, -1):
+            cached = (device + keep) * tokens_per_page
+            new = num_prompt - cached if num_new_tokens is None else num_new_tokens
+            if token_budget is not None:
+                new = min(new, token_budget)
+            if self.fits([group.admit_needs(group_hits, cached + new) for group, group_hits in zip(groups, hits)],
+                          hits):
+                return device + keep
+        return device
+
+    def claim(self, promote: list[list[bytes]]) -> list[list]:
+        """Each group's host-tier entries of ``promote[g]``, claimed from its memory's tier in one
+        call (nothing evicts them until they are promoted)."""
+        claimed: list[list] = [[]] * len(self.groups)  # replaced, never appended to
+        if not any(promote):
+            return claimed
+        for memory in self.memories:
+            keys = [key for group in memory.groups for key in promote[group.index]]
+            if not keys:
+                continue
+            entries = memory.host_tier.claim(keys)
+            for group in memory.groups:
+                count = len(promote[group.index])
+                claimed[group.index], entries = entries[:count], entries[count:]
+        return claimed
+
+    # --- registering, invariants, closing -------------------------------------------------------
+    def register_full(self, allocations, full: int, token_ids: list[int], hashes: list[bytes],
+                      root: bytes | None) -> None:
+        """Offer a request's full blocks up to ``full`` (its ``allocations``, one per group) to
+        every group's prefix cache."""
+        for group, alloc in zip(self.groups, allocations):
+            group.register_full(alloc, full, token_ids, hashes, root)
+
+    def check(self, requests: list[KVRequest]) -> None:
+        """Assert the invariants of every group's pool and slots and every memory over the
+        admitted ``requests``, and that the groups bind the same slots."""
+        results = {group.index: group.check([(req.request_id, req.allocations[group.index],
+                                              len(req.chain.hashes)) for req in requests])
+                   for group in self.groups}
+        bound = [slots for slots, _, _ in results.values()]
+        assert all(slots == bound[0] for slots in bound), "the groups bind different slots"
+        for memory in self.memories:
+            memory.check([b for group in memory.groups for b in results[group.index][1]],
+                         [row for group in memory.groups for row in results[group.index][2]])
+        free = [sorted(group.slots.free_slots()) for group in self.groups]
+        assert all(slots == free[0] for slots in free), "the groups have different free slots"
+
+    def views_in_use(self) -> int:
+        return sum(group.slots.views_in_use() for group in self.groups)
+
+    def close(self) -> None:
+        """Give every group's slots and every memory's pages (and the budget's share) back."""
+        for group in self.groups:
+            group.slots.close()
+        for memory in self.memories:
+            memory.backend.close()
+        if self.budget is not None:
+            self.budget.close()
