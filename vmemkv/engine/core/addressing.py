@@ -17,6 +17,7 @@ from vmemkv.attention import BlockTableAttention, ContiguousAttention, SequenceS
 from vmemkv.attention.choice import AttentionChoice, choose_attention
 from vmemkv.attention.flash import FlashBlockTableAttention, FlashSlotAttention
 from vmemkv.attention.flash_args import flat_rows, slot_geometry
+from vmemkv.attention.latent import LatentAttention
 from vmemkv.cache.request import KVRequest
 from vmemkv.engine.core.config import EngineConfig
 from vmemkv.engine.core.kv_manager import KVViews
@@ -53,7 +54,9 @@ class SlotAddressing(Addressing):
     def __init__(self, views: KVViews, device, choice: AttentionChoice, share_prefixes: bool = False):
         # the spans carry block tables for that, which a hybrid's layout groups do not share
         super().__init__(views, device, choice, share_prefixes and len(views.layout_groups) == 1)
-        if choice.kind == "flash":
+        if views.layout.latent:  # MLA: latent rows, attended in the absorbed form on any device
+            self.attention = lambda spans: LatentAttention(spans, views.kv_views, device)
+        elif choice.kind == "flash":
             kernel, geometry = choice.kernel, layer_geometries(views)
             distinct = sorted(set(geometry))
             if len(distinct) == 1:
