@@ -140,9 +140,9 @@ def test_block_tables_and_other_latent_models_are_refused_at_load():
         make_engine("tiny-deepseek-v3", kv_backend="paged")
     other = model_config("tiny-deepseek-v3")
     other.model_type = "glm4_moe_lite"  # MLA through another attention module
-    with pytest.raises(UnsupportedModelError, match="multi-head latent attention.*deepseek_v3"):
-        check_attention_supported(other, 64, replaces_attention=True)
-    check_attention_supported(other, 64, replaces_attention=False)  # its own code attends
+    for replaces_attention in (True, False):  # the engine, VmemkvCache
+        with pytest.raises(UnsupportedModelError, match="multi-head latent attention.*deepseek_v3"):
+            check_attention_supported(other, 64, replaces_attention=replaces_attention)
 
 
 @pytest.mark.parametrize("kind,words", [("mamba", "Mamba / SSM state"),

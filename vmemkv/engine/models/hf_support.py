@@ -45,8 +45,7 @@ _STATE_KINDS = {"mamba": "Mamba / SSM state", "linear_attention": "linear attent
                 "conv": "short convolution state", "recurrent": "recurrent (RG-LRU) state"}
 
 # Multi-head latent attention whose attention module the engine runs from the latent rows
-# (vmemkv.engine.models.latent_attention); VmemkvCache caches the latent of any model whose own
-# code hands it to cache.update.
+# (vmemkv.engine.models.latent_attention) and whose own code hands VmemkvCache the latent.
 LATENT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "minicpm3"})
 
 
@@ -129,10 +128,18 @@ def kv_shape(config: Any) -> tuple[int, int, int]:
     return text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads, head_dim
 
 
+def storing_layers(config: Any) -> int:
+    """How many layers, from the first, hand their K/V to a transformers cache: all but
+    Gemma-3n's KV-shared layers (the last ``num_kv_shared_layers``), which reuse an earlier
+    layer's K/V and never call ``cache.update``."""
+    text = text_config(config)
+    return text.num_hidden_layers - (getattr(text, "num_kv_shared_layers", None) or 0)
+
+
 def cache_config_for(model: Any, max_num_seqs: int, max_model_len: int,
                      num_blocks: int | None = None, *, spare_blocks_per_slot: int = 0,
                      check_token_ids: bool = False, release_behind_window: bool = False,
-                     **options: Any) -> CacheConfig:
+                     num_layers: int | None = None, **options: Any) -> CacheConfig:
     """A :class:`CacheConfig` shaped for ``model`` (layers, KV heads, head dim, and the model's
     dtype and device unless ``options`` say otherwise).
 
@@ -143,12 +150,14 @@ def cache_config_for(model: Any, max_num_seqs: int, max_model_len: int,
     layer slides with one window shorter than ``max_model_len`` (:func:`uniform_window`), blocks
     behind it are released while a request runs (``CacheConfig.sliding_window``). Other keyword
     arguments are ``CacheConfig`` fields (``tokens_per_page``, ``enable_prefix_caching``,
-    ``kv_backend``, ...)."""
+    ``kv_backend``, ...). ``num_layers``: hold only the first ``num_layers`` layers
+    (``VmemkvCache``: :func:`storing_layers`); every layer by default."""
     if release_behind_window and "sliding_window" not in options:
         window = uniform_window(model.config)
         if window is not None and window < max_model_len:
             options["sliding_window"] = window
-    num_layers, num_kv_heads, head_dim = kv_shape(model.config)
+    all_layers, num_kv_heads, head_dim = kv_shape(model.config)
+    num_layers = num_layers or all_layers
     if "dtype" not in options:
         options["dtype"] = model.dtype
     if "device" not in options:
@@ -260,8 +269,8 @@ def check_attention_supported(config: Any, max_len: int, *, replaces_attention: 
             problems.append(f"{feature} of {size} tokens on layers {layers}, but {limit_name} is "
                             f"{max_len} and {who} keeps every token (full attention): "
                             f"use {limit_name} <= {size}")
-    if replaces_attention and latent_dims(text) and model_type not in LATENT_MODEL_TYPES:
-        problems.append(f"multi-head latent attention, which {who} runs for "
+    if latent_dims(text) and model_type not in LATENT_MODEL_TYPES:
+        problems.append(f"multi-head latent attention, which {who} caches as latent rows for "
                         f"{', '.join(sorted(LATENT_MODEL_TYPES))} models only: use one of them")
     if replaces_attention:
         no_rope = [i for i, rope in enumerate(getattr(text, "no_rope_layers", None) or []) if not rope]
