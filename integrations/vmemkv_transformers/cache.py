@@ -67,7 +67,8 @@ new ones, at offset ``max(length - window + 1, 0)``), so the model's own mask li
 (assisted decoding) back behind a released window is refused. ``manager_for(...,
 release_behind_window=False)`` keeps every token and lets the mask apply the window. What is
 not supported: chunked layers whose chunk is shorter than ``max_cache_len`` (refused with
-``UnsupportedModelError``), hybrid layers (linear attention, SSM),
+``UnsupportedModelError``), layers with recurrent state (Mamba / SSM, gated delta net, short
+convolution),
 ``torch.compile`` (the views change every step), offloading, encoder-decoder models.
 """
 
