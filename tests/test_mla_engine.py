@@ -16,7 +16,7 @@ from transformers import LlamaConfig
 from vmemkv.engine import SamplingParams
 from vmemkv.engine.models.hf_support import check_attention_supported, kv_shape
 from vmemkv.engine.models.zoo import model_config
-from vmemkv.errors import UnsupportedModelError
+from vmemkv.errors import ConfigError, UnsupportedModelError
 from vmemkv.memory.layout import KVLayout
 
 from test_engine_correctness import NEW_TOKENS, assert_clean, greedy, make_engine, prompts, reference_model, run
@@ -138,6 +138,8 @@ def test_kv_shape_comes_from_the_models_own_shapes():
 def test_block_tables_and_other_latent_models_are_refused_at_load():
     with pytest.raises(UnsupportedModelError, match="kv_backend='vmem'"):
         make_engine("tiny-deepseek-v3", kv_backend="paged")
+    with pytest.raises(ConfigError, match="attention='native'.*absorbed form.*use attention='auto'"):
+        make_engine("tiny-deepseek-v3", attention="native")
     other = model_config("tiny-deepseek-v3")
     other.model_type = "glm4_moe_lite"  # MLA through another attention module
     for replaces_attention in (True, False):  # the engine, VmemkvCache

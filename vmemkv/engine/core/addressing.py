@@ -19,6 +19,7 @@ from vmemkv.attention.flash import FlashBlockTableAttention, FlashSlotAttention
 from vmemkv.attention.flash_args import flat_rows, slot_geometry
 from vmemkv.attention.latent import LatentAttention
 from vmemkv.cache.request import KVRequest
+from vmemkv.errors import ConfigError
 from vmemkv.engine.core.config import EngineConfig
 from vmemkv.engine.core.kv_manager import KVViews
 
@@ -160,6 +161,12 @@ def _attention_choice(attention: str, kv_backend: str, manager: KVViews, device,
                       num_query_heads: int) -> AttentionChoice:
     """``attention`` resolved for this device, dtype and shapes."""
     layout = manager.layout
+    if layout.latent:  # MLA: one attention (attention/latent.py) over latent rows, torch ops on any device
+        if attention not in ("auto", "sdpa"):
+            raise ConfigError(f"attention={attention!r}: an MLA model's latent rows are attended in "
+                              "the absorbed form by torch operations, not that kernel; use "
+                              "attention='auto'")
+        return AttentionChoice("sdpa", why_not_flash="MLA latent rows: the absorbed-form attention")
     views = [] if kv_backend == "paged" else [manager.kv_views(layer) for layer in range(manager.config.num_layers)]
     return choose_attention(attention, device, kv_backend, layout.dtype, num_query_heads, layout.num_kv_heads,
                             layout.head_dim, manager.tokens_per_page, views[0] if views else None, views[1:])
