@@ -14,6 +14,7 @@ import torch
 from transformers import LlamaConfig
 
 from vmemkv.engine import SamplingParams
+from vmemkv.engine.distributed.sharding import check_shardable
 from vmemkv.engine.models.hf_support import check_attention_supported, kv_shape
 from vmemkv.engine.models.zoo import model_config
 from vmemkv.errors import ConfigError, UnsupportedModelError
@@ -135,11 +136,13 @@ def test_kv_shape_comes_from_the_models_own_shapes():
         kv_shape(odd)
 
 
-def test_block_tables_and_other_latent_models_are_refused_at_load():
+def test_block_tables_kernels_tensor_parallel_and_other_latent_models_are_refused_at_load():
     with pytest.raises(UnsupportedModelError, match="kv_backend='vmem'"):
         make_engine("tiny-deepseek-v3", kv_backend="paged")
     with pytest.raises(ConfigError, match="attention='native'.*absorbed form.*use attention='auto'"):
         make_engine("tiny-deepseek-v3", attention="native")
+    with pytest.raises(UnsupportedModelError, match="latent row.*tensor_parallel_size=1"):
+        check_shardable(model_config("tiny-deepseek-v3"), 2)
     other = model_config("tiny-deepseek-v3")
     other.model_type = "glm4_moe_lite"  # MLA through another attention module
     for replaces_attention in (True, False):  # the engine, VmemkvCache
