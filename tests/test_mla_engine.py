@@ -85,6 +85,18 @@ def test_prefix_hits_match_hf(model):
     assert_clean(engine)
 
 
+def test_weights_read_by_the_absorbed_form_stay_unpacked_and_survive_sleep():
+    engine = make_engine("tiny-deepseek-v2")
+    attention = engine.runner.model_runner.model.model.layers[0].self_attn
+    assert type(attention.kv_b_proj) is torch.nn.Linear  # its weight is read, not multiplied by
+    batch = prompts(2, lengths=(21, 9))
+    assert_matches_hf("tiny-deepseek-v2", batch, run(engine, batch))
+    engine.sleep(2)  # the weights are dropped, then loaded again
+    engine.wake_up()
+    assert_matches_hf("tiny-deepseek-v2", batch, run(engine, batch))
+    assert_clean(engine)
+
+
 def test_parallel_sampling_greedy_forks_match_hf():
     engine = make_engine("tiny-deepseek-v2")
     batch = prompts(2, lengths=(37, 21))

@@ -83,6 +83,7 @@ class LLMEngine:
         """The model loaded again by name and built as this engine's was (for a level-2 wake)."""
         config = self.config
         model = load_model(config.model, config.torch_dtype, config.device, config.seed)[0]
+        route_latent_attention(model)  # as __init__: MLA's kv_b_proj stays unpacked
         if self.packed_linears.startswith("packed"):
             pack_linears(model, fuse=self.config.fused_projections, kernel=self.linear_kernel)
             swap_rms_norms(model)

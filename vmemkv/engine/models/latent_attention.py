@@ -30,16 +30,21 @@ def is_latent_attention(module: nn.Module) -> bool:
 
 def route_latent_attention(model: nn.Module) -> int:
     """Give every MLA attention module of ``model`` the latent forward; returns how many. Run it
-    before the engine packs the linears: the absorbed weights are views of ``kv_b_proj``'s."""
+    before the engine packs the linears: ``kv_b_proj``, whose weight the absorbed form reads
+    (and never multiplies by as a layer), stays an ``nn.Linear``."""
     modules = [m for m in model.modules() if is_latent_attention(m) and not hasattr(m, "vmemkv_own_forward")]
     for module in modules:
-        # kv_b_proj: [heads * (nope + v), rank] -> W_UK [heads, nope, rank], W_UV [heads, v, rank]
-        weight = module.kv_b_proj.weight.detach().view(module.num_heads, -1, module.kv_lora_rank)
-        module.vmemkv_absorb_k, module.vmemkv_absorb_v = weight.split(
-            [module.qk_nope_head_dim, module.v_head_dim], dim=1)
+        module.kv_b_proj.keep_unpacked = True  # packed_linear.pack_linears leaves it
         module.vmemkv_own_forward = module.forward
         module.forward = types.MethodType(_latent_forward, module)
     return len(modules)
+
+
+def _absorbed_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``W_UK`` ``[heads, nope, rank]`` and ``W_UV`` ``[heads, v, rank]``: views of ``kv_b_proj``'s
+    weight ``[heads * (nope + v), rank]``, read at each call (the weight may move: sleep, wake)."""
+    weight = module.kv_b_proj.weight.view(module.num_heads, -1, module.kv_lora_rank)
+    return weight.split([module.qk_nope_head_dim, module.v_head_dim], dim=1)
 
 
 def _latent_forward(module: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
@@ -58,11 +63,12 @@ def _latent_forward(module: nn.Module, hidden_states: torch.Tensor, *args, **kwa
     c_kv = module.kv_a_layernorm(c_kv).view(1, 1, num_tokens, module.kv_lora_rank)
     q_pe, k_pe = _rotary(module, q_pe, k_pe.view(1, 1, num_tokens, module.qk_rope_head_dim),
                          kwargs["position_embeddings"])
-    q_latent = q_nope @ module.vmemkv_absorb_k.to(q_nope.dtype)  # [1, H, T, rank]
+    absorb_k, absorb_v = _absorbed_weights(module)
+    q_latent = q_nope @ absorb_k  # [1, H, T, rank]
     out = attention(module.layer_idx, torch.cat([q_latent, q_pe], dim=-1),
                     torch.cat([c_kv, k_pe], dim=-1), module.scaling, module.kv_lora_rank)
     # [1, T, H, rank] -> per head through W_UV: [H, T, v] -> [1, T, H * v]
-    out = out[0].transpose(0, 1) @ module.vmemkv_absorb_v.to(out.dtype).transpose(1, 2)
+    out = out[0].transpose(0, 1) @ absorb_v.transpose(1, 2)
     return module.o_proj(out.transpose(0, 1).reshape(1, num_tokens, -1)), None
 
 
