@@ -12,6 +12,8 @@ its own, which applies what transformers passes it per layer: the scaling, a sli
 start (or every token, with ``release_behind_window=False``) to the model's own attention, whose
 mask applies the window. A model that attends otherwise would run and silently give other
 tokens than transformers, so both refuse it at load time with :func:`check_attention_supported`.
+Multi-head latent attention models (DeepSeek-V2/V3, MiniCPM3: :data:`LATENT_MODEL_TYPES`) are
+sized by their latent row (:func:`latent_dims`, :func:`kv_shape`) and cached as latent rows by both.
 This module reads config attributes (and a model's dtype and device) only; it does not import
 transformers.
 """
@@ -258,10 +260,11 @@ def check_attention_supported(config: Any, max_len: int, *, replaces_attention: 
             continue  # (the engine's attention applies the chunks itself: layer_chunks)
         layers = _ranges([i for i, k in enumerate(kinds) if k == kind])
         if kind not in _BOUNDED_KINDS:
-            what = f"keep {_STATE_KINDS[kind]}" if kind in _STATE_KINDS else "attend in a way"
-            problems.append(f"{kind!r} layers ({layers}) {what}, which vmemkv does not cache (it "
-                            "caches full, sliding-window and chunked attention, and MLA's latent "
-                            "rows); use a model without them")
+            what = (f"keep {_STATE_KINDS[kind]}, which" if kind in _STATE_KINDS
+                    else "are a kind of layer")
+            problems.append(f"{kind!r} layers ({layers}) {what} vmemkv does not cache (it caches "
+                            "full, sliding-window and chunked attention, and MLA's latent rows); "
+                            "use a model without them")
             continue
         feature, attribute = _BOUNDED_KINDS[kind]
         size = getattr(text, attribute, None)
