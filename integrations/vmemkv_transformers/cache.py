@@ -45,6 +45,16 @@ Rows whose ids are unknown (a forward with ``inputs_embeds``, a cache used witho
 after admission that the row's salt does not account for raises rather than registering wrong
 content. The manager is not thread-safe; one cache runs one ``generate`` at a time.
 
+Multi-head latent attention
+---------------------------
+DeepSeek-V2/V3 and MiniCPM3 hand ``update()`` their latent, not per-head K/V: the compressed KV
+after its norm (``[batch, 1, new, kv_lora_rank]``, as "keys") and the rope'd shared key
+(``[batch, 1, new, qk_rope_head_dim]``, as "values"), and decompress what it returns. ``from_model``
+gives such a model a latent layout (``CacheConfig.latent``): one row of ``kv_lora_rank +
+qk_rope_head_dim`` values per token per layer, whose first part is the "keys" view and the rest
+the "values" view, so the cache holds what the engine holds, 576 values per token per layer for
+DeepSeek-V3 instead of 128 heads x (192 + 128).
+
 Sliding-window layers
 ---------------------
 ``from_model`` gives sliding-window layers O(window) memory: a model whose every layer slides
@@ -57,7 +67,8 @@ new ones, at offset ``max(length - window + 1, 0)``), so the model's own mask li
 (assisted decoding) back behind a released window is refused. ``manager_for(...,
 release_behind_window=False)`` keeps every token and lets the mask apply the window. What is
 not supported: chunked layers whose chunk is shorter than ``max_cache_len`` (refused with
-``UnsupportedModelError``), hybrid layers (linear attention, SSM),
+``UnsupportedModelError``), layers with recurrent state (Mamba / SSM, gated delta net, short
+convolution),
 ``torch.compile`` (the views change every step), offloading, encoder-decoder models.
 """
 
@@ -133,6 +144,8 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
         self._write_from: list[int] = []
         self._uniform_write = True
         self._uncommitted = False  # the last forward's positions are written, not committed yet
+        # A latent layout's row is [keys | values]: where it splits (set by the first update)
+        self._latent_split: int | None = None
         # Peaks since construction or reset_peak(): blocks (the first layer group's, as the
         # manager's block counts) and bytes of the blocks held (in every group).
         self.peak_pages_in_use = 0
@@ -219,7 +232,7 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
     def layer_views(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer_idx``'s K and V of all rows, ``[batch, kv_heads, length, head_dim]``
         (a sliding layer's from its window start)."""
-        keys, values = self.manager.kv_views(layer_idx)
+        keys, values = self._kv_views(layer_idx)
         rows = slice(self._first_slot, self._first_slot + len(self._rows))
         kept = slice(self._window_start(layer_idx, self._length), self._length)
         return keys[rows, kept].transpose(1, 2), values[rows, kept].transpose(1, 2)
@@ -239,9 +252,9 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
             raise InvalidStateError(f"expected layer {self._next_layer}'s update, got layer {layer_idx}'s; "
                                  "VmemkvCache needs every layer updated once per forward, in order")
         if layer_idx == 0:
-            self._begin_step(key_states)
+            self._begin_step(key_states, value_states)
         self._next_layer = layer_idx + 1
-        keys, values = self.manager.kv_views(layer_idx)
+        keys, values = self._kv_views(layer_idx)
         first, batch, start = self._first_slot, len(self._rows), self._length
         end = start + self._step_len
         new_keys, new_values = key_states.transpose(1, 2), value_states.transpose(1, 2)
@@ -337,17 +350,37 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
         self.close()
 
     # --- internals -------------------------------------------------------------------------------
-    def _begin_step(self, key_states: torch.Tensor) -> None:
-        self._settle()
+    def _kv_views(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_idx``'s K and V over every slot (a latent layout's row split in two)."""
+        keys, values = self.manager.kv_views(layer_idx)
+        if self._latent_split is None:
+            return keys, values
+        return keys[..., :self._latent_split], keys[..., self._latent_split:]
+
+    def _check_shapes(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Refuse K/V the manager was not shaped for; a latent layout learns its split here."""
         layout = self.manager.layout
-        batch, heads, count, dim = key_states.shape
+        heads, key_dim = key_states.shape[1], key_states.shape[3]
         device = self.manager.kv_views(0)[0].device
-        if (heads, dim, key_states.dtype, key_states.device) != (
-                layout.num_kv_heads, layout.head_dim, layout.dtype, device):
+        if layout.latent:  # keys and values are the two parts of one latent row
+            gives = f"a latent of {key_dim} + {value_states.shape[3]} values in {heads} head(s)"
+            holds = f"latent rows of {layout.head_dim}"
+            fits = heads == value_states.shape[1] == 1 and key_dim + value_states.shape[3] == layout.head_dim
+        else:
+            gives = f"K/V of {heads} heads x {key_dim} dims"
+            holds = f"{layout.num_kv_heads} x {layout.head_dim}"
+            fits = (heads, key_dim) == (layout.num_kv_heads, layout.head_dim)
+        if not fits or (key_states.dtype, key_states.device) != (layout.dtype, device):
             raise ConfigError(
-                f"the model gives K/V of {heads} heads x {dim} dims in {key_states.dtype} on "
-                f"{key_states.device}; the manager holds {layout.num_kv_heads} x {layout.head_dim} in "
-                f"{layout.dtype} on {device}; build it with manager_for(model, ...)")
+                f"the model gives {gives} in {key_states.dtype} on {key_states.device}; the manager "
+                f"holds {holds} in {layout.dtype} on {device}; build it with manager_for(model, ...)")
+        if layout.latent:
+            self._latent_split = key_dim
+
+    def _begin_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._settle()
+        self._check_shapes(key_states, value_states)
+        batch, _, count, _ = key_states.shape
         ids, mask = self._pending or (None, None)
         self._pending = None
         if ids is not None and tuple(ids.shape) != (batch, count):

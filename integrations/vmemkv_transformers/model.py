@@ -11,7 +11,7 @@ import inspect
 
 from vmemkv import KVCacheManager
 from vmemkv.engine import make_kv_manager
-from vmemkv.engine.models.hf_support import cache_config_for, check_attention_supported
+from vmemkv.engine.models.hf_support import cache_config_for, check_attention_supported, storing_layers
 
 
 def manager_for(model, max_batch_size: int, max_cache_len: int, num_blocks: int | None = None,
@@ -31,8 +31,10 @@ def manager_for(model, max_batch_size: int, max_cache_len: int, num_blocks: int 
     # The model runs its own attention over the cache, so only windows and chunks matter here.
     check_attention_supported(model.config, max_cache_len, replaces_attention=False,
                               who="VmemkvCache", limit_name="max_cache_len")
+    # Layers that reuse another's K/V (Gemma-3n's KV-shared layers, the last ones) never reach
+    # the cache: it holds the layers before them.
     cache_config = cache_config_for(model, max_batch_size, max_cache_len, num_blocks,
-                                    spare_blocks_per_slot=1,
+                                    spare_blocks_per_slot=1, num_layers=storing_layers(model.config),
                                     release_behind_window=release_behind_window, **config)
     # The engine's factory. A forward computes every row's new tokens before any block behind the
     # window goes back (at the commit after it): the local layers' group holds one forward's

@@ -44,6 +44,9 @@ class CacheConfig:
     # (experiments/bench_decode_layout.py, bench_step.py --layouts, the A/B's per-layer variants).
     layout: LayoutKind = "token_major"
     kv_backend: Literal["vmem", "paged"] = "vmem"
+    # Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3): each layer caches one latent row per
+    # token (num_kv_heads 1, head_dim kv_lora_rank + qk_rope_head_dim) instead of K and V.
+    latent: bool = False
     enable_prefix_caching: bool = True
     hash_algorithm: str = "sha256"
     # The prefix hash chain's seed. None: a random one per manager (a hybrid model's layout
@@ -81,15 +84,15 @@ class CacheConfig:
     def make_layout(self) -> KVLayout:
         shape = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
         if self.page_size:
-            return KVLayout(*shape, self.page_size, self.layout)
+            return KVLayout(*shape, self.page_size, self.layout, latent=self.latent)
         device_granularity = mapping_granularity(self.device)
         granularity = self.page_granularity or device_granularity
         if not isinstance(granularity, int) or granularity % device_granularity:
             raise ConfigError(f"CacheConfig.page_granularity is {granularity!r}; pass a multiple of "
                               f"{device_granularity} B (the {self.device} mapping granularity)")
-        choice = choose_page(unpadded_row_bytes(*shape, self.layout), granularity,
+        choice = choose_page(unpadded_row_bytes(*shape, self.layout, self.latent), granularity,
                              self.tokens_per_page, self.max_padding, self.max_page_bytes)
-        return KVLayout(*shape, choice.page_size, self.layout, choice.token_stride_bytes)
+        return KVLayout(*shape, choice.page_size, self.layout, choice.token_stride_bytes, self.latent)
 
 
 @dataclass

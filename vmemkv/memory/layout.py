@@ -9,6 +9,12 @@ hands out and the prefix cache hashes:
   ``[token][kv_head][dim]``; a logical page is ``2 * num_layers`` physical pages, one per tensor,
   so growing costs ``2 * num_layers`` map calls.
 
+A ``latent`` layout (multi-head latent attention: DeepSeek-V2/V3, MiniCPM3) holds one row per token
+per layer instead of K and V: the compressed KV after its norm and the rope'd shared key,
+``kv_lora_rank + qk_rope_head_dim`` values (one "head" of that dim), ``[token][layer][latent]``.
+Its K and V views are the same latent view: attention uses the whole row as the key and its first
+``kv_lora_rank`` values as the value.
+
 A logical page is backed by a *block* of ``pages_per_block`` consecutive physical pages
 (1 for token-major, ``2 * num_layers`` for per-layer), so the pool and manager never see the
 difference. The same layout addresses the backend's pool window as a block table, which is what the
@@ -45,6 +51,7 @@ class KVLayout:
     page_size: int  # bytes per physical page
     kind: LayoutKind = "token_major"
     token_stride_bytes: int = 0  # bytes from one token's row to the next; 0: unpadded (the row's own size)
+    latent: bool = False  # one latent row per token per layer (MLA) instead of K and V
 
     def __post_init__(self) -> None:
         if min(self.num_layers, self.num_kv_heads, self.head_dim, self.page_size) <= 0:
@@ -77,9 +84,19 @@ class KVLayout:
         return self.num_kv_heads * self.head_dim
 
     @cached_property
+    def rows_per_layer(self) -> int:
+        """Rows one token caches per layer: K and V, or one latent row."""
+        return 1 if self.latent else 2
+
+    @cached_property
     def token_elems(self) -> int:
-        """Elements of one token's K and V over all layers."""
-        return 2 * self.num_layers * self.head_elems
+        """Elements of one token's K and V (or latent rows) over all layers."""
+        return self.rows_per_layer * self.num_layers * self.head_elems
+
+    @cached_property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        """What one token holds for one layer: its K and V, or an MLA model's latent row."""
+        return self.rows_per_layer * self.head_elems * self.itemsize
 
     @cached_property
     def token_bytes(self) -> int:
@@ -89,7 +106,7 @@ class KVLayout:
     def row_data_bytes(self) -> int:
         """Bytes one token needs in one physical page (all layers, or one layer's K or V)."""
         return unpadded_row_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype,
-                                  self.kind)
+                                  self.kind, self.latent)
 
     @property
     def row_bytes(self) -> int:
@@ -108,7 +125,7 @@ class KVLayout:
 
     def _row_description(self) -> str:
         if self.kind == "token_major":
-            return f"2 x {self.num_layers} layers x {self.num_kv_heads} heads x {self.head_dim} dim x {self.itemsize} B"
+            return f"{self.rows_per_layer} x {self.num_layers} layers x {self.num_kv_heads} heads x {self.head_dim} dim x {self.itemsize} B"
         return f"{self.num_kv_heads} heads x {self.head_dim} dim x {self.itemsize} B"
 
     @cached_property
@@ -119,7 +136,7 @@ class KVLayout:
     @cached_property
     def pages_per_block(self) -> int:
         """Physical pages behind one logical page: also the map calls per growth by one page."""
-        return 1 if self.kind == "token_major" else 2 * self.num_layers
+        return 1 if self.kind == "token_major" else self.rows_per_layer * self.num_layers
 
     @cached_property
     def block_bytes(self) -> int:
@@ -136,7 +153,7 @@ class KVLayout:
     def virtual_pages(self, logical_pages: np.ndarray, max_tokens: int) -> np.ndarray:
         """Virtual page indices (within a slot) that back the given logical pages.
 
-        Per-layer: tensor ``r`` (layer ``r // 2``, K if ``r`` even) owns virtual pages
+        Per-layer: tensor ``r`` (layer ``r // 2``, K if ``r`` even; layer ``r`` if latent) owns virtual pages
         ``[r * P, (r + 1) * P)`` where ``P`` is the slot's logical page count.
         """
         logical_pages = np.asarray(logical_pages, dtype=np.int64)
@@ -155,28 +172,33 @@ class KVLayout:
         return (blocks[None, :] * self.pages_per_block + offsets).reshape(-1)
 
     # --- per-layer views ------------------------------------------------------------------------
+    def _row_index(self, layer: int, kv: int) -> int:
+        """Which of a token's rows holds layer ``layer``'s K (``kv=0``) or V (``kv=1``): a latent
+        layout's one row per layer is both."""
+        if not 0 <= layer < self.num_layers or kv not in (0, 1):
+            raise ConfigError(f"no layer {layer} / kv {kv} in a {self.num_layers}-layer layout")
+        return layer if self.latent else 2 * layer + kv
+
     def slot_view_geometry(self, layer: int, kv: int, max_tokens: int) -> tuple[tuple[int, int, int], int]:
         """Strides (token, head, dim) in elements and the element offset of layer ``layer``'s
         K (``kv=0``) or V (``kv=1``) within one slot."""
-        if not 0 <= layer < self.num_layers or kv not in (0, 1):
-            raise ConfigError(f"no layer {layer} / kv {kv} in a {self.num_layers}-layer layout")
+        row = self._row_index(layer, kv)
         strides = (self.token_stride, self.head_dim, 1)  # the stride steps over any padding
         if self.kind == "token_major":
-            offset = (2 * layer + kv) * self.head_elems
+            offset = row * self.head_elems
         else:
             tensor_elems = self.logical_pages_for(max_tokens) * self.page_size // self.itemsize
-            offset = (2 * layer + kv) * tensor_elems
+            offset = row * tensor_elems
         return strides, offset
 
     def block_view_geometry(self, layer: int, kv: int) -> tuple[tuple[int, int, int, int], int]:
         """Strides (block, token, head, dim) and offset of a layer's K or V in the pool window,
         addressed as vLLM's ``[num_blocks, block_size, kv_heads, head_dim]`` block tensor."""
-        if not 0 <= layer < self.num_layers or kv not in (0, 1):
-            raise ConfigError(f"no layer {layer} / kv {kv} in a {self.num_layers}-layer layout")
+        row = self._row_index(layer, kv)
         strides = (self.block_bytes // self.itemsize, self.token_stride, self.head_dim, 1)
         if self.kind == "token_major":
-            return strides, (2 * layer + kv) * self.head_elems
-        return strides, (2 * layer + kv) * (self.page_size // self.itemsize)
+            return strides, row * self.head_elems
+        return strides, row * (self.page_size // self.itemsize)
 
     def describe(self) -> dict:
         return {
@@ -239,10 +261,11 @@ def choose_page(row_bytes: int, granularity: int, min_tokens: int = 16, max_padd
 
 
 def unpadded_row_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                       kind: LayoutKind = "token_major") -> int:
-    """Bytes one token needs in one physical page of a ``kind`` layout."""
+                       kind: LayoutKind = "token_major", latent: bool = False) -> int:
+    """Bytes one token needs in one physical page of a ``kind`` layout (``latent``: one row per
+    layer, not K and V)."""
     row = num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-    return row * 2 * num_layers if kind == "token_major" else row
+    return row * (1 if latent else 2) * num_layers if kind == "token_major" else row
 
 
 def default_page_size(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

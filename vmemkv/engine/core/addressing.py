@@ -17,7 +17,9 @@ from vmemkv.attention import BlockTableAttention, ContiguousAttention, SequenceS
 from vmemkv.attention.choice import AttentionChoice, choose_attention
 from vmemkv.attention.flash import FlashBlockTableAttention, FlashSlotAttention
 from vmemkv.attention.flash_args import flat_rows, slot_geometry
+from vmemkv.attention.latent import LatentAttention
 from vmemkv.cache.request import KVRequest
+from vmemkv.errors import ConfigError
 from vmemkv.engine.core.config import EngineConfig
 from vmemkv.engine.core.kv_manager import KVViews
 
@@ -53,7 +55,9 @@ class SlotAddressing(Addressing):
     def __init__(self, views: KVViews, device, choice: AttentionChoice, share_prefixes: bool = False):
         # the spans carry block tables for that, which a hybrid's layout groups do not share
         super().__init__(views, device, choice, share_prefixes and len(views.layout_groups) == 1)
-        if choice.kind == "flash":
+        if views.layout.latent:  # MLA: latent rows, attended in the absorbed form on any device
+            self.attention = lambda spans: LatentAttention(spans, views.kv_views, device)
+        elif choice.kind == "flash":
             kernel, geometry = choice.kernel, layer_geometries(views)
             distinct = sorted(set(geometry))
             if len(distinct) == 1:
@@ -157,6 +161,12 @@ def _attention_choice(attention: str, kv_backend: str, manager: KVViews, device,
                       num_query_heads: int) -> AttentionChoice:
     """``attention`` resolved for this device, dtype and shapes."""
     layout = manager.layout
+    if layout.latent:  # MLA: one attention (attention/latent.py) over latent rows, torch ops on any device
+        if attention not in ("auto", "sdpa"):
+            raise ConfigError(f"attention={attention!r}: an MLA model's latent rows are attended in "
+                              "the absorbed form by torch operations, not that kernel; use "
+                              "attention='auto'")
+        return AttentionChoice("sdpa", why_not_flash="MLA latent rows: the absorbed-form attention")
     views = [] if kv_backend == "paged" else [manager.kv_views(layer) for layer in range(manager.config.num_layers)]
     return choose_attention(attention, device, kv_backend, layout.dtype, num_query_heads, layout.num_kv_heads,
                             layout.head_dim, manager.tokens_per_page, views[0] if views else None, views[1:])

@@ -151,4 +151,6 @@ def make_kv_manager(cache: "CacheConfig", model_config, *, max_model_len: int, c
     ``manager_options`` go to ``KVCacheManager.for_layers`` (metrics, events, backends). Every
     tensor-parallel rank calls it with the same arguments, so every rank builds the same groups."""
     windows = layer_windows(model_config, max_model_len, release_behind_window, chunked_groups)
+    if windows:  # a cache of the leading layers only (VmemkvCache without Gemma-3n's KV-shared ones)
+        windows = windows[:cache.num_layers]
     return KVCacheManager.for_layers(cache, windows, chunk_tokens, **manager_options)

@@ -39,6 +39,7 @@ from vmemkv.engine.serving.kv_event_publisher import KVEventPublisher
 from vmemkv.engine.core.metrics import EngineMetrics
 from vmemkv.engine.core.model_runner import ModelRunner
 from vmemkv.engine.models.kernel_choice import choose_kernel, label
+from vmemkv.engine.models.latent_attention import route_latent_attention
 from vmemkv.engine.models.native_norm import swap_rms_norms
 from vmemkv.engine.models.native_rotary import swap_rotaries
 from vmemkv.engine.models.packed_linear import pack_linears, why_not_packed
@@ -82,6 +83,7 @@ class LLMEngine:
         """The model loaded again by name and built as this engine's was (for a level-2 wake)."""
         config = self.config
         model = load_model(config.model, config.torch_dtype, config.device, config.seed)[0]
+        route_latent_attention(model)  # as __init__: MLA's kv_b_proj stays unpacked
         if self.packed_linears.startswith("packed"):
             pack_linears(model, fuse=self.config.fused_projections, kernel=self.linear_kernel)
             swap_rms_norms(model)
@@ -105,6 +107,9 @@ class LLMEngine:
         config = self.config = config.for_model(model.config)
         self.model_name = config.model
         self.tokenizer = tokenizer
+        # MLA models attend from their latent rows; routed before packing, which frees the
+        # kv_b_proj weight the absorbed form reads
+        route_latent_attention(model)
         self.packed_linears = self._pack_linears(model, loaded_by_name)
         # where the linears are packed (a model this engine loaded, on the CPU), so are the norms
         # and the rotary embedding
@@ -354,6 +359,8 @@ class LLMEngine:
         timing = self.kv_metrics.snapshot()
         timing["manager_operations"] = timing.pop("operations")
         return {**self.scheduler.kv_stats(), **timing, "preemptions": self.scheduler.num_preemptions,
+                # what one token holds per layer: K and V, or an MLA model's latent row
+                "kv_bytes_per_token_per_layer": self.addressing.views.layout.kv_bytes_per_token_per_layer,
                 "num_steps": self.num_steps, "attention_seconds": self.attention_seconds,
                 "attention_copy_seconds": self.attention_copy_seconds,
                 "peak_kv_bytes": self.peak_kv_bytes,

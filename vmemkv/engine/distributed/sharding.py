@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from vmemkv.errors import ConfigError, UnsupportedModelError
-from vmemkv.engine.models.hf_support import kv_shape, text_config
+from vmemkv.engine.models.hf_support import kv_shape, latent_dims, text_config
 
 
 def check_shardable(model_config, size: int) -> None:
@@ -33,6 +33,11 @@ def check_shardable(model_config, size: int) -> None:
     GQA with fewer KV heads than ranks is refused rather than replicated: each rank's cache holds
     whole KV heads of its own, so the heads must divide evenly."""
     text = text_config(model_config)
+    if latent_dims(text):  # every head reads the one latent row: no KV heads to split
+        raise UnsupportedModelError(
+            f"tensor_parallel_size={size}: this model's multi-head latent attention caches one "
+            "latent row per token that every head reads, which vmemkv does not split across ranks; "
+            "use tensor_parallel_size=1")
     if not getattr(text, "base_model_tp_plan", None):
         raise UnsupportedModelError(
             f"tensor_parallel_size={size}: transformers has no tensor-parallel plan for "

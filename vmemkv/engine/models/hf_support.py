@@ -12,6 +12,8 @@ its own, which applies what transformers passes it per layer: the scaling, a sli
 start (or every token, with ``release_behind_window=False``) to the model's own attention, whose
 mask applies the window. A model that attends otherwise would run and silently give other
 tokens than transformers, so both refuse it at load time with :func:`check_attention_supported`.
+Multi-head latent attention models (DeepSeek-V2/V3, MiniCPM3: :data:`LATENT_MODEL_TYPES`) are
+sized by their latent row (:func:`latent_dims`, :func:`kv_shape`) and cached as latent rows by both.
 This module reads config attributes (and a model's dtype and device) only; it does not import
 transformers.
 """
@@ -38,6 +40,15 @@ _CHUNKING_MODEL_TYPES = frozenset({"llama4", "llama4_text"})
 
 # ALiBi position biases, which the model hands to its attention function as an extra argument.
 _ALIBI_MODEL_TYPES = frozenset({"bloom"})
+
+# Layer kinds that keep a recurrent state instead of K/V (what vmemkv does not cache yet), as
+# users know them.
+_STATE_KINDS = {"mamba": "Mamba / SSM state", "linear_attention": "linear attention state (gated delta net)",
+                "conv": "short convolution state", "recurrent": "recurrent (RG-LRU) state"}
+
+# Multi-head latent attention whose attention module the engine runs from the latent rows
+# (vmemkv.engine.models.latent_attention) and whose own code hands VmemkvCache the latent.
+LATENT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "minicpm3"})
 
 
 def text_config(config: Any) -> Any:
@@ -91,18 +102,46 @@ def _rope_scaling(text: Any) -> dict | None:
     return rope
 
 
+def latent_dims(config: Any) -> tuple[int, int] | None:
+    """``(kv_lora_rank, qk_rope_head_dim)`` of a multi-head latent attention model (DeepSeek-V2/V3,
+    MiniCPM3, Kimi-K2: every token caches one row of their sum per layer); None otherwise."""
+    text = text_config(config)
+    rank, rope = getattr(text, "kv_lora_rank", None), getattr(text, "qk_rope_head_dim", None)
+    return (int(rank), int(rope)) if rank and rope else None
+
+
 def kv_shape(config: Any) -> tuple[int, int, int]:
-    """``(num_layers, num_kv_heads, head_dim)`` of the decoder whose K/V vmemkv holds."""
+    """``(num_layers, num_kv_heads, head_dim)`` of the decoder whose K/V vmemkv holds, from the
+    model's own shapes: an MLA model's is one latent "head" of ``kv_lora_rank + qk_rope_head_dim``
+    (its ``head_dim`` is the rope part only). A model whose K and V differ in size otherwise is
+    refused (``UnsupportedModelError``): one head_dim would size one of them wrong."""
     text = text_config(config)
     heads = text.num_attention_heads
-    return (text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads,
-            getattr(text, "head_dim", None) or text.hidden_size // heads)
+    latent = latent_dims(text)
+    if latent:
+        return text.num_hidden_layers, 1, sum(latent)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    value_dim = getattr(text, "v_head_dim", None)
+    if value_dim and value_dim != head_dim:
+        raise UnsupportedModelError(
+            f"this {getattr(text, 'model_type', type(text).__name__)} model's values have "
+            f"{value_dim} dims per head and its keys {head_dim}: vmemkv caches K and V of one head "
+            "size (or MLA's latent rows); use a model whose K and V heads match")
+    return text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads, head_dim
+
+
+def storing_layers(config: Any) -> int:
+    """How many layers, from the first, hand their K/V to a transformers cache: all but
+    Gemma-3n's KV-shared layers (the last ``num_kv_shared_layers``), which reuse an earlier
+    layer's K/V and never call ``cache.update``."""
+    text = text_config(config)
+    return text.num_hidden_layers - (getattr(text, "num_kv_shared_layers", None) or 0)
 
 
 def cache_config_for(model: Any, max_num_seqs: int, max_model_len: int,
                      num_blocks: int | None = None, *, spare_blocks_per_slot: int = 0,
                      check_token_ids: bool = False, release_behind_window: bool = False,
-                     **options: Any) -> CacheConfig:
+                     num_layers: int | None = None, **options: Any) -> CacheConfig:
     """A :class:`CacheConfig` shaped for ``model`` (layers, KV heads, head dim, and the model's
     dtype and device unless ``options`` say otherwise).
 
@@ -113,18 +152,24 @@ def cache_config_for(model: Any, max_num_seqs: int, max_model_len: int,
     layer slides with one window shorter than ``max_model_len`` (:func:`uniform_window`), blocks
     behind it are released while a request runs (``CacheConfig.sliding_window``). Other keyword
     arguments are ``CacheConfig`` fields (``tokens_per_page``, ``enable_prefix_caching``,
-    ``kv_backend``, ...)."""
+    ``kv_backend``, ...). ``num_layers``: hold only the first ``num_layers`` layers
+    (``VmemkvCache``: :func:`storing_layers`); every layer by default."""
     if release_behind_window and "sliding_window" not in options:
         window = uniform_window(model.config)
         if window is not None and window < max_model_len:
             options["sliding_window"] = window
-    num_layers, num_kv_heads, head_dim = kv_shape(model.config)
+    all_layers, num_kv_heads, head_dim = kv_shape(model.config)
+    num_layers = num_layers or all_layers
     if "dtype" not in options:
         options["dtype"] = model.dtype
     if "device" not in options:
         options["device"] = str(model.device)
     if check_token_ids:
         options["vocab_size"] = getattr(text_config(model.config), "vocab_size", None)
+    options.setdefault("latent", latent_dims(model.config) is not None)
+    if options["latent"] and options.get("kv_backend") == "paged":
+        raise UnsupportedModelError("this model's multi-head latent attention reads its latent rows "
+                                    "from slots, not block tables: use kv_backend='vmem'")
     cache = CacheConfig(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                         num_blocks=1 if num_blocks is None else num_blocks,
                         max_num_seqs=max_num_seqs, max_model_len=max_model_len, **options)
@@ -215,7 +260,10 @@ def check_attention_supported(config: Any, max_len: int, *, replaces_attention: 
             continue  # (the engine's attention applies the chunks itself: layer_chunks)
         layers = _ranges([i for i, k in enumerate(kinds) if k == kind])
         if kind not in _BOUNDED_KINDS:
-            problems.append(f"{kind!r} layers ({layers}): only full attention is supported; "
+            what = (f"keep {_STATE_KINDS[kind]}, which" if kind in _STATE_KINDS
+                    else "are a kind of layer")
+            problems.append(f"{kind!r} layers ({layers}) {what} vmemkv does not cache (it caches "
+                            "full, sliding-window and chunked attention, and MLA's latent rows); "
                             "use a model without them")
             continue
         feature, attribute = _BOUNDED_KINDS[kind]
@@ -224,6 +272,9 @@ def check_attention_supported(config: Any, max_len: int, *, replaces_attention: 
             problems.append(f"{feature} of {size} tokens on layers {layers}, but {limit_name} is "
                             f"{max_len} and {who} keeps every token (full attention): "
                             f"use {limit_name} <= {size}")
+    if latent_dims(text) and model_type not in LATENT_MODEL_TYPES:
+        problems.append(f"multi-head latent attention, which {who} caches as latent rows for "
+                        f"{', '.join(sorted(LATENT_MODEL_TYPES))} models only: use one of them")
     if replaces_attention:
         no_rope = [i for i, rope in enumerate(getattr(text, "no_rope_layers", None) or []) if not rope]
         floor_scale = getattr(text, "floor_scale", None)

@@ -254,7 +254,8 @@ def pack_linears(model: nn.Module, fuse: bool = False, kernel: str | None = None
                     fused.add(id(linear))
         for parent in model.modules():
             for name, child in parent.named_children():
-                if type(child) is nn.Linear and id(child) not in fused:
+                # keep_unpacked: a layer whose weight is read, not multiplied by (MLA's kv_b_proj)
+                if type(child) is nn.Linear and id(child) not in fused and not getattr(child, "keep_unpacked", False):
                     swaps.append((parent, name, PackedLinear(child, kernel)))
     for parent, name, layer in swaps:
         setattr(parent, name, layer)

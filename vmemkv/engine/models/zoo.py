@@ -15,8 +15,9 @@ import os
 from typing import NoReturn
 
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma2Config, LlamaConfig,
-                          MistralConfig, PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, DeepseekV2Config, DeepseekV3Config,
+                          Gemma2Config, LlamaConfig, MiniCPM3Config, MistralConfig, PretrainedConfig,
+                          PreTrainedTokenizerFast, Qwen2Config)
 
 from vmemkv.errors import ConfigError
 from vmemkv.engine.models.hub import REAL_MODELS, ensure_real_model, hub_config, load_from_hub_cache
@@ -24,6 +25,12 @@ from vmemkv.engine.models.hub import REAL_MODELS, ensure_real_model, hub_config,
 BYTE_VOCAB = 256 + 2  # bytes, then <s>, </s>
 TINY_MISTRAL_WINDOW = 128
 TINY_GEMMA2_WINDOW = 128
+# Multi-head latent attention (MLA) shapes of the tiny DeepSeek / MiniCPM3 models: each token
+# caches one latent row of kv_lora_rank + qk_rope_head_dim = 48 values per layer.
+_TINY_MLA = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=16,
+                 qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=4096,
+                 initializer_range=0.1)
 
 # The tiny models use a larger init scale than the default 0.02 so that random weights give varied
 # greedy tokens (at 0.02 they repeat one or two tokens, which would make equality tests weak).
@@ -59,6 +66,24 @@ BUILTIN_MODELS: dict[str, PretrainedConfig] = {
                                 rope_theta=10000.0, initializer_range=0.1,
                                 tie_word_embeddings=False,  # tied, it repeats the last token
                                 sliding_window=TINY_GEMMA2_WINDOW),
+    # DeepSeek-V3's attention (MLA, queries through a low-rank q_lora_rank, interleaved rotary,
+    # YaRN with its softmax mscale) on dense layers only (first_k_dense_replace = every layer).
+    "tiny-deepseek-v3": DeepseekV3Config(**_TINY_MLA, q_lora_rank=48, first_k_dense_replace=3,
+                                         moe_intermediate_size=64, n_routed_experts=4,
+                                         num_experts_per_tok=2, n_group=1, topk_group=1,
+                                         tie_word_embeddings=False,
+                                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                                          "factor": 4.0, "original_max_position_embeddings": 1024,
+                                                          "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                          "beta_fast": 32, "beta_slow": 1}),
+    # DeepSeek-V2's: full-rank queries (q_lora_rank None), complex rotary, a dense first layer
+    # and small MoE layers after it.
+    "tiny-deepseek-v2": DeepseekV2Config(**_TINY_MLA, q_lora_rank=None, first_k_dense_replace=1,
+                                         moe_intermediate_size=64, n_routed_experts=4,
+                                         num_experts_per_tok=2, n_shared_experts=1),
+    # MiniCPM3's: MLA with plain cos/sin rotary (scale_emb 1: at its default of 12 random weights
+    # repeat one token).
+    "tiny-minicpm3": MiniCPM3Config(**_TINY_MLA, q_lora_rank=48, scale_emb=1),
     # The shapes of real models, random weights, for benchmarks.
     "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                 num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
