@@ -23,6 +23,7 @@ COLUMNS = (
     ("ITL p99 ms", "itl_p99_ms", "{:.0f}", 1.0),
     ("peak KV MiB", "peak_kv_mib", "{:.2f}", 1.0),
     ("KV/req KiB", "peak_kv_bytes_per_request", "{:.0f}", 1 / 1024),
+    ("KV B/token/layer", "kv_bytes_per_token_per_layer", "{:.0f}", 1.0),
     ("running", "most_running", "{:.0f}", 1.0),
     ("fit", "requests_fit", "{:.0f}", 1.0),
     ("frag %", "internal_fragmentation", "{:.1f}", 100.0),
