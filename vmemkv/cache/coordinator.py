@@ -71,8 +71,8 @@ class KVCacheCoordinator:
         self.config, self.stats, self.events = config, stats, events
         self.last_refusal: Refusal | None = None  # why the last refused call was refused
         layers, configs = self._group_layers(config, layer_windows, chunk_tokens, local_blocks)
-        for _, spec in layers:  # a kind nothing serves is refused before any memory is made
-            group_class(spec)
+        for (_, spec), group_config in zip(layers, configs):  # refused before any memory is made
+            group_class(spec).check_config(group_config, spec)
         # each memory with the indices of the groups drawing from it, for the steps over memories
         self._members = tuple((memory, tuple(indices)) for memory, indices in self._memories(
             configs, [spec for _, spec in layers], local_blocks is None, backend, backends, metrics))

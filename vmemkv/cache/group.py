@@ -98,6 +98,11 @@ class KVCacheGroup:
         (``KVCacheSpec.peak_blocks``)."""
         return self.spec.peak_blocks(num_tokens, chunk_tokens, self.tokens_per_page)
 
+    @staticmethod
+    def check_config(config: CacheConfig, spec: KVCacheSpec) -> None:
+        """Refuse (``ConfigError``) a group ``config`` this kind cannot hold, before any memory
+        is made."""
+
     def in_group(self) -> str:
         return "" if self.index == 0 else f"in layer group {self.index} ({self.spec.describe()}) "
 
@@ -499,13 +504,12 @@ class MLALatentGroup(FullAttentionGroup):
     """Multi-head latent attention layers: read as full attention, over one latent row per
     token per layer (``kv_views`` gives that row as K and as V)."""
 
-    def __init__(self, index: int, config: CacheConfig, layers: tuple[int, ...], spec: KVCacheSpec,
-                 memory: KVMemory):
-        if not memory.layout.latent or memory.layout.head_dim != spec.row_width:
+    @staticmethod
+    def check_config(config: CacheConfig, spec: KVCacheSpec) -> None:
+        if not config.latent or config.head_dim != spec.row_width:
             raise ConfigError(f"{spec.describe()} need a latent layout of rows of {spec.row_width} "
-                              f"values; CacheConfig has latent={memory.layout.latent} and head_dim "
-                              f"{memory.layout.head_dim}: set latent=True and head_dim to the row's width")
-        super().__init__(index, config, layers, spec, memory)
+                              f"values; CacheConfig has latent={config.latent} and head_dim "
+                              f"{config.head_dim}: set latent=True and head_dim to the row's width")
 
 
 class LocalAttentionGroup(KVCacheGroup):

@@ -29,6 +29,10 @@ class LayerGroups:
         ``AttentionSpec``, which makes one), None for a full-attention layer."""
         specs = [spec_of_layer(layer) for layer in layer_windows]
         kinds = sorted(set(specs), key=lambda spec: (spec.releases, specs.index(spec)))
+        keeping = [spec.describe() for spec in kinds if not spec.releases]
+        if len(keeping) > 1:  # the first group grows with a request, the others are bounded
+            raise ConfigError(f"layer_windows mixes {' and '.join(keeping)}, which both keep every "
+                              "block; give at most one kind of layer that reads every position")
         return cls(tuple(kinds), tuple(tuple(i for i, spec in enumerate(specs) if spec == kind)
                                        for kind in kinds))
 
