@@ -113,7 +113,7 @@ class MLALatentSpec(FullAttentionSpec):
     rows_per_token: ClassVar[int] = 1
 
     def __post_init__(self):
-        if min(self.kv_lora_rank, self.rope_dim + 1) < 1:
+        if self.kv_lora_rank < 1 or self.rope_dim < 0:
             raise ConfigError(f"an MLA latent row of kv_lora_rank {self.kv_lora_rank} and rope_dim "
                               f"{self.rope_dim}: give a positive rank and a rope_dim of at least 0")
 
