@@ -72,6 +72,9 @@ def machine_info() -> dict:
 
 
 # --- text ----------------------------------------------------------------------------------------
+NOT_RECORDED = {"median": None}  # a metric a run recorded before it was measured: shown as "-"
+
+
 def _cell(spread: dict, fmt: str, scale: float, with_range: bool) -> str:
     median = spread["median"]
     if median is None or (isinstance(median, float) and math.isnan(median)):
@@ -88,7 +91,7 @@ def table_rows(result: dict, columns=COLUMNS, ranges: bool = True) -> tuple[list
     for workload, per_variant in result["results"].items():
         for variant, data in per_variant.items():
             cells = [workload, variant]
-            cells += [_cell(data["metrics"][key], fmt, scale, ranges and key in WITH_RANGE)
+            cells += [_cell(data["metrics"].get(key, NOT_RECORDED), fmt, scale, ranges and key in WITH_RANGE)
                       for _, key, fmt, scale in columns]
             equal = data["tokens_equal"]
             cells.append("ref" if variant == "vmem" else "-" if equal is None
