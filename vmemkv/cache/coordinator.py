@@ -127,6 +127,8 @@ class KVCacheCoordinator:
                         memory_config, num_blocks=sum(configs[i].num_blocks for i in indices),
                         swap_space_bytes=sum(configs[i].swap_space_bytes for i in indices),
                         host_cache_bytes=sum(configs[i].host_cache_bytes for i in indices),
+                        # a memory serving a releasing kind names it: a backend made from this
+                        # config then keeps the page behind released positions (backend_pages)
                         **next((specs[i].config_fields() for i in indices if specs[i].releases),
                                specs[indices[0]].config_fields()))
                 if callable(backends):
