@@ -155,7 +155,8 @@ def prefix_keys(token_ids, salt: int = 0) -> list[int]:
 
 
 def kv_patterns(manager: KVCacheManager, keys: list[int]):
-    """``(layer, kv, int32 array [len(keys), heads, dim])`` for every layer's K and V."""
+    """``(layer, kv, int32 array [len(keys), heads, dim])`` for every layer's K and V (a latent
+    layout's one row per layer: ``kv`` 0, its K view)."""
     layout = manager.layout
     heads, dim = layout.num_kv_heads, layout.head_dim
     assert heads * dim <= 256 and layout.num_layers <= 4 and layout.itemsize == 4, (
@@ -163,7 +164,7 @@ def kv_patterns(manager: KVCacheManager, keys: list[int]):
     row = np.arange(heads * dim, dtype=np.int32).reshape(1, heads, dim)
     base = (np.asarray(keys, dtype=np.int32) << 11).reshape(-1, 1, 1) | row
     for layer in range(layout.num_layers):
-        for kv in (0, 1):
+        for kv in range(layout.rows_per_layer):
             yield layer, kv, base | np.int32((2 * layer + kv) << 8)
 
 

@@ -142,6 +142,16 @@ def test_quick_run_reports_every_metric_for_every_variant(quick_run):
             assert len(data["runs"]) == 1
 
 
+def test_every_variant_reports_the_kv_bytes_per_token_per_layer_of_its_model(quick_run):
+    """The same model on every variant caches the same bytes per token per layer; the Markdown
+    table shows them."""
+    _, result, _ = quick_run
+    for per_variant in result["results"].values():
+        values = {data["metrics"]["kv_bytes_per_token_per_layer"]["median"] for data in per_variant.values()}
+        assert len(values) == 1 and values.pop() > 0
+    assert "KV B/token/layer" in report.markdown_table(result)
+
+
 def test_greedy_tokens_are_identical_across_variants(quick_run):
     _, result, _ = quick_run
     for name in QUICK_WORKLOADS:

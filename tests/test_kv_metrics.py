@@ -101,5 +101,10 @@ def test_engine_stats_and_prometheus_read_the_collector():
         assert 'vmemkv_kv_manager_calls_total{operation="admit"} 3.0' in text
         assert 'vmemkv_kv_mapping_seconds_total{where="inline"}' in text
         assert 'vmemkv_kv_mapping_seconds_total{where="background"}' in text
+        # what one token holds per layer: K and V of every KV head
+        per_layer = stats["kv_bytes_per_token_per_layer"]
+        layout = engine.manager.groups[0].layout
+        assert per_layer == 2 * layout.num_kv_heads * layout.head_dim * layout.itemsize
+        assert f"vmemkv_kv_bytes_per_token_per_layer {float(per_layer)}" in text
     finally:
         engine.close()

@@ -50,6 +50,8 @@ def test_ragged_chunked_batch_matches_hf_from_latent_rows(model, layout):
     k_view, v_view = engine.manager.kv_views(0)
     assert k_view.shape[-2:] == (1, LATENT) and v_view.data_ptr() == k_view.data_ptr()
     assert engine.stats()["kv_bytes_per_token_per_layer"] == LATENT * 4  # float32
+    assert f"vmemkv_kv_bytes_per_token_per_layer {float(LATENT * 4)}" in engine.metrics.render().decode()
+    assert type(engine.manager.groups[0].spec).__name__ == "MLALatentSpec"
     assert_clean(engine)
 
 

@@ -83,7 +83,7 @@ from transformers.cache_utils import Cache
 
 from vmemkv import ConfigError, InvalidInputError, InvalidStateError, KVCacheManager, OutOfBlocksError
 from vmemkv_transformers.layer import _VmemkvLayer
-from vmemkv_transformers.model import cache_kwarg, layer_windows, manager_for
+from vmemkv_transformers.model import cache_kwarg, layer_specs, layer_windows, manager_for
 from vmemkv_transformers.prefix import _PrefixReuse
 from vmemkv_transformers.rows import _RowBookkeeping, _Row, blocks_free
 
@@ -127,7 +127,8 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
         self.manager = manager
         self.owns_manager = owns_manager
         self._num_layers = manager.config.num_layers
-        self._windows = layer_windows(manager)  # per layer; None: every token is kept
+        self._specs = layer_specs(manager)  # per layer: which positions its queries read
+        self._windows = [spec.window for spec in self._specs]  # per layer; None: every token is kept
         self._windowed = any(self._windows)
         super().__init__(layers=[_VmemkvLayer(self, i) for i in range(self._num_layers)])
         self._model = None
@@ -226,8 +227,7 @@ class VmemkvCache(_PrefixReuse, _RowBookkeeping, Cache):
     def _window_start(self, layer_idx: int, length: int) -> int:
         """The first position a sliding layer keeps once ``length`` are computed: the next
         query, at ``length``, reads from there (0 for a layer that keeps every token)."""
-        window = self._windows[layer_idx]
-        return 0 if window is None else max(length - window + 1, 0)
+        return self._specs[layer_idx].first_read(length)
 
     def layer_views(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer_idx``'s K and V of all rows, ``[batch, kv_heads, length, head_dim]``

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 
 from vmemkv import KVCacheManager
+from vmemkv.cache.kv_spec import KVCacheSpec
 from vmemkv.engine import make_kv_manager
 from vmemkv.engine.models.hf_support import cache_config_for, check_attention_supported, storing_layers
 
@@ -45,13 +46,18 @@ def manager_for(model, max_batch_size: int, max_cache_len: int, num_blocks: int 
                            release_behind_window=release_behind_window, chunked_groups=False)
 
 
-def layer_windows(manager: KVCacheManager) -> list[int | None]:
-    """Each layer's window as ``manager`` keeps it (None: every token is kept): blocks wholly
-    behind it are released, so a cache reads such a layer from its window start."""
+def layer_specs(manager: KVCacheManager) -> list[KVCacheSpec]:
+    """Each layer's kind as ``manager`` keeps it: blocks wholly before its ``first_read`` are
+    released, so a cache reads such a layer from there."""
     groups = manager.layout_groups
     if len(groups) == 1:  # one group holds every layer
-        return [groups[0].window] * groups[0].layout.num_layers
-    return [manager.layer_group(layer).window for layer in range(manager.config.num_layers)]
+        return [groups[0].spec] * groups[0].layout.num_layers
+    return [manager.layer_group(layer).spec for layer in range(manager.config.num_layers)]
+
+
+def layer_windows(manager: KVCacheManager) -> list[int | None]:
+    """Each layer's sliding window as ``manager`` keeps it (None: every token is kept)."""
+    return [spec.window for spec in layer_specs(manager)]
 
 
 def cache_kwarg(model) -> str:

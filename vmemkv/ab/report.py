@@ -23,6 +23,7 @@ COLUMNS = (
     ("ITL p99 ms", "itl_p99_ms", "{:.0f}", 1.0),
     ("peak KV MiB", "peak_kv_mib", "{:.2f}", 1.0),
     ("KV/req KiB", "peak_kv_bytes_per_request", "{:.0f}", 1 / 1024),
+    ("KV B/token/layer", "kv_bytes_per_token_per_layer", "{:.0f}", 1.0),
     ("running", "most_running", "{:.0f}", 1.0),
     ("fit", "requests_fit", "{:.0f}", 1.0),
     ("frag %", "internal_fragmentation", "{:.1f}", 100.0),
@@ -71,6 +72,9 @@ def machine_info() -> dict:
 
 
 # --- text ----------------------------------------------------------------------------------------
+NOT_RECORDED = {"median": None}  # a metric a run recorded before it was measured: shown as "-"
+
+
 def _cell(spread: dict, fmt: str, scale: float, with_range: bool) -> str:
     median = spread["median"]
     if median is None or (isinstance(median, float) and math.isnan(median)):
@@ -87,7 +91,7 @@ def table_rows(result: dict, columns=COLUMNS, ranges: bool = True) -> tuple[list
     for workload, per_variant in result["results"].items():
         for variant, data in per_variant.items():
             cells = [workload, variant]
-            cells += [_cell(data["metrics"][key], fmt, scale, ranges and key in WITH_RANGE)
+            cells += [_cell(data["metrics"].get(key, NOT_RECORDED), fmt, scale, ranges and key in WITH_RANGE)
                       for _, key, fmt, scale in columns]
             equal = data["tokens_equal"]
             cells.append("ref" if variant == "vmem" else "-" if equal is None

@@ -39,7 +39,8 @@ METRIC_KEYS = (
     "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms",
     "tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms",
     "itl_mean_ms", "itl_p50_ms", "itl_p99_ms",
-    "peak_kv_bytes", "peak_kv_mib", "peak_kv_bytes_per_request", "most_running", "requests_fit",
+    "peak_kv_bytes", "peak_kv_mib", "peak_kv_bytes_per_request", "kv_bytes_per_token_per_layer",
+    "most_running", "requests_fit",
     "internal_fragmentation", "prefix_hit_rate",
     "prefix_hit_rate_host", "host_demotions", "host_promotions",
     "preemptions", "preemptions_swap", "preemptions_recompute", "evictions", "forks", "blocks_copied",
@@ -145,7 +146,8 @@ def _metrics(workload: Workload, stats: dict,
     }
     for name, samples in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         m.update(_describe_ms(name, samples))
-    for key in ("peak_kv_bytes", "internal_fragmentation", "prefix_hit_rate", "host_demotions",
+    for key in ("peak_kv_bytes", "kv_bytes_per_token_per_layer", "internal_fragmentation",
+                "prefix_hit_rate", "host_demotions",
                 "host_promotions", "preemptions",
                 "preemptions_swap", "preemptions_recompute", "evictions", "forks", "blocks_copied",
                 "map_calls", "unmap_calls", "pages_mapped", "map_calls_saved",

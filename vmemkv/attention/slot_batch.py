@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from vmemkv.attention.variants import explicit_attention, needs_explicit
+from vmemkv.cache.kv_spec import local_spec
 
 if TYPE_CHECKING:  # packed imports this module
     from vmemkv.attention.packed import SequenceSpan
@@ -75,9 +76,10 @@ class DecodeBatch:
         ``start`` under ``mask`` (None: all seen). None when the members' windows start at
         different positions: one read would then touch positions behind some member's window,
         so those members are attended one by one."""
-        if not window or self.read_len <= window:
+        start = local_spec(window).first_read(self.read_len - 1)  # the decode queries' first read
+        if not start:
             return 0, self.mask
-        return (self.read_len - window, None) if self.same_length else None
+        return (start, None) if self.same_length else None
 
 
     def sdpa_mask(self, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

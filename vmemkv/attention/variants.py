@@ -2,6 +2,9 @@
 attention interface: a sliding window, logit soft-capping, attention sinks; and chunked local
 attention, which the model's config sets per layer (``hf_support.layer_chunks``).
 
+Which keys a query reads is its layer kind's rule (``vmemkv.cache.kv_spec``: ``first_read``),
+the one the cache releases blocks by; the functions below ask it.
+
 * **Sliding window** ``W`` (``sliding_window``): the query at position ``p`` sees keys
   ``max(0, p - W + 1) .. p`` (``masking_utils.sliding_window_overlay``: ``kv > q - W``). Every
   path reads from the window start (``window_start``) rather than masking the whole prefix, so
@@ -21,15 +24,17 @@ from __future__ import annotations
 
 import torch
 
+from vmemkv.cache.kv_spec import KVCacheSpec, local_spec
+
 
 def window_start(first_position: int, window: int | None) -> int:
-    """The first key position a query at ``first_position`` (or later) can see."""
-    return max(0, first_position - window + 1) if window else 0
+    """The first key position a query at ``first_position`` (or later) can see (the spec's rule)."""
+    return local_spec(window).first_read(first_position)
 
 
 def chunk_start(first_position: int, chunk: int) -> int:
     """The first key position a query at ``first_position`` can see under chunks of ``chunk``."""
-    return first_position // chunk * chunk
+    return local_spec(chunk=chunk).first_read(first_position)
 
 
 def needs_explicit(softcap: float | None, sinks: torch.Tensor | None) -> bool:
@@ -41,21 +46,26 @@ def causal_window_mask(num_cached: int, num_queries: int, start: int, window: in
                        device: torch.device) -> torch.Tensor:
     """``[num_queries, length - start]`` bool, True where a query sees a key: the queries sit at
     positions ``num_cached ..``, the keys at ``start .. num_cached + num_queries``."""
-    queries = torch.arange(num_queries, device=device)[:, None] + num_cached
-    keys = torch.arange(start, num_cached + num_queries, device=device)[None, :]
-    visible = keys <= queries
-    if window:
-        visible &= keys > queries - window
-    return visible
+    return causal_spec_mask(num_cached, num_queries, start, local_spec(window), device)
 
 
 def causal_chunk_mask(num_cached: int, num_queries: int, start: int, chunk: int,
                       device: torch.device) -> torch.Tensor:
     """``causal_window_mask`` for chunked local attention: a query sees the keys of its own chunk
     up to itself."""
+    return causal_spec_mask(num_cached, num_queries, start, local_spec(chunk=chunk), device)
+
+
+def causal_spec_mask(num_cached: int, num_queries: int, start: int, spec: KVCacheSpec,
+                     device: torch.device) -> torch.Tensor:
+    """``causal_window_mask`` for any kind: a query sees the keys from ``spec.first_read`` of its
+    position up to itself."""
     queries = torch.arange(num_queries, device=device)[:, None] + num_cached
     keys = torch.arange(start, num_cached + num_queries, device=device)[None, :]
-    return (keys <= queries) & (keys >= queries - queries % chunk)
+    visible = keys <= queries
+    if spec.releases:
+        visible &= keys >= spec.first_read(queries)
+    return visible
 
 
 def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,

@@ -22,10 +22,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from vmemkv.cache.attention_spec import CHUNKED, AttentionSpec
 from vmemkv.cache.config import CacheConfig, CacheStats
 from vmemkv.cache.events import KVEventSink, group_sink, shared_sink
-from vmemkv.cache.group import KVCacheGroup
+from vmemkv.cache.group import (ChunkedLocalGroup, FullAttentionGroup, KVCacheGroup, MLALatentGroup,
+                                SlidingWindowGroup)
+from vmemkv.cache.kv_spec import (ChunkedLocalSpec, FullAttentionSpec, KVCacheSpec, MLALatentSpec,
+                                  SlidingWindowSpec, spec_of_config)
 from vmemkv.cache.layer_groups import LayerGroups, group_configs
 from vmemkv.cache.memory import KVMemory
 from vmemkv.cache.metrics import KVMetricsCollector
@@ -36,6 +38,26 @@ from vmemkv.memory.budget import SharedKVBudget
 from vmemkv.memory.vmm.base import VirtualMemoryBackend
 
 
+# The group class of each kind of KV memory (vLLM's ``spec_manager_map``): a new kind registers
+# its spec type and group class here, once.
+GROUP_CLASSES: dict[type[KVCacheSpec], type[KVCacheGroup]] = {
+    FullAttentionSpec: FullAttentionGroup,
+    MLALatentSpec: MLALatentGroup,
+    SlidingWindowSpec: SlidingWindowGroup,
+    ChunkedLocalSpec: ChunkedLocalGroup,
+}
+
+
+def group_class(spec: KVCacheSpec) -> type[KVCacheGroup]:
+    """The group class serving ``spec``'s kind."""
+    try:
+        return GROUP_CLASSES[type(spec)]
+    except KeyError:
+        raise ConfigError(f"no layer group serves {type(spec).__name__}; register its group class "
+                          f"in coordinator.GROUP_CLASSES (kinds served: "
+                          f"{', '.join(kind.__name__ for kind in GROUP_CLASSES)})") from None
+
+
 class KVCacheCoordinator:
     """``KVCacheCoordinator(config, stats, backend, metrics, events, *, layer_windows,
     chunk_tokens, local_blocks, backends)``: the groups and memories of ``config`` (the arguments
@@ -43,18 +65,20 @@ class KVCacheCoordinator:
 
     def __init__(self, config: CacheConfig, stats: CacheStats, backend: VirtualMemoryBackend | None,
                  metrics: KVMetricsCollector | None, events: KVEventSink | None, *,
-                 layer_windows: "Sequence[int | AttentionSpec | None] | None" = None,
+                 layer_windows: "Sequence[int | KVCacheSpec | None] | None" = None,
                  chunk_tokens: int | None = None, local_blocks: int | None = None,
                  backends: Sequence[VirtualMemoryBackend | None] | None = None):
         self.config, self.stats, self.events = config, stats, events
         self.last_refusal: Refusal | None = None  # why the last refused call was refused
         layers, configs = self._group_layers(config, layer_windows, chunk_tokens, local_blocks)
+        for (_, spec), group_config in zip(layers, configs):  # refused before any memory is made
+            group_class(spec).check_config(group_config, spec)
         # each memory with the indices of the groups drawing from it, for the steps over memories
         self._members = tuple((memory, tuple(indices)) for memory, indices in self._memories(
             configs, [spec for _, spec in layers], local_blocks is None, backend, backends, metrics))
         self.memories = tuple(memory for memory, _ in self._members)
         memory_of = {index: memory for memory, indices in self._members for index in indices}
-        self.groups = tuple(KVCacheGroup(index, group_config, group_layers, spec, memory_of[index])
+        self.groups = tuple(group_class(spec)(index, group_config, group_layers, spec, memory_of[index])
                             for index, ((group_layers, spec), group_config)
                             in enumerate(zip(layers, configs)))
         for group in self.groups:  # every mapper's views exist now: the references are the manager's
@@ -69,9 +93,9 @@ class KVCacheCoordinator:
     def _group_layers(config: CacheConfig, layer_windows, chunk_tokens, local_blocks):
         """``([(layers, spec)] per group, [CacheConfig] per group)``: one group of every layer by
         ``config``'s window or chunks, or the groups of ``layer_windows`` (each layer's window,
-        its ``AttentionSpec``, or None: full attention)."""
+        its ``KVCacheSpec``, or None: full attention)."""
         if layer_windows is None:
-            spec = AttentionSpec.of(config.sliding_window, config.attention_chunk_size)
+            spec = spec_of_config(config)
             return [(tuple(range(config.num_layers)), spec)], [config]
         if len(layer_windows) != config.num_layers:
             raise ConfigError(f"layer_windows has {len(layer_windows)} entries for "
@@ -83,7 +107,7 @@ class KVCacheCoordinator:
         return list(zip(groups.layers, groups.specs)), group_configs(config, groups, chunk_tokens,
                                                                      local_blocks)
 
-    def _memories(self, configs: list[CacheConfig], specs: list[AttentionSpec], share: bool,
+    def _memories(self, configs: list[CacheConfig], specs: list[KVCacheSpec], share: bool,
                   backend, backends, metrics) -> list[tuple[KVMemory, list[int]]]:
         """The memories behind the groups, each with the indices of the groups it serves: one for
         all groups of one block layout when ``share`` (no fixed ``local_blocks``), holding the
@@ -103,9 +127,10 @@ class KVCacheCoordinator:
                         memory_config, num_blocks=sum(configs[i].num_blocks for i in indices),
                         swap_space_bytes=sum(configs[i].swap_space_bytes for i in indices),
                         host_cache_bytes=sum(configs[i].host_cache_bytes for i in indices),
-                        sliding_window=next((specs[i].window for i in indices if specs[i].window), None),
-                        attention_chunk_size=next((specs[i].size for i in indices
-                                                   if specs[i].kind == CHUNKED), None))
+                        # a memory serving a releasing kind names it: a backend made from this
+                        # config then keeps the page behind released positions (backend_pages)
+                        **next((specs[i].config_fields() for i in indices if specs[i].releases),
+                               specs[indices[0]].config_fields()))
                 if callable(backends):
                     memory_backend = backends(memory_config)
                 elif backends is not None:
@@ -135,15 +160,15 @@ class KVCacheCoordinator:
             raise ConfigError(f"kv_pool_ranks must be a positive int, got {ranks!r}")
         return SharedKVBudget(config.kv_pool, config.kv_pool_bytes, block_bytes=block_bytes * ranks)
 
-    def _sink(self, members: list[tuple[int, AttentionSpec]], num_groups: int):
+    def _sink(self, members: list[tuple[int, KVCacheSpec]], num_groups: int):
         """The events sink of a memory serving ``members`` (group index, spec): the manager's own
         for a one-group model, each event tagged with its group otherwise."""
         if num_groups == 1:
             return self.events
         if len(members) == 1:
             index, spec = members[0]
-            return group_sink(self.events, index, spec.window, chunked=spec.kind == CHUNKED)
-        return shared_sink(self.events, [(index, spec.window, spec.kind == CHUNKED) for index, spec in members])
+            return group_sink(self.events, index, spec)
+        return shared_sink(self.events, members)
 
     # --- layers and slots --------------------------------------------------------------------------
     def where(self, layer: int) -> tuple[KVCacheGroup, int]:

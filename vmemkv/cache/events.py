@@ -52,6 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from vmemkv.errors import ConfigError
+from vmemkv.cache.kv_spec import KVCacheSpec
 
 # The tier a block lives in. vLLM's names: "GPU" is the device's KV pool (whatever the device:
 # vmemkv's CPU backend reports its pool as the device tier too); "CPU" is host memory.
@@ -102,20 +103,14 @@ def check_sink(events: object) -> KVEventSink | None:
     return events
 
 
-SPEC_FULL_ATTENTION = "full_attention"  # vLLM's KVCacheSpecKind values for the two groups
-SPEC_SLIDING_WINDOW = "sliding_window"
-SPEC_CHUNKED_LOCAL = "chunked_local_attention"  # this project's name; vLLM's not checked
-
-
-def group_sink(events: KVEventSink | None, group_idx: int, sliding_window: int | None = None,
-               chunked: bool = False) -> KVEventSink | None:
+def group_sink(events: KVEventSink | None, group_idx: int, spec: KVCacheSpec) -> KVEventSink | None:
     """A sink for one layout group's pool and host tier: ``events`` told each of its events with
-    the group (``group_idx``, and the kind and window of its layers on ``BlockStored``;
-    ``chunked``: a group of chunked local layers)."""
+    the group (``group_idx``, and the kind of its layers, ``spec.event_kind``, and their sliding
+    window on ``BlockStored``)."""
     events = check_sink(events)
     if events is None:
         return None
-    kind = SPEC_CHUNKED_LOCAL if chunked else SPEC_SLIDING_WINDOW if sliding_window else SPEC_FULL_ATTENTION
+    kind, sliding_window = spec.event_kind, spec.window
 
     def tell(event: KVCacheEvent) -> None:
         if isinstance(event, BlockStored):
@@ -131,16 +126,16 @@ def group_sink(events: KVEventSink | None, group_idx: int, sliding_window: int |
 HASH_BYTES = 32  # hashing.py's digests; a later group of a shared pool keys its blocks by one byte more
 
 
-def shared_sink(events: KVEventSink | None, groups: "list[tuple[int, int | None, bool]]") -> KVEventSink | None:
+def shared_sink(events: KVEventSink | None, groups: "list[tuple[int, KVCacheSpec]]") -> KVEventSink | None:
     """A sink for one pool shared by several layer groups (``groups``: each one's ``(group_idx,
-    sliding_window, chunked)``, the first group's blocks keyed by their hash, a later group's by
+    spec)``, the first group's blocks keyed by their hash, a later group's by
     its hash and one byte, its ``group_idx``): each event goes to ``events`` once per group it
     concerns, with the plain hashes and tagged as ``group_sink`` tags them (a reset: once for
     every group, as separate pools would tell it)."""
     events = check_sink(events)
     if events is None:
         return None
-    sinks = {index: group_sink(events, index, window, chunked) for index, window, chunked in groups}
+    sinks = {index: group_sink(events, index, spec) for index, spec in groups}
     first = groups[0][0]
 
     def split(key: bytes | None) -> tuple[int, bytes | None]:

@@ -1,6 +1,8 @@
-"""One attention group's KV cache: :class:`KVCacheGroup`, a single-type manager over the layers
-that read earlier positions by one rule (its :class:`AttentionSpec`: full attention, a sliding
-window, attention chunks), as vLLM v1's ``SingleTypeKVCacheManager``. Its blocks come from a
+"""One layer group's KV cache: :class:`KVCacheGroup`, a single-type manager over the layers of one
+kind of KV memory (its :class:`KVCacheSpec`), as vLLM v1's ``SingleTypeKVCacheManager``; one
+subclass per kind (``FullAttentionGroup``, ``MLALatentGroup``, ``SlidingWindowGroup``,
+``ChunkedLocalGroup``) holds the kind's prefix-hit and release steps, and the coordinator picks it
+by the spec's type (``coordinator.GROUP_CLASSES``). Its blocks come from a
 :class:`vmemkv.cache.memory.KVMemory`, shared by the groups whose blocks have the same bytes; a later
 group of a shared memory keys its blocks in the prefix index by its hash and one byte (``key``),
 so a hash cached in one group never hits in another, whose block holds other layers.
@@ -24,9 +26,9 @@ from __future__ import annotations
 import torch
 
 from vmemkv.cache.allocation import RELEASED, Allocation
-from vmemkv.cache.attention_spec import AttentionSpec
 from vmemkv.cache.config import CacheConfig
-from vmemkv.errors import MappingLimitError
+from vmemkv.cache.kv_spec import KVCacheSpec
+from vmemkv.errors import ConfigError, MappingLimitError
 from vmemkv.cache.events import HASH_BYTES
 from vmemkv.cache.memory import KVMemory
 from vmemkv.cache.plans import Admission, Plan
@@ -40,7 +42,7 @@ class KVCacheGroup:
     :class:`KVMemory` its blocks come from (shared with other groups of the same layout, or its
     own)."""
 
-    def __init__(self, index: int, config: CacheConfig, layers: tuple[int, ...], spec: AttentionSpec,
+    def __init__(self, index: int, config: CacheConfig, layers: tuple[int, ...], spec: KVCacheSpec,
                  memory: KVMemory):
         self.index, self.config, self.layers, self.spec, self.memory = index, config, layers, spec, memory
         self.window = spec.window
@@ -93,38 +95,25 @@ class KVCacheGroup:
 
     def blocks_for_tokens(self, num_tokens: int, chunk_tokens: int | None = None) -> int:
         """The most blocks a request of ``num_tokens`` tokens holds here at once
-        (``AttentionSpec.peak_blocks``)."""
+        (``KVCacheSpec.peak_blocks``)."""
         return self.spec.peak_blocks(num_tokens, chunk_tokens, self.tokens_per_page)
+
+    @staticmethod
+    def check_config(config: CacheConfig, spec: KVCacheSpec) -> None:
+        """Refuse (``ConfigError``) a group ``config`` this kind cannot hold, before any memory
+        is made."""
 
     def in_group(self) -> str:
         return "" if self.index == 0 else f"in layer group {self.index} ({self.spec.describe()}) "
 
-    # --- prefix hits (the spec's rule) ---------------------------------------------------------
+    # --- prefix hits (each kind's rule: the subclasses') ---------------------------------------
     def cached_blocks(self, hashes: list[bytes]) -> list[int]:
-        """The cached blocks of the longest usable prefix of ``hashes`` (full attention: the
-        leading run; a window or chunks: ``RELEASED`` before the first block its next query
-        reads, then cached blocks: ``AttentionSpec.prefix_hits``)."""
-        lookup, keys = self.pool.lookup, self.keys(hashes)
-        if not self.spec.releases:
-            hits = []
-            for key in keys:
-                block = lookup(key)
-                if block is None:
-                    break
-                hits.append(block)
-            return hits
-        num_hits, first = self.spec.prefix_hits(len(keys), lambda i: lookup(keys[i]) is not None,
-                                                self.tokens_per_page)
-        return [RELEASED] * first + [lookup(key) for key in keys[first:num_hits]]
+        """The cached blocks of the longest usable prefix of ``hashes``."""
+        raise NotImplementedError
 
     def capped_hits(self, hashes: list[bytes], hits: list[int], max_blocks: int) -> list[int]:
-        """``hits`` (``cached_blocks(hashes)``) cut to at most ``max_blocks`` blocks; with a
-        window, the longest windowed hit within them (a shorter prefix's window starts earlier)."""
-        if len(hits) <= max_blocks:
-            return hits
-        if self.spec.releases:
-            return self.cached_blocks(hashes[:max_blocks])
-        return hits[:max_blocks]
+        """``hits`` (``cached_blocks(hashes)``) cut to at most ``max_blocks`` blocks."""
+        raise NotImplementedError
 
     def host_run(self, hashes: list[bytes]) -> int:
         """How many leading ``hashes`` the host tier holds for this group."""
@@ -132,15 +121,8 @@ class KVCacheGroup:
 
     def admission(self, hits: list[int], host_hits: list[bytes], cached: int, num_tokens: int) -> Admission:
         """This group's admission of ``hits`` and then ``host_hits`` (chain hashes; ``cached``
-        tokens in all) reserving ``num_tokens``: host hits wholly behind the next query's window
-        would be copied in only to be released at the first commit, so they (and the hits before
-        them) stay ``RELEASED``."""
-        promote = self.keys(host_hits)
-        if host_hits and self.spec.releases:
-            skip = self.spec.first_needed_block(cached, self.tokens_per_page) - len(hits)
-            if skip > 0:
-                hits, promote = [RELEASED] * (len(hits) + skip), promote[skip:]
-        return Admission(hits, promote, len(host_hits), cached, num_tokens)
+        tokens in all) reserving ``num_tokens``."""
+        return Admission(hits, self.keys(host_hits), len(host_hits), cached, num_tokens)
 
     # --- fresh blocks an operation needs here (the coordinator checks and peeks them) ----------
     def admit_needs(self, hits: list[int], num_tokens: int) -> int:
@@ -244,22 +226,7 @@ class KVCacheGroup:
         alloc.register(full)
 
     def release_behind_window(self, alloc: Allocation) -> None:
-        """Give back the running request's blocks wholly behind its next query's window (cached
-        ones stay in the prefix cache's LRU) and unmap them from its slot. Opportunistic: if the
-        mapping budget refuses the unmap, nothing changes and a later commit tries again."""
-        released = alloc.num_released
-        first = min(self.spec.first_needed_block(alloc.num_computed, self.tokens_per_page),
-                    len(alloc.blocks))
-        if first <= released:
-            return
-        try:
-            self.slots.release_behind(alloc.slot, first)
-        except MappingLimitError:
-            return
-        # oldest first into the LRU queue: a windowed prefix hit needs the blocks near its end,
-        # so the earliest ones are the first to be evicted
-        self.pool.release(alloc.release_behind(first))
-        self.stats.blocks_released_behind_window += first - released
+        """Give back the running request's blocks that no later query reads (none here)."""
 
     def free(self, alloc: Allocation) -> None:
         """Give back what the request holds here (deepest first, so a shared prefix outlives its
@@ -514,3 +481,87 @@ class KVCacheGroup:
         assert not set(running) & set(self.slots.free_slots()), "a bound slot is also free"
         assert len(running) + self.slots.num_free == self.slots.num_slots, "a slot was lost"
         return bound, held_all, rows
+
+
+class FullAttentionGroup(KVCacheGroup):
+    """Layers that read every earlier position: a prefix hit is the leading run of cached
+    blocks, and nothing is released while a request runs."""
+
+    def cached_blocks(self, hashes: list[bytes]) -> list[int]:
+        lookup, hits = self.pool.lookup, []
+        for key in self.keys(hashes):
+            block = lookup(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def capped_hits(self, hashes: list[bytes], hits: list[int], max_blocks: int) -> list[int]:
+        return hits[:max_blocks]
+
+
+class MLALatentGroup(FullAttentionGroup):
+    """Multi-head latent attention layers: read as full attention, over one latent row per
+    token per layer (``kv_views`` gives that row as K and as V)."""
+
+    @staticmethod
+    def check_config(config: CacheConfig, spec: KVCacheSpec) -> None:
+        if not config.latent or config.head_dim != spec.row_width:
+            raise ConfigError(f"{spec.describe()} need a latent layout of rows of {spec.row_width} "
+                              f"values; CacheConfig has latent={config.latent} and head_dim "
+                              f"{config.head_dim}: set latent=True and head_dim to the row's width")
+
+
+class LocalAttentionGroup(KVCacheGroup):
+    """Layers whose queries read a bounded span ending at themselves (a sliding window, attention
+    chunks): blocks wholly before the next query's first read (``spec.first_read``) go back while
+    a request runs, and a prefix hit needs only the blocks its next query reads."""
+
+    def cached_blocks(self, hashes: list[bytes]) -> list[int]:
+        """``RELEASED`` before the first block the next query reads, then cached blocks
+        (``KVCacheSpec.prefix_hits``)."""
+        lookup, keys = self.pool.lookup, self.keys(hashes)
+        num_hits, first = self.spec.prefix_hits(len(keys), lambda i: lookup(keys[i]) is not None,
+                                                self.tokens_per_page)
+        return [RELEASED] * first + [lookup(key) for key in keys[first:num_hits]]
+
+    def capped_hits(self, hashes: list[bytes], hits: list[int], max_blocks: int) -> list[int]:
+        """The longest hit within ``max_blocks`` blocks: a shorter prefix's next query reads from
+        earlier on, so it is looked up again."""
+        return hits if len(hits) <= max_blocks else self.cached_blocks(hashes[:max_blocks])
+
+    def admission(self, hits: list[int], host_hits: list[bytes], cached: int, num_tokens: int) -> Admission:
+        """Host hits wholly before the next query's first read would be copied in only to be
+        released at the first commit, so they (and the hits before them) stay ``RELEASED``."""
+        promote = self.keys(host_hits)
+        if host_hits:
+            skip = self.spec.first_needed_block(cached, self.tokens_per_page) - len(hits)
+            if skip > 0:
+                hits, promote = [RELEASED] * (len(hits) + skip), promote[skip:]
+        return Admission(hits, promote, len(host_hits), cached, num_tokens)
+
+    def release_behind_window(self, alloc: Allocation) -> None:
+        """Give back the running request's blocks wholly before its next query's first read
+        (cached ones stay in the prefix cache's LRU) and unmap them from its slot. Opportunistic:
+        if the mapping budget refuses the unmap, nothing changes and a later commit tries again."""
+        released = alloc.num_released
+        first = min(self.spec.first_needed_block(alloc.num_computed, self.tokens_per_page),
+                    len(alloc.blocks))
+        if first <= released:
+            return
+        try:
+            self.slots.release_behind(alloc.slot, first)
+        except MappingLimitError:
+            return
+        # oldest first into the LRU queue: a windowed prefix hit needs the blocks near its end,
+        # so the earliest ones are the first to be evicted
+        self.pool.release(alloc.release_behind(first))
+        self.stats.blocks_released_behind_window += first - released
+
+
+class SlidingWindowGroup(LocalAttentionGroup):
+    """Sliding-window layers (``SlidingWindowSpec``)."""
+
+
+class ChunkedLocalGroup(LocalAttentionGroup):
+    """Chunked local attention layers (``ChunkedLocalSpec``)."""

@@ -9,16 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from vmemkv.cache.attention_spec import CHUNKED, SLIDING, AttentionSpec
 from vmemkv.cache.config import CacheConfig
+from vmemkv.cache.kv_spec import KVCacheSpec, spec_of_layer
 from vmemkv.errors import ConfigError
-
-
-def _spec(layer: "int | AttentionSpec | None") -> AttentionSpec:
-    """A layer's spec: its own, a sliding window ``W`` given as an int, or full attention."""
-    if isinstance(layer, AttentionSpec):
-        return layer
-    return AttentionSpec(SLIDING, layer) if layer else AttentionSpec()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,20 +20,24 @@ class LayerGroups:
     full-attention group (when a layer has full attention) is group 0, the others follow in the
     order their kinds first appear."""
 
-    specs: tuple[AttentionSpec, ...]
+    specs: tuple[KVCacheSpec, ...]
     layers: tuple[tuple[int, ...], ...]
 
     @classmethod
-    def from_windows(cls, layer_windows: "Sequence[int | AttentionSpec | None]") -> "LayerGroups":
-        """``layer_windows[i]``: layer ``i``'s sliding window or its ``AttentionSpec`` (sliding or
-        chunked local), None (or full attention) for a full-attention layer."""
-        specs = [_spec(layer) for layer in layer_windows]
+    def from_windows(cls, layer_windows: "Sequence[int | KVCacheSpec | None]") -> "LayerGroups":
+        """``layer_windows[i]``: layer ``i``'s sliding window or its ``KVCacheSpec`` (or an
+        ``AttentionSpec``, which makes one), None for a full-attention layer."""
+        specs = [spec_of_layer(layer) for layer in layer_windows]
         kinds = sorted(set(specs), key=lambda spec: (spec.releases, specs.index(spec)))
+        keeping = [spec.describe() for spec in kinds if not spec.releases]
+        if len(keeping) > 1:  # the first group grows with a request, the others are bounded
+            raise ConfigError(f"layer_windows mixes {' and '.join(keeping)}, which both keep every "
+                              "block; give at most one kind of layer that reads every position")
         return cls(tuple(kinds), tuple(tuple(i for i, spec in enumerate(specs) if spec == kind)
                                        for kind in kinds))
 
     @property
-    def local_specs(self) -> tuple[AttentionSpec, ...]:
+    def local_specs(self) -> tuple[KVCacheSpec, ...]:
         return tuple(spec for spec in self.specs if spec.releases)
 
 
@@ -80,8 +77,7 @@ def group_configs(config: CacheConfig, groups: LayerGroups, chunk_tokens: int | 
     the whole model's, so its pages may hold more tokens: all take the largest count, or a clear
     error)."""
     num_layers = config.num_layers
-    configs = [dataclasses.replace(config, num_layers=len(layers), sliding_window=spec.window,
-                                   attention_chunk_size=spec.size if spec.kind == CHUNKED else None,
+    configs = [dataclasses.replace(config, num_layers=len(layers), **spec.config_fields(),
                                    swap_space_bytes=config.swap_space_bytes * len(layers) // num_layers,
                                    host_cache_bytes=config.host_cache_bytes * len(layers) // num_layers)
                for spec, layers in zip(groups.specs, groups.layers)]

@@ -47,7 +47,7 @@ from typing import Literal
 
 import torch
 
-from vmemkv.cache.attention_spec import AttentionSpec
+from vmemkv.cache.kv_spec import KVCacheSpec
 from vmemkv.cache.config import CacheConfig, CacheStats, PreemptionEstimate
 from vmemkv.cache.coordinator import KVCacheCoordinator
 from vmemkv.cache.events import KVEventSink, check_sink
@@ -94,7 +94,8 @@ class KVCacheManager:
     each event names its group, ``group_idx``).
 
     ``layer_windows`` gives each model layer's window (an int: a sliding window), its
-    ``AttentionSpec`` (a chunked local layer) or None (full attention): one layer group per kind,
+    ``KVCacheSpec`` (``kv_spec.py``: e.g. ``ChunkedLocalSpec(C)``; an ``AttentionSpec(kind,
+    size)`` makes one) or None (full attention): one layer group per kind,
     each with its own virtual tensors and pool, the full-attention group first
     (``layout_groups``). ``config`` then describes the whole model: ``num_blocks`` blocks of all
     layers, whose bytes the groups share (``layer_groups.split_blocks``: each local group gets
@@ -107,7 +108,7 @@ class KVCacheManager:
 
     def __init__(self, config: CacheConfig, backend: VirtualMemoryBackend | None = None,
                  metrics: KVMetricsCollector | None = None, events: KVEventSink | None = None, *,
-                 layer_windows: "Sequence[int | AttentionSpec | None] | None" = None,
+                 layer_windows: "Sequence[int | KVCacheSpec | None] | None" = None,
                  chunk_tokens: int | None = None, local_blocks: int | None = None,
                  backends: Sequence[VirtualMemoryBackend | None] | None = None):
         self.config = check.config(config)
@@ -180,7 +181,7 @@ class KVCacheManager:
                    metrics: KVMetricsCollector | None = None, events: KVEventSink | None = None,
                    backends=None) -> "KVCacheManager":
         """A manager with one layer group per kind of ``layer_windows`` (each layer's window,
-        ``AttentionSpec`` or None), or with one group of every layer (keeping every block) when
+        ``KVCacheSpec`` or None), or with one group of every layer (keeping every block) when
         ``layer_windows`` is None or the groups' pages cannot hold one number of tokens.
         ``backends``: makes a pool's backend from the pool's config (or None: each its own)."""
         if layer_windows:
@@ -418,8 +419,7 @@ class KVCacheManager:
             alloc.commit(done)
         if self.coordinator.releases:
             for group, alloc in zip(self.groups, req.allocations):
-                if group.spec.releases:
-                    group.release_behind_window(alloc)
+                group.release_behind_window(alloc)  # a no-op for kinds that read every position
 
     # --- freeing ------------------------------------------------------------------------------------
     @timed
@@ -743,7 +743,7 @@ class KVCacheManager:
         """The most blocks a request of ``num_tokens`` tokens holds at once. With a sliding
         window and ``chunk_tokens`` (the most tokens computed in one step: a prefill chunk),
         blocks behind the window are released as it runs, so it holds about the window plus a
-        chunk (``AttentionSpec.peak_blocks``); otherwise every block of its tokens. Counted in the
+        chunk (``KVCacheSpec.peak_blocks``); otherwise every block of its tokens. Counted in the
         first group's pool: with groups sharing it, the blocks of all of them."""
         return self.queries.blocks_for_tokens(num_tokens, chunk_tokens)
 

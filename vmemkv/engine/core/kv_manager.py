@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
-from vmemkv.cache.attention_spec import CHUNKED, AttentionSpec
+from vmemkv.cache.kv_spec import ChunkedLocalSpec, KVCacheSpec
 from vmemkv.cache.manager import KVCacheManager
 from vmemkv.engine.models.hf_support import hybrid_layer_windows, layer_chunks
 
@@ -126,8 +126,8 @@ class KVManager(KVViews, Protocol):
 
 
 def layer_windows(model_config, max_model_len: int, release_behind_window: bool = True,
-                  chunked_groups: bool = True) -> "list[int | AttentionSpec | None] | None":
-    """Each layer's window (or, for chunked local layers, its ``AttentionSpec``; None: global)
+                  chunked_groups: bool = True) -> "list[int | KVCacheSpec | None] | None":
+    """Each layer's window (or, for chunked local layers, its ``ChunkedLocalSpec``; None: global)
     when local and global layers are kept in layer groups of their own (blocks no later query
     reads released), else None (one group keeps every layer's tokens). ``chunked_groups``: give
     chunked local layers a group of their own (the caller's attention reads from chunk starts)."""
@@ -136,7 +136,7 @@ def layer_windows(model_config, max_model_len: int, release_behind_window: bool 
     windows = hybrid_layer_windows(model_config, max_model_len)
     chunks = layer_chunks(model_config) if chunked_groups else None  # Llama-4: chunked and global
     if windows is None and chunks and None in chunks and min(filter(None, chunks)) < max_model_len:
-        return [AttentionSpec(CHUNKED, chunk) if chunk else None for chunk in chunks]
+        return [ChunkedLocalSpec(chunk) if chunk else None for chunk in chunks]
     return windows
 
 

@@ -155,8 +155,10 @@ class LLMEngine:
         self.scheduler = Scheduler(config, manager, self._new_fork, lookahead_tokens)
         self.runner = StepRunner(model_runner, self.addressing,
                                  LookaheadMapper() if lookahead_tokens > 0 else None)
-        self.metrics = EngineMetrics(kv_metrics=self.kv_metrics, cache_stats=self.scheduler.cache_stats,
-                                     memory_stats=self.scheduler.kv_stats)
+        self.metrics = EngineMetrics(
+            kv_metrics=self.kv_metrics, cache_stats=self.scheduler.cache_stats,
+            memory_stats=self.scheduler.kv_stats,
+            kv_bytes_per_token_per_layer=self.addressing.views.layout.kv_bytes_per_token_per_layer)
         self.requests: dict[str, Sequence] = {}  # unfinished, by id: each one's first sequence
         eos = text_config(model.config).eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])

@@ -71,10 +71,17 @@ class EngineMetrics:
     def __init__(self, max_samples: int = 100_000,
                  kv_metrics: KVMetricsCollector | None = None,
                  cache_stats: Callable[[], CacheStats] | None = None,
-                 memory_stats: Callable[[], dict] | None = None) -> None:
-        """``memory_stats``: the KV memory's counts when scraped (``snapshot_stats``)."""
+                 memory_stats: Callable[[], dict] | None = None,
+                 kv_bytes_per_token_per_layer: int | None = None) -> None:
+        """``memory_stats``: the KV memory's counts when scraped (``snapshot_stats``);
+        ``kv_bytes_per_token_per_layer``: what one token caches per layer (K and V, or an MLA
+        model's latent row), exported as a gauge."""
         self.registry = CollectorRegistry()
         self._define_metrics()
+        if kv_bytes_per_token_per_layer is not None:
+            Gauge("vmemkv_kv_bytes_per_token_per_layer", "KV cache bytes one token holds per layer "
+                  "(K and V, or an MLA model's latent row)",
+                  registry=self.registry).set(kv_bytes_per_token_per_layer)
         if kv_metrics is not None:
             self.registry.register(_KVTimeExporter(kv_metrics))
         if cache_stats is not None:
