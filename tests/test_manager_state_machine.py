@@ -20,7 +20,11 @@ nothing changed. The chunked machine runs it with chunked local attention of 6 t
 (``CacheConfig.attention_chunk_size``, Llama-4's: a query reads only its own chunk), whose chunk
 boundaries fall inside blocks of 4 tokens. The latent machines run it on multi-head latent
 attention's memory (``CacheConfig.latent``: one row per token per layer, the MLA group), in both
-layouts.
+layouts. The state machine runs it on a hybrid of one full-attention layer and one layer of
+recurrent state (``RecurrentStateSpec``: its own group beside the attention group): each request's
+state is marked when it is admitted and must read back after forks (copied) and swaps, be zero
+when a request is admitted again, and every refusal leaves the state group as it was too; its
+reorders and truncations are refused (a state is not rewound).
 
 Both layouts, 2 x 100 runs of up to 80 steps (>= 10,000 steps in all, ~2-3 ms each here). A longer
 run is one command away: ``VMEMKV_MACHINE_RUNS=1000 python -m pytest -q
@@ -39,8 +43,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from vmemkv import (CacheConfig, KVCacheManager, MappingLimitError, PrefixCacheBusyError,
-                    RequestStateError, RequestTooLongError)
+from vmemkv import (CacheConfig, ConfigError, KVCacheManager, MappingLimitError,
+                    PrefixCacheBusyError, RequestStateError, RequestTooLongError)
+from vmemkv.cache.kv_spec import RecurrentStateSpec, StatePart
 from vmemkv.cache.swap import OutOfSwapSpaceError
 from vmemkv.memory.vmm import CpuBackend
 
@@ -50,6 +55,9 @@ TOKENS_PER_PAGE = 4
 MAX_LEN = 24
 SYSTEM_PROMPTS = [[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9, 9], list(range(20, 32))]
 suffixes = st.lists(st.integers(0, 3), max_size=10)
+# a conv window and a delta-rule state, as a gated delta net layer keeps them
+STATE_SPEC = RecurrentStateSpec((StatePart("conv", (6, 3), torch.bfloat16),
+                                 StatePart("recurrent", (2, 4, 4), torch.float32)))
 
 
 def make_config(layout: str, sliding_window: int | None = None,
@@ -69,6 +77,7 @@ class ManagerMachine(RuleBasedStateMachine):
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
     latent = False  # MLA: one latent row per token per layer
+    state = False  # a second layer of recurrent state (its own group)
     steps = 0  # rules run, over all examples of this class
     examples = 0
     totals: Counter  # what the runs exercised, set per subclass
@@ -80,7 +89,12 @@ class ManagerMachine(RuleBasedStateMachine):
         config = make_config(self.layout, self.sliding_window, self.attention_chunk_size, self.latent)
         layout = config.make_layout()
         self.backend = CpuBackend(layout.page_size, config.num_blocks * layout.pages_per_block)
-        self.m = KVCacheManager(config, backend=self.backend)
+        if self.state:  # layer 0 attends (the K/V patterns), layer 1 keeps a state
+            config = dataclasses.replace(config, num_layers=2)
+            self.m = KVCacheManager(config, backend=self.backend, layer_windows=[None, STATE_SPEC])
+        else:
+            self.m = KVCacheManager(config, backend=self.backend)
+        self.marks: dict[str, int] = {}  # running and swapped requests: the mark in their state
         assert self.m.tokens_per_page == TOKENS_PER_PAGE
         assert (type(self.m.spec).__name__ == "MLALatentSpec") == self.latent
         self.tokens: dict[str, list[int]] = {}  # running and swapped requests: all token ids
@@ -103,39 +117,62 @@ class ManagerMachine(RuleBasedStateMachine):
     def prefilling(self) -> list[str]:
         return [r for r in self.running() if self.reserved[r] < len(self.tokens[r])]
 
+    def snapshot(self) -> tuple:
+        """``manager_state`` and, with a state group, its pool and each request's state blocks."""
+        state = manager_state(self.m)
+        if not self.state:
+            return state
+        group = self.m.groups[1]
+        tables = {r: (group.block_table(self.m.request(r)), self.m.is_swapped(r)) for r in self.m.request_ids()}
+        return state, tables, list(group.pool.ref), group.pool.free_queue(), group.swap.num_free
+
+    def mark_state(self, request_id: str) -> None:
+        """A new request's state is zero; write its mark."""
+        if not self.state:
+            return
+        slot = self.m.slot_of(request_id)
+        views = self.m.state_views(1)
+        assert all(not view[slot].any() for view in views), f"{request_id}: a fresh state is not zero"
+        self.marks[request_id] = mark = self.next_id
+        for view in views:
+            view[slot] = mark
+
     def refused_without_change(self, call) -> None:
-        before = manager_state(self.m)
+        before = self.snapshot()
         assert not call()
-        assert manager_state(self.m) == before
+        assert self.snapshot() == before
         self.totals["refusals"] += 1
 
     def budgeted(self, call):
         """``(True, None)`` if the mapping budget refused ``call`` (which must then have changed
         nothing), else ``(False, its result)``."""
-        before = manager_state(self.m)
+        before = self.snapshot()
         try:
             return False, call()
         except MappingLimitError:
-            assert manager_state(self.m) == before
+            assert self.snapshot() == before
             self.totals["mapping_refusals"] += 1
             return True, None
 
     def admit_into_model(self, request_id, token_ids, budget) -> bool:
         m = self.m
         can = m.can_admit(token_ids) if budget is None else None
-        before = manager_state(m)
+        before = self.snapshot()
         refused, cached = self.budgeted(lambda: m.admit(request_id, token_ids, token_budget=budget))
         if refused:
             return False
         if can is not None:
             assert (cached is not None) == can
         if cached is None:
-            assert manager_state(m) == before
+            assert self.snapshot() == before
             self.totals["refusals"] += 1
             return False
         assert cached % TOKENS_PER_PAGE == 0 and (cached < len(token_ids) or not token_ids)
+        if self.state:
+            assert cached == 0, "a request of a model with a state group got a prefix hit"
         write_kv(m, request_id, cached, m.num_tokens(request_id))
         m.commit(request_id)
+        self.mark_state(request_id)
         self.tokens[request_id] = list(token_ids)
         self.reserved[request_id] = m.num_tokens(request_id)
         return True
@@ -175,10 +212,10 @@ class ManagerMachine(RuleBasedStateMachine):
         m = self.m
         n = self.reserved[request_id]
         if n + 1 > MAX_LEN:
-            before = manager_state(m)
+            before = self.snapshot()
             with pytest.raises(RequestTooLongError):
                 m.allocate(request_id, 1, [token])
-            assert manager_state(m) == before
+            assert self.snapshot() == before
             return
         blocks = m.block_table(request_id)  # lookahead blocks included
         needed = max(-(-(n + 1) // TOKENS_PER_PAGE) - len(blocks), 0)
@@ -213,7 +250,10 @@ class ManagerMachine(RuleBasedStateMachine):
         if refused:
             return
         assert forked
-        assert m.stats.blocks_copied == copied + partial
+        state_blocks = m.groups[1].state_blocks if self.state else 0
+        assert m.stats.blocks_copied == copied + partial + state_blocks
+        if self.state:
+            self.marks[child] = self.marks[parent]
         parent_blocks, child_blocks = m.block_table(parent), m.block_table(child)
         shared = -(-self.reserved[parent] // TOKENS_PER_PAGE) - partial  # lookahead not shared
         assert child_blocks[:shared] == parent_blocks[:shared]
@@ -228,13 +268,18 @@ class ManagerMachine(RuleBasedStateMachine):
         picks = data.draw(st.lists(st.integers(0, len(running) - 1), min_size=len(rows),
                                    max_size=len(rows)))
         sources = [running[i] for i in picks]
-        before = manager_state(self.m)
+        before = self.snapshot()
+        if self.state:
+            with pytest.raises(ConfigError):
+                self.m.reorder(rows, sources)
+            assert self.snapshot() == before
+            return
         copied = self.m.stats.blocks_copied
         refused, reordered = self.budgeted(lambda: self.m.reorder(rows, sources))
         if refused:
             return
         if not reordered:
-            assert manager_state(self.m) == before
+            assert self.snapshot() == before
             return
         # a partial page is copied for every taker but the one that keeps or moves it
         partial_takers = {}
@@ -252,6 +297,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def free(self, data):
         request_id = data.draw(st.sampled_from(sorted(self.tokens)))
         self.m.free(request_id)
+        self.marks.pop(request_id, None)
         del self.tokens[request_id]
         self.reserved.pop(request_id, None)
         self.swapped.discard(request_id)
@@ -261,12 +307,12 @@ class ManagerMachine(RuleBasedStateMachine):
     def preempt(self, data, mode):
         request_id = data.draw(st.sampled_from(self.running()))
         m = self.m
-        before = manager_state(m)
+        before = self.snapshot()
         try:
             used = m.preempt(request_id, mode)
         except OutOfSwapSpaceError:
             assert mode in ("swap", "auto")
-            assert manager_state(m) == before
+            assert self.snapshot() == before
             return
         assert mode == "auto" or used == mode
         if used == "swap":
@@ -275,6 +321,7 @@ class ManagerMachine(RuleBasedStateMachine):
         else:
             assert request_id not in m.request_ids()
             self.waiting[request_id] = self.tokens.pop(request_id)
+            self.marks.pop(request_id, None)  # recompute drops the state
             del self.reserved[request_id]
 
     @precondition(lambda self: self.waiting)
@@ -290,12 +337,12 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def swap_in(self, data):
         request_id = data.draw(st.sampled_from(sorted(self.swapped)))
-        before = manager_state(self.m)
+        before = self.snapshot()
         refused, swapped_in = self.budgeted(lambda: self.m.swap_in(request_id))
         if swapped_in:
             self.swapped.discard(request_id)
         elif not refused:
-            assert manager_state(self.m) == before
+            assert self.snapshot() == before
 
     @precondition(lambda self: self.running())
     @rule(data=st.data(), margin=st.integers(1, MAX_LEN + 8), keep_free=st.integers(0, 3))
@@ -304,7 +351,7 @@ class ManagerMachine(RuleBasedStateMachine):
         mapping is cancelled and leaves everything as it was."""
         m = self.m
         ids = data.draw(st.lists(st.sampled_from(self.running()), unique=True, min_size=1))
-        before = manager_state(m)
+        before = self.snapshot()
         jobs = m.allocate_lookahead(ids, margin, keep_free)
         for job in jobs:  # never past the slot's end
             assert job.first + len(job.blocks) <= -(-MAX_LEN // TOKENS_PER_PAGE)
@@ -312,7 +359,7 @@ class ManagerMachine(RuleBasedStateMachine):
             m.map_lookahead(jobs)
         except MappingLimitError:
             m.cancel_lookahead(jobs)
-            assert manager_state(m) == before
+            assert self.snapshot() == before
             self.totals["mapping_refusals"] += 1
             return
         self.totals["lookahead_blocks"] += sum(len(job.blocks) for job in jobs)
@@ -324,19 +371,25 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.reserved[request_id] != len(self.tokens[request_id]):
             return  # mid-prefill: truncate wants every reserved token computed
         n = data.draw(st.integers(0, self.reserved[request_id]))
-        before = manager_state(self.m)
+        before = self.snapshot()
+        if self.state:
+            assert not self.m.can_truncate([request_id], n)
+            with pytest.raises(ConfigError):
+                self.m.truncate(request_id, n)
+            assert self.snapshot() == before
+            return
         released = self.m.request(request_id).num_released_blocks
         if released and self.first_read(n) < released * TOKENS_PER_PAGE:
             with pytest.raises(RequestStateError):  # a query at n would read a released block
                 self.m.truncate(request_id, n)
-            assert manager_state(self.m) == before
+            assert self.snapshot() == before
             self.totals["truncations_behind_window"] += 1
             return
         refused, done = self.budgeted(lambda: self.m.truncate(request_id, n))
         if refused:
             return
         if not done:
-            assert self.m.pool.num_free == 0 and manager_state(self.m) == before
+            assert self.m.pool.num_free == 0 and self.snapshot() == before
             self.totals["refusals"] += 1
             return
         del self.tokens[request_id][n:]
@@ -353,10 +406,10 @@ class ManagerMachine(RuleBasedStateMachine):
     def reset_prefix_cache(self):
         m = self.m
         if m.pool.num_in_use:
-            before = manager_state(m)
+            before = self.snapshot()
             with pytest.raises(PrefixCacheBusyError):
                 m.reset_prefix_cache()
-            assert manager_state(m) == before
+            assert self.snapshot() == before
         else:
             assert m.reset_prefix_cache() >= 0
             assert m.pool.num_cached == 0 and m.pool.block_of_hash == {}
@@ -378,6 +431,10 @@ class ManagerMachine(RuleBasedStateMachine):
             assert released * TOKENS_PER_PAGE <= self.first_read(self.reserved[request_id])
             assert read_kv_matches(m, request_id, start=released * TOKENS_PER_PAGE), (
                 f"{request_id} reads K/V it did not write")
+            if self.state:
+                slot = m.slot_of(request_id)
+                assert all(bool((view[slot] == self.marks[request_id]).all())
+                           for view in m.state_views(1)), f"{request_id} reads a state it did not write"
 
     def first_read(self, position: int) -> int:
         """The reference rule: the first key position a query at ``position`` reads."""
@@ -399,7 +456,7 @@ class ManagerMachine(RuleBasedStateMachine):
             close_manager(self.m)
 
 
-pytestmark = pytest.mark.slow  # ~80 s: seven machines of 100 runs each
+pytestmark = pytest.mark.slow  # ~100 s: nine machines of 100 runs each
 
 RUNS = int(os.environ.get("VMEMKV_MACHINE_RUNS", "100"))
 SETTINGS = settings(max_examples=RUNS, stateful_step_count=80, deadline=None,
@@ -446,6 +503,18 @@ class PerLayerLatentMachine(ManagerMachine):
     totals = Counter()
 
 
+class TokenMajorStateMachine(ManagerMachine):
+    layout = "token_major"
+    state = True
+    totals = Counter()
+
+
+class PerLayerStateMachine(ManagerMachine):
+    layout = "per_layer"
+    state = True
+    totals = Counter()
+
+
 TestTokenMajor = TokenMajorMachine.TestCase
 TestTokenMajor.settings = SETTINGS
 TestPerLayer = PerLayerMachine.TestCase
@@ -460,6 +529,10 @@ TestTokenMajorLatent = TokenMajorLatentMachine.TestCase
 TestTokenMajorLatent.settings = SETTINGS
 TestPerLayerLatent = PerLayerLatentMachine.TestCase
 TestPerLayerLatent.settings = SETTINGS
+TestTokenMajorState = TokenMajorStateMachine.TestCase
+TestTokenMajorState.settings = SETTINGS
+TestPerLayerState = PerLayerStateMachine.TestCase
+TestPerLayerState.settings = SETTINGS
 
 
 def test_the_machines_ran_enough_steps(request):
@@ -505,6 +578,17 @@ def test_the_latent_machines_shared_swapped_and_hit():
     print(f"latent state machines: {dict(totals)}")
     for key in ("prefix_hit_tokens", "forks", "preemptions_swap", "swap_in_bytes", "refusals"):
         assert totals[key] > 0, f"the latent walks never exercised {key}"
+
+
+def test_the_state_machines_forked_swapped_and_refused():
+    """Runs last: the walks with a state group forked and swapped states, dropped them by
+    recompute, and met refusals."""
+    totals = TokenMajorStateMachine.totals + PerLayerStateMachine.totals
+    if not TokenMajorStateMachine.steps or not PerLayerStateMachine.steps:
+        pytest.skip("the state machines with a state group did not run in this pytest run")
+    print(f"state group machines: {dict(totals)}")
+    for key in ("forks", "preemptions_swap", "swap_in_bytes", "preemptions_recompute", "refusals"):
+        assert totals[key] > 0, f"the walks with a state group never exercised {key}"
 
 
 class _Draws:

@@ -25,9 +25,10 @@ from typing import Sequence
 from vmemkv.cache.config import CacheConfig, CacheStats
 from vmemkv.cache.events import KVEventSink, group_sink, shared_sink
 from vmemkv.cache.group import (ChunkedLocalGroup, FullAttentionGroup, KVCacheGroup, MLALatentGroup,
-                                SlidingWindowGroup)
+                                RecurrentStateGroup, SlidingWindowGroup)
 from vmemkv.cache.kv_spec import (ChunkedLocalSpec, FullAttentionSpec, KVCacheSpec, MLALatentSpec,
-                                  SlidingWindowSpec, spec_of_config)
+                                  RecurrentStateSpec, SlidingWindowSpec, is_state, spec_of_config,
+                                  spec_of_layer)
 from vmemkv.cache.layer_groups import LayerGroups, group_configs
 from vmemkv.cache.memory import KVMemory
 from vmemkv.cache.metrics import KVMetricsCollector
@@ -35,6 +36,7 @@ from vmemkv.cache.refusal import Refusal
 from vmemkv.cache.request import KVRequest
 from vmemkv.errors import ConfigError
 from vmemkv.memory.budget import SharedKVBudget
+from vmemkv.memory.vmm import device_granularity
 from vmemkv.memory.vmm.base import VirtualMemoryBackend
 
 
@@ -45,6 +47,7 @@ GROUP_CLASSES: dict[type[KVCacheSpec], type[KVCacheGroup]] = {
     MLALatentSpec: MLALatentGroup,
     SlidingWindowSpec: SlidingWindowGroup,
     ChunkedLocalSpec: ChunkedLocalGroup,
+    RecurrentStateSpec: RecurrentStateGroup,
 }
 
 
@@ -86,6 +89,7 @@ class KVCacheCoordinator:
         self.first = self.groups[0]  # the full-attention group if any: block counts are its
         self.tokens_per_page = self.first.tokens_per_page
         self.releases = any(group.spec.releases for group in self.groups)
+        self.has_state = any(group.holds_state for group in self.groups)
         self._where = {layer: (group, index) for group in self.groups
                        for index, layer in enumerate(group.layers)}  # model layer -> group, its index
 
@@ -103,9 +107,28 @@ class KVCacheCoordinator:
         if config.sliding_window or config.attention_chunk_size:
             raise ConfigError("give windows or chunks per layer (layer_windows) or for every layer "
                               "(CacheConfig.sliding_window or attention_chunk_size), not both")
-        groups = LayerGroups.from_windows(layer_windows)
-        return list(zip(groups.layers, groups.specs)), group_configs(config, groups, chunk_tokens,
-                                                                     local_blocks)
+        specs = [spec_of_layer(layer) for layer in layer_windows]
+        attention = [i for i, spec in enumerate(specs) if not is_state(spec)]
+        if len(attention) == len(specs):
+            groups = LayerGroups.from_windows(layer_windows)
+            return list(zip(groups.layers, groups.specs)), group_configs(config, groups, chunk_tokens,
+                                                                         local_blocks)
+        if not attention:
+            raise ConfigError("every layer keeps a recurrent state; a model needs at least one "
+                              "attention layer here (give its layers' specs in layer_windows)")
+        # the attention layers' groups over the blocks of config (of those layers), then one
+        # group per kind of state, after them (group 0 grows with a request)
+        kv_config = dataclasses.replace(config, num_layers=len(attention))
+        groups = LayerGroups.from_windows([specs[i] for i in attention])
+        layers = [(tuple(attention[i] for i in group_layers), spec)
+                  for group_layers, spec in zip(groups.layers, groups.specs)]
+        configs = group_configs(kv_config, groups, chunk_tokens, local_blocks)
+        page_size = config.page_granularity or device_granularity(config.device)
+        for spec in dict.fromkeys(spec for spec in specs if is_state(spec)):
+            state_layers = tuple(i for i, layer_spec in enumerate(specs) if layer_spec == spec)
+            layers.append((state_layers, spec))
+            configs.append(RecurrentStateGroup.state_config(config, spec, len(state_layers), page_size))
+        return layers, configs
 
     def _memories(self, configs: list[CacheConfig], specs: list[KVCacheSpec], share: bool,
                   backend, backends, metrics) -> list[tuple[KVMemory, list[int]]]:
@@ -169,6 +192,14 @@ class KVCacheCoordinator:
             index, spec = members[0]
             return group_sink(self.events, index, spec)
         return shared_sink(self.events, members)
+
+    def refuse_state(self, operation: str) -> None:
+        """Refuse (``ConfigError``) an operation recurrent state does not support (a state is
+        not rewound to an earlier position), before any change."""
+        if self.has_state:
+            raise ConfigError(f"{operation} is not supported with recurrent state layers (a "
+                              "state cannot be rewound); use n > 1 sampling (fork), not "
+                              f"{operation}, for these models")
 
     # --- layers and slots --------------------------------------------------------------------------
     def where(self, layer: int) -> tuple[KVCacheGroup, int]:

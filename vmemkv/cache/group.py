@@ -23,6 +23,8 @@ Its plans' data are in ``plans.py``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from vmemkv.cache.allocation import RELEASED, Allocation
@@ -57,6 +59,9 @@ class KVCacheGroup:
         self.slots = mapper(memory.backend, self.layout, config.max_num_seqs, config.max_model_len,
                             memory.config.num_blocks, **extra)
         self.blocks_copied = 0  # this group's share of stats.blocks_copied
+
+    grows = True  # its blocks follow a request's tokens (a recurrent state's do not)
+    holds_state = False  # its layers keep a recurrent state, read by state_views
 
     # the memory's parts, as a group's own (shared when the memory is)
     pool = property(lambda self: self.memory.pool)
@@ -127,6 +132,10 @@ class KVCacheGroup:
     # --- fresh blocks an operation needs here (the coordinator checks and peeks them) ----------
     def admit_needs(self, hits: list[int], num_tokens: int) -> int:
         return self.layout.logical_pages_for(num_tokens) - len(hits)
+
+    def fork_needs(self, partial: bool) -> int:
+        """Fresh blocks a fork takes here: a copy of the parent's partial last block."""
+        return int(partial)
 
     def fits_admission(self, hits: list[int], total: int) -> bool:
         """Whether this group alone (no other group drawing on its pool) could admit a request
@@ -433,6 +442,10 @@ class KVCacheGroup:
     def block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.slots.block_views(layer)
 
+    def state_views(self, layer: int) -> list[torch.Tensor]:
+        raise ConfigError(f"layer {self.layers[layer]} holds {self.spec.describe()}, not a "
+                          "recurrent state; read it with kv_views")
+
     def block_table(self, request) -> list[int]:
         """``request``'s blocks in this group (``RELEASED`` behind the window)."""
         return list(request.allocations[self.index].blocks)
@@ -565,3 +578,145 @@ class SlidingWindowGroup(LocalAttentionGroup):
 
 class ChunkedLocalGroup(LocalAttentionGroup):
     """Chunked local attention layers (``ChunkedLocalSpec``)."""
+
+
+class RecurrentStateGroup(KVCacheGroup):
+    """Recurrent layers (``RecurrentStateSpec``): each request holds ``state_blocks`` blocks
+    from admission to its end, its state of every layer of the group, contiguous in its slot
+    (one virtual range ``[num_slots, state bytes]``: ``state_views``). Its config's layout has one
+    "token" per page (``state_config``), so a slot's ``max_model_len`` is its pages. The state is
+    rewritten at every step: never shared or cached (no prefix hits), copied whole by a fork,
+    swapped whole, dropped by recompute; zeroed when admitted."""
+
+    grows = False
+    holds_state = True
+
+    def __init__(self, index: int, config: CacheConfig, layers: tuple[int, ...], spec: KVCacheSpec,
+                 memory: KVMemory):
+        super().__init__(index, config, layers, spec, memory)
+        self.state_blocks = config.max_model_len
+        self._views = [self._layer_views(layer) for layer in range(len(layers))]
+
+    @staticmethod
+    def state_config(config: CacheConfig, spec: KVCacheSpec, num_layers: int, page_size: int) -> CacheConfig:
+        """The config of a state group of ``num_layers`` layers in pages of ``page_size`` bytes
+        out of the model's ``config``: enough blocks for every slot, swap room for every slot's
+        state when the model has swap space, no host tier (nothing is cached)."""
+        pages = -(-spec.bytes_per_layer * num_layers // page_size)
+        blocks = config.max_num_seqs * pages
+        return dataclasses.replace(
+            config, num_layers=1, num_kv_heads=1, head_dim=page_size, dtype=torch.uint8, latent=True,
+            page_size=page_size, max_model_len=pages, num_blocks=blocks, sliding_window=None,
+            attention_chunk_size=None, host_cache_bytes=0, kv_pool=None,
+            swap_space_bytes=blocks * page_size if config.swap_space_bytes else 0)
+
+    @staticmethod
+    def check_config(config: CacheConfig, spec: KVCacheSpec) -> None:
+        if config.kv_backend != "vmem":
+            raise ConfigError(f"{spec.describe()} is kept in virtual memory only; set "
+                              "kv_backend='vmem'")
+
+    def _layer_views(self, layer: int) -> list[torch.Tensor]:
+        """Layer ``layer``'s parts over every slot, strided by the slot's pages."""
+        slots, spec = self.slots, self.spec
+        slot_bytes = self.state_blocks * self.layout.page_size
+        base = layer * spec.bytes_per_layer
+        views = []
+        for part, offset in zip(spec.parts, spec.offsets()):
+            itemsize = torch.empty((), dtype=part.dtype).element_size()
+            strides, stride = [], 1
+            for size in reversed(part.shape):
+                strides.insert(0, stride)
+                stride *= size
+            views.append(self.backend.tensor(slots.vrange, part.dtype, (slots.num_slots, *part.shape),
+                                             (slot_bytes // itemsize, *strides), base + offset))
+        return views
+
+    def state_views(self, layer: int) -> list[torch.Tensor]:
+        return self._views[layer]
+
+    def kv_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise ConfigError(f"layer {self.layers[layer]} holds {self.spec.describe()}, no K/V; "
+                          "read it with state_views")
+
+    block_views = kv_views
+
+    def blocks_for_tokens(self, num_tokens: int, chunk_tokens: int | None = None) -> int:
+        return self.state_blocks
+
+    # --- no prefix hits: the state at a prompt's prefix is not kept -------------------------------
+    def cached_blocks(self, hashes: list[bytes]) -> list[int]:
+        return []
+
+    def capped_hits(self, hashes: list[bytes], hits: list[int], max_blocks: int) -> list[int]:
+        return []
+
+    def host_run(self, hashes: list[bytes]) -> int:
+        return 0
+
+    def register_full(self, alloc, full, token_ids, hashes, root) -> None:
+        """Nothing is offered to the prefix cache."""
+
+    # --- its blocks: all of them at admission, none later -----------------------------------------
+    def admit_needs(self, hits: list[int], num_tokens: int) -> int:
+        return self.state_blocks
+
+    def grow_needs(self, alloc: Allocation, num_new_tokens: int) -> int:
+        return 0
+
+    def plan_grow(self, alloc: Allocation, num_new_tokens: int, fresh: list[int]) -> Plan:
+        return Plan(alloc.slot, 0, 0, [], len(alloc.blocks), [], [])  # nothing to map
+
+    def map_grow(self, plan: Plan | None) -> None:
+        """Nothing is mapped as a request grows."""
+
+    def finish_admit(self, alloc: Allocation, admission: Admission, plan: Plan, claimed: list) -> None:
+        """Bind the state blocks with the request's counts and zero its state (a fresh request's)."""
+        alloc.bind(plan.slot, plan.take, admission.num_tokens, admission.cached, 0, 0)
+        for views in self._views:
+            for view in views:
+                view[plan.slot].zero_()
+
+    def reserved_blocks(self, alloc: Allocation) -> list[int]:
+        return alloc.blocks
+
+    def trim_lookahead(self, alloc: Allocation) -> None:
+        """No lookahead blocks here."""
+
+    # --- fork: a copy of the whole state ----------------------------------------------------------
+    def fork_needs(self, partial: bool) -> int:
+        return self.state_blocks
+
+    def plan_fork(self, parent: Allocation, slot: int | None, fresh: list[int]) -> Plan:
+        return Plan(self.choose_slot(fresh, 0, slot), 0, 0, fresh, 0, [], fresh)
+
+    def fork_copies(self, parent: Allocation, plan: Plan) -> list[tuple[int, int]]:
+        return list(zip(parent.blocks, plan.take))
+
+    def finish_fork(self, parent: Allocation, child: Allocation, plan: Plan) -> None:
+        child.copy_from(parent, plan.slot, list(plan.take), 0)
+        child.num_registered = 0
+
+    # --- invariants -------------------------------------------------------------------------------
+    def check(self, allocations: list[tuple[str, Allocation, int]]) -> tuple[list, list[int], list[int]]:
+        """Each request holds its ``state_blocks`` blocks, privately (or on the host while swapped)."""
+        bound, held_all, rows = [], [], []
+        for name, alloc, _ in allocations:
+            name = f"{name} (state group {self.index})"
+            assert len(alloc.blocks) == self.state_blocks, f"{name}: {len(alloc.blocks)} state blocks"
+            assert alloc.num_registered == 0 and alloc.num_released == 0, f"{name}: state registered"
+            if alloc.swapped is not None:
+                assert alloc.slot is None and len(alloc.swapped) == self.state_blocks, f"{name}: swap"
+                bound.append(None)
+                rows += [host for _, host in alloc.swapped]
+                continue
+            bound.append(alloc.slot)
+            self.slots.check_request(alloc.slot, alloc.blocks, 0)
+            for block in alloc.blocks:
+                assert self.pool.ref[block] == 1 and self.pool.hash_of[block] is None, (
+                    f"{name}: state block {block} shared or hashed")
+            held_all += alloc.blocks
+        running = [slot for slot in bound if slot is not None]
+        assert len(set(running)) == len(running), "two requests share a slot"
+        assert len(running) + self.slots.num_free == self.slots.num_slots, "a slot was lost"
+        return bound, held_all, rows

@@ -9,6 +9,8 @@
   ``p // C * C .. p``, the query's own chunk of ``C`` positions.
 * :class:`MLALatentSpec` ``(kv_lora_rank, rope_dim)`` (DeepSeek-V2/V3, MiniCPM3): reads as full
   attention; each token caches one latent row per layer instead of K and V.
+* :class:`RecurrentStateSpec` ``(parts)`` (short convolutions, gated delta nets, Mamba): no rows
+  per token; each request holds a fixed state per layer, one tensor per part.
 
 ``first_read`` is the one place each rule is written: the cache releases the blocks wholly before
 the next query's first read (every later query starts at the same position or further on, since
@@ -20,9 +22,12 @@ class of each kind is registered in ``coordinator.GROUP_CLASSES``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, ClassVar
+
+import torch
 
 from vmemkv.errors import ConfigError
 
@@ -199,6 +204,71 @@ class ChunkedLocalSpec(LocalAttentionSpec):
 
     def first_read(self, position):
         return position // self.chunk * self.chunk
+
+
+@dataclass(frozen=True)
+class StatePart:
+    """One tensor of a layer's recurrent state per request: its name, shape and dtype (the
+    dtype the model computes it in: the SSM / delta-rule state is often float32)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+STATE_ALIGNMENT = 64  # each part starts on a 64-byte boundary (vector loads, any dtype)
+
+
+@dataclass(frozen=True)
+class RecurrentStateSpec(KVCacheSpec):
+    """A recurrent layer (a short convolution's window, a gated delta net's or Mamba's state):
+    no rows per token, a fixed state per request per layer, ``parts`` in order. It is rewritten
+    at each step, so nothing of it is shared or cached: a request of a model with state layers
+    gets no prefix hits (a state group's hit length is 0) in this first version."""
+
+    parts: tuple[StatePart, ...]
+    kind: ClassVar[str] = "recurrent_state"
+    event_kind: ClassVar[str] = "mamba"  # vLLM's name for its state kind
+    rows_per_token: ClassVar[int] = 0
+
+    def __post_init__(self):
+        if not self.parts or any(min(part.shape, default=0) < 1 for part in self.parts):
+            raise ConfigError(f"a recurrent state of parts {self.parts}: give at least one part, "
+                              "each of a positive shape")
+
+    def offsets(self) -> list[int]:
+        """Each part's byte offset in one layer's state."""
+        offsets, at = [], 0
+        for part in self.parts:
+            offsets.append(at)
+            at += -(-part.nbytes // STATE_ALIGNMENT) * STATE_ALIGNMENT
+        return offsets
+
+    @property
+    def bytes_per_layer(self) -> int:
+        """One request's state of one layer, alignment of its parts included."""
+        return -(-(self.offsets()[-1] + self.parts[-1].nbytes) // STATE_ALIGNMENT) * STATE_ALIGNMENT
+
+    def describe(self) -> str:
+        shapes = ", ".join(f"{part.name} {list(part.shape)}" for part in self.parts)
+        return f"recurrent state of {shapes}"
+
+    def prefix_hits(self, num_candidates, is_cached, tokens_per_block) -> tuple[int, int]:
+        return 0, 0
+
+    def peak_blocks(self, num_tokens: int, chunk_tokens: int | None, tokens_per_block: int) -> int:
+        return 0  # the state's blocks do not follow the tokens: its group counts them
+
+    def bytes_per_token_per_layer(self, layout) -> int:
+        return 0
+
+
+def is_state(spec: KVCacheSpec) -> bool:
+    return isinstance(spec, RecurrentStateSpec)
 
 
 @lru_cache(maxsize=256)

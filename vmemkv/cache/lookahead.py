@@ -42,11 +42,13 @@ class Lookahead:
             end = min(req.allocation.num_tokens + margin_tokens, self.config.max_model_len)
             needed = first.lookahead_blocks(req.allocation, end)  # as many in every group
             if needed <= 0 or not all(
-                    needed * len(memory.groups) <= memory.pool.num_clean_available
-                    and memory.pool.num_available - needed * len(memory.groups) >= kept
+                    needed * memory.num_growing <= memory.pool.num_clean_available
+                    and memory.pool.num_available - needed * memory.num_growing >= kept
                     for memory, kept in zip(memories, keep)):
                 continue
             for group, alloc in zip(groups, req.allocations):
+                if not group.grows:  # a state group holds its blocks from admission on
+                    continue
                 job = group.add_lookahead(alloc, needed)
                 job.group = group.index
                 jobs.append(job)

@@ -47,7 +47,7 @@ from typing import Literal
 
 import torch
 
-from vmemkv.cache.kv_spec import KVCacheSpec
+from vmemkv.cache.kv_spec import KVCacheSpec, is_state, spec_of_layer
 from vmemkv.cache.config import CacheConfig, CacheStats, PreemptionEstimate
 from vmemkv.cache.coordinator import KVCacheCoordinator
 from vmemkv.cache.events import KVEventSink, check_sink
@@ -169,11 +169,13 @@ class KVCacheManager:
             assert len(req.allocations) == len(self.groups), f"{req.request_id}: allocations"
             first = req.allocation
             assert first is req.allocations[0]
-            for other in req.allocations[1:]:
-                assert (other.slot, other.num_tokens, other.num_computed, other.num_registered,
-                        len(other.blocks), other.swapped is None) == (
-                    first.slot, first.num_tokens, first.num_computed, first.num_registered,
-                    len(first.blocks), first.swapped is None), f"{req.request_id}: groups differ"
+            for group, other in zip(self.groups[1:], req.allocations[1:]):
+                agree = (other.slot, other.num_tokens, other.num_computed, other.swapped is None)
+                assert agree == (first.slot, first.num_tokens, first.num_computed,
+                                 first.swapped is None), f"{req.request_id}: groups differ"
+                if group.grows:  # a state group's blocks do not follow the tokens
+                    assert (other.num_registered, len(other.blocks)) == (
+                        first.num_registered, len(first.blocks)), f"{req.request_id}: groups differ"
         self.coordinator.check(requests)
 
     @classmethod
@@ -184,6 +186,9 @@ class KVCacheManager:
         ``KVCacheSpec`` or None), or with one group of every layer (keeping every block) when
         ``layer_windows`` is None or the groups' pages cannot hold one number of tokens.
         ``backends``: makes a pool's backend from the pool's config (or None: each its own)."""
+        if layer_windows and any(is_state(spec_of_layer(layer)) for layer in layer_windows):
+            return cls(config, metrics=metrics, events=events, layer_windows=layer_windows,
+                       chunk_tokens=chunk_tokens, backends=backends)  # state needs its own groups
         if layer_windows:
             try:
                 configs = group_configs(config, LayerGroups.from_windows(layer_windows), chunk_tokens)
@@ -316,15 +321,16 @@ class KVCacheManager:
         first = req.allocation
         total = first.num_tokens + num_new_tokens
         tokens_per_page = self.tokens_per_page
-        needed = -(-total // tokens_per_page) - len(first.blocks)  # as many in every group
-        if needed > 0 and not self.coordinator.fits([needed] * len(groups)):
-            self.coordinator.short_of_blocks("allocate", req, first.slot, [needed] * len(groups))
+        needed = -(-total // tokens_per_page) - len(first.blocks)  # as many in every growing group
+        needs = [needed if group.grows else 0 for group in groups]
+        if needed > 0 and not self.coordinator.fits(needs):
+            self.coordinator.short_of_blocks("allocate", req, first.slot, needs)
             return False
         if -(-total // tokens_per_page) <= -(-first.num_tokens // tokens_per_page):
             for alloc in allocs:  # a decode inside its block (the engine's): nothing to map or take
                 alloc.grow(num_new_tokens)
         else:
-            fresh = self.coordinator.peek([needed] * len(groups)) if needed > 0 else [[]] * len(groups)
+            fresh = self.coordinator.peek(needs) if needed > 0 else [[]] * len(groups)
             plans = [group.plan_grow(alloc, num_new_tokens, fresh[group.index])
                      for group, alloc in zip(groups, allocs)]
             if len(groups) > 1:
@@ -771,6 +777,13 @@ class KVCacheManager:
         dim]``, from its group's virtual tensors (vmem only). Touch only positions below a
         request's reservation."""
         return self.queries.kv_views(layer)
+
+    def state_views(self, layer: int) -> list[torch.Tensor]:
+        """Model layer ``layer``'s recurrent state over every slot: per part of its
+        ``RecurrentStateSpec``, a tensor ``[num_slots, *part.shape]`` in the part's dtype, each
+        slot's parts contiguous in its state pages. Touch only the slots of running requests (a
+        request's state is zero when it is admitted)."""
+        return self.queries.state_views(layer)
 
     def block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V as block tensors ``[num_blocks, tokens_per_page, kv_heads,

@@ -92,6 +92,12 @@ class KVMemory:
             self.pool.on_evict = self._demote
         self.groups: list["KVCacheGroup"] = []
 
+
+    @property
+    def num_growing(self) -> int:
+        """Its groups whose blocks follow a request's tokens (not recurrent state)."""
+        return sum(group.grows for group in self.groups)
+
     def _demote(self, evicted: list[EvictedBlock]) -> None:
         """The pool's eviction hook: evicted cached blocks go to the host tier."""
         self.host_tier.demote(self.block_window(), evicted)

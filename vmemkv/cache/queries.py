@@ -243,6 +243,11 @@ class CacheQueries:
         group, index = self.coordinator.where(check.layer_index(layer, self.config.num_layers))
         return group.kv_views(index)
 
+    def state_views(self, layer: int) -> list[torch.Tensor]:
+        self.registry.check_open()
+        group, index = self.coordinator.where(check.layer_index(layer, self.config.num_layers))
+        return group.state_views(index)
+
     def block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.registry.check_open()
         group, index = self.coordinator.where(check.layer_index(layer, self.config.num_layers))

@@ -38,7 +38,7 @@ class Sharing:
         child_id = self._fork_child_id(parent, child)
         partial = parent.allocation.num_tokens % self.tokens_per_page != 0
         groups = self.coordinator.groups
-        needs = [int(partial)] * len(groups)  # a copy of the partial last block in every group
+        needs = [group.fork_needs(partial) for group in groups]  # a copy of the partial last block
         if not self.coordinator.slot_available(slot) or not self.coordinator.fits(needs):
             return self.coordinator.refused("fork", child_id, slot, needs)
         fresh = self.coordinator.peek(needs)
@@ -83,6 +83,7 @@ class Sharing:
 
     def reorder(self, requests: "Sequence[KVRequest | str]", sources: "Sequence[KVRequest | str]") -> bool:
         rows, sources = self._check_reorder_rows(requests, sources)
+        self.coordinator.refuse_state("reorder")
         copied = reorder_copies(self.tokens_per_page, rows, sources)
         groups = self.coordinator.groups
         needs = [sum(copied)] * len(groups)
@@ -128,6 +129,7 @@ class Sharing:
     def truncate(self, request: "KVRequest | str", num_tokens: int) -> bool:
         req = self.registry.running(request)
         num_tokens = self._check_truncate(req, num_tokens)
+        self.coordinator.refuse_state("truncate")
         groups = self.coordinator.groups
         needs = [int(group.truncate_copy(alloc, num_tokens) is not None)
                  for group, alloc in zip(groups, req.allocations)]
@@ -172,6 +174,8 @@ class Sharing:
         rows = list({id(row): row for row in map(self.registry.running, requests)}.values())  # once each
         for row in rows:
             num_tokens = self._check_truncate(row, num_tokens)
+        if self.coordinator.has_state:  # a state is not rewound (truncate refuses it)
+            return False
         for memory in self.coordinator.memories:  # the groups of one pool draw on one count of free blocks
             free = memory.pool.num_available
             for group in memory.groups:

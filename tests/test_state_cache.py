@@ -1,0 +1,135 @@
+"""The recurrent state kind (``RecurrentStateSpec``, ``RecurrentStateGroup``): a fixed state per
+request per layer, held from admission to the end of the request, beside the attention groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vmemkv import CacheConfig, ConfigError, KVCacheManager
+from vmemkv.cache.coordinator import GROUP_CLASSES
+from vmemkv.cache.group import RecurrentStateGroup
+from vmemkv.cache.kv_spec import RecurrentStateSpec, StatePart
+
+from conftest import manager_state
+
+SPEC = RecurrentStateSpec((StatePart("conv", (8, 3), torch.bfloat16),
+                           StatePart("recurrent", (2, 4, 4), torch.float32)))
+
+
+def make_manager(num_blocks=16, swap=True) -> KVCacheManager:
+    config = CacheConfig(num_layers=4, num_kv_heads=2, head_dim=8, num_blocks=num_blocks,
+                         max_num_seqs=3, max_model_len=64, dtype=torch.float32, device="cpu",
+                         tokens_per_page=4, hash_seed=b"state", swap_space_bytes=(1 << 20) if swap else 0)
+    return KVCacheManager(config, layer_windows=[SPEC, None, SPEC, None])
+
+
+def fill(manager, request_id, value):
+    slot = manager.slot_of(request_id)
+    for layer in (0, 2):
+        for view in manager.state_views(layer):
+            view[slot] = value * (layer + 1)
+
+
+def holds(manager, request_id, value) -> bool:
+    slot = manager.slot_of(request_id)
+    return all(bool((view[slot] == value * (layer + 1)).all())
+               for layer in (0, 2) for view in manager.state_views(layer))
+
+
+def test_the_spec_knows_its_bytes_and_the_registry_its_group():
+    assert SPEC.parts[0].nbytes == 48 and SPEC.parts[1].nbytes == 128
+    assert SPEC.offsets() == [0, 64] and SPEC.bytes_per_layer == 192
+    assert GROUP_CLASSES[RecurrentStateSpec] is RecurrentStateGroup
+    assert "conv [8, 3]" in SPEC.describe()
+    with pytest.raises(ConfigError, match="positive shape"):
+        RecurrentStateSpec((StatePart("conv", (0, 3), torch.float32),))
+
+
+def test_state_layers_form_a_group_after_the_attention_layers():
+    with make_manager() as manager:
+        attention, state = manager.groups
+        assert attention.layers == (1, 3) and state.layers == (0, 2)
+        assert state.state_blocks == 1 and state.num_blocks == 3  # one page per slot here
+        views = manager.state_views(2)
+        assert [tuple(v.shape) for v in views] == [(3, 8, 3), (3, 2, 4, 4)]
+        assert [v.dtype for v in views] == [torch.bfloat16, torch.float32]
+        with pytest.raises(ConfigError, match="not a recurrent state"):
+            manager.state_views(1)
+        with pytest.raises(ConfigError):
+            manager.kv_views(0)
+
+
+def test_admission_maps_a_zero_state_and_free_gives_it_back():
+    with make_manager() as manager:
+        manager.admit("a", list(range(10)))
+        assert holds(manager, "a", 0)
+        fill(manager, "a", 3)
+        manager.commit("a")
+        manager.free("a")
+        assert manager.groups[1].num_blocks_in_use == 0
+        manager.admit("b", list(range(10)))
+        assert holds(manager, "b", 0)  # the slot's old state is not seen
+        manager.check()
+
+
+def test_a_refused_admission_changes_nothing_in_any_group():
+    with make_manager(num_blocks=3) as manager:
+        tokens = list(range(2 * manager.tokens_per_page))  # 2 blocks
+        manager.admit("a", tokens)
+        state = manager.groups[1]
+        before = (manager_state(manager), list(state.pool.ref), state.pool.free_queue())
+        assert manager.admit("b", [t + 1 for t in tokens]) is None  # 2 blocks, 1 free
+        assert (manager_state(manager), list(state.pool.ref), state.pool.free_queue()) == before
+        assert manager.last_refusal.reason == "out_of_blocks"
+        manager.check()
+
+
+def test_fork_copies_the_state_and_swap_brings_it_back_bit_exact():
+    with make_manager() as manager:
+        manager.admit("a", list(range(10)))
+        fill(manager, "a", 1.25)
+        manager.commit("a")
+        manager.fork("a", "b")
+        assert holds(manager, "b", 1.25)
+        fill(manager, "b", 7.5)
+        assert holds(manager, "a", 1.25)  # a copy, not shared
+        assert manager.preempt("b", "swap") == "swap"
+        manager.admit("c", list(range(5)))  # takes b's slot and state pages
+        fill(manager, "c", -2)
+        assert manager.swap_in("b")
+        assert holds(manager, "b", 7.5) and holds(manager, "c", -2)
+        manager.check()
+
+
+def test_recompute_drops_the_state_and_no_prefix_hits():
+    with make_manager() as manager:
+        manager.admit("a", list(range(40)))
+        fill(manager, "a", 4)
+        manager.commit("a")
+        assert manager.preempt("a", "recompute") == "recompute"
+        assert manager.admit("a", list(range(40))) == 0  # nothing reused: the state is gone
+        assert holds(manager, "a", 0)
+        manager.commit("a")
+        assert manager.admit("b", list(range(40))) == 0
+        manager.check()
+
+
+def test_reorder_and_truncate_are_refused_changing_nothing():
+    with make_manager() as manager:
+        manager.admit("a", list(range(10)))
+        manager.commit("a")
+        before = manager_state(manager)
+        with pytest.raises(ConfigError, match="cannot be rewound"):
+            manager.truncate("a", 4)
+        with pytest.raises(ConfigError, match="cannot be rewound"):
+            manager.reorder(["a"], ["a"])
+        assert not manager.can_truncate(["a"], 4)
+        assert manager_state(manager) == before
+
+
+def test_a_model_of_state_layers_only_is_refused():
+    config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=4, max_num_seqs=2,
+                         max_model_len=16, dtype=torch.float32, device="cpu")
+    with pytest.raises(ConfigError, match="at least one attention layer"):
+        KVCacheManager(config, layer_windows=[SPEC, SPEC])
