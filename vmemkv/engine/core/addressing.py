@@ -59,13 +59,13 @@ class SlotAddressing(Addressing):
             self.attention = lambda spans: LatentAttention(spans, views.kv_views, device)
         elif choice.kind == "flash":
             kernel, geometry = choice.kernel, layer_geometries(views)
-            distinct = sorted(set(geometry))
+            distinct = sorted(set(filter(None, geometry)))
             if len(distinct) == 1:
                 rows_per_slot, num_rows = distinct[0]
                 self.attention = lambda spans: FlashSlotAttention(
                     spans, views.kv_views, device, kernel, rows_per_slot, num_rows)
             else:  # layout groups whose slots flatten differently: one varlen geometry each
-                group_of = [distinct.index(layer) for layer in geometry]
+                group_of = [distinct.index(layer) if layer else None for layer in geometry]
                 self.attention = lambda spans: GroupedAttention(
                     [FlashSlotAttention(spans, views.kv_views, device, kernel, rows, num)
                      for rows, num in distinct], group_of, spans)
@@ -76,10 +76,28 @@ class SlotAddressing(Addressing):
                 spans, views.kv_views, device, decode_kernel, reads=reads,  # batched reads (CPU)
                 prefix_block_tokens=block_tokens)
 
+        if any(group.holds_state for group in views.layout_groups):  # the mixers read the states
+            self.attention = _with_states(self.attention, views.state_views)
+
     def span(self, kv: KVRequest, begin: int, count: int, computed: int) -> SequenceSpan:
         if self.share_prefixes:
             return SequenceSpan(kv.slot, begin, count, computed, kv.block_table)
         return SequenceSpan(kv.slot, begin, count, computed)
+
+
+def _with_states(make_attention, state_views):
+    """``make_attention`` whose attention objects also hand the recurrent mixers each layer's
+    state views (``state_mixers.py``)."""
+    def attention(spans):
+        made = make_attention(spans)
+        made.state_views = state_views
+        return made
+    return attention
+
+
+def kv_layers(views: KVViews) -> list[int]:
+    """The model layers holding K/V (not a recurrent state)."""
+    return [layer for layer in range(views.config.num_layers) if not views.layer_group(layer).holds_state]
 
 
 def layer_geometries(views: KVViews) -> list[tuple[int, int]]:
@@ -88,6 +106,9 @@ def layer_geometries(views: KVViews) -> list[tuple[int, int]]:
     of layers differ in the per-layer layout (a slot's rows span its group's layers)."""
     geometry = []
     for layer in range(views.config.num_layers):
+        if views.layer_group(layer).holds_state:  # no K/V: its mixer reads its state
+            geometry.append(None)
+            continue
         k_view, v_view = views.kv_views(layer)
         rows = slot_geometry(k_view, v_view)
         geometry.append((rows, flat_rows(k_view, rows)))
@@ -167,7 +188,7 @@ def _attention_choice(attention: str, kv_backend: str, manager: KVViews, device,
                               "the absorbed form by torch operations, not that kernel; use "
                               "attention='auto'")
         return AttentionChoice("sdpa", why_not_flash="MLA latent rows: the absorbed-form attention")
-    views = [] if kv_backend == "paged" else [manager.kv_views(layer) for layer in range(manager.config.num_layers)]
+    views = [] if kv_backend == "paged" else [manager.kv_views(layer) for layer in kv_layers(manager)]
     return choose_attention(attention, device, kv_backend, layout.dtype, num_query_heads, layout.num_kv_heads,
                             layout.head_dim, manager.tokens_per_page, views[0] if views else None, views[1:])
 

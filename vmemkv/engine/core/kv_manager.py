@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 from vmemkv.cache.kv_spec import ChunkedLocalSpec, KVCacheSpec
 from vmemkv.cache.manager import KVCacheManager
 from vmemkv.engine.models.hf_support import hybrid_layer_windows, layer_chunks
+from vmemkv.engine.models.state_mixers import state_specs
 
 if TYPE_CHECKING:
     import torch
@@ -151,6 +152,9 @@ def make_kv_manager(cache: "CacheConfig", model_config, *, max_model_len: int, c
     ``manager_options`` go to ``KVCacheManager.for_layers`` (metrics, events, backends). Every
     tensor-parallel rank calls it with the same arguments, so every rank builds the same groups."""
     windows = layer_windows(model_config, max_model_len, release_behind_window, chunked_groups)
+    states = state_specs(model_config, cache.dtype)
+    if states:  # recurrent layers keep a state group each kind; the others as they would
+        windows = [state or (windows[i] if windows else None) for i, state in enumerate(states)]
     if windows:  # a cache of the leading layers only (VmemkvCache without Gemma-3n's KV-shared ones)
         windows = windows[:cache.num_layers]
     return KVCacheManager.for_layers(cache, windows, chunk_tokens, **manager_options)

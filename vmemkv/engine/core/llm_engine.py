@@ -40,6 +40,7 @@ from vmemkv.engine.core.metrics import EngineMetrics
 from vmemkv.engine.core.model_runner import ModelRunner
 from vmemkv.engine.models.kernel_choice import choose_kernel, label
 from vmemkv.engine.models.latent_attention import route_latent_attention
+from vmemkv.engine.models.state_mixers import route_state_mixers
 from vmemkv.engine.models.native_norm import swap_rms_norms
 from vmemkv.engine.models.native_rotary import swap_rotaries
 from vmemkv.engine.models.packed_linear import pack_linears, why_not_packed
@@ -84,6 +85,7 @@ class LLMEngine:
         config = self.config
         model = load_model(config.model, config.torch_dtype, config.device, config.seed)[0]
         route_latent_attention(model)  # as __init__: MLA's kv_b_proj stays unpacked
+        route_state_mixers(model)
         if self.packed_linears.startswith("packed"):
             pack_linears(model, fuse=self.config.fused_projections, kernel=self.linear_kernel)
             swap_rms_norms(model)
@@ -110,6 +112,7 @@ class LLMEngine:
         # MLA models attend from their latent rows; routed before packing, which frees the
         # kv_b_proj weight the absorbed form reads
         route_latent_attention(model)
+        route_state_mixers(model)  # recurrent mixers run per sequence over their slot's state
         self.packed_linears = self._pack_linears(model, loaded_by_name)
         # where the linears are packed (a model this engine loaded, on the CPU), so are the norms
         # and the rotary embedding

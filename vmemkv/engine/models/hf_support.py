@@ -46,6 +46,10 @@ _ALIBI_MODEL_TYPES = frozenset({"bloom"})
 _STATE_KINDS = {"mamba": "Mamba / SSM state", "linear_attention": "linear attention state (gated delta net)",
                 "conv": "short convolution state", "recurrent": "recurrent (RG-LRU) state"}
 
+# Models whose recurrent mixers the engine runs per sequence over their state in the cache
+# (vmemkv.engine.models.state_mixers), with the kind of their state layers.
+STATE_MODEL_TYPES = {"lfm2": "conv", "qwen3_next": "linear_attention"}
+
 # Multi-head latent attention whose attention module the engine runs from the latent rows
 # (vmemkv.engine.models.latent_attention) and whose own code hands VmemkvCache the latent.
 LATENT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "minicpm3"})
@@ -258,6 +262,8 @@ def check_attention_supported(config: Any, max_len: int, *, replaces_attention: 
         if kind in _EXACT_KINDS or (kind == CHUNKED_KIND and replaces_attention
                                     and model_type in _CHUNKING_MODEL_TYPES):
             continue  # (the engine's attention applies the chunks itself: layer_chunks)
+        if replaces_attention and STATE_MODEL_TYPES.get(model_type) == kind:
+            continue  # the engine runs these mixers over their state (state_mixers.py)
         layers = _ranges([i for i, k in enumerate(kinds) if k == kind])
         if kind not in _BOUNDED_KINDS:
             what = (f"keep {_STATE_KINDS[kind]}, which" if kind in _STATE_KINDS

@@ -16,8 +16,8 @@ from typing import NoReturn
 
 import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DeepseekV2Config, DeepseekV3Config,
-                          Gemma2Config, LlamaConfig, MiniCPM3Config, MistralConfig, PretrainedConfig,
-                          PreTrainedTokenizerFast, Qwen2Config)
+                          Gemma2Config, LlamaConfig, Lfm2Config, MiniCPM3Config, MistralConfig,
+                          PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3NextConfig)
 
 from vmemkv.errors import ConfigError
 from vmemkv.engine.models.hub import REAL_MODELS, ensure_real_model, hub_config, load_from_hub_cache
@@ -84,6 +84,25 @@ BUILTIN_MODELS: dict[str, PretrainedConfig] = {
     # MiniCPM3's: MLA with plain cos/sin rotary (scale_emb 1: at its default of 12 random weights
     # repeat one token).
     "tiny-minicpm3": MiniCPM3Config(**_TINY_MLA, q_lora_rank=48, scale_emb=1),
+    # Recurrent hybrids (engine/models/state_mixers.py): LFM2's short convolutions (a window of
+    # conv_L_cache inputs per layer) around one attention layer ...
+    "tiny-lfm2": Lfm2Config(vocab_size=512, hidden_size=128, intermediate_size=256,
+                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                            layer_types=["conv", "full_attention", "conv"], conv_L_cache=3,
+                            max_position_embeddings=TINY_MAX_POSITIONS, initializer_range=0.1,
+                            tie_word_embeddings=False),
+    # ... and Qwen3-Next's gated delta nets (a conv window and a float32 delta-rule state per
+    # layer) between full-attention layers, with small MoE feed-forwards.
+    "tiny-qwen3-next": Qwen3NextConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                                       num_hidden_layers=4, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                                       linear_num_value_heads=4, linear_key_head_dim=16,
+                                       linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                       shared_expert_intermediate_size=64,
+                                       layer_types=["linear_attention", "full_attention"] * 2,
+                                       max_position_embeddings=TINY_MAX_POSITIONS,
+                                       initializer_range=0.1),
     # The shapes of real models, random weights, for benchmarks.
     "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                 num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,

@@ -1,0 +1,108 @@
+"""Recurrent hybrids in the engine (tiny LFM2: short convolutions; tiny Qwen3-Next: gated delta
+nets): each state layer's state is a slot of its state group, the model's own mixer runs once per
+sequence of the packed batch over it, and the greedy tokens equal Hugging Face ``generate`` with
+chunked prefill, ``n > 1`` (the state forked), and preemption by swap (the state copied out and
+back) and by recompute (dropped). No prefix hits: a state at a prompt's prefix is not kept yet."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+from vmemkv.engine import SamplingParams
+from vmemkv.engine.models.hf_support import check_attention_supported
+from vmemkv.engine.models.state_mixers import state_specs, takes_cache
+from vmemkv.engine.models.zoo import model_config
+from vmemkv.errors import ConfigError, UnsupportedModelError
+
+from test_engine_correctness import assert_clean, greedy, make_engine, prompts, run
+from test_mla_engine import assert_matches_hf, hf_greedy
+
+STATE_MODELS = ["tiny-lfm2", "tiny-qwen3-next"]
+pytestmark = pytest.mark.skipif(
+    not (takes_cache(Lfm2ShortConv) and takes_cache(Qwen3NextGatedDeltaNet)),
+    reason=f"transformers {transformers.__version__}'s LFM2 / Qwen3-Next mixers take their state "
+           "in another form than `cache` (the engine refuses them at load)")
+
+
+@pytest.mark.parametrize("model", STATE_MODELS)
+def test_ragged_chunked_batch_matches_hf(model):
+    engine = make_engine(model, max_num_batched_tokens=16)  # prompts continue from saved states
+    batch = prompts(4, lengths=(5, 40, 17, 33))
+    assert_matches_hf(model, batch, run(engine, batch))
+    kinds = [type(group.spec).__name__ for group in engine.manager.groups]
+    assert kinds == ["FullAttentionSpec", "RecurrentStateSpec"]
+    assert_clean(engine)
+
+
+def test_the_state_groups_hold_the_models_shapes():
+    specs = state_specs(model_config("tiny-qwen3-next"), torch.bfloat16)
+    assert specs[1] is specs[3] is None
+    conv, recurrent = specs[0].parts
+    assert (conv.shape, conv.dtype) == ((2 * 2 * 16 + 4 * 16, 4), torch.bfloat16)
+    assert (recurrent.shape, recurrent.dtype) == ((4, 16, 16), torch.float32)
+    engine = make_engine("tiny-lfm2")
+    state = engine.manager.groups[1]
+    assert state.layers == (0, 2) and engine.manager.groups[0].layers == (1,)
+    assert [tuple(v.shape) for v in engine.manager.state_views(2)] == [(8, 128, 3)]
+    engine.close()
+
+
+@pytest.mark.parametrize("model", STATE_MODELS)
+def test_parallel_sampling_forks_the_state(model):
+    engine = make_engine(model)
+    batch = prompts(2, lengths=(37, 21))
+    outputs = run(engine, batch, greedy(n=3))
+    assert all(len(output.outputs) == 3 for output in outputs)
+    assert engine.manager.cache_stats().forks == 4
+    assert_matches_hf(model, batch, outputs)
+    assert_clean(engine)
+
+
+@pytest.mark.parametrize("model,mode", [("tiny-lfm2", "swap"), ("tiny-lfm2", "recompute"),
+                                        ("tiny-qwen3-next", "swap"), ("tiny-qwen3-next", "recompute")])
+def test_preemption_matches_hf(model, mode):
+    probe = make_engine(model)
+    page = probe.manager.tokens_per_page
+    probe.close()
+    # 12 pages for 6 sequences of 2 pages that each grow into a third: someone must wait
+    engine = make_engine(model, num_blocks=12, preemption_mode=mode, watermark=0.0,
+                         max_num_batched_tokens=4 * page)
+    batch = prompts(6, lengths=tuple(2 * page - 12 + k for k in (0, 3, 7, 1, 5, 6)))
+    outputs = run(engine, batch, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    stats = engine.manager.cache_stats()
+    assert (stats.preemptions_swap if mode == "swap" else stats.preemptions_recompute) > 0
+    for prompt, output in zip(batch, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(model, tuple(prompt), 20)
+    assert_clean(engine)
+
+
+def test_no_prefix_hits_yet_and_tokens_still_match():
+    engine = make_engine("tiny-lfm2")
+    page = engine.manager.tokens_per_page
+    system = prompts(1, lengths=(2 * page + 5,), offset=5)[0]
+    batch = [system + tail for tail in prompts(3, lengths=(3, 11, 7))]
+    outputs = run(engine, batch[:1]) + run(engine, batch[1:])
+    assert all(output.num_cached_tokens == 0 for output in outputs)
+    assert_matches_hf("tiny-lfm2", batch, outputs)
+    assert_clean(engine)
+
+
+def test_block_tables_and_other_state_families_are_refused():
+    with pytest.raises(ConfigError, match="kv_backend='vmem'"):
+        make_engine("tiny-lfm2", kv_backend="paged")
+    for replaces_attention, served in ((True, True), (False, False)):  # the engine, VmemkvCache
+        for name in STATE_MODELS:
+            config = model_config(name)
+            if served:
+                check_attention_supported(config, 64, replaces_attention=replaces_attention)
+            else:
+                with pytest.raises(UnsupportedModelError, match="state"):
+                    check_attention_supported(config, 64, replaces_attention=replaces_attention)
+    other = model_config("tiny-qwen3-next")
+    other.model_type = "qwen3_5_text"  # another family's gated delta nets: not routed yet
+    with pytest.raises(UnsupportedModelError, match="gated delta net"):
+        check_attention_supported(other, 64, replaces_attention=True)

@@ -1,0 +1,149 @@
+"""The engine's recurrent mixers: LFM2's short convolutions and Qwen3-Next's gated delta nets,
+run by the model's own code over each sequence's state in the KV cache.
+
+The engine calls the model on one packed batch (``[1, T]``: every sequence's new tokens side by
+side); a convolution or a delta rule would run that batch as one sequence. So
+:func:`route_state_mixers` gives each such module a forward that splits the packed hidden states
+by the step's spans (the attention's ``spans``) and calls the module's own forward once per
+sequence, with a :class:`SlotState` in place of transformers' cache: the methods the mixer calls
+(``get_conv_state``, ``update_conv_state``, ``get_recurrent_state``, ``update_recurrent_state``)
+read and write that sequence's slot of the layer's state (``KVCacheManager.state_views``), as
+transformers' ``LinearAttentionLayer`` does its own tensors. A sequence with nothing computed yet
+starts with no previous state (as a fresh cache); chunked prefill continues from the saved state;
+a decode step runs one token. Called outside the engine a module runs its own forward.
+
+:func:`state_specs` gives each layer's ``RecurrentStateSpec`` (None: attention) in the shapes
+and dtypes transformers keeps them: the conv window ``[channels, kernel]`` in the model's dtype
+(transformers keeps the whole kernel's inputs, the first of them unused), the delta-rule state
+``[value heads, key dim, value dim]`` in float32.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from vmemkv.cache.kv_spec import RecurrentStateSpec, StatePart
+from vmemkv.engine.core.model_runner import BATCH_KWARG
+from vmemkv.engine.models.hf_support import STATE_MODEL_TYPES, text_config
+from vmemkv.errors import UnsupportedModelError
+
+
+def state_specs(config: Any, dtype: torch.dtype) -> list[RecurrentStateSpec | None] | None:
+    """Each layer's recurrent state spec (None for an attention layer) for a model whose mixers
+    the engine routes (``STATE_MODEL_TYPES``); None for any other model."""
+    text = text_config(config)
+    model_type = getattr(text, "model_type", None)
+    if model_type not in STATE_MODEL_TYPES:
+        return None
+    kind = STATE_MODEL_TYPES[model_type]
+    spec = _spec(text, model_type, dtype)
+    return [spec if layer_kind == kind else None for layer_kind in text.layer_types]
+
+
+def _spec(text: Any, model_type: str, dtype: torch.dtype) -> RecurrentStateSpec:
+    if model_type == "lfm2":
+        return RecurrentStateSpec((StatePart("conv", (text.hidden_size, text.conv_L_cache), dtype),))
+    key_dim = text.linear_key_head_dim * text.linear_num_key_heads  # qwen3_next's gated delta net
+    conv_dim = 2 * key_dim + text.linear_value_head_dim * text.linear_num_value_heads
+    return RecurrentStateSpec((
+        StatePart("conv", (conv_dim, text.linear_conv_kernel_dim), dtype),
+        StatePart("recurrent", (text.linear_num_value_heads, text.linear_key_head_dim,
+                                text.linear_value_head_dim), torch.float32)))
+
+
+def is_state_mixer(module: nn.Module) -> bool:
+    """Whether ``module`` is a recurrent mixer the engine routes (LFM2's ``Lfm2ShortConv``,
+    Qwen3-Next's ``Qwen3NextGatedDeltaNet``)."""
+    return type(module).__name__ in ("Lfm2ShortConv", "Qwen3NextGatedDeltaNet")
+
+
+def takes_cache(module_class: type) -> bool:
+    """Whether a mixer's forward takes its state as ``cache`` (transformers 5.25's API; older
+    versions pass it in another form, which the engine does not fill)."""
+    return "cache" in inspect.signature(module_class.forward).parameters
+
+
+def route_state_mixers(model: nn.Module) -> int:
+    """Give every recurrent mixer of ``model`` the per-sequence forward; returns how many.
+    Refuses (``UnsupportedModelError``) mixers that do not take their state as ``cache``."""
+    modules = [m for m in model.modules() if is_state_mixer(m) and not hasattr(m, "vmemkv_own_forward")]
+    for module in modules:
+        if not takes_cache(type(module)):
+            raise UnsupportedModelError(
+                f"transformers {transformers.__version__}'s {type(module).__name__} takes its "
+                "state in another form than the `cache` argument the vmemkv engine fills; use "
+                "transformers 5.25 or later for this model")
+    for module in modules:
+        module.vmemkv_own_forward = module.forward
+        module.forward = types.MethodType(_state_forward, module)
+    return len(modules)
+
+
+def _state_forward(module: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
+    attention = kwargs.pop(BATCH_KWARG, None)
+    if attention is None:
+        return module.vmemkv_own_forward(hidden_states, *args, **kwargs)
+    kwargs.pop("cache", None)
+    kwargs.pop("attention_mask", None)  # the spans are the sequences: nothing is padding
+    views = attention.state_views(module.layer_idx)
+    outputs = []
+    for span in attention.spans:
+        rows = hidden_states[:, span.query_start:span.query_start + span.num_queries]
+        state = SlotState([view[span.slot] for view in views], fresh=span.num_cached == 0)
+        outputs.append(module.vmemkv_own_forward(rows, *args, cache=state, **kwargs))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+
+class SlotState:
+    """One sequence's state of one layer as transformers' cache hands it to a mixer (the
+    methods ``LinearAttentionLayer`` answers, for state 0): ``parts`` are the slot's views, the
+    conv window first and then the recurrent state if the layer has one. ``fresh``: the
+    sequence has no previous state (nothing computed yet)."""
+
+    def __init__(self, parts: list[torch.Tensor], fresh: bool):
+        self.conv = parts[0][None]  # [1, channels, kernel]: writes go to the slot
+        self.recurrent = parts[1][None] if len(parts) > 1 else None
+        self.fresh = fresh
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return None if self.fresh else self.conv
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
+        """The inputs the convolution reads (the saved window, then ``conv_states``); keeps
+        the last ``kernel`` of them."""
+        kernel = self.conv.shape[-1]
+        if self.fresh:  # a prefill: pad a prompt shorter than the kernel, as transformers does
+            full = conv_states
+            if full.shape[-1] < kernel:
+                full = torch.nn.functional.pad(full, (kernel - full.shape[-1], 0), value=0)
+        else:
+            full = torch.cat([self.conv.to(conv_states.dtype), conv_states], dim=-1)
+        self.conv.copy_(full[..., -kernel:])
+        return full
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return None if self.fresh else self.recurrent
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int,
+                               state_idx: int = 0, **kwargs) -> torch.Tensor:
+        self.recurrent.copy_(recurrent_states)
+        return self.recurrent
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """Positions are the engine's: nothing to count."""
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return not self.fresh
