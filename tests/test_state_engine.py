@@ -1,5 +1,5 @@
-"""Recurrent hybrids in the engine (tiny LFM2: short convolutions; tiny Qwen3-Next: gated delta
-nets): each state layer's state is a slot of its state group, the model's own mixer runs once per
+"""Recurrent hybrids in the engine (tiny LFM2: short convolutions; tiny Qwen3-Next and Qwen3.5's
+text model: gated delta nets): each state layer's state is a slot of its state group, the model's own mixer runs once per
 sequence of the packed batch over it, and the greedy tokens equal Hugging Face ``generate`` with
 chunked prefill, ``n > 1`` (the state forked), and preemption by swap (the state copied out and
 back) and by recompute (dropped). No prefix hits: a state at a prompt's prefix is not kept yet."""
@@ -15,20 +15,22 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDel
 from vmemkv.engine import SamplingParams
 from vmemkv.engine.models.hf_support import check_attention_supported
 from vmemkv.engine.models.state_mixers import state_specs, takes_cache
-from vmemkv.engine.models.zoo import model_config
+from vmemkv.engine.models.zoo import BUILTIN_MODELS, model_config
 from vmemkv.errors import ConfigError, UnsupportedModelError
 
 from test_engine_correctness import assert_clean, greedy, make_engine, prompts, run
 from test_mla_engine import assert_matches_hf, hf_greedy
 
 STATE_MODELS = ["tiny-lfm2", "tiny-qwen3-next"]
+QWEN3_5 = pytest.mark.skipif("tiny-qwen3.5" not in BUILTIN_MODELS,
+                             reason=f"transformers {transformers.__version__} has no Qwen3.5")
 pytestmark = pytest.mark.skipif(
     not (takes_cache(Lfm2ShortConv) and takes_cache(Qwen3NextGatedDeltaNet)),
     reason=f"transformers {transformers.__version__}'s LFM2 / Qwen3-Next mixers take their state "
            "in another form than `cache` (the engine refuses them at load)")
 
 
-@pytest.mark.parametrize("model", STATE_MODELS)
+@pytest.mark.parametrize("model", [*STATE_MODELS, pytest.param("tiny-qwen3.5", marks=QWEN3_5)])
 def test_ragged_chunked_batch_matches_hf(model):
     engine = make_engine(model, max_num_batched_tokens=16)  # prompts continue from saved states
     batch = prompts(4, lengths=(5, 40, 17, 33))
@@ -63,7 +65,8 @@ def test_parallel_sampling_forks_the_state(model):
 
 
 @pytest.mark.parametrize("model,mode", [("tiny-lfm2", "swap"), ("tiny-lfm2", "recompute"),
-                                        ("tiny-qwen3-next", "swap"), ("tiny-qwen3-next", "recompute")])
+                                        ("tiny-qwen3-next", "swap"), ("tiny-qwen3-next", "recompute"),
+                                        pytest.param("tiny-qwen3.5", "swap", marks=QWEN3_5)])
 def test_preemption_matches_hf(model, mode):
     probe = make_engine(model)
     page = probe.manager.tokens_per_page
@@ -103,6 +106,6 @@ def test_block_tables_and_other_state_families_are_refused():
                 with pytest.raises(UnsupportedModelError, match="state"):
                     check_attention_supported(config, 64, replaces_attention=replaces_attention)
     other = model_config("tiny-qwen3-next")
-    other.model_type = "qwen3_5_text"  # another family's gated delta nets: not routed yet
+    other.model_type = "kimi_linear"  # another family's delta attention: not routed yet
     with pytest.raises(UnsupportedModelError, match="gated delta net"):
         check_attention_supported(other, 64, replaces_attention=True)

@@ -49,7 +49,7 @@ def state_specs(config: Any, dtype: torch.dtype) -> list[RecurrentStateSpec | No
 def _spec(text: Any, model_type: str, dtype: torch.dtype) -> RecurrentStateSpec:
     if model_type == "lfm2":
         return RecurrentStateSpec((StatePart("conv", (text.hidden_size, text.conv_L_cache), dtype),))
-    key_dim = text.linear_key_head_dim * text.linear_num_key_heads  # qwen3_next's gated delta net
+    key_dim = text.linear_key_head_dim * text.linear_num_key_heads  # a gated delta net's (Qwen3-Next, 3.5)
     conv_dim = 2 * key_dim + text.linear_value_head_dim * text.linear_num_value_heads
     return RecurrentStateSpec((
         StatePart("conv", (conv_dim, text.linear_conv_kernel_dim), dtype),
@@ -59,8 +59,12 @@ def _spec(text: Any, model_type: str, dtype: torch.dtype) -> RecurrentStateSpec:
 
 def is_state_mixer(module: nn.Module) -> bool:
     """Whether ``module`` is a recurrent mixer the engine routes (LFM2's ``Lfm2ShortConv``,
-    Qwen3-Next's ``Qwen3NextGatedDeltaNet``)."""
-    return type(module).__name__ in ("Lfm2ShortConv", "Qwen3NextGatedDeltaNet")
+    Qwen3-Next's and Qwen3.5's gated delta nets)."""
+    return type(module).__name__ in STATE_MIXERS
+
+
+# the mixer classes routed (Qwen3.5's text model shares Qwen3-Next's gated delta net code)
+STATE_MIXERS = ("Lfm2ShortConv", "Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet")
 
 
 def takes_cache(module_class: type) -> bool:

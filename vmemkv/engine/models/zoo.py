@@ -19,6 +19,11 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, DeepseekV2Config,
                           Gemma2Config, LlamaConfig, Lfm2Config, MiniCPM3Config, MistralConfig,
                           PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3NextConfig)
 
+try:  # Qwen3.5 is newer than some transformers the engine runs on (5.17)
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+except ImportError:
+    Qwen3_5TextConfig = None
+
 from vmemkv.errors import ConfigError
 from vmemkv.engine.models.hub import REAL_MODELS, ensure_real_model, hub_config, load_from_hub_cache
 
@@ -103,6 +108,15 @@ BUILTIN_MODELS: dict[str, PretrainedConfig] = {
                                        layer_types=["linear_attention", "full_attention"] * 2,
                                        max_position_embeddings=TINY_MAX_POSITIONS,
                                        initializer_range=0.1),
+    # Qwen3.5's text model: Qwen3-Next's gated delta nets with dense feed-forwards.
+    **({} if Qwen3_5TextConfig is None else {"tiny-qwen3.5": Qwen3_5TextConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                                      linear_num_value_heads=4, linear_key_head_dim=16,
+                                      linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                                      layer_types=["linear_attention", "full_attention"] * 2,
+                                      max_position_embeddings=TINY_MAX_POSITIONS,
+                                      initializer_range=0.1)}),
     # The shapes of real models, random weights, for benchmarks.
     "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                 num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
