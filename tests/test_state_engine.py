@@ -13,6 +13,7 @@ from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 from vmemkv.engine import SamplingParams
+from vmemkv.engine.distributed.sharding import check_shardable
 from vmemkv.engine.models.hf_support import check_attention_supported
 from vmemkv.engine.models.state_mixers import state_specs, takes_cache
 from vmemkv.engine.models.zoo import BUILTIN_MODELS, model_config
@@ -94,9 +95,11 @@ def test_no_prefix_hits_yet_and_tokens_still_match():
     assert_clean(engine)
 
 
-def test_block_tables_and_other_state_families_are_refused():
+def test_block_tables_tensor_parallel_and_other_state_families_are_refused():
     with pytest.raises(ConfigError, match="kv_backend='vmem'"):
         make_engine("tiny-lfm2", kv_backend="paged")
+    with pytest.raises(UnsupportedModelError, match="recurrent state.*tensor_parallel_size=1"):
+        check_shardable(model_config("tiny-qwen3-next"), 2)
     for replaces_attention, served in ((True, True), (False, False)):  # the engine, VmemkvCache
         for name in STATE_MODELS:
             config = model_config(name)
@@ -109,3 +112,12 @@ def test_block_tables_and_other_state_families_are_refused():
     other.model_type = "kimi_linear"  # another family's delta attention: not routed yet
     with pytest.raises(UnsupportedModelError, match="gated delta net"):
         check_attention_supported(other, 64, replaces_attention=True)
+
+
+def test_vmemkv_cache_refuses_them_when_the_cache_is_built_naming_the_layer_kind():
+    from vmemkv_transformers.model import manager_for
+
+    from test_engine_correctness import reference_model
+
+    with pytest.raises(UnsupportedModelError, match="'conv' layers .*short convolution state"):
+        manager_for(reference_model("tiny-lfm2"), 2, 64)

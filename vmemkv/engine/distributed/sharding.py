@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from vmemkv.errors import ConfigError, UnsupportedModelError
-from vmemkv.engine.models.hf_support import kv_shape, latent_dims, text_config
+from vmemkv.engine.models.hf_support import STATE_MODEL_TYPES, kv_shape, latent_dims, text_config
 
 
 def check_shardable(model_config, size: int) -> None:
@@ -38,6 +38,10 @@ def check_shardable(model_config, size: int) -> None:
             f"tensor_parallel_size={size}: this model's multi-head latent attention caches one "
             "latent row per token that every head reads, which vmemkv does not split across ranks; "
             "use tensor_parallel_size=1")
+    if getattr(text, "model_type", None) in STATE_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"tensor_parallel_size={size}: this model's recurrent state layers keep a state per "
+            "request that vmemkv does not split across ranks yet; use tensor_parallel_size=1")
     if not getattr(text, "base_model_tp_plan", None):
         raise UnsupportedModelError(
             f"tensor_parallel_size={size}: transformers has no tensor-parallel plan for "
