@@ -16,15 +16,13 @@ layout; bytes alone for the decompressed one, which vmemkv does not build).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import write_results  # noqa: E402
+from machine import report_main  # noqa: E402
 
 from vmemkv import CacheConfig  # noqa: E402
 
@@ -84,15 +82,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--out", type=Path, help="write mla_bytes.md and mla_bytes.json here")
-    args = parser.parse_args(argv)
-    result = report()
-    if args.out:
-        write_results(args.out, "mla_bytes", result, markdown(result))
-    print(json.dumps(result) if args.json else markdown(result), end="" if not args.json else "\n")
-    return 0
+    return report_main("mla_bytes", __doc__.split("\n\n")[0], report, markdown, argv)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import inspect
 
-from vmemkv import KVCacheManager
-from vmemkv.cache.kv_spec import KVCacheSpec
+from vmemkv import KVCacheManager, KVCacheSpec
 from vmemkv.engine import make_kv_manager
 from vmemkv.engine.models.hf_support import cache_config_for, check_attention_supported, storing_layers
 
