@@ -18,8 +18,6 @@ state in float32 where the model computes it so (Qwen3-Next's delta rule); Nemot
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -27,7 +25,7 @@ import torch
 from transformers import Qwen3NextConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import write_results  # noqa: E402
+from machine import report_main  # noqa: E402
 
 from vmemkv import CacheConfig  # noqa: E402
 from vmemkv.cache.group import RecurrentStateGroup  # noqa: E402
@@ -103,15 +101,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--out", type=Path, help="write state_bytes.md and state_bytes.json here")
-    args = parser.parse_args(argv)
-    result = report()
-    if args.out:
-        write_results(args.out, "state_bytes", result, markdown(result))
-    print(json.dumps(result) if args.json else markdown(result), end="" if not args.json else "\n")
-    return 0
+    return report_main("state_bytes", __doc__.split("\n\n")[0], report, markdown, argv)
 
 
 if __name__ == "__main__":
