@@ -1,5 +1,5 @@
 """Recurrent hybrids in the engine (tiny LFM2: short convolutions; tiny Qwen3-Next and Qwen3.5's
-text model: gated delta nets): each state layer's state is a slot of its state group, the model's own mixer runs once per
+text model: gated delta nets; tiny Granite-4.0-H: Mamba2): each state layer's state is a slot of its state group, the model's own mixer runs once per
 sequence of the packed batch over it, and the greedy tokens equal Hugging Face ``generate`` with
 chunked prefill, ``n > 1`` (the state forked), and preemption by swap (the state copied out and
 back) and by recompute (dropped). No prefix hits: a state at a prompt's prefix is not kept yet."""
@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridMambaLayer
 from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
@@ -16,19 +17,19 @@ from vmemkv.engine import SamplingParams
 from vmemkv.engine.distributed.sharding import check_shardable
 from vmemkv.engine.models.hf_support import check_attention_supported
 from vmemkv.engine.models.state_mixers import state_specs, takes_cache
-from vmemkv.engine.models.zoo import BUILTIN_MODELS, model_config
+from vmemkv.engine.models.zoo import BUILTIN_MODELS, load_model, model_config
 from vmemkv.errors import ConfigError, UnsupportedModelError
 
 from test_engine_correctness import assert_clean, greedy, make_engine, prompts, run
 from test_mla_engine import assert_matches_hf, hf_greedy
 
-STATE_MODELS = ["tiny-lfm2", "tiny-qwen3-next"]
+STATE_MODELS = ["tiny-lfm2", "tiny-qwen3-next", "tiny-granite-hybrid"]
 QWEN3_5 = pytest.mark.skipif("tiny-qwen3.5" not in BUILTIN_MODELS,
                              reason=f"transformers {transformers.__version__} has no Qwen3.5")
 pytestmark = pytest.mark.skipif(
-    not (takes_cache(Lfm2ShortConv) and takes_cache(Qwen3NextGatedDeltaNet)),
-    reason=f"transformers {transformers.__version__}'s LFM2 / Qwen3-Next mixers take their state "
-           "in another form than `cache` (the engine refuses them at load)")
+    not all(map(takes_cache, (Lfm2ShortConv, Qwen3NextGatedDeltaNet, GraniteMoeHybridMambaLayer))),
+    reason=f"transformers {transformers.__version__}'s LFM2 / Qwen3-Next / Granite-4.0-H mixers "
+           "take their state in another form than `cache` (the engine refuses them at load)")
 
 
 @pytest.mark.parametrize("model", [*STATE_MODELS, pytest.param("tiny-qwen3.5", marks=QWEN3_5)])
@@ -41,12 +42,23 @@ def test_ragged_chunked_batch_matches_hf(model):
     assert_clean(engine)
 
 
-def test_the_state_groups_hold_the_models_shapes():
-    specs = state_specs(model_config("tiny-qwen3-next"), torch.bfloat16)
-    assert specs[1] is specs[3] is None
-    conv, recurrent = specs[0].parts
-    assert (conv.shape, conv.dtype) == ((2 * 2 * 16 + 4 * 16, 4), torch.bfloat16)
-    assert (recurrent.shape, recurrent.dtype) == ((4, 16, 16), torch.float32)
+@pytest.mark.parametrize("model", [*STATE_MODELS, pytest.param("tiny-qwen3.5", marks=QWEN3_5)])
+def test_the_specs_are_the_states_transformers_keeps(model):
+    """Each state layer's parts have the shapes and dtypes transformers' own cache holds after a
+    bf16 prefill (the delta-rule and SSM states in float32)."""
+    hf, _ = load_model(model, dtype=torch.bfloat16)
+    cache = hf(torch.tensor([[1, 2, 3, 4, 5]]), use_cache=True).past_key_values
+    specs = state_specs(hf.config, torch.bfloat16)
+    assert any(specs) and not all(specs)
+    for layer, spec in enumerate(specs):
+        if spec is None:
+            continue
+        held = [cache.layers[layer].conv_states[0], cache.layers[layer].recurrent_states[0]]
+        held = [tensor for tensor in held if tensor is not None]
+        assert [(tuple(t.shape[1:]), t.dtype) for t in held] == [(p.shape, p.dtype) for p in spec.parts]
+
+
+def test_the_state_group_follows_the_attention_group():
     engine = make_engine("tiny-lfm2")
     state = engine.manager.groups[1]
     assert state.layers == (0, 2) and engine.manager.groups[0].layers == (1,)
@@ -67,6 +79,7 @@ def test_parallel_sampling_forks_the_state(model):
 
 @pytest.mark.parametrize("model,mode", [("tiny-lfm2", "swap"), ("tiny-lfm2", "recompute"),
                                         ("tiny-qwen3-next", "swap"), ("tiny-qwen3-next", "recompute"),
+                                        ("tiny-granite-hybrid", "swap"), ("tiny-granite-hybrid", "recompute"),
                                         pytest.param("tiny-qwen3.5", "swap", marks=QWEN3_5)])
 def test_preemption_matches_hf(model, mode):
     probe = make_engine(model)

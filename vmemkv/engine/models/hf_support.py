@@ -48,7 +48,8 @@ _STATE_KINDS = {"mamba": "Mamba / SSM state", "linear_attention": "linear attent
 
 # Models whose recurrent mixers the engine runs per sequence over their state in the cache
 # (vmemkv.engine.models.state_mixers), with the kind of their state layers.
-STATE_MODEL_TYPES = {"lfm2": "conv", "qwen3_next": "linear_attention", "qwen3_5_text": "linear_attention"}
+STATE_MODEL_TYPES = {"lfm2": "conv", "qwen3_next": "linear_attention", "qwen3_5_text": "linear_attention",
+                     "granitemoehybrid": "linear_attention"}  # (Granite-4.0-H's Mamba2 layers)
 
 # Multi-head latent attention whose attention module the engine runs from the latent rows
 # (vmemkv.engine.models.latent_attention) and whose own code hands VmemkvCache the latent.

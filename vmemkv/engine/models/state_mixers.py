@@ -1,5 +1,6 @@
-"""The engine's recurrent mixers: LFM2's short convolutions and Qwen3-Next's gated delta nets,
-run by the model's own code over each sequence's state in the KV cache.
+"""The engine's recurrent mixers: LFM2's short convolutions, Qwen3-Next's and Qwen3.5's gated
+delta nets, Granite-4.0-H's Mamba2 layers, run by the model's own code over each sequence's state
+in the KV cache.
 
 The engine calls the model on one packed batch (``[1, T]``: every sequence's new tokens side by
 side); a convolution or a delta rule would run that batch as one sequence. So
@@ -15,7 +16,8 @@ a decode step runs one token. Called outside the engine a module runs its own fo
 :func:`state_specs` gives each layer's ``RecurrentStateSpec`` (None: attention) in the shapes
 and dtypes transformers keeps them: the conv window ``[channels, kernel]`` in the model's dtype
 (transformers keeps the whole kernel's inputs, the first of them unused), the delta-rule state
-``[value heads, key dim, value dim]`` in float32.
+``[value heads, key dim, value dim]`` and Mamba2's SSM state ``[heads, head dim, state]`` in
+float32.
 """
 
 from __future__ import annotations
@@ -49,6 +51,12 @@ def state_specs(config: Any, dtype: torch.dtype) -> list[RecurrentStateSpec | No
 def _spec(text: Any, model_type: str, dtype: torch.dtype) -> RecurrentStateSpec:
     if model_type == "lfm2":
         return RecurrentStateSpec((StatePart("conv", (text.hidden_size, text.conv_L_cache), dtype),))
+    if model_type == "granitemoehybrid":  # Mamba2: a conv window over x, B and C; an SSM state per head
+        state = text.mamba_d_state
+        conv_dim = int(text.mamba_expand * text.hidden_size) + 2 * text.mamba_n_groups * state
+        return RecurrentStateSpec((
+            StatePart("conv", (conv_dim, text.mamba_d_conv), dtype),
+            StatePart("ssm", (text.mamba_n_heads, text.mamba_d_head, state), torch.float32)))
     key_dim = text.linear_key_head_dim * text.linear_num_key_heads  # a gated delta net's (Qwen3-Next, 3.5)
     conv_dim = 2 * key_dim + text.linear_value_head_dim * text.linear_num_value_heads
     return RecurrentStateSpec((
@@ -59,12 +67,13 @@ def _spec(text: Any, model_type: str, dtype: torch.dtype) -> RecurrentStateSpec:
 
 def is_state_mixer(module: nn.Module) -> bool:
     """Whether ``module`` is a recurrent mixer the engine routes (LFM2's ``Lfm2ShortConv``,
-    Qwen3-Next's and Qwen3.5's gated delta nets)."""
+    Qwen3-Next's and Qwen3.5's gated delta nets, Granite-4.0-H's Mamba2 layer)."""
     return type(module).__name__ in STATE_MIXERS
 
 
 # the mixer classes routed (Qwen3.5's text model shares Qwen3-Next's gated delta net code)
-STATE_MIXERS = ("Lfm2ShortConv", "Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet")
+STATE_MIXERS = ("Lfm2ShortConv", "Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet",
+                "GraniteMoeHybridMambaLayer")
 
 
 def takes_cache(module_class: type) -> bool:

@@ -16,7 +16,7 @@ from typing import NoReturn
 
 import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DeepseekV2Config, DeepseekV3Config,
-                          Gemma2Config, LlamaConfig, Lfm2Config, MiniCPM3Config, MistralConfig,
+                          Gemma2Config, GraniteMoeHybridConfig, LlamaConfig, Lfm2Config, MiniCPM3Config, MistralConfig,
                           PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3NextConfig)
 
 try:  # Qwen3.5 is newer than some transformers the engine runs on (5.17)
@@ -117,6 +117,14 @@ BUILTIN_MODELS: dict[str, PretrainedConfig] = {
                                       layer_types=["linear_attention", "full_attention"] * 2,
                                       max_position_embeddings=TINY_MAX_POSITIONS,
                                       initializer_range=0.1)}),
+    # Granite-4.0-H's architecture: Mamba2 layers (a conv window and a float32 SSM state per
+    # head) between attention layers.
+    "tiny-granite-hybrid": GraniteMoeHybridConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=16,
+        mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=1, num_local_experts=0,
+        shared_intermediate_size=256, layer_types=["linear_attention", "full_attention"] * 2,
+        max_position_embeddings=TINY_MAX_POSITIONS, initializer_range=0.1),
     # The shapes of real models, random weights, for benchmarks.
     "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                 num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
