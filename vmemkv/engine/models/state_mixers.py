@@ -6,7 +6,9 @@ The engine calls the model on one packed batch (``[1, T]``: every sequence's new
 side); a convolution or a delta rule would run that batch as one sequence. So
 :func:`route_state_mixers` gives each such module a forward that splits the packed hidden states
 by the step's spans (the attention's ``spans``) and calls the module's own forward once per
-sequence, with a :class:`SlotState` in place of transformers' cache: the methods the mixer calls
+sequence (and once for all decoding sequences, as a batch of one token each, their states
+gathered from their slots and written back), with a :class:`SlotState` in place of transformers'
+cache: the methods the mixer calls
 (``get_conv_state``, ``update_conv_state``, ``get_recurrent_state``, ``update_recurrent_state``)
 read and write that sequence's slot of the layer's state (``KVCacheManager.state_views``), as
 transformers' ``LinearAttentionLayer`` does its own tensors. A sequence with nothing computed yet
@@ -105,23 +107,46 @@ def _state_forward(module: nn.Module, hidden_states: torch.Tensor, *args, **kwar
     kwargs.pop("cache", None)
     kwargs.pop("attention_mask", None)  # the spans are the sequences: nothing is padding
     views = attention.state_views(module.layer_idx)
-    outputs = []
-    for span in attention.spans:
-        rows = hidden_states[:, span.query_start:span.query_start + span.num_queries]
-        state = SlotState([view[span.slot] for view in views], fresh=span.num_cached == 0)
-        outputs.append(module.vmemkv_own_forward(rows, *args, cache=state, **kwargs))
+    spans = attention.spans
+    outputs: list = [None] * len(spans)
+    decodes = [i for i, span in enumerate(spans) if span.num_queries == 1 and span.num_cached]
+    if len(decodes) > 1:  # one call for every decoding sequence: a batch of one token each
+        _decode_batch(module, hidden_states, views, [spans[i] for i in decodes], args, kwargs,
+                      outputs, decodes)
+    for i, span in enumerate(spans):
+        if outputs[i] is None:
+            rows = hidden_states[:, span.query_start:span.query_start + span.num_queries]
+            state = SlotState([view[span.slot:span.slot + 1] for view in views], fresh=span.num_cached == 0)
+            outputs[i] = module.vmemkv_own_forward(rows, *args, cache=state, **kwargs)
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 
+def _decode_batch(module, hidden_states, views, spans, args, kwargs, outputs, indices) -> None:
+    """The module's own forward over the decoding ``spans`` as a batch ``[B, 1, hidden]``, their
+    states gathered from their slots and written back after; each output row into ``outputs``
+    at its ``indices``."""
+    device = hidden_states.device
+    slots = torch.tensor([span.slot for span in spans], device=device)
+    rows = torch.tensor([span.query_start for span in spans], device=device)
+    parts = [view[slots] for view in views]  # gathered copies [B, *shape]
+    out = module.vmemkv_own_forward(hidden_states[0, rows].unsqueeze(1), *args,
+                                    cache=SlotState(parts, fresh=False), **kwargs)
+    for view, part in zip(views, parts):
+        view[slots] = part
+    for index, row in zip(indices, out):
+        outputs[index] = row.unsqueeze(0)
+
+
 class SlotState:
-    """One sequence's state of one layer as transformers' cache hands it to a mixer (the
-    methods ``LinearAttentionLayer`` answers, for state 0): ``parts`` are the slot's views, the
-    conv window first and then the recurrent state if the layer has one. ``fresh``: the
-    sequence has no previous state (nothing computed yet)."""
+    """The state of one layer of a batch of sequences as transformers' cache hands it to a mixer
+    (the methods ``LinearAttentionLayer`` answers, for state 0): ``parts`` are ``[B, *shape]``,
+    the conv window first and then the recurrent state if the layer has one (one sequence: a
+    view of its slot, so writes go there; a decode batch: copies, written back by the caller).
+    ``fresh``: the sequences have no previous state (nothing computed yet)."""
 
     def __init__(self, parts: list[torch.Tensor], fresh: bool):
-        self.conv = parts[0][None]  # [1, channels, kernel]: writes go to the slot
-        self.recurrent = parts[1][None] if len(parts) > 1 else None
+        self.conv = parts[0]
+        self.recurrent = parts[1] if len(parts) > 1 else None
         self.fresh = fresh
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
