@@ -39,6 +39,7 @@ QUICK_TESTS=(
   tests/test_window_release.py
   tests/test_host_tier_engine.py
   tests/test_unsupported_attention.py     # the attention kinds refused at load time
+  tests/test_state_engine.py              # recurrent hybrids against HF (skip where mixers lack `cache`)
   tests/test_integration_transformers.py  # VmemkvCache in model.generate()
   tests/test_triton_decode.py             # the Triton kernels under triton 3.6's interpreter
   tests/test_first_contact.py             # imports without the optional packages

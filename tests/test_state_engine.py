@@ -134,3 +134,18 @@ def test_vmemkv_cache_refuses_them_when_the_cache_is_built_naming_the_layer_kind
 
     with pytest.raises(UnsupportedModelError, match="'conv' layers .*short convolution state"):
         manager_for(reference_model("tiny-lfm2"), 2, 64)
+
+
+def test_a_mixer_taking_its_state_another_way_is_refused_at_load():
+    """transformers before the `cache` argument (5.17 passes the state otherwise): refused, not
+    run without its state."""
+    from vmemkv.engine.models.state_mixers import route_state_mixers
+
+    class Lfm2ShortConv(torch.nn.Module):  # the older signature
+        def forward(self, hidden_states, past_key_values=None, attention_mask=None):
+            return hidden_states
+
+    model = torch.nn.Sequential(Lfm2ShortConv())
+    with pytest.raises(UnsupportedModelError, match="Lfm2ShortConv takes its state in another form"):
+        route_state_mixers(model)
+    assert not hasattr(model[0], "vmemkv_own_forward")  # nothing was routed
