@@ -9,7 +9,7 @@ import torch
 from vmemkv import CacheConfig, ConfigError, KVCacheManager
 from vmemkv.cache.coordinator import GROUP_CLASSES
 from vmemkv.cache.group import RecurrentStateGroup
-from vmemkv.cache.kv_spec import RecurrentStateSpec, StatePart
+from vmemkv import RecurrentStateSpec, StatePart
 
 from conftest import manager_state
 
