@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vmemkv import CacheConfig, ConfigError, KVCacheManager
+from vmemkv import CacheConfig, ConfigError, KVCacheManager, RecurrentStateSpec, StatePart
 from vmemkv.cache.coordinator import GROUP_CLASSES
 from vmemkv.cache.group import RecurrentStateGroup
-from vmemkv import RecurrentStateSpec, StatePart
 
 from conftest import manager_state
 
