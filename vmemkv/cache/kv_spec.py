@@ -25,11 +25,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, ClassVar
-
-import torch
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 from vmemkv.errors import ConfigError
+
+if TYPE_CHECKING:  # not imported at run time: `vmemkv --help` reads the A/B's workloads, which read specs
+    import torch
 
 
 class KVCacheSpec:
@@ -213,11 +214,11 @@ class StatePart:
 
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: "torch.dtype"
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 STATE_ALIGNMENT = 64  # each part starts on a 64-byte boundary (vector loads, any dtype)
