@@ -166,7 +166,7 @@ def run_ab(args: argparse.Namespace) -> int:
         args.workloads = ",".join(default_workloads(args.model))
     workloads = _names(args.workloads, WORKLOADS, "workload(s)")
     if args.variants is None:
-        args.variants = ",".join(default_variants(workloads))
+        args.variants = ",".join(default_variants(workloads, args.model))
     variants = _names(args.variants, VARIANTS, "variant(s)")
     repeats = args.repeats if args.repeats is not None else 1 if args.quick else DEFAULT_REPEATS
     if repeats < 1:
