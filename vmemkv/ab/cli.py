@@ -56,7 +56,8 @@ def add_ab_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", default=None,
                         help=f"comma-separated, from {', '.join(VARIANTS)} (default: "
                              f"{','.join(DEFAULT_VARIANTS)}, and {','.join(KEEP_VARIANTS)} with "
-                             "a sliding-window workload: window, hybrid)")
+                             "a sliding-window workload: window, hybrid; the vmem ones only on a "
+                             "model keeping recurrent state, such as tiny-qwen3-next)")
     parser.add_argument("--repeats", type=int, default=None,
                         help=f"timed runs per variant and workload (default {DEFAULT_REPEATS}; "
                              "1 with --quick)")
