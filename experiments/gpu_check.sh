@@ -67,15 +67,17 @@ declare -A LIMIT=(
                         #   float64 SDPA and the Triton kernel (about 8 first compilations, 1-2 s
                         #   each), and 2 engine runs of tiny-llama
   [triton_gpu]=30       # 20 s: 6 cases, about 8 compilations of the decode and combine kernels
-  [engine_gpu]=50       # 40 s: 14 tests, ~18 engine runs against HF generate: test_window_release_gpu six of
+  [engine_gpu]=50       # 45 s: 21 tests, ~22 engine runs against HF generate: test_window_release_gpu six of
                         #   ~600 decode steps (tiny models: 3-5 ms a step, launch-bound), the rest
-                        #   ~45-160 steps each, plus the Triton kernel's window/soft-cap variants
+                        #   ~45-160 steps each, plus the Triton kernel's window/soft-cap variants;
+                        #   test_state_gpu: a state group's pages forked and swapped (ms), and
+                        #   tiny-lfm2 / tiny-qwen3-next (mixers per sequence: ~40 steps) against HF
   [ab_quick]=25         # 15 s: 3 workloads x 2 variants, one repeat, tiny-llama on 2 MiB pages
   [bench_mapping]=8     # 4 s: map/unmap of a few hundred 2 MiB pages, 3 repeats
   [bench_kernels]=13    # 10 s: 12 shapes x 2 kernels by do_bench, buffers up to 8 GiB, 2 compilations
 )
 declare -A GPU_ESTIMATE=(
-  [install]=8 [environment]=6 [vmm_cuda]=10 [flash_gpu]=25 [triton_gpu]=20 [engine_gpu]=40
+  [install]=8 [environment]=6 [vmm_cuda]=10 [flash_gpu]=25 [triton_gpu]=20 [engine_gpu]=45
   [ab_quick]=15 [bench_mapping]=4 [bench_kernels]=10
 )
 # Each pytest step's arguments. Every GPU test is selected by one of them (tests/test_first_contact.py
@@ -85,7 +87,8 @@ declare -A TEST_ARGS=(
   [vmm_cuda]="tests/test_vmm_cuda.py $HOST_TIER_GPU"
   [flash_gpu]="-m gpu tests/test_flash_attention_gpu.py"
   [triton_gpu]="-m gpu tests/test_triton_decode.py"
-  [engine_gpu]="-m gpu tests/test_gpu_engine.py tests/test_hybrid_gpu.py tests/test_window_release_gpu.py"
+  [engine_gpu]="-m gpu tests/test_gpu_engine.py tests/test_hybrid_gpu.py tests/test_window_release_gpu.py
+              tests/test_state_gpu.py"
 )
 # The A/B's workloads: its two checks (prefix hits, preemption) and copy-on-write forks.
 AB_WORKLOADS="${GPU_CHECK_AB_WORKLOADS:-shared-prefix,pressure,parallel-n4}"

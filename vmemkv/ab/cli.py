@@ -56,7 +56,8 @@ def add_ab_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", default=None,
                         help=f"comma-separated, from {', '.join(VARIANTS)} (default: "
                              f"{','.join(DEFAULT_VARIANTS)}, and {','.join(KEEP_VARIANTS)} with "
-                             "a sliding-window workload: window, hybrid)")
+                             "a sliding-window workload: window, hybrid; the vmem ones only on a "
+                             "model keeping recurrent state, such as tiny-qwen3-next)")
     parser.add_argument("--repeats", type=int, default=None,
                         help=f"timed runs per variant and workload (default {DEFAULT_REPEATS}; "
                              "1 with --quick)")
@@ -166,7 +167,7 @@ def run_ab(args: argparse.Namespace) -> int:
         args.workloads = ",".join(default_workloads(args.model))
     workloads = _names(args.workloads, WORKLOADS, "workload(s)")
     if args.variants is None:
-        args.variants = ",".join(default_variants(workloads))
+        args.variants = ",".join(default_variants(workloads, args.model))
     variants = _names(args.variants, VARIANTS, "variant(s)")
     repeats = args.repeats if args.repeats is not None else 1 if args.quick else DEFAULT_REPEATS
     if repeats < 1:

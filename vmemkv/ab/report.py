@@ -28,6 +28,7 @@ COLUMNS = (
     ("fit", "requests_fit", "{:.0f}", 1.0),
     ("frag %", "internal_fragmentation", "{:.1f}", 100.0),
     ("hit %", "prefix_hit_rate", "{:.1f}", 100.0),
+    ("tokens computed", "tokens_computed", "{:.0f}", 1.0),
     ("preempt", "preemptions", "{:.0f}", 1.0),
     ("map calls", "map_calls", "{:.0f}", 1.0),
     ("mapping %", "mapping_share", "{:.2f}", 100.0),
@@ -355,6 +356,9 @@ def markdown(result: dict) -> str:
               ("- peak KV MiB: the most pool pages held at once x page bytes; frag %: bytes held by "
               "running sequences past the bytes their tokens fill, over the bytes filled "
               "(averaged over steps)."),
+              ("- hit %: prompt tokens served by prefix hits, over prompt tokens; tokens computed: "
+              "positions the forward passes computed (prompt tokens not hit, recomputed ones after "
+              "a preemption, one per output token after the first)."),
               ("- mapping %: backend map/unmap time on the step thread plus time the step waited "
               "for the lookahead mapping worker, over step time. KV mgr %: all KV-manager "
               "operations on the step thread (admission, prefix queries, growth, commit, free, "

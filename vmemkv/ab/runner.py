@@ -28,7 +28,7 @@ from vmemkv.engine.core.llm_engine import LLMEngine
 from vmemkv.engine.core.metrics import percentile
 from vmemkv.engine.models.zoo import load_model
 from vmemkv.engine.core.sampling_params import SamplingParams
-from vmemkv.ab.variants import REFERENCE_VARIANT, VARIANTS, Variant
+from vmemkv.ab.variants import REFERENCE_VARIANT, VARIANTS, Variant, check_variants
 from vmemkv.ab.workloads import Workload, make_workload
 
 
@@ -47,7 +47,7 @@ METRIC_KEYS = (
     "map_calls", "unmap_calls", "pages_mapped", "map_calls_saved",
     "backend_map_seconds", "backend_unmap_seconds", "map_background_seconds", "map_wait_seconds",
     "map_hidden_seconds", "inline_map_seconds", "manager_seconds",
-    "num_steps", "step_seconds", "attention_seconds",
+    "num_steps", "tokens_computed", "step_seconds", "attention_seconds",
     "attention_share", "mapping_share", "mapping_share_engine", "kv_manager_share",
 )
 
@@ -152,7 +152,7 @@ def _metrics(workload: Workload, stats: dict,
                 "preemptions_swap", "preemptions_recompute", "evictions", "forks", "blocks_copied",
                 "map_calls", "unmap_calls", "pages_mapped", "map_calls_saved",
                 "backend_map_seconds", "backend_unmap_seconds", "map_background_seconds",
-                "map_wait_seconds", "map_hidden_seconds", "num_steps", "step_seconds",
+                "map_wait_seconds", "map_hidden_seconds", "num_steps", "tokens_computed", "step_seconds",
                 "attention_seconds"):
         m[key] = float(stats.get(key, 0.0))
     m["peak_kv_mib"] = m["peak_kv_bytes"] / 2**20
@@ -262,6 +262,7 @@ def run_experiment(workloads: list[str], variants: list[str], repeats: int = 3, 
         model, tokenizer = load_model(model_name, seed=seed, device=device)
         for name in workloads:
             make_workload(name, seed, quick).check_model(model)
+        check_variants(variants, model.config, model_name)
         warmup = _warmup_workload()
         total = len(variants) * (1 + len(workloads) * repeats)
         runs: list[RunResult] = []

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from vmemkv.ab.workloads import make_workload
 
 
@@ -50,8 +52,31 @@ DEFAULT_VARIANTS = ("vmem", "paged", "vmem-per-layer", "paged-per-layer")
 KEEP_VARIANTS = ("vmem-keep", "paged-keep")
 
 
-def default_variants(workloads: list[str]) -> list[str]:
+def default_variants(workloads: list[str], model_name: str = "tiny-llama") -> list[str]:
     """Every layout and backend; with a sliding-window workload, the keep-every-block variants
-    too (on the others they would only repeat vmem and paged)."""
+    too (on the others they would only repeat vmem and paged); on a model keeping recurrent state,
+    the virtual-memory variants only (see ``check_variants``)."""
+    from vmemkv.engine.models.zoo import model_config
+
     windowed = any(make_workload(name, quick=True).sliding_window is not None for name in workloads)
-    return list(DEFAULT_VARIANTS) + (list(KEEP_VARIANTS) if windowed else [])
+    names = list(DEFAULT_VARIANTS) + (list(KEEP_VARIANTS) if windowed else [])
+    if keeps_recurrent_state(model_config(model_name)):
+        names = [name for name in names if VARIANTS[name].kv_backend == "vmem"]
+    return names
+
+
+def keeps_recurrent_state(config) -> bool:
+    from vmemkv.engine.models.state_mixers import state_specs
+
+    return state_specs(config, torch.float32) is not None
+
+
+def check_variants(variants: list[str], config, model_name: str) -> None:
+    """A recurrent state is kept in virtual memory only (one contiguous range per slot): the
+    block-table variants cannot run such a model, so the A/B says so before anything runs."""
+    paged = [name for name in variants if VARIANTS[name].kv_backend != "vmem"]
+    if paged and keeps_recurrent_state(config):
+        vmem = [name for name in VARIANTS if VARIANTS[name].kv_backend == "vmem"]
+        raise ValueError(f"{model_name} keeps a recurrent state per request, which is kept in virtual "
+                         f"memory only: the block-table variant(s) {', '.join(paged)} cannot run it; "
+                         f"choose --variants from {', '.join(vmem)}")

@@ -177,6 +177,7 @@ class LLMEngine:
         self.elastic = ElasticMemory(self.scheduler, model, config.idle_release_seconds, reload)
         self.step_seconds = 0.0
         self.num_steps = 0
+        self.tokens_computed = 0  # positions the forward passes computed: prompts (less prefix hits), recomputes, decodes
         self.peak_blocks_in_use = 0
         self.peak_kv_bytes = 0  # both layout groups' bytes where there are two
         self._fragmentation = [0, 0]  # sums over steps: bytes held past the tokens stored, bytes stored
@@ -287,6 +288,7 @@ class LLMEngine:
         self.scheduler.update(progress.result)
         self.step_seconds += time.perf_counter() - start
         self.num_steps += 1
+        self.tokens_computed += sum(item.num_new_tokens for item in plan.scheduled)
         self._record_memory()
         self._update_gauges()
         if self.kv_event_publisher is not None and (batch := self.kv_events.drain()):
@@ -366,7 +368,8 @@ class LLMEngine:
         return {**self.scheduler.kv_stats(), **timing, "preemptions": self.scheduler.num_preemptions,
                 # what one token holds per layer: K and V, or an MLA model's latent row
                 "kv_bytes_per_token_per_layer": self.addressing.views.layout.kv_bytes_per_token_per_layer,
-                "num_steps": self.num_steps, "attention_seconds": self.attention_seconds,
+                "num_steps": self.num_steps, "tokens_computed": self.tokens_computed,
+                "attention_seconds": self.attention_seconds,
                 "attention_copy_seconds": self.attention_copy_seconds,
                 "peak_kv_bytes": self.peak_kv_bytes,
                 "internal_fragmentation": wasted / stored if stored else 0.0,
