@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from vmemkv.ab.workloads import make_workload
 
 
@@ -66,6 +64,8 @@ def default_variants(workloads: list[str], model_name: str = "tiny-llama") -> li
 
 
 def keeps_recurrent_state(config) -> bool:
+    import torch  # here, not at import: `vmemkv --help` loads no torch
+
     from vmemkv.engine.models.state_mixers import state_specs
 
     return state_specs(config, torch.float32) is not None
