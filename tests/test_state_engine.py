@@ -116,6 +116,21 @@ def test_a_shared_prefix_continues_from_the_saved_state_and_tokens_still_match(m
     assert_clean(engine)
 
 
+def test_a_later_turn_continues_from_a_state_saved_while_decoding():
+    engine = make_engine("tiny-lfm2")
+    page = engine.manager.tokens_per_page
+    engine.close()
+    engine = make_engine("tiny-lfm2", state_cache_interval=page)
+    first = prompts(1, lengths=(page + 3,), offset=2)[0]
+    params = SamplingParams(max_tokens=2 * page, temperature=0, ignore_eos=True)
+    answer = run(engine, [first], params)[0].outputs[0].token_ids
+    turn = first + answer + [11, 12, 13, 14, 15]  # computed up to 3 pages + 2: saved at 3 pages
+    output = run(engine, [turn], params)[0]
+    assert output.num_cached_tokens == 3 * page
+    assert output.outputs[0].token_ids == hf_greedy("tiny-lfm2", tuple(turn), 2 * page)
+    assert_clean(engine)
+
+
 def test_without_saved_states_there_are_no_prefix_hits():
     engine = make_engine("tiny-lfm2", state_cache_interval=0)
     page = engine.manager.tokens_per_page
