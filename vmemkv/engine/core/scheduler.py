@@ -338,6 +338,8 @@ class Scheduler:
         chunk ending where a recurrent state is saved (the manager's ``aligned_chunk_end``)."""
         computed, num_tokens = kv.num_computed_tokens, len(kv.token_ids)
         end = min(num_tokens, computed + budget)
+        if end - computed <= 1:  # a decode step: nothing to cut (and no call per sequence)
+            return end - computed
         return self.manager.aligned_chunk_end(computed, end, num_tokens) - computed
 
     def _allocate(self, seq: Sequence, count: int) -> bool:
