@@ -22,9 +22,10 @@ boundaries fall inside blocks of 4 tokens. The latent machines run it on multi-h
 attention's memory (``CacheConfig.latent``: one row per token per layer, the MLA group), in both
 layouts. The state machine runs it on a hybrid of one full-attention layer and one layer of
 recurrent state (``RecurrentStateSpec``: its own group beside the attention group): each request's
-state is marked when it is admitted and must read back after forks (copied) and swaps, be zero
-when a request is admitted again, and every refusal leaves the state group as it was too; its
-reorders and truncations are refused (a state is not rewound).
+state is written before every commit as a function of its computed prefix (``prefix_mark``), and
+saved at every page (``state_cache_interval``); it must read back after forks (copied), swaps and
+prefix hits (the saved state of the hit's prefix, or zero without a hit), and every refusal leaves
+the state group as it was too; its reorders and truncations are refused (a state is not rewound).
 
 Both layouts, 2 x 100 runs of up to 80 steps (>= 10,000 steps in all, ~2-3 ms each here). A longer
 run is one command away: ``VMEMKV_MACHINE_RUNS=1000 python -m pytest -q
@@ -60,6 +61,12 @@ STATE_SPEC = RecurrentStateSpec((StatePart("conv", (6, 3), torch.bfloat16),
                                  StatePart("recurrent", (2, 4, 4), torch.float32)))
 
 
+def prefix_mark(token_ids: list[int]) -> int:
+    """The state a recurrent layer holds after ``token_ids`` (0 before any): one small integer
+    (exact in bfloat16), a function of the whole prefix, as a real state is."""
+    return 1 + hash(tuple(token_ids)) % 200 if token_ids else 0
+
+
 def make_config(layout: str, sliding_window: int | None = None,
                 attention_chunk_size: int | None = None, latent: bool = False) -> CacheConfig:
     # 1 layer x 2 heads x 128 dim x fp32 (or one latent row of 256): 4 tokens a block in both layouts
@@ -90,11 +97,11 @@ class ManagerMachine(RuleBasedStateMachine):
         layout = config.make_layout()
         self.backend = CpuBackend(layout.page_size, config.num_blocks * layout.pages_per_block)
         if self.state:  # layer 0 attends (the K/V patterns), layer 1 keeps a state
-            config = dataclasses.replace(config, num_layers=2)
+            # a state saved at every page: prefix hits continue from saved states
+            config = dataclasses.replace(config, num_layers=2, state_cache_interval=TOKENS_PER_PAGE)
             self.m = KVCacheManager(config, backend=self.backend, layer_windows=[None, STATE_SPEC])
         else:
             self.m = KVCacheManager(config, backend=self.backend)
-        self.marks: dict[str, int] = {}  # running and swapped requests: the mark in their state
         assert self.m.tokens_per_page == TOKENS_PER_PAGE
         assert (type(self.m.spec).__name__ == "MLALatentSpec") == self.latent
         self.tokens: dict[str, list[int]] = {}  # running and swapped requests: all token ids
@@ -126,16 +133,17 @@ class ManagerMachine(RuleBasedStateMachine):
         tables = {r: (group.block_table(self.m.request(r)), self.m.is_swapped(r)) for r in self.m.request_ids()}
         return state, tables, list(group.pool.ref), group.pool.free_queue(), group.swap.num_free
 
-    def mark_state(self, request_id: str) -> None:
-        """A new request's state is zero; write its mark."""
-        if not self.state:
-            return
+    def holds_state(self, request_id: str, token_ids: list[int]) -> bool:
+        """Whether the request's state is the one its computed ``token_ids`` give."""
         slot = self.m.slot_of(request_id)
-        views = self.m.state_views(1)
-        assert all(not view[slot].any() for view in views), f"{request_id}: a fresh state is not zero"
-        self.marks[request_id] = mark = self.next_id
-        for view in views:
-            view[slot] = mark
+        return all(bool((view[slot] == prefix_mark(token_ids)).all()) for view in self.m.state_views(1))
+
+    def write_state(self, request_id: str, token_ids: list[int]) -> None:
+        """Write the state computing ``token_ids`` gives (before the commit that may save it)."""
+        if self.state:
+            slot = self.m.slot_of(request_id)
+            for view in self.m.state_views(1):
+                view[slot] = prefix_mark(token_ids)
 
     def refused_without_change(self, call) -> None:
         before = self.snapshot()
@@ -168,11 +176,12 @@ class ManagerMachine(RuleBasedStateMachine):
             self.totals["refusals"] += 1
             return False
         assert cached % TOKENS_PER_PAGE == 0 and (cached < len(token_ids) or not token_ids)
-        if self.state:
-            assert cached == 0, "a request of a model with a state group got a prefix hit"
+        if self.state:  # zero, or the state saved where its prefix hit ends
+            assert self.holds_state(request_id, token_ids[:cached]), f"{request_id}: not its prefix's state"
+            self.totals["state_hits"] += cached > 0
         write_kv(m, request_id, cached, m.num_tokens(request_id))
+        self.write_state(request_id, token_ids[:m.num_tokens(request_id)])
         m.commit(request_id)
-        self.mark_state(request_id)
         self.tokens[request_id] = list(token_ids)
         self.reserved[request_id] = m.num_tokens(request_id)
         return True
@@ -202,6 +211,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if refused:
             return
         write_kv(self.m, request_id, start, start + chunk)
+        self.write_state(request_id, self.tokens[request_id][:start + chunk])
         self.m.commit(request_id)
         self.reserved[request_id] = start + chunk
 
@@ -230,6 +240,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert m.block_table(request_id)[: len(blocks)] == blocks
         assert len(m.block_table(request_id)) == len(blocks) + needed
         write_kv(m, request_id, n, n + 1)
+        self.write_state(request_id, self.tokens[request_id] + [token])
         m.commit(request_id)
         self.tokens[request_id].append(token)
         self.reserved[request_id] = n + 1
@@ -252,8 +263,6 @@ class ManagerMachine(RuleBasedStateMachine):
         assert forked
         state_blocks = m.groups[1].state_blocks if self.state else 0
         assert m.stats.blocks_copied == copied + partial + state_blocks
-        if self.state:
-            self.marks[child] = self.marks[parent]
         parent_blocks, child_blocks = m.block_table(parent), m.block_table(child)
         shared = -(-self.reserved[parent] // TOKENS_PER_PAGE) - partial  # lookahead not shared
         assert child_blocks[:shared] == parent_blocks[:shared]
@@ -297,7 +306,6 @@ class ManagerMachine(RuleBasedStateMachine):
     def free(self, data):
         request_id = data.draw(st.sampled_from(sorted(self.tokens)))
         self.m.free(request_id)
-        self.marks.pop(request_id, None)
         del self.tokens[request_id]
         self.reserved.pop(request_id, None)
         self.swapped.discard(request_id)
@@ -321,7 +329,6 @@ class ManagerMachine(RuleBasedStateMachine):
         else:
             assert request_id not in m.request_ids()
             self.waiting[request_id] = self.tokens.pop(request_id)
-            self.marks.pop(request_id, None)  # recompute drops the state
             del self.reserved[request_id]
 
     @precondition(lambda self: self.waiting)
@@ -432,9 +439,8 @@ class ManagerMachine(RuleBasedStateMachine):
             assert read_kv_matches(m, request_id, start=released * TOKENS_PER_PAGE), (
                 f"{request_id} reads K/V it did not write")
             if self.state:
-                slot = m.slot_of(request_id)
-                assert all(bool((view[slot] == self.marks[request_id]).all())
-                           for view in m.state_views(1)), f"{request_id} reads a state it did not write"
+                assert self.holds_state(request_id, self.tokens[request_id][:self.reserved[request_id]]), (
+                    f"{request_id} reads a state it did not write")
 
     def first_read(self, position: int) -> int:
         """The reference rule: the first key position a query at ``position`` reads."""
@@ -448,7 +454,7 @@ class ManagerMachine(RuleBasedStateMachine):
         stats = self.m.snapshot_stats()
         for key in ("prefix_hit_tokens", "reprefill_hit_tokens", "evictions", "forks",
                     "blocks_copied", "preemptions_swap", "preemptions_recompute", "swap_in_bytes",
-                    "blocks_released_behind_window"):
+                    "blocks_released_behind_window", "states_saved"):
             self.totals[key] += stats[key]
         try:
             assert_no_leaks(self.m)
@@ -587,7 +593,8 @@ def test_the_state_machines_forked_swapped_and_refused():
     if not TokenMajorStateMachine.steps or not PerLayerStateMachine.steps:
         pytest.skip("the state machines with a state group did not run in this pytest run")
     print(f"state group machines: {dict(totals)}")
-    for key in ("forks", "preemptions_swap", "swap_in_bytes", "preemptions_recompute", "refusals"):
+    for key in ("forks", "preemptions_swap", "swap_in_bytes", "preemptions_recompute", "refusals",
+                "state_hits", "states_saved"):
         assert totals[key] > 0, f"the walks with a state group never exercised {key}"
 
 

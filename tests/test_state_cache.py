@@ -19,7 +19,8 @@ SPEC = RecurrentStateSpec((StatePart("conv", (8, 3), torch.bfloat16),
 def make_manager(num_blocks=16, swap=True) -> KVCacheManager:
     config = CacheConfig(num_layers=4, num_kv_heads=2, head_dim=8, num_blocks=num_blocks,
                          max_num_seqs=3, max_model_len=64, dtype=torch.float32, device="cpu",
-                         tokens_per_page=4, hash_seed=b"state", swap_space_bytes=(1 << 20) if swap else 0)
+                         tokens_per_page=4, hash_seed=b"state", swap_space_bytes=(1 << 20) if swap else 0,
+                         state_cache_interval=16)  # 16 tokens a page here: a state saved at every page
     return KVCacheManager(config, layer_windows=[SPEC, None, SPEC, None])
 
 
@@ -49,7 +50,8 @@ def test_state_layers_form_a_group_after_the_attention_layers():
     with make_manager() as manager:
         attention, state = manager.groups
         assert attention.layers == (1, 3) and state.layers == (0, 2)
-        assert state.state_blocks == 1 and state.num_blocks == 3  # one page per slot here
+        # one page per slot here, and one per saved state (as many as slots)
+        assert state.state_blocks == 1 and state.num_blocks == 6
         views = manager.state_views(2)
         assert [tuple(v.shape) for v in views] == [(3, 8, 3), (3, 2, 4, 4)]
         assert [v.dtype for v in views] == [torch.bfloat16, torch.float32]
@@ -101,16 +103,86 @@ def test_fork_copies_the_state_and_swap_brings_it_back_bit_exact():
         manager.check()
 
 
-def test_recompute_drops_the_state_and_no_prefix_hits():
+def test_recompute_drops_the_state_and_hits_only_where_a_state_was_saved():
     with make_manager() as manager:
         manager.admit("a", list(range(40)))
         fill(manager, "a", 4)
-        manager.commit("a")
+        manager.commit("a")  # at 40: no save position
         assert manager.preempt("a", "recompute") == "recompute"
         assert manager.admit("a", list(range(40))) == 0  # nothing reused: the state is gone
         assert holds(manager, "a", 0)
         manager.commit("a")
         assert manager.admit("b", list(range(40))) == 0
+        manager.check()
+
+
+def test_a_hit_restores_the_exact_saved_bytes_into_its_own_state():
+    with make_manager() as manager:
+        manager.admit("a", list(range(40)), num_new_tokens=32)
+        fill(manager, "a", 1.5)
+        manager.commit("a")  # at 32: saved (and at no other position)
+        state = manager.groups[1]
+        assert manager.cache_stats().states_saved == 1 and state.num_cached_blocks == 1
+        assert manager.snapshot_stats()["state_bytes_per_saved_state"] == state.block_bytes
+        fill(manager, "a", 9)  # a's own state moves on; the saved copy does not
+        assert manager.admit("b", list(range(32)) + [7] * 8) == 32  # attention hit, cut to the state
+        assert holds(manager, "b", 1.5) and holds(manager, "a", 9)
+        fill(manager, "b", -1)  # b's copy is its own
+        assert manager.admit("c", list(range(36))) == 32
+        assert holds(manager, "c", 1.5)
+        assert manager.cache_stats().state_hits == 2 and state.num_cached_blocks == 1
+        manager.check()
+
+
+def test_a_hit_needs_the_attention_blocks_and_a_saved_state_at_one_position():
+    with make_manager() as manager:
+        manager.admit("a", list(range(40)), num_new_tokens=24)
+        manager.commit("a")  # 24: not a save position; blocks of 0..23 cached
+        assert manager.admit("b", list(range(30))) == 0  # attention would hit 24, no state
+        manager.free("b")
+        assert manager.allocate("a", 8)
+        manager.commit("a")  # 32: saved
+        assert manager.admit("c", list(range(16)) + [5] * 20) == 0  # state at 32, blocks only to 16
+        assert manager.admit("d", list(range(34)), max_cached_tokens=20) == 0  # capped before 32
+        manager.free("c")
+        manager.free("d")
+        assert manager.admit("e", list(range(34))) == 32
+        manager.check()
+
+
+def test_prefill_chunks_end_where_states_are_saved():
+    with make_manager() as manager:
+        assert manager.aligned_chunk_end(0, 40, 100) == 32
+        assert manager.aligned_chunk_end(0, 100, 100) == 96  # the last one before the last token
+        assert manager.aligned_chunk_end(32, 40, 100) == 40  # none in (32, 40]
+        assert manager.aligned_chunk_end(96, 100, 100) == 100
+        assert manager.admit("a", list(range(50)), token_budget=40) == 0
+        assert manager.num_tokens("a") == 32
+
+
+def test_no_saved_states_at_interval_zero_and_a_bad_interval_is_refused():
+    config = CacheConfig(num_layers=4, num_kv_heads=2, head_dim=8, num_blocks=16, max_num_seqs=3,
+                         max_model_len=64, dtype=torch.float32, device="cpu", tokens_per_page=4,
+                         state_cache_interval=0)
+    with KVCacheManager(config, layer_windows=[SPEC, None, SPEC, None]) as manager:
+        assert manager.groups[1].num_blocks == 3
+        manager.admit("a", list(range(40)), num_new_tokens=32)
+        manager.commit("a")
+        assert manager.admit("b", list(range(40))) == 0 and manager.aligned_chunk_end(0, 40, 100) == 40
+    config.state_cache_interval = 24
+    with pytest.raises(ConfigError, match="multiple of the 16 tokens per page"):
+        KVCacheManager(config, layer_windows=[SPEC, None, SPEC, None])
+
+
+def test_a_refused_admission_with_a_state_hit_changes_nothing():
+    with make_manager(num_blocks=5) as manager:
+        manager.admit("a", list(range(40)), num_new_tokens=32)
+        manager.commit("a")
+        manager.admit("x", [99] * 20)
+        state = manager.groups[1]
+        before = (manager_state(manager), list(state.pool.ref), state.pool.free_queue())
+        assert manager.admit("b", list(range(32)) + [1] * 20) is None  # 2 hits + 2 blocks, 1 free
+        assert (manager_state(manager), list(state.pool.ref), state.pool.free_queue()) == before
         manager.check()
 
 

@@ -2,7 +2,8 @@
 text model: gated delta nets; tiny Granite-4.0-H: Mamba2): each state layer's state is a slot of its state group, the model's own mixer runs once per
 sequence of the packed batch over it, and the greedy tokens equal Hugging Face ``generate`` with
 chunked prefill, ``n > 1`` (the state forked), and preemption by swap (the state copied out and
-back) and by recompute (dropped). No prefix hits: a state at a prompt's prefix is not kept yet."""
+back) and by recompute (dropped), and prefix hits (a shared prefix continues from the state saved
+where an earlier prompt's chunk ended)."""
 
 from __future__ import annotations
 
@@ -97,8 +98,41 @@ def test_preemption_matches_hf(model, mode):
     assert_clean(engine)
 
 
-def test_no_prefix_hits_yet_and_tokens_still_match():
+@pytest.mark.parametrize("model", ["tiny-lfm2", "tiny-qwen3-next"])
+def test_a_shared_prefix_continues_from_the_saved_state_and_tokens_still_match(model):
+    probe = make_engine(model)
+    page = probe.manager.tokens_per_page
+    probe.close()
+    engine = make_engine(model, state_cache_interval=page)  # a state saved at every page
+    system = prompts(1, lengths=(2 * page + 5,), offset=5)[0]
+    batch = [system + tail for tail in prompts(3, lengths=(3, 11, 7))]
+    outputs = run(engine, batch[:1]) + run(engine, batch[1:])
+    # the first prompt's chunk ended at 2 pages, its state saved there: the others start there
+    assert [output.num_cached_tokens for output in outputs] == [0, 2 * page, 2 * page]
+    stats = engine.manager.cache_stats()
+    assert stats.state_hits == 2 and stats.prefix_hit_tokens == 4 * page and stats.states_saved > 0
+    assert engine.stats()["state_bytes_per_saved_state"] == engine.manager.groups[1].state_bytes
+    assert_matches_hf(model, batch, outputs)
+    assert_clean(engine)
+
+
+def test_a_later_turn_continues_from_a_state_saved_while_decoding():
     engine = make_engine("tiny-lfm2")
+    page = engine.manager.tokens_per_page
+    engine.close()
+    engine = make_engine("tiny-lfm2", state_cache_interval=page)
+    first = prompts(1, lengths=(page + 3,), offset=2)[0]
+    params = SamplingParams(max_tokens=2 * page, temperature=0, ignore_eos=True)
+    answer = run(engine, [first], params)[0].outputs[0].token_ids
+    turn = first + answer + [11, 12, 13, 14, 15]  # computed up to 3 pages + 2: saved at 3 pages
+    output = run(engine, [turn], params)[0]
+    assert output.num_cached_tokens == 3 * page
+    assert output.outputs[0].token_ids == hf_greedy("tiny-lfm2", tuple(turn), 2 * page)
+    assert_clean(engine)
+
+
+def test_without_saved_states_there_are_no_prefix_hits():
+    engine = make_engine("tiny-lfm2", state_cache_interval=0)
     page = engine.manager.tokens_per_page
     system = prompts(1, lengths=(2 * page + 5,), offset=5)[0]
     batch = [system + tail for tail in prompts(3, lengths=(3, 11, 7))]

@@ -98,6 +98,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host-cache-bytes", type=int, default=None,
                        help="host memory for the prefix cache's host tier, in bytes: cached KV pages "
                             "evicted from the device wait there and are copied back on a hit (0: off)")
+    group.add_argument("--state-cache-interval", type=int, default=None,
+                       help="models with recurrent state layers: tokens between saved states for "
+                            "prefix hits, a multiple of --tokens-per-page (default: 4 pages; 0: off)")
     group.add_argument("--kv-backend", default=None, choices=["vmem", "paged"],
                        help="vmem: virtually contiguous slots; paged: the block-table baseline")
     group.add_argument("--layout", default=None, choices=["token_major", "per_layer"],
@@ -165,6 +168,7 @@ def engine_config_from_args(args: argparse.Namespace):
         "preemption_mode": args.preemption_mode,
         "swap_space_bytes": None if args.swap_space_gb is None else int(args.swap_space_gb * 2**30),
         "host_cache_bytes": args.host_cache_bytes,
+        "state_cache_interval": args.state_cache_interval,
         "seed": args.seed,
         "kv_backend": args.kv_backend,
         "layout": args.layout,

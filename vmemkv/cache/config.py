@@ -80,6 +80,13 @@ class CacheConfig:
     # How many ranks' pages each block stands for in that budget: a tensor-parallel engine's rank
     # 0 is its only member, and every rank holds a block of the same size (its share of the heads).
     kv_pool_ranks: int = 1
+    # A model with recurrent state layers: the state is saved every ``state_cache_interval``
+    # prompt positions (a multiple of the attention layers' tokens per page) as a request is
+    # computed, so a later request sharing the prefix continues from it (a prefix hit needs a saved
+    # state at its end). None: every 4 pages (64 tokens at 16 per page): one saved state costs as
+    # much as a whole request's state, so saving at every page would make a long prompt's saves
+    # cost more than its KV; 0: no saved states (no prefix hits for these models).
+    state_cache_interval: int | None = None
 
     def make_layout(self) -> KVLayout:
         shape = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
@@ -121,6 +128,11 @@ class CacheStats:
     forks: int = 0
     blocks_copied: int = 0  # copy-on-write copies of partial blocks
     blocks_released_behind_window: int = 0  # given back while running (CacheConfig.sliding_window)
+    # Recurrent states saved at prefix positions (CacheConfig.state_cache_interval), their bytes,
+    # and admissions that continued from one (a prefix hit of a model with state layers).
+    states_saved: int = 0
+    state_bytes_saved: int = 0
+    state_hits: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -90,6 +90,11 @@ class KVCacheCoordinator:
         self.tokens_per_page = self.first.tokens_per_page
         self.releases = any(group.spec.releases for group in self.groups)
         self.has_state = any(group.holds_state for group in self.groups)
+        # prompt positions between saved states (0: none): chunks end there (aligned_chunk_end)
+        self.state_interval = self.state_cache_interval(config, self.tokens_per_page) if self.has_state else 0
+        for group in self.groups:
+            if group.holds_state:
+                group.save_every = self.state_interval // self.tokens_per_page
         self._where = {layer: (group, index) for group in self.groups
                        for index, layer in enumerate(group.layers)}  # model layer -> group, its index
 
@@ -124,11 +129,27 @@ class KVCacheCoordinator:
                   for group_layers, spec in zip(groups.layers, groups.specs)]
         configs = group_configs(kv_config, groups, chunk_tokens, local_blocks)
         page_size = config.page_granularity or device_granularity(config.device)
+        # as many saved states as running ones: saving doubles the state's memory at most
+        saved = config.max_num_seqs if KVCacheCoordinator.state_cache_interval(
+            config, configs[0].make_layout().tokens_per_page) else 0
         for spec in dict.fromkeys(spec for spec in specs if is_state(spec)):
             state_layers = tuple(i for i, layer_spec in enumerate(specs) if layer_spec == spec)
             layers.append((state_layers, spec))
-            configs.append(RecurrentStateGroup.state_config(config, spec, len(state_layers), page_size))
+            configs.append(RecurrentStateGroup.state_config(config, spec, len(state_layers), page_size,
+                                                            saved))
         return layers, configs
+
+    @staticmethod
+    def state_cache_interval(config: CacheConfig, tokens_per_page: int) -> int:
+        """``config.state_cache_interval`` checked (``ConfigError``), its default resolved (4
+        pages of ``tokens_per_page`` tokens); 0 without prefix caching."""
+        interval = config.state_cache_interval
+        if interval is None:
+            interval = 4 * tokens_per_page
+        if type(interval) is not int or interval < 0 or interval % tokens_per_page:
+            raise ConfigError(f"CacheConfig.state_cache_interval is {interval!r}; give a multiple of "
+                              f"the {tokens_per_page} tokens per page (or 0: no saved states)")
+        return interval if config.enable_prefix_caching else 0
 
     def _memories(self, configs: list[CacheConfig], specs: list[KVCacheSpec], share: bool,
                   backend, backends, metrics) -> list[tuple[KVMemory, list[int]]]:
@@ -200,6 +221,25 @@ class KVCacheCoordinator:
             raise ConfigError(f"{operation} is not supported with recurrent state layers (a "
                               "state cannot be rewound); use n > 1 sampling (fork), not "
                               f"{operation}, for these models")
+
+    def save_states(self, allocations, done: int, hashes: list[bytes]) -> None:
+        """Save every state group's state of a request (its ``allocations``) computed up to
+        ``done`` tokens, when ``done`` is a save position (``hashes``: its chain up to there)."""
+        if self.state_interval and done % self.state_interval == 0:
+            block_hash = hashes[done // self.tokens_per_page - 1]
+            for group, alloc in zip(self.groups, allocations):
+                if group.holds_state:
+                    group.save_state(alloc, block_hash)
+
+    def aligned_chunk_end(self, computed: int, end: int, num_tokens: int) -> int:
+        """Where a chunk of a request's computation from ``computed`` to at most ``end`` of its
+        ``num_tokens`` tokens ends: at the last save position up to ``end`` before its last
+        token, if past ``computed``, so a state is saved there (the last one before a prompt's
+        end: the one a repeat of the prompt hits); else at ``end``."""
+        if not self.state_interval:
+            return end
+        position = min(end, num_tokens - 1) // self.state_interval * self.state_interval
+        return position if position > computed else end
 
     # --- layers and slots --------------------------------------------------------------------------
     def where(self, layer: int) -> tuple[KVCacheGroup, int]:
@@ -289,8 +329,9 @@ class KVCacheCoordinator:
         groups = self.groups
         while True:
             hits = [group.capped_hits(hashes, group_hits, length) for group, group_hits in zip(groups, hits)]
-            shortest = min(len(group_hits) for group_hits in hits)
-            if all(len(group_hits) == shortest for group_hits in hits):
+            lengths = [group.hit_length(group_hits) for group, group_hits in zip(groups, hits)]
+            shortest = min(lengths)
+            if all(length == shortest for length in lengths):
                 return hits
             length = shortest
 
@@ -301,8 +342,8 @@ class KVCacheCoordinator:
         hits, length = [], len(hashes)
         for group in self.groups:  # a later group looks only as far as the earlier ones hit
             hits.append(group.cached_blocks(hashes if length == len(hashes) else hashes[:length]))
-            length = min(length, len(hits[-1]))
-        if all(len(group_hits) == length for group_hits in hits):
+            length = min(length, group.hit_length(hits[-1]))
+        if all(group.hit_length(group_hits) == length for group, group_hits in zip(self.groups, hits)):
             return hits
         return self.common_hits(hashes, hits, length)
 

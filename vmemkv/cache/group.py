@@ -120,6 +120,10 @@ class KVCacheGroup:
         """``hits`` (``cached_blocks(hashes)``) cut to at most ``max_blocks`` blocks."""
         raise NotImplementedError
 
+    def hit_length(self, hits: list[int]) -> int:
+        """How many prompt blocks ``hits`` (``cached_blocks``) reuse."""
+        return len(hits)
+
     def host_run(self, hashes: list[bytes]) -> int:
         """How many leading ``hashes`` the host tier holds for this group."""
         return len(self.host_tier.leading_hits(self.keys(hashes))) if self.host_tier.capacity else 0
@@ -580,35 +584,52 @@ class ChunkedLocalGroup(LocalAttentionGroup):
     """Chunked local attention layers (``ChunkedLocalSpec``)."""
 
 
+class SavedState(list):
+    """A state group's prefix hit: the blocks of the state saved after the first ``num_blocks``
+    prompt blocks (empty, 0: no hit)."""
+
+    def __init__(self, blocks: list[int] = (), num_blocks: int = 0):
+        super().__init__(blocks)
+        self.num_blocks = num_blocks
+
+
 class RecurrentStateGroup(KVCacheGroup):
     """Recurrent layers (``RecurrentStateSpec``): each request holds ``state_blocks`` blocks
     from admission to its end, its state of every layer of the group, contiguous in its slot
     (one virtual range ``[num_slots, state bytes]``: ``state_views``). Its config's layout has one
-    "token" per page (``state_config``), so a slot's ``max_model_len`` is its pages. The state is
-    rewritten at every step: never shared or cached (no prefix hits), copied whole by a fork,
-    swapped whole, dropped by recompute; zeroed when admitted."""
+    "token" per page (``state_config``), so a slot's ``max_model_len`` is its pages. The running
+    state is rewritten at every step: never shared, copied whole by a fork, swapped whole, dropped
+    by recompute. Prefix caching saves copies of it: when a commit ends on a multiple of
+    ``save_every`` prompt blocks, the state is copied into ``state_blocks`` pool blocks keyed by
+    the chain hash there (``state_keys``), cached in the pool's LRU like any hashed block; an
+    admission whose prefix ends at a saved state (``SavedState``) copies it into its own blocks,
+    else its state is zeroed."""
 
     grows = False
     holds_state = True
+    save_every = 0  # prompt blocks between saved states (the coordinator's; 0: none saved)
 
     def __init__(self, index: int, config: CacheConfig, layers: tuple[int, ...], spec: KVCacheSpec,
                  memory: KVMemory):
         super().__init__(index, config, layers, spec, memory)
         self.state_blocks = config.max_model_len
+        self.state_bytes = self.state_blocks * self.layout.page_size  # one request's, or one saved
         self._views = [self._layer_views(layer) for layer in range(len(layers))]
 
     @staticmethod
-    def state_config(config: CacheConfig, spec: KVCacheSpec, num_layers: int, page_size: int) -> CacheConfig:
+    def state_config(config: CacheConfig, spec: KVCacheSpec, num_layers: int, page_size: int,
+                     saved_states: int = 0) -> CacheConfig:
         """The config of a state group of ``num_layers`` layers in pages of ``page_size`` bytes
-        out of the model's ``config``: enough blocks for every slot, swap room for every slot's
-        state when the model has swap space, no host tier (nothing is cached)."""
+        out of the model's ``config``: enough blocks for every slot and ``saved_states`` saved
+        states, swap room for every slot's state when the model has swap space, no host tier."""
         pages = -(-spec.bytes_per_layer * num_layers // page_size)
-        blocks = config.max_num_seqs * pages
+        blocks = (config.max_num_seqs + saved_states) * pages
+        slot_blocks = config.max_num_seqs * pages
         return dataclasses.replace(
             config, num_layers=1, num_kv_heads=1, head_dim=page_size, dtype=torch.uint8, latent=True,
             page_size=page_size, max_model_len=pages, num_blocks=blocks, sliding_window=None,
             attention_chunk_size=None, host_cache_bytes=0, kv_pool=None,
-            swap_space_bytes=blocks * page_size if config.swap_space_bytes else 0)
+            swap_space_bytes=slot_blocks * page_size if config.swap_space_bytes else 0)
 
     @staticmethod
     def check_config(config: CacheConfig, spec: KVCacheSpec) -> None:
@@ -644,18 +665,53 @@ class RecurrentStateGroup(KVCacheGroup):
     def blocks_for_tokens(self, num_tokens: int, chunk_tokens: int | None = None) -> int:
         return self.state_blocks
 
-    # --- no prefix hits: the state at a prompt's prefix is not kept -------------------------------
-    def cached_blocks(self, hashes: list[bytes]) -> list[int]:
-        return []
+    # --- saved states: prefix hits at the positions where one was saved ------------------------
+    def state_keys(self, block_hash: bytes) -> list[bytes]:
+        """The prefix-index keys of the blocks of the state saved after the block hashed
+        ``block_hash`` (one per block: the pool keys every block by its own)."""
+        return [block_hash + index.to_bytes(4, "little") for index in range(self.state_blocks)]
+
+    def saved_state(self, block_hash: bytes) -> list[int] | None:
+        """The blocks of the state saved after the block hashed ``block_hash``, if all cached."""
+        blocks = [self.pool.lookup(key) for key in self.state_keys(block_hash)]
+        return None if None in blocks else blocks
+
+    def cached_blocks(self, hashes: list[bytes]) -> SavedState:
+        """The state saved at the longest prefix of ``hashes`` that has one."""
+        if self.save_every:
+            for length in range(len(hashes) // self.save_every * self.save_every, 0, -self.save_every):
+                blocks = self.saved_state(hashes[length - 1])
+                if blocks is not None:
+                    return SavedState(blocks, length)
+        return SavedState()
 
     def capped_hits(self, hashes: list[bytes], hits: list[int], max_blocks: int) -> list[int]:
-        return []
+        return hits if self.hit_length(hits) <= max_blocks else self.cached_blocks(hashes[:max_blocks])
+
+    def hit_length(self, hits: list[int]) -> int:
+        return hits.num_blocks if isinstance(hits, SavedState) else 0
 
     def host_run(self, hashes: list[bytes]) -> int:
         return 0
 
     def register_full(self, alloc, full, token_ids, hashes, root) -> None:
-        """Nothing is offered to the prefix cache."""
+        """A running state's blocks are never offered to the prefix cache (``save_state`` copies
+        them)."""
+
+    def save_state(self, alloc: Allocation, block_hash: bytes) -> None:
+        """Save the request's state, computed up to the end of the block hashed ``block_hash``,
+        unless saved already. Best effort: skipped (changing nothing) when the pool has no
+        room besides the running states; else it may evict the least recently used saved ones."""
+        if self.saved_state(block_hash) is not None or not self.memory.fits(self.state_blocks):
+            return
+        pool = self.pool
+        saved = pool.allocate(self.state_blocks)
+        self.memory.copy_blocks(list(zip(alloc.blocks, saved)), count=False)
+        for block, key in zip(saved, self.state_keys(block_hash)):
+            pool.register(block, key)
+        pool.release(saved)  # into the LRU queue, in order: evicted together
+        self.stats.states_saved += 1
+        self.stats.state_bytes_saved += self.state_bytes
 
     # --- its blocks: all of them at admission, none later -----------------------------------------
     def admit_needs(self, hits: list[int], num_tokens: int) -> int:
@@ -670,9 +726,19 @@ class RecurrentStateGroup(KVCacheGroup):
     def map_grow(self, plan: Plan | None) -> None:
         """Nothing is mapped as a request grows."""
 
+    def plan_admit(self, hits: list[int], slot: int | None, fresh: list[int]) -> Plan:
+        """Map fresh blocks; a saved state's blocks are held (``share``) until copied."""
+        return Plan(self.choose_slot([], 0, slot), 0, 0, fresh, 0, list(hits), fresh)
+
     def finish_admit(self, alloc: Allocation, admission: Admission, plan: Plan, claimed: list) -> None:
-        """Bind the state blocks with the request's counts and zero its state (a fresh request's)."""
+        """Bind the state blocks with the request's counts: a copy of the saved state of its
+        prefix hit (given back to the LRU queue after), or zeros (a fresh request's)."""
         alloc.bind(plan.slot, plan.take, admission.num_tokens, admission.cached, 0, 0)
+        if plan.share:
+            self.memory.copy_blocks(list(zip(plan.share, plan.take)), count=False)
+            self.pool.release(plan.share)
+            self.stats.state_hits += 1
+            return
         for views in self._views:
             for view in views:
                 view[plan.slot].zero_()

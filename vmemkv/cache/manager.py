@@ -269,6 +269,8 @@ class KVCacheManager:
         new = num_prompt - cached if num_new_tokens is None else num_new_tokens
         if token_budget is not None:
             new = min(new, token_budget)
+            if num_new_tokens is None:  # a prefill chunk: ends where a state is saved
+                new = self.coordinator.aligned_chunk_end(cached, cached + new, num_prompt) - cached
         self.registry.check_length(request_id, cached + new)
         return [group.admission(group_hits, host_hits, cached, cached + new)
                 for group, group_hits in zip(self.groups, hits)]
@@ -421,6 +423,7 @@ class KVCacheManager:
             hashes = self.registry.extend_chain(req, full)  # its tokens were checked by _check_commit
             root = self.registry.chain_root(req.keys) if not req.allocation.num_registered else None
             self.coordinator.register_full(req.allocations, full, req.token_ids, hashes, root)
+            self.coordinator.save_states(req.allocations, done, hashes)
         for alloc in req.allocations:
             alloc.commit(done)
         if self.coordinator.releases:
@@ -629,6 +632,13 @@ class KVCacheManager:
         return self.sharing.can_truncate(requests, num_tokens)
 
     # --- queries, sizes, views and stats (queries.py) -------------------------------------------------
+    def aligned_chunk_end(self, computed: int, end: int, num_tokens: int) -> int:
+        """Where a prefill chunk from ``computed`` to at most ``end`` of a request's
+        ``num_tokens`` tokens should end so that a model's recurrent state is saved for prefix
+        hits (``CacheConfig.state_cache_interval``): the last save position up to ``end`` before
+        the last token, if past ``computed``; else ``end`` (always, for models without state)."""
+        return self.coordinator.aligned_chunk_end(computed, end, num_tokens)
+
     def views(self) -> KVCacheViews:
         """A read-only view of this manager for a step's addressing and attention."""
         self.registry.check_open()

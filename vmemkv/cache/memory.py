@@ -105,14 +105,16 @@ class KVMemory:
     def _take_again(self, block: int) -> None:
         self.backend.take_pages(self.layout.physical_pages(np.array([block])))
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy each pair's source block onto its copy (just taken), all in one backend call."""
+    def copy_blocks(self, pairs: list[tuple[int, int]], count: bool = True) -> None:
+        """Copy each pair's source block onto its copy (just taken), all in one backend call;
+        ``count``: as copy-on-write copies (``stats.blocks_copied``; a saved state's are not)."""
         if not pairs:
             return
         physical = self.layout.physical_pages
         self.backend.copy_pages(physical(np.array([s for s, _ in pairs])).tolist(),
                                 physical(np.array([c for _, c in pairs])).tolist())
-        self.stats.blocks_copied += len(pairs)
+        if count:
+            self.stats.blocks_copied += len(pairs)
 
     def give_back(self, keep: int, cached: bool = False) -> int:
         """Give the memory of this pool's free clean blocks back to the OS, all but ``keep`` of

@@ -314,6 +314,9 @@ class CacheQueries:
             budget = self.coordinator.budget.stats()
             out.update({"kv_pool_bytes": budget["total_bytes"], "kv_pool_used_bytes": budget["used_bytes"],
                         "kv_pool_share_bytes": budget["held_bytes"], "kv_pool_members": budget["members"]})
+        states = [group.state_bytes for group in self.coordinator.groups if group.holds_state]
+        if states:  # what each saved state costs (CacheConfig.state_cache_interval)
+            out["state_bytes_per_saved_state"] = sum(states)
         for group in self.coordinator.groups[1:]:
             counts = group.pool.counters()
             out.update({f"group{group.index}_blocks_total": counts.num_blocks,

@@ -30,7 +30,7 @@ DEFAULT_MAX_MODEL_LEN = 1024
 # EngineConfig fields passed to CacheConfig as they are.
 CACHE_FIELDS = ("max_num_seqs", "max_model_len", "num_blocks", "device", "tokens_per_page",
                 "enable_prefix_caching", "swap_space_bytes", "host_cache_bytes", "layout",
-                "kv_backend", "kv_pool", "kv_pool_bytes")
+                "kv_backend", "kv_pool", "kv_pool_bytes", "state_cache_interval")
 
 
 @dataclass
@@ -52,6 +52,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     tokens_per_page: int = CacheConfig.tokens_per_page
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+    # models with recurrent state layers: prompt positions between saved states (prefix hits)
+    state_cache_interval: int | None = CacheConfig.state_cache_interval
     preemption_mode: Literal["auto", "swap", "recompute"] = "auto"
     swap_space_bytes: int = 1 << 30
     # host memory for the prefix cache's host tier (evicted cached pages wait there); 0: none

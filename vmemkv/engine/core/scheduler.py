@@ -154,7 +154,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:  # from the first that did not fit
             seq = self.running[index]
             kv = seq.kv
-            count = min(len(kv.token_ids) - kv.num_computed_tokens, budget)  # seq.num_uncomputed
+            count = self._chunk(kv, budget)
             while not self._allocate(seq, count):
                 victim = self.policy.victim(self.running)
                 problem = self._never_fits(seq, seq.num_computed + count) if victim is seq else None
@@ -184,7 +184,7 @@ class Scheduler:
             if remaining <= 0:
                 break
             kv = seq.kv
-            count = min(len(kv.token_ids) - kv.num_computed_tokens, remaining)  # seq.num_uncomputed
+            count = self._chunk(kv, remaining)
             reserved = kv.num_tokens - kv.num_computed_tokens  # a chunk reserved at admission
             if count > reserved:
                 growing.append(kv)
@@ -209,7 +209,7 @@ class Scheduler:
             self.swapped.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            count = min(seq.num_uncomputed, budget)
+            count = self._chunk(seq.kv, budget)
             if self._allocate(seq, count):
                 out.scheduled.append(ScheduledSeq(seq, count))
                 budget -= count
@@ -333,6 +333,15 @@ class Scheduler:
         return self.manager.allocate_lookahead(decoding, margin, keep_free) if decoding else []
 
     # --- mechanics -------------------------------------------------------------------------------
+    def _chunk(self, kv, budget: int) -> int:
+        """The tokens a sequence computes this step: its uncomputed ones within ``budget``, the
+        chunk ending where a recurrent state is saved (the manager's ``aligned_chunk_end``)."""
+        computed, num_tokens = kv.num_computed_tokens, len(kv.token_ids)
+        end = min(num_tokens, computed + budget)
+        if end - computed <= 1:  # a decode step: nothing to cut (and no call per sequence)
+            return end - computed
+        return self.manager.aligned_chunk_end(computed, end, num_tokens) - computed
+
     def _allocate(self, seq: Sequence, count: int) -> bool:
         """Reserve positions for ``count`` more tokens (their ids are in the KVRequest's list)."""
         kv = seq.kv
