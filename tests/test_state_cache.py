@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vmemkv import CacheConfig, ConfigError, KVCacheManager, RecurrentStateSpec, StatePart
+from vmemkv import (NO_MEMORY, CacheConfig, ConfigError, InvalidInputError, KVCacheManager,
+                    RecurrentStateSpec, StatePart)
 from vmemkv.cache.coordinator import GROUP_CLASSES
 from vmemkv.cache.group import RecurrentStateGroup
 
@@ -21,6 +22,23 @@ def make_manager(num_blocks=16, swap=True) -> KVCacheManager:
                          max_num_seqs=3, max_model_len=64, dtype=torch.float32, device="cpu",
                          tokens_per_page=4, hash_seed=b"state", swap_space_bytes=(1 << 20) if swap else 0)
     return KVCacheManager(config, layer_windows=[SPEC, None, SPEC, None])
+
+
+@pytest.mark.parametrize("first", [SPEC, None])
+def test_a_layer_without_memory_belongs_to_no_group(first):
+    """Nemotron-H's MLP-only layers: in no group, their bytes in no block, their views refused."""
+    config = CacheConfig(num_layers=4, num_kv_heads=2, head_dim=8, num_blocks=16, max_num_seqs=3,
+                         max_model_len=64, dtype=torch.float32, device="cpu", tokens_per_page=4)
+    with KVCacheManager.for_layers(config, [first, NO_MEMORY, None, None]) as manager:
+        attention = manager.groups[0]
+        assert attention.layers == ((2, 3) if first else (0, 2, 3))
+        assert [group.layers for group in manager.groups[1:]] == ([(0,)] if first else [])
+        assert attention.config.num_layers == len(attention.layers)
+        for views in (manager.kv_views, manager.state_views):
+            with pytest.raises(InvalidInputError, match="layer 1 holds no memory"):
+                views(1)
+        assert manager.admit("a", list(range(9))) == 0
+        manager.free("a")
 
 
 def fill(manager, request_id, value):

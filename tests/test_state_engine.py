@@ -1,5 +1,6 @@
 """Recurrent hybrids in the engine (tiny LFM2: short convolutions; tiny Qwen3-Next and Qwen3.5's
-text model: gated delta nets; tiny Granite-4.0-H: Mamba2): each state layer's state is a slot of its state group, the model's own mixer runs once per
+text model: gated delta nets; tiny Granite-4.0-H and Nemotron-H: Mamba2, Nemotron-H with MLP-only
+layers that hold no memory): each state layer's state is a slot of its state group, the model's own mixer runs once per
 sequence of the packed batch over it, and the greedy tokens equal Hugging Face ``generate`` with
 chunked prefill, ``n > 1`` (the state forked), and preemption by swap (the state copied out and
 back) and by recompute (dropped). No prefix hits: a state at a prompt's prefix is not kept yet."""
@@ -13,12 +14,13 @@ from transformers.models.granitemoehybrid.modeling_granitemoehybrid import Grani
 from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
+from vmemkv import RecurrentStateSpec
 from vmemkv.engine import SamplingParams
 from vmemkv.engine.distributed.sharding import check_shardable
 from vmemkv.engine.models.hf_support import check_attention_supported
 from vmemkv.engine.models.state_mixers import state_specs, takes_cache
 from vmemkv.engine.models.zoo import BUILTIN_MODELS, load_model, model_config
-from vmemkv.errors import ConfigError, UnsupportedModelError
+from vmemkv.errors import ConfigError, InvalidInputError, UnsupportedModelError
 
 from test_engine_correctness import assert_clean, greedy, make_engine, prompts, run
 from test_mla_engine import assert_matches_hf, hf_greedy
@@ -26,13 +28,23 @@ from test_mla_engine import assert_matches_hf, hf_greedy
 STATE_MODELS = ["tiny-lfm2", "tiny-qwen3-next", "tiny-granite-hybrid"]
 QWEN3_5 = pytest.mark.skipif("tiny-qwen3.5" not in BUILTIN_MODELS,
                              reason=f"transformers {transformers.__version__} has no Qwen3.5")
+try:
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+except ImportError:
+    NemotronHMamba2Mixer = None
+NEMOTRON_H = pytest.mark.skipif(
+    "tiny-nemotron-h" not in BUILTIN_MODELS or not takes_cache(NemotronHMamba2Mixer),
+    reason=f"transformers {transformers.__version__} has no Nemotron-H taking its state as `cache`")
+# families that some transformers versions lack, each with its skip
+NEWER_MODELS = [pytest.param("tiny-qwen3.5", marks=QWEN3_5),
+                pytest.param("tiny-nemotron-h", marks=NEMOTRON_H)]
 pytestmark = pytest.mark.skipif(
     not all(map(takes_cache, (Lfm2ShortConv, Qwen3NextGatedDeltaNet, GraniteMoeHybridMambaLayer))),
     reason=f"transformers {transformers.__version__}'s LFM2 / Qwen3-Next / Granite-4.0-H mixers "
            "take their state in another form than `cache` (the engine refuses them at load)")
 
 
-@pytest.mark.parametrize("model", [*STATE_MODELS, pytest.param("tiny-qwen3.5", marks=QWEN3_5)])
+@pytest.mark.parametrize("model", [*STATE_MODELS, *NEWER_MODELS])
 def test_ragged_chunked_batch_matches_hf(model):
     engine = make_engine(model, max_num_batched_tokens=16)  # prompts continue from saved states
     batch = prompts(4, lengths=(5, 40, 17, 33))
@@ -42,7 +54,7 @@ def test_ragged_chunked_batch_matches_hf(model):
     assert_clean(engine)
 
 
-@pytest.mark.parametrize("model", [*STATE_MODELS, pytest.param("tiny-qwen3.5", marks=QWEN3_5)])
+@pytest.mark.parametrize("model", [*STATE_MODELS, *NEWER_MODELS])
 def test_the_specs_are_the_states_transformers_keeps(model):
     """Each state layer's parts have the shapes and dtypes transformers' own cache holds after a
     bf16 prefill (the delta-rule and SSM states in float32)."""
@@ -51,7 +63,7 @@ def test_the_specs_are_the_states_transformers_keeps(model):
     specs = state_specs(hf.config, torch.bfloat16)
     assert any(specs) and not all(specs)
     for layer, spec in enumerate(specs):
-        if spec is None:
+        if not isinstance(spec, RecurrentStateSpec):  # attention, or a layer with no memory
             continue
         held = [cache.layers[layer].conv_states[0], cache.layers[layer].recurrent_states[0]]
         held = [tensor for tensor in held if tensor is not None]
@@ -66,7 +78,7 @@ def test_the_state_group_follows_the_attention_group():
     engine.close()
 
 
-@pytest.mark.parametrize("model", STATE_MODELS)
+@pytest.mark.parametrize("model", [*STATE_MODELS, pytest.param("tiny-nemotron-h", marks=NEMOTRON_H)])
 def test_parallel_sampling_forks_the_state(model):
     engine = make_engine(model)
     batch = prompts(2, lengths=(37, 21))
@@ -80,7 +92,9 @@ def test_parallel_sampling_forks_the_state(model):
 @pytest.mark.parametrize("model,mode", [("tiny-lfm2", "swap"), ("tiny-lfm2", "recompute"),
                                         ("tiny-qwen3-next", "swap"), ("tiny-qwen3-next", "recompute"),
                                         ("tiny-granite-hybrid", "swap"), ("tiny-granite-hybrid", "recompute"),
-                                        pytest.param("tiny-qwen3.5", "swap", marks=QWEN3_5)])
+                                        pytest.param("tiny-qwen3.5", "swap", marks=QWEN3_5),
+                                        pytest.param("tiny-nemotron-h", "swap", marks=NEMOTRON_H),
+                                        pytest.param("tiny-nemotron-h", "recompute", marks=NEMOTRON_H)])
 def test_preemption_matches_hf(model, mode):
     probe = make_engine(model)
     page = probe.manager.tokens_per_page
@@ -95,6 +109,18 @@ def test_preemption_matches_hf(model, mode):
     for prompt, output in zip(batch, outputs):
         assert output.outputs[0].token_ids == hf_greedy(model, tuple(prompt), 20)
     assert_clean(engine)
+
+
+@NEMOTRON_H
+def test_a_layer_without_memory_is_in_no_group():
+    """Nemotron-H's MLP-only layer keeps nothing: neither group holds it, and asking for its
+    memory is refused naming the layers that hold some."""
+    engine = make_engine("tiny-nemotron-h")
+    attention, state = engine.manager.groups
+    assert attention.layers == (2,) and state.layers == (0, 3)
+    with pytest.raises(InvalidInputError, match="layer 1 holds no memory.*0, 2, 3"):
+        engine.manager.state_views(1)
+    engine.close()
 
 
 def test_no_prefix_hits_yet_and_tokens_still_match():

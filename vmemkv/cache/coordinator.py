@@ -27,14 +27,14 @@ from vmemkv.cache.events import KVEventSink, group_sink, shared_sink
 from vmemkv.cache.group import (ChunkedLocalGroup, FullAttentionGroup, KVCacheGroup, MLALatentGroup,
                                 RecurrentStateGroup, SlidingWindowGroup)
 from vmemkv.cache.kv_spec import (ChunkedLocalSpec, FullAttentionSpec, KVCacheSpec, MLALatentSpec,
-                                  RecurrentStateSpec, SlidingWindowSpec, is_state, spec_of_config,
-                                  spec_of_layer)
+                                  NO_MEMORY, RecurrentStateSpec, SlidingWindowSpec, is_state,
+                                  spec_of_config, spec_of_layer)
 from vmemkv.cache.layer_groups import LayerGroups, group_configs
 from vmemkv.cache.memory import KVMemory
 from vmemkv.cache.metrics import KVMetricsCollector
 from vmemkv.cache.refusal import Refusal
 from vmemkv.cache.request import KVRequest
-from vmemkv.errors import ConfigError
+from vmemkv.errors import ConfigError, InvalidInputError
 from vmemkv.memory.budget import SharedKVBudget
 from vmemkv.memory.vmm import device_granularity
 from vmemkv.memory.vmm.base import VirtualMemoryBackend
@@ -107,15 +107,16 @@ class KVCacheCoordinator:
         if config.sliding_window or config.attention_chunk_size:
             raise ConfigError("give windows or chunks per layer (layer_windows) or for every layer "
                               "(CacheConfig.sliding_window or attention_chunk_size), not both")
-        specs = [spec_of_layer(layer) for layer in layer_windows]
-        attention = [i for i, spec in enumerate(specs) if not is_state(spec)]
+        # a layer that holds no memory (NO_MEMORY) belongs to no group
+        specs = [None if layer is NO_MEMORY else spec_of_layer(layer) for layer in layer_windows]
+        attention = [i for i, spec in enumerate(specs) if spec is not None and not is_state(spec)]
         if len(attention) == len(specs):
             groups = LayerGroups.from_windows(layer_windows)
             return list(zip(groups.layers, groups.specs)), group_configs(config, groups, chunk_tokens,
                                                                          local_blocks)
         if not attention:
-            raise ConfigError("every layer keeps a recurrent state; a model needs at least one "
-                              "attention layer here (give its layers' specs in layer_windows)")
+            raise ConfigError("every layer keeps a recurrent state or no memory; a model needs at "
+                              "least one attention layer here (give its layers' specs in layer_windows)")
         # the attention layers' groups over the blocks of config (of those layers), then one
         # group per kind of state, after them (group 0 grows with a request)
         kv_config = dataclasses.replace(config, num_layers=len(attention))
@@ -124,7 +125,7 @@ class KVCacheCoordinator:
                   for group_layers, spec in zip(groups.layers, groups.specs)]
         configs = group_configs(kv_config, groups, chunk_tokens, local_blocks)
         page_size = config.page_granularity or device_granularity(config.device)
-        for spec in dict.fromkeys(spec for spec in specs if is_state(spec)):
+        for spec in dict.fromkeys(spec for spec in specs if spec is not None and is_state(spec)):
             state_layers = tuple(i for i, layer_spec in enumerate(specs) if layer_spec == spec)
             layers.append((state_layers, spec))
             configs.append(RecurrentStateGroup.state_config(config, spec, len(state_layers), page_size))
@@ -204,6 +205,9 @@ class KVCacheCoordinator:
     # --- layers and slots --------------------------------------------------------------------------
     def where(self, layer: int) -> tuple[KVCacheGroup, int]:
         """The group holding model layer ``layer`` (checked) and the layer's index in it."""
+        if layer not in self._where:
+            raise InvalidInputError(f"layer {layer} holds no memory (it is in no layer group); "
+                                    f"pass one of layers {sorted(self._where)}")
         return self._where[layer]
 
     def slot_available(self, slot: int | None) -> bool:

@@ -295,6 +295,17 @@ def spec_of_config(config) -> KVCacheSpec:
     return local_spec(config.sliding_window, config.attention_chunk_size)
 
 
+class _NoMemory:
+    """The marker of a layer that holds no memory (Nemotron-H's MLP-only layers)."""
+
+    def __repr__(self) -> str:
+        return "NO_MEMORY"
+
+
+# A ``layer_windows`` entry for a layer with nothing to cache: it belongs to no group.
+NO_MEMORY = _NoMemory()
+
+
 def spec_of_layer(layer: "int | KVCacheSpec | None") -> KVCacheSpec:
     """A ``layer_windows`` entry's spec: its own, a sliding window given as an int, or full
     attention (None)."""

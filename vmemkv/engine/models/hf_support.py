@@ -49,7 +49,11 @@ _STATE_KINDS = {"mamba": "Mamba / SSM state", "linear_attention": "linear attent
 # Models whose recurrent mixers the engine runs per sequence over their state in the cache
 # (vmemkv.engine.models.state_mixers), with the kind of their state layers.
 STATE_MODEL_TYPES = {"lfm2": "conv", "qwen3_next": "linear_attention", "qwen3_5_text": "linear_attention",
-                     "granitemoehybrid": "linear_attention"}  # (Granite-4.0-H's Mamba2 layers)
+                     "granitemoehybrid": "linear_attention",  # (Granite-4.0-H's Mamba2 layers)
+                     "nemotron_h": "linear_attention"}  # (Nemotron-H's Mamba2 layers)
+
+# Layer kinds with no memory at all (Nemotron-H's MLP-only and MoE-only layers): no cache group.
+MEMORYLESS_KINDS = frozenset({"mlp", "moe"})
 
 # Multi-head latent attention whose attention module the engine runs from the latent rows
 # (vmemkv.engine.models.latent_attention) and whose own code hands VmemkvCache the latent.
@@ -263,6 +267,8 @@ def check_attention_supported(config: Any, max_len: int, *, replaces_attention: 
         if kind in _EXACT_KINDS or (kind == CHUNKED_KIND and replaces_attention
                                     and model_type in _CHUNKING_MODEL_TYPES):
             continue  # (the engine's attention applies the chunks itself: layer_chunks)
+        if kind in MEMORYLESS_KINDS:
+            continue  # nothing to cache
         if replaces_attention and STATE_MODEL_TYPES.get(model_type) == kind:
             continue  # the engine runs these mixers over their state (state_mixers.py)
         layers = _ranges([i for i, k in enumerate(kinds) if k == kind])

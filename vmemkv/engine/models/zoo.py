@@ -24,6 +24,11 @@ try:  # Qwen3.5 is newer than some transformers the engine runs on (5.17)
 except ImportError:
     Qwen3_5TextConfig = None
 
+try:  # newer than some transformers the engine runs on (5.17)
+    from transformers import NemotronHConfig
+except ImportError:
+    NemotronHConfig = None
+
 from vmemkv.errors import ConfigError
 from vmemkv.engine.models.hub import REAL_MODELS, ensure_real_model, hub_config, load_from_hub_cache
 
@@ -125,6 +130,14 @@ BUILTIN_MODELS: dict[str, PretrainedConfig] = {
         mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=1, num_local_experts=0,
         shared_intermediate_size=256, layer_types=["linear_attention", "full_attention"] * 2,
         max_position_embeddings=TINY_MAX_POSITIONS, initializer_range=0.1),
+    # Nemotron-H's architecture: Mamba2 layers, an attention layer without RoPE, and MLP-only
+    # layers that hold no memory (in no cache group).
+    **({} if NemotronHConfig is None else {"tiny-nemotron-h": NemotronHConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, mamba_num_heads=8,
+        mamba_head_dim=16, ssm_state_size=16, n_groups=1, conv_kernel=4, chunk_size=16,
+        layer_types=["linear_attention", "mlp", "full_attention", "linear_attention"],
+        max_position_embeddings=TINY_MAX_POSITIONS, initializer_range=0.1)}),
     # The shapes of real models, random weights, for benchmarks.
     "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                 num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
