@@ -41,6 +41,21 @@ def test_a_layer_without_memory_belongs_to_no_group(first):
         manager.free("a")
 
 
+def test_a_layer_with_attention_and_a_state_is_in_both_groups():
+    """Falcon-H1's layers: a pair (attention entry, state spec) puts the layer in both groups."""
+    config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=16, max_num_seqs=3,
+                         max_model_len=64, dtype=torch.float32, device="cpu", tokens_per_page=4)
+    with KVCacheManager.for_layers(config, [(None, SPEC), (None, SPEC)]) as manager:
+        attention, state = manager.groups
+        assert attention.layers == state.layers == (0, 1)
+        assert manager.layer_group(1) is attention
+        assert tuple(manager.kv_views(1)[0].shape) == (3, 64, 2, 8)
+        assert [tuple(v.shape) for v in manager.state_views(1)] == [(3, 8, 3), (3, 2, 4, 4)]
+    for bad in [(SPEC, SPEC), (None,), (None, SPEC, SPEC), (NO_MEMORY, SPEC)]:
+        with pytest.raises(ConfigError, match="a layer_windows pair"):
+            KVCacheManager.for_layers(config, [bad, None])
+
+
 def fill(manager, request_id, value):
     slot = manager.slot_of(request_id)
     for layer in (0, 2):

@@ -1,6 +1,7 @@
 """Recurrent hybrids in the engine (tiny LFM2: short convolutions; tiny Qwen3-Next and Qwen3.5's
-text model: gated delta nets; tiny Granite-4.0-H and Nemotron-H: Mamba2, Nemotron-H with MLP-only
-layers that hold no memory): each state layer's state is a slot of its state group, the model's own mixer runs once per
+text model: gated delta nets; tiny Granite-4.0-H, Nemotron-H and Falcon-H1: Mamba2, Nemotron-H
+with MLP-only layers that hold no memory, Falcon-H1 with attention and Mamba2 in every layer):
+each state layer's state is a slot of its state group, the model's own mixer runs once per
 sequence of the packed batch over it, and the greedy tokens equal Hugging Face ``generate`` with
 chunked prefill, ``n > 1`` (the state forked), and preemption by swap (the state copied out and
 back) and by recompute (dropped). No prefix hits: a state at a prompt's prefix is not kept yet."""
@@ -14,7 +15,7 @@ from transformers.models.granitemoehybrid.modeling_granitemoehybrid import Grani
 from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-from vmemkv import RecurrentStateSpec
+from vmemkv.cache.kv_spec import layer_specs
 from vmemkv.engine import SamplingParams
 from vmemkv.engine.distributed.sharding import check_shardable
 from vmemkv.engine.models.hf_support import check_attention_supported
@@ -35,9 +36,17 @@ except ImportError:
 NEMOTRON_H = pytest.mark.skipif(
     "tiny-nemotron-h" not in BUILTIN_MODELS or not takes_cache(NemotronHMamba2Mixer),
     reason=f"transformers {transformers.__version__} has no Nemotron-H taking its state as `cache`")
+try:
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Mixer
+except ImportError:
+    FalconH1Mixer = None
+FALCON_H1 = pytest.mark.skipif(
+    "tiny-falcon-h1" not in BUILTIN_MODELS or not takes_cache(FalconH1Mixer),
+    reason=f"transformers {transformers.__version__} has no Falcon-H1 taking its state as `cache`")
 # families that some transformers versions lack, each with its skip
 NEWER_MODELS = [pytest.param("tiny-qwen3.5", marks=QWEN3_5),
-                pytest.param("tiny-nemotron-h", marks=NEMOTRON_H)]
+                pytest.param("tiny-nemotron-h", marks=NEMOTRON_H),
+                pytest.param("tiny-falcon-h1", marks=FALCON_H1)]
 pytestmark = pytest.mark.skipif(
     not all(map(takes_cache, (Lfm2ShortConv, Qwen3NextGatedDeltaNet, GraniteMoeHybridMambaLayer))),
     reason=f"transformers {transformers.__version__}'s LFM2 / Qwen3-Next / Granite-4.0-H mixers "
@@ -60,10 +69,10 @@ def test_the_specs_are_the_states_transformers_keeps(model):
     bf16 prefill (the delta-rule and SSM states in float32)."""
     hf, _ = load_model(model, dtype=torch.bfloat16)
     cache = hf(torch.tensor([[1, 2, 3, 4, 5]]), use_cache=True).past_key_values
-    specs = state_specs(hf.config, torch.bfloat16)
-    assert any(specs) and not all(specs)
+    specs = [layer_specs(entry)[1] for entry in state_specs(hf.config, torch.bfloat16)]
+    assert any(specs)
     for layer, spec in enumerate(specs):
-        if not isinstance(spec, RecurrentStateSpec):  # attention, or a layer with no memory
+        if spec is None:  # attention, or a layer with no memory
             continue
         held = [cache.layers[layer].conv_states[0], cache.layers[layer].recurrent_states[0]]
         held = [tensor for tensor in held if tensor is not None]
@@ -78,7 +87,7 @@ def test_the_state_group_follows_the_attention_group():
     engine.close()
 
 
-@pytest.mark.parametrize("model", [*STATE_MODELS, pytest.param("tiny-nemotron-h", marks=NEMOTRON_H)])
+@pytest.mark.parametrize("model", [*STATE_MODELS, *NEWER_MODELS[1:]])
 def test_parallel_sampling_forks_the_state(model):
     engine = make_engine(model)
     batch = prompts(2, lengths=(37, 21))
@@ -94,7 +103,9 @@ def test_parallel_sampling_forks_the_state(model):
                                         ("tiny-granite-hybrid", "swap"), ("tiny-granite-hybrid", "recompute"),
                                         pytest.param("tiny-qwen3.5", "swap", marks=QWEN3_5),
                                         pytest.param("tiny-nemotron-h", "swap", marks=NEMOTRON_H),
-                                        pytest.param("tiny-nemotron-h", "recompute", marks=NEMOTRON_H)])
+                                        pytest.param("tiny-nemotron-h", "recompute", marks=NEMOTRON_H),
+                                        pytest.param("tiny-falcon-h1", "swap", marks=FALCON_H1),
+                                        pytest.param("tiny-falcon-h1", "recompute", marks=FALCON_H1)])
 def test_preemption_matches_hf(model, mode):
     probe = make_engine(model)
     page = probe.manager.tokens_per_page
@@ -120,6 +131,18 @@ def test_a_layer_without_memory_is_in_no_group():
     assert attention.layers == (2,) and state.layers == (0, 3)
     with pytest.raises(InvalidInputError, match="layer 1 holds no memory.*0, 2, 3"):
         engine.manager.state_views(1)
+    engine.close()
+
+
+@FALCON_H1
+def test_a_layer_with_attention_and_a_state_is_in_both_groups():
+    """Falcon-H1 runs attention and Mamba2 side by side in every layer: each layer's K/V is in
+    the attention group and its state in the state group."""
+    engine = make_engine("tiny-falcon-h1")
+    attention, state = engine.manager.groups
+    assert attention.layers == state.layers == (0, 1)
+    assert len(engine.manager.kv_views(1)) == 2
+    assert [tuple(v.shape[1:]) for v in engine.manager.state_views(1)] == [(160, 4), (8, 16, 16)]
     engine.close()
 
 

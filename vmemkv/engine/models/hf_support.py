@@ -41,16 +41,20 @@ _CHUNKING_MODEL_TYPES = frozenset({"llama4", "llama4_text"})
 # ALiBi position biases, which the model hands to its attention function as an extra argument.
 _ALIBI_MODEL_TYPES = frozenset({"bloom"})
 
+# The layer kind that holds both attention K/V and a recurrent state (Falcon-H1's).
+HYBRID_KIND = "hybrid"
 # Layer kinds that keep a recurrent state instead of K/V (what vmemkv does not cache yet), as
 # users know them.
 _STATE_KINDS = {"mamba": "Mamba / SSM state", "linear_attention": "linear attention state (gated delta net)",
-                "conv": "short convolution state", "recurrent": "recurrent (RG-LRU) state"}
+                "conv": "short convolution state", "recurrent": "recurrent (RG-LRU) state",
+                HYBRID_KIND: "attention K/V beside a Mamba / SSM state"}
 
 # Models whose recurrent mixers the engine runs per sequence over their state in the cache
 # (vmemkv.engine.models.state_mixers), with the kind of their state layers.
 STATE_MODEL_TYPES = {"lfm2": "conv", "qwen3_next": "linear_attention", "qwen3_5_text": "linear_attention",
                      "granitemoehybrid": "linear_attention",  # (Granite-4.0-H's Mamba2 layers)
-                     "nemotron_h": "linear_attention"}  # (Nemotron-H's Mamba2 layers)
+                     "nemotron_h": "linear_attention",  # (Nemotron-H's Mamba2 layers)
+                     "falcon_h1": HYBRID_KIND}  # (every layer: attention and Mamba2 side by side)
 
 # Layer kinds with no memory at all (Nemotron-H's MLP-only and MoE-only layers): no cache group.
 MEMORYLESS_KINDS = frozenset({"mlp", "moe"})

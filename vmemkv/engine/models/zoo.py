@@ -28,6 +28,10 @@ try:  # newer than some transformers the engine runs on (5.17)
     from transformers import NemotronHConfig
 except ImportError:
     NemotronHConfig = None
+try:
+    from transformers import FalconH1Config
+except ImportError:
+    FalconH1Config = None
 
 from vmemkv.errors import ConfigError
 from vmemkv.engine.models.hub import REAL_MODELS, ensure_real_model, hub_config, load_from_hub_cache
@@ -138,6 +142,13 @@ BUILTIN_MODELS: dict[str, PretrainedConfig] = {
         mamba_head_dim=16, ssm_state_size=16, n_groups=1, conv_kernel=4, chunk_size=16,
         layer_types=["linear_attention", "mlp", "full_attention", "linear_attention"],
         max_position_embeddings=TINY_MAX_POSITIONS, initializer_range=0.1)}),
+    # Falcon-H1's architecture: every layer runs attention and a Mamba2 mixer side by side, so
+    # each layer is in the attention group and in the state group.
+    **({} if FalconH1Config is None else {"tiny-falcon-h1": FalconH1Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, mamba_d_ssm=128,
+        mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4,
+        mamba_chunk_size=16, max_position_embeddings=TINY_MAX_POSITIONS, initializer_range=0.1)}),
     # The shapes of real models, random weights, for benchmarks.
     "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                 num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
