@@ -1,6 +1,7 @@
 """Recurrent hybrids in the engine (tiny LFM2: short convolutions; tiny Qwen3-Next and Qwen3.5's
-text model: gated delta nets; tiny Granite-4.0-H, Nemotron-H and Falcon-H1: Mamba2, Nemotron-H
-with MLP-only layers that hold no memory, Falcon-H1 with attention and Mamba2 in every layer):
+text model: gated delta nets; tiny Kimi Linear: Kimi delta attention beside MLA layers; tiny
+Granite-4.0-H, Nemotron-H and Falcon-H1: Mamba2, Nemotron-H with MLP-only layers that hold no
+memory, Falcon-H1 with attention and Mamba2 in every layer):
 each state layer's state is a slot of its state group, the model's own mixer runs once per
 sequence of the packed batch over it, and the greedy tokens equal Hugging Face ``generate`` with
 chunked prefill, ``n > 1`` (the state forked), and preemption by swap (the state copied out and
@@ -43,10 +44,18 @@ except ImportError:
 FALCON_H1 = pytest.mark.skipif(
     "tiny-falcon-h1" not in BUILTIN_MODELS or not takes_cache(FalconH1Mixer),
     reason=f"transformers {transformers.__version__} has no Falcon-H1 taking its state as `cache`")
+try:
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
+except ImportError:
+    KimiLinearDeltaAttention = None
+KIMI_LINEAR = pytest.mark.skipif(
+    "tiny-kimi-linear" not in BUILTIN_MODELS or not takes_cache(KimiLinearDeltaAttention),
+    reason=f"transformers {transformers.__version__} has no Kimi Linear taking its state as `cache`")
 # families that some transformers versions lack, each with its skip
 NEWER_MODELS = [pytest.param("tiny-qwen3.5", marks=QWEN3_5),
                 pytest.param("tiny-nemotron-h", marks=NEMOTRON_H),
-                pytest.param("tiny-falcon-h1", marks=FALCON_H1)]
+                pytest.param("tiny-falcon-h1", marks=FALCON_H1),
+                pytest.param("tiny-kimi-linear", marks=KIMI_LINEAR)]
 pytestmark = pytest.mark.skipif(
     not all(map(takes_cache, (Lfm2ShortConv, Qwen3NextGatedDeltaNet, GraniteMoeHybridMambaLayer))),
     reason=f"transformers {transformers.__version__}'s LFM2 / Qwen3-Next / Granite-4.0-H mixers "
@@ -59,7 +68,8 @@ def test_ragged_chunked_batch_matches_hf(model):
     batch = prompts(4, lengths=(5, 40, 17, 33))
     assert_matches_hf(model, batch, run(engine, batch))
     kinds = [type(group.spec).__name__ for group in engine.manager.groups]
-    assert kinds == ["FullAttentionSpec", "RecurrentStateSpec"]
+    latent = model == "tiny-kimi-linear"  # its attention layers are MLA's: latent rows
+    assert kinds == ["MLALatentSpec" if latent else "FullAttentionSpec", "RecurrentStateSpec"]
     assert_clean(engine)
 
 
@@ -105,7 +115,9 @@ def test_parallel_sampling_forks_the_state(model):
                                         pytest.param("tiny-nemotron-h", "swap", marks=NEMOTRON_H),
                                         pytest.param("tiny-nemotron-h", "recompute", marks=NEMOTRON_H),
                                         pytest.param("tiny-falcon-h1", "swap", marks=FALCON_H1),
-                                        pytest.param("tiny-falcon-h1", "recompute", marks=FALCON_H1)])
+                                        pytest.param("tiny-falcon-h1", "recompute", marks=FALCON_H1),
+                                        pytest.param("tiny-kimi-linear", "swap", marks=KIMI_LINEAR),
+                                        pytest.param("tiny-kimi-linear", "recompute", marks=KIMI_LINEAR)])
 def test_preemption_matches_hf(model, mode):
     probe = make_engine(model)
     page = probe.manager.tokens_per_page
@@ -171,7 +183,7 @@ def test_block_tables_tensor_parallel_and_other_state_families_are_refused():
                 with pytest.raises(UnsupportedModelError, match="state"):
                     check_attention_supported(config, 64, replaces_attention=replaces_attention)
     other = model_config("tiny-qwen3-next")
-    other.model_type = "kimi_linear"  # another family's delta attention: not routed yet
+    other.model_type = "olmo_hybrid"  # a family whose mixers are not routed
     with pytest.raises(UnsupportedModelError, match="gated delta net"):
         check_attention_supported(other, 64, replaces_attention=True)
 

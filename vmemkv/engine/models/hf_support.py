@@ -12,8 +12,8 @@ its own, which applies what transformers passes it per layer: the scaling, a sli
 start (or every token, with ``release_behind_window=False``) to the model's own attention, whose
 mask applies the window. A model that attends otherwise would run and silently give other
 tokens than transformers, so both refuse it at load time with :func:`check_attention_supported`.
-Multi-head latent attention models (DeepSeek-V2/V3, MiniCPM3: :data:`LATENT_MODEL_TYPES`) are
-sized by their latent row (:func:`latent_dims`, :func:`kv_shape`) and cached as latent rows by both.
+Multi-head latent attention models (DeepSeek-V2/V3, MiniCPM3, Kimi Linear: :data:`LATENT_MODEL_TYPES`)
+are sized by their latent row (:func:`latent_dims`, :func:`kv_shape`) and cached as latent rows by both.
 This module reads config attributes (and a model's dtype and device) only; it does not import
 transformers.
 """
@@ -54,14 +54,15 @@ _STATE_KINDS = {"mamba": "Mamba / SSM state", "linear_attention": "linear attent
 STATE_MODEL_TYPES = {"lfm2": "conv", "qwen3_next": "linear_attention", "qwen3_5_text": "linear_attention",
                      "granitemoehybrid": "linear_attention",  # (Granite-4.0-H's Mamba2 layers)
                      "nemotron_h": "linear_attention",  # (Nemotron-H's Mamba2 layers)
-                     "falcon_h1": HYBRID_KIND}  # (every layer: attention and Mamba2 side by side)
+                     "falcon_h1": HYBRID_KIND,  # (every layer: attention and Mamba2 side by side)
+                     "kimi_linear": "linear_attention"}  # (Kimi delta attention, beside MLA layers)
 
 # Layer kinds with no memory at all (Nemotron-H's MLP-only and MoE-only layers): no cache group.
 MEMORYLESS_KINDS = frozenset({"mlp", "moe"})
 
 # Multi-head latent attention whose attention module the engine runs from the latent rows
 # (vmemkv.engine.models.latent_attention) and whose own code hands VmemkvCache the latent.
-LATENT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "minicpm3"})
+LATENT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "minicpm3", "kimi_linear"})
 
 
 def text_config(config: Any) -> Any:

@@ -1,6 +1,6 @@
 """The engine's recurrent mixers: LFM2's short convolutions, Qwen3-Next's and Qwen3.5's gated
-delta nets, Granite-4.0-H's, Nemotron-H's and Falcon-H1's Mamba2 layers, run by the model's own
-code over each sequence's state in the KV cache.
+delta nets, Kimi Linear's delta attention, Granite-4.0-H's, Nemotron-H's and Falcon-H1's Mamba2
+layers, run by the model's own code over each sequence's state in the KV cache.
 
 The engine calls the model on one packed batch (``[1, T]``: every sequence's new tokens side by
 side); a convolution or a delta rule would run that batch as one sequence. So
@@ -61,6 +61,12 @@ def _spec(text: Any, model_type: str, dtype: torch.dtype) -> RecurrentStateSpec:
         return _mamba2_spec(text.mamba_n_heads, text.mamba_d_head, text.mamba_d_state,
                             text.mamba_n_groups, text.mamba_d_conv, dtype,
                             inner=int(text.mamba_expand * text.hidden_size))
+    if model_type == "kimi_linear":  # Kimi delta attention: one conv over q, k, v; a state per head
+        channels = text.linear_num_heads * text.linear_head_dim
+        return RecurrentStateSpec((
+            StatePart("conv", (3 * channels, text.linear_conv_kernel_dim), dtype),
+            StatePart("recurrent", (text.linear_num_heads, text.linear_head_dim, text.linear_head_dim),
+                      torch.float32)))
     if model_type == "falcon_h1":
         return _mamba2_spec(text.mamba_n_heads, text.mamba_d_head, text.mamba_d_state,
                             text.mamba_n_groups, text.mamba_d_conv, dtype,
@@ -87,14 +93,15 @@ def _mamba2_spec(heads: int, head_dim: int, state: int, groups: int, kernel: int
 
 def is_state_mixer(module: nn.Module) -> bool:
     """Whether ``module`` is a recurrent mixer the engine routes (LFM2's ``Lfm2ShortConv``,
-    Qwen3-Next's and Qwen3.5's gated delta nets, Granite-4.0-H's, Nemotron-H's and Falcon-H1's
-    Mamba2 layers)."""
+    Qwen3-Next's and Qwen3.5's gated delta nets, Kimi Linear's delta attention, Granite-4.0-H's,
+    Nemotron-H's and Falcon-H1's Mamba2 layers)."""
     return type(module).__name__ in STATE_MIXERS
 
 
 # the mixer classes routed (Qwen3.5's text model shares Qwen3-Next's gated delta net code)
 STATE_MIXERS = ("Lfm2ShortConv", "Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet",
-                "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "FalconH1Mixer")
+                "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "FalconH1Mixer",
+                "KimiLinearDeltaAttention")
 
 
 def takes_cache(module_class: type) -> bool:

@@ -32,6 +32,10 @@ try:
     from transformers import FalconH1Config
 except ImportError:
     FalconH1Config = None
+try:
+    from transformers import KimiLinearConfig
+except ImportError:
+    KimiLinearConfig = None
 
 from vmemkv.errors import ConfigError
 from vmemkv.engine.models.hub import REAL_MODELS, ensure_real_model, hub_config, load_from_hub_cache
@@ -149,6 +153,15 @@ BUILTIN_MODELS: dict[str, PretrainedConfig] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, mamba_d_ssm=128,
         mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4,
         mamba_chunk_size=16, max_position_embeddings=TINY_MAX_POSITIONS, initializer_range=0.1)}),
+    # Kimi Linear's architecture: Kimi delta attention layers (a conv window over q, k, v and a
+    # float32 delta-rule state per head) beside MLA layers (latent rows, no rotary).
+    **({} if KimiLinearConfig is None else {"tiny-kimi-linear": KimiLinearConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=32, linear_num_heads=4, linear_head_dim=16,
+        linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2,
+        mlp_layer_types=["dense"] * 4, pad_token_id=0,
+        max_position_embeddings=TINY_MAX_POSITIONS, initializer_range=0.1)}),
     # The shapes of real models, random weights, for benchmarks.
     "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                 num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
