@@ -15,6 +15,7 @@ import os
 from typing import NoReturn
 
 import torch
+import transformers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DeepseekV2Config, DeepseekV3Config,
                           Gemma2Config, GraniteMoeHybridConfig, LlamaConfig, Lfm2Config, MiniCPM3Config, MistralConfig,
                           PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3NextConfig)
@@ -24,21 +25,12 @@ try:  # Qwen3.5 is newer than some transformers the engine runs on (5.17)
 except ImportError:
     Qwen3_5TextConfig = None
 
-try:  # newer than some transformers the engine runs on (5.17)
-    from transformers import NemotronHConfig
-except ImportError:
-    NemotronHConfig = None
-try:
-    from transformers import FalconH1Config
-except ImportError:
-    FalconH1Config = None
-try:
-    from transformers import KimiLinearConfig
-except ImportError:
-    KimiLinearConfig = None
-
 from vmemkv.errors import ConfigError
 from vmemkv.engine.models.hub import REAL_MODELS, ensure_real_model, hub_config, load_from_hub_cache
+
+# families recent in transformers: None where the installed one lacks them
+NemotronHConfig, FalconH1Config, KimiLinearConfig = (
+    getattr(transformers, name, None) for name in ("NemotronHConfig", "FalconH1Config", "KimiLinearConfig"))
 
 BYTE_VOCAB = 256 + 2  # bytes, then <s>, </s>
 TINY_MISTRAL_WINDOW = 128
@@ -154,13 +146,14 @@ BUILTIN_MODELS: dict[str, PretrainedConfig] = {
         mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4,
         mamba_chunk_size=16, max_position_embeddings=TINY_MAX_POSITIONS, initializer_range=0.1)}),
     # Kimi Linear's architecture: Kimi delta attention layers (a conv window over q, k, v and a
-    # float32 delta-rule state per head) beside MLA layers (latent rows, no rotary).
+    # float32 delta-rule state per head) beside MLA layers (latent rows, no rotary). Its default
+    # special token ids lie outside the tiny vocabulary.
     **({} if KimiLinearConfig is None else {"tiny-kimi-linear": KimiLinearConfig(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=16,
         qk_nope_head_dim=32, v_head_dim=32, linear_num_heads=4, linear_head_dim=16,
         linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2,
-        mlp_layer_types=["dense"] * 4, pad_token_id=0,
+        mlp_layer_types=["dense"] * 4, pad_token_id=0, bos_token_id=256, eos_token_id=257,
         max_position_embeddings=TINY_MAX_POSITIONS, initializer_range=0.1)}),
     # The shapes of real models, random weights, for benchmarks.
     "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
