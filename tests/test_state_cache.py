@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vmemkv import CacheConfig, ConfigError, KVCacheManager, RecurrentStateSpec, StatePart
+from vmemkv import (NO_MEMORY, CacheConfig, ConfigError, InvalidInputError, KVCacheManager,
+                    RecurrentStateSpec, StatePart)
 from vmemkv.cache.coordinator import GROUP_CLASSES
 from vmemkv.cache.group import RecurrentStateGroup
 
@@ -22,6 +23,38 @@ def make_manager(num_blocks=16, swap=True) -> KVCacheManager:
                          tokens_per_page=4, hash_seed=b"state", swap_space_bytes=(1 << 20) if swap else 0,
                          state_cache_interval=16)  # 16 tokens a page here: a state saved at every page
     return KVCacheManager(config, layer_windows=[SPEC, None, SPEC, None])
+
+
+@pytest.mark.parametrize("first", [SPEC, None])
+def test_a_layer_without_memory_belongs_to_no_group(first):
+    """Nemotron-H's MLP-only layers: in no group, their bytes in no block, their views refused."""
+    config = CacheConfig(num_layers=4, num_kv_heads=2, head_dim=8, num_blocks=16, max_num_seqs=3,
+                         max_model_len=64, dtype=torch.float32, device="cpu", tokens_per_page=4)
+    with KVCacheManager.for_layers(config, [first, NO_MEMORY, None, None]) as manager:
+        attention = manager.groups[0]
+        assert attention.layers == ((2, 3) if first else (0, 2, 3))
+        assert [group.layers for group in manager.groups[1:]] == ([(0,)] if first else [])
+        assert attention.config.num_layers == len(attention.layers)
+        for views in (manager.kv_views, manager.state_views):
+            with pytest.raises(InvalidInputError, match="layer 1 holds no memory"):
+                views(1)
+        assert manager.admit("a", list(range(9))) == 0
+        manager.free("a")
+
+
+def test_a_layer_with_attention_and_a_state_is_in_both_groups():
+    """Falcon-H1's layers: a pair (attention entry, state spec) puts the layer in both groups."""
+    config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=16, max_num_seqs=3,
+                         max_model_len=64, dtype=torch.float32, device="cpu", tokens_per_page=4)
+    with KVCacheManager.for_layers(config, [(None, SPEC), (None, SPEC)]) as manager:
+        attention, state = manager.groups
+        assert attention.layers == state.layers == (0, 1)
+        assert manager.layer_group(1) is attention
+        assert tuple(manager.kv_views(1)[0].shape) == (3, 64, 2, 8)
+        assert [tuple(v.shape) for v in manager.state_views(1)] == [(3, 8, 3), (3, 2, 4, 4)]
+    for bad in [(SPEC, SPEC), (None,), (None, SPEC, SPEC), (NO_MEMORY, SPEC)]:
+        with pytest.raises(ConfigError, match="a layer_windows pair"):
+            KVCacheManager.for_layers(config, [bad, None])
 
 
 def fill(manager, request_id, value):

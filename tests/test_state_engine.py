@@ -1,5 +1,8 @@
 """Recurrent hybrids in the engine (tiny LFM2: short convolutions; tiny Qwen3-Next and Qwen3.5's
-text model: gated delta nets; tiny Granite-4.0-H: Mamba2): each state layer's state is a slot of its state group, the model's own mixer runs once per
+text model: gated delta nets; tiny Kimi Linear: Kimi delta attention beside MLA layers; tiny
+Granite-4.0-H, Nemotron-H and Falcon-H1: Mamba2, Nemotron-H with MLP-only layers that hold no
+memory, Falcon-H1 with attention and Mamba2 in every layer):
+each state layer's state is a slot of its state group, the model's own mixer runs once per
 sequence of the packed batch over it, and the greedy tokens equal Hugging Face ``generate`` with
 chunked prefill, ``n > 1`` (the state forked), and preemption by swap (the state copied out and
 back) and by recompute (dropped), and prefix hits (a shared prefix continues from the state saved
@@ -14,12 +17,13 @@ from transformers.models.granitemoehybrid.modeling_granitemoehybrid import Grani
 from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
+from vmemkv.cache.kv_spec import layer_specs
 from vmemkv.engine import SamplingParams
 from vmemkv.engine.distributed.sharding import check_shardable
 from vmemkv.engine.models.hf_support import check_attention_supported
 from vmemkv.engine.models.state_mixers import state_specs, takes_cache
 from vmemkv.engine.models.zoo import BUILTIN_MODELS, load_model, model_config
-from vmemkv.errors import ConfigError, UnsupportedModelError
+from vmemkv.errors import ConfigError, InvalidInputError, UnsupportedModelError
 
 from test_engine_correctness import assert_clean, greedy, make_engine, prompts, run
 from test_mla_engine import assert_matches_hf, hf_greedy
@@ -27,32 +31,59 @@ from test_mla_engine import assert_matches_hf, hf_greedy
 STATE_MODELS = ["tiny-lfm2", "tiny-qwen3-next", "tiny-granite-hybrid"]
 QWEN3_5 = pytest.mark.skipif("tiny-qwen3.5" not in BUILTIN_MODELS,
                              reason=f"transformers {transformers.__version__} has no Qwen3.5")
+try:
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+except ImportError:
+    NemotronHMamba2Mixer = None
+NEMOTRON_H = pytest.mark.skipif(
+    "tiny-nemotron-h" not in BUILTIN_MODELS or not takes_cache(NemotronHMamba2Mixer),
+    reason=f"transformers {transformers.__version__} has no Nemotron-H taking its state as `cache`")
+try:
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Mixer
+except ImportError:
+    FalconH1Mixer = None
+FALCON_H1 = pytest.mark.skipif(
+    "tiny-falcon-h1" not in BUILTIN_MODELS or not takes_cache(FalconH1Mixer),
+    reason=f"transformers {transformers.__version__} has no Falcon-H1 taking its state as `cache`")
+try:
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
+except ImportError:
+    KimiLinearDeltaAttention = None
+KIMI_LINEAR = pytest.mark.skipif(
+    "tiny-kimi-linear" not in BUILTIN_MODELS or not takes_cache(KimiLinearDeltaAttention),
+    reason=f"transformers {transformers.__version__} has no Kimi Linear taking its state as `cache`")
+# families that some transformers versions lack, each with its skip
+NEWER_MODELS = [pytest.param("tiny-qwen3.5", marks=QWEN3_5),
+                pytest.param("tiny-nemotron-h", marks=NEMOTRON_H),
+                pytest.param("tiny-falcon-h1", marks=FALCON_H1),
+                pytest.param("tiny-kimi-linear", marks=KIMI_LINEAR)]
 pytestmark = pytest.mark.skipif(
     not all(map(takes_cache, (Lfm2ShortConv, Qwen3NextGatedDeltaNet, GraniteMoeHybridMambaLayer))),
     reason=f"transformers {transformers.__version__}'s LFM2 / Qwen3-Next / Granite-4.0-H mixers "
            "take their state in another form than `cache` (the engine refuses them at load)")
 
 
-@pytest.mark.parametrize("model", [*STATE_MODELS, pytest.param("tiny-qwen3.5", marks=QWEN3_5)])
+@pytest.mark.parametrize("model", [*STATE_MODELS, *NEWER_MODELS])
 def test_ragged_chunked_batch_matches_hf(model):
     engine = make_engine(model, max_num_batched_tokens=16)  # prompts continue from saved states
     batch = prompts(4, lengths=(5, 40, 17, 33))
     assert_matches_hf(model, batch, run(engine, batch))
     kinds = [type(group.spec).__name__ for group in engine.manager.groups]
-    assert kinds == ["FullAttentionSpec", "RecurrentStateSpec"]
+    latent = model == "tiny-kimi-linear"  # its attention layers are MLA's: latent rows
+    assert kinds == ["MLALatentSpec" if latent else "FullAttentionSpec", "RecurrentStateSpec"]
     assert_clean(engine)
 
 
-@pytest.mark.parametrize("model", [*STATE_MODELS, pytest.param("tiny-qwen3.5", marks=QWEN3_5)])
+@pytest.mark.parametrize("model", [*STATE_MODELS, *NEWER_MODELS])
 def test_the_specs_are_the_states_transformers_keeps(model):
     """Each state layer's parts have the shapes and dtypes transformers' own cache holds after a
     bf16 prefill (the delta-rule and SSM states in float32)."""
     hf, _ = load_model(model, dtype=torch.bfloat16)
     cache = hf(torch.tensor([[1, 2, 3, 4, 5]]), use_cache=True).past_key_values
-    specs = state_specs(hf.config, torch.bfloat16)
-    assert any(specs) and not all(specs)
+    specs = [layer_specs(entry)[1] for entry in state_specs(hf.config, torch.bfloat16)]
+    assert any(specs)
     for layer, spec in enumerate(specs):
-        if spec is None:
+        if spec is None:  # attention, or a layer with no memory
             continue
         held = [cache.layers[layer].conv_states[0], cache.layers[layer].recurrent_states[0]]
         held = [tensor for tensor in held if tensor is not None]
@@ -67,7 +98,7 @@ def test_the_state_group_follows_the_attention_group():
     engine.close()
 
 
-@pytest.mark.parametrize("model", STATE_MODELS)
+@pytest.mark.parametrize("model", [*STATE_MODELS, *NEWER_MODELS[1:]])
 def test_parallel_sampling_forks_the_state(model):
     engine = make_engine(model)
     batch = prompts(2, lengths=(37, 21))
@@ -81,7 +112,13 @@ def test_parallel_sampling_forks_the_state(model):
 @pytest.mark.parametrize("model,mode", [("tiny-lfm2", "swap"), ("tiny-lfm2", "recompute"),
                                         ("tiny-qwen3-next", "swap"), ("tiny-qwen3-next", "recompute"),
                                         ("tiny-granite-hybrid", "swap"), ("tiny-granite-hybrid", "recompute"),
-                                        pytest.param("tiny-qwen3.5", "swap", marks=QWEN3_5)])
+                                        pytest.param("tiny-qwen3.5", "swap", marks=QWEN3_5),
+                                        pytest.param("tiny-nemotron-h", "swap", marks=NEMOTRON_H),
+                                        pytest.param("tiny-nemotron-h", "recompute", marks=NEMOTRON_H),
+                                        pytest.param("tiny-falcon-h1", "swap", marks=FALCON_H1),
+                                        pytest.param("tiny-falcon-h1", "recompute", marks=FALCON_H1),
+                                        pytest.param("tiny-kimi-linear", "swap", marks=KIMI_LINEAR),
+                                        pytest.param("tiny-kimi-linear", "recompute", marks=KIMI_LINEAR)])
 def test_preemption_matches_hf(model, mode):
     probe = make_engine(model)
     page = probe.manager.tokens_per_page
@@ -114,6 +151,30 @@ def test_a_shared_prefix_continues_from_the_saved_state_and_tokens_still_match(m
     assert engine.stats()["state_bytes_per_saved_state"] == engine.manager.groups[1].state_bytes
     assert_matches_hf(model, batch, outputs)
     assert_clean(engine)
+
+
+@NEMOTRON_H
+def test_a_layer_without_memory_is_in_no_group():
+    """Nemotron-H's MLP-only layer keeps nothing: neither group holds it, and asking for its
+    memory is refused naming the layers that hold some."""
+    engine = make_engine("tiny-nemotron-h")
+    attention, state = engine.manager.groups
+    assert attention.layers == (2,) and state.layers == (0, 3)
+    with pytest.raises(InvalidInputError, match="layer 1 holds no memory.*0, 2, 3"):
+        engine.manager.state_views(1)
+    engine.close()
+
+
+@FALCON_H1
+def test_a_layer_with_attention_and_a_state_is_in_both_groups():
+    """Falcon-H1 runs attention and Mamba2 side by side in every layer: each layer's K/V is in
+    the attention group and its state in the state group."""
+    engine = make_engine("tiny-falcon-h1")
+    attention, state = engine.manager.groups
+    assert attention.layers == state.layers == (0, 1)
+    assert len(engine.manager.kv_views(1)) == 2
+    assert [tuple(v.shape[1:]) for v in engine.manager.state_views(1)] == [(160, 4), (8, 16, 16)]
+    engine.close()
 
 
 def test_a_later_turn_continues_from_a_state_saved_while_decoding():
@@ -156,7 +217,7 @@ def test_block_tables_tensor_parallel_and_other_state_families_are_refused():
                 with pytest.raises(UnsupportedModelError, match="state"):
                     check_attention_supported(config, 64, replaces_attention=replaces_attention)
     other = model_config("tiny-qwen3-next")
-    other.model_type = "kimi_linear"  # another family's delta attention: not routed yet
+    other.model_type = "olmo_hybrid"  # a family whose mixers are not routed
     with pytest.raises(UnsupportedModelError, match="gated delta net"):
         check_attention_supported(other, 64, replaces_attention=True)
 

@@ -21,7 +21,8 @@ _LAZY = {
     "KVLayout": "vmemkv.memory.layout",
     # the kinds of KV memory (one group class per kind: cache/coordinator.py)
     **dict.fromkeys(("KVCacheSpec", "FullAttentionSpec", "SlidingWindowSpec", "ChunkedLocalSpec",
-                     "MLALatentSpec", "RecurrentStateSpec", "StatePart"), "vmemkv.cache.kv_spec"),
+                     "MLALatentSpec", "RecurrentStateSpec", "StatePart", "NO_MEMORY"),
+                   "vmemkv.cache.kv_spec"),
     **dict.fromkeys(("CacheConfig", "CacheStats", "PreemptionEstimate"), "vmemkv.cache.config"),
     **dict.fromkeys(("KVCacheManager", "PrefixCacheBusyError", "UnknownRequestError",
                      "WrongRequestStateError"), "vmemkv.cache.manager"),

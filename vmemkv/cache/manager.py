@@ -47,7 +47,7 @@ from typing import Literal
 
 import torch
 
-from vmemkv.cache.kv_spec import KVCacheSpec, is_state, spec_of_layer
+from vmemkv.cache.kv_spec import KVCacheSpec, layer_specs
 from vmemkv.cache.config import CacheConfig, CacheStats, PreemptionEstimate
 from vmemkv.cache.coordinator import KVCacheCoordinator
 from vmemkv.cache.events import KVEventSink, check_sink
@@ -95,7 +95,9 @@ class KVCacheManager:
 
     ``layer_windows`` gives each model layer's window (an int: a sliding window), its
     ``KVCacheSpec`` (``kv_spec.py``: e.g. ``ChunkedLocalSpec(C)``; an ``AttentionSpec(kind,
-    size)`` makes one) or None (full attention): one layer group per kind,
+    size)`` makes one), None (full attention), ``NO_MEMORY`` (a layer with nothing to cache,
+    in no group) or a pair ``(attention entry, RecurrentStateSpec)`` (a layer in an attention
+    group and a state group: ``kv_views`` and ``state_views`` find each): one layer group per kind,
     each with its own virtual tensors and pool, the full-attention group first
     (``layout_groups``). ``config`` then describes the whole model: ``num_blocks`` blocks of all
     layers, whose bytes the groups share (``layer_groups.split_blocks``: each local group gets
@@ -186,9 +188,9 @@ class KVCacheManager:
         ``KVCacheSpec`` or None), or with one group of every layer (keeping every block) when
         ``layer_windows`` is None or the groups' pages cannot hold one number of tokens.
         ``backends``: makes a pool's backend from the pool's config (or None: each its own)."""
-        if layer_windows and any(is_state(spec_of_layer(layer)) for layer in layer_windows):
+        if layer_windows and any(specs[1] or not specs[0] for specs in map(layer_specs, layer_windows)):
             return cls(config, metrics=metrics, events=events, layer_windows=layer_windows,
-                       chunk_tokens=chunk_tokens, backends=backends)  # state needs its own groups
+                       chunk_tokens=chunk_tokens, backends=backends)  # state or memoryless layers: own groups
         if layer_windows:
             try:
                 configs = group_configs(config, LayerGroups.from_windows(layer_windows), chunk_tokens)

@@ -246,7 +246,8 @@ class CacheQueries:
 
     def state_views(self, layer: int) -> list[torch.Tensor]:
         self.registry.check_open()
-        group, index = self.coordinator.where(check.layer_index(layer, self.config.num_layers))
+        group, index = self.coordinator.where(check.layer_index(layer, self.config.num_layers),
+                                              state=True)
         return group.state_views(index)
 
     def block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

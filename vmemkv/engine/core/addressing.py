@@ -96,8 +96,9 @@ def _with_states(make_attention, state_views):
 
 
 def kv_layers(views: KVViews) -> list[int]:
-    """The model layers holding K/V (not a recurrent state)."""
-    return [layer for layer in range(views.config.num_layers) if not views.layer_group(layer).holds_state]
+    """The model layers holding K/V (not a recurrent state, nor no memory at all)."""
+    return sorted(layer for group in views.layout_groups if not group.holds_state
+                  for layer in group.layers)
 
 
 def layer_geometries(views: KVViews) -> list[tuple[int, int]]:
@@ -105,8 +106,9 @@ def layer_geometries(views: KVViews) -> list[tuple[int, int]]:
     pair for every layer of a manager; layout groups of a hybrid model with different numbers
     of layers differ in the per-layer layout (a slot's rows span its group's layers)."""
     geometry = []
+    holding = set(kv_layers(views))
     for layer in range(views.config.num_layers):
-        if views.layer_group(layer).holds_state:  # no K/V: its mixer reads its state
+        if layer not in holding:  # no K/V: its mixer reads its state, or it holds nothing
             geometry.append(None)
             continue
         k_view, v_view = views.kv_views(layer)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
-from vmemkv.cache.kv_spec import ChunkedLocalSpec, KVCacheSpec
+from vmemkv.cache.kv_spec import ChunkedLocalSpec, KVCacheSpec, spec_of_config
 from vmemkv.cache.manager import KVCacheManager
 from vmemkv.engine.models.hf_support import hybrid_layer_windows, layer_chunks
 from vmemkv.engine.models.state_mixers import state_specs
@@ -156,7 +156,8 @@ def make_kv_manager(cache: "CacheConfig", model_config, *, max_model_len: int, c
     windows = layer_windows(model_config, max_model_len, release_behind_window, chunked_groups)
     states = state_specs(model_config, cache.dtype)
     if states:  # recurrent layers keep a state group each kind; the others as they would
-        windows = [state or (windows[i] if windows else None) for i, state in enumerate(states)]
+        attention = spec_of_config(cache) if cache.latent else None  # (Kimi Linear's MLA rows)
+        windows = [state or (windows[i] if windows else attention) for i, state in enumerate(states)]
     if windows:  # a cache of the leading layers only (VmemkvCache without Gemma-3n's KV-shared ones)
         windows = windows[:cache.num_layers]
     return KVCacheManager.for_layers(cache, windows, chunk_tokens, **manager_options)

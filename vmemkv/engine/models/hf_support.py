@@ -12,8 +12,8 @@ its own, which applies what transformers passes it per layer: the scaling, a sli
 start (or every token, with ``release_behind_window=False``) to the model's own attention, whose
 mask applies the window. A model that attends otherwise would run and silently give other
 tokens than transformers, so both refuse it at load time with :func:`check_attention_supported`.
-Multi-head latent attention models (DeepSeek-V2/V3, MiniCPM3: :data:`LATENT_MODEL_TYPES`) are
-sized by their latent row (:func:`latent_dims`, :func:`kv_shape`) and cached as latent rows by both.
+Multi-head latent attention models (DeepSeek-V2/V3, MiniCPM3, Kimi Linear: :data:`LATENT_MODEL_TYPES`)
+are sized by their latent row (:func:`latent_dims`, :func:`kv_shape`) and cached as latent rows by both.
 This module reads config attributes (and a model's dtype and device) only; it does not import
 transformers.
 """
@@ -41,19 +41,28 @@ _CHUNKING_MODEL_TYPES = frozenset({"llama4", "llama4_text"})
 # ALiBi position biases, which the model hands to its attention function as an extra argument.
 _ALIBI_MODEL_TYPES = frozenset({"bloom"})
 
+# The layer kind that holds both attention K/V and a recurrent state (Falcon-H1's).
+HYBRID_KIND = "hybrid"
 # Layer kinds that keep a recurrent state instead of K/V (what vmemkv does not cache yet), as
 # users know them.
 _STATE_KINDS = {"mamba": "Mamba / SSM state", "linear_attention": "linear attention state (gated delta net)",
-                "conv": "short convolution state", "recurrent": "recurrent (RG-LRU) state"}
+                "conv": "short convolution state", "recurrent": "recurrent (RG-LRU) state",
+                HYBRID_KIND: "attention K/V beside a Mamba / SSM state"}
 
 # Models whose recurrent mixers the engine runs per sequence over their state in the cache
 # (vmemkv.engine.models.state_mixers), with the kind of their state layers.
 STATE_MODEL_TYPES = {"lfm2": "conv", "qwen3_next": "linear_attention", "qwen3_5_text": "linear_attention",
-                     "granitemoehybrid": "linear_attention"}  # (Granite-4.0-H's Mamba2 layers)
+                     "granitemoehybrid": "linear_attention",  # (Granite-4.0-H's Mamba2 layers)
+                     "nemotron_h": "linear_attention",  # (Nemotron-H's Mamba2 layers)
+                     "falcon_h1": HYBRID_KIND,  # (every layer: attention and Mamba2 side by side)
+                     "kimi_linear": "linear_attention"}  # (Kimi delta attention, beside MLA layers)
+
+# Layer kinds with no memory at all (Nemotron-H's MLP-only and MoE-only layers): no cache group.
+MEMORYLESS_KINDS = frozenset({"mlp", "moe"})
 
 # Multi-head latent attention whose attention module the engine runs from the latent rows
 # (vmemkv.engine.models.latent_attention) and whose own code hands VmemkvCache the latent.
-LATENT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "minicpm3"})
+LATENT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "minicpm3", "kimi_linear"})
 
 
 def text_config(config: Any) -> Any:
@@ -263,6 +272,8 @@ def check_attention_supported(config: Any, max_len: int, *, replaces_attention: 
         if kind in _EXACT_KINDS or (kind == CHUNKED_KIND and replaces_attention
                                     and model_type in _CHUNKING_MODEL_TYPES):
             continue  # (the engine's attention applies the chunks itself: layer_chunks)
+        if kind in MEMORYLESS_KINDS:
+            continue  # nothing to cache
         if replaces_attention and STATE_MODEL_TYPES.get(model_type) == kind:
             continue  # the engine runs these mixers over their state (state_mixers.py)
         layers = _ranges([i for i, k in enumerate(kinds) if k == kind])

@@ -1,4 +1,5 @@
-"""The engine's multi-head latent attention (MLA) for DeepSeek-V2/V3 and MiniCPM3 models.
+"""The engine's multi-head latent attention (MLA) for DeepSeek-V2/V3, MiniCPM3 and Kimi Linear
+models (Kimi Linear's without rotary: its rope part is used as it is).
 
 transformers' MLA modules decompress every cached latent into per-head K and V before calling the
 attention function, so the engine would have to hold (or rebuild) the decompressed K/V. Instead
@@ -61,8 +62,9 @@ def _latent_forward(module: nn.Module, hidden_states: torch.Tensor, *args, **kwa
     c_kv, k_pe = module.kv_a_proj_with_mqa(hidden_states).split(
         [module.kv_lora_rank, module.qk_rope_head_dim], dim=-1)
     c_kv = module.kv_a_layernorm(c_kv).view(1, 1, num_tokens, module.kv_lora_rank)
-    q_pe, k_pe = _rotary(module, q_pe, k_pe.view(1, 1, num_tokens, module.qk_rope_head_dim),
-                         kwargs["position_embeddings"])
+    k_pe = k_pe.view(1, 1, num_tokens, module.qk_rope_head_dim)
+    if kwargs.get("position_embeddings") is not None:  # (Kimi Linear's MLA has no rotary)
+        q_pe, k_pe = _rotary(module, q_pe, k_pe, kwargs["position_embeddings"])
     absorb_k, absorb_v = _absorbed_weights(module)
     q_latent = q_nope @ absorb_k  # [1, H, T, rank]
     out = attention(module.layer_idx, torch.cat([q_latent, q_pe], dim=-1),

@@ -1,6 +1,6 @@
 """The engine's recurrent mixers: LFM2's short convolutions, Qwen3-Next's and Qwen3.5's gated
-delta nets, Granite-4.0-H's Mamba2 layers, run by the model's own code over each sequence's state
-in the KV cache.
+delta nets, Kimi Linear's delta attention, Granite-4.0-H's, Nemotron-H's and Falcon-H1's Mamba2
+layers, run by the model's own code over each sequence's state in the KV cache.
 
 The engine calls the model on one packed batch (``[1, T]``: every sequence's new tokens side by
 side); a convolution or a delta rule would run that batch as one sequence. So
@@ -32,33 +32,48 @@ import torch
 import transformers
 from torch import nn
 
-from vmemkv.cache.kv_spec import RecurrentStateSpec, StatePart
+from vmemkv.cache.kv_spec import NO_MEMORY, RecurrentStateSpec, StatePart
 from vmemkv.engine.core.model_runner import BATCH_KWARG
-from vmemkv.engine.models.hf_support import STATE_MODEL_TYPES, text_config
+from vmemkv.engine.models.hf_support import HYBRID_KIND, MEMORYLESS_KINDS, STATE_MODEL_TYPES, text_config
 from vmemkv.errors import UnsupportedModelError
 
 
 def state_specs(config: Any, dtype: torch.dtype) -> list[RecurrentStateSpec | None] | None:
-    """Each layer's recurrent state spec (None for an attention layer) for a model whose mixers
-    the engine routes (``STATE_MODEL_TYPES``); None for any other model."""
+    """Each layer's recurrent state spec (None for an attention layer, ``NO_MEMORY`` for a layer
+    that holds nothing: Nemotron-H's MLP layers, ``(None, spec)`` for a layer with both: Falcon-H1's)
+    for a model whose mixers the engine routes (``STATE_MODEL_TYPES``); None for any other model."""
     text = text_config(config)
     model_type = getattr(text, "model_type", None)
     if model_type not in STATE_MODEL_TYPES:
         return None
     kind = STATE_MODEL_TYPES[model_type]
     spec = _spec(text, model_type, dtype)
-    return [spec if layer_kind == kind else None for layer_kind in text.layer_types]
+    if kind == HYBRID_KIND:  # each layer in the attention group and the state group
+        return [(None, spec) if layer_kind == kind else None for layer_kind in text.layer_types]
+    return [spec if layer_kind == kind else NO_MEMORY if layer_kind in MEMORYLESS_KINDS else None
+            for layer_kind in text.layer_types]
 
 
 def _spec(text: Any, model_type: str, dtype: torch.dtype) -> RecurrentStateSpec:
     if model_type == "lfm2":
         return RecurrentStateSpec((StatePart("conv", (text.hidden_size, text.conv_L_cache), dtype),))
-    if model_type == "granitemoehybrid":  # Mamba2: a conv window over x, B and C; an SSM state per head
-        state = text.mamba_d_state
-        conv_dim = int(text.mamba_expand * text.hidden_size) + 2 * text.mamba_n_groups * state
+    if model_type == "granitemoehybrid":
+        return _mamba2_spec(text.mamba_n_heads, text.mamba_d_head, text.mamba_d_state,
+                            text.mamba_n_groups, text.mamba_d_conv, dtype,
+                            inner=int(text.mamba_expand * text.hidden_size))
+    if model_type == "kimi_linear":  # Kimi delta attention: one conv over q, k, v; a state per head
+        channels = text.linear_num_heads * text.linear_head_dim
         return RecurrentStateSpec((
-            StatePart("conv", (conv_dim, text.mamba_d_conv), dtype),
-            StatePart("ssm", (text.mamba_n_heads, text.mamba_d_head, state), torch.float32)))
+            StatePart("conv", (3 * channels, text.linear_conv_kernel_dim), dtype),
+            StatePart("recurrent", (text.linear_num_heads, text.linear_head_dim, text.linear_head_dim),
+                      torch.float32)))
+    if model_type == "falcon_h1":
+        return _mamba2_spec(text.mamba_n_heads, text.mamba_d_head, text.mamba_d_state,
+                            text.mamba_n_groups, text.mamba_d_conv, dtype,
+                            inner=text.mamba_d_ssm or int(text.mamba_expand * text.hidden_size))
+    if model_type == "nemotron_h":  # Mamba2 as Granite-4.0-H's, under other config names
+        return _mamba2_spec(text.mamba_num_heads, text.mamba_head_dim, text.ssm_state_size,
+                            text.n_groups, text.conv_kernel, dtype)
     key_dim = text.linear_key_head_dim * text.linear_num_key_heads  # a gated delta net's (Qwen3-Next, 3.5)
     conv_dim = 2 * key_dim + text.linear_value_head_dim * text.linear_num_value_heads
     return RecurrentStateSpec((
@@ -67,15 +82,26 @@ def _spec(text: Any, model_type: str, dtype: torch.dtype) -> RecurrentStateSpec:
                                 text.linear_value_head_dim), torch.float32)))
 
 
+def _mamba2_spec(heads: int, head_dim: int, state: int, groups: int, kernel: int,
+                 dtype: torch.dtype, inner: int | None = None) -> RecurrentStateSpec:
+    """Mamba2's state: a conv window over x (``inner`` channels: heads x head dim unless the
+    model says otherwise), B and C; an SSM state per head, in float32."""
+    conv_dim = (inner or heads * head_dim) + 2 * groups * state
+    return RecurrentStateSpec((StatePart("conv", (conv_dim, kernel), dtype),
+                               StatePart("ssm", (heads, head_dim, state), torch.float32)))
+
+
 def is_state_mixer(module: nn.Module) -> bool:
     """Whether ``module`` is a recurrent mixer the engine routes (LFM2's ``Lfm2ShortConv``,
-    Qwen3-Next's and Qwen3.5's gated delta nets, Granite-4.0-H's Mamba2 layer)."""
+    Qwen3-Next's and Qwen3.5's gated delta nets, Kimi Linear's delta attention, Granite-4.0-H's,
+    Nemotron-H's and Falcon-H1's Mamba2 layers)."""
     return type(module).__name__ in STATE_MIXERS
 
 
 # the mixer classes routed (Qwen3.5's text model shares Qwen3-Next's gated delta net code)
 STATE_MIXERS = ("Lfm2ShortConv", "Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet",
-                "GraniteMoeHybridMambaLayer")
+                "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "FalconH1Mixer",
+                "KimiLinearDeltaAttention")
 
 
 def takes_cache(module_class: type) -> bool:

@@ -15,6 +15,7 @@ import os
 from typing import NoReturn
 
 import torch
+import transformers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DeepseekV2Config, DeepseekV3Config,
                           Gemma2Config, GraniteMoeHybridConfig, LlamaConfig, Lfm2Config, MiniCPM3Config, MistralConfig,
                           PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3NextConfig)
@@ -26,6 +27,10 @@ except ImportError:
 
 from vmemkv.errors import ConfigError
 from vmemkv.engine.models.hub import REAL_MODELS, ensure_real_model, hub_config, load_from_hub_cache
+
+# families recent in transformers: None where the installed one lacks them
+NemotronHConfig, FalconH1Config, KimiLinearConfig = (
+    getattr(transformers, name, None) for name in ("NemotronHConfig", "FalconH1Config", "KimiLinearConfig"))
 
 BYTE_VOCAB = 256 + 2  # bytes, then <s>, </s>
 TINY_MISTRAL_WINDOW = 128
@@ -125,6 +130,31 @@ BUILTIN_MODELS: dict[str, PretrainedConfig] = {
         mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=1, num_local_experts=0,
         shared_intermediate_size=256, layer_types=["linear_attention", "full_attention"] * 2,
         max_position_embeddings=TINY_MAX_POSITIONS, initializer_range=0.1),
+    # Nemotron-H's architecture: Mamba2 layers, an attention layer without RoPE, and MLP-only
+    # layers that hold no memory (in no cache group).
+    **({} if NemotronHConfig is None else {"tiny-nemotron-h": NemotronHConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, mamba_num_heads=8,
+        mamba_head_dim=16, ssm_state_size=16, n_groups=1, conv_kernel=4, chunk_size=16,
+        layer_types=["linear_attention", "mlp", "full_attention", "linear_attention"],
+        max_position_embeddings=TINY_MAX_POSITIONS, initializer_range=0.1)}),
+    # Falcon-H1's architecture: every layer runs attention and a Mamba2 mixer side by side, so
+    # each layer is in the attention group and in the state group.
+    **({} if FalconH1Config is None else {"tiny-falcon-h1": FalconH1Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, mamba_d_ssm=128,
+        mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4,
+        mamba_chunk_size=16, max_position_embeddings=TINY_MAX_POSITIONS, initializer_range=0.1)}),
+    # Kimi Linear's architecture: Kimi delta attention layers (a conv window over q, k, v and a
+    # float32 delta-rule state per head) beside MLA layers (latent rows, no rotary). Its default
+    # special token ids lie outside the tiny vocabulary.
+    **({} if KimiLinearConfig is None else {"tiny-kimi-linear": KimiLinearConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=32, linear_num_heads=4, linear_head_dim=16,
+        linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2,
+        mlp_layer_types=["dense"] * 4, pad_token_id=0, bos_token_id=256, eos_token_id=257,
+        max_position_embeddings=TINY_MAX_POSITIONS, initializer_range=0.1)}),
     # The shapes of real models, random weights, for benchmarks.
     "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                 num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
