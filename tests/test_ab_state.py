@@ -12,6 +12,8 @@ from vmemkv.ab import make_workload
 from vmemkv.ab.cli import main
 from vmemkv.ab.variants import DEFAULT_VARIANTS, default_variants
 
+from test_state_engine import STATE_MIXERS_ROUTED
+
 
 def test_a_state_model_gets_the_vmem_variants_by_default():
     assert default_variants(["shared-prefix"], "tiny-qwen3-next") == ["vmem", "vmem-per-layer"]
@@ -26,7 +28,7 @@ def test_a_block_table_variant_is_refused_for_a_state_model_naming_the_choices(c
     assert "vmem, vmem-per-layer, vmem-keep" in err
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3-next"])
+@pytest.mark.parametrize("model", ["tiny-llama", pytest.param("tiny-qwen3-next", marks=STATE_MIXERS_ROUTED)])
 def test_shared_prefix_reports_the_tokens_computed_and_the_hit_rate(model, capsys):
     """Every prompt token not served by a prefix hit is computed once, then one position per
     output token after the first (the pool is roomy: nothing is preempted)."""

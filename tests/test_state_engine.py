@@ -57,10 +57,11 @@ NEWER_MODELS = [pytest.param("tiny-qwen3.5", marks=QWEN3_5),
                 pytest.param("tiny-nemotron-h", marks=NEMOTRON_H),
                 pytest.param("tiny-falcon-h1", marks=FALCON_H1),
                 pytest.param("tiny-kimi-linear", marks=KIMI_LINEAR)]
-pytestmark = pytest.mark.skipif(
+STATE_MIXERS_ROUTED = pytest.mark.skipif(
     not all(map(takes_cache, (Lfm2ShortConv, Qwen3NextGatedDeltaNet, GraniteMoeHybridMambaLayer))),
     reason=f"transformers {transformers.__version__}'s LFM2 / Qwen3-Next / Granite-4.0-H mixers "
            "take their state in another form than `cache` (the engine refuses them at load)")
+pytestmark = STATE_MIXERS_ROUTED
 
 
 @pytest.mark.parametrize("model", [*STATE_MODELS, *NEWER_MODELS])

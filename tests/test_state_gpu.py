@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from vmemkv import CacheConfig, KVCacheManager, RecurrentStateSpec, StatePart
-from vmemkv.engine.models.state_mixers import takes_cache
 
 from conftest import cuda_bindings_missing
+from test_state_engine import STATE_MIXERS_ROUTED
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu,
@@ -93,9 +93,7 @@ def test_state_and_kv_survive_fork_and_swap_bit_exact(device):
         assert manager.num_blocks_in_use == 0 and state_group.num_blocks_in_use == 0
 
 
-@pytest.mark.skipif(not takes_cache(__import__("transformers.models.lfm2.modeling_lfm2",
-                                               fromlist=["Lfm2ShortConv"]).Lfm2ShortConv),
-                    reason="this transformers' LFM2 mixer takes its state in another form than `cache`")
+@STATE_MIXERS_ROUTED
 @pytest.mark.parametrize("model", ["tiny-lfm2", "tiny-qwen3-next"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_state_engine_matches_hf_generate(model, device):
