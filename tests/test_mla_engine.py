@@ -112,12 +112,18 @@ def test_parallel_sampling_greedy_forks_match_hf():
 @pytest.mark.parametrize("model,mode", [("tiny-deepseek-v3", "swap"), ("tiny-deepseek-v3", "recompute"),
                                         ("tiny-deepseek-v2", "swap"), ("tiny-minicpm3", "recompute")])
 def test_preemption_matches_hf(model, mode):
+    assert_preemption_matches_hf(model, mode, enable_prefix_caching=False)
+
+
+def assert_preemption_matches_hf(model: str, mode: str, **options) -> None:
+    """Six sequences on a pool too small for all of them: preempted by ``mode`` (at least once),
+    every one's greedy tokens still HF's."""
     probe = make_engine(model)
     page = probe.manager.tokens_per_page
     probe.close()
     # 12 pages for 6 sequences of 2 pages that each grow into a third: someone must wait
-    engine = make_engine(model, num_blocks=12, preemption_mode=mode, enable_prefix_caching=False,
-                         watermark=0.0, max_num_batched_tokens=4 * page)
+    engine = make_engine(model, num_blocks=12, preemption_mode=mode, watermark=0.0,
+                         max_num_batched_tokens=4 * page, **options)
     batch = prompts(6, lengths=tuple(2 * page - 12 + k for k in (0, 3, 7, 1, 5, 6)))
     outputs = run(engine, batch, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     stats = engine.manager.cache_stats()

@@ -26,7 +26,7 @@ from vmemkv.engine.models.zoo import BUILTIN_MODELS, load_model, model_config
 from vmemkv.errors import ConfigError, InvalidInputError, UnsupportedModelError
 
 from test_engine_correctness import assert_clean, greedy, make_engine, prompts, run
-from test_mla_engine import assert_matches_hf, hf_greedy
+from test_mla_engine import assert_matches_hf, assert_preemption_matches_hf, hf_greedy
 
 STATE_MODELS = ["tiny-lfm2", "tiny-qwen3-next", "tiny-granite-hybrid"]
 QWEN3_5 = pytest.mark.skipif("tiny-qwen3.5" not in BUILTIN_MODELS,
@@ -121,19 +121,7 @@ def test_parallel_sampling_forks_the_state(model):
                                         pytest.param("tiny-kimi-linear", "swap", marks=KIMI_LINEAR),
                                         pytest.param("tiny-kimi-linear", "recompute", marks=KIMI_LINEAR)])
 def test_preemption_matches_hf(model, mode):
-    probe = make_engine(model)
-    page = probe.manager.tokens_per_page
-    probe.close()
-    # 12 pages for 6 sequences of 2 pages that each grow into a third: someone must wait
-    engine = make_engine(model, num_blocks=12, preemption_mode=mode, watermark=0.0,
-                         max_num_batched_tokens=4 * page)
-    batch = prompts(6, lengths=tuple(2 * page - 12 + k for k in (0, 3, 7, 1, 5, 6)))
-    outputs = run(engine, batch, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
-    stats = engine.manager.cache_stats()
-    assert (stats.preemptions_swap if mode == "swap" else stats.preemptions_recompute) > 0
-    for prompt, output in zip(batch, outputs):
-        assert output.outputs[0].token_ids == hf_greedy(model, tuple(prompt), 20)
-    assert_clean(engine)
+    assert_preemption_matches_hf(model, mode)
 
 
 @pytest.mark.parametrize("model", ["tiny-lfm2", "tiny-qwen3-next"])
