@@ -99,7 +99,7 @@ def test_the_state_group_follows_the_attention_group():
     engine.close()
 
 
-@pytest.mark.parametrize("model", [*STATE_MODELS, *NEWER_MODELS[1:]])
+@pytest.mark.parametrize("model", [*STATE_MODELS, *NEWER_MODELS])
 def test_parallel_sampling_forks_the_state(model):
     engine = make_engine(model)
     batch = prompts(2, lengths=(37, 21))
@@ -114,6 +114,7 @@ def test_parallel_sampling_forks_the_state(model):
                                         ("tiny-qwen3-next", "swap"), ("tiny-qwen3-next", "recompute"),
                                         ("tiny-granite-hybrid", "swap"), ("tiny-granite-hybrid", "recompute"),
                                         pytest.param("tiny-qwen3.5", "swap", marks=QWEN3_5),
+                                        pytest.param("tiny-qwen3.5", "recompute", marks=QWEN3_5),
                                         pytest.param("tiny-nemotron-h", "swap", marks=NEMOTRON_H),
                                         pytest.param("tiny-nemotron-h", "recompute", marks=NEMOTRON_H),
                                         pytest.param("tiny-falcon-h1", "swap", marks=FALCON_H1),
@@ -124,7 +125,7 @@ def test_preemption_matches_hf(model, mode):
     assert_preemption_matches_hf(model, mode)
 
 
-@pytest.mark.parametrize("model", ["tiny-lfm2", "tiny-qwen3-next"])
+@pytest.mark.parametrize("model", [*STATE_MODELS, *NEWER_MODELS])
 def test_a_shared_prefix_continues_from_the_saved_state_and_tokens_still_match(model):
     probe = make_engine(model)
     page = probe.manager.tokens_per_page
