@@ -73,7 +73,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "smollm2-135m, llama-3-8b), a local Hugging Face "
                             "directory, or a Hub id in the local Hugging Face cache")
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                       help="weights and KV dtype; auto: float32 on CPU, bfloat16 on CUDA")
+                       help="weights and KV dtype; auto: the checkpoint's where the device computes "
+                            "it natively (bfloat16 on a CPU with AVX-512 BF16 or AMX), else float32; "
+                            "float32: tokens equal to Hugging Face's float32 generate")
     group.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if available")
     group.add_argument("--threads", type=int, default=None,
                        help="torch's intra-op threads; default: the cores this process may run on, "
@@ -153,8 +155,6 @@ def engine_config_from_args(args: argparse.Namespace):
 
     device = args.device or _default_device()
     dtype = args.dtype
-    if dtype == "auto":
-        dtype = "float32" if device == "cpu" else "bfloat16"
     fields: dict[str, Any] = {
         "model": args.model,
         "dtype": dtype,
@@ -204,7 +204,9 @@ def _build_engine(args: argparse.Namespace):
 
     if is_random_weight(args.model):
         print(f"vmemkv: note: {random_weight_notice(args.model)}", file=sys.stderr)
-    return LLMEngine(engine_config_from_args(args))
+    engine = LLMEngine(engine_config_from_args(args))
+    print(f"vmemkv: dtype {engine.dtype_choice}", file=sys.stderr)
+    return engine
 
 
 def _check_device(device: str | None) -> None:

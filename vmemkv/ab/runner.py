@@ -80,7 +80,9 @@ def run_once(model, tokenizer, model_name: str, workload: Workload, variant: Var
     Under tensor parallelism (``overrides["tensor_parallel_size"] > 1``) every rank loads the
     model by name, its own shard, so the engine loads rank 0's too: the same weights (the same
     name and seed) and tokenizer as ``model``, ``tokenizer``."""
-    config = engine_config(model_name, workload, variant, seed, device, tokens_per_page, overrides)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")  # the ranks load it so too
+    config = engine_config(model_name, workload, variant, seed, device, tokens_per_page,
+                           {"dtype": dtype, **(overrides or {})})
     engine = (LLMEngine(config) if config.tensor_parallel_size > 1
               else LLMEngine(config, model, tokenizer))
     try:

@@ -18,6 +18,7 @@ import torch
 from vmemkv.cache.config import CacheConfig
 from vmemkv.errors import ConfigError
 from vmemkv.engine.models.hf_support import cache_config_for, model_length_limit, uniform_chunk
+from vmemkv.engine.models.dtype_choice import auto_dtype
 from vmemkv.engine.core.policies import POLICIES, policy_names
 from vmemkv.engine.core.threads import check_threads
 
@@ -36,10 +37,10 @@ CACHE_FIELDS = ("max_num_seqs", "max_model_len", "num_blocks", "device", "tokens
 @dataclass
 class EngineConfig:
     model: str = "tiny-llama"  # a built-in random-weight model name or a local HF directory
-    # float32 on every device: bf16 is about 2.4x faster on a CPU with avx512_bf16 (SmolLM2-135M),
-    # but its greedy tokens part from Hugging Face's float32 reference, which the tests compare
-    # token for token; pass dtype="bfloat16" for speed.
-    dtype: str = "float32"
+    # "auto" (vLLM's default): the checkpoint's dtype where the device computes it natively, else
+    # float32 (models/dtype_choice.py); "float32" gives Hugging Face's float32 tokens exactly,
+    # which the tests compare token for token.
+    dtype: str = "auto"
     device: str = CacheConfig.device
     max_num_seqs: int = 64  # slots: sequences running at once
     # longest prompt + output; None: the model's limit (for_model), at most DEFAULT_MAX_MODEL_LEN
@@ -166,7 +167,8 @@ class EngineConfig:
                 isinstance(self.kv_idle_release_s, (int, float)) and self.kv_idle_release_s >= 0):
             raise ConfigError(f"kv_idle_release_s must be a number >= 0 or None, got "
                               f"{self.kv_idle_release_s!r}")
-        self.torch_dtype  # validates the name
+        if self.dtype != "auto":
+            self._named_dtype()  # validates the name
 
     def for_model(self, model_config) -> "EngineConfig":
         """This configuration with ``max_model_len`` checked against the model's limit (vLLM's
@@ -198,10 +200,25 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The dtype the model runs in (``auto`` resolved first: ``with_dtype_for``)."""
+        if self.dtype == "auto":
+            raise ConfigError("dtype='auto' is resolved when the model is known "
+                              "(EngineConfig.with_dtype_for)")
+        return self._named_dtype()
+
+    def _named_dtype(self) -> torch.dtype:
         dtype = getattr(torch, str(self.dtype).removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):
-            raise ConfigError(f"unknown dtype {self.dtype!r}; use float32, float16 or bfloat16")
+            raise ConfigError(f"unknown dtype {self.dtype!r}; use auto, float32, float16 or bfloat16")
         return dtype
+
+    def with_dtype_for(self, recorded: torch.dtype | None) -> tuple["EngineConfig", str]:
+        """This configuration with ``auto`` resolved for a checkpoint recorded in ``recorded``
+        (None: not recorded), and a line saying what runs and why."""
+        if self.dtype != "auto":
+            return self, f"{self.dtype} (as asked)"
+        dtype, why = auto_dtype(recorded, self.device)
+        return dataclasses.replace(self, dtype=str(dtype).removeprefix("torch.")), f"auto: {why}"
 
     def cache_config(self, model) -> CacheConfig:
         """The KV cache for ``model`` (a Hugging Face causal LM) under this configuration; without

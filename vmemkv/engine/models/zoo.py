@@ -26,6 +26,7 @@ except ImportError:
     Qwen3_5TextConfig = None
 
 from vmemkv.errors import ConfigError
+from vmemkv.engine.models.dtype_choice import checkpoint_dtype
 from vmemkv.engine.models.hub import REAL_MODELS, ensure_real_model, hub_config, load_from_hub_cache
 
 # families recent in transformers: None where the installed one lacks them
@@ -214,6 +215,13 @@ def model_config(name: str) -> PretrainedConfig:
     if "/" in name:
         return hub_config(name)
     _unknown(name)
+
+
+def recorded_dtype(name: str) -> torch.dtype | None:
+    """The dtype the checkpoint of ``name`` was published in, where known (``dtype="auto"``)."""
+    if name in REAL_MODELS:
+        return getattr(torch, REAL_MODELS[name].dtype)
+    return checkpoint_dtype(model_config(name))
 
 
 def _unknown(name: str) -> NoReturn:
