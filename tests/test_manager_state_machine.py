@@ -20,12 +20,17 @@ nothing changed. The chunked machine runs it with chunked local attention of 6 t
 (``CacheConfig.attention_chunk_size``, Llama-4's: a query reads only its own chunk), whose chunk
 boundaries fall inside blocks of 4 tokens. The latent machines run it on multi-head latent
 attention's memory (``CacheConfig.latent``: one row per token per layer, the MLA group), in both
-layouts. The state machine runs it on a hybrid of one full-attention layer and one layer of
-recurrent state (``RecurrentStateSpec``: its own group beside the attention group): each request's
+layouts. The state machines run it on hybrids with layers of recurrent state
+(``RecurrentStateSpec``: their own group beside the attention group), in three layouts
+(``STATE_LAYOUTS``): an attention layer and a state layer (Qwen3-Next, LFM2), one layer in both
+groups (Falcon-H1), and those with a layer that holds no memory (Nemotron-H). Each request's
 state is written before every commit as a function of its computed prefix (``prefix_mark``), and
 saved at every page (``state_cache_interval``); it must read back after forks (copied), swaps and
 prefix hits (the saved state of the hit's prefix, or zero without a hit), and every refusal leaves
 the state group as it was too; its reorders and truncations are refused (a state is not rewound).
+Each memory has its own backend under the mapping budget, the state group's too, and the walks
+count each refusal by its kind (``last_refusal``: no free slot, out of blocks; out of swap space;
+the mapping budget): each state walk must meet every kind.
 
 Both layouts, 2 x 100 runs of up to 80 steps (>= 10,000 steps in all, ~2-3 ms each here). A longer
 run is one command away: ``VMEMKV_MACHINE_RUNS=1000 python -m pytest -q
@@ -46,7 +51,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from vmemkv import (CacheConfig, ConfigError, KVCacheManager, MappingLimitError,
                     PrefixCacheBusyError, RequestStateError, RequestTooLongError)
-from vmemkv.cache.kv_spec import RecurrentStateSpec, StatePart
+from vmemkv.cache.kv_spec import NO_MEMORY, RecurrentStateSpec, StatePart
 from vmemkv.cache.swap import OutOfSwapSpaceError
 from vmemkv.memory.vmm import CpuBackend
 
@@ -59,6 +64,16 @@ suffixes = st.lists(st.integers(0, 3), max_size=10)
 # a conv window and a delta-rule state, as a gated delta net layer keeps them
 STATE_SPEC = RecurrentStateSpec((StatePart("conv", (6, 3), torch.bfloat16),
                                  StatePart("recurrent", (2, 4, 4), torch.float32)))
+
+
+# The layers of the walks with a state group (``ManagerMachine.state``): each a layer_windows list
+# (the attention layers first, so conftest's K/V patterns address them as layers 0..n-1) and the
+# layers that keep a state.
+STATE_LAYOUTS = {
+    "beside": ([None, STATE_SPEC], (1,)),  # an attention layer, a state layer (Qwen3-Next, LFM2)
+    "both": ([(None, STATE_SPEC)], (0,)),  # one layer in both groups (Falcon-H1)
+    "no_memory": ([None, NO_MEMORY, STATE_SPEC], (2,)),  # and an MLP-only layer (Nemotron-H)
+}
 
 
 def prefix_mark(token_ids: list[int]) -> int:
@@ -84,7 +99,7 @@ class ManagerMachine(RuleBasedStateMachine):
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
     latent = False  # MLA: one latent row per token per layer
-    state = False  # a second layer of recurrent state (its own group)
+    state: str | None = None  # a layout of STATE_LAYOUTS: layers of recurrent state (their own group)
     steps = 0  # rules run, over all examples of this class
     examples = 0
     totals: Counter  # what the runs exercised, set per subclass
@@ -94,14 +109,16 @@ class ManagerMachine(RuleBasedStateMachine):
         type(self).examples += 1
         type(self).steps -= 1  # the invariant also runs once before the first rule
         config = make_config(self.layout, self.sliding_window, self.attention_chunk_size, self.latent)
-        layout = config.make_layout()
-        self.backend = CpuBackend(layout.page_size, config.num_blocks * layout.pages_per_block)
-        if self.state:  # layer 0 attends (the K/V patterns), layer 1 keeps a state
+        self.backends: list[CpuBackend] = []  # one a memory, each under the mapping budget
+        if self.state:
+            layer_windows, self.state_layers = STATE_LAYOUTS[self.state]
             # a state saved at every page: prefix hits continue from saved states
-            config = dataclasses.replace(config, num_layers=2, state_cache_interval=TOKENS_PER_PAGE)
-            self.m = KVCacheManager(config, backend=self.backend, layer_windows=[None, STATE_SPEC])
+            config = dataclasses.replace(config, num_layers=len(layer_windows),
+                                         state_cache_interval=TOKENS_PER_PAGE)
+            self.m = KVCacheManager(config, layer_windows=layer_windows, backends=self.new_backend)
+            assert [type(g.spec).__name__ for g in self.m.groups] == ["FullAttentionSpec", "RecurrentStateSpec"]
         else:
-            self.m = KVCacheManager(config, backend=self.backend)
+            self.m = KVCacheManager(config, backends=self.new_backend)
         assert self.m.tokens_per_page == TOKENS_PER_PAGE
         assert (type(self.m.spec).__name__ == "MLALatentSpec") == self.latent
         self.tokens: dict[str, list[int]] = {}  # running and swapped requests: all token ids
@@ -111,6 +128,20 @@ class ManagerMachine(RuleBasedStateMachine):
         self.next_id = 0
 
     # --- helpers ---
+    def new_backend(self, config: CacheConfig) -> CpuBackend:
+        layout = config.make_layout()
+        self.backends.append(CpuBackend(layout.page_size, config.num_blocks * layout.pages_per_block))
+        return self.backends[-1]
+
+    def count_refusal(self) -> None:
+        """Count a refused call by what stopped it (``last_refusal``), the pool's group named."""
+        refusal = self.m.last_refusal
+        kind = refusal.reason
+        if kind == "out_of_blocks":
+            kind += "_state" if refusal.group and "recurrent state" in refusal.group else ""
+        self.totals["refusals"] += 1
+        self.totals[f"refused_{kind}"] += 1
+
     def new_id(self) -> str:
         self.next_id += 1
         return f"r{self.next_id}"
@@ -136,20 +167,22 @@ class ManagerMachine(RuleBasedStateMachine):
     def holds_state(self, request_id: str, token_ids: list[int]) -> bool:
         """Whether the request's state is the one its computed ``token_ids`` give."""
         slot = self.m.slot_of(request_id)
-        return all(bool((view[slot] == prefix_mark(token_ids)).all()) for view in self.m.state_views(1))
+        return all(bool((view[slot] == prefix_mark(token_ids)).all())
+                   for layer in self.state_layers for view in self.m.state_views(layer))
 
     def write_state(self, request_id: str, token_ids: list[int]) -> None:
         """Write the state computing ``token_ids`` gives (before the commit that may save it)."""
         if self.state:
             slot = self.m.slot_of(request_id)
-            for view in self.m.state_views(1):
-                view[slot] = prefix_mark(token_ids)
+            for layer in self.state_layers:
+                for view in self.m.state_views(layer):
+                    view[slot] = prefix_mark(token_ids)
 
     def refused_without_change(self, call) -> None:
         before = self.snapshot()
         assert not call()
         assert self.snapshot() == before
-        self.totals["refusals"] += 1
+        self.count_refusal()
 
     def budgeted(self, call):
         """``(True, None)`` if the mapping budget refused ``call`` (which must then have changed
@@ -173,7 +206,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert (cached is not None) == can
         if cached is None:
             assert self.snapshot() == before
-            self.totals["refusals"] += 1
+            self.count_refusal()
             return False
         assert cached % TOKENS_PER_PAGE == 0 and (cached < len(token_ids) or not token_ids)
         if self.state:  # zero, or the state saved where its prefix hit ends
@@ -321,6 +354,7 @@ class ManagerMachine(RuleBasedStateMachine):
         except OutOfSwapSpaceError:
             assert mode in ("swap", "auto")
             assert self.snapshot() == before
+            self.totals["refused_swap_space"] += 1
             return
         assert mode == "auto" or used == mode
         if used == "swap":
@@ -350,6 +384,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.swapped.discard(request_id)
         elif not refused:
             assert self.snapshot() == before
+            self.count_refusal()
 
     @precondition(lambda self: self.running())
     @rule(data=st.data(), margin=st.integers(1, MAX_LEN + 8), keep_free=st.integers(0, 3))
@@ -405,8 +440,8 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(extra=st.none() | st.integers(0, 4))
     def mapping_budget(self, extra):
         """Tighten or loosen the mapping budget: ``extra`` more VMAs than in use now, or none."""
-        backend = self.backend
-        backend.max_mappings = None if extra is None else backend.mappings_in_use + extra
+        for backend in self.backends:
+            backend.max_mappings = None if extra is None else backend.mappings_in_use + extra
 
     @precondition(lambda self: self.m.pool.num_cached)  # something to forget
     @rule()
@@ -462,7 +497,7 @@ class ManagerMachine(RuleBasedStateMachine):
             close_manager(self.m)
 
 
-pytestmark = pytest.mark.slow  # ~100 s: nine machines of 100 runs each
+pytestmark = pytest.mark.slow  # ~2 min: eleven machines of 100 runs each
 
 RUNS = int(os.environ.get("VMEMKV_MACHINE_RUNS", "100"))
 SETTINGS = settings(max_examples=RUNS, stateful_step_count=80, deadline=None,
@@ -511,13 +546,25 @@ class PerLayerLatentMachine(ManagerMachine):
 
 class TokenMajorStateMachine(ManagerMachine):
     layout = "token_major"
-    state = True
+    state = "beside"
     totals = Counter()
 
 
 class PerLayerStateMachine(ManagerMachine):
     layout = "per_layer"
-    state = True
+    state = "beside"
+    totals = Counter()
+
+
+class BothGroupsStateMachine(ManagerMachine):
+    layout = "token_major"
+    state = "both"
+    totals = Counter()
+
+
+class NoMemoryStateMachine(ManagerMachine):
+    layout = "per_layer"
+    state = "no_memory"
     totals = Counter()
 
 
@@ -539,6 +586,10 @@ TestTokenMajorState = TokenMajorStateMachine.TestCase
 TestTokenMajorState.settings = SETTINGS
 TestPerLayerState = PerLayerStateMachine.TestCase
 TestPerLayerState.settings = SETTINGS
+TestBothGroupsState = BothGroupsStateMachine.TestCase
+TestBothGroupsState.settings = SETTINGS
+TestNoMemoryState = NoMemoryStateMachine.TestCase
+TestNoMemoryState.settings = SETTINGS
 
 
 def test_the_machines_ran_enough_steps(request):
@@ -586,16 +637,24 @@ def test_the_latent_machines_shared_swapped_and_hit():
         assert totals[key] > 0, f"the latent walks never exercised {key}"
 
 
-def test_the_state_machines_forked_swapped_and_refused():
-    """Runs last: the walks with a state group forked and swapped states, dropped them by
-    recompute, and met refusals."""
-    totals = TokenMajorStateMachine.totals + PerLayerStateMachine.totals
-    if not TokenMajorStateMachine.steps or not PerLayerStateMachine.steps:
-        pytest.skip("the state machines with a state group did not run in this pytest run")
-    print(f"state group machines: {dict(totals)}")
-    for key in ("forks", "preemptions_swap", "swap_in_bytes", "preemptions_recompute", "refusals",
-                "state_hits", "states_saved"):
-        assert totals[key] > 0, f"the walks with a state group never exercised {key}"
+STATE_MACHINES = [TokenMajorStateMachine, PerLayerStateMachine, BothGroupsStateMachine, NoMemoryStateMachine]
+
+
+@pytest.mark.parametrize("machine", STATE_MACHINES, ids=lambda machine: machine.__name__)
+def test_the_state_machines_forked_swapped_and_met_every_refusal(machine):
+    """Runs last: each walk with a state group forked and swapped states, dropped them by
+    recompute, hit saved states, and met every kind of refusal: no free slot, out of blocks, out
+    of swap space, the mapping budget (each checked to change nothing where it happened). The
+    state group's pool is sized for every slot's state (and as many saved ones, evictable), so
+    its refusals are the mapping budget's: its backend is budgeted like the attention group's."""
+    if not machine.steps:
+        pytest.skip(f"{machine.__name__} did not run in this pytest run (selected out)")
+    totals = machine.totals
+    print(f"{machine.__name__}: {dict(totals)}")
+    for key in ("forks", "preemptions_swap", "swap_in_bytes", "preemptions_recompute", "state_hits",
+                "states_saved", "refused_no_free_slot", "refused_out_of_blocks", "refused_swap_space",
+                "mapping_refusals"):
+        assert totals[key] > 0, f"{machine.__name__} never exercised {key}"
 
 
 class _Draws:
