@@ -17,12 +17,12 @@ SPEC = RecurrentStateSpec((StatePart("conv", (8, 3), torch.bfloat16),
                            StatePart("recurrent", (2, 4, 4), torch.float32)))
 
 
-def make_manager(num_blocks=16, swap=True) -> KVCacheManager:
+def make_manager(num_blocks=16, swap=True, events=None) -> KVCacheManager:
     config = CacheConfig(num_layers=4, num_kv_heads=2, head_dim=8, num_blocks=num_blocks,
                          max_num_seqs=3, max_model_len=64, dtype=torch.float32, device="cpu",
                          tokens_per_page=4, hash_seed=b"state", swap_space_bytes=(1 << 20) if swap else 0,
                          state_cache_interval=16)  # 16 tokens a page here: a state saved at every page
-    return KVCacheManager(config, layer_windows=[SPEC, None, SPEC, None])
+    return KVCacheManager(config, layer_windows=[SPEC, None, SPEC, None], events=events)
 
 
 @pytest.mark.parametrize("first", [SPEC, None])

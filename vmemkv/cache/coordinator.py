@@ -23,11 +23,11 @@ import dataclasses
 from typing import Sequence
 
 from vmemkv.cache.config import CacheConfig, CacheStats
-from vmemkv.cache.events import KVEventSink, group_sink, shared_sink
+from vmemkv.cache.events import KVEventSink, SavedStateEvents, group_sink, shared_sink
 from vmemkv.cache.group import (ChunkedLocalGroup, FullAttentionGroup, KVCacheGroup, MLALatentGroup,
-                                RecurrentStateGroup, SlidingWindowGroup)
+                                RecurrentStateGroup, SavedBlock, SlidingWindowGroup)
 from vmemkv.cache.kv_spec import (ChunkedLocalSpec, FullAttentionSpec, KVCacheSpec, MLALatentSpec,
-                                  RecurrentStateSpec, SlidingWindowSpec, layer_specs,
+                                  RecurrentStateSpec, SlidingWindowSpec, is_state, layer_specs,
                                   spec_of_config)
 from vmemkv.cache.layer_groups import LayerGroups, group_configs
 from vmemkv.cache.memory import KVMemory
@@ -163,7 +163,8 @@ class KVCacheCoordinator:
         layouts: dict = {}  # layout -> group indices
         for index, group_config in enumerate(configs):
             layout = group_config.make_layout()
-            layouts.setdefault(layout if share else index, []).append(index)
+            # a state group keeps a memory of its own (its events tell whole saved states)
+            layouts.setdefault(layout if share and not is_state(specs[index]) else index, []).append(index)
         memories = []
         self.budget = self._join_budget(max(c.make_layout().block_bytes for c in configs))
         try:  # a refused construction leaves the budget as it was
@@ -187,7 +188,8 @@ class KVCacheCoordinator:
                     memory_backend = backends[position]
                 else:
                     memory_backend = backend if position == 0 else None
-                sink = self._sink([(i, specs[i]) for i in indices], len(configs))
+                sink = self._sink([(i, specs[i]) for i in indices], len(configs),
+                                  configs[0].make_layout().tokens_per_page)
                 memories.append((KVMemory(memory_config, self.stats, memory_backend, sink, metrics,
                                           self.budget), indices))
         except BaseException:
@@ -207,14 +209,18 @@ class KVCacheCoordinator:
             raise ConfigError(f"kv_pool_ranks must be a positive int, got {ranks!r}")
         return SharedKVBudget(config.kv_pool, config.kv_pool_bytes, block_bytes=block_bytes * ranks)
 
-    def _sink(self, members: list[tuple[int, KVCacheSpec]], num_groups: int):
+    def _sink(self, members: list[tuple[int, KVCacheSpec]], num_groups: int, tokens_per_page: int):
         """The events sink of a memory serving ``members`` (group index, spec): the manager's own
-        for a one-group model, each event tagged with its group otherwise."""
+        for a one-group model, each event tagged with its group otherwise (a state group's
+        telling whole saved states, of ``tokens_per_page`` prompt tokens a block)."""
         if num_groups == 1:
             return self.events
         if len(members) == 1:
             index, spec = members[0]
-            return group_sink(self.events, index, spec)
+            sink = group_sink(self.events, index, spec)
+            if sink is not None and is_state(spec):  # whole saved states, by their chain hash
+                return SavedStateEvents(sink, tokens_per_page)
+            return sink
         return shared_sink(self.events, members)
 
     def refuse_state(self, operation: str) -> None:
@@ -225,14 +231,17 @@ class KVCacheCoordinator:
                               "state cannot be rewound); use n > 1 sampling (fork), not "
                               f"{operation}, for these models")
 
-    def save_states(self, allocations, done: int, hashes: list[bytes]) -> None:
+    def save_states(self, allocations, done: int, hashes: list[bytes], token_ids: list[int]) -> None:
         """Save every state group's state of a request (its ``allocations``) computed up to
-        ``done`` tokens, when ``done`` is a save position (``hashes``: its chain up to there)."""
+        ``done`` tokens, when ``done`` is a save position (``hashes``: its chain up to there;
+        ``token_ids``: its tokens, which the saved state's event names)."""
         if self.state_interval and done % self.state_interval == 0:
-            block_hash = hashes[done // self.tokens_per_page - 1]
+            last = done // self.tokens_per_page - 1
+            block = SavedBlock(hashes[last], hashes[last - 1] if last else None,
+                               token_ids[last * self.tokens_per_page:done])
             for group, alloc in zip(self.groups, allocations):
                 if group.holds_state:
-                    group.save_state(alloc, block_hash)
+                    group.save_state(alloc, block)
 
     def aligned_chunk_end(self, computed: int, end: int, num_tokens: int) -> int:
         """Where a chunk of a request's computation from ``computed`` to at most ``end`` of its

@@ -39,6 +39,15 @@ vLLM's field order: ``BlockStored`` continues after ``medium`` with ``lora_name`
 ``BlockRemoved`` with ``group_idx``. Replaying the events of one (group, medium) rebuilds that
 group's tier.
 
+**Saved recurrent states.** A state group (``RecurrentStateSpec``, ``kv_cache_spec_kind`` ``"mamba"``,
+vLLM's name) caches copies of a request's state at block-aligned prompt positions, each in several
+pool blocks keyed internally by the chain hash there and the block's index. Its events speak of
+whole states, by that chain hash alone (the hash the attention groups' block at that position
+has): one ``BlockStored`` when a state is saved, with the parent hash and tokens of the prompt
+block it ends and the model's tokens per block, and one ``BlockRemoved`` when it stops being usable
+(any of its blocks evicted, or a reset). Replaying the state group's events rebuilds the set of
+positions at which a saved state can be hit (``SavedStateEvents``).
+
 A sink is any callable taking one event: pass it as ``KVCacheManager(config, events=sink)``. It is
 called on the thread that changes the cache, inside the manager's operation, so it must be quick
 and must not call back into the manager. ``KVEventBuffer`` is a sink that keeps events until a
@@ -160,6 +169,34 @@ def shared_sink(events: KVEventSink | None, groups: "list[tuple[int, KVCacheSpec
                 sink(event)
 
     return tell
+
+
+class SavedStateEvents:
+    """The events sink of a state group's pool: the pool's per-block events become one event per
+    saved state (see the module docstring). ``events``: the sink told them (tagged with the group
+    by ``group_sink``); ``key_bytes``: the length of a chain hash, before a block's index."""
+
+    def __init__(self, events: KVEventSink, block_size: int, key_bytes: int = HASH_BYTES):
+        self.events, self.block_size, self.key_bytes = events, block_size, key_bytes
+        self._saved: set[bytes] = set()  # the states told stored and not yet removed
+
+    def stored(self, block_hash: bytes, parent_hash: bytes | None, token_ids: list[int]) -> None:
+        """A state saved after the prompt block hashed ``block_hash`` (its parent and tokens)."""
+        self._saved.add(block_hash)
+        self.events(BlockStored([block_hash], parent_hash, list(token_ids), self.block_size))
+
+    def __call__(self, event: KVCacheEvent) -> None:
+        if isinstance(event, BlockStored):
+            return  # a block of a state being saved: ``stored`` tells the state once
+        if isinstance(event, BlockRemoved):
+            gone = list(dict.fromkeys(key[:self.key_bytes] for key in event.block_hashes))
+            gone = [block_hash for block_hash in gone if block_hash in self._saved]
+            self._saved.difference_update(gone)
+            if gone:
+                self.events(replace(event, block_hashes=gone))
+            return
+        self._saved.clear()
+        self.events(event)
 
 
 class KVEventBuffer:

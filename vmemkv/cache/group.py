@@ -24,6 +24,7 @@ Its plans' data are in ``plans.py``.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -584,6 +585,14 @@ class ChunkedLocalGroup(LocalAttentionGroup):
     """Chunked local attention layers (``ChunkedLocalSpec``)."""
 
 
+class SavedBlock(NamedTuple):
+    """The prompt block a state is saved after: its chain hash, its parent's, its tokens."""
+
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_ids: list[int]
+
+
 class SavedState(list):
     """A state group's prefix hit: the blocks of the state saved after the first ``num_blocks``
     prompt blocks (empty, 0: no hit)."""
@@ -698,17 +707,19 @@ class RecurrentStateGroup(KVCacheGroup):
         """A running state's blocks are never offered to the prefix cache (``save_state`` copies
         them)."""
 
-    def save_state(self, alloc: Allocation, block_hash: bytes) -> None:
-        """Save the request's state, computed up to the end of the block hashed ``block_hash``,
-        unless saved already. Best effort: skipped (changing nothing) when the pool has no
-        room besides the running states; else it may evict the least recently used saved ones."""
-        if self.saved_state(block_hash) is not None or not self.memory.fits(self.state_blocks):
+    def save_state(self, alloc: Allocation, at: SavedBlock) -> None:
+        """Save the request's state, computed up to the end of the prompt block ``at``, unless
+        saved already. Best effort: skipped (changing nothing) when the pool has no room
+        besides the running states; else it may evict the least recently used saved ones."""
+        if self.saved_state(at.block_hash) is not None or not self.memory.fits(self.state_blocks):
             return
         pool = self.pool
         saved = pool.allocate(self.state_blocks)
         self.memory.copy_blocks(list(zip(alloc.blocks, saved)), count=False)
-        for block, key in zip(saved, self.state_keys(block_hash)):
+        for block, key in zip(saved, self.state_keys(at.block_hash)):
             pool.register(block, key)
+        if pool.events is not None:  # SavedStateEvents: the state told once, by its chain hash
+            pool.events.stored(*at)
         pool.release(saved)  # into the LRU queue, in order: evicted together
         self.stats.states_saved += 1
         self.stats.state_bytes_saved += self.state_bytes

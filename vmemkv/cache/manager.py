@@ -425,7 +425,7 @@ class KVCacheManager:
             hashes = self.registry.extend_chain(req, full)  # its tokens were checked by _check_commit
             root = self.registry.chain_root(req.keys) if not req.allocation.num_registered else None
             self.coordinator.register_full(req.allocations, full, req.token_ids, hashes, root)
-            self.coordinator.save_states(req.allocations, done, hashes)
+            self.coordinator.save_states(req.allocations, done, hashes, req.token_ids)
         for alloc in req.allocations:
             alloc.commit(done)
         if self.coordinator.releases:
