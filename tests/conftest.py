@@ -89,9 +89,10 @@ def assert_no_leaks(manager: KVCacheManager) -> None:
     for request_id in manager.request_ids():
         manager.free(request_id)
     manager.check()
-    assert manager.pool.num_in_use == 0
     assert manager.num_free_slots == manager.config.max_num_seqs
-    assert manager.swap.num_free == manager.swap.num_blocks
+    for memory in manager.memories:  # every group's pool; host rows only in its prefix cache's tier
+        assert memory.pool.num_in_use == 0
+        assert memory.swap.num_free + len(memory.host_tier) == memory.swap.num_blocks
 
 
 def manager_state(manager: KVCacheManager) -> tuple:

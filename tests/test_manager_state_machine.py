@@ -28,7 +28,8 @@ state is written before every commit as a function of its computed prefix (``pre
 saved at every page (``state_cache_interval``); it must read back after forks (copied), swaps and
 prefix hits (the saved state of the hit's prefix, or zero without a hit), and every refusal leaves
 the state group as it was too; its reorders and truncations are refused (a state is not rewound).
-Each memory has its own backend under the mapping budget, the state group's too, and the walks
+They have a host tier (saved states demoted there and loaded back on a hit, beside the attention
+blocks). Each memory has its own backend under the mapping budget, the state group's too, and the walks
 count each refusal by its kind (``last_refusal``: no free slot, out of blocks; out of swap space;
 the mapping budget): each state walk must meet every kind.
 
@@ -113,8 +114,10 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.state:
             layer_windows, self.state_layers = STATE_LAYOUTS[self.state]
             # a state saved at every page: prefix hits continue from saved states
+            # and a host tier, shared by the pools' bytes: saved states wait there too
             config = dataclasses.replace(config, num_layers=len(layer_windows),
-                                         state_cache_interval=TOKENS_PER_PAGE)
+                                         state_cache_interval=TOKENS_PER_PAGE,
+                                         host_cache_bytes=config.swap_space_bytes)
             self.m = KVCacheManager(config, layer_windows=layer_windows, backends=self.new_backend)
             assert [type(g.spec).__name__ for g in self.m.groups] == ["FullAttentionSpec", "RecurrentStateSpec"]
         else:
@@ -489,7 +492,8 @@ class ManagerMachine(RuleBasedStateMachine):
         stats = self.m.snapshot_stats()
         for key in ("prefix_hit_tokens", "reprefill_hit_tokens", "evictions", "forks",
                     "blocks_copied", "preemptions_swap", "preemptions_recompute", "swap_in_bytes",
-                    "blocks_released_behind_window", "states_saved"):
+                    "blocks_released_behind_window", "states_saved", "state_host_hits",
+                    "host_demotions", "host_promotions"):
             self.totals[key] += stats[key]
         try:
             assert_no_leaks(self.m)
@@ -652,8 +656,8 @@ def test_the_state_machines_forked_swapped_and_met_every_refusal(machine):
     totals = machine.totals
     print(f"{machine.__name__}: {dict(totals)}")
     for key in ("forks", "preemptions_swap", "swap_in_bytes", "preemptions_recompute", "state_hits",
-                "states_saved", "refused_no_free_slot", "refused_out_of_blocks", "refused_swap_space",
-                "mapping_refusals"):
+                "states_saved", "host_demotions", "refused_no_free_slot", "refused_out_of_blocks",
+                "refused_swap_space", "mapping_refusals"):
         assert totals[key] > 0, f"{machine.__name__} never exercised {key}"
 
 

@@ -133,6 +133,7 @@ class CacheStats:
     states_saved: int = 0
     state_bytes_saved: int = 0
     state_hits: int = 0
+    state_host_hits: int = 0  # of which loaded from the host tier
 
     @property
     def prefix_hit_rate(self) -> float:

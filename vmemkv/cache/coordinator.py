@@ -140,6 +140,10 @@ class KVCacheCoordinator:
             layers.append((state_layers, spec))
             configs.append(RecurrentStateGroup.state_config(config, spec, len(state_layers), page_size,
                                                             saved))
+        if config.host_cache_bytes:  # the host tier mirrors the device pools: shares by their bytes
+            device = [c.num_blocks * c.make_layout().block_bytes for c in configs]
+            configs = [dataclasses.replace(c, host_cache_bytes=config.host_cache_bytes * d // sum(device))
+                       for c, d in zip(configs, device)]
         return layers, configs
 
     @staticmethod
@@ -189,7 +193,7 @@ class KVCacheCoordinator:
                 else:
                     memory_backend = backend if position == 0 else None
                 sink = self._sink([(i, specs[i]) for i in indices], len(configs),
-                                  configs[0].make_layout().tokens_per_page)
+                                  configs[0].make_layout().tokens_per_page, memory_config.max_model_len)
                 memories.append((KVMemory(memory_config, self.stats, memory_backend, sink, metrics,
                                           self.budget), indices))
         except BaseException:
@@ -209,17 +213,19 @@ class KVCacheCoordinator:
             raise ConfigError(f"kv_pool_ranks must be a positive int, got {ranks!r}")
         return SharedKVBudget(config.kv_pool, config.kv_pool_bytes, block_bytes=block_bytes * ranks)
 
-    def _sink(self, members: list[tuple[int, KVCacheSpec]], num_groups: int, tokens_per_page: int):
+    def _sink(self, members: list[tuple[int, KVCacheSpec]], num_groups: int, tokens_per_page: int,
+              state_blocks: int):
         """The events sink of a memory serving ``members`` (group index, spec): the manager's own
         for a one-group model, each event tagged with its group otherwise (a state group's
-        telling whole saved states, of ``tokens_per_page`` prompt tokens a block)."""
+        telling whole saved states of ``state_blocks`` blocks, after prompt blocks of
+        ``tokens_per_page`` tokens)."""
         if num_groups == 1:
             return self.events
         if len(members) == 1:
             index, spec = members[0]
             sink = group_sink(self.events, index, spec)
             if sink is not None and is_state(spec):  # whole saved states, by their chain hash
-                return SavedStateEvents(sink, tokens_per_page)
+                return SavedStateEvents(sink, tokens_per_page, state_blocks)
             return sink
         return shared_sink(self.events, members)
 
@@ -365,15 +371,18 @@ class KVCacheCoordinator:
         return self.common_hits(hashes, hits, length)
 
     def host_reach(self, hashes: list[bytes], num_prompt: int, hits: list[list[int]],
-                   num_new_tokens: int | None, token_budget: int | None, max_blocks: int | None) -> int:
+                   num_new_tokens: int | None, token_budget: int | None,
+                   max_blocks: int | None) -> tuple[list[list[int]], int]:
         """How many prompt blocks an admission of a prompt of ``num_prompt`` tokens and block
-        ``hashes`` reuses: the device ``hits`` (one length in every
-        group), extended by the blocks every group's host tier holds after them, as many as
-        every group's free blocks take (each is copied into a fresh block; under a token budget,
-        chunked prefill, a shorter hit may need fewer blocks now). No side effect."""
+        ``hashes`` reuses, and each group's device hits for it: the device ``hits`` (one length
+        in every group), extended by the blocks every group's host tier holds after them, as
+        many as every group's free blocks take (each is copied into a fresh block; under a token
+        budget, chunked prefill, a shorter hit may need fewer blocks now). No side effect."""
+        if self.has_state:
+            return self._state_host_reach(hashes, num_prompt, hits, num_new_tokens, token_budget, max_blocks)
         groups, device = self.groups, len(hits[0])
         if not all(group.host_tier.capacity for group in groups):
-            return device
+            return hits, device
         tokens_per_page = self.tokens_per_page
         end = (num_prompt - 1) // tokens_per_page
         if max_blocks is not None:
@@ -387,8 +396,41 @@ class KVCacheCoordinator:
                 new = min(new, token_budget)
             if self.fits([group.admit_needs(group_hits, cached + new) for group, group_hits in zip(groups, hits)],
                           hits):
-                return device + keep
-        return device
+                return hits, device + keep
+        return hits, device
+
+    def _state_host_reach(self, hashes: list[bytes], num_prompt: int, hits: list[list[int]],
+                          num_new_tokens: int | None, token_budget: int | None,
+                          max_blocks: int | None) -> tuple[list[list[int]], int]:
+        """``host_reach`` of a model with state groups beside one attention group (group 0):
+        the longest save position up to which the attention group holds every block, on the
+        device and then on its host tier, and every state group a saved state, on the device
+        or the host; the first such that every memory's free blocks take. Other layouts (two
+        attention groups) reuse the device hits only."""
+        groups, device = self.groups, len(hits[0])
+        attention = groups[0]
+        if (sum(not group.holds_state for group in groups) != 1 or not self.state_interval
+                or not attention.host_tier.capacity):
+            return hits, device
+        tokens_per_page, step = self.tokens_per_page, self.state_interval // self.tokens_per_page
+        end = (num_prompt - 1) // tokens_per_page
+        if max_blocks is not None:
+            end = min(end, max_blocks)
+        own = attention.cached_blocks(hashes[:end])  # its device blocks, not cut to the states'
+        run = len(own) + attention.host_run(hashes[len(own):end])
+        for length in range(run // step * step, device, -step):
+            saved = [group.saved_at(hashes[length - 1], length) for group in groups[1:]]
+            if None in saved:
+                continue
+            reach = [own[:length], *saved]
+            cached = length * tokens_per_page
+            new = num_prompt - cached if num_new_tokens is None else num_new_tokens
+            if token_budget is not None:
+                new = min(new, token_budget)
+            if self.fits([group.admit_needs(group_hits, cached + new) for group, group_hits in zip(groups, reach)],
+                         reach):
+                return reach, length
+        return hits, device
 
     def claim(self, promote: list[list[bytes]]) -> list[list]:
         """Each group's host-tier entries of ``promote[g]``, claimed from its memory's tier in one

@@ -43,10 +43,11 @@ group's tier.
 vLLM's name) caches copies of a request's state at block-aligned prompt positions, each in several
 pool blocks keyed internally by the chain hash there and the block's index. Its events speak of
 whole states, by that chain hash alone (the hash the attention groups' block at that position
-has): one ``BlockStored`` when a state is saved, with the parent hash and tokens of the prompt
-block it ends and the model's tokens per block, and one ``BlockRemoved`` when it stops being usable
-(any of its blocks evicted, or a reset). Replaying the state group's events rebuilds the set of
-positions at which a saved state can be hit (``SavedStateEvents``).
+has): one ``BlockStored`` when a tier holds a whole saved state (saved on the device, or demoted
+to the host tier), with the parent hash and tokens of the prompt block it ends and the model's
+tokens per block, and one ``BlockRemoved`` when that tier no longer holds it whole (a block
+evicted, dropped or promoted, or a reset). Replaying the state group's events of one medium
+rebuilds the positions at which a saved state can be hit from that tier (``SavedStateEvents``).
 
 A sink is any callable taking one event: pass it as ``KVCacheManager(config, events=sink)``. It is
 called on the thread that changes the cache, inside the manager's operation, so it must be quick
@@ -172,31 +173,54 @@ def shared_sink(events: KVEventSink | None, groups: "list[tuple[int, KVCacheSpec
 
 
 class SavedStateEvents:
-    """The events sink of a state group's pool: the pool's per-block events become one event per
-    saved state (see the module docstring). ``events``: the sink told them (tagged with the group
-    by ``group_sink``); ``key_bytes``: the length of a chain hash, before a block's index."""
+    """The events sink of a state group's memory: the per-block events of its pool and host tier
+    become one event per saved state (see the module docstring): ``BlockStored`` once a medium
+    holds every one of its ``blocks_per_state`` blocks, with the tokens and parent its first
+    block was registered with; ``BlockRemoved`` when a medium that held it whole loses one.
+    ``events``: the sink told them (tagged with the group by ``group_sink``); ``block_size``:
+    the model's tokens per block."""
 
-    def __init__(self, events: KVEventSink, block_size: int, key_bytes: int = HASH_BYTES):
-        self.events, self.block_size, self.key_bytes = events, block_size, key_bytes
-        self._saved: set[bytes] = set()  # the states told stored and not yet removed
+    KEY_INDEX_BYTES = 4  # a block's key: the chain hash, then its index in the state
 
-    def stored(self, block_hash: bytes, parent_hash: bytes | None, token_ids: list[int]) -> None:
-        """A state saved after the prompt block hashed ``block_hash`` (its parent and tokens)."""
-        self._saved.add(block_hash)
-        self.events(BlockStored([block_hash], parent_hash, list(token_ids), self.block_size))
+    def __init__(self, events: KVEventSink, block_size: int, blocks_per_state: int):
+        self.events, self.block_size, self.blocks_per_state = events, block_size, blocks_per_state
+        self._blocks: dict[tuple[str, bytes], int] = {}  # (medium, hash) -> blocks held there
+        self._told: set[tuple[str, bytes]] = set()  # the states told stored and not yet removed
+        self._origin: dict[bytes, tuple[bytes | None, list[int]]] = {}  # hash -> (parent, tokens)
+
+    def _split(self, key: bytes) -> tuple[bytes, int]:
+        cut = len(key) - self.KEY_INDEX_BYTES
+        return key[:cut], int.from_bytes(key[cut:], "little")
 
     def __call__(self, event: KVCacheEvent) -> None:
         if isinstance(event, BlockStored):
-            return  # a block of a state being saved: ``stored`` tells the state once
-        if isinstance(event, BlockRemoved):
-            gone = list(dict.fromkeys(key[:self.key_bytes] for key in event.block_hashes))
-            gone = [block_hash for block_hash in gone if block_hash in self._saved]
-            self._saved.difference_update(gone)
+            for key in event.block_hashes:
+                block_hash, index = self._split(key)
+                if index == 0:
+                    self._origin[block_hash] = (event.parent_block_hash, list(event.token_ids))
+                place = (event.medium, block_hash)
+                self._blocks[place] = self._blocks.get(place, 0) + 1
+                if self._blocks[place] == self.blocks_per_state:
+                    self._told.add(place)
+                    parent, tokens = self._origin.get(block_hash, (None, []))
+                    self.events(BlockStored([block_hash], parent, tokens, self.block_size,
+                                            medium=event.medium))
+        elif isinstance(event, BlockRemoved):
+            gone = []
+            for key in event.block_hashes:
+                place = (event.medium, self._split(key)[0])
+                self._blocks[place] = self._blocks.get(place, 1) - 1
+                if not self._blocks[place]:
+                    del self._blocks[place]
+                if place in self._told:
+                    self._told.discard(place)
+                    gone.append(place[1])
             if gone:
                 self.events(replace(event, block_hashes=gone))
-            return
-        self._saved.clear()
-        self.events(event)
+        else:
+            self._blocks.clear()
+            self._told.clear()
+            self.events(event)
 
 
 class KVEventBuffer:

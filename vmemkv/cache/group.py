@@ -595,11 +595,13 @@ class SavedBlock(NamedTuple):
 
 class SavedState(list):
     """A state group's prefix hit: the blocks of the state saved after the first ``num_blocks``
-    prompt blocks (empty, 0: no hit)."""
+    prompt blocks (empty, 0: no hit), or, saved on the host tier, the keys of its entries
+    (``promote``; no device blocks)."""
 
-    def __init__(self, blocks: list[int] = (), num_blocks: int = 0):
+    def __init__(self, blocks: list[int] = (), num_blocks: int = 0, promote: list[bytes] = ()):
         super().__init__(blocks)
         self.num_blocks = num_blocks
+        self.promote = list(promote)
 
 
 class RecurrentStateGroup(KVCacheGroup):
@@ -630,7 +632,8 @@ class RecurrentStateGroup(KVCacheGroup):
                      saved_states: int = 0) -> CacheConfig:
         """The config of a state group of ``num_layers`` layers in pages of ``page_size`` bytes
         out of the model's ``config``: enough blocks for every slot and ``saved_states`` saved
-        states, swap room for every slot's state when the model has swap space, no host tier."""
+        states, swap room for every slot's state when the model has swap space (the coordinator
+        gives it its share of the host tier)."""
         pages = -(-spec.bytes_per_layer * num_layers // page_size)
         blocks = (config.max_num_seqs + saved_states) * pages
         slot_blocks = config.max_num_seqs * pages
@@ -703,6 +706,23 @@ class RecurrentStateGroup(KVCacheGroup):
     def host_run(self, hashes: list[bytes]) -> int:
         return 0
 
+    def saved_at(self, block_hash: bytes, num_blocks: int) -> SavedState | None:
+        """The state saved after the first ``num_blocks`` prompt blocks (the last hashed
+        ``block_hash``): on the device, else on the host tier (every block of it), else None."""
+        blocks = self.saved_state(block_hash)
+        if blocks is not None:
+            return SavedState(blocks, num_blocks)
+        keys = self.state_keys(block_hash)
+        if self.host_tier.capacity and all(key in self.host_tier for key in keys):
+            return SavedState([], num_blocks, keys)
+        return None
+
+    def admission(self, hits: list[int], host_hits: list[bytes], cached: int, num_tokens: int) -> Admission:
+        """The attention groups' host hits are not this group's: its hit is one saved state, on
+        the device (``hits``) or on the host (``hits.promote``, copied into its own blocks)."""
+        promote = hits.promote if isinstance(hits, SavedState) else []
+        return Admission(hits, promote, len(promote), cached, num_tokens)
+
     def register_full(self, alloc, full, token_ids, hashes, root) -> None:
         """A running state's blocks are never offered to the prefix cache (``save_state`` copies
         them)."""
@@ -716,10 +736,10 @@ class RecurrentStateGroup(KVCacheGroup):
         pool = self.pool
         saved = pool.allocate(self.state_blocks)
         self.memory.copy_blocks(list(zip(alloc.blocks, saved)), count=False)
-        for block, key in zip(saved, self.state_keys(at.block_hash)):
-            pool.register(block, key)
-        if pool.events is not None:  # SavedStateEvents: the state told once, by its chain hash
-            pool.events.stored(*at)
+        for index, (block, key) in enumerate(zip(saved, self.state_keys(at.block_hash))):
+            # the first block carries the prompt block's tokens and parent (its events tell them;
+            # the host tier keeps them with the entry)
+            pool.register(block, key, *((at.token_ids, at.parent_hash) if index == 0 else ()))
         pool.release(saved)  # into the LRU queue, in order: evicted together
         self.stats.states_saved += 1
         self.stats.state_bytes_saved += self.state_bytes
@@ -743,12 +763,22 @@ class RecurrentStateGroup(KVCacheGroup):
 
     def finish_admit(self, alloc: Allocation, admission: Admission, plan: Plan, claimed: list) -> None:
         """Bind the state blocks with the request's counts: a copy of the saved state of its
-        prefix hit (given back to the LRU queue after), or zeros (a fresh request's)."""
+        prefix hit (given back to the LRU queue after; from the host tier: loaded into its
+        blocks, then saved on the device again, as a promoted attention block is cached again),
+        or zeros (a fresh request's)."""
         alloc.bind(plan.slot, plan.take, admission.num_tokens, admission.cached, 0, 0)
         if plan.share:
             self.memory.copy_blocks(list(zip(plan.share, plan.take)), count=False)
             self.pool.release(plan.share)
             self.stats.state_hits += 1
+            return
+        if admission.promote:
+            origin = self.host_tier.promote(self.memory.block_window(), admission.promote, claimed,
+                                            plan.take)[0]
+            self.stats.state_hits += 1
+            self.stats.state_host_hits += 1
+            block_hash = admission.promote[0][:-4]  # state_keys: the chain hash and an index
+            self.save_state(alloc, SavedBlock(block_hash, origin.parent_hash, list(origin.token_ids)))
             return
         for views in self._views:
             for view in views:

@@ -264,8 +264,8 @@ class KVCacheManager:
         limit = None if max_cached_tokens is None else max_cached_tokens // tokens_per_page
         if limit is not None and len(hits[0]) > limit:
             hits = self.coordinator.common_hits(req.chain.hashes, hits, limit)
-        reach = self.coordinator.host_reach(req.chain.hashes, num_prompt, hits, num_new_tokens,
-                                              token_budget, limit)
+        hits, reach = self.coordinator.host_reach(req.chain.hashes, num_prompt, hits, num_new_tokens,
+                                                  token_budget, limit)
         host_hits = req.chain.hashes[len(hits[0]):reach]
         cached = reach * tokens_per_page
         new = num_prompt - cached if num_new_tokens is None else num_new_tokens
