@@ -39,19 +39,40 @@ def test_native_norm_matches_llamas_module(shape, threads):
     torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [(1, 4, 576), (1, 2048, 576), (3, 5, 7)], ids=["decode", "prefill", "odd"])
+def test_native_norm_in_bfloat16_matches_llamas_module(shape, threads):
+    """Rounded where the module's tensor ops round: almost always equal, at most two bfloat16 steps
+    apart (the sum of squares in another order may move the scale by a float ulp, which can round
+    the normed value one step the other way, and its product with the weight once more)."""
+    norm = llama_norm(shape[-1], eps=1e-6).to(torch.bfloat16)
+    native = NativeRMSNorm(norm)
+    x = (3 * torch.randn(shape, generator=torch.Generator().manual_seed(1))).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, want = native(x), norm(x)
+    finally:
+        torch.set_num_threads(before)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+    assert steps.max() <= 2 and (steps == 0).float().mean() > 0.99
+
+
 def test_what_the_native_call_does_not_take_runs_the_modules_ops():
     norm = llama_norm(64)
     native = NativeRMSNorm(norm)
     strided = torch.randn(4, 128)[:, ::2]  # not contiguous
     assert torch.equal(native(strided), norm(strided))
-    half = torch.randn(3, 64, dtype=torch.bfloat16)
+    half = torch.randn(3, 64, dtype=torch.bfloat16)  # not the weight's dtype
     assert torch.equal(native(half), norm(half))
 
 
-def test_only_llamas_norm_code_on_a_float32_weight_is_swapped():
+def test_only_llamas_norm_code_on_a_float32_or_bfloat16_weight_is_swapped():
     assert is_llama_rms_norm(LlamaRMSNorm(8)) and is_llama_rms_norm(Qwen2RMSNorm(8))  # a modular copy
     assert not is_llama_rms_norm(GemmaRMSNorm(8))  # scales by 1 + weight
-    assert not is_llama_rms_norm(LlamaRMSNorm(8).to(torch.bfloat16))
+    assert is_llama_rms_norm(LlamaRMSNorm(8).to(torch.bfloat16))
+    assert not is_llama_rms_norm(LlamaRMSNorm(8).to(torch.float16))
     model = nn.ModuleDict({"a": LlamaRMSNorm(8), "b": nn.Sequential(GemmaRMSNorm(8), Qwen2RMSNorm(8))})
     assert swap_rms_norms(model) == 2
     assert [type(m).__name__ for m in (model["a"], *model["b"])] == ["NativeRMSNorm", "GemmaRMSNorm",

@@ -47,6 +47,22 @@ def test_native_rotary_equals_transformers_bit_for_bit(tokens, q_heads, k_heads,
     assert torch.equal(q, rotary_inputs(tokens, q_heads, k_heads, dim)[0])  # its inputs left as they were
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("tokens", [1, 16, 2048], ids=["one", "decode", "prefill"])
+def test_native_rotary_in_bfloat16_equals_transformers_bit_for_bit(tokens, threads):
+    """bfloat16 rows and tables (as the model's rotary embedding gives them in bfloat16): each
+    product rounded to bfloat16, then their sum, as the tensor ops round."""
+    q, k, cos, sin = (t.bfloat16() for t in rotary_inputs(tokens))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, want = NativeRotary(LLAMA_ROTARY)(q, k, cos, sin), LLAMA_ROTARY(q, k, cos, sin)
+    finally:
+        torch.set_num_threads(before)
+    for native, reference in zip(got, want):
+        assert native.dtype == torch.bfloat16 and torch.equal(native, reference)
+
+
 def test_what_the_native_call_does_not_take_runs_transformers_code():
     calls = []
 
@@ -56,7 +72,8 @@ def test_what_the_native_call_does_not_take_runs_transformers_code():
 
     native = NativeRotary(reference)
     q, k, cos, sin = rotary_inputs(4)
-    cases = [(q.double(), k.double(), cos.double(), sin.double(), 1),  # not float32
+    cases = [(q.double(), k.double(), cos.double(), sin.double(), 1),  # neither float32 nor bfloat16
+             (q.bfloat16(), k.bfloat16(), cos, sin, 1),  # tables of another dtype
              (q[..., ::2], k[..., ::2], cos[..., ::2], sin[..., ::2], 1),  # strided head rows
              (torch.cat([q, q]), torch.cat([k, k]), torch.cat([cos, cos]), torch.cat([sin, sin]), 1),  # batch 2
              (q.transpose(1, 2), k.transpose(1, 2), cos, sin, 2)]  # [1, tokens, heads, dim]

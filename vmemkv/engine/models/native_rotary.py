@@ -1,4 +1,4 @@
-"""Llama's rotary position embedding as one native call on float32 rows (``native/rotary.c``, the
+"""Llama's rotary position embedding as one native call on float32 or bfloat16 rows (``native/rotary.c``, the
 ``vmemkv._rotary`` extension), for a model the engine loaded itself on the CPU.
 
 transformers computes ``q * cos + rotate_half(q) * sin`` (and the same for k) in eight tensor ops
@@ -63,14 +63,17 @@ def is_llama_rotary(rotary) -> bool:
     return function is not None and llama is not None and same_code(function.__code__, llama.__code__)
 
 
-def _native_layout(x: torch.Tensor, tokens: int, dim: int) -> bool:
-    """A float32 CPU ``[1, heads, tokens, dim]`` tensor whose head rows are contiguous."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 4 and x.shape[0] == 1
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _native_layout(x: torch.Tensor, tokens: int, dim: int, dtype: torch.dtype) -> bool:
+    """A CPU ``[1, heads, tokens, dim]`` tensor of ``dtype`` whose head rows are contiguous."""
+    return (x.dtype == dtype and x.device.type == "cpu" and x.dim() == 4 and x.shape[0] == 1
             and x.shape[2] == tokens and x.shape[3] == dim and x.stride(3) == 1)
 
 
 class NativeRotary:
-    """In place of the rotary a Llama-style attention calls, for float32 rows on the CPU in one
+    """In place of the rotary a Llama-style attention calls, for float32 or bfloat16 rows on the CPU in one
     sequence (the engine's packed batch); other inputs go to the function it replaces. The hook
     calls it and reads its ``forward`` (for compiled graphs), as of the wrapper it stands in for."""
 
@@ -78,17 +81,17 @@ class NativeRotary:
         self.function = function
 
     def forward(self, q, k, cos, sin, unsqueeze_dim=1):
-        tokens, dim = q.shape[-2], q.shape[-1]
-        tables = all(t.dtype == torch.float32 and t.device.type == "cpu" and t.shape == (1, tokens, dim)
+        tokens, dim, dtype = q.shape[-2], q.shape[-1], q.dtype
+        tables = all(t.dtype == dtype and t.device.type == "cpu" and t.shape == (1, tokens, dim)
                      and t.is_contiguous() for t in (cos, sin))
-        if not (unsqueeze_dim == 1 and dim % 2 == 0 and tables and _native_layout(q, tokens, dim)
-                and _native_layout(k, tokens, dim)):
+        if not (dtype in NATIVE_DTYPES and unsqueeze_dim == 1 and dim % 2 == 0 and tables
+                and _native_layout(q, tokens, dim, dtype) and _native_layout(k, tokens, dim, dtype)):
             return self.function(q, k, cos, sin, unsqueeze_dim)
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)  # the inputs' layout (the projections')
         _extension().rotary(q.data_ptr(), k.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), cos.data_ptr(),
                             sin.data_ptr(), tokens, dim, q.shape[1], q.stride(2), q.stride(1), k.shape[1],
                             k.stride(2), k.stride(1), q_out.stride(2), q_out.stride(1), k_out.stride(2),
-                            k_out.stride(1), torch.get_num_threads())
+                            k_out.stride(1), torch.get_num_threads(), dtype == torch.bfloat16)
         return q_out, k_out
 
     __call__ = forward
