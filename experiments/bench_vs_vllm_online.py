@@ -1,7 +1,8 @@
 """vmemkv's server against vLLM's, measured by vLLM's own serving benchmark client.
 
 Each system serves SmolLM2-135M-Instruct's real weights in the same dtype (``--dtype``: float32
-and bfloat16 by default) at its defaults on one port, with the same thread count: ``vmemkv serve --threads N``; vLLM's OpenAI server (``python -m
+and bfloat16 by default) at its defaults on one port, with the same thread count: ``vmemkv serve
+--threads N``; vLLM's OpenAI server (``python -m
 vllm.entrypoints.openai.api_server``) with ``VLLM_CPU_OMP_THREADS_BIND`` = ``0`` or ``0-1`` for its
 worker (its engine core and front end are processes of their own). Then
 ``vllm.benchmarks.serve`` (``add_cli_args``, ``main``; run in vLLM's venv: its CLI entry point

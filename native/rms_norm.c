@@ -37,7 +37,8 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as tor
 }
 
 /* AVX-512 where the CPU has it: the conversions and roundings cost more lanes than the math */
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) static void norm_row_bf16(const uint16_t *restrict x, const uint16_t *restrict w, uint16_t *restrict y,
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+static void norm_row_bf16(const uint16_t *restrict x, const uint16_t *restrict w, uint16_t *restrict y,
                           int64_t n, float eps) {
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -88,6 +89,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rms_norm", "RMS norm of float32 or bfloat16 rows.", -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rms_norm", "RMS norm of float32 or bfloat16 rows.", -1,
+                                    methods};
 
 PyMODINIT_FUNC PyInit__rms_norm(void) { return PyModule_Create(&module); }

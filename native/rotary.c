@@ -54,7 +54,8 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as tor
 static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
 /* AVX-512 where the CPU has it: the conversions and roundings cost more lanes than the math */
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) static void rotate_token_bf16(const uint16_t *restrict src, uint16_t *restrict dst, int64_t heads,
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+static void rotate_token_bf16(const uint16_t *restrict src, uint16_t *restrict dst, int64_t heads,
                               int64_t src_head, int64_t dst_head, const uint16_t *restrict cos,
                               const uint16_t *restrict sin, int64_t dim) {
     const int64_t half = dim / 2;

@@ -134,6 +134,7 @@ def group_sink(events: KVEventSink | None, group_idx: int, spec: KVCacheSpec) ->
 
 
 HASH_BYTES = 32  # hashing.py's digests; a later group of a shared pool keys its blocks by one byte more
+STATE_KEY_INDEX_BYTES = 4  # a saved state's block is keyed by the chain hash and this many bytes of index
 
 
 def shared_sink(events: KVEventSink | None, groups: "list[tuple[int, KVCacheSpec]]") -> KVEventSink | None:
@@ -180,8 +181,6 @@ class SavedStateEvents:
     ``events``: the sink told them (tagged with the group by ``group_sink``); ``block_size``:
     the model's tokens per block."""
 
-    KEY_INDEX_BYTES = 4  # a block's key: the chain hash, then its index in the state
-
     def __init__(self, events: KVEventSink, block_size: int, blocks_per_state: int):
         self.events, self.block_size, self.blocks_per_state = events, block_size, blocks_per_state
         self._blocks: dict[tuple[str, bytes], int] = {}  # (medium, hash) -> blocks held there
@@ -189,7 +188,7 @@ class SavedStateEvents:
         self._origin: dict[bytes, tuple[bytes | None, list[int]]] = {}  # hash -> (parent, tokens)
 
     def _split(self, key: bytes) -> tuple[bytes, int]:
-        cut = len(key) - self.KEY_INDEX_BYTES
+        cut = len(key) - STATE_KEY_INDEX_BYTES
         return key[:cut], int.from_bytes(key[cut:], "little")
 
     def __call__(self, event: KVCacheEvent) -> None:

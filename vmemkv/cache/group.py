@@ -32,7 +32,7 @@ from vmemkv.cache.allocation import RELEASED, Allocation
 from vmemkv.cache.config import CacheConfig
 from vmemkv.cache.kv_spec import KVCacheSpec
 from vmemkv.errors import ConfigError, MappingLimitError
-from vmemkv.cache.events import HASH_BYTES
+from vmemkv.cache.events import HASH_BYTES, STATE_KEY_INDEX_BYTES
 from vmemkv.cache.memory import KVMemory
 from vmemkv.cache.plans import Admission, Plan
 from vmemkv.memory.slot_mapper import SlotMapper
@@ -681,7 +681,8 @@ class RecurrentStateGroup(KVCacheGroup):
     def state_keys(self, block_hash: bytes) -> list[bytes]:
         """The prefix-index keys of the blocks of the state saved after the block hashed
         ``block_hash`` (one per block: the pool keys every block by its own)."""
-        return [block_hash + index.to_bytes(4, "little") for index in range(self.state_blocks)]
+        return [block_hash + index.to_bytes(STATE_KEY_INDEX_BYTES, "little")
+                for index in range(self.state_blocks)]
 
     def saved_state(self, block_hash: bytes) -> list[int] | None:
         """The blocks of the state saved after the block hashed ``block_hash``, if all cached."""
@@ -777,7 +778,7 @@ class RecurrentStateGroup(KVCacheGroup):
                                             plan.take)[0]
             self.stats.state_hits += 1
             self.stats.state_host_hits += 1
-            block_hash = admission.promote[0][:-4]  # state_keys: the chain hash and an index
+            block_hash = admission.promote[0][:-STATE_KEY_INDEX_BYTES]  # state_keys' chain hash
             self.save_state(alloc, SavedBlock(block_hash, origin.parent_hash, list(origin.token_ids)))
             return
         for views in self._views:
