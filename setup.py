@@ -16,7 +16,7 @@ setup(
         Extension(
             "vmemkv._decode_attention",
             sources=["native/decode_attention.c"],
-            depends=["native/exp_nonpositive.h"],
+            depends=["native/bf16.h", "native/exp_nonpositive.h"],
             # no errno or traps from float math: its loops vectorize (compare-selects, tanhf);
             # OpenMP: work items on threads, simd reductions; -Wno-psabi: the 8-float vector
             # helpers are always inlined, so no call passes one across the ABI
@@ -38,6 +38,7 @@ setup(
         Extension(
             "vmemkv._rms_norm",
             sources=["native/rms_norm.c"],
+            depends=["native/bf16.h"],
             extra_compile_args=["-O3", "-std=gnu11", "-fopenmp"],
             extra_link_args=["-fopenmp"],
             optional=True,
@@ -45,6 +46,7 @@ setup(
         Extension(
             "vmemkv._rotary",
             sources=["native/rotary.c"],
+            depends=["native/bf16.h"],
             # no fused multiply-adds: each product rounds as transformers' tensor ops round it
             extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-ffp-contract=off"],
             extra_link_args=["-fopenmp"],

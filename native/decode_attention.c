@@ -45,6 +45,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "exp_nonpositive.h"
 
 #ifdef _OPENMP
@@ -84,21 +85,6 @@ typedef struct {
     const int32_t *members;
     int64_t num_members;
 } Work;
-
-static inline float bf16_to_float(uint16_t bits) {
-    uint32_t wide = (uint32_t)bits << 16;
-    float f;
-    memcpy(&f, &wide, 4);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 static inline size_t elem_size(int dtype) { return dtype == DT_FLOAT32 ? 4 : 2; }
 

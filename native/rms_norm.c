@@ -8,7 +8,8 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
+
+#include "bf16.h"
 
 #define ELEMENTS_PER_THREAD (1 << 15) /* fewer per thread and the fork costs more than it saves */
 
@@ -20,20 +21,6 @@ static void norm_row(const float *restrict x, const float *restrict w, float *re
     const float r = 1.0f / sqrtf(sum / (float)n + eps);
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] * r);
-}
-
-static inline float bf16_to_float(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
-    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded); /* a select: vectorizes */
 }
 
 /* AVX-512 where the CPU has it: the conversions and roundings cost more lanes than the math */
@@ -49,7 +36,7 @@ static void norm_row_bf16(const uint16_t *restrict x, const uint16_t *restrict w
     const float r = 1.0f / sqrtf(sum / (float)n + eps);
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) {
-        const float normed = bf16_to_float(float_to_bf16(bf16_to_float(x[i]) * r));
+        const float normed = round_bf16(bf16_to_float(x[i]) * r);
         y[i] = float_to_bf16(bf16_to_float(w[i]) * normed);
     }
 }

@@ -13,7 +13,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
-#include <string.h>
+
+#include "bf16.h"
 
 #define ELEMENTS_PER_THREAD (1 << 15) /* fewer per thread and the fork costs more than it saves */
 
@@ -36,22 +37,6 @@ static void rotate_token(const float *restrict src, float *restrict dst, int64_t
         }
     }
 }
-
-static inline float bf16_to_float(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
-    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded); /* a select: vectorizes */
-}
-
-static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
 /* AVX-512 where the CPU has it: the conversions and roundings cost more lanes than the math */
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))

@@ -1,8 +1,14 @@
 """The native RMS norm (``engine/models/native_norm.py``): Llama's RMSNorm module's results up to
 float rounding, on decode rows, prefill rows (threaded) and odd sizes; the module's own tensor ops
-for what the native call does not take; and only Llama's norm code is swapped."""
+for what the native call does not take; and only Llama's norm code is swapped. In bfloat16 the
+engine's greedy tokens are the same with and without the native norm and rotary (bfloat16 rounds
+the engine's attention and linear layers unlike HF's own bfloat16 forward, so HF ``generate`` is
+no reference there: the same engine without the two native calls is)."""
 
 from __future__ import annotations
+
+import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -90,3 +96,43 @@ def test_the_engine_runs_native_norms_on_a_model_it_loads_and_matches_hf():
     assert_matches_hf("tiny-llama", batch, run(engine, batch))
     assert_clean(engine)
     engine.close()
+
+
+def test_the_engine_in_bfloat16_gives_the_same_greedy_tokens_with_and_without_the_native_ops():
+    from test_engine_correctness import assert_clean, make_engine, prompts, run
+
+    from vmemkv import _rms_norm, _rotary
+    from vmemkv.engine.core import llm_engine
+
+    batch = prompts(8)
+
+    def greedy_tokens(native: bool) -> tuple[list, dict]:
+        calls = {"rms_norm": 0, "rotary": 0}
+
+        def counted(extension, name):
+            function = getattr(extension, name)
+
+            def call(*args):
+                calls[name] += 1
+                return function(*args)
+            return mock.patch.object(extension, name, call)
+
+        patches = [counted(_rms_norm, "rms_norm"), counted(_rotary, "rotary")]
+        if not native:  # the model's own modules and rotary, the rest as the engine builds it
+            patches += [mock.patch.object(llm_engine, "swap_rms_norms", lambda model: 0),
+                        mock.patch.object(llm_engine, "swap_rotaries", lambda model: 0)]
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
+            engine = make_engine("tiny-llama", dtype="bfloat16")
+            assert next(engine.runner.model_runner.model.parameters()).dtype == torch.bfloat16
+            tokens = [output.outputs[0].token_ids for output in run(engine, batch)]
+            assert_clean(engine)
+            engine.close()
+        return tokens, calls
+
+    native, calls = greedy_tokens(True)
+    assert calls["rms_norm"] > 0 and calls["rotary"] > 0  # the native calls ran, not the fallbacks
+    own, calls = greedy_tokens(False)
+    assert calls == {"rms_norm": 0, "rotary": 0}
+    assert native == own
