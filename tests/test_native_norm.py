@@ -28,6 +28,16 @@ def llama_norm(size: int, eps: float = 1e-5, seed: int = 0) -> LlamaRMSNorm:
     return norm
 
 
+def on_threads(threads: int, call):
+    """``call()`` with torch at ``threads`` intra-op threads (the native call takes torch's count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return call()
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("shape", [(1, 4, 576), (1, 2048, 576), (3, 5, 7), (2, 1000)],
                          ids=["decode", "prefill", "odd", "2d"])
@@ -35,12 +45,7 @@ def test_native_norm_matches_llamas_module(shape, threads):
     norm = llama_norm(shape[-1], eps=1e-6)
     native = NativeRMSNorm(norm)
     x = 3 * torch.randn(shape, generator=torch.Generator().manual_seed(1))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got, want = native(x), norm(x)
-    finally:
-        torch.set_num_threads(before)
+    got, want = on_threads(threads, lambda: (native(x), norm(x)))
     assert got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=1e-5)
 
@@ -54,12 +59,7 @@ def test_native_norm_in_bfloat16_matches_llamas_module(shape, threads):
     norm = llama_norm(shape[-1], eps=1e-6).to(torch.bfloat16)
     native = NativeRMSNorm(norm)
     x = (3 * torch.randn(shape, generator=torch.Generator().manual_seed(1))).bfloat16()
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got, want = native(x), norm(x)
-    finally:
-        torch.set_num_threads(before)
+    got, want = on_threads(threads, lambda: (native(x), norm(x)))
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
     assert steps.max() <= 2 and (steps == 0).float().mean() > 0.99

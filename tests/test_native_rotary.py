@@ -13,6 +13,8 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaConfig
 from vmemkv.engine.models.native_rotary import (NativeRotary, is_llama_rotary, kernel_funcs, plain_function,
                                                 swap_rotaries, unavailable)
 
+from test_native_norm import on_threads
+
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "built")
 
 LLAMA_ROTARY = plain_function(modeling_llama.apply_rotary_pos_emb)
@@ -36,12 +38,8 @@ def rotary_inputs(tokens: int, q_heads: int = 9, k_heads: int = 3, dim: int = 64
                                                          (5, 4, 4, 6)], ids=["one", "decode", "prefill", "odd"])
 def test_native_rotary_equals_transformers_bit_for_bit(tokens, q_heads, k_heads, dim, threads):
     q, k, cos, sin = rotary_inputs(tokens, q_heads, k_heads, dim)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got, want = NativeRotary(LLAMA_ROTARY)(q, k, cos, sin), LLAMA_ROTARY(q, k, cos, sin)
-    finally:
-        torch.set_num_threads(before)
+    got, want = on_threads(threads, lambda: (NativeRotary(LLAMA_ROTARY)(q, k, cos, sin),
+                                             LLAMA_ROTARY(q, k, cos, sin)))
     for native, reference in zip(got, want):
         assert native.shape == reference.shape and torch.equal(native, reference)
     assert torch.equal(q, rotary_inputs(tokens, q_heads, k_heads, dim)[0])  # its inputs left as they were
@@ -53,12 +51,8 @@ def test_native_rotary_in_bfloat16_equals_transformers_bit_for_bit(tokens, threa
     """bfloat16 rows and tables (as the model's rotary embedding gives them in bfloat16): each
     product rounded to bfloat16, then their sum, as the tensor ops round."""
     q, k, cos, sin = (t.bfloat16() for t in rotary_inputs(tokens))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got, want = NativeRotary(LLAMA_ROTARY)(q, k, cos, sin), LLAMA_ROTARY(q, k, cos, sin)
-    finally:
-        torch.set_num_threads(before)
+    got, want = on_threads(threads, lambda: (NativeRotary(LLAMA_ROTARY)(q, k, cos, sin),
+                                             LLAMA_ROTARY(q, k, cos, sin)))
     for native, reference in zip(got, want):
         assert native.dtype == torch.bfloat16 and torch.equal(native, reference)
 
