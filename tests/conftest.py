@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
 import os
 import struct
@@ -110,14 +111,53 @@ def manager_state(manager: KVCacheManager) -> tuple:
 
 def counters(manager: KVCacheManager) -> dict:
     """The manager's stats less the mapping counters and times (reclaiming stale mappings moves
-    them) and the counts of blocks with memory behind them (a lookahead block taken and given
-    back when its mapping is refused counts as backed from then on, conservatively)."""
+    them), the counts of blocks with memory behind them (a lookahead block taken and given
+    back when its mapping is refused counts as backed from then on, conservatively) and the
+    share of a shared KV budget (``CacheConfig.kv_pool``: a refused call's check may grow it)."""
     stats = manager.snapshot_stats()
     for key in ("map_calls", "pages_mapped", "map_calls_saved", "unmap_calls", "pages_unmapped",
                 "backend_map_seconds", "backend_unmap_seconds", "blocks_backed",
                 "blocks_taken_again", "kv_bytes_resident"):
         del stats[key]
+    for key in ("kv_pool_used_bytes", "kv_pool_share_bytes"):
+        stats.pop(key, None)
     return stats
+
+
+def allocation(alloc) -> tuple:
+    """A request's allocation in one group: its slot, blocks and counts."""
+    return (alloc.slot, list(alloc.blocks), alloc.num_tokens, alloc.num_computed, alloc.num_registered,
+            alloc.num_released, None if alloc.swapped is None else list(alloc.swapped))
+
+
+def unbacked(counters):
+    """Pool counters less the memory behind the blocks (a block taken and given back by a
+    refused step counts as backed from then on: ``counters``)."""
+    return dataclasses.replace(counters, backed=0, given_back=0, taken_again=0)
+
+
+def groups_state(manager: KVCacheManager) -> tuple:
+    """``manager_state`` (the requests with their token ids, the first group's pool, the counters
+    with every group's block counts, the free slots), and for every layer group: its pool's
+    reference counts, hashes, hash index, free queue and clean blocks, its free slots, swap and
+    host-tier rows and copies; for every request: its allocation in each group, the pages its slot
+    maps there (slots) and its hash chain. Stale mappings (pages of free slots, past a request's
+    blocks) are no one's: a refusal may unmap them to make room."""
+    groups = []
+    for group in manager.layout_groups:
+        pool = group.pool
+        groups.append((list(pool.ref), list(pool.hash_of), dict(pool.block_of_hash), pool.free_queue(),
+                       sorted(pool._clean), unbacked(pool.counters()), group.slots.free_slots(), group.swap.num_free,
+                       sorted(group.host_tier.rows()), group.blocks_copied))
+    requests = {}
+    for request_id in manager.request_ids():
+        req = manager.request(request_id)
+        mapped = [group.slots.mapped_blocks(alloc.slot, len(alloc.blocks)).tolist()
+                  for group, alloc in zip(manager.layout_groups, req.allocations)
+                  if alloc.slot is not None and group.config.kv_backend == "vmem"]  # block tables map nothing
+        requests[request_id] = ([allocation(alloc) for alloc in req.allocations], mapped,
+                                list(req.token_ids), req.block_hashes, req.keys)
+    return manager_state(manager), groups, requests, manager.cache_stats()
 
 
 @pytest.fixture

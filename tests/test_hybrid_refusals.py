@@ -26,7 +26,6 @@ budget asks the same of every step, and the queries that predict an operation (`
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import re
 from collections import Counter
@@ -35,7 +34,7 @@ from typing import Callable
 
 import pytest
 
-from conftest import manager_state
+from conftest import allocation, groups_state as state
 from test_hybrid_groups import (BACKENDS, C, P, THREE_KINDS, W, WINDOWS, close, decode, make_hybrid,
                                 reads_back, run, write)
 from vmemkv import KVRequest, MappingLimitError, OutOfSwapSpaceError, RequestStateError
@@ -70,41 +69,6 @@ def make(kinds: str, local_blocks: int = 8, **overrides):
 
 
 # --- what a refusal must leave as it was -----------------------------------------------------------
-
-def allocation(alloc) -> tuple:
-    return (alloc.slot, list(alloc.blocks), alloc.num_tokens, alloc.num_computed, alloc.num_registered,
-            alloc.num_released, None if alloc.swapped is None else list(alloc.swapped))
-
-
-def unbacked(counters):
-    """Pool counters less the memory behind the blocks (a block taken and given back by a
-    refused step counts as backed from then on: ``conftest.counters``)."""
-    return dataclasses.replace(counters, backed=0, given_back=0, taken_again=0)
-
-
-def state(manager) -> tuple:
-    """``manager_state`` (the requests with their token ids, the first group's pool, the counters
-    with every group's block counts, the free slots), and for every layer group: its pool's
-    reference counts, hashes, hash index, free queue and clean blocks, its free slots, swap and
-    host-tier rows and copies; for every request: its allocation in each group, the pages its slot
-    maps there (slots) and its hash chain. Stale mappings (pages of free slots, past a request's
-    blocks) are no one's: a refusal may unmap them to make room."""
-    groups = []
-    for group in manager.layout_groups:
-        pool = group.pool
-        groups.append((list(pool.ref), list(pool.hash_of), dict(pool.block_of_hash), pool.free_queue(),
-                       sorted(pool._clean), unbacked(pool.counters()), group.slots.free_slots(), group.swap.num_free,
-                       sorted(group.host_tier.rows()), group.blocks_copied))
-    requests = {}
-    for request_id in manager.request_ids():
-        req = manager.request(request_id)
-        mapped = [group.slots.mapped_blocks(alloc.slot, len(alloc.blocks)).tolist()
-                  for group, alloc in zip(manager.layout_groups, req.allocations)
-                  if alloc.slot is not None and group.config.kv_backend == "vmem"]  # block tables map nothing
-        requests[request_id] = ([allocation(alloc) for alloc in req.allocations], mapped,
-                                list(req.token_ids), req.block_hashes, req.keys)
-    return manager_state(manager), groups, requests, manager.cache_stats()
-
 
 def holds_nothing(req: KVRequest) -> bool:
     """A request no operation has bound (a refused admission's or fork child's)."""

@@ -693,3 +693,29 @@ def test_a_windowed_reorder_refused_its_unmaps_changes_nothing():
         step()
         machine.manager_agrees_with_the_model()
     machine.teardown()
+
+
+def test_can_admit_reaches_a_saved_state_on_the_host_tier():
+    """A run the machine found: a prompt whose first block is on the device (another request
+    holds it) and whose saved state there is on the host tier. ``admit`` reached that state
+    and needed one fresh attention block, the one left; ``can_admit`` looked at the device
+    only, found no saved state, so no hit, and said two blocks were needed. It now asks about
+    admit's own admission."""
+    machine = TokenMajorStateMachine()
+    prefill = lambda request_id, chunk: machine.continue_prefill(data=_Draws(request_id), chunk=chunk)
+    steps = [lambda: machine.admit(budget=4, suffix=[0], system=1),  # [1, 2, 3, 4]'s state saved
+             lambda: prefill("r1", 1),
+             lambda: machine.admit(budget=4, suffix=[0] * 10, system=4),
+             *[lambda: prefill("r2", 4)] * 4, lambda: prefill("r2", 2),  # saves that push it out
+             lambda: machine.admit(budget=4, suffix=[1] * 4, system=3),
+             lambda: prefill("r3", 4), lambda: prefill("r3", 1)]
+    for step in steps:
+        step()
+        machine.manager_agrees_with_the_model()
+    m = machine.m
+    assert m.pool.num_free == 1 and len(m.memories[1].host_tier) > 0
+    assert m.can_admit(SYSTEM_PROMPTS[2])
+    machine.admit(budget=None, suffix=[], system=2)  # admit agrees, with [1, 2, 3, 4] cached
+    assert machine.reserved["r4"] == 8 and m.stats.state_hits == 1
+    machine.manager_agrees_with_the_model()
+    machine.teardown()

@@ -399,6 +399,34 @@ class KVCacheCoordinator:
                 return hits, device + keep
         return hits, device
 
+    def admissions(self, hashes: list[bytes], num_prompt: int, hits: list[list[int]],
+                   num_new_tokens: int | None, token_budget: int | None,
+                   max_blocks: int | None) -> list:
+        """Each group's ``Admission`` of a prompt of ``num_prompt`` tokens and block ``hashes``:
+        its device ``hits`` (one length in every group) extended by the host tiers
+        (``host_reach``), reserving ``num_new_tokens`` (default: the rest of the prompt; at most
+        ``token_budget``, a prefill chunk then ending where a state is saved). What ``admit``
+        takes and ``can_admit`` asks about, alike."""
+        hits, reach = self.host_reach(hashes, num_prompt, hits, num_new_tokens, token_budget, max_blocks)
+        host_hits = hashes[len(hits[0]):reach]
+        cached = reach * self.tokens_per_page
+        new = num_prompt - cached if num_new_tokens is None else num_new_tokens
+        if token_budget is not None:
+            new = min(new, token_budget)
+            if num_new_tokens is None:  # a prefill chunk: ends where a state is saved
+                new = self.aligned_chunk_end(cached, cached + new, num_prompt) - cached
+        return [group.admission(group_hits, host_hits, cached, cached + new)
+                for group, group_hits in zip(self.groups, hits)]
+
+    def admission_fits(self, admissions: list, slot: int | None = None) -> tuple[list[int], list[list[int]], bool]:
+        """``(needs, hits, fits)`` of ``admissions``: the fresh blocks each group takes, the hits
+        it holds (taken out of the free queue), and whether the slot (``slot``, or any) and
+        those blocks are there."""
+        needs = [group.admit_needs(admission.hits, admission.num_tokens)
+                 for group, admission in zip(self.groups, admissions)]
+        hits = [admission.hits for admission in admissions]
+        return needs, hits, self.slot_available(slot) and self.fits(needs, hits)
+
     def _state_host_reach(self, hashes: list[bytes], num_prompt: int, hits: list[list[int]],
                           num_new_tokens: int | None, token_budget: int | None,
                           max_blocks: int | None) -> tuple[list[list[int]], int]:

@@ -224,10 +224,8 @@ class KVCacheManager:
         max_cached_tokens = check.count(max_cached_tokens, "max_cached_tokens", optional=True)
         admissions = self._admission(req, num_new_tokens, token_budget, max_cached_tokens)
         groups = self.groups
-        needs = [group.admit_needs(admission.hits, admission.num_tokens)
-                 for group, admission in zip(groups, admissions)]
-        hits = [admission.hits for admission in admissions]
-        if not self.coordinator.slot_available(slot) or not self.coordinator.fits(needs, hits):
+        needs, hits, fits = self.coordinator.admission_fits(admissions, slot)
+        if not fits:
             return self.coordinator.refused("admit", req, slot, needs, hits)
         fresh = self.coordinator.peek(needs, hits)
         plans = []
@@ -264,18 +262,10 @@ class KVCacheManager:
         limit = None if max_cached_tokens is None else max_cached_tokens // tokens_per_page
         if limit is not None and len(hits[0]) > limit:
             hits = self.coordinator.common_hits(req.chain.hashes, hits, limit)
-        hits, reach = self.coordinator.host_reach(req.chain.hashes, num_prompt, hits, num_new_tokens,
-                                                  token_budget, limit)
-        host_hits = req.chain.hashes[len(hits[0]):reach]
-        cached = reach * tokens_per_page
-        new = num_prompt - cached if num_new_tokens is None else num_new_tokens
-        if token_budget is not None:
-            new = min(new, token_budget)
-            if num_new_tokens is None:  # a prefill chunk: ends where a state is saved
-                new = self.coordinator.aligned_chunk_end(cached, cached + new, num_prompt) - cached
-        self.registry.check_length(request_id, cached + new)
-        return [group.admission(group_hits, host_hits, cached, cached + new)
-                for group, group_hits in zip(self.groups, hits)]
+        admissions = self.coordinator.admissions(req.chain.hashes, num_prompt, hits, num_new_tokens,
+                                                 token_budget, limit)
+        self.registry.check_length(request_id, admissions[0].num_tokens)
+        return admissions
 
     def _count_admission(self, req: KVRequest, admission) -> None:
         """Register an admitted request and count its prefix hit."""

@@ -116,13 +116,16 @@ class CacheQueries:
             self.registry.own(token_ids)
             self.registry.check_tokens(token_ids, len(token_ids.token_ids))
             hits, total = self.prefix_hits(token_ids), len(token_ids.token_ids)
+            hashes = token_ids.chain.hashes
         else:
             token_ids = self.registry.token_ids(token_ids, "token_ids")
             total = len(token_ids)
-            hits = ([[] for _ in self.coordinator.groups] if not self.config.enable_prefix_caching else self.coordinator.cached_hits(
-                self.registry.hashes_of(token_ids, keys), total))
-        return self.coordinator.slot_available(None) and self.coordinator.fits(
-            [group.admit_needs(group_hits, total) for group, group_hits in zip(self.coordinator.groups, hits)], hits)
+            hashes = self.registry.hashes_of(token_ids, keys) if self.config.enable_prefix_caching else []
+            hits = ([[] for _ in self.coordinator.groups] if not self.config.enable_prefix_caching
+                    else self.coordinator.cached_hits(hashes, total))
+        # admit's own admission: its hits reach on into the host tiers
+        admissions = self.coordinator.admissions(hashes, total, hits, None, None, None)
+        return self.coordinator.admission_fits(admissions)[2]
 
     def can_allocate(self, request: "KVRequest | str", num_new_tokens: int) -> bool:
         req = self.registry.running(request)
