@@ -3,6 +3,7 @@ others cannot; a member killed with SIGKILL, even while it holds the lock, gives
 managers drawing on one budget never back more blocks than it pays for, evict their own cached
 blocks before refusing, change nothing when they refuse, and never see each other's pages."""
 
+import dataclasses
 import os
 import random
 import signal
@@ -169,6 +170,28 @@ def test_under_the_budget_a_manager_evicts_its_own_cached_blocks_first(budget_ma
     assert backed_bytes(manager) <= 6 * manager.block_bytes
     manager.check()
     manager.free("b")
+
+
+def test_a_hybrid_engines_memories_share_the_budgets_last_bytes(pool_dir):
+    """An attention memory growing its share first leaves the state memory what the same fork
+    needs: the fork that fits the budget runs."""
+    from test_state_cache import SPEC, make_manager
+    pool = name()
+    config = dataclasses.replace(make_manager().config, kv_pool=pool, kv_pool_bytes=64 * 4096)
+    with KVCacheManager(config, layer_windows=[SPEC, None, SPEC, None]) as manager:
+        assert [memory.budget_block_bytes for memory in manager.memories] == [4096, 4096]
+        manager.admit("a", list(range(20)))  # 2 attention blocks, 1 state block
+        manager.commit("a")
+        manager.release_free_memory()  # no share beyond the blocks backed
+        other = SharedKVBudget(pool)
+        try:
+            other.take(other.free_bytes() - 2 * 4096)  # room for the fork's 1 + 1 blocks, no more
+            assert manager.fork("a", "b") is not None, manager.last_refusal
+            assert manager.fork("a", "c") is None  # the budget has nothing left
+            assert manager.last_refusal.reason == "out_of_blocks"
+            manager.check()
+        finally:
+            other.close()
 
 
 def test_two_managers_never_see_each_others_pages(budget_managers):

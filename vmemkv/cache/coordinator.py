@@ -302,14 +302,15 @@ class KVCacheCoordinator:
     def fits(self, needs: list[int], revived: "list[list[int]] | None" = None) -> bool:
         """Whether every memory has the fresh blocks its groups need (``needs[g]`` for group
         ``g``) once the cached blocks of ``revived[g]`` (hits leaving the free queue) are not free."""
-        for memory, members in self._members:
-            needed = needs[members[0]] if len(members) == 1 else sum(needs[g] for g in members)
-            if revived is None:
-                if not memory.fits(needed):
-                    return False
-            elif not memory.fits(needed, [b for g in members for b in revived[g]]):
-                return False
-        return True
+        wants = [(memory, needs[members[0]] if len(members) == 1 else sum(needs[g] for g in members),
+                  () if revived is None else [b for g in members for b in revived[g]])
+                 for memory, members in self._members]
+        if self.budget is None or len(wants) == 1:
+            return all(memory.fits(needed, kept) for memory, needed, kept in wants)
+        # One budget, several memories: each grows its share leaving what the later ones need.
+        shortfalls = [memory.budget_shortfall(needed, kept) for memory, needed, kept in wants]
+        return all(memory.fits(needed, kept, spare=sum(shortfalls[i + 1:]))
+                   for i, (memory, needed, kept) in enumerate(wants))
 
     def peek(self, needs: list[int], exclude: "list[list[int]] | None" = None) -> list[list[int]]:
         """The fresh blocks each group's part of an operation takes (``needs[g]`` of them for

@@ -142,15 +142,18 @@ class KVMemory:
             self.budget.give((backing.limit - backing.num_backed) * self.budget_block_bytes)
             backing.limit = backing.num_backed
 
-    def _grow_share(self, want: int, need: int) -> None:
+    def _grow_share(self, want: int, need: int, spare: int = 0) -> None:
         """Take the bytes of ``want`` more blocks (a chunk when the budget has room), at least
-        ``need``, or nothing, for clean blocks waiting for memory (never more than wait)."""
+        ``need``, or nothing, for clean blocks waiting for memory (never more than wait), leaving
+        the budget ``spare`` bytes where more than ``need`` would not."""
         pool, backing, block_bytes = self.pool, self.pool.backing, self.budget_block_bytes
         waiting = backing.unbackable(pool.num_clean)
         if waiting < need or not waiting:
             return
         chunk = min(SHARE_CHUNK_BYTES, self.budget.total_bytes // SHARE_CHUNKS_PER_BUDGET) // block_bytes
         want = min(waiting, max(want, chunk))
+        if spare:
+            want = max(need, min(want, (self.budget.free_bytes() - spare) // block_bytes))
         granted = self.budget.take(want * block_bytes, need * block_bytes)
         if granted % block_bytes:
             self.budget.give(granted % block_bytes)
@@ -172,18 +175,26 @@ class KVMemory:
         pages = self.pool.num_blocks * self.layout.pages_per_block  # filler pages may follow
         return self.backend.pool_window()[:pages].view(self.pool.num_blocks, self.layout.block_bytes)
 
-    def fits(self, needed: int, revived: "list[int] | set[int]" = ()) -> bool:
+    def fits(self, needed: int, revived: "list[int] | set[int]" = (), spare: int = 0) -> bool:
         """Whether ``needed`` fresh blocks are free once the cached blocks of ``revived`` (hits
         taken out of the free queue) are not. With a shared budget, the share grows first where
         the clean blocks it backs fall short, so the budget's room is used before this pool's own
         cached blocks are evicted (the one side effect of a check: the share is this memory's,
-        and shrinks when memory is given back)."""
+        and shrinks when memory is given back); ``spare``: budget bytes the engine's other
+        memories need for the same operation, which this one takes only if it must."""
         pool = self.pool
         available = self.available_besides(revived)
         if self.budget is not None and needed > pool.num_clean_available:
-            self._grow_share(needed - pool.num_clean_available, max(needed - available, 0))
+            self._grow_share(needed - pool.num_clean_available, max(needed - available, 0), spare)
             available = self.available_besides(revived)
         return needed <= available
+
+    def budget_shortfall(self, needed: int, revived: "list[int] | set[int]" = ()) -> int:
+        """Bytes of the shared budget this memory must take to hand out ``needed`` fresh blocks
+        besides the cached blocks of ``revived`` (0 without a budget)."""
+        if self.budget is None:
+            return 0
+        return max(needed - self.available_besides(revived), 0) * self.budget_block_bytes
 
     def available_besides(self, revived: "list[int] | set[int]" = ()) -> int:
         """Fresh blocks the pool can hand out once the cached blocks of ``revived`` are not free."""
