@@ -1,7 +1,7 @@
 """The native CPU attention routines over a whole model's layers of a token-major cache, one thread.
 
 A step's attention as the engine runs it on SmolLM2-135M's shape (30 layers, 9 query and 3 KV
-heads of 64, float32): each layer's K and V are strided views of one ``[slot, token, layer, k|v,
+heads of 64, float32 or ``--dtype bfloat16``): each layer's K and V are strided views of one ``[slot, token, layer, k|v,
 head, dim]`` buffer, so one layer's rows of consecutive tokens lie a whole model's token stride
 (46 KB) apart, and the 30 layers of a step read more than the caches hold.
 
@@ -16,6 +16,7 @@ Medians over ``--steps`` steps.
 
     python experiments/bench_cpu_attention.py
     python experiments/bench_cpu_attention.py --batch 4 --context 2000
+    python experiments/bench_cpu_attention.py --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from vmemkv.attention.cpu_prefill import unavailable as prefill_unavailable
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 
 
-def layer_views(batch: int, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    cache = torch.randn(batch, tokens, LAYERS, 2, KV_HEADS, HEAD_DIM)
+def layer_views(batch: int, tokens: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    cache = torch.randn(batch, tokens, LAYERS, 2, KV_HEADS, HEAD_DIM, dtype=dtype)
     return [(cache[:, :, layer, 0], cache[:, :, layer, 1]) for layer in range(LAYERS)]
 
 
@@ -50,16 +51,17 @@ def median_ms(step, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def decode(batch: int, context: int, steps: int) -> list[str]:
-    views = layer_views(batch, context)
-    q, out = torch.randn(batch, Q_HEADS, HEAD_DIM), torch.empty(batch, Q_HEADS, HEAD_DIM)
+def decode(batch: int, context: int, steps: int, dtype: torch.dtype) -> list[str]:
+    views = layer_views(batch, context, dtype)
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM, dtype=dtype)
+    out = torch.empty_like(q)
     slots, lens = torch.arange(batch, dtype=torch.int32), torch.full((batch,), context, dtype=torch.int32)
 
     def step():
         for k, v in views:
             decode_attention_contiguous_cpu(q, k, v, slots, lens, HEAD_DIM ** -0.5, out=out, num_threads=1)
 
-    kv_bytes = batch * context * LAYERS * 2 * KV_HEADS * HEAD_DIM * 4
+    kv_bytes = batch * context * LAYERS * 2 * KV_HEADS * HEAD_DIM * dtype.itemsize
     extension = cpu_decode._extension()
     paths = [True, False] if extension.grouped_heads() else [False]
     lines = []
@@ -75,9 +77,9 @@ def decode(batch: int, context: int, steps: int) -> list[str]:
     return lines
 
 
-def prefill(prompts: int, prompt: int, steps: int) -> list[str]:
-    views = layer_views(prompts, prompt)
-    q = torch.randn(prompts * prompt, Q_HEADS, HEAD_DIM)
+def prefill(prompts: int, prompt: int, steps: int, dtype: torch.dtype) -> list[str]:
+    views = layer_views(prompts, prompt, dtype)
+    q = torch.randn(prompts * prompt, Q_HEADS, HEAD_DIM, dtype=dtype)
     out = torch.empty_like(q)
     spans = PrefillSpans([b * prompt for b in range(prompts)], [prompt] * prompts, [0] * prompts,
                          list(range(prompts)))
@@ -94,7 +96,7 @@ def prefill(prompts: int, prompt: int, steps: int) -> list[str]:
 
     shape = f"{prompts} x {prompt} tokens"
     lines = [f"| prefill | {shape} | SDPA, a call per sequence | {median_ms(sdpa, steps):.1f} | |"]
-    if why := prefill_unavailable(torch.float32, Q_HEADS, KV_HEADS, HEAD_DIM):
+    if why := prefill_unavailable(dtype, Q_HEADS, KV_HEADS, HEAD_DIM):
         return lines + [f"| prefill | {shape} | native: not here ({why}) | | |"]
     return lines + [f"| prefill | {shape} | native | {median_ms(native, steps):.1f} | |"]
 
@@ -106,14 +108,17 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=256, help="new tokens of each prompt")
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="of Q, K, V")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     print(f"SmolLM2-135M's attention shape ({LAYERS} layers, {Q_HEADS} query / {KV_HEADS} KV heads of "
-          f"{HEAD_DIM}, float32), token-major cache, one thread; ms a step (every layer once), median of "
+          f"{HEAD_DIM}, {args.dtype}), token-major cache, one thread; ms a step (every layer once), median of "
           f"{args.steps}\n")
     print("| routine | work | path | ms | GB/s of K and V |\n|---|---|---|---:|---:|")
-    print("\n".join(decode(args.batch, args.context, args.steps) + prefill(args.prompts, args.prompt, args.steps)))
+    print("\n".join(decode(args.batch, args.context, args.steps, dtype)
+                    + prefill(args.prompts, args.prompt, args.steps, dtype)))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,10 @@
  * With new_k/new_v, each sequence's newest token's rows are first written at position seq_lens[b] - 1
  * (the step's cache write, in the same call).
  *
- * Types: float32 and bfloat16 K/V/Q/out (bf16 rows are widened to float32 into a tile buffer).
+ * Types: float32 and bfloat16 K/V/Q/out, float32 arithmetic. The grouped (AVX-512) kernels read
+ * bf16 rows where they lie and widen them in registers (SmolLM2-135M's shape, 4 sequences of 2,000
+ * tokens, one thread, AMD EPYC with AVX-512: 20-23 ms a step against 25-37 widening each tile into a
+ * float32 buffer first); the narrow ones read the widened buffer.
  * The work items (see `plan`) run on OpenMP threads with the GIL released.
  * process_item is compiled three times: for AVX-512 (x86-64-v4, grouped heads), and (target_clones,
  * one head at a time) for AVX2+FMA (x86-64-v3) and the baseline, chosen at load time by the CPU it
@@ -165,12 +168,12 @@ static inline __attribute__((always_inline)) float hsum8(v8f v) {
 
 /* out[j] = q . rows[j][off : off + D] for the tile's n tokens. D a multiple of 8: q is held in
  * registers 64 elements at a time and each row's products summed in 8 lanes; else plain dots. */
-static inline __attribute__((always_inline)) void tile_scores(const float *restrict q, const float *const *rows,
+static inline __attribute__((always_inline)) void tile_scores(const float *restrict q, const void *const *rows,
                                                               int64_t off, int64_t n, int64_t D,
                                                               float *restrict out, const char *const *pf_k,
                                                               const char *const *pf_v, int64_t pf_bytes) {
     if (D % 8) {
-        for (int64_t j = 0; j < n; j++) out[j] = dot(q, rows[j] + off, D);
+        for (int64_t j = 0; j < n; j++) out[j] = dot(q, (const float *)rows[j] + off, D);
         return;
     }
     for (int64_t c = 0; c < D; c += 64) {
@@ -184,8 +187,8 @@ static inline __attribute__((always_inline)) void tile_scores(const float *restr
         for (; j + 4 <= n; j += 4) {
             if (pf_k) /* the first pass over the tile fetches the tokens PREFETCH ahead */
                 prefetch_tokens(pf_k, pf_v, j, j + 4, pf_bytes);
-            const float *r0 = rows[j] + off + c, *r1 = rows[j + 1] + off + c;
-            const float *r2 = rows[j + 2] + off + c, *r3 = rows[j + 3] + off + c;
+            const float *r0 = (const float *)rows[j] + off + c, *r1 = (const float *)rows[j + 1] + off + c;
+            const float *r2 = (const float *)rows[j + 2] + off + c, *r3 = (const float *)rows[j + 3] + off + c;
             v8f p0 = qv[0] * load8(r0), p1 = qv[0] * load8(r1), p2 = qv[0] * load8(r2), p3 = qv[0] * load8(r3);
             for (int64_t i = 1; i < w / 8; i++) {
                 p0 += qv[i] * load8(r0 + 8 * i);
@@ -200,7 +203,7 @@ static inline __attribute__((always_inline)) void tile_scores(const float *restr
         }
         for (; j < n; j++) {
             if (pf_k) prefetch_tokens(pf_k, pf_v, j, j + 1, pf_bytes);
-            const float *r = rows[j] + off + c;
+            const float *r = (const float *)rows[j] + off + c;
             v8f part = qv[0] * load8(r);
             for (int64_t i = 1; i < w / 8; i++) part += qv[i] * load8(r + 8 * i);
             out[j] = (c ? out[j] : 0.f) + hsum8(part);
@@ -211,10 +214,10 @@ static inline __attribute__((always_inline)) void tile_scores(const float *restr
 
 /* acc[0:D] += sum_j p[j] * rows[j][off : off + D], 64 elements of acc in registers at a time. */
 static inline __attribute__((always_inline)) void tile_accumulate(float *restrict acc, const float *restrict p,
-                                                                  const float *const *rows, int64_t off,
+                                                                  const void *const *rows, int64_t off,
                                                                   int64_t n, int64_t D) {
     if (D % 8) {
-        for (int64_t j = 0; j < n; j++) axpy(acc, p[j], rows[j] + off, D);
+        for (int64_t j = 0; j < n; j++) axpy(acc, p[j], (const float *)rows[j] + off, D);
         return;
     }
     for (int64_t c = 0; c < D; c += 64) {
@@ -222,7 +225,7 @@ static inline __attribute__((always_inline)) void tile_accumulate(float *restric
         v8f av[8];
         for (int64_t i = 0; i < w / 8; i++) av[i] = load8(acc + c + 8 * i);
         for (int64_t j = 0; j < n; j++) {
-            const float *r = rows[j] + off + c;
+            const float *r = (const float *)rows[j] + off + c;
             for (int64_t i = 0; i < w / 8; i++) av[i] += p[j] * load8(r + 8 * i);
         }
         for (int64_t i = 0; i < w / 8; i++) memcpy(acc + c + 8 * i, &av[i], sizeof(v8f));
@@ -236,6 +239,22 @@ static inline __attribute__((always_inline)) v16f load16(const float *p) {
 }
 
 static inline __attribute__((always_inline)) void store16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+/* 16 values of a K or V row from element i: float32 loaded, or bfloat16 widened in registers (its
+ * bits are a float's upper half: a zero-extend and a shift), where widening a tile into a buffer
+ * first cost a store and a load more of every value. */
+static inline __attribute__((always_inline)) v16f load16_row(const void *row, int64_t i, const int bf) {
+    if (!bf) return load16((const float *)row + i);
+    v16h h;
+    memcpy(&h, (const uint16_t *)row + i, sizeof h);
+    const v16u wide = __builtin_convertvector(h, v16u) << 16;
+    v16f f;
+    memcpy(&f, &wide, sizeof f);
+    return f;
+}
 
 /* out[0..3] = the lane sums of a, b, c and d: halves added pairwise, 2 shuffles a sum where one
  * vector's own reduction takes 4. */
@@ -268,10 +287,10 @@ static inline __attribute__((always_inline)) float hsum16(v16f v) {
  * tile's n tokens, D a multiple of 16 (other head sizes take one head at a time): the queries held in registers 64 elements at a time, four
  * tokens' products at a time (four chains of dependent adds keep the FMA units busy). */
 static inline __attribute__((always_inline)) void scores_heads(const float *restrict q, const int G,
-                                                               const float *const *rows, int64_t off, int64_t n,
+                                                               const void *const *rows, int64_t off, int64_t n,
                                                                const int64_t D, float *restrict out,
                                                                const char *const *pf_k, const char *const *pf_v,
-                                                               int64_t pf_bytes) {
+                                                               int64_t pf_bytes, const int bf) {
     for (int64_t c = 0; c < D; c += 64) {
         const int64_t nv = (D - c < 64 ? D - c : 64) / 16;
         v16f qv[HEADS_AT_ONCE][4];
@@ -286,7 +305,7 @@ static inline __attribute__((always_inline)) void scores_heads(const float *rest
                 for (int t = 0; t < 4; t++) s[g][t] = (v16f){0};
             for (int64_t i = 0; i < nv; i++)
                 for (int t = 0; t < 4; t++) {
-                    const v16f k = load16(rows[j + t] + off + c + 16 * i);
+                    const v16f k = load16_row(rows[j + t], off + c + 16 * i, bf);
                     for (int g = 0; g < G; g++) s[g][t] += qv[g][i] * k;
                 }
             for (int g = 0; g < G; g++) {
@@ -299,7 +318,7 @@ static inline __attribute__((always_inline)) void scores_heads(const float *rest
             if (pf_k) prefetch_tokens(pf_k, pf_v, j, j + 1, pf_bytes);
             for (int g = 0; g < G; g++) {
                 v16f s = (v16f){0};
-                for (int64_t i = 0; i < nv; i++) s += qv[g][i] * load16(rows[j] + off + c + 16 * i);
+                for (int64_t i = 0; i < nv; i++) s += qv[g][i] * load16_row(rows[j], off + c + 16 * i, bf);
                 out[g * TILE + j] = (c ? out[g * TILE + j] : 0.f) + hsum16(s);
             }
         }
@@ -311,8 +330,8 @@ static inline __attribute__((always_inline)) void scores_heads(const float *rest
  * D a multiple of 16, 64 elements of each accumulator in registers at a time. */
 static inline __attribute__((always_inline)) void accumulate_heads(float *restrict acc, const int G,
                                                                    const float *restrict p,
-                                                                   const float *const *rows, int64_t off,
-                                                                   int64_t n, const int64_t D) {
+                                                                   const void *const *rows, int64_t off,
+                                                                   int64_t n, const int64_t D, const int bf) {
     for (int64_t c = 0; c < D; c += 64) {
         const int64_t nv = (D - c < 64 ? D - c : 64) / 16;
         v16f av[HEADS_AT_ONCE][4];
@@ -320,7 +339,7 @@ static inline __attribute__((always_inline)) void accumulate_heads(float *restri
             for (int64_t i = 0; i < nv; i++) av[g][i] = load16(acc + g * D + c + 16 * i);
         for (int64_t j = 0; j < n; j++)
             for (int64_t i = 0; i < nv; i++) {
-                const v16f v = load16(rows[j] + off + c + 16 * i);
+                const v16f v = load16_row(rows[j], off + c + 16 * i, bf);
                 for (int g = 0; g < G; g++) av[g][i] += p[g * TILE + j] * v;
             }
         for (int g = 0; g < G; g++)
@@ -330,19 +349,19 @@ static inline __attribute__((always_inline)) void accumulate_heads(float *restri
 
 /* The tile's scores of G consecutive query heads (q, out as scores_heads), HEADS_AT_ONCE at a time. */
 static inline __attribute__((always_inline)) void group_scores(const float *restrict q, int64_t G,
-                                                              const float *const *rows, int64_t off, int64_t n,
+                                                              const void *const *rows, int64_t off, int64_t n,
                                                               const int64_t D, float *restrict out,
                                                               const char *const *pf_k, const char *const *pf_v,
-                                                              int64_t pf_bytes) {
+                                                              int64_t pf_bytes, const int bf) {
     for (int64_t g0 = 0; g0 < G; g0 += HEADS_AT_ONCE) {
         const float *qg = q + g0 * D;
         float *og = out + g0 * TILE;
         if (G - g0 >= 3)
-            scores_heads(qg, 3, rows, off, n, D, og, pf_k, pf_v, pf_bytes);
+            scores_heads(qg, 3, rows, off, n, D, og, pf_k, pf_v, pf_bytes, bf);
         else if (G - g0 == 2)
-            scores_heads(qg, 2, rows, off, n, D, og, pf_k, pf_v, pf_bytes);
+            scores_heads(qg, 2, rows, off, n, D, og, pf_k, pf_v, pf_bytes, bf);
         else
-            scores_heads(qg, 1, rows, off, n, D, og, pf_k, pf_v, pf_bytes);
+            scores_heads(qg, 1, rows, off, n, D, og, pf_k, pf_v, pf_bytes, bf);
         pf_k = pf_v = NULL;
     }
 }
@@ -351,17 +370,17 @@ static inline __attribute__((always_inline)) void group_scores(const float *rest
  * accumulate_heads), HEADS_AT_ONCE at a time. */
 static inline __attribute__((always_inline)) void group_accumulate(float *restrict acc, int64_t G,
                                                                   const float *restrict p,
-                                                                  const float *const *rows, int64_t off,
-                                                                  int64_t n, const int64_t D) {
+                                                                  const void *const *rows, int64_t off,
+                                                                  int64_t n, const int64_t D, const int bf) {
     for (int64_t g0 = 0; g0 < G; g0 += HEADS_AT_ONCE) {
         float *ag = acc + g0 * D;
         const float *pg = p + g0 * TILE;
         if (G - g0 >= 3)
-            accumulate_heads(ag, 3, pg, rows, off, n, D);
+            accumulate_heads(ag, 3, pg, rows, off, n, D, bf);
         else if (G - g0 == 2)
-            accumulate_heads(ag, 2, pg, rows, off, n, D);
+            accumulate_heads(ag, 2, pg, rows, off, n, D, bf);
         else
-            accumulate_heads(ag, 1, pg, rows, off, n, D);
+            accumulate_heads(ag, 1, pg, rows, off, n, D, bf);
     }
 }
 
@@ -375,13 +394,13 @@ static inline __attribute__((always_inline)) void group_accumulate(float *restri
  * accumulated in registers, in the same order.
  * scratch: M*Hq*D (q) + M*Hq*D (acc) + M*Hq*TILE (scores) + 2*M*Hq (max, sum) + 2*TILE*Hk*D (bf16 rows). */
 static inline __attribute__((always_inline)) void process_item_d(const Args *a, const Work *w, float *scratch,
-                                                                const int64_t D, const int wide) {
+                                                                const int64_t D, const int wide, const int bf) {
     const int64_t Hq = a->num_q_heads, Hk = a->num_kv_heads, G = Hq / Hk, M = w->num_members;
     const int64_t QH = M * Hq; /* the item's query heads: member m's head h is m * Hq + h */
     const int64_t es = (int64_t)elem_size(a->dtype), b = w->rows_of, lo = w->lo, hi = w->hi;
     float *q = scratch, *acc = q + QH * D, *sc = acc + QH * D, *mx = sc + QH * TILE, *sum = mx + QH;
-    float *ktile = sum + QH, *vtile = ktile + TILE * Hk * D; /* bf16 rows widened */
-    const float *krow[TILE], *vrow[TILE];                    /* the tile's rows, as float32 */
+    float *ktile = sum + QH, *vtile = ktile + TILE * Hk * D; /* bf16 rows widened (narrow path) */
+    const void *krow[TILE], *vrow[TILE];                     /* the tile's rows */
     const char *pf_k[TILE], *pf_v[TILE];                     /* rows PREFETCH tokens ahead */
 
     for (int64_t m = 0; m < M; m++)
@@ -396,8 +415,11 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
     /* the bytes from a token's first kv head to the end of its last: prefetched as one range */
     const int64_t k_span = ((Hk - 1) * a->k_sh + D) * es, v_span = ((Hk - 1) * a->v_sh + D) * es;
     const int64_t span = k_span > v_span ? k_span : v_span;
+    /* The grouped kernels read bf16 rows where they lie (widened in registers); the narrow ones
+     * read float32, bf16 rows widened into the tile buffers first. */
+    const int grouped = wide && D % 16 == 0, in_place = !bf || grouped;
     /* head strides of the rows the tile kernels read: the cache's, or the widened tile's */
-    const int64_t k_head = a->dtype == DT_FLOAT32 ? a->k_sh : D, v_head = a->dtype == DT_FLOAT32 ? a->v_sh : D;
+    const int64_t k_head = in_place ? a->k_sh : D, v_head = in_place ? a->v_sh : D;
     for (int64_t t0 = lo; t0 < hi; t0 += TILE) {
         int64_t n = hi - t0 < TILE ? hi - t0 : TILE;
         for (int64_t j = 0; j < n; j++) {
@@ -406,9 +428,9 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             pf_v[j] = a->v + row_offset(a, b, ahead, a->v_so, a->v_st) * es;
             const char *k = a->k + row_offset(a, b, t0 + j, a->k_so, a->k_st) * es;
             const char *v = a->v + row_offset(a, b, t0 + j, a->v_so, a->v_st) * es;
-            if (a->dtype == DT_FLOAT32) {
-                krow[j] = (const float *)k;
-                vrow[j] = (const float *)v;
+            if (in_place) {
+                krow[j] = k;
+                vrow[j] = v;
                 continue;
             }
             prefetch_row(pf_k[j], span); /* widened now: fetched now */
@@ -421,13 +443,13 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             krow[j] = kw;
             vrow[j] = vw;
         }
-        const int prefetching = a->dtype == DT_FLOAT32, grouped = wide && D % 16 == 0;
+        const int prefetching = in_place;
         for (int64_t hk = 0; hk < Hk; hk++)
             for (int64_t m = 0; m < M; m++) {
                 const int64_t first = m * Hq + hk * G; /* the group's first query head */
                 if (grouped) {
                     group_scores(q + first * D, G, krow, hk * k_head, n, D, sc + first * TILE,
-                                 prefetching && first == 0 ? pf_k : NULL, pf_v, span);
+                                 prefetching && first == 0 ? pf_k : NULL, pf_v, span, bf);
                     continue;
                 }
                 for (int64_t qh = first; qh < first + G; qh++)
@@ -455,7 +477,7 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             for (int64_t m = 0; m < M; m++) {
                 const int64_t first = m * Hq + hk * G;
                 if (grouped) {
-                    group_accumulate(acc + first * D, G, sc + first * TILE, vrow, hk * v_head, n, D);
+                    group_accumulate(acc + first * D, G, sc + first * TILE, vrow, hk * v_head, n, D, bf);
                     continue;
                 }
                 for (int64_t qh = first; qh < first + G; qh++)
@@ -483,14 +505,24 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
 /* process_item_d with the common head sizes as constants: the tile loops then unroll fully and keep
  * the query and accumulator vectors in registers, where a runtime size leaves a bound check per
  * vector and the arrays on the stack. */
+static inline __attribute__((always_inline)) void process_item_dtype(const Args *a, const Work *w, float *scratch,
+                                                                    const int wide, const int bf) {
+    if (a->head_dim == 64)
+        process_item_d(a, w, scratch, 64, wide, bf);
+    else if (a->head_dim == 128)
+        process_item_d(a, w, scratch, 128, wide, bf);
+    else
+        process_item_d(a, w, scratch, a->head_dim, wide, bf);
+}
+
+/* ... and with the row type as a constant: the bf16 loads widen in registers, the float32 ones
+ * stay plain loads. */
 static inline __attribute__((always_inline)) void process_item_sizes(const Args *a, const Work *w, float *scratch,
                                                                     const int wide) {
-    if (a->head_dim == 64)
-        process_item_d(a, w, scratch, 64, wide);
-    else if (a->head_dim == 128)
-        process_item_d(a, w, scratch, 128, wide);
+    if (a->dtype == DT_BFLOAT16)
+        process_item_dtype(a, w, scratch, wide, 1);
     else
-        process_item_d(a, w, scratch, a->head_dim, wide);
+        process_item_dtype(a, w, scratch, wide, 0);
 }
 
 static int wide_registers; /* AVX-512: set at import */

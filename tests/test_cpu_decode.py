@@ -33,6 +33,7 @@ CASES = [
     pytest.param([45, 17], 1, 2, 32, torch.bfloat16, id="bf16-mha-d32-b2"),
     pytest.param([300, 2, 129], 3, 3, 64, torch.float32, id="fp32-gqa3-d64-smollm2-heads"),
     pytest.param([1, 2, 65, 40, 9], 4, 1, 128, torch.bfloat16, id="bf16-gqa4-d128-b5"),
+    pytest.param([300, 2, 129], 3, 3, 64, torch.bfloat16, id="bf16-gqa3-d64-smollm2-heads"),
     pytest.param([20, 3], 2, 1, 48, torch.float32, id="fp32-d48"),
     # 5 query heads a kv head: read 3 then 2 at a time; a head size not a multiple of 16: one head at a time
     pytest.param([33, 70], 5, 2, 40, torch.float32, id="fp32-gqa5-d40"),
