@@ -28,7 +28,7 @@ setup(
         Extension(
             "vmemkv._prefill_attention",
             sources=["native/prefill_attention.c"],
-            depends=["native/exp_nonpositive.h"],
+            depends=["native/bf16.h", "native/exp_nonpositive.h"],
             # as the decode attention: vectorized float math, OpenMP, inlined vector helpers
             extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
                                 "-Wno-psabi"],

@@ -1,6 +1,6 @@
 /*
- * vmemkv._prefill_attention: causal attention of a step's prompt chunks on the CPU, float32,
- * reading the KV cache in place.
+ * vmemkv._prefill_attention: causal attention of a step's prompt chunks on the CPU, float32 or
+ * bfloat16 (float32 arithmetic), reading the KV cache in place.
  *
  * Each sequence brings num_queries new tokens after num_cached cached ones (their K/V already
  * written); query i sits at position num_cached + i and attends keys [0, num_cached + i]. PyTorch's
@@ -21,6 +21,9 @@
  * token t at k + index[b] * so + t * st; block tables at k + table[b][t / block_size] * so +
  * (t % block_size) * st: the A/B compares addressing, not two kernels.
  *
+ * bfloat16 rows are read where they lie, each value widened as it is broadcast (exact: a bf16 is a
+ * float's upper half), and the output rounded to bfloat16 once, as torch rounds an op's result.
+ *
  * Sums run in another order than SDPA's: results equal it up to float rounding. Compiled for
  * AVX-512 only (x86-64-v4: its 32 registers hold a key tile's 24 accumulators of 16 floats); the
  * same code for AVX2 spills and was 3x slower than SDPA (SmolLM2-135M, 8 x 256 tokens, 30 layers,
@@ -35,6 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "exp_nonpositive.h"
 
 #define ROWS 96 /* query rows of a work item (G heads x tokens): six 16-float vectors */
@@ -52,30 +56,37 @@ static inline __attribute__((always_inline)) v16f load16(const float *p) {
 static inline __attribute__((always_inline)) void store16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
 
 typedef struct {
-    const float *q, *k, *v;
-    float *out;
+    const char *q, *k, *v; /* float32 or bfloat16 (bf) data */
+    char *out;
     const int32_t *index; /* slot ids [B] (vmem) or block tables [B, *] (paged) */
     const int32_t *query_start, *num_queries, *num_cached; /* [B] each */
     int64_t index_stride_b, batch, num_q_heads, num_kv_heads, head_dim, block_size;
     int64_t q_st, q_sh, out_st, out_sh, k_so, k_st, k_sh, v_so, v_st, v_sh; /* element strides */
     float scale;
+    int bf; /* 1: q, k, v and out are bfloat16 */
 } Args;
 
 typedef struct {
     int64_t seq, head, first, count; /* kv head; query tokens [first, first + count) of the sequence */
 } Work;
 
-static inline const float *row_at(const Args *a, const float *base, int64_t b, int64_t t, int64_t so,
-                                  int64_t st) {
+/* Element d of a row as float32: bf selects the row's type (a constant where inlined). */
+static inline __attribute__((always_inline)) float elem(const void *row, int64_t d, const int bf) {
+    return bf ? bf16_to_float(((const uint16_t *)row)[d]) : ((const float *)row)[d];
+}
+
+/* Sequence b's token t of base (element strides so, st; es bytes an element). */
+static inline const char *row_at(const Args *a, const char *base, int64_t b, int64_t t, int64_t so, int64_t st,
+                                 int64_t es) {
     const int32_t *index = a->index + b * a->index_stride_b;
-    if (a->block_size == 0) return base + (int64_t)index[0] * so + t * st;
-    return base + (int64_t)index[t / a->block_size] * so + (t % a->block_size) * st;
+    if (a->block_size == 0) return base + ((int64_t)index[0] * so + t * st) * es;
+    return base + ((int64_t)index[t / a->block_size] * so + (t % a->block_size) * st) * es;
 }
 
 /* scores[j][r] = sum_d keys[j][d] qt[d][r] for KEY_TILE keys; keys past n are the last one again
  * (their scores are masked) */
-static inline __attribute__((always_inline)) void key_tile_scores(const float *const *keys, const float *restrict qt,
-                                                                  int64_t D, float *restrict scores) {
+static inline __attribute__((always_inline)) void key_tile_scores(const void *const *keys, const float *restrict qt,
+                                                                  int64_t D, float *restrict scores, const int bf) {
     v16f acc[KEY_TILE][VECS];
     for (int i = 0; i < KEY_TILE; i++)
         for (int c = 0; c < VECS; c++) acc[i][c] = (v16f){0};
@@ -83,7 +94,7 @@ static inline __attribute__((always_inline)) void key_tile_scores(const float *c
         v16f qv[VECS];
         for (int c = 0; c < VECS; c++) qv[c] = load16(qt + d * ROWS + 16 * c);
         for (int i = 0; i < KEY_TILE; i++) {
-            const float kd = keys[i][d];
+            const float kd = elem(keys[i], d, bf);
             for (int c = 0; c < VECS; c++) acc[i][c] += kd * qv[c];
         }
     }
@@ -92,8 +103,9 @@ static inline __attribute__((always_inline)) void key_tile_scores(const float *c
 }
 
 /* ot[d][r] += sum_j values[j][d] p[j][r] for dims [d0, d0 + DIM_TILE) over n keys */
-static inline __attribute__((always_inline)) void dim_tile_update(const float *const *values, const float *restrict p,
-                                                                  int64_t n, int64_t d0, float *restrict ot) {
+static inline __attribute__((always_inline)) void dim_tile_update(const void *const *values, const float *restrict p,
+                                                                  int64_t n, int64_t d0, float *restrict ot,
+                                                                  const int bf) {
     v16f acc[DIM_TILE][VECS];
     for (int i = 0; i < DIM_TILE; i++)
         for (int c = 0; c < VECS; c++) acc[i][c] = load16(ot + (d0 + i) * ROWS + 16 * c);
@@ -101,7 +113,7 @@ static inline __attribute__((always_inline)) void dim_tile_update(const float *c
         v16f pv[VECS];
         for (int c = 0; c < VECS; c++) pv[c] = load16(p + j * ROWS + 16 * c);
         for (int i = 0; i < DIM_TILE; i++) {
-            const float vd = values[j][d0 + i];
+            const float vd = elem(values[j], d0 + i, bf);
             for (int c = 0; c < VECS; c++) acc[i][c] += vd * pv[c];
         }
     }
@@ -110,9 +122,9 @@ static inline __attribute__((always_inline)) void dim_tile_update(const float *c
 }
 
 /* scratch: qt [D][ROWS], ot [D][ROWS], scores [KEYS][ROWS], then max, sum, pos [ROWS] each */
-__attribute__((target("arch=x86-64-v4"))) static void process_item(
-    const Args *a, const Work *w, float *scratch) {
-    const int64_t D = a->head_dim, G = a->num_q_heads / a->num_kv_heads, n = w->count, rows = G * n;
+static inline __attribute__((always_inline)) void process_item_typed(const Args *a, const Work *w, float *scratch,
+                                                                    const int bf) {
+    const int64_t es = bf ? 2 : 4, D = a->head_dim, G = a->num_q_heads / a->num_kv_heads, n = w->count, rows = G * n;
     const int64_t cached = a->num_cached[w->seq], start = a->query_start[w->seq];
     float *qt = scratch, *ot = qt + D * ROWS, *scores = ot + D * ROWS, *row_max = scores + KEYS * ROWS;
     float *row_sum = row_max + ROWS, *pos = row_sum + ROWS; /* positions as floats: exact below 2^24 */
@@ -123,20 +135,20 @@ __attribute__((target("arch=x86-64-v4"))) static void process_item(
         row_sum[r] = 0.f;
         pos[r] = (float)(cached + w->first + i);
         if (r >= rows) continue; /* padding: computed (as token first) and never written */
-        const float *src = a->q + (start + w->first + i) * a->q_st + (w->head * G + g) * a->q_sh;
-        for (int64_t d = 0; d < D; d++) qt[d * ROWS + r] = src[d];
+        const char *src = a->q + ((start + w->first + i) * a->q_st + (w->head * G + g) * a->q_sh) * es;
+        for (int64_t d = 0; d < D; d++) qt[d * ROWS + r] = elem(src, d, bf);
     }
     const int64_t end = cached + w->first + n; /* keys [0, end): up to the item's last query */
     const int64_t lowest = cached + w->first;  /* keys up to here are seen by every row */
-    const float *keys[KEYS], *values[KEYS];
+    const void *keys[KEYS], *values[KEYS];
     for (int64_t kb = 0; kb < end; kb += KEYS) {
         const int64_t nk = end - kb < KEYS ? end - kb : KEYS;
         for (int64_t j = 0; j < nk; j++) {
-            keys[j] = row_at(a, a->k, w->seq, kb + j, a->k_so, a->k_st) + w->head * a->k_sh;
-            values[j] = row_at(a, a->v, w->seq, kb + j, a->v_so, a->v_st) + w->head * a->v_sh;
+            keys[j] = row_at(a, a->k, w->seq, kb + j, a->k_so, a->k_st, es) + w->head * a->k_sh * es;
+            values[j] = row_at(a, a->v, w->seq, kb + j, a->v_so, a->v_st, es) + w->head * a->v_sh * es;
         }
         for (int64_t j = nk; j < KEYS; j++) keys[j] = keys[nk - 1];
-        for (int64_t j = 0; j < nk; j += KEY_TILE) key_tile_scores(keys + j, qt, D, scores + j * ROWS);
+        for (int64_t j = 0; j < nk; j += KEY_TILE) key_tile_scores(keys + j, qt, D, scores + j * ROWS, bf);
         /* scale, mask keys after a row's position, and the running maxima */
         const int masked = kb + nk - 1 > lowest;
         const v16f minus_inf = (v16f){0} - INFINITY;
@@ -169,14 +181,28 @@ __attribute__((target("arch=x86-64-v4"))) static void process_item(
         if (kb > 0)
             for (int64_t d = 0; d < D; d++)
                 for (int c = 0; c < VECS; c++) store16(ot + d * ROWS + 16 * c, load16(ot + d * ROWS + 16 * c) * alpha[c]);
-        for (int64_t d0 = 0; d0 < D; d0 += DIM_TILE) dim_tile_update(values, scores, nk, d0, ot);
+        for (int64_t d0 = 0; d0 < D; d0 += DIM_TILE) dim_tile_update(values, scores, nk, d0, ot, bf);
     }
     for (int64_t r = 0; r < rows; r++) {
         const int64_t g = r / n, i = r % n;
-        float *dst = a->out + (start + w->first + i) * a->out_st + (w->head * G + g) * a->out_sh;
+        char *dst = a->out + ((start + w->first + i) * a->out_st + (w->head * G + g) * a->out_sh) * es;
         const float inv = 1.f / row_sum[r];
-        for (int64_t d = 0; d < D; d++) dst[d] = ot[d * ROWS + r] * inv;
+        for (int64_t d = 0; d < D; d++) {
+            const float o = ot[d * ROWS + r] * inv;
+            if (bf)
+                ((uint16_t *)dst)[d] = float_to_bf16(o);
+            else
+                ((float *)dst)[d] = o;
+        }
     }
+}
+
+/* process_item_typed with the row type as a constant: float32 loads stay plain loads */
+__attribute__((target("arch=x86-64-v4"))) static void process_item(const Args *a, const Work *w, float *scratch) {
+    if (a->bf)
+        process_item_typed(a, w, scratch, 1);
+    else
+        process_item_typed(a, w, scratch, 0);
 }
 
 static int run(const Args *a, int num_threads) {
@@ -218,10 +244,10 @@ static PyObject *prefill(PyObject *self, PyObject *args) {
     Args a = {0};
     double scale;
     int num_threads;
-    if (!PyArg_ParseTuple(args, "KKKKKKKK" "LLLLLL" "LLLLLLLLLL" "di", &q, &out, &k, &v, &index, &query_start,
+    if (!PyArg_ParseTuple(args, "KKKKKKKK" "LLLLLL" "LLLLLLLLLL" "dip", &q, &out, &k, &v, &index, &query_start,
                           &num_queries, &num_cached, &a.index_stride_b, &a.batch, &a.num_q_heads,
                           &a.num_kv_heads, &a.head_dim, &a.block_size, &a.q_st, &a.q_sh, &a.out_st, &a.out_sh,
-                          &a.k_so, &a.k_st, &a.k_sh, &a.v_so, &a.v_st, &a.v_sh, &scale, &num_threads))
+                          &a.k_so, &a.k_st, &a.k_sh, &a.v_so, &a.v_st, &a.v_sh, &scale, &num_threads, &a.bf))
         return NULL;
     if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads || a.num_q_heads / a.num_kv_heads > ROWS ||
         a.head_dim <= 0 || a.head_dim % DIM_TILE || a.batch < 0 || a.block_size < 0) {
@@ -233,10 +259,10 @@ static PyObject *prefill(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "the native prefill attention needs AVX-512, which this CPU lacks");
         return NULL;
     }
-    a.q = (const float *)(uintptr_t)q;
-    a.out = (float *)(uintptr_t)out;
-    a.k = (const float *)(uintptr_t)k;
-    a.v = (const float *)(uintptr_t)v;
+    a.q = (const char *)(uintptr_t)q;
+    a.out = (char *)(uintptr_t)out;
+    a.k = (const char *)(uintptr_t)k;
+    a.v = (const char *)(uintptr_t)v;
     a.index = (const int32_t *)(uintptr_t)index;
     a.query_start = (const int32_t *)(uintptr_t)query_start;
     a.num_queries = (const int32_t *)(uintptr_t)num_queries;
@@ -251,8 +277,9 @@ static PyObject *prefill(PyObject *self, PyObject *args) {
 PyDoc_STRVAR(prefill_doc,
              "prefill(q, out, k, v, index, query_start, num_queries, num_cached, index_stride_b, batch,\n"
              "        num_q_heads, num_kv_heads, head_dim, block_size, q_st, q_sh, out_st, out_sh,\n"
-             "        k_so, k_st, k_sh, v_so, v_st, v_sh, scale, num_threads)\n\n"
-             "Raw data pointers (float32 data, int32 indices) and element strides; checked by\n"
+             "        k_so, k_st, k_sh, v_so, v_st, v_sh, scale, num_threads, bfloat16)\n\n"
+             "Raw data pointers (float32 data, or bfloat16 where bfloat16 is true; int32 indices)\n"
+             "and element strides; checked by\n"
              "vmemkv.attention.cpu_prefill, not here.");
 
 static PyObject *wide_vectors(PyObject *self, PyObject *unused) { return PyBool_FromLong(wide_vectors_here); }

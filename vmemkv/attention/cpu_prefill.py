@@ -1,5 +1,6 @@
 """Causal attention of a step's prompt chunks on the CPU, reading the cache in place: the native
-routine of ``native/prefill_attention.c`` (the ``vmemkv._prefill_attention`` extension), float32.
+routine of ``native/prefill_attention.c`` (the ``vmemkv._prefill_attention`` extension), float32 or
+bfloat16.
 
 SDPA attends one sequence per call, over a strided view of its keys: at a 2,048-token chunk of
 SmolLM2-135M (8 prompts of 256 tokens) 15-19 ms a layer at one thread, a fifth of the step. The
@@ -15,6 +16,7 @@ import functools
 import torch
 
 MAX_GROUP = 96  # query heads per KV head the routine takes (its work item's rows)
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
@@ -36,8 +38,8 @@ def unavailable(dtype: torch.dtype | None = None, num_q_heads: int = 1, num_kv_h
     if not _extension().wide_vectors():
         return ("the native prefill attention needs AVX-512, which this CPU lacks (the same code spills on "
                 "AVX2: 3x slower than SDPA)")
-    if dtype is not None and dtype != torch.float32:
-        return f"the native prefill attention reads float32, not {dtype}"
+    if dtype is not None and dtype not in DTYPES:
+        return f"the native prefill attention reads float32 and bfloat16, not {dtype}"
     if num_kv_heads < 1 or num_q_heads % num_kv_heads or num_q_heads // num_kv_heads > MAX_GROUP:
         return (f"the native prefill attention takes up to {MAX_GROUP} query heads per KV head, not "
                 f"{num_q_heads} over {num_kv_heads}")
@@ -68,14 +70,15 @@ def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spa
     only; ``k``/``v`` ``[outer, tokens, Hk, D]``: slot views (``spans.block_size`` 0, ``outer``
     the slot) or block tensors (``outer`` the block). Sequence ``b``'s query ``i`` (row
     ``query_start[b] + i``, position ``num_cached[b] + i``) attends its keys ``0 ..`` its position.
-    Every last dim contiguous, float32, on the CPU; the K/V of the new tokens already written."""
+    Every last dim contiguous, all float32 or all bfloat16, on the CPU; the K/V of the new tokens
+    already written."""
     if reason := unavailable(q.dtype, q.shape[1], k.shape[2], q.shape[2]):
         raise ValueError(reason)
     tensors = {"q": q, "k": k, "v": v, "out": out}
     for name, t in tensors.items():
-        if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be float32 on the CPU with a contiguous last dim, got {t.dtype} on "
-                             f"{t.device}, strides {t.stride()}")
+        if t.dtype != q.dtype or t.device.type != "cpu" or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be {q.dtype} (as q) on the CPU with a contiguous last dim, got {t.dtype} "
+                             f"on {t.device}, strides {t.stride()}")
     if q.dim() != 3 or out.shape != q.shape or k.dim() != 4 or v.shape != k.shape or k.shape[3] != q.shape[2]:
         raise ValueError(f"shapes: q and out [T, Hq, D], k and v [outer, tokens, Hk, D]; got {tuple(q.shape)}, "
                          f"{tuple(out.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -88,5 +91,6 @@ def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spa
         spans.num_queries.data_ptr(), spans.num_cached.data_ptr(), index.stride(0) if index.dim() == 2 else 1,
         len(spans.query_start), q.shape[1], k.shape[2], q.shape[2], spans.block_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), float(scale), num_threads or torch.get_num_threads())
+        v.stride(0), v.stride(1), v.stride(2), float(scale), num_threads or torch.get_num_threads(),
+        q.dtype == torch.bfloat16)
     return out
