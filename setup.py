@@ -55,6 +55,7 @@ setup(
         Extension(
             "vmemkv._panel_linear",
             sources=["native/panel_linear.c"],
+            depends=["native/bf16.h"],
             # -Wno-psabi: the 16-float vector helpers are always inlined, no call passes one
             extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-Wno-psabi"],
             extra_link_args=["-fopenmp"],

@@ -1,5 +1,6 @@
 /*
- * vmemkv._panel_linear: y = x W^T + b on the CPU, float32, over a weight packed in panels.
+ * vmemkv._panel_linear: y = x W^T + b on the CPU, float32 (and bfloat16 with AVX-512 BF16, at the
+ * end), over a weight packed in panels.
  *
  * A decode step multiplies a few rows by every weight of the model: the GEMM streams the weight
  * from memory once and does little arithmetic per byte, so its speed is how close the read comes to
@@ -31,8 +32,11 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "bf16.h"
 
 #define PANEL 16     /* outputs per panel: one 64-byte line of float32 per input feature */
 #define MAX_ROWS 8   /* rows of x whose accumulators are held in registers at once: 8 with
@@ -168,6 +172,89 @@ static void run_pair(const float *x, const float *packed, const float *bias, flo
         run_pair_narrow(x, packed, bias, y, M, N, K, p, panels);
 }
 
+/* --- bfloat16, with AVX-512 BF16 ---------------------------------------------------------------------
+ * The weight packed as [ceil(N / 16)][K / 2][16][2]: a panel's 16 outputs for a pair of input
+ * features, one 64-byte line. vdpbf16ps multiplies a line by a broadcast pair of x (the two bf16
+ * features as one 32-bit lane) and adds both products to 16 float32 sums: each product exact, the
+ * sums float32, the output rounded to bfloat16 once. Rows 8 at a time, two panels at once,
+ * non-temporal prefetch ahead, as the float32 kernel. At 4 rows of SmolLM2-135M's linears (269 MB,
+ * AMD EPYC without AMX) 22.6-24.5 GB/s at two threads where oneDNN's bf16 path reads 15.8-18.1. */
+static int bf16_dots_here; /* AVX-512 BF16: set at import */
+
+__attribute__((target("arch=x86-64-v4,avx512bf16"))) static inline __attribute__((always_inline)) void
+bf16_panel_rows(const uint16_t *restrict x, const uint16_t *restrict packed, const uint16_t *restrict bias,
+                uint16_t *restrict y, int64_t m0, const int R, int64_t p, const int P, int64_t N, int64_t K2) {
+    __m512 acc[2][MAX_ROWS];
+    for (int q = 0; q < 2; q++)
+        for (int r = 0; r < MAX_ROWS; r++) acc[q][r] = _mm512_setzero_ps();
+    const uint16_t *panel = packed + p * K2 * 2 * PANEL;
+    const int32_t *xr[MAX_ROWS]; /* a row's features in pairs */
+    for (int r = 0; r < R; r++) xr[r] = (const int32_t *)(x + (m0 + r) * 2 * K2);
+    for (int64_t k = 0; k < K2; k++)
+        for (int q = 0; q < P; q++) {
+            const uint16_t *at = panel + (q * K2 + k) * 2 * PANEL;
+            __builtin_prefetch((const char *)at + AHEAD, 0, 0); /* never faults past the end */
+            const __m512bh w = (__m512bh)_mm512_loadu_si512(at);
+            for (int r = 0; r < R; r++)
+                acc[q][r] = _mm512_dpbf16_ps(acc[q][r], (__m512bh)_mm512_set1_epi32(xr[r][k]), w);
+        }
+    for (int q = 0; q < P; q++) {
+        const int64_t n0 = (p + q) * PANEL, n = N - n0 < PANEL ? N - n0 : PANEL;
+        for (int r = 0; r < R; r++) {
+            float sums[PANEL];
+            _mm512_storeu_ps(sums, acc[q][r]);
+            uint16_t *out = y + (m0 + r) * N + n0;
+            for (int64_t i = 0; i < n; i++) out[i] = float_to_bf16(sums[i] + (bias ? bf16_to_float(bias[n0 + i]) : 0.f));
+        }
+    }
+}
+
+/* Panels [p, p + 1 or 2) of y for every row, 8 at a time, each row count its own constant. */
+__attribute__((target("arch=x86-64-v4,avx512bf16"))) static void bf16_pair(const uint16_t *x, const uint16_t *packed,
+                                                                          const uint16_t *bias, uint16_t *y,
+                                                                          int64_t M, int64_t N, int64_t K2, int64_t p,
+                                                                          int64_t panels) {
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+        const int64_t rows = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
+#define BF16_ROWS(R)                                                                                        \
+    case R:                                                                                                 \
+        if (p + 1 < panels)                                                                                 \
+            bf16_panel_rows(x, packed, bias, y, m0, R, p, 2, N, K2);                                        \
+        else                                                                                                \
+            bf16_panel_rows(x, packed, bias, y, m0, R, p, 1, N, K2);                                        \
+        break;
+        switch (rows) { BF16_ROWS(1) BF16_ROWS(2) BF16_ROWS(3) BF16_ROWS(4) BF16_ROWS(5) BF16_ROWS(6)
+                        BF16_ROWS(7) BF16_ROWS(8) }
+#undef BF16_ROWS
+    }
+}
+
+static PyObject *linear_bf16(PyObject *self, PyObject *args) {
+    unsigned long long x, packed, bias, y;
+    long long M, N, K2;
+    int num_threads;
+    if (!PyArg_ParseTuple(args, "KKKKLLLi", &x, &packed, &bias, &y, &M, &N, &K2, &num_threads)) return NULL;
+    if (M < 0 || N < 0 || K2 < 0) {
+        PyErr_SetString(PyExc_ValueError, "negative shape");
+        return NULL;
+    }
+    if (!bf16_dots_here) {
+        PyErr_SetString(PyExc_ValueError, "the bfloat16 panel linear needs AVX-512 BF16, which this CPU lacks");
+        return NULL;
+    }
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    const uint16_t *xp = (const uint16_t *)(uintptr_t)x, *wp = (const uint16_t *)(uintptr_t)packed;
+    const uint16_t *bp = (const uint16_t *)(uintptr_t)bias;
+    uint16_t *yp = (uint16_t *)(uintptr_t)y;
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t pair = 0; pair < (panels + 1) / 2; pair++) bf16_pair(xp, wp, bp, yp, M, N, K2, 2 * pair, panels);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *bf16_dots(PyObject *self, PyObject *unused) { return PyBool_FromLong(bf16_dots_here); }
+
 static PyObject *linear(PyObject *self, PyObject *args) {
     unsigned long long x, packed, bias, y;
     long long M, N, K;
@@ -220,6 +307,10 @@ static PyObject *prefetch_hint_(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"linear", linear, METH_VARARGS, linear_doc},
+    {"linear_bf16", linear_bf16, METH_VARARGS,
+     "linear_bf16(x, packed, bias, y, M, N, K2, num_threads): bfloat16 data (x [M, 2 K2], the weight\n"
+     "packed in pairs of features, bias [N] or 0, y [M, N]); checked by vmemkv.engine.models.panel_linear."},
+    {"bf16_dots", bf16_dots, METH_NOARGS, "Whether this CPU has AVX-512 BF16, which `linear_bf16` needs."},
     {"rows_per_block", rows_per_block, METH_VARARGS,
      "rows_per_block([rows]): the rows of x taken at a time (8 with AVX-512, else 4); with rows (4, or 8\n"
      "where AVX-512 is), set it (for tests of the other path); returns the value before."},
@@ -231,11 +322,12 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_panel_linear",
-                                    "Float32 linear layers over weights packed in panels of 16 outputs.", -1,
+                                    "Float32 and bfloat16 linear layers over weights packed in panels of 16 outputs.", -1,
                                     methods};
 
 PyMODINIT_FUNC PyInit__panel_linear(void) {
     __builtin_cpu_init();
     wide_registers = __builtin_cpu_supports("avx512f");
+    bf16_dots_here = wide_registers && __builtin_cpu_supports("avx512bf16");
     return PyModule_Create(&module);
 }

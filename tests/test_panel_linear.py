@@ -1,8 +1,10 @@
-"""The native float32 linear over panel-packed weights (``engine/models/panel_linear.py``): equal to
-``F.linear`` up to rounding for every row count (the four-row blocks and their remainders), output
-widths that are not a multiple of the panel (padding never shows), biases, and on two threads; a
-wrong input is refused with a clear error; the engine packs float32 models for it and bfloat16 ones
-for oneDNN, and falls back to oneDNN where the kernel is not built."""
+"""The native linear over panel-packed weights (``engine/models/panel_linear.py``): in float32 equal
+to ``F.linear`` up to rounding for every row count (the four-row blocks and their remainders),
+output widths that are not a multiple of the panel (padding never shows), biases, and on two
+threads; in bfloat16 (AVX-512 BF16) the same up to bfloat16 rounding, odd input widths included; a
+wrong input is refused with a clear error; the engine packs float32 models for it, bfloat16 ones
+where the CPU has AVX-512 BF16 (else for oneDNN), and falls back to oneDNN where the kernel is not
+built."""
 
 from __future__ import annotations
 
@@ -50,6 +52,34 @@ def test_panel_linear_equals_f_linear(rows_per_block, threads, out_features, in_
         torch.set_num_threads(before)
 
 
+needs_bf16 = pytest.mark.skipif(bool(panel_linear.unavailable(torch.bfloat16)),
+                               reason=panel_linear.unavailable(torch.bfloat16) or "runs")
+
+
+@needs_bf16
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("out_features, in_features", [(200, 96), (7, 33), (32, 576), (49, 1)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_bfloat16_panels_equal_f_linear_up_to_rounding(threads, out_features, in_features, bias):
+    generator = torch.Generator().manual_seed(out_features * 1000 + in_features)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    b = torch.randn(out_features, generator=generator).bfloat16() if bias else None
+    panels = panel_linear.pack(weight)
+    assert panels.shape == (-(-out_features // 16), -(-in_features // 2), 16, 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in [1, 2, 3, 7, 8, 9, 16, 37]:
+            x = torch.randn(2, rows, in_features, generator=generator).bfloat16()
+            got = panel_linear.linear(x, panels, b, out_features)
+            exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+            assert got.dtype == torch.bfloat16 and got.shape == exact.shape
+            # float32 sums rounded to bfloat16 once: within a bfloat16 step of the exact result
+            torch.testing.assert_close(got.double(), exact, atol=1e-2 * (1 + exact.abs().max().item()), rtol=1e-2)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_leading_dimensions_and_a_strided_input():
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(40, 24, generator=generator)
@@ -65,9 +95,11 @@ def test_wrong_inputs_are_refused():
         panel_linear.linear(torch.randn(3, 8, dtype=torch.float64), panels, None, 20)
     with pytest.raises(ValueError, match="8 inputs"):
         panel_linear.linear(torch.randn(3, 9), panels, None, 20)
-    with pytest.raises(ValueError, match="float32 CPU weight"):
-        panel_linear.pack(torch.randn(20, 8, dtype=torch.bfloat16))
-    assert "float32 only" in panel_linear.unavailable(torch.bfloat16)
+    with pytest.raises(ValueError, match="for a torch.bfloat16 CPU weight"):
+        panel_linear.linear(torch.randn(3, 8), panel_linear.pack(torch.randn(20, 8).bfloat16()), None, 20)
+    with pytest.raises(ValueError, match="float32 or bfloat16 CPU weight"):
+        panel_linear.pack(torch.randn(20, 8, dtype=torch.float16))
+    assert "float32 and bfloat16 only" in panel_linear.unavailable(torch.float16)
     before = panel_linear._extension().rows_per_block()
     with pytest.raises(ValueError, match="rows per block"):
         panel_linear._extension().rows_per_block(5)
@@ -75,13 +107,14 @@ def test_wrong_inputs_are_refused():
 
 
 def test_packed_linear_picks_the_kernel_by_dtype_and_falls_back_without_the_build(monkeypatch):
-    assert kernel_for(torch.float32) == "panels" and kernel_for(torch.bfloat16) == "onednn"
+    bf16_kernel = "onednn" if panel_linear.unavailable(torch.bfloat16) else "panels"  # AVX-512 BF16 or not
+    assert kernel_for(torch.float32) == "panels" and kernel_for(torch.bfloat16) == bf16_kernel
     assert PackedLinear(nn.Linear(16, 16)).kernel == "panels"
-    assert PackedLinear(nn.Linear(16, 16).to(torch.bfloat16)).kernel == "onednn"
+    assert PackedLinear(nn.Linear(16, 16).to(torch.bfloat16)).kernel == bf16_kernel
     with pytest.raises(ValueError, match="one of"):
         PackedLinear(nn.Linear(16, 16), kernel="mkl")
-    with pytest.raises(ValueError, match="float32 CPU weight"):  # panels asked for a bfloat16 weight
-        PackedLinear(nn.Linear(16, 16).to(torch.bfloat16), kernel="panels")
+    with pytest.raises(ValueError, match="float32 or bfloat16 CPU weight"):  # panels asked for a float16 weight
+        PackedLinear(nn.Linear(16, 16).to(torch.float16), kernel="panels")
     monkeypatch.setattr(panel_linear, "_extension", lambda: None)
     assert "not built" in panel_linear.unavailable()
     model = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 8))

@@ -1,4 +1,4 @@
-"""Which kernel a model's float32 weights are packed for on this machine: measured, not assumed.
+"""Which kernel a model's float32 or bfloat16 weights are packed for on this machine: measured, not assumed.
 
 Both packed kernels compute the same linear (``packed_linear.py``), but which is faster depends on
 the CPU, not on the dtype alone, and so does the native panels' prefetch hint
@@ -85,7 +85,7 @@ def time_kernels(model: nn.Module, candidates=CANDIDATES, rows: tuple[int, ...] 
 def _time_at(packed: dict[str, list[PackedLinear]], candidates, rows: int, repeats: int) -> list[float]:
     """``time_kernels`` for one row count: a time per candidate, in order."""
     generator = torch.Generator().manual_seed(0)
-    inputs = {layer.in_features: torch.randn(rows, layer.in_features, generator=generator)
+    inputs = {layer.in_features: torch.randn(rows, layer.in_features, generator=generator).to(layer.weight.dtype)
               for layer in next(iter(packed.values()))}
     passes: dict[tuple[str, str | None], list[float]] = {candidate: [] for candidate in candidates}
     for _ in range(repeats + 1):  # the first pass warms up and is not counted

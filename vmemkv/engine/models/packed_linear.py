@@ -3,14 +3,15 @@
 A decode step multiplies a few rows by every weight of the model, so on a CPU it streams the
 weights from memory and its speed is the GEMM's for skinny inputs. ``F.linear`` over a row-major
 weight reaches about two thirds of the memory bandwidth there. Each weight is packed once, for
-one of two kernels (the engine times both on float32 weights and takes the faster on this
-machine: ``kernel_choice.py``):
+one of two kernels (the engine times both and takes the faster on this machine:
+``kernel_choice.py``):
 
-- float32 only: panels of 16 outputs read by vmemkv's native kernel (``panel_linear.py``): one
-  sequential, prefetched stream; on an AMD EPYC (Zen 4), over SmolLM2-135M's layers, oneDNN's
-  packed weights take 1.2-1.7x its time for 1-8 rows (one thread), about the same from 32 rows
-  up to prefill sizes; on an Intel Xeon with AVX-512 it is the slower of the two;
-- any dtype (the only one for bfloat16, or without the native build): oneDNN's blocked layout
+- float32, and bfloat16 on CPUs with AVX-512 BF16: panels of 16 outputs read by vmemkv's native
+  kernel (``panel_linear.py``): one sequential, prefetched stream; on an AMD EPYC (Zen 4), over
+  SmolLM2-135M's layers, oneDNN's packed weights take 1.2-1.7x its time for 1-8 rows (one
+  thread), about the same from 32 rows up to prefill sizes; on an Intel Xeon with AVX-512 it is
+  the slower of the two;
+- any dtype (the only one for bfloat16 without AVX-512 BF16, or without the native build): oneDNN's blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``, what PyTorch's inductor does when it freezes a CPU
   model, and what vLLM's CPU backend runs), 1.1-2.7x ``F.linear`` for 4-32 rows in float32 and
   bfloat16 (``experiments/results/packed_linear_cpu.md``).
@@ -51,8 +52,8 @@ PACKINGS = {"panels": (("packed", "panels"),), "onednn": (("packed", "onednn"),)
 
 
 def kernel_for(dtype: torch.dtype) -> str:
-    """The kernel a weight of ``dtype`` is packed for here: "panels" (float32, native build), else
-    "onednn"."""
+    """The kernel a weight of ``dtype`` is packed for here: "panels" (float32, or bfloat16 with AVX-512
+    BF16; native build), else "onednn"."""
     return "onednn" if no_panels(dtype) else "panels"
 
 

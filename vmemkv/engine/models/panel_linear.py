@@ -1,13 +1,15 @@
-"""Float32 linear layers through vmemkv's native kernel over a weight packed in panels of 16
-outputs (``native/panel_linear.c``, the ``vmemkv._panel_linear`` extension).
+"""Float32 and bfloat16 linear layers through vmemkv's native kernel over a weight packed in panels
+of 16 outputs (``native/panel_linear.c``, the ``vmemkv._panel_linear`` extension).
 
 A decode step's few rows make the GEMM a read of the whole weight: the panel layout is one
 sequential stream, prefetched ahead, which reads faster than oneDNN's packed weights do. Over
 SmolLM2-135M's 30 decoder layers and LM head (538 MB, streamed from memory), oneDNN takes
 1.2-1.7x the panels' time for 1-8 rows on one thread (1.4-2.1x on two), 1.0-1.3x for 16-32 rows,
 and 0.96-1.05x at prefill sizes (``experiments/bench_packed_linear.py --panels``,
-``experiments/results/packed_linear_panels_*t_cpu.md``). ``unavailable()`` says why it cannot run
-here.
+``experiments/results/packed_linear_panels_*t_cpu.md``). bfloat16 weights (on CPUs with AVX-512
+BF16) are packed with their input features in pairs, what ``vdpbf16ps`` multiplies: at 4 rows of
+SmolLM2-135M's linears, two threads, an AMD EPYC without AMX, 22.6-24.5 GB/s of weights where
+oneDNN's bfloat16 path reads 15.8-18.1. ``unavailable()`` says why it cannot run here.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ def unavailable(dtype: torch.dtype | None = None) -> str:
     if _extension() is None:
         return ("the native panel linear (vmemkv._panel_linear) is not built: reinstall with a C "
                 "compiler that has OpenMP (pip install -e .)")
-    if dtype is not None and dtype != torch.float32:
-        return f"the native panel linear is float32 only, the weight is {dtype}"
+    if dtype == torch.bfloat16 and not _extension().bf16_dots():
+        return "the native panel linear takes bfloat16 with AVX-512 BF16, which this CPU lacks"
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
+        return f"the native panel linear is float32 and bfloat16 only, the weight is {dtype}"
     return ""
 
 
@@ -63,28 +67,39 @@ def prefetch_hint(hint: str | None = None) -> str:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ``[N, K]`` (float32, on the CPU) as panels ``[ceil(N / 16), K, 16]``: panel ``p``
-    holds outputs ``16p .. 16p + 15`` for every input feature; outputs past ``N`` are zeros."""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
-        raise ValueError(f"panels pack a 2-D float32 CPU weight, not {weight.dtype} {tuple(weight.shape)} "
-                         f"on {weight.device}")
+    """``weight`` ``[N, K]`` (on the CPU) as panels: float32 ``[ceil(N / 16), K, 16]``, panel ``p``
+    holding outputs ``16p .. 16p + 15`` for every input feature; bfloat16 ``[ceil(N / 16), ceil(K /
+    2), 16, 2]``, the same for every pair of features (an odd K's last pair ends in a zero). Outputs
+    past ``N`` are zeros."""
+    if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(f"panels pack a 2-D float32 or bfloat16 CPU weight, not {weight.dtype} "
+                         f"{tuple(weight.shape)} on {weight.device}")
     n, k = weight.shape
     panels = -(-n // PANEL)
+    if weight.dtype == torch.bfloat16:
+        padded = weight.new_zeros(panels * PANEL, k + k % 2)
+        padded[:n, :k] = weight
+        return padded.view(panels, PANEL, -1, 2).transpose(1, 2).contiguous()
     padded = weight.new_zeros(panels * PANEL, k)
     padded[:n] = weight
     return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """``x W^T + b`` for ``x`` ``[..., K]`` (float32, CPU), ``W`` packed by ``pack`` and ``bias`` a
-    contiguous float32 ``[N]`` or None (``PackedLinear`` makes them so once; not checked per
-    call); on torch's intra-op threads."""
-    in_features = panels.shape[1]
-    if x.dtype != torch.float32 or x.shape[-1] != in_features or x.device.type != "cpu":
-        raise ValueError(f"input {x.dtype} [..., {x.shape[-1]}] on {x.device} for a float32 CPU weight "
-                         f"of {in_features} inputs")
-    rows = x.reshape(-1, in_features).contiguous()
-    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
-    _extension().linear(rows.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                        out.data_ptr(), rows.shape[0], out_features, in_features, torch.get_num_threads())
+    """``x W^T + b`` for ``x`` ``[..., K]`` (CPU, the weight's dtype), ``W`` packed by ``pack`` and
+    ``bias`` a contiguous ``[N]`` of that dtype or None (``PackedLinear`` makes them so once; not
+    checked per call); on torch's intra-op threads."""
+    pairs = panels.dim() == 4  # bfloat16: the features in pairs
+    in_features = panels.shape[1] * 2 if pairs else panels.shape[1]
+    k = x.shape[-1]
+    if x.dtype != panels.dtype or k not in (in_features, in_features - pairs) or x.device.type != "cpu":
+        raise ValueError(f"input {x.dtype} [..., {k}] on {x.device} for a {panels.dtype} CPU weight of "
+                         f"{in_features} inputs")
+    rows = x.reshape(-1, k).contiguous()
+    if k != in_features:  # an odd K: the last pair's zero
+        rows = torch.nn.functional.pad(rows, (0, 1))
+    out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
+    run = _extension().linear_bf16 if pairs else _extension().linear
+    run(rows.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), rows.shape[0],
+        out_features, panels.shape[1], torch.get_num_threads())
     return out.reshape(*x.shape[:-1], out_features)
