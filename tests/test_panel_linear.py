@@ -71,7 +71,7 @@ def test_bfloat16_panels_equal_f_linear_up_to_rounding(threads, out_features, in
     try:
         for rows in [1, 2, 3, 7, 8, 9, 16, 37]:
             x = torch.randn(2, rows, in_features, generator=generator).bfloat16()
-            got = panel_linear.linear(x, panels, b, out_features)
+            got = panel_linear.linear(x, panels, b, out_features, in_features)
             exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
             assert got.dtype == torch.bfloat16 and got.shape == exact.shape
             # float32 sums rounded to bfloat16 once: within a bfloat16 step of the exact result
@@ -97,6 +97,9 @@ def test_wrong_inputs_are_refused():
         panel_linear.linear(torch.randn(3, 9), panels, None, 20)
     with pytest.raises(ValueError, match="for a torch.bfloat16 CPU weight"):
         panel_linear.linear(torch.randn(3, 8), panel_linear.pack(torch.randn(20, 8).bfloat16()), None, 20)
+    even = panel_linear.pack(torch.randn(20, 8).bfloat16())  # an input a feature short is no odd width
+    with pytest.raises(ValueError, match="8 inputs"):
+        panel_linear.linear(torch.randn(3, 7).bfloat16(), even, None, 20)
     with pytest.raises(ValueError, match="float32 or bfloat16 CPU weight"):
         panel_linear.pack(torch.randn(20, 8, dtype=torch.float16))
     assert "float32 and bfloat16 only" in panel_linear.unavailable(torch.float16)

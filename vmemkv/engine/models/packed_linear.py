@@ -80,13 +80,14 @@ def _forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if kernel == "split":
         large = x.numel() >= SPLIT_ROWS * module.in_features
         kernel, packed = ("onednn", module.packed_large) if large else ("panels", packed)
-    return _linear(x, packed, module.bias, kernel, module.out_features)
+    return _linear(x, packed, module.bias, kernel, module.out_features, module.in_features)
 
 
-def _linear(x: torch.Tensor, packed: torch.Tensor, bias, kernel: str, out_features: int) -> torch.Tensor:
+def _linear(x: torch.Tensor, packed: torch.Tensor, bias, kernel: str, out_features: int,
+            in_features: int) -> torch.Tensor:
     """``x W^T + b`` over ``packed`` (from ``_pack(W, kernel)``), for ``x`` ``[..., in_features]``."""
     if kernel == "panels":
-        return panel_linear(x, packed, bias, out_features)
+        return panel_linear(x, packed, bias, out_features, in_features)
     # oneDNN's op folds x's leading dimensions into rows and back itself: no reshape ops around
     # it (two fewer dispatches a layer, ~420 a decode step of SmolLM2-135M), the same result
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

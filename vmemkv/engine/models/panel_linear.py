@@ -85,18 +85,21 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
 
 
-def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+           in_features: int | None = None) -> torch.Tensor:
     """``x W^T + b`` for ``x`` ``[..., K]`` (CPU, the weight's dtype), ``W`` packed by ``pack`` and
     ``bias`` a contiguous ``[N]`` of that dtype or None (``PackedLinear`` makes them so once; not
-    checked per call); on torch's intra-op threads."""
+    checked per call); on torch's intra-op threads. ``in_features``: K, which a bfloat16 packing
+    of an odd K does not tell (default: the packing's width)."""
     pairs = panels.dim() == 4  # bfloat16: the features in pairs
-    in_features = panels.shape[1] * 2 if pairs else panels.shape[1]
-    k = x.shape[-1]
-    if x.dtype != panels.dtype or k not in (in_features, in_features - pairs) or x.device.type != "cpu":
-        raise ValueError(f"input {x.dtype} [..., {k}] on {x.device} for a {panels.dtype} CPU weight of "
+    width = panels.shape[1] * 2 if pairs else panels.shape[1]
+    in_features = width if in_features is None else in_features
+    if (x.dtype != panels.dtype or x.shape[-1] != in_features or in_features not in (width, width - pairs)
+            or x.device.type != "cpu"):
+        raise ValueError(f"input {x.dtype} [..., {x.shape[-1]}] on {x.device} for a {panels.dtype} CPU weight of "
                          f"{in_features} inputs")
-    rows = x.reshape(-1, k).contiguous()
-    if k != in_features:  # an odd K: the last pair's zero
+    rows = x.reshape(-1, in_features).contiguous()
+    if in_features != width:  # an odd K: the last pair's zero
         rows = torch.nn.functional.pad(rows, (0, 1))
     out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
     run = _extension().linear_bf16 if pairs else _extension().linear
