@@ -106,7 +106,7 @@ def test_the_engine_in_bfloat16_gives_the_same_greedy_tokens_with_and_without_th
 
     batch = prompts(8)
 
-    def greedy_tokens(native: bool) -> tuple[list, dict]:
+    def greedy_tokens(native: bool) -> tuple[list, dict, int]:
         calls = {"rms_norm": 0, "rotary": 0}
 
         def counted(extension, name):
@@ -127,12 +127,15 @@ def test_the_engine_in_bfloat16_gives_the_same_greedy_tokens_with_and_without_th
             engine = make_engine("tiny-llama", dtype="bfloat16")
             assert next(engine.runner.model_runner.model.parameters()).dtype == torch.bfloat16
             tokens = [output.outputs[0].token_ids for output in run(engine, batch)]
+            rotaries = engine.native_rotaries
             assert_clean(engine)
             engine.close()
-        return tokens, calls
+        return tokens, calls, rotaries
 
-    native, calls = greedy_tokens(True)
-    assert calls["rms_norm"] > 0 and calls["rotary"] > 0  # the native calls ran, not the fallbacks
-    own, calls = greedy_tokens(False)
+    native, calls, rotaries = greedy_tokens(True)
+    # the native calls ran, not the fallbacks (the rotary's where transformers has its per-instance
+    # hook: not in 5.17, the GPU image's; test_native_rotary covers that case)
+    assert calls["rms_norm"] > 0 and (calls["rotary"] > 0) == (rotaries > 0)
+    own, calls, _ = greedy_tokens(False)
     assert calls == {"rms_norm": 0, "rotary": 0}
     assert native == own
