@@ -10,25 +10,17 @@ linears should run at the read's speed.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cpu_attention import median_ms  # noqa: E402
 
 HIDDEN, INTERMEDIATE, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152
 SHAPES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (INTERMEDIATE, HIDDEN),
           (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * LAYERS + [(VOCAB, HIDDEN)]
-
-
-def median_s(step, repeats: int = 15) -> float:
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -51,7 +43,7 @@ def main() -> None:
     print("| threads | linears ms | linears GB/s | plain read GB/s |\n|---:|---:|---:|---:|")
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
-        linear_s, read_s = median_s(linears), median_s(stream.sum)
+        linear_s, read_s = median_ms(linears, 15) / 1e3, median_ms(stream.sum, 15) / 1e3
         print(f"| {threads} | {linear_s * 1e3:.1f} | {nbytes / linear_s / 1e9:.1f} | {nbytes / read_s / 1e9:.1f} |")
 
 
