@@ -27,6 +27,8 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "tokens_per_page": 16,
     "preemption_mode": "auto",
     "host_cache_bytes": 0,
+    "kv_cold_tier": "off",
+    "kv_cold_cache_bytes": 0,
     "kv_backend": "vmem",
     "attention": "auto",
     "policy": "lpm",
@@ -101,6 +103,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host-cache-bytes", type=int, default=None,
                        help="host memory for the prefix cache's host tier, in bytes: cached KV pages "
                             "evicted from the device wait there and are copied back on a hit (0: off)")
+    group.add_argument("--kv-cold-tier", default=None, choices=["off", "int8", "int4"],
+                       help="keep cached KV pages the pool lets go compressed (lossy) instead of "
+                            "dropping them; a request with kv_exact never reuses them")
+    group.add_argument("--kv-cold-cache-bytes", type=int, default=None,
+                       help="host memory for the compressed pages of --kv-cold-tier, in bytes")
     group.add_argument("--state-cache-interval", type=int, default=None,
                        help="models with recurrent state layers: tokens between saved states for "
                             "prefix hits, a multiple of --tokens-per-page (default: 4 pages; 0: off)")
@@ -169,6 +176,8 @@ def engine_config_from_args(args: argparse.Namespace):
         "preemption_mode": args.preemption_mode,
         "swap_space_bytes": None if args.swap_space_gb is None else int(args.swap_space_gb * 2**30),
         "host_cache_bytes": args.host_cache_bytes,
+        "kv_cold_tier": args.kv_cold_tier,
+        "kv_cold_cache_bytes": args.kv_cold_cache_bytes,
         "state_cache_interval": args.state_cache_interval,
         "seed": args.seed,
         "kv_backend": args.kv_backend,

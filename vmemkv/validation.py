@@ -69,6 +69,7 @@ PREEMPT_MODES = ("recompute", "swap", "auto")
 LAYOUTS = ("token_major", "per_layer")
 KV_BACKENDS = ("vmem", "paged")
 HASH_ALGORITHMS = ("sha256", "blake2b")
+COLD_TIERS = ("off", "int8", "int4")
 
 
 def _show(value) -> str:
@@ -223,6 +224,8 @@ def config(cfg):
         count(cfg.page_size, "CacheConfig.page_size (bytes)", minimum=1, optional=True)
         count(cfg.swap_space_bytes, "CacheConfig.swap_space_bytes", minimum=0)
         count(cfg.host_cache_bytes, "CacheConfig.host_cache_bytes", minimum=0)
+        count(cfg.cold_cache_bytes, "CacheConfig.cold_cache_bytes", minimum=0)
+        choice(cfg.cold_tier, "CacheConfig.cold_tier", COLD_TIERS)
         count(getattr(cfg, "vocab_size", None), "CacheConfig.vocab_size", minimum=1, optional=True)
         choice(cfg.layout, "CacheConfig.layout", LAYOUTS)
         choice(cfg.kv_backend, "CacheConfig.kv_backend", KV_BACKENDS)
@@ -247,6 +250,14 @@ def config(cfg):
     if cfg.hash_seed is not None and not isinstance(cfg.hash_seed, (bytes, bytearray)):
         raise ConfigError(f"CacheConfig.hash_seed is {_show(cfg.hash_seed)}; pass bytes "
                           "(such as b'my-seed') or None for a random seed")
+    if cfg.cold_tier != "off" and not (cfg.cold_cache_bytes and cfg.enable_prefix_caching):
+        raise ConfigError(f"CacheConfig.cold_tier is {cfg.cold_tier!r} with cold_cache_bytes "
+                          f"{cfg.cold_cache_bytes} and enable_prefix_caching {cfg.enable_prefix_caching}; "
+                          "the cold tier keeps prefix-cache blocks: give it cold_cache_bytes > 0 "
+                          "with prefix caching on, or set cold_tier='off'")
+    if cfg.cold_tier == "off" and cfg.cold_cache_bytes:
+        raise ConfigError(f"CacheConfig.cold_cache_bytes is {cfg.cold_cache_bytes} with cold_tier "
+                          "'off'; choose cold_tier 'int8' or 'int4', or leave cold_cache_bytes 0")
     for name in ("swap_bytes_per_second", "prefill_tokens_per_second"):
         rate = getattr(cfg, name)
         if isinstance(rate, bool) or not isinstance(rate, (int, float, np.number)) or not (

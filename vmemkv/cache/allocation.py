@@ -27,7 +27,7 @@ class Allocation:
     ``slot`` is None exactly while swapped out or idle."""
 
     __slots__ = ("slot", "blocks", "num_tokens", "num_computed", "num_registered", "num_released",
-                 "swapped")
+                 "swapped", "lossy_from")
 
     def __init__(self) -> None:
         self.reset()
@@ -41,6 +41,9 @@ class Allocation:
         self.num_registered = 0  # leading full blocks already offered to the prefix cache
         self.num_released = 0  # leading entries of blocks that are RELEASED (behind the window)
         self.swapped: list[tuple[int, int]] | None = None  # (index in blocks, host block) while swapped
+        # the first block holding lossy KV (the cold tier's, or computed after reading such):
+        # it and later blocks are offered to the prefix cache as lossy; None: all exact
+        self.lossy_from: int | None = None
 
     # --- running -------------------------------------------------------------------------------
     def bind(self, slot: int, blocks: list[int], num_tokens: int, num_computed: int,
@@ -109,6 +112,7 @@ class Allocation:
         self.blocks = blocks
         self.num_tokens, self.num_computed = source.num_tokens, source.num_computed
         self.num_registered, self.num_released = source.num_registered, num_released
+        self.lossy_from = source.lossy_from
 
     def snapshot(self) -> "Allocation":
         """A copy of the counts (blocks and slot shared, not copied): what ``copy_from`` reads

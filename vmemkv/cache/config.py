@@ -59,6 +59,12 @@ class CacheConfig:
     # device pool wait there (LRU) and are copied back on a hit. 0: no tier. Its rows sit in the
     # same host block store as the swap space, beside swap_space_bytes.
     host_cache_bytes: int = 0
+    # The prefix cache's lossy cold tier (cold_tier.py): cached blocks the device pool (or the full
+    # host tier) lets go are kept compressed, "int8" or "int4" (block_codec.py), in at most
+    # cold_cache_bytes of host memory, and decompressed on a hit; a request created with
+    # exact=True never reuses them. "off": none. Full-attention and MLA layers only.
+    cold_tier: str = "off"
+    cold_cache_bytes: int = 0
     # Rates for the swap-or-recompute estimate; measure them on your machine for better choices.
     swap_bytes_per_second: float = 10e9
     prefill_tokens_per_second: float = 10e3
@@ -108,6 +114,7 @@ class CacheStats:
     prefix_hit_tokens: int = 0  # all tiers; below, by tier
     prefix_hit_tokens_device: int = 0  # mapped from the device pool as they were
     prefix_hit_tokens_host: int = 0  # copied back from the host tier (promoted)
+    prefix_hit_tokens_cold: int = 0  # decompressed from the cold tier (lossy)
     # Prompt tokens past a first admission's page hits that a cached page continuing the same
     # prefix (same keys) also holds, up to the prompt's last token: hits lost because the shared
     # part is shorter than a page (what a token-granular cache would have served on top).
@@ -125,6 +132,12 @@ class CacheStats:
     host_evictions: int = 0
     host_bytes_demoted: int = 0
     host_bytes_promoted: int = 0
+    # The cold tier (cold_tier.py): blocks compressed into it, decompressed back on a hit (the
+    # tokens: prefix_hit_tokens_cold) and dropped from it; the compressed bytes it stored.
+    cold_demotions: int = 0
+    cold_promotions: int = 0
+    cold_evictions: int = 0
+    cold_bytes_stored: int = 0
     forks: int = 0
     blocks_copied: int = 0  # copy-on-write copies of partial blocks
     blocks_released_behind_window: int = 0  # given back while running (CacheConfig.sliding_window)

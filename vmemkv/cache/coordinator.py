@@ -76,6 +76,12 @@ class KVCacheCoordinator:
         layers, configs = self._group_layers(config, layer_windows, chunk_tokens, local_blocks)
         for (_, spec), group_config in zip(layers, configs):  # refused before any memory is made
             group_class(spec).check_config(group_config, spec)
+        if config.cold_tier != "off" and (len(layers) != 1 or not issubclass(group_class(layers[0][1]),
+                                                                               FullAttentionGroup)):
+            kinds = ", ".join(spec.describe() for _, spec in layers)
+            raise ConfigError(f"the cold tier (CacheConfig.cold_tier {config.cold_tier!r}) keeps the "
+                              f"blocks of one group of full-attention or MLA layers; this cache has "
+                              f"{len(layers)} group(s): {kinds}. Set cold_tier='off'")
         # each memory with the indices of the groups drawing from it, for the steps over memories
         self._members = tuple((memory, tuple(indices)) for memory, indices in self._memories(
             configs, [spec for _, spec in layers], local_blocks is None, backend, backends, metrics))
@@ -359,13 +365,13 @@ class KVCacheCoordinator:
                 return hits
             length = shortest
 
-    def cached_hits(self, hashes: list[bytes], num_tokens: int) -> list[list[int]]:
+    def cached_hits(self, hashes: list[bytes], num_tokens: int, lossy: bool = False) -> list[list[int]]:
         """Each group's cached blocks of the longest prefix of ``hashes`` every group can reuse,
-        leaving at least one of ``num_tokens`` tokens to compute."""
+        leaving at least one of ``num_tokens`` tokens to compute (``lossy``: lossy blocks count)."""
         hashes = hashes[: (num_tokens - 1) // self.tokens_per_page]
         hits, length = [], len(hashes)
         for group in self.groups:  # a later group looks only as far as the earlier ones hit
-            hits.append(group.cached_blocks(hashes if length == len(hashes) else hashes[:length]))
+            hits.append(group.cached_blocks(hashes if length == len(hashes) else hashes[:length], lossy))
             length = min(length, group.hit_length(hits[-1]))
         if all(group.hit_length(group_hits) == length for group, group_hits in zip(self.groups, hits)):
             return hits
@@ -373,23 +379,24 @@ class KVCacheCoordinator:
 
     def host_reach(self, hashes: list[bytes], num_prompt: int, hits: list[list[int]],
                    num_new_tokens: int | None, token_budget: int | None,
-                   max_blocks: int | None) -> tuple[list[list[int]], int]:
+                   max_blocks: int | None, lossy: bool = False) -> tuple[list[list[int]], int]:
         """How many prompt blocks an admission of a prompt of ``num_prompt`` tokens and block
         ``hashes`` reuses, and each group's device hits for it: the device ``hits`` (one length
         in every group), extended by the blocks every group's host tier holds after them, as
         many as every group's free blocks take (each is copied into a fresh block; under a token
-        budget, chunked prefill, a shorter hit may need fewer blocks now). No side effect."""
+        budget, chunked prefill, a shorter hit may need fewer blocks now); ``lossy``: the cold
+        tiers' blocks count too. No side effect."""
         if self.has_state:
             return self._state_host_reach(hashes, num_prompt, hits, num_new_tokens, token_budget, max_blocks)
         groups, device = self.groups, len(hits[0])
-        if not all(group.host_tier.capacity for group in groups):
+        if not all(group.host_tier.capacity or (lossy and group.cold_tier.capacity) for group in groups):
             return hits, device
         tokens_per_page = self.tokens_per_page
         end = (num_prompt - 1) // tokens_per_page
         if max_blocks is not None:
             end = min(end, max_blocks)
         candidates = hashes[device:end]
-        run = min(group.host_run(candidates) for group in groups)
+        run = min(group.host_run(candidates, lossy) for group in groups)
         for keep in range(run, 0, -1):
             cached = (device + keep) * tokens_per_page
             new = num_prompt - cached if num_new_tokens is None else num_new_tokens
@@ -402,13 +409,14 @@ class KVCacheCoordinator:
 
     def admissions(self, hashes: list[bytes], num_prompt: int, hits: list[list[int]],
                    num_new_tokens: int | None, token_budget: int | None,
-                   max_blocks: int | None) -> list:
+                   max_blocks: int | None, lossy: bool = False) -> list:
         """Each group's ``Admission`` of a prompt of ``num_prompt`` tokens and block ``hashes``:
         its device ``hits`` (one length in every group) extended by the host tiers
         (``host_reach``), reserving ``num_new_tokens`` (default: the rest of the prompt; at most
         ``token_budget``, a prefill chunk then ending where a state is saved). What ``admit``
-        takes and ``can_admit`` asks about, alike."""
-        hits, reach = self.host_reach(hashes, num_prompt, hits, num_new_tokens, token_budget, max_blocks)
+        takes and ``can_admit`` asks about, alike. ``lossy``: the cold tiers' blocks count."""
+        hits, reach = self.host_reach(hashes, num_prompt, hits, num_new_tokens, token_budget, max_blocks,
+                                      lossy)
         host_hits = hashes[len(hits[0]):reach]
         cached = reach * self.tokens_per_page
         new = num_prompt - cached if num_new_tokens is None else num_new_tokens
@@ -471,7 +479,7 @@ class KVCacheCoordinator:
             keys = [key for group in memory.groups for key in promote[group.index]]
             if not keys:
                 continue
-            entries = memory.host_tier.claim(keys)
+            entries = memory.claim(keys)
             for group in memory.groups:
                 count = len(promote[group.index])
                 claimed[group.index], entries = entries[:count], entries[count:]

@@ -20,6 +20,12 @@ then ``BlockStored(medium="GPU")``; a block dropped from the full host tier send
 one medium rebuilds that tier's hashes; a hash may be in both tiers at once (content computed
 again on the device while its demoted copy still waits on the host).
 
+With the lossy cold tier (``cold_tier.py``), lossy copies are told under media of their own:
+``"CPU_LOSSY"`` for the compressed blocks in the cold tier, ``"GPU_LOSSY"`` for a device block
+decompressed from it or computed after reading such KV (keyed internally with ``LOSSY_SUFFIX``;
+``lossy_sink`` tells them under their plain hash). Replaying ``"GPU"`` and ``"CPU"`` still rebuilds
+exactly the hashes whose KV equals a recomputation's.
+
 The shapes are vLLM's (``vllm/distributed/kv_events.py``), so routers written for vLLM read them:
 ``encode_batch`` turns a batch into msgpack-ready arrays, ``[ts, [event, ...]]`` with each event
 ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]``,
@@ -68,6 +74,11 @@ from vmemkv.cache.kv_spec import KVCacheSpec
 # vmemkv's CPU backend reports its pool as the device tier too); "CPU" is host memory.
 MEDIUM_DEVICE = "GPU"
 MEDIUM_HOST = "CPU"
+# Lossy copies (the cold tier's, cold_tier.py), media of their own so that replaying the exact
+# media still rebuilds exactly the hashes whose KV equals a recomputation's.
+LOSSY = "_LOSSY"
+MEDIUM_DEVICE_LOSSY = MEDIUM_DEVICE + LOSSY
+MEDIUM_COLD = MEDIUM_HOST + LOSSY
 
 
 @dataclass(frozen=True)
@@ -135,6 +146,51 @@ def group_sink(events: KVEventSink | None, group_idx: int, spec: KVCacheSpec) ->
 
 HASH_BYTES = 32  # hashing.py's digests; a later group of a shared pool keys its blocks by one byte more
 STATE_KEY_INDEX_BYTES = 4  # a saved state's block is keyed by the chain hash and this many bytes of index
+
+
+# A block whose KV is lossy (decompressed from the cold tier, or computed by a request that read
+# such a block) is keyed in the device pool's index by its key and this suffix, so that a request
+# demanding exact reuse, which looks up plain keys only, never finds it.
+LOSSY_SUFFIX = b"\x00lossy"
+
+
+def lossy_key(key: bytes) -> bytes:
+    return key + LOSSY_SUFFIX
+
+
+def is_lossy_key(key: bytes | None) -> bool:
+    return key is not None and len(key) >= HASH_BYTES + len(LOSSY_SUFFIX) and key.endswith(LOSSY_SUFFIX)
+
+
+def exact_key(key: bytes) -> bytes:
+    """The plain key of a lossy key (any other key unchanged)."""
+    return key[:-len(LOSSY_SUFFIX)] if is_lossy_key(key) else key
+
+
+def lossy_sink(events: KVEventSink | None) -> KVEventSink | None:
+    """A sink for a device pool holding lossy blocks beside exact ones: an event's lossy keys go
+    to ``events`` as their plain hashes under the lossy medium (``MEDIUM_DEVICE_LOSSY``)."""
+    events = check_sink(events)
+    if events is None:
+        return None
+
+    def tell(event: KVCacheEvent) -> None:
+        if isinstance(event, BlockStored) and is_lossy_key(event.block_hashes[0]):
+            # one block per event; its parent may be exact (the request read lossy KV from here on)
+            events(replace(event, block_hashes=[exact_key(h) for h in event.block_hashes],
+                           parent_block_hash=None if event.parent_block_hash is None
+                           else exact_key(event.parent_block_hash),
+                           medium=event.medium + LOSSY))
+        elif isinstance(event, BlockRemoved) and any(map(is_lossy_key, event.block_hashes)):
+            exact = [h for h in event.block_hashes if not is_lossy_key(h)]
+            if exact:
+                events(replace(event, block_hashes=exact))
+            events(replace(event, block_hashes=[exact_key(h) for h in event.block_hashes if is_lossy_key(h)],
+                           medium=event.medium + LOSSY))
+        else:
+            events(event)
+
+    return tell
 
 
 def shared_sink(events: KVEventSink | None, groups: "list[tuple[int, KVCacheSpec]]") -> KVEventSink | None:

@@ -32,7 +32,7 @@ from vmemkv.cache.allocation import RELEASED, Allocation
 from vmemkv.cache.config import CacheConfig
 from vmemkv.cache.kv_spec import KVCacheSpec
 from vmemkv.errors import ConfigError, MappingLimitError
-from vmemkv.cache.events import HASH_BYTES, STATE_KEY_INDEX_BYTES
+from vmemkv.cache.events import HASH_BYTES, STATE_KEY_INDEX_BYTES, exact_key, is_lossy_key, lossy_key
 from vmemkv.cache.memory import KVMemory
 from vmemkv.cache.plans import Admission, Plan
 from vmemkv.memory.slot_mapper import SlotMapper
@@ -69,6 +69,7 @@ class KVCacheGroup:
     backend = property(lambda self: self.memory.backend)
     swap = property(lambda self: self.memory.swap)
     host_tier = property(lambda self: self.memory.host_tier)
+    cold_tier = property(lambda self: self.memory.cold_tier)
 
     def key(self, block_hash: bytes) -> bytes:
         """The key of a chain hash in this group's prefix index."""
@@ -113,8 +114,9 @@ class KVCacheGroup:
         return "" if self.index == 0 else f"in layer group {self.index} ({self.spec.describe()}) "
 
     # --- prefix hits (each kind's rule: the subclasses') ---------------------------------------
-    def cached_blocks(self, hashes: list[bytes]) -> list[int]:
-        """The cached blocks of the longest usable prefix of ``hashes``."""
+    def cached_blocks(self, hashes: list[bytes], lossy: bool = False) -> list[int]:
+        """The cached blocks of the longest usable prefix of ``hashes`` (``lossy``: lossy blocks
+        count, where exact ones are not cached: a kind that can hold them says so)."""
         raise NotImplementedError
 
     def capped_hits(self, hashes: list[bytes], hits: list[int], max_blocks: int) -> list[int]:
@@ -125,14 +127,31 @@ class KVCacheGroup:
         """How many prompt blocks ``hits`` (``cached_blocks``) reuse."""
         return len(hits)
 
-    def host_run(self, hashes: list[bytes]) -> int:
-        """How many leading ``hashes`` the host tier holds for this group."""
-        return len(self.host_tier.leading_hits(self.keys(hashes))) if self.host_tier.capacity else 0
+    def host_run(self, hashes: list[bytes], lossy: bool = False) -> int:
+        """How many leading ``hashes`` the host tier holds for this group (``lossy``: or the cold
+        tier)."""
+        host, cold = self.host_tier, self.cold_tier
+        if not lossy or not cold.capacity:
+            return len(host.leading_hits(self.keys(hashes))) if host.capacity else 0
+        run = 0
+        for key in self.keys(hashes):
+            if key not in host and key not in cold:
+                break
+            run += 1
+        return run
 
     def admission(self, hits: list[int], host_hits: list[bytes], cached: int, num_tokens: int) -> Admission:
         """This group's admission of ``hits`` and then ``host_hits`` (chain hashes; ``cached``
-        tokens in all) reserving ``num_tokens``."""
-        return Admission(hits, self.keys(host_hits), len(host_hits), cached, num_tokens)
+        tokens in all) reserving ``num_tokens``; from its first lossy block on (a device hit keyed
+        lossy, or one the cold tier holds) the request's KV is lossy (``Admission.lossy_from``)."""
+        keys = self.keys(host_hits)
+        lossy_from, cold = None, 0
+        if self.cold_tier.capacity:
+            hash_of, host = self.pool.hash_of, self.host_tier
+            lossy = [is_lossy_key(hash_of[block]) for block in hits] + [key not in host for key in keys]
+            cold = sum(lossy[len(hits):])
+            lossy_from = lossy.index(True) if True in lossy else None
+        return Admission(hits, keys, len(host_hits), cached, num_tokens, lossy_from, cold)
 
     # --- fresh blocks an operation needs here (the coordinator checks and peeks them) ----------
     def admit_needs(self, hits: list[int], num_tokens: int) -> int:
@@ -215,6 +234,7 @@ class KVCacheGroup:
         cached = admission.cached
         alloc.bind(plan.slot, admission.hits + plan.take, admission.num_tokens, cached,
                    cached // self.tokens_per_page, plan.behind)
+        alloc.lossy_from = admission.lossy_from
 
     def map_grow(self, plan: Plan | None) -> None:
         if plan is not None:  # crosses into blocks not mapped yet
@@ -225,9 +245,16 @@ class KVCacheGroup:
         """Offer full block ``index`` to the prefix cache, with its tokens and parent (for KV
         events and the partial-page hit count)."""
         tokens = token_ids[index * self.tokens_per_page:(index + 1) * self.tokens_per_page]
-        self.pool.register(alloc.blocks[index], self.key(hashes[index]), tokens,
-                           self.key(hashes[index - 1]) if index else None,
+        self.pool.register(alloc.blocks[index], self.registered_key(alloc, index, hashes), tokens,
+                           self.registered_key(alloc, index - 1, hashes) if index else None,
                            None if index else self.key(root))
+
+    def registered_key(self, alloc: Allocation, index: int, hashes: list[bytes]) -> bytes:
+        """The key block ``index`` of ``alloc`` is offered under: lossy from the first block of
+        the request that read lossy KV (its later blocks were computed from it)."""
+        key = self.key(hashes[index])
+        lossy_from = alloc.lossy_from
+        return key if lossy_from is None or index < lossy_from else lossy_key(key)
 
     def register_full(self, alloc: Allocation, full: int, token_ids: list[int], hashes: list[bytes],
                       root: bytes) -> None:
@@ -309,14 +336,15 @@ class KVCacheGroup:
         return alloc.blocks[: self.layout.logical_pages_for(alloc.num_tokens)]
 
     def promote(self, blocks: list[int], host_keys: list[bytes], claimed: list) -> None:
-        """Copy the host tier's ``claimed`` entries (of ``host_keys``) into the first of the
-        just-taken ``blocks``, registered in the device pool again."""
+        """Copy the lower tiers' ``claimed`` entries (of ``host_keys``) into the first of the
+        just-taken ``blocks``, registered in the device pool again (a cold tier's as lossy)."""
         if not host_keys:
             return
         promoted = blocks[:len(host_keys)]
-        origins = self.host_tier.promote(self.memory.block_window(), host_keys, claimed, promoted)
-        for block, key, origin in zip(promoted, host_keys, origins):
-            self.pool.register(block, key, origin.token_ids, origin.parent_hash, origin.root)
+        for block, key, (origin, lossy) in zip(promoted, host_keys,
+                                              self.memory.promote(host_keys, claimed, promoted)):
+            self.pool.register(block, lossy_key(key) if lossy else key, origin.token_ids,
+                               origin.parent_hash, origin.root)
 
     # --- copy-on-write sharing: fork, reorder, truncate (sharing.py has them over every group) ---
     def plan_fork(self, parent: Allocation, slot: int | None, fresh: list[int]) -> Plan:
@@ -492,7 +520,7 @@ class KVCacheGroup:
                 writers[block] = name
         for block in set(held_all):  # a block holds one group's layers: no other group's key
             key = pool.hash_of[block]
-            assert key is None or key[HASH_BYTES:] == self.tag, (
+            assert key is None or exact_key(key)[HASH_BYTES:] == self.tag, (
                 f"block {block} of group {self.index} has another group's key")
         running = [slot for slot in bound if slot is not None]
         assert len(set(running)) == len(running), "two requests share a slot"
@@ -505,10 +533,13 @@ class FullAttentionGroup(KVCacheGroup):
     """Layers that read every earlier position: a prefix hit is the leading run of cached
     blocks, and nothing is released while a request runs."""
 
-    def cached_blocks(self, hashes: list[bytes]) -> list[int]:
+    def cached_blocks(self, hashes: list[bytes], lossy: bool = False) -> list[int]:
         lookup, hits = self.pool.lookup, []
+        lossy = lossy and self.cold_tier.capacity > 0  # lossy blocks come only from there
         for key in self.keys(hashes):
             block = lookup(key)
+            if block is None and lossy:
+                block = lookup(lossy_key(key))  # an exact copy is taken first
             if block is None:
                 break
             hits.append(block)
@@ -535,7 +566,7 @@ class LocalAttentionGroup(KVCacheGroup):
     chunks): blocks wholly before the next query's first read (``spec.first_read``) go back while
     a request runs, and a prefix hit needs only the blocks its next query reads."""
 
-    def cached_blocks(self, hashes: list[bytes]) -> list[int]:
+    def cached_blocks(self, hashes: list[bytes], lossy: bool = False) -> list[int]:
         """``RELEASED`` before the first block the next query reads, then cached blocks
         (``KVCacheSpec.prefix_hits``)."""
         lookup, keys = self.pool.lookup, self.keys(hashes)
@@ -689,7 +720,7 @@ class RecurrentStateGroup(KVCacheGroup):
         blocks = [self.pool.lookup(key) for key in self.state_keys(block_hash)]
         return None if None in blocks else blocks
 
-    def cached_blocks(self, hashes: list[bytes]) -> SavedState:
+    def cached_blocks(self, hashes: list[bytes], lossy: bool = False) -> SavedState:
         """The state saved at the longest prefix of ``hashes`` that has one."""
         if self.save_every:
             for length in range(len(hashes) // self.save_every * self.save_every, 0, -self.save_every):
@@ -704,7 +735,7 @@ class RecurrentStateGroup(KVCacheGroup):
     def hit_length(self, hits: list[int]) -> int:
         return hits.num_blocks if isinstance(hits, SavedState) else 0
 
-    def host_run(self, hashes: list[bytes]) -> int:
+    def host_run(self, hashes: list[bytes], lossy: bool = False) -> int:
         return 0
 
     def saved_at(self, block_hash: bytes, num_blocks: int) -> SavedState | None:

@@ -8,7 +8,8 @@ their copies are the host block store swap preemption uses (``swap.py``'s ``Swap
 load, discard, asynchronous on CUDA); the tier owns at most ``capacity`` of its rows and keeps
 them in LRU order: a demotion that finds the tier full evicts its least recently used entry, and
 one that finds no free row at all (swapped requests hold them) drops the block, as without a
-tier. Hashes carry the cache keys (salt, adapter, ...), so a hit never crosses tenants.
+tier. Where a cold tier is (``cold_tier.py``), what the tier lets go goes there instead,
+compressed (``spill``). Hashes carry the cache keys (salt, adapter, ...), so a hit never crosses tenants.
 
 Promotion is part of an admission's plan: ``claim`` takes the hit entries out of the LRU (so the
 demotions of the same admission cannot evict them) only after every refusable step succeeded,
@@ -24,6 +25,7 @@ the pool's one ``AllBlocksCleared``.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -58,6 +60,9 @@ class HostTier:
         self.stats = stats
         self._entries: OrderedDict[bytes, HostEntry] = OrderedDict()
         self._claimed: frozenset[bytes] = frozenset()  # taken out for a promotion in progress
+        # where the blocks it lets go go instead of nowhere: (rows, keys, origins), the rows'
+        # bytes intact for the call (the cold tier's store)
+        self.spill: Callable[[torch.Tensor, list[bytes], list[BlockOrigin]], None] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -84,25 +89,34 @@ class HostTier:
         tier already holds is only made most recent; one it is promoting right now (the device
         also held a copy, which this promotion's own allocation evicted) is not stored twice."""
         store, blocks, hashes, origins, dropped = self.store, [], [], [], []
-        for block, block_hash, origin in evicted:
+        unstored: list[EvictedBlock] = []
+        for evicted_block in evicted:
+            block, block_hash, origin = evicted_block
             if block_hash in self._claimed:
                 continue
             if block_hash in self._entries:
                 self._entries.move_to_end(block_hash)
                 continue
-            if len(self._entries) + len(blocks) >= self.capacity or store.num_free <= len(blocks):
+            free_rows = store.num_free + len(dropped)  # the dropped entries' rows are freed below
+            if len(self._entries) + len(blocks) >= self.capacity or free_rows <= len(blocks):
                 if self._entries:  # room for one more: the least recently used entry goes
-                    old_hash, old = self._entries.popitem(last=False)
-                    store.discard([old.row])
-                    dropped.append(old_hash)
+                    dropped.append(self._entries.popitem(last=False))
                 else:
-                    continue  # no room at all: dropped, as without a tier
+                    unstored.append(evicted_block)  # no room at all: dropped, as without a tier
+                    continue
             blocks.append(block)
             hashes.append(block_hash)
             origins.append(origin)
         if dropped:
+            rows = [entry.row for _, entry in dropped]
+            if self.spill is not None:
+                self.spill(store.storage[rows], [h for h, _ in dropped], [e.origin for _, e in dropped])
+            store.discard(rows)
             self.stats.host_evictions += len(dropped)
-            self._tell(BlockRemoved(dropped, MEDIUM_HOST))
+            self._tell(BlockRemoved([h for h, _ in dropped], MEDIUM_HOST))
+        if unstored and self.spill is not None:
+            self.spill(window[[e.block for e in unstored]], [e.block_hash for e in unstored],
+                       [e.origin for e in unstored])
         if not blocks:
             return
         rows = store.store(window, blocks)

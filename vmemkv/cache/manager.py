@@ -152,6 +152,7 @@ class KVCacheManager:
     backend = property(lambda self: self.groups[0].backend)
     swap = property(lambda self: self.groups[0].swap)
     host_tier = property(lambda self: self.groups[0].host_tier)
+    cold_tier = property(lambda self: self.groups[0].cold_tier)
 
     @property
     def last_refusal(self) -> Refusal | None:
@@ -263,7 +264,7 @@ class KVCacheManager:
         if limit is not None and len(hits[0]) > limit:
             hits = self.coordinator.common_hits(req.chain.hashes, hits, limit)
         admissions = self.coordinator.admissions(req.chain.hashes, num_prompt, hits, num_new_tokens,
-                                                 token_budget, limit)
+                                                 token_budget, limit, not req.exact)
         self.registry.check_length(request_id, admissions[0].num_tokens)
         return admissions
 
@@ -279,11 +280,13 @@ class KVCacheManager:
             stats.reprefill_hit_tokens += cached
             return
         tokens_per_page = self.tokens_per_page
-        host = admission.host_blocks * tokens_per_page
+        lower = admission.host_blocks * tokens_per_page  # from the host and cold tiers
+        cold = admission.cold_blocks * tokens_per_page
         stats.prefix_queried_tokens += num_prompt
         stats.prefix_hit_tokens += cached
-        stats.prefix_hit_tokens_device += cached - host
-        stats.prefix_hit_tokens_host += host
+        stats.prefix_hit_tokens_device += cached - lower
+        stats.prefix_hit_tokens_host += lower - cold
+        stats.prefix_hit_tokens_cold += cold
         tokens = req.token_ids
         hit_blocks = cached // tokens_per_page
         stats.prefix_partial_page_tokens += self.groups[0].pool.shared_partial_tokens(
@@ -466,7 +469,8 @@ class KVCacheManager:
                     f"cannot reset the prefix cache: {memory.pool.num_in_use} blocks "
                     f"{memory.groups[0].in_group()}are held by {len(self.registry.requests)} request(s); "
                     "free or finish them first")
-        dropped = [memory.pool.reset_cache() + memory.host_tier.clear() for memory in self.memories]
+        dropped = [memory.pool.reset_cache() + memory.host_tier.clear() + memory.cold_tier.clear()
+                   for memory in self.memories]
         return dropped[0]
 
     # --- giving memory back ----------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The physical memory behind one or more layer groups: :class:`KVMemory`.
 
 A memory owns the pages (``backend``), the blocks' reference counts, free queues and prefix index
-(``pool``), and the host rows blocks are swapped or demoted to (``swap``, ``host_tier``). Groups
+(``pool``), the host rows blocks are swapped or demoted to (``swap``, ``host_tier``), and the
+compressed copies of blocks let go (``cold_tier``). Groups
 whose blocks have the same bytes (as many layers of one shape: Gemma-2's and GPT-OSS's local and
 global layers) share one memory, so one free block serves whichever group needs it: the groups'
 shares follow demand (vLLM's hybrid allocator over one ``BlockPool``); ``group.py`` has the
@@ -17,11 +18,13 @@ import torch
 
 from vmemkv.cache.allocation import RELEASED
 from vmemkv.cache.config import CacheConfig, CacheStats
-from vmemkv.cache.host_tier import HostTier
-from vmemkv.cache.events import KVEventSink
+from vmemkv.cache.block_codec import BlockCodec
+from vmemkv.cache.cold_tier import ColdEntry, ColdTier
+from vmemkv.cache.host_tier import HostEntry, HostTier
+from vmemkv.cache.events import KVEventSink, exact_key, is_lossy_key, lossy_sink
 from vmemkv.memory.budget import SharedKVBudget
 from vmemkv.memory.layout import KVLayout
-from vmemkv.cache.pool import BlockPool, EvictedBlock
+from vmemkv.cache.pool import BlockOrigin, BlockPool, EvictedBlock
 from vmemkv.cache.swap import SwapSpace
 from vmemkv.memory.vmm import backend_class, create_backend
 from vmemkv.memory.vmm.base import VirtualMemoryBackend
@@ -71,7 +74,15 @@ class KVMemory:
         self.backend = backend or create_backend(config.device, self.layout.page_size, num_pages)
         if metrics is not None:  # the backend reports its map/unmap time to the manager's collector
             self.backend.metrics = metrics
-        self.pool = BlockPool(config.num_blocks, events, self.layout.tokens_per_page)
+        codec = cold_blocks = None
+        if config.cold_tier != "off":
+            layout = self.layout
+            codec = BlockCodec(config.cold_tier, layout.dtype, layout.block_bytes, layout.head_dim,
+                               layout.token_stride_bytes // layout.itemsize)
+            cold_blocks = config.cold_cache_bytes // codec.compressed_bytes
+        # lossy blocks (decompressed from the cold tier) are told under their media (lossy_sink)
+        self.pool = BlockPool(config.num_blocks, lossy_sink(events) if codec else events,
+                              self.layout.tokens_per_page)
         if self.backend.takes_pages_back:  # a given-back block's pages come back as it is handed out
             self.pool.backing.on_take_again = self._take_again
         # A budget shared with other engines (memory/budget.py): the pool backs at most the blocks
@@ -88,7 +99,10 @@ class KVMemory:
         self.swap = SwapSpace(config.swap_space_bytes // block_bytes + host_tier_blocks, block_bytes,
                               device.host_row_copier())
         self.host_tier = HostTier(host_tier_blocks, self.swap, self.layout.tokens_per_page, events, stats)
-        if host_tier_blocks:
+        self.cold_tier = ColdTier(cold_blocks or 0, codec, self.layout.tokens_per_page, events, stats)
+        if cold_blocks:
+            self.host_tier.spill = self.cold_tier.store  # the full host tier's oldest go cold
+        if host_tier_blocks or cold_blocks:
             self.pool.on_evict = self._demote
         self.groups: list["KVCacheGroup"] = []
 
@@ -99,8 +113,44 @@ class KVMemory:
         return sum(group.grows for group in self.groups)
 
     def _demote(self, evicted: list[EvictedBlock]) -> None:
-        """The pool's eviction hook: evicted cached blocks go to the host tier."""
-        self.host_tier.demote(self.block_window(), evicted)
+        """The pool's eviction hook: evicted cached blocks go to the host tier, exact, or where
+        there is none (or they are lossy already), to the cold tier, compressed."""
+        window, host, cold = self.block_window(), self.host_tier, self.cold_tier
+        if not cold.capacity:
+            host.demote(window, evicted)
+            return
+        exact = [e for e in evicted if not is_lossy_key(e.block_hash)]
+        if host.capacity:
+            cold.discard([e.block_hash for e in exact])  # the exact copy supersedes a cold one
+            host.demote(window, exact)
+            exact = []
+        colder = [e for e in evicted if is_lossy_key(e.block_hash)] + exact
+        keys = [exact_key(e.block_hash) for e in colder]
+        keep = [i for i, key in enumerate(keys) if key not in host]
+        if keep:
+            cold.store(window[[colder[i].block for i in keep]], [keys[i] for i in keep],
+                       [colder[i].origin for i in keep])
+
+    def claim(self, keys: list[bytes]) -> "list[HostEntry | ColdEntry]":
+        """The lower tiers' entries of ``keys`` (each held by the host tier or the cold tier),
+        taken out of their LRUs for a promotion (``promote``)."""
+        hosted = [key in self.host_tier for key in keys]
+        host = iter(self.host_tier.claim([key for key, h in zip(keys, hosted) if h]))
+        cold = iter(self.cold_tier.claim([key for key, h in zip(keys, hosted) if not h]))
+        return [next(host) if h else next(cold) for h in hosted]
+
+    def promote(self, keys: list[bytes], claimed: "list[HostEntry | ColdEntry]",
+                blocks: list[int]) -> list[tuple[BlockOrigin, bool]]:
+        """Copy the ``claimed`` entries of ``keys`` into device ``blocks`` (the host tier's as they
+        were, the cold tier's decompressed); returns each one's origin and whether it is lossy."""
+        window, hosted = self.block_window(), [isinstance(entry, HostEntry) for entry in claimed]
+
+        def part(items: list, host: bool) -> list:
+            return [item for item, h in zip(items, hosted) if h == host]
+
+        host = iter(self.host_tier.promote(window, part(keys, True), part(claimed, True), part(blocks, True)))
+        cold = iter(self.cold_tier.promote(window, part(keys, False), part(claimed, False), part(blocks, False)))
+        return [(next(host), False) if h else (next(cold), True) for h in hosted]
 
     def _take_again(self, block: int) -> None:
         self.backend.take_pages(self.layout.physical_pages(np.array([block])))
@@ -211,6 +261,7 @@ class KVMemory:
         np.add.at(refs, np.asarray(held, dtype=np.int64), 1)
         assert np.array_equal(refs, np.asarray(pool.ref)), "reference counts differ from references held"
         self.host_tier.check()
+        self.cold_tier.check()
         tier_rows = self.host_tier.rows()
         assert not set(swapped_rows) & set(tier_rows), "a host row is both swapped and cached"
         assert len(swapped_rows) + len(tier_rows) + self.swap.num_free == self.swap.num_blocks, (

@@ -46,13 +46,17 @@ class Admission:
     ``hits`` (``RELEASED`` behind the window), the host tier's blocks it copies in after them
     (``promote``, hashes) out of ``host_blocks`` host hits (with a window, hits wholly behind the
     next query's window are reused without a copy: ``RELEASED``), the tokens already computed
-    (``cached``) and the tokens reserved (``num_tokens``)."""
+    (``cached``) and the tokens reserved (``num_tokens``); the first of its blocks holding lossy
+    KV (``lossy_from``: a lossy device hit or a cold tier's block; None: none) and how many of
+    ``promote`` come from the cold tier (``cold_blocks``)."""
 
     hits: list[int]
     promote: list[bytes]
     host_blocks: int
     cached: int
     num_tokens: int
+    lossy_from: int | None = None
+    cold_blocks: int = 0
 
 
 # One group's part for the budget: its mapper, its jobs, and the pages behind the window it

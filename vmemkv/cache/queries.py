@@ -82,7 +82,8 @@ class CacheQueries:
             return [[] for _ in self.coordinator.groups]
         num_tokens = len(req.token_ids)
         return self.coordinator.cached_hits(
-            self.registry.extend_chain(req, (num_tokens - 1) // self.tokens_per_page), num_tokens)
+            self.registry.extend_chain(req, (num_tokens - 1) // self.tokens_per_page), num_tokens,
+            not req.exact)
 
     # --- queries without side effects ----------------------------------------------------------
     @property
@@ -104,10 +105,10 @@ class CacheQueries:
             self.registry.check_not_foreign(req)
             self.registry.own(req)  # its hash chain is this manager's from now on
             hashes = list(self.registry.extend_chain(req, len(req.token_ids) // self.tokens_per_page))
-            return self.coordinator.cached_hits(hashes, len(req.token_ids))[0], hashes
+            return self.coordinator.cached_hits(hashes, len(req.token_ids), not req.exact)[0], hashes
         token_ids = self.registry.token_ids(token_ids, "token_ids")
         hashes = self.registry.hashes_of(token_ids, keys)
-        return self.coordinator.cached_hits(hashes, len(token_ids))[0], hashes
+        return self.coordinator.cached_hits(hashes, len(token_ids), True)[0], hashes
 
     def can_admit(self, token_ids: "Sequence[int] | KVRequest", keys: CacheKeys = CacheKeys()) -> bool:
         self.registry.check_open()
@@ -116,15 +117,16 @@ class CacheQueries:
             self.registry.own(token_ids)
             self.registry.check_tokens(token_ids, len(token_ids.token_ids))
             hits, total = self.prefix_hits(token_ids), len(token_ids.token_ids)
-            hashes = token_ids.chain.hashes
+            hashes, lossy = token_ids.chain.hashes, not token_ids.exact
         else:
+            lossy = True
             token_ids = self.registry.token_ids(token_ids, "token_ids")
             total = len(token_ids)
             hashes = self.registry.hashes_of(token_ids, keys) if self.config.enable_prefix_caching else []
             hits = ([[] for _ in self.coordinator.groups] if not self.config.enable_prefix_caching
-                    else self.coordinator.cached_hits(hashes, total))
+                    else self.coordinator.cached_hits(hashes, total, lossy))
         # admit's own admission: its hits reach on into the host tiers
-        admissions = self.coordinator.admissions(hashes, total, hits, None, None, None)
+        admissions = self.coordinator.admissions(hashes, total, hits, None, None, None, lossy)
         return self.coordinator.admission_fits(admissions)[2]
 
     def can_allocate(self, request: "KVRequest | str", num_new_tokens: int) -> bool:
@@ -302,6 +304,7 @@ class CacheQueries:
             "blocks_total": pool.num_blocks, "blocks_in_use": pool.in_use,
             "blocks_cached": pool.cached, "blocks_clean": pool.clean, "evictions": pool.evictions,
             "host_blocks_cached": len(first.host_tier), "host_blocks_total": first.host_tier.capacity,
+            "cold_blocks_cached": len(first.cold_tier), "cold_blocks_total": first.cold_tier.capacity,
             "map_calls": slots.map_calls, "pages_mapped": slots.pages_mapped,
             "map_calls_saved": slots.pages_already_mapped, "unmap_calls": slots.unmap_calls,
             "pages_unmapped": slots.pages_unmapped,

@@ -83,18 +83,24 @@ class HashChain:
 
 
 class KVRequest:
-    """``KVRequest(request_id, token_ids=None, keys=None)``: ``token_ids`` is a list the request
-    keeps (not a copy) and the caller appends to; ``keys`` defaults to ``CacheKeys()``."""
+    """``KVRequest(request_id, token_ids=None, keys=None, exact=False)``: ``token_ids`` is a list
+    the request keeps (not a copy) and the caller appends to; ``keys`` defaults to
+    ``CacheKeys()``; ``exact``: reuse only exact prefix blocks, never the lossy ones of the cold
+    tier (``cold_tier.py``), so its KV is what recomputing would give."""
 
     # ``chain``, ``allocation`` and ``allocations`` are plain attributes (read on every manager
     # call: no property in the way), the manager's to change through their transitions; never
     # replace them. ``allocations``: one per layer group of the manager (``allocation`` is the
     # first), the same counts in each, each group's own blocks.
-    __slots__ = ("_request_id", "_token_ids", "chain", "allocation", "allocations")
+    __slots__ = ("_request_id", "_token_ids", "chain", "allocation", "allocations", "exact")
 
     def __init__(self, request_id: str, token_ids: list[int] | None = None,
-                 keys: CacheKeys | None = None):
+                 keys: CacheKeys | None = None, exact: bool = False):
         self._request_id = check.request_id(request_id)
+        if type(exact) is not bool:
+            raise InvalidInputError(f"exact is {exact!r}; pass True (reuse exact prefix blocks only) "
+                                    "or False (the cold tier's lossy blocks too)")
+        self.exact = exact
         if token_ids is None:
             token_ids = []
         elif type(token_ids) is not list:

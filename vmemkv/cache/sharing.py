@@ -36,6 +36,9 @@ class Sharing:
         parent = self.registry.running(parent)
         slot = check.slot_index(slot, self.num_slots)
         child_id = self._fork_child_id(parent, child)
+        exact = child.exact if isinstance(child, KVRequest) else parent.exact
+        if exact:
+            check_exact_copies([child_id], [parent])
         partial = parent.allocation.num_tokens % self.tokens_per_page != 0
         groups = self.coordinator.groups
         needs = [group.fork_needs(partial) for group in groups]  # a copy of the partial last block
@@ -49,7 +52,7 @@ class Sharing:
         if len(groups) > 1:
             check_plans_budget(groups, plans, "fork")
         if not isinstance(child, KVRequest):
-            child = KVRequest(child_id, [], parent.keys)
+            child = KVRequest(child_id, [], parent.keys, parent.exact)
         child.hold_groups(len(groups))
         for group, plan in zip(groups, plans):
             group.map_and_bind(plan)  # the one refusable step
@@ -83,6 +86,8 @@ class Sharing:
 
     def reorder(self, requests: "Sequence[KVRequest | str]", sources: "Sequence[KVRequest | str]") -> bool:
         rows, sources = self._check_reorder_rows(requests, sources)
+        exact = [(row, source) for row, source in zip(rows, sources) if row.exact]
+        check_exact_copies([row.request_id for row, _ in exact], [source for _, source in exact])
         self.coordinator.refuse_state("reorder")
         copied = reorder_copies(self.tokens_per_page, rows, sources)
         groups = self.coordinator.groups
@@ -183,3 +188,13 @@ class Sharing:
                 if free is None:
                     return False
         return True
+
+
+def check_exact_copies(names: list[str], sources: list[KVRequest]) -> None:
+    """Refuse (``InvalidInputError``) to give a request demanding exact KV (``names[i]``) a copy of
+    ``sources[i]`` where that holds lossy KV (the cold tier's)."""
+    for name, source in zip(names, sources):
+        if source.allocation.lossy_from is not None:
+            raise InvalidInputError(
+                f"request {name!r} demands exact KV (exact=True) but would copy {source.request_id!r}, "
+                "which holds lossy KV from the cold tier; copy an exact request, or make it exact=False")

@@ -32,6 +32,8 @@ DEFAULT_MAX_MODEL_LEN = 1024
 CACHE_FIELDS = ("max_num_seqs", "max_model_len", "num_blocks", "device", "tokens_per_page",
                 "enable_prefix_caching", "swap_space_bytes", "host_cache_bytes", "layout",
                 "kv_backend", "kv_pool", "kv_pool_bytes", "state_cache_interval")
+# EngineConfig fields passed to CacheConfig under its names.
+RENAMED_CACHE_FIELDS = {"kv_cold_tier": "cold_tier", "kv_cold_cache_bytes": "cold_cache_bytes"}
 
 
 @dataclass
@@ -59,6 +61,11 @@ class EngineConfig:
     swap_space_bytes: int = 1 << 30
     # host memory for the prefix cache's host tier (evicted cached pages wait there); 0: none
     host_cache_bytes: int = CacheConfig.host_cache_bytes
+    # The prefix cache's lossy cold tier (vmemkv/cache/cold_tier.py): cached pages the pool lets
+    # go are kept compressed, "int8" or "int4", in kv_cold_cache_bytes of host memory, and a hit
+    # decompresses them; a request with SamplingParams(kv_exact=True) never reuses them. "off".
+    kv_cold_tier: str = CacheConfig.cold_tier
+    kv_cold_cache_bytes: int = CacheConfig.cold_cache_bytes
     seed: int = 0
     # The scheduling policy, a name in POLICIES (engine/core/policies.py): "fcfs", "priority" (the
     # only one under which a request may set its priority) or "lpm": longest cached prefix first
@@ -158,6 +165,10 @@ class EngineConfig:
             raise ConfigError(f"tensor_parallel_size must be at least 1 and tensor_parallel_timeout "
                               f"positive; got {self.tensor_parallel_size}, {self.tensor_parallel_timeout}")
         check_threads(self.threads)
+        if self.kv_cold_tier != "off" and self.tensor_parallel_size > 1:
+            raise ConfigError(f"kv_cold_tier {self.kv_cold_tier!r} with tensor_parallel_size "
+                              f"{self.tensor_parallel_size}: the cold tier runs on one rank only so far; "
+                              "set kv_cold_tier='off' or tensor_parallel_size=1")
         if type(self.release_behind_window) is not bool:
             raise ConfigError(f"release_behind_window must be True or False, got "
                               f"{self.release_behind_window!r}")
@@ -225,6 +236,7 @@ class EngineConfig:
         ``num_blocks``, enough blocks for every slot at full length."""
         config = self if self.max_model_len is not None else self.for_model(model.config)
         options = {name: getattr(config, name) for name in CACHE_FIELDS}
+        options.update({cache_name: getattr(config, name) for name, cache_name in RENAMED_CACHE_FIELDS.items()})
         chunk = uniform_chunk(model.config)  # the engine's attention reads from chunk starts
         if self.release_behind_window and chunk is not None and chunk < config.max_model_len:
             options["attention_chunk_size"] = chunk

@@ -211,7 +211,8 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self._token_ids(prompt)
         self._validate_prompt(request_id, token_ids)
-        seq = Sequence(KVRequest(request_id, token_ids, keys or CacheKeys()), request_id, text, params,
+        seq = Sequence(KVRequest(request_id, token_ids, keys or CacheKeys(), exact=params.kv_exact),
+                       request_id, text, params,
                        len(token_ids), priority=priority)
         self._set_up(seq)
         self.requests[request_id] = seq
@@ -254,7 +255,7 @@ class LLMEngine:
 
     def _new_fork(self, first: Sequence, index: int) -> Sequence:
         """The request ``first``'s sequence ``index`` (of its n), with the prompt alone."""
-        kv = KVRequest(f"{first.request_id}#{index}", first.prompt_token_ids, first.kv.keys)
+        kv = KVRequest(f"{first.request_id}#{index}", first.prompt_token_ids, first.kv.keys, first.kv.exact)
         fork = Sequence(kv, first.request_id, first.prompt, first.params, first.num_prompt_tokens, index,
                         parent=first, priority=first.priority, arrival_time=first.arrival_time)
         self._set_up(fork)

@@ -18,13 +18,15 @@ Given the manager's ``cache_stats`` (a callable returning ``CacheStats``), it al
 prefix cache's hit rate (``vmemkv_prefix_cache_hit_rate``, a gauge: nothing copied per step) and
 token counts, read at scrape time: ``vmemkv_prefix_cache_queried_tokens_total``
 and ``vmemkv_prefix_cache_hit_tokens_total{tier}`` (prompts at first admission; ``tier`` is
-``device`` or ``host``, the host tier's blocks copied back), ``vmemkv_prefix_cache_reprefill_queried_tokens_total`` and
+``device``, ``host``, the host tier's blocks copied back, or ``cold``, the cold tier's
+decompressed), ``vmemkv_prefix_cache_reprefill_queried_tokens_total`` and
 ``vmemkv_prefix_cache_reprefill_hit_tokens_total`` (re-admissions after a recompute preemption,
 kept out of the hit rate), ``vmemkv_prefix_cache_partial_page_tokens_total`` (prompt tokens
 a cached page shared past the page hits, lost because the shared part is shorter than a page),
 and the host tier's ``vmemkv_host_cache_demotions_total``, ``..._promotions_total``,
 ``..._evictions_total`` (blocks) and ``vmemkv_host_cache_copied_bytes_total{direction}``
-(``to_host``, ``to_device``).
+(``to_host``, ``to_device``), and the cold tier's ``vmemkv_cold_cache_demotions_total``,
+``..._promotions_total``, ``..._evictions_total`` and ``vmemkv_cold_cache_stored_bytes_total``.
 """
 
 from __future__ import annotations
@@ -274,6 +276,7 @@ class _PrefixCacheExporter:
                                    "the prefix cache at first admission, by tier", labels=["tier"])
         hits.add_metric(["device"], stats.prefix_hit_tokens_device)
         hits.add_metric(["host"], stats.prefix_hit_tokens_host)
+        hits.add_metric(["cold"], stats.prefix_hit_tokens_cold)
         yield hits
         copied = CounterMetricFamily("vmemkv_host_cache_copied_bytes", "Bytes the host tier copied, "
                                      "by direction", labels=["direction"])
@@ -287,6 +290,13 @@ class _PrefixCacheExporter:
                  "Host-tier blocks a prefix hit copied back into the device pool"),
                 ("evictions", stats.host_evictions, "Blocks dropped from the host tier (LRU)")):
             yield CounterMetricFamily(f"vmemkv_host_cache_{name}", text, value=value)
+        for name, value, text in (
+                ("demotions", stats.cold_demotions, "Cached blocks compressed into the cold tier"),
+                ("promotions", stats.cold_promotions,
+                 "Cold-tier blocks a prefix hit decompressed into the device pool (lossy)"),
+                ("evictions", stats.cold_evictions, "Blocks dropped from the cold tier (LRU)"),
+                ("stored_bytes", stats.cold_bytes_stored, "Compressed bytes stored in the cold tier")):
+            yield CounterMetricFamily(f"vmemkv_cold_cache_{name}", text, value=value)
         for name, value, text in (
                 ("queried_tokens", stats.prefix_queried_tokens,
                  "Prompt tokens looked up in the prefix cache at first admission"),

@@ -15,7 +15,9 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``top_k`` of 0 or -1 is off. ``stop`` strings end a sequence
     when they appear in the text (they are cut from the output unless
     ``include_stop_str_in_output``); ``stop_token_ids`` end it when sampled. ``logprobs=k`` returns,
-    per generated token, the k most likely tokens plus the sampled one.
+    per generated token, the k most likely tokens plus the sampled one. ``kv_exact``: reuse
+    only exact cached KV, never the cold tier's lossy blocks (``EngineConfig.kv_cold_tier``), so
+    the request's tokens are what recomputing its prompt would give.
     """
 
     n: int = 1
@@ -31,6 +33,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    kv_exact: bool = False
 
     def __post_init__(self) -> None:
         # Normalise first so every consumer sees lists, never None or a bare string.
@@ -69,7 +72,7 @@ class SamplingParams:
             _check_int("stop_token_ids entry", token_id, minimum=0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "kv_exact"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -86,7 +86,7 @@ def sampling_params(body: SamplingFields, prompt_ids: list[int], max_tokens: int
             min_p=0.0 if body.min_p is None else body.min_p,
             stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
             skip_special_tokens=body.skip_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output)
+            include_stop_str_in_output=body.include_stop_str_in_output, kv_exact=body.kv_exact)
     except ValueError as exc:
         raise OpenAIError(400, str(exc)) from exc
 

@@ -43,6 +43,8 @@ class SamplingFields(BaseModel):
     # vLLM's per-request salt for the prefix cache: requests with different salts never share
     # cached pages (nor can time each other's hits). Empty is refused, as vLLM does.
     cache_salt: str | None = Field(default=None, min_length=1)
+    # reuse only exact cached KV, never the cold tier's lossy pages (serve --kv-cold-tier)
+    kv_exact: bool = False
     # vLLM's scheduling priority: lower first, ties by arrival; other than 0 only under
     # --policy priority (400 otherwise)
     priority: int = 0

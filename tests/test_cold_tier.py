@@ -1,0 +1,220 @@
+"""The prefix cache's lossy cold tier: cached blocks the device pool lets go are kept compressed
+(int8 or int4 per group of a row, ``block_codec.py``) and decompressed on a hit; a request that
+demands exact reuse never reads a lossy block, nor one computed after reading one.
+
+K/V is written as float values that are a function of the token prefix and the position in the
+row (``float_kv``), so a promoted block reads back close to what was written (within the codec's
+bound), an exact request's reads back bit-exact, and one that crossed prompts reads far off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import close_manager, manager_state, prefix_keys, tiny_config
+from vmemkv import BlockStored, CacheKeys, ConfigError, KVCacheManager, KVEventBuffer, KVRequest
+from vmemkv.cache.block_codec import BlockCodec
+from vmemkv.cache.events import MEDIUM_COLD, MEDIUM_DEVICE_LOSSY, is_lossy_key
+
+TOKENS_PER_PAGE = 4
+SHAPE = dict(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32, tokens_per_page=TOKENS_PER_PAGE)
+BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * TOKENS_PER_PAGE  # layers, K and V, heads, dim, bytes, tokens
+GROUP = 32
+A_PROMPT = list(range(1, 10))  # two full blocks and one token
+OTHER = list(range(20, 33))  # three full blocks and one token
+
+
+# --- the codec ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt,levels", [("int8", 127), ("int4", 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_block_comes_back_within_half_a_step_of_its_groups_scale(fmt, levels, dtype):
+    codec = BlockCodec(fmt, dtype, 4096, head_dim=64, token_stride_elems=128)
+    torch.manual_seed(0)
+    x = (torch.randn(3, 4096 // x_size(dtype)) * torch.logspace(-3, 2, 4096 // x_size(dtype))).to(dtype)
+    x[1, :GROUP] = 0  # an all-zero group stays zero
+    packed = codec.compress(x.view(torch.uint8))
+    assert packed.nbytes == 3 * codec.compressed_bytes
+    assert codec.compressed_bytes == x[0].numel() * codec.bits // 8 + x[0].numel() // GROUP * 4
+    back = codec.decompress(packed).view(dtype).float()
+    groups = x.float().view(3, -1, GROUP)
+    step = groups.abs().amax(-1, keepdim=True) / levels
+    error = (back.view(3, -1, GROUP) - groups).abs()
+    rounding = groups.abs() * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -10 if dtype == torch.float16 else 0)
+    assert (error <= step / 2 + rounding + 1e-12).all()
+    assert (back[1, :GROUP] == 0).all()
+    # what was decompressed compresses to the same integers: a lossy block loses no more
+    again = codec.compress(codec.decompress(packed))
+    assert torch.equal(again.values, packed.values)
+
+
+def x_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def test_a_codec_refuses_what_it_cannot_compress():
+    with pytest.raises(ConfigError, match="int8, int4"):
+        BlockCodec("fp8", torch.float16, 4096, 64, 64)
+    with pytest.raises(ConfigError, match="floating-point"):
+        BlockCodec("int8", torch.int32, 4096, 64, 64)
+
+
+# --- a manager with a cold tier -------------------------------------------------------------------
+def float_kv(token_ids: list[int], dim: int) -> torch.Tensor:
+    """``[len(token_ids), dim]`` float32 values, each row a function of its token prefix."""
+    keys = torch.tensor(prefix_keys(token_ids), dtype=torch.float64).unsqueeze(1)
+    return torch.sin(keys * 0.37 + torch.arange(dim, dtype=torch.float64) * 0.11).float() * 4
+
+
+def write(m, request_id: str, start: int, end: int) -> None:
+    """Write positions [start, end) of every layer's K and V (as a forward pass would)."""
+    tokens, slot = m.token_ids(request_id)[:end], m.slot_of(request_id)
+    for layer in range(SHAPE["num_layers"]):
+        for index, view in enumerate(m.kv_views(layer)):
+            rows = float_kv(tokens, 2 * 64 * (layer + 1) + index)[start:, -2 * 64:]
+            view[slot, start:end] = rows.view(end - start, 2, 64)
+
+
+def kv_error(m, request_id: str) -> float:
+    """The largest difference between the request's computed K/V and what ``write`` writes."""
+    length, slot = m.num_computed_tokens(request_id), m.slot_of(request_id)
+    tokens, worst = m.token_ids(request_id)[:length], 0.0
+    for layer in range(SHAPE["num_layers"]):
+        for index, view in enumerate(m.kv_views(layer)):
+            expected = float_kv(tokens, 2 * 64 * (layer + 1) + index)[:, -2 * 64:].view(length, 2, 64)
+            worst = max(worst, (view[slot, :length] - expected).abs().max().item())
+    return worst
+
+
+def compute(m, request, tokens=None) -> int:
+    """Admit, write every position not hit, commit; returns the hit."""
+    cached = m.admit(request, tokens)
+    assert cached is not None
+    name = request if isinstance(request, str) else request.request_id
+    write(m, name, cached, m.num_tokens(name))
+    m.commit(name)
+    return cached
+
+
+@pytest.fixture
+def made():
+    managers = []
+
+    def make(num_blocks=4, cold_blocks=4, host_blocks=0, fmt="int8", **overrides):
+        codec = BlockCodec(fmt, torch.float32, BLOCK_BYTES, 64, 2 * 2 * 2 * 64)
+        config = tiny_config(**{**SHAPE, "num_blocks": num_blocks, "max_model_len": 32,
+                                "cold_tier": fmt, "cold_cache_bytes": cold_blocks * codec.compressed_bytes,
+                                "host_cache_bytes": host_blocks * BLOCK_BYTES, **overrides})
+        m = KVCacheManager(config, events=KVEventBuffer())
+        managers.append(m)
+        return m
+
+    yield make
+    try:
+        for m in managers:
+            m.check()
+    finally:
+        for m in managers:
+            close_manager(m)
+
+
+def test_an_evicted_block_goes_cold_and_a_hit_decompresses_it_close_to_what_was_written(made):
+    m = made()
+    compute(m, "a", A_PROMPT)
+    a_hashes = [m.pool.hash_of[b] for b in m.block_table("a")[:2]]
+    assert kv_error(m, "a") == 0
+    m.free("a")
+    m.events.drain()
+    compute(m, "b", OTHER)  # needs all 4 blocks: a's two cached blocks go cold
+    cold = [e for e in m.events.drain().events if isinstance(e, BlockStored) and e.medium == MEDIUM_COLD]
+    assert sorted(h for e in cold for h in e.block_hashes) == sorted(a_hashes)
+    assert {e.token_ids[0] for e in cold} == {1, 5}
+    m.free("b")
+
+    assert compute(m, "c", A_PROMPT) == 8  # both blocks decompressed from the cold tier
+    assert 0 < kv_error(m, "c") < 4 / 127  # within half a step of int8 over |x| <= 4
+    stats = m.cache_stats()
+    assert (stats.cold_promotions, stats.prefix_hit_tokens_cold, stats.prefix_hit_tokens_host) == (2, 8, 0)
+    assert stats.cold_bytes_stored >= 2 * BlockCodec("int8", torch.float32, BLOCK_BYTES, 64, 256).compressed_bytes
+    lossy = [m.pool.hash_of[b] for b in m.block_table("c")[:2]]
+    assert all(map(is_lossy_key, lossy))  # keyed lossy on the device: exact requests miss them
+    stored = [e for e in m.events.drain().events if isinstance(e, BlockStored)]
+    assert sorted(h for e in stored if e.medium == MEDIUM_DEVICE_LOSSY for h in e.block_hashes) == sorted(a_hashes)
+
+
+def test_an_exact_request_never_reads_a_lossy_block_nor_one_computed_after_it(made):
+    m = made()
+    compute(m, "a", A_PROMPT)
+    m.free("a")
+    compute(m, "b", OTHER)  # a's two blocks go cold
+    m.free("b")
+
+    longer = A_PROMPT[:8] + [60, 61, 62, 63, 64]  # a's two blocks, then one more full block
+    assert compute(m, "lossy", list(longer)) > 0  # from the cold tier
+    table = m.block_table("lossy")
+    assert all(is_lossy_key(m.pool.hash_of[b]) for b in table[:3])  # its own third block too
+    m.free("lossy")
+
+    exact = KVRequest("exact", list(longer), exact=True)
+    assert compute(m, exact) == 0  # neither the lossy hits nor the block computed after them
+    assert kv_error(m, "exact") == 0
+    assert not any(is_lossy_key(m.pool.hash_of[b]) for b in m.block_table("exact")[:3])
+    m.free("exact")
+    # a tolerant request now takes the exact copies, and its KV is exact
+    assert compute(m, KVRequest("tolerant", list(longer))) == 12
+    assert kv_error(m, "tolerant") == 0
+
+
+def test_a_refused_admission_with_cold_hits_changes_nothing(made):
+    m = made(num_blocks=4)
+    compute(m, "a", A_PROMPT)
+    m.free("a")
+    compute(m, "b", OTHER)
+    before = (manager_state(m), m.cold_tier.hashes(), m.cache_stats())
+    # b holds every block: the two cold hits have nowhere to go
+    assert m.admit("c", list(A_PROMPT)) is None
+    assert (manager_state(m), m.cold_tier.hashes(), m.cache_stats()) == before
+    m.free("b")
+    assert compute(m, "c", list(A_PROMPT)) == 8
+
+
+def test_the_full_host_tier_spills_its_oldest_blocks_to_the_cold_tier(made):
+    m = made(num_blocks=4, host_blocks=2, cold_blocks=8)
+    compute(m, "a", A_PROMPT)
+    m.free("a")
+    compute(m, "b", OTHER)  # a's two blocks go to the host tier, exact
+    m.free("b")
+    assert len(m.host_tier) == 2 and not m.cold_tier.hashes()
+    compute(m, "c", [70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82])  # b's blocks push a's out
+    m.free("c")
+    stats = m.cache_stats()
+    assert stats.host_evictions >= 2 and stats.cold_demotions >= 2
+    assert not set(m.host_tier.hashes()) & set(m.cold_tier.hashes())
+    exact = KVRequest("exact", list(A_PROMPT), exact=True)
+    assert m.admit(exact) == 0  # a's blocks are cold now: lossy
+    m.free(exact)
+    assert compute(m, "lossy", list(A_PROMPT)) == 8
+    assert 0 < kv_error(m, "lossy") < 4 / 127
+
+
+def test_int4_keeps_a_block_in_a_third_of_its_float32_bytes_and_close(made):
+    m = made(fmt="int4")
+    codec = m.cold_tier.codec
+    assert codec.compressed_bytes * 6 < BLOCK_BYTES  # 4.5 bits a value of 32
+    compute(m, "a", A_PROMPT)
+    m.free("a")
+    compute(m, "b", OTHER)
+    m.free("b")
+    assert compute(m, "c", A_PROMPT) == 8
+    assert 0 < kv_error(m, "c") < 4 / 7
+
+
+def test_the_cold_tier_refuses_layers_it_cannot_hold_and_missing_bytes():
+    with pytest.raises(ConfigError, match="one group of full-attention"):
+        KVCacheManager(tiny_config(**SHAPE, cold_tier="int8", cold_cache_bytes=1 << 20, sliding_window=8))
+    with pytest.raises(ConfigError, match="cold_cache_bytes > 0"):
+        KVCacheManager(tiny_config(**SHAPE, cold_tier="int8"))
+    with pytest.raises(ConfigError, match="cold_tier"):
+        KVCacheManager(tiny_config(**SHAPE, cold_tier="int3", cold_cache_bytes=1 << 20))
+    with pytest.raises(ConfigError, match="with cold_tier 'off'"):
+        KVCacheManager(tiny_config(**SHAPE, cold_cache_bytes=1 << 20))
