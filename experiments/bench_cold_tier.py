@@ -93,12 +93,35 @@ def run(variant: str, args) -> dict:
         "prompt_tokens_computed": queried - stats["prefix_hit_tokens"],
         "hit_tokens": {tier: stats[f"prefix_hit_tokens_{tier}"] for tier in ("device", "host", "cold")},
         "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
-        "block_bytes": engine.manager.block_bytes,
+        "block_bytes": engine.manager.block_bytes, "head_dim": engine.manager.layout.head_dim,
         "lower_tier_blocks": engine.manager.host_tier.capacity + engine.manager.cold_tier.capacity,
         "answers": answers,
     }
     engine.close()
     return result
+
+
+def codec_speed(engine_block_bytes: int, dtype: torch.dtype, head_dim: int, repeats: int = 5) -> dict:
+    """Milliseconds to compress and to decompress one of the model's blocks (16 at a time, in
+    torch ops at this process's threads), per format."""
+    from vmemkv.cache.block_codec import BlockCodec
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    blocks = torch.randn(16, engine_block_bytes // itemsize).to(dtype).view(torch.uint8)
+    out = {}
+    for fmt in ("int8", "int4"):
+        codec = BlockCodec(fmt, dtype, engine_block_bytes, head_dim, head_dim)
+        packed = codec.compress(blocks)  # warm
+        start = time.perf_counter()
+        for _ in range(repeats):
+            packed = codec.compress(blocks)
+        middle = time.perf_counter()
+        for _ in range(repeats):
+            codec.decompress(packed)
+        end = time.perf_counter()
+        out[fmt] = {"compress_ms": (middle - start) / repeats / 16 * 1e3,
+                    "decompress_ms": (end - middle) / repeats / 16 * 1e3}
+    return out
 
 
 def agreement(rows: list[dict]) -> None:
@@ -138,6 +161,11 @@ def markdown(results: dict) -> str:
     ratios = "; ".join(f"{r['variant']} {r['prefix_hit_rate'] / exact:.2f}x" for r in results["rows"]
                        if r["variant"] != "exact" and exact)
     lines += ["", f"Prefix hit rate over exact-only's: {ratios}."]
+    speed = results.get("codec_ms")
+    if speed:
+        lines += ["", "The codec on one of these blocks (torch ops, 16 blocks at a time): " + "; ".join(
+            f"{fmt} compress {v['compress_ms']:.2f} ms, decompress {v['decompress_ms']:.2f} ms"
+            for fmt, v in speed.items()) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -170,7 +198,8 @@ def main() -> None:
         rows.append(run(variant, args))
         print(f"{variant}: hit rate {rows[-1]['prefix_hit_rate']:.1%}, {rows[-1]['seconds']:.1f} s", file=sys.stderr)
     agreement(rows)
-    results = {"command": "python experiments/bench_cold_tier.py " + " ".join(sys.argv[1:]),
+    results = {"codec_ms": codec_speed(rows[0]["block_bytes"], getattr(torch, args.dtype), rows[0]["head_dim"]),
+               "command": "python experiments/bench_cold_tier.py " + " ".join(sys.argv[1:]),
                "date": datetime.date.today().isoformat(), "cpu": cpu_model(), "cpu_flags": cpu_flags_note(),
                "args": {k: v for k, v in vars(args).items() if k != "out"} | {"out": None},
                "rows": rows, "torch": torch.__version__}

@@ -261,10 +261,35 @@ def test_the_host_tier_turns_multi_turn_evictions_into_hits_for_every_variant(ca
     assert with_tier["vmem"]["prefix_hit_rate"] == with_tier["paged"]["prefix_hit_rate"]
 
 
+def test_the_cold_tier_variants_turn_evictions_into_lossy_hits_and_count_their_answers(capsys):
+    status = main(["--quick", "--json", "--no-progress", "--no-plots", "--variants",
+                   "vmem,vmem-cold-int8,vmem-cold-int4", "--workloads", "multi-turn", "--out", "",
+                   "--cold-cache-bytes", str(1 << 22)])
+    result = json.loads(capsys.readouterr().out)
+    assert status == 0 and result["failures"] == []  # lossy tokens are counted, not failures
+    assert result["config"]["cold_cache_bytes"] == 1 << 22
+    assert "--cold-cache-bytes 4194304" in result["command"]
+    runs = result["results"]["multi-turn"]
+    medians = {v: {k: s["median"] for k, s in data["metrics"].items()} for v, data in runs.items()}
+    assert medians["vmem"]["cold_promotions"] == medians["vmem"]["prefix_hit_rate_cold"] == 0
+    for variant in ("vmem-cold-int8", "vmem-cold-int4"):
+        assert medians[variant]["cold_promotions"] > 0 and medians[variant]["prefix_hit_rate_cold"] > 0
+        assert medians[variant]["prefix_hit_rate"] > medians["vmem"]["prefix_hit_rate"]
+        identical, total = runs[variant]["requests_identical"]
+        assert total > 0 and 0 <= identical <= total
+    from vmemkv.ab.report import table_rows
+
+    cells = {row[1]: row[-1] for row in table_rows(result)[1]}
+    for variant in ("vmem-cold-int8", "vmem-cold-int4"):
+        identical, total = runs[variant]["requests_identical"]
+        assert cells[variant] in ("yes", f"{identical}/{total} lossy")
+
+
 def test_bad_host_tier_and_rank_counts_are_refused(capsys):
     assert main(["--quick", "--host-cache-bytes", "-1"]) == 2
     assert main(["--quick", "--tensor-parallel-size", "0"]) == 2
     assert capsys.readouterr().err.count("--tensor-parallel-size") == 2
+    assert main(["--quick", "--cold-cache-bytes", "0"]) == 2
 
 
 @pytest.mark.slow

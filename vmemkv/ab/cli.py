@@ -90,6 +90,10 @@ def add_ab_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host memory for the prefix cache's host tier, the same for every "
                              "variant (default 0: none; evicted cached pages wait there and come "
                              "back on a hit, see the multi-turn workload)")
+    parser.add_argument("--cold-cache-bytes", type=int, default=64 << 20,
+                        help="host memory for the lossy cold tier of the vmem-cold-int8 and "
+                             "vmem-cold-int4 variants (default 64 MiB; their greedy tokens are "
+                             "counted against vmem's, not required equal)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks the model and its KV heads are split across, the same for "
                              "every variant (default 1; each engine then starts its ranks and "
@@ -152,6 +156,8 @@ def command_line(args: argparse.Namespace, repeats: int) -> str:
         parts += ["--host-cache-bytes", str(args.host_cache_bytes)]
     if args.tensor_parallel_size != 1:
         parts += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    if any(name.startswith("vmem-cold") for name in args.variants.split(",")):
+        parts += ["--cold-cache-bytes", str(args.cold_cache_bytes)]
     if args.quick:
         parts.append("--quick")
     return shlex.join(parts)
@@ -172,16 +178,18 @@ def run_ab(args: argparse.Namespace) -> int:
     repeats = args.repeats if args.repeats is not None else 1 if args.quick else DEFAULT_REPEATS
     if repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {repeats}")
-    if args.host_cache_bytes < 0 or args.tensor_parallel_size < 1:
-        raise ValueError(f"--host-cache-bytes must be at least 0 and --tensor-parallel-size at "
-                         f"least 1; got {args.host_cache_bytes}, {args.tensor_parallel_size}")
+    if args.host_cache_bytes < 0 or args.tensor_parallel_size < 1 or args.cold_cache_bytes < 1:
+        raise ValueError(f"--host-cache-bytes must be at least 0, --cold-cache-bytes and "
+                         f"--tensor-parallel-size at least 1; got {args.host_cache_bytes}, "
+                         f"{args.cold_cache_bytes}, {args.tensor_parallel_size}")
     machine_before = report.machine_info()
     result = run_experiment(workloads, variants, repeats=repeats, quick=args.quick,
                             model_name=args.model, seed=args.seed, threads=args.threads,
                             progress=not args.no_progress, device=args.device,
                             tokens_per_page=args.tokens_per_page, policy=args.policy,
                             host_cache_bytes=args.host_cache_bytes,
-                            tensor_parallel_size=args.tensor_parallel_size)
+                            tensor_parallel_size=args.tensor_parallel_size,
+                            cold_cache_bytes=args.cold_cache_bytes)
     machine = report.machine_info()
     machine["load_average_at_start"] = machine_before["load_average_1_5_15"]
     result["machine"] = machine

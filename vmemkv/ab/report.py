@@ -94,9 +94,11 @@ def table_rows(result: dict, columns=COLUMNS, ranges: bool = True) -> tuple[list
             cells = [workload, variant]
             cells += [_cell(data["metrics"].get(key, NOT_RECORDED), fmt, scale, ranges and key in WITH_RANGE)
                       for _, key, fmt, scale in columns]
-            equal = data["tokens_equal"]
+            equal, identical = data["tokens_equal"], data.get("requests_identical")
+            lossy = result.get("variants", {}).get(variant, {}).get("cold_tier", "off") != "off"
             cells.append("ref" if variant == "vmem" else "-" if equal is None
-                         else "yes" if equal else "NO")
+                         else "yes" if equal else f"{identical[0]}/{identical[1]} lossy" if lossy and identical
+                         else "NO")
             rows.append(cells)
     return headers, rows
 

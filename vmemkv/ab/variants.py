@@ -1,5 +1,6 @@
 """The A/B's variants: what each one sets in the engine (KV backend, layout, release behind a
-sliding window), everything else being the same for all of them."""
+sliding window, the prefix cache's lossy cold tier), everything else being the same for all of
+them."""
 
 from __future__ import annotations
 
@@ -15,10 +16,19 @@ class Variant:
     layout: str
     description: str
     release: bool = True  # blocks behind a sliding window go back to the pool (else: every block kept)
+    cold_tier: str = "off"  # the prefix cache's lossy cold tier ("int8", "int4"): its tokens may differ
 
-    def engine_fields(self) -> dict:
-        return {"kv_backend": self.kv_backend, "layout": self.layout,
-                "release_behind_window": self.release}
+    @property
+    def lossy(self) -> bool:
+        return self.cold_tier != "off"
+
+    def engine_fields(self, cold_cache_bytes: int = 0) -> dict:
+        """Its EngineConfig fields; ``cold_cache_bytes``: a lossy variant's cold tier."""
+        fields = {"kv_backend": self.kv_backend, "layout": self.layout,
+                  "release_behind_window": self.release}
+        if self.lossy:
+            fields.update(kv_cold_tier=self.cold_tier, kv_cold_cache_bytes=cold_cache_bytes)
+        return fields
 
 
 # How a block-table variant's blocks are read (attention/paged.py); the A/B summary says which
@@ -44,6 +54,14 @@ VARIANTS: dict[str, Variant] = {
     "paged-keep": Variant("paged-keep", "paged", "token_major",
                           "block tables keeping every block: no release behind a sliding window, "
                           "local and global layers in one group", release=False),
+    # The lossy cold tier (vmemkv/cache/cold_tier.py): evicted cached pages kept compressed and
+    # decompressed on a hit; greedy tokens are counted against vmem's, not required equal.
+    "vmem-cold-int8": Variant("vmem-cold-int8", "vmem", "token_major",
+                              "vmem with the prefix cache's lossy cold tier in int8 (--cold-cache-bytes)",
+                              cold_tier="int8"),
+    "vmem-cold-int4": Variant("vmem-cold-int4", "vmem", "token_major",
+                              "vmem with the prefix cache's lossy cold tier in int4 (--cold-cache-bytes)",
+                              cold_tier="int4"),
 }
 REFERENCE_VARIANT = "vmem"  # token ids of the other variants are compared with this one's
 DEFAULT_VARIANTS = ("vmem", "paged", "vmem-per-layer", "paged-per-layer")
