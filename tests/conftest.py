@@ -63,6 +63,16 @@ def tiny_config(**overrides) -> CacheConfig:
     return CacheConfig(**{**TINY, **overrides})
 
 
+def check_and_close(managers: list[KVCacheManager]) -> None:
+    """Assert each manager's invariants, then close them all (even after a failed check)."""
+    try:
+        for manager in managers:
+            manager.check()
+    finally:
+        for manager in managers:
+            close_manager(manager)
+
+
 def close_manager(manager: KVCacheManager) -> None:
     """Drop the numpy views made here (of the manager and of its groups), then close (close
     refuses while views are held)."""

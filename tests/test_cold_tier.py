@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import close_manager, manager_state, prefix_keys, tiny_config
+from conftest import check_and_close, manager_state, prefix_keys, tiny_config
 from vmemkv import BlockStored, CacheKeys, ConfigError, KVCacheManager, KVEventBuffer, KVRequest
 from vmemkv.cache.block_codec import BlockCodec
-from vmemkv.cache.events import MEDIUM_COLD, MEDIUM_DEVICE_LOSSY, is_lossy_key
+from vmemkv.cache.events import MEDIUM_COLD, MEDIUM_DEVICE_LOSSY, is_lossy_key, lossy_key
 
 TOKENS_PER_PAGE = 4
 SHAPE = dict(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32, tokens_per_page=TOKENS_PER_PAGE)
@@ -110,12 +110,7 @@ def made():
         return m
 
     yield make
-    try:
-        for m in managers:
-            m.check()
-    finally:
-        for m in managers:
-            close_manager(m)
+    check_and_close(managers)
 
 
 def test_an_evicted_block_goes_cold_and_a_hit_decompresses_it_close_to_what_was_written(made):
@@ -218,3 +213,24 @@ def test_the_cold_tier_refuses_layers_it_cannot_hold_and_missing_bytes():
         KVCacheManager(tiny_config(**SHAPE, cold_tier="int3", cold_cache_bytes=1 << 20))
     with pytest.raises(ConfigError, match="with cold_tier 'off'"):
         KVCacheManager(tiny_config(**SHAPE, cold_cache_bytes=1 << 20))
+
+
+def test_an_exact_block_and_its_lossy_copy_evicted_together_go_cold_once(made):
+    m = made(num_blocks=6, cold_blocks=12)
+    compute(m, "a", A_PROMPT)
+    m.free("a")
+    compute(m, "b", list(range(100, 121)))  # six blocks: a's go cold
+    m.free("b")
+    compute(m, "lossy", list(A_PROMPT))  # a's blocks decompressed: keyed lossy on the device
+    lossy = m.pool.hash_of[m.block_table("lossy")[0]]
+    m.free("lossy")
+    compute(m, KVRequest("exact", list(A_PROMPT), exact=True))  # computed again, exact, beside them
+    exact = m.pool.hash_of[m.block_table("exact")[0]]
+    m.free("exact")
+    assert lossy == lossy_key(exact) and m.pool.lookup(lossy) is not None  # both copies cached
+    m.events.drain()
+    compute(m, "c", list(range(200, 221)))  # six blocks: both copies leave in one eviction
+    stored = [h for e in m.events.drain().events
+              if isinstance(e, BlockStored) and e.medium == MEDIUM_COLD for h in e.block_hashes]
+    assert len(stored) == len(set(stored)) and exact in stored  # once each
+    assert exact in m.cold_tier

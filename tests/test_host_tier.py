@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import close_manager, manager_state, read_kv_matches, tiny_config, write_kv
+from conftest import check_and_close, manager_state, read_kv_matches, tiny_config, write_kv
 from vmemkv import (AllBlocksCleared, BlockRemoved, BlockStored, CacheKeys, KVCacheManager,
                     KVEventBuffer, MappingLimitError)
 from vmemkv.cache.events import MEDIUM_DEVICE, MEDIUM_HOST
@@ -46,12 +46,7 @@ def made():
         return m
 
     yield make
-    try:
-        for m in managers:
-            m.check()
-    finally:
-        for m in managers:
-            close_manager(m)
+    check_and_close(managers)
 
 
 def computed(m, request_id, tokens, salt=None) -> int:

@@ -68,19 +68,19 @@ class ColdTier:
         """The keys held, least recently used first."""
         return list(self._entries)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(entry.data.nbytes for entry in self._entries.values())
-
     # --- demotion ----------------------------------------------------------------------------------
     def store(self, rows: torch.Tensor, keys: list[bytes], origins: list[BlockOrigin]) -> None:
         """Compress ``rows`` (``[n, block_bytes]`` uint8: blocks about to be handed out or
-        dropped, their bytes still intact) as the entries of ``keys`` (plain keys). A key held
-        already is only made most recent; the least recently used entries make room."""
-        new = [i for i, key in enumerate(keys) if key not in self._entries and key not in self._claimed]
-        for key in keys:
+        dropped, their bytes still intact) as the entries of ``keys`` (plain keys; a key given
+        twice, its first row). A key held already is only made most recent; the least recently
+        used entries make room."""
+        new, seen = [], set()
+        for index, key in enumerate(keys):
             if key in self._entries:
                 self._entries.move_to_end(key)
+            elif key not in self._claimed and key not in seen:
+                seen.add(key)
+                new.append(index)
         new = new[-self.capacity:] if self.capacity else []
         if not new:
             return

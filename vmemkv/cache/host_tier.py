@@ -9,7 +9,8 @@ load, discard, asynchronous on CUDA); the tier owns at most ``capacity`` of its 
 them in LRU order: a demotion that finds the tier full evicts its least recently used entry, and
 one that finds no free row at all (swapped requests hold them) drops the block, as without a
 tier. Where a cold tier is (``cold_tier.py``), what the tier lets go goes there instead,
-compressed (``spill``). Hashes carry the cache keys (salt, adapter, ...), so a hit never crosses tenants.
+compressed (``spill``). Hashes carry the cache keys (salt, adapter, ...), so a hit never crosses
+tenants.
 
 Promotion is part of an admission's plan: ``claim`` takes the hit entries out of the LRU (so the
 demotions of the same admission cannot evict them) only after every refusable step succeeded,

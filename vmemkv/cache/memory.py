@@ -124,7 +124,8 @@ class KVMemory:
             cold.discard([e.block_hash for e in exact])  # the exact copy supersedes a cold one
             host.demote(window, exact)
             exact = []
-        colder = [e for e in evicted if is_lossy_key(e.block_hash)] + exact
+        # an exact block first: its content is kept where it and a lossy copy leave together
+        colder = exact + [e for e in evicted if is_lossy_key(e.block_hash)]
         keys = [exact_key(e.block_hash) for e in colder]
         keep = [i for i, key in enumerate(keys) if key not in host]
         if keep:
