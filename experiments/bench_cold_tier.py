@@ -133,7 +133,8 @@ def agreement(rows: list[dict]) -> None:
             same = reference[request_id]
             if tokens != same:
                 firsts.append(next(i for i, (a, b) in enumerate(zip(tokens, same)) if a != b))
-        row["identical_answers"] = len(row["answers"]) - len(firsts)
+        row["answered"] = len(row["answers"])
+        row["identical_answers"] = row["answered"] - len(firsts)
         row["first_difference"] = sorted(firsts)
 
 
@@ -155,7 +156,7 @@ def markdown(results: dict) -> str:
         lines.append(f"| {r['variant']} | {r['lower_tier_blocks']} | {r['prefix_hit_rate']:.1%} | "
                      f"{r['prompt_tokens_computed']:,} of {r['prompt_tokens']:,} | {h['device']:,} / {h['host']:,} / "
                      f"{h['cold']:,} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
-                     f"{r['tokens_per_second']:.1f} | {r['identical_answers']} / {len(r['answers'])} | "
+                     f"{r['tokens_per_second']:.1f} | {r['identical_answers']} / {r['answered']} | "
                      f"{firsts or '-'} |")
     exact = next(r for r in results["rows"] if r["variant"] == "exact")["prefix_hit_rate"]
     ratios = "; ".join(f"{r['variant']} {r['prefix_hit_rate'] / exact:.2f}x" for r in results["rows"]
@@ -198,6 +199,8 @@ def main() -> None:
         rows.append(run(variant, args))
         print(f"{variant}: hit rate {rows[-1]['prefix_hit_rate']:.1%}, {rows[-1]['seconds']:.1f} s", file=sys.stderr)
     agreement(rows)
+    for row in rows:  # counted: the answers themselves stay out of the results file
+        del row["answers"]
     results = {"codec_ms": codec_speed(rows[0]["block_bytes"], getattr(torch, args.dtype), rows[0]["head_dim"]),
                "command": "python experiments/bench_cold_tier.py " + " ".join(sys.argv[1:]),
                "date": datetime.date.today().isoformat(), "cpu": cpu_model(), "cpu_flags": cpu_flags_note(),
