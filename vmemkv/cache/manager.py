@@ -658,7 +658,8 @@ class KVCacheManager:
         ``RELEASED`` (-1) for the blocks before that window (they need not be cached); with
         several layer groups, the first group's blocks of the longest prefix every group can
         reuse. Given a KVRequest, its own tokens and keys, and its hash chain (extended, never
-        recomputed)."""
+        recomputed). Lossy blocks (the cold tier's) count unless the KVRequest is ``exact``, as
+        for ``admit``."""
         return self.queries.match_prefix(token_ids, keys)
 
     @timed
