@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import check_and_close, manager_state, prefix_keys, tiny_config
-from vmemkv import BlockStored, CacheKeys, ConfigError, KVCacheManager, KVEventBuffer, KVRequest
+from vmemkv import BlockStored, CacheKeys, ConfigError, InvalidInputError, KVCacheManager, KVEventBuffer, KVRequest
 from vmemkv.cache.block_codec import BlockCodec
 from vmemkv.cache.events import MEDIUM_COLD, MEDIUM_DEVICE_LOSSY, is_lossy_key, lossy_key
 
@@ -234,3 +234,23 @@ def test_an_exact_block_and_its_lossy_copy_evicted_together_go_cold_once(made):
               if isinstance(e, BlockStored) and e.medium == MEDIUM_COLD for h in e.block_hashes]
     assert len(stored) == len(set(stored)) and exact in stored  # once each
     assert exact in m.cold_tier
+
+
+def test_an_exact_request_is_never_given_a_copy_of_lossy_kv(made):
+    m = made(num_blocks=8, cold_blocks=8)
+    compute(m, "a", A_PROMPT)
+    m.free("a")
+    compute(m, "b", list(range(100, 129)))  # eight blocks: a's go cold
+    m.free("b")
+    lossy = KVRequest("lossy", list(A_PROMPT))
+    assert compute(m, lossy) == 8 and lossy.allocation.lossy_from == 0  # from the cold tier
+    exact = KVRequest("exact", [50, 51, 52], exact=True)
+    compute(m, exact)
+    before = (manager_state(m), m.cold_tier.hashes())
+    with pytest.raises(InvalidInputError, match="demands exact KV"):
+        m.fork(lossy, KVRequest("child", [], exact=True))
+    with pytest.raises(InvalidInputError, match="demands exact KV"):
+        m.reorder([exact, lossy], [lossy, lossy])
+    assert (manager_state(m), m.cold_tier.hashes()) == before
+    child = m.fork(lossy, "tolerant-child")  # a child made by the manager is as its parent: not exact
+    assert child is not None and not child.exact and child.allocation.lossy_from == 0
