@@ -96,6 +96,14 @@ def compute(m, request, tokens=None) -> int:
     return cached
 
 
+def prompt_gone_cold(m) -> None:
+    """``A_PROMPT`` computed, then pushed to the cold tier by a request that needs the whole pool."""
+    compute(m, "a", A_PROMPT)
+    m.free("a")
+    compute(m, "b", list(range(100, 100 + m.pool.num_blocks * TOKENS_PER_PAGE - 3)))
+    m.free("b")
+
+
 @pytest.fixture
 def made():
     managers = []
@@ -217,10 +225,7 @@ def test_the_cold_tier_refuses_layers_it_cannot_hold_and_missing_bytes():
 
 def test_an_exact_block_and_its_lossy_copy_evicted_together_go_cold_once(made):
     m = made(num_blocks=6, cold_blocks=12)
-    compute(m, "a", A_PROMPT)
-    m.free("a")
-    compute(m, "b", list(range(100, 121)))  # six blocks: a's go cold
-    m.free("b")
+    prompt_gone_cold(m)
     compute(m, "lossy", list(A_PROMPT))  # a's blocks decompressed: keyed lossy on the device
     lossy = m.pool.hash_of[m.block_table("lossy")[0]]
     m.free("lossy")
@@ -238,10 +243,7 @@ def test_an_exact_block_and_its_lossy_copy_evicted_together_go_cold_once(made):
 
 def test_an_exact_request_is_never_given_a_copy_of_lossy_kv(made):
     m = made(num_blocks=8, cold_blocks=8)
-    compute(m, "a", A_PROMPT)
-    m.free("a")
-    compute(m, "b", list(range(100, 129)))  # eight blocks: a's go cold
-    m.free("b")
+    prompt_gone_cold(m)
     lossy = KVRequest("lossy", list(A_PROMPT))
     assert compute(m, lossy) == 8 and lossy.allocation.lossy_from == 0  # from the cold tier
     exact = KVRequest("exact", [50, 51, 52], exact=True)
