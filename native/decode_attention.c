@@ -31,7 +31,13 @@
  * With new_k/new_v, each sequence's newest token's rows are first written at position seq_lens[b] - 1
  * (the step's cache write, in the same call).
  *
- * Types: float32 and bfloat16 K/V/Q/out, float32 arithmetic. The grouped (AVX-512) kernels read
+ * Quantized K/V (kv_dtype int8 or fp8 e4m3, vmemkv/memory/quantized_rows.py): one byte a value and a
+ * float32 scale per row (token, kv head), the scales in views of their own (k_scale/v_scale, float32
+ * element strides). The grouped kernels widen the bytes in registers and apply the scales to the
+ * tile's scores (q . k = scale_k * (q . bytes)) and to the softmax weights (p * scale_v) instead
+ * of to each value; the narrow ones widen and scale each row into the tile buffers.
+ *
+ * Types: float32 and bfloat16 Q/out, K/V in those or quantized, float32 arithmetic. The grouped (AVX-512) kernels read
  * bf16 rows where they lie and widen them in registers (SmolLM2-135M's shape, 4 sequences of 2,000
  * tokens, one thread, AMD EPYC with AVX-512: 19.3 ms a step against 27.2 widening each tile into a
  * float32 buffer first); the narrow ones read the widened buffer.
@@ -59,7 +65,7 @@
 #define PREFETCH 8 /* tokens ahead whose rows are prefetched, into L2 (on ~2,000-token sequences
                       * faster than 4 ahead, 16 ahead, or into L1) */
 
-enum { DT_FLOAT32 = 0, DT_BFLOAT16 = 1 };
+enum { DT_FLOAT32 = 0, DT_BFLOAT16 = 1, DT_INT8 = 2, DT_FP8 = 3 };
 
 typedef struct {
     const char *q, *k, *v, *sinks;
@@ -75,6 +81,9 @@ typedef struct {
     float scale, softcap;
     int64_t window; /* 0: none */
     int dtype, num_splits;
+    int kv_dtype;                       /* the cache's: dtype, or DT_INT8 / DT_FP8 with scales */
+    const float *k_scale, *v_scale;     /* [outer, token, Hk] float32 views, or NULL */
+    int64_t ks_so, ks_st, ks_sh, vs_so, vs_st, vs_sh; /* their strides, in floats */
     const int32_t *prefix_leaders, *prefix_lens; /* [B] each, or NULL: see "Shared prefixes" above */
     int64_t num_parts;                            /* partial results a sequence combines: 1 = none */
     float *partial;                               /* [B, Hq, num_parts, D] and [B, Hq, num_parts] */
@@ -89,7 +98,18 @@ typedef struct {
     int64_t num_members;
 } Work;
 
-static inline size_t elem_size(int dtype) { return dtype == DT_FLOAT32 ? 4 : 2; }
+static inline size_t elem_size(int dtype) { return dtype == DT_FLOAT32 ? 4 : dtype == DT_BFLOAT16 ? 2 : 1; }
+
+static inline int quantized(int dtype) { return dtype >= DT_INT8; }
+
+/* An fp8 e4m3 byte's value: its exponent and mantissa bits placed in a float32's (exponent bias
+ * 127 instead of 7, subnormals to subnormals) and scaled by 2^120. */
+static inline float fp8_to_float(uint8_t x) {
+    const uint32_t bits = ((uint32_t)(x & 0x80) << 24) | ((uint32_t)(x & 0x7f) << 20);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f * 0x1p120f;
+}
 
 /* A row of head_dim values as float32: the row itself (float32) or widened into buf (bf16). */
 static inline __attribute__((always_inline)) const float *row_f32(const char *p, int dtype, int64_t n,
@@ -99,6 +119,20 @@ static inline __attribute__((always_inline)) const float *row_f32(const char *p,
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) buf[i] = bf16_to_float(h[i]);
     return buf;
+}
+
+/* A cache row as float32 into buf: row_f32, or quantized bytes times the row's scale. */
+static inline __attribute__((always_inline)) void kv_row_f32(const char *p, int dtype, int64_t n, float scale,
+                                                            float *buf) {
+    if (dtype == DT_INT8) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) buf[i] = (float)((const int8_t *)p)[i] * scale;
+    } else if (dtype == DT_FP8) {
+        for (int64_t i = 0; i < n; i++) buf[i] = fp8_to_float(((const uint8_t *)p)[i]) * scale;
+    } else {
+        const float *row = row_f32(p, dtype, n, buf);
+        if (row != buf) memcpy(buf, row, (size_t)n * 4);
+    }
 }
 
 /* Eight lanes of partial sums, added as a tree at the end: one vector FMA per 8 elements, and no
@@ -242,16 +276,32 @@ static inline __attribute__((always_inline)) void store16(float *p, v16f v) { me
 
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int8_t v16c __attribute__((vector_size(16)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
 
-/* 16 values of a K or V row from element i: float32 loaded, or bfloat16 widened in registers (its
- * bits are a float's upper half: a zero-extend and a shift), where widening a tile into a buffer
- * first cost a store and a load more of every value. */
+/* 16 values of a K or V row from element i, of row type `bf` (a DT_ code): float32 loaded, bfloat16
+ * widened in registers (its bits are a float's upper half: a zero-extend and a shift), where
+ * widening a tile into a buffer first cost a store and a load more of every value; int8 converted;
+ * fp8 e4m3 rebuilt as a float's bits (fp8_to_float), unscaled (the caller applies the scale). */
 static inline __attribute__((always_inline)) v16f load16_row(const void *row, int64_t i, const int bf) {
-    if (!bf) return load16((const float *)row + i);
+    if (bf == DT_FLOAT32) return load16((const float *)row + i);
+    if (bf == DT_INT8) {
+        v16c c;
+        memcpy(&c, (const int8_t *)row + i, sizeof c);
+        return __builtin_convertvector(c, v16f);
+    }
+    v16f f;
+    if (bf == DT_FP8) {
+        v16b c;
+        memcpy(&c, (const uint8_t *)row + i, sizeof c);
+        const v16u x = __builtin_convertvector(c, v16u);
+        const v16u bits = ((x & 0x80) << 24) | ((x & 0x7f) << 20);
+        memcpy(&f, &bits, sizeof f);
+        return f * 0x1p120f;
+    }
     v16h h;
     memcpy(&h, (const uint16_t *)row + i, sizeof h);
     const v16u wide = __builtin_convertvector(h, v16u) << 16;
-    v16f f;
     memcpy(&f, &wide, sizeof f);
     return f;
 }
@@ -392,14 +442,19 @@ static inline __attribute__((always_inline)) void group_accumulate(float *restri
  * kv head's rows are read from memory once and then from L1 by all members' heads of its group
  * (K rows read through pointers gathered once); the online softmax; then the weighted V rows,
  * accumulated in registers, in the same order.
- * scratch: M*Hq*D (q) + M*Hq*D (acc) + M*Hq*TILE (scores) + 2*M*Hq (max, sum) + 2*TILE*Hk*D (bf16 rows). */
+ * Quantized rows: the scores of a tile times each row's K scale, and the softmax weights (after their
+ * sum) times each row's V scale, before the V rows are accumulated (grouped kernels).
+ * scratch: M*Hq*D (q) + M*Hq*D (acc) + M*Hq*TILE (scores) + 2*M*Hq (max, sum) + 2*TILE*Hk*D (widened
+ * rows) + 2*TILE*Hk (the tile's scales). */
 static inline __attribute__((always_inline)) void process_item_d(const Args *a, const Work *w, float *scratch,
                                                                 const int64_t D, const int wide, const int bf) {
     const int64_t Hq = a->num_q_heads, Hk = a->num_kv_heads, G = Hq / Hk, M = w->num_members;
     const int64_t QH = M * Hq; /* the item's query heads: member m's head h is m * Hq + h */
     const int64_t es = (int64_t)elem_size(a->dtype), b = w->rows_of, lo = w->lo, hi = w->hi;
+    const int64_t kes = (int64_t)elem_size(bf); /* bf: the cache's row type (a DT_ code) */
     float *q = scratch, *acc = q + QH * D, *sc = acc + QH * D, *mx = sc + QH * TILE, *sum = mx + QH;
-    float *ktile = sum + QH, *vtile = ktile + TILE * Hk * D; /* bf16 rows widened (narrow path) */
+    float *ktile = sum + QH, *vtile = ktile + TILE * Hk * D; /* rows widened (narrow path) */
+    float *kscale = vtile + TILE * Hk * D, *vscale = kscale + TILE * Hk; /* [TILE, Hk] */
     const void *krow[TILE], *vrow[TILE];                     /* the tile's rows */
     const char *pf_k[TILE], *pf_v[TILE];                     /* rows PREFETCH tokens ahead */
 
@@ -413,21 +468,30 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             sum[qh] = 0.f;
         }
     /* the bytes from a token's first kv head to the end of its last: prefetched as one range */
-    const int64_t k_span = ((Hk - 1) * a->k_sh + D) * es, v_span = ((Hk - 1) * a->v_sh + D) * es;
+    const int64_t k_span = ((Hk - 1) * a->k_sh + D) * kes, v_span = ((Hk - 1) * a->v_sh + D) * kes;
     const int64_t span = k_span > v_span ? k_span : v_span;
-    /* The grouped kernels read bf16 rows where they lie (widened in registers); the narrow ones
-     * read float32, bf16 rows widened into the tile buffers first. */
-    const int grouped = wide && D % 16 == 0, in_place = !bf || grouped;
+    /* The grouped kernels read rows where they lie (widened in registers); the narrow ones read
+     * float32, other rows widened (and scaled) into the tile buffers first. */
+    const int grouped = wide && D % 16 == 0, in_place = bf == DT_FLOAT32 || grouped;
+    const int scaled = quantized(bf) && in_place; /* scales applied to scores and weights */
     /* head strides of the rows the tile kernels read: the cache's, or the widened tile's */
     const int64_t k_head = in_place ? a->k_sh : D, v_head = in_place ? a->v_sh : D;
     for (int64_t t0 = lo; t0 < hi; t0 += TILE) {
         int64_t n = hi - t0 < TILE ? hi - t0 : TILE;
         for (int64_t j = 0; j < n; j++) {
             const int64_t ahead = t0 + j + PREFETCH < hi ? t0 + j + PREFETCH : t0 + j;
-            pf_k[j] = a->k + row_offset(a, b, ahead, a->k_so, a->k_st) * es;
-            pf_v[j] = a->v + row_offset(a, b, ahead, a->v_so, a->v_st) * es;
-            const char *k = a->k + row_offset(a, b, t0 + j, a->k_so, a->k_st) * es;
-            const char *v = a->v + row_offset(a, b, t0 + j, a->v_so, a->v_st) * es;
+            pf_k[j] = a->k + row_offset(a, b, ahead, a->k_so, a->k_st) * kes;
+            pf_v[j] = a->v + row_offset(a, b, ahead, a->v_so, a->v_st) * kes;
+            const char *k = a->k + row_offset(a, b, t0 + j, a->k_so, a->k_st) * kes;
+            const char *v = a->v + row_offset(a, b, t0 + j, a->v_so, a->v_st) * kes;
+            if (quantized(bf)) {
+                const float *ks = a->k_scale + row_offset(a, b, t0 + j, a->ks_so, a->ks_st);
+                const float *vs = a->v_scale + row_offset(a, b, t0 + j, a->vs_so, a->vs_st);
+                for (int64_t hk = 0; hk < Hk; hk++) {
+                    kscale[j * Hk + hk] = ks[hk * a->ks_sh];
+                    vscale[j * Hk + hk] = vs[hk * a->vs_sh];
+                }
+            }
             if (in_place) {
                 krow[j] = k;
                 vrow[j] = v;
@@ -437,8 +501,9 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             prefetch_row(pf_v[j], span);
             float *kw = ktile + j * Hk * D, *vw = vtile + j * Hk * D;
             for (int64_t hk = 0; hk < Hk; hk++) {
-                row_f32(k + hk * a->k_sh * es, a->dtype, D, kw + hk * D);
-                row_f32(v + hk * a->v_sh * es, a->dtype, D, vw + hk * D);
+                const int q8 = quantized(bf);
+                kv_row_f32(k + hk * a->k_sh * kes, bf, D, q8 ? kscale[j * Hk + hk] : 1.f, kw + hk * D);
+                kv_row_f32(v + hk * a->v_sh * kes, bf, D, q8 ? vscale[j * Hk + hk] : 1.f, vw + hk * D);
             }
             krow[j] = kw;
             vrow[j] = vw;
@@ -458,6 +523,9 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             }
         for (int64_t qh = 0; qh < QH; qh++) {
             float *row = sc + qh * TILE, m = mx[qh];
+            const int64_t hk = (qh % Hq) / G;
+            if (scaled)
+                for (int64_t j = 0; j < n; j++) row[j] *= kscale[j * Hk + hk];
             if (a->softcap > 0.f)
                 for (int64_t j = 0; j < n; j++) row[j] = a->softcap * tanhf(row[j] / a->softcap);
 #pragma omp simd reduction(max : m)
@@ -472,6 +540,8 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
                 for (int64_t i = 0; i < D; i++) acc[qh * D + i] *= alpha;
             sum[qh] = sum[qh] * alpha + total;
             mx[qh] = m;
+            if (scaled) /* the weights of the V rows' bytes: each row's value is its bytes x scale */
+                for (int64_t j = 0; j < n; j++) row[j] *= vscale[j * Hk + hk];
         }
         for (int64_t hk = 0; hk < Hk; hk++)
             for (int64_t m = 0; m < M; m++) {
@@ -515,14 +585,16 @@ static inline __attribute__((always_inline)) void process_item_dtype(const Args 
         process_item_d(a, w, scratch, a->head_dim, wide, bf);
 }
 
-/* ... and with the row type as a constant: the bf16 loads widen in registers, the float32 ones
- * stay plain loads. */
+/* ... and with the row type as a constant: the bf16, int8 and fp8 loads widen in registers, the
+ * float32 ones stay plain loads. */
 static inline __attribute__((always_inline)) void process_item_sizes(const Args *a, const Work *w, float *scratch,
                                                                     const int wide) {
-    if (a->dtype == DT_BFLOAT16)
-        process_item_dtype(a, w, scratch, wide, 1);
-    else
-        process_item_dtype(a, w, scratch, wide, 0);
+    switch (a->kv_dtype) {
+    case DT_BFLOAT16: process_item_dtype(a, w, scratch, wide, DT_BFLOAT16); break;
+    case DT_INT8: process_item_dtype(a, w, scratch, wide, DT_INT8); break;
+    case DT_FP8: process_item_dtype(a, w, scratch, wide, DT_FP8); break;
+    default: process_item_dtype(a, w, scratch, wide, DT_FLOAT32);
+    }
 }
 
 static int wide_registers; /* AVX-512: set at import */
@@ -648,7 +720,7 @@ static int run(Args *a, int num_threads) {
     if (!failed) items = plan(a, num_threads, work, members, &largest);
     const int64_t parts = a->num_parts;
     const size_t scratch_floats = (size_t)(largest * (2 * Hq * D + Hq * TILE + 2 * Hq) +
-                                           2 * TILE * a->num_kv_heads * D);
+                                           2 * TILE * a->num_kv_heads * (D + 1));
     if (!failed && parts > 1) {
         a->partial = malloc(sizeof(float) * (size_t)(B * Hq * parts * D));
         a->lse = malloc(sizeof(float) * (size_t)(B * Hq * parts));
@@ -682,20 +754,33 @@ static int run(Args *a, int num_threads) {
 
 static PyObject *decode(PyObject *self, PyObject *args) {
     unsigned long long q, out, k, v, index, seq_lens, sinks, prefix_leaders, prefix_lens, new_k = 0, new_v = 0;
+    unsigned long long k_scale = 0, v_scale = 0;
     Args a = {0};
     double scale, softcap;
     int num_threads;
-    if (!PyArg_ParseTuple(args, "KKKKKKKKK" "LLLLLLLLLLLLLLLL" "dLdiii" "|KKLLLL", &q, &out, &k, &v, &index,
-                          &seq_lens, &sinks, &prefix_leaders, &prefix_lens,
+    a.kv_dtype = -1;
+    if (!PyArg_ParseTuple(args, "KKKKKKKKK" "LLLLLLLLLLLLLLLL" "dLdiii" "|KKLLLL" "iKKLLLLLL", &q, &out, &k, &v,
+                          &index, &seq_lens, &sinks, &prefix_leaders, &prefix_lens,
                           &a.index_stride_b, &a.batch, &a.num_q_heads, &a.num_kv_heads, &a.head_dim,
                           &a.block_size, &a.q_sb, &a.q_sh, &a.out_sb, &a.out_sh, &a.k_so, &a.k_st, &a.k_sh,
                           &a.v_so, &a.v_st, &a.v_sh, &scale, &a.window, &softcap, &a.dtype, &a.num_splits,
-                          &num_threads, &new_k, &new_v, &a.new_k_sb, &a.new_k_sh, &a.new_v_sb, &a.new_v_sh))
+                          &num_threads, &new_k, &new_v, &a.new_k_sb, &a.new_k_sh, &a.new_v_sb, &a.new_v_sh,
+                          &a.kv_dtype, &k_scale, &v_scale, &a.ks_so, &a.ks_st, &a.ks_sh, &a.vs_so, &a.vs_st,
+                          &a.vs_sh))
         return NULL;
+    if (a.kv_dtype < 0) a.kv_dtype = a.dtype; /* not given: the cache is in q's dtype */
     if (a.dtype != DT_FLOAT32 && a.dtype != DT_BFLOAT16) {
         PyErr_Format(PyExc_ValueError, "dtype code %d is not float32 (0) or bfloat16 (1)", a.dtype);
         return NULL;
     }
+    if (a.kv_dtype < DT_FLOAT32 || a.kv_dtype > DT_FP8 || (!quantized(a.kv_dtype) && a.kv_dtype != a.dtype) ||
+        (quantized(a.kv_dtype) && (!k_scale || !v_scale || new_k))) {
+        PyErr_Format(PyExc_ValueError, "kv dtype code %d: the query's (%d), or int8 (2) / fp8 (3) with both "
+                     "scale views and no new rows", a.kv_dtype, a.dtype);
+        return NULL;
+    }
+    a.k_scale = (const float *)(uintptr_t)k_scale;
+    a.v_scale = (const float *)(uintptr_t)v_scale;
     if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads || a.head_dim <= 0 || a.num_splits < 1 ||
         a.batch < 0 || a.block_size < 0) {
         PyErr_SetString(PyExc_ValueError, "bad shapes: heads, head_dim, splits or block_size");
@@ -738,7 +823,7 @@ PyDoc_STRVAR(decode_doc,
              "decode(q, out, k, v, index, seq_lens, sinks, prefix_leaders, prefix_lens, index_stride_b, batch, num_q_heads, num_kv_heads,\n"
              "       head_dim, block_size, q_sb, q_sh, out_sb, out_sh, k_so, k_st, k_sh, v_so, v_st, v_sh,\n"
              "       scale, window, softcap, dtype, num_splits, num_threads[, new_k, new_v, new_k_sb, new_k_sh,\n"
-             "       new_v_sb, new_v_sh])\n\n"
+             "       new_v_sb, new_v_sh[, kv_dtype, k_scale, v_scale, ks_so, ks_st, ks_sh, vs_so, vs_st, vs_sh]])\n\n"
              "Raw data pointers and element strides; checked by vmemkv.attention.cpu_decode, not here.");
 
 static PyObject *grouped_heads(PyObject *self, PyObject *args) {

@@ -63,6 +63,7 @@ import torch
 from vmemkv.cache.config import CacheConfig
 from vmemkv.errors import ConfigError, InvalidInputError, ManagerClosedError
 from vmemkv.cache.hashing import CacheKeys, MultimodalItem
+from vmemkv.memory.quantized_rows import KV_CACHE_DTYPES
 
 TOKEN_ID_LIMIT = 2 ** 63  # ids are hashed as int64
 PREEMPT_MODES = ("recompute", "swap", "auto")
@@ -226,6 +227,7 @@ def config(cfg):
         count(cfg.host_cache_bytes, "CacheConfig.host_cache_bytes", minimum=0)
         count(cfg.cold_cache_bytes, "CacheConfig.cold_cache_bytes", minimum=0)
         choice(cfg.cold_tier, "CacheConfig.cold_tier", COLD_TIERS)
+        choice(cfg.kv_cache_dtype, "CacheConfig.kv_cache_dtype", KV_CACHE_DTYPES)
         count(getattr(cfg, "vocab_size", None), "CacheConfig.vocab_size", minimum=1, optional=True)
         choice(cfg.layout, "CacheConfig.layout", LAYOUTS)
         choice(cfg.kv_backend, "CacheConfig.kv_backend", KV_BACKENDS)
@@ -255,6 +257,10 @@ def config(cfg):
                           f"{cfg.cold_cache_bytes} and enable_prefix_caching {cfg.enable_prefix_caching}; "
                           "the cold tier keeps prefix-cache blocks: give it cold_cache_bytes > 0 "
                           "with prefix caching on, or set cold_tier='off'")
+    if cfg.kv_cache_dtype != "auto" and (cfg.latent or cfg.cold_tier != "off"):
+        what = "an MLA model's latent rows" if cfg.latent else f"the cold tier ({cfg.cold_tier})"
+        raise ConfigError(f"CacheConfig.kv_cache_dtype {cfg.kv_cache_dtype!r} with {what}: quantized KV "
+                          "covers K/V rows without a cold tier so far; use kv_cache_dtype='auto'")
     if cfg.cold_tier == "off" and cfg.cold_cache_bytes:
         raise ConfigError(f"CacheConfig.cold_cache_bytes is {cfg.cold_cache_bytes} with cold_tier "
                           "'off'; choose cold_tier 'int8' or 'int4', or leave cold_cache_bytes 0")

@@ -6,7 +6,9 @@ SDPA reads a slot's K as a strided view whose consecutive tokens sit a whole mod
 apart, one sequence (or one batch of consecutive slots) per call, and block tables need a gather
 first. The native routine reads each key row where it lies, once per group of query heads, for
 all sequences of the step in one call, on OpenMP threads with the GIL released. float32 and
-bfloat16; ``unavailable()`` says why it cannot run here, and the engine then attends with SDPA.
+bfloat16 queries over a cache in their dtype or quantized (int8 / fp8 rows with a float32 scale each,
+``memory/quantized_rows.py``, read and scaled in registers); ``unavailable()`` says why it cannot
+run here, and the engine then attends with SDPA.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch
 from vmemkv.attention.decode_checks import (check_block_tables, check_inputs, check_slot_ids, check_variant,
                                            query_and_output)
 
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # of q and out
+KV_DTYPES = {**DTYPES, torch.int8: 2, torch.float8_e4m3fn: 3}  # of the cache (the last two with scales)
 MIN_KEYS_PER_SPLIT = 256  # a split's keys: fewer, and combining them costs more than it saves
 
 
@@ -93,7 +96,7 @@ class LayerCalls:
 
     @staticmethod
     def geometry(q, k, v, out, new_kv, index, seq_lens, scale, window, softcap, sinks, check_bounds,
-                 num_threads, num_splits, max_seq_len, shared_prefix) -> tuple | None:
+                 num_threads, num_splits, max_seq_len, shared_prefix, kv_scales=None) -> tuple | None:
         """What a call's checks and arguments depend on, besides its tensors' addresses; None for a
         call that converts a tensor (a copy's address changes per call) or has per-layer sinks."""
         if sinks is not None or check_bounds or q.stride(2) != 1:
@@ -104,9 +107,10 @@ class LayerCalls:
                 None if out is None else (out.shape, out.stride(), out.dtype),
                 None if new_kv is None else tuple((t.shape, t.stride()) for t in new_kv),
                 id(index), id(seq_lens), None if shared_prefix is None else tuple(map(id, shared_prefix)),
-                scale, window, softcap, num_threads, num_splits, max_seq_len)
+                scale, window, softcap, num_threads, num_splits, max_seq_len,
+                None if kv_scales is None else tuple((t.shape, t.stride()) for t in kv_scales))
 
-    def run(self, geometry: tuple, q, k, v, out, new_kv) -> torch.Tensor | None:
+    def run(self, geometry: tuple, q, k, v, out, new_kv, kv_scales=None) -> torch.Tensor | None:
         """The call of a geometry seen before, with these tensors; None if it is new."""
         known = self._calls.get(geometry)
         if known is None:
@@ -116,7 +120,9 @@ class LayerCalls:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
         arguments[:4] = q.data_ptr(), out.data_ptr(), k.data_ptr(), v.data_ptr()
         if new_kv is not None:
-            arguments[-6:-4] = new_kv[0].data_ptr(), new_kv[1].data_ptr()
+            arguments[NEW_KV_AT:NEW_KV_AT + 2] = new_kv[0].data_ptr(), new_kv[1].data_ptr()
+        if kv_scales is not None:
+            arguments[SCALES_AT:SCALES_AT + 2] = kv_scales[0].data_ptr(), kv_scales[1].data_ptr()
         _extension().decode(*arguments)
         return out
 
@@ -124,8 +130,13 @@ class LayerCalls:
         self._calls[geometry] = arguments, keep
 
 
+# where the call's arguments (see _run) hold the new rows' and the scales' pointers
+NEW_KV_AT, SCALES_AT = 31, 38
+
+
 def _run(q, k, v, index, index_stride_b, seq_lens, scale, block_size, out, window, softcap, sinks,
-         num_threads, num_splits, max_seq_len, shared_prefix, new_kv, calls=None, geometry=None):
+         num_threads, num_splits, max_seq_len, shared_prefix, new_kv, calls=None, geometry=None,
+         kv_scales=None):
     check_variant(q, window, softcap, sinks)
     shared_prefix = _check_shared_prefix(shared_prefix, q.shape[0], window)
     new_kv = _check_new_kv(new_kv, q.shape[0], k)
@@ -153,7 +164,9 @@ def _run(q, k, v, index, index_stride_b, seq_lens, scale, block_size, out, windo
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         float(scale), window or 0, float(softcap or 0.0), DTYPES[q.dtype], max(1, int(num_splits)), threads,
         *((new_kv[0].data_ptr(), new_kv[1].data_ptr(), new_kv[0].stride(0), new_kv[0].stride(1),
-           new_kv[1].stride(0), new_kv[1].stride(1)) if new_kv else ())]
+           new_kv[1].stride(0), new_kv[1].stride(1)) if new_kv else (0, 0, 0, 0, 0, 0)),
+        KV_DTYPES[k.dtype], *((kv_scales[0].data_ptr(), kv_scales[1].data_ptr(), *kv_scales[0].stride(),
+                               *kv_scales[1].stride()) if kv_scales else (0,) * 8)]
     _extension().decode(*arguments)
     if geometry is not None:  # keep the converted indices alive with the pointers into them
         calls.remember(geometry, arguments, (index, seq_lens, shared_prefix))
@@ -168,9 +181,12 @@ def decode_attention_contiguous_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_ca
                                     num_splits: int | None = None, max_seq_len: int | None = None,
                                     shared_prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
                                     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                                    calls: LayerCalls | None = None) -> torch.Tensor:
+                                    calls: LayerCalls | None = None,
+                                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``q`` ``[B, Hq, D]``; ``k_cache``/``v_cache`` strided ``[num_slots, max_tokens, Hk, D]`` views
-    (last dim contiguous); sequence ``b`` attends to ``k_cache[slot_ids[b], :seq_lens[b]]`` (its last
+    (last dim contiguous), in q's dtype, or int8 / float8_e4m3fn with ``kv_scales`` (their float32
+    scales ``[num_slots, max_tokens, Hk]``: a row's value is its bytes times its scale; no
+    ``new_kv`` then); sequence ``b`` attends to ``k_cache[slot_ids[b], :seq_lens[b]]`` (its last
     ``window`` keys with a window). Returns ``[B, Hq, D]`` in q's dtype (into ``out`` when given).
 
     The routine trusts its indices, as the engine's are right by construction: ``check_bounds=True``
@@ -188,15 +204,18 @@ def decode_attention_contiguous_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_ca
     write and its attention in one call).
 
     ``calls``: a step's ``LayerCalls``, for calls that repeat one geometry layer after layer."""
+    if kv_scales is not None and new_kv is not None:
+        raise ValueError("new_kv with quantized rows: quantize and write them first (quantized_rows.write_rows)")
     geometry = None if calls is None else LayerCalls.geometry(
         q, k_cache, v_cache, out, new_kv, slot_ids, seq_lens, scale, window, softcap, sinks, check_bounds,
-        num_threads, num_splits, max_seq_len, shared_prefix)
-    if geometry is not None and (done := calls.run(geometry, q, k_cache, v_cache, out, new_kv)) is not None:
+        num_threads, num_splits, max_seq_len, shared_prefix, kv_scales)
+    if geometry is not None and (done := calls.run(geometry, q, k_cache, v_cache, out, new_kv,
+                                                   kv_scales)) is not None:
         return done
-    check_inputs(q, k_cache, v_cache, seq_lens, ("k_cache", "v_cache"), out)
+    check_inputs(q, k_cache, v_cache, seq_lens, ("k_cache", "v_cache"), out, kv_scales)
     check_slot_ids(slot_ids, q, seq_lens, k_cache, check_bounds)
     return _run(q, k_cache, v_cache, _as_int32(slot_ids), 1, seq_lens, scale, 0, out, window, softcap,
-                sinks, num_threads, num_splits, max_seq_len, shared_prefix, new_kv, calls, geometry)
+                sinks, num_threads, num_splits, max_seq_len, shared_prefix, new_kv, calls, geometry, kv_scales)
 
 
 def decode_attention_paged_cpu(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,

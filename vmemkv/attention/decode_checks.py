@@ -7,12 +7,18 @@ from __future__ import annotations
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)  # with a float32 scale a row
 MAX_HEAD_DIM = 256
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
-                  names: tuple[str, str], out: torch.Tensor | None) -> None:
+                  names: tuple[str, str], out: torch.Tensor | None,
+                  kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """``kv_scales``: the float32 scales ``[outer, tokens, kv_heads]`` of quantized (int8 / fp8)
+    ``k`` and ``v`` (``memory/quantized_rows.py``); None when they hold q's dtype."""
     k_name, v_name = names
+    if kv_scales is not None:
+        check_scales(k, v, kv_scales, names)
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {tuple(q.shape)}")
     if k.dim() != 4 or v.dim() != 4:
@@ -22,7 +28,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: to
         raise ValueError(f"{k_name} {tuple(k.shape)} and {v_name} {tuple(v.shape)} must have the same shape")
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q dtype {q.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
+    if kv_scales is None and (k.dtype != q.dtype or v.dtype != q.dtype):
         raise ValueError(f"q, {k_name} and {v_name} must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
@@ -50,6 +56,16 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: to
         raise ValueError(f"all tensors must be on one device, got {devices}")
     if q.device.type not in ("cuda", "cpu"):
         raise ValueError(f"device {q.device} is not supported: CUDA runs compiled, CPU interpreted")
+
+
+def check_scales(k: torch.Tensor, v: torch.Tensor, kv_scales, names: tuple[str, str]) -> None:
+    if k.dtype not in QUANTIZED_DTYPES or v.dtype != k.dtype:
+        raise ValueError(f"kv_scales go with int8 or float8_e4m3fn {names[0]} and {names[1]}, got "
+                         f"{k.dtype} and {v.dtype}")
+    for name, scales in zip(names, kv_scales):
+        if scales.dtype != torch.float32 or scales.shape != k.shape[:3] or scales.device != k.device:
+            raise ValueError(f"the scales of {name} must be float32 {tuple(k.shape[:3])} on {k.device} "
+                             f"(one a row), got {scales.dtype} {tuple(scales.shape)} on {scales.device}")
 
 
 def check_variant(q: torch.Tensor, window: int | None, softcap: float | None,

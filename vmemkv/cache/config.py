@@ -11,6 +11,7 @@ import torch
 
 from vmemkv.errors import ConfigError
 from vmemkv.memory.layout import KVLayout, LayoutKind, choose_page, unpadded_row_bytes
+from vmemkv.memory.quantized_rows import storage_dtype
 from vmemkv.memory.vmm import DEFAULT_DEVICE, device_granularity as mapping_granularity
 
 
@@ -47,6 +48,10 @@ class CacheConfig:
     # Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3): each layer caches one latent row per
     # token (num_kv_heads 1, head_dim kv_lora_rank + qk_rope_head_dim) instead of K and V.
     latent: bool = False
+    # How K/V values are stored (vLLM's kv_cache_dtype): "auto" in ``dtype``; "int8" or "fp8"
+    # (e4m3) one byte a value with a float32 scale per token and head beside them in the page
+    # (memory/quantized_rows.py): half of bfloat16's bytes, a quarter of float32's, lossy.
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     hash_algorithm: str = "sha256"
     # The prefix hash chain's seed. None: a random one per manager (a hybrid model's layout
@@ -94,8 +99,13 @@ class CacheConfig:
     # cost more than its KV; 0: no saved states (no prefix hits for these models).
     state_cache_interval: int | None = None
 
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype K/V values are stored in: ``dtype``, or int8 / float8_e4m3fn when quantized."""
+        return storage_dtype(self.dtype, self.kv_cache_dtype)
+
     def make_layout(self) -> KVLayout:
-        shape = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        shape = (self.num_layers, self.num_kv_heads, self.head_dim, self.storage_dtype)
         if self.page_size:
             return KVLayout(*shape, self.page_size, self.layout, latent=self.latent)
         device_granularity = mapping_granularity(self.device)

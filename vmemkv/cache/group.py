@@ -472,6 +472,9 @@ class KVCacheGroup:
         """Group layer ``layer``'s K and V over every slot (its index among ``layers``)."""
         return self.slots.kv_views(layer)
 
+    def kv_scale_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.slots.kv_scale_views(layer)
+
     def block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.slots.block_views(layer)
 
@@ -703,7 +706,7 @@ class RecurrentStateGroup(KVCacheGroup):
         raise ConfigError(f"layer {self.layers[layer]} holds {self.spec.describe()}, no K/V; "
                           "read it with state_views")
 
-    block_views = kv_views
+    block_views = kv_scale_views = kv_views
 
     def blocks_for_tokens(self, num_tokens: int, chunk_tokens: int | None = None) -> int:
         return self.state_blocks

@@ -249,6 +249,11 @@ class CacheQueries:
         group, index = self.coordinator.where(check.layer_index(layer, self.config.num_layers))
         return group.kv_views(index)
 
+    def kv_scale_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        self.registry.check_open()
+        group, index = self.coordinator.where(check.layer_index(layer, self.config.num_layers))
+        return group.kv_scale_views(index)
+
     def state_views(self, layer: int) -> list[torch.Tensor]:
         self.registry.check_open()
         group, index = self.coordinator.where(check.layer_index(layer, self.config.num_layers),

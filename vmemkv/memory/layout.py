@@ -20,6 +20,13 @@ A logical page is backed by a *block* of ``pages_per_block`` consecutive physica
 difference. The same layout addresses the backend's pool window as a block table, which is what the
 block-table baseline reads: identical bytes, different addressing.
 
+A quantized layout (``dtype`` int8 or float8_e4m3fn: ``kv_cache_dtype`` "int8" / "fp8",
+``quantized_rows.py``) stores each row of ``head_dim`` values in one byte a value and one float32
+scale per row: a token-major token row is ``[layer][k|v][kv_head][dim]`` values then
+``[layer][k|v][kv_head]`` scales; a per-layer tensor's row ``[kv_head][dim]`` then ``[kv_head]``.
+The scales are in the page, so every copy of a page carries them. ``scale_view_geometry`` addresses
+them as float32 views ``[token, kv_head]``.
+
 A token's row may be padded (``token_stride_bytes`` > the bytes it needs) so that a page of few
 tokens is a whole number of 2 MiB CUDA granules; ``choose_page`` picks the stride and the page.
 Views step over the padding with their strides, so attention never reads or writes it.
@@ -35,6 +42,7 @@ import numpy as np
 import torch
 
 from vmemkv.errors import ConfigError
+from vmemkv.memory.quantized_rows import SCALE_BYTES, is_quantized
 
 LayoutKind = Literal["token_major", "per_layer"]
 
@@ -62,9 +70,13 @@ class KVLayout:
         if not self.token_stride_bytes:
             object.__setattr__(self, "token_stride_bytes", needed)  # frozen: set once, here
         stride = self.token_stride_bytes
-        if stride < needed or stride % self.itemsize:
+        unit = SCALE_BYTES if self.scaled else self.itemsize  # a scale view steps in float32s
+        if self.scaled and (self.head_elems * self.itemsize) % SCALE_BYTES:
+            raise ConfigError(f"{self.dtype} KV needs kv_heads x head_dim ({self.head_elems}) to be a "
+                              f"multiple of {SCALE_BYTES}: the scales after the values are float32s")
+        if stride < needed or stride % unit:
             raise ConfigError(
-                f"token stride {stride} B must be a multiple of {self.itemsize} B and at least one "
+                f"token stride {stride} B must be a multiple of {unit} B and at least one "
                 f"token's {self.kind} row ({needed} B = {self._row_description()})")
         if self.page_size % stride:
             what = f"one token's {self.kind} row" if stride == needed else "the padded token stride"
@@ -77,6 +89,11 @@ class KVLayout:
     @cached_property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
+
+    @cached_property
+    def scaled(self) -> bool:
+        """Whether each row carries a float32 scale (int8 or fp8 values)."""
+        return is_quantized(self.dtype)
 
     @cached_property
     def head_elems(self) -> int:
@@ -94,13 +111,19 @@ class KVLayout:
         return self.rows_per_layer * self.num_layers * self.head_elems
 
     @cached_property
+    def scale_bytes_per_row(self) -> int:
+        """The scales of one K (or V) row of every head: 0 unless quantized."""
+        return self.num_kv_heads * SCALE_BYTES if self.scaled else 0
+
+    @cached_property
     def kv_bytes_per_token_per_layer(self) -> int:
-        """What one token holds for one layer: its K and V, or an MLA model's latent row."""
-        return self.rows_per_layer * self.head_elems * self.itemsize
+        """What one token holds for one layer: its K and V, or an MLA model's latent row (with
+        their scales when quantized)."""
+        return self.rows_per_layer * (self.head_elems * self.itemsize + self.scale_bytes_per_row)
 
     @cached_property
     def token_bytes(self) -> int:
-        return self.token_elems * self.itemsize
+        return self.num_layers * self.kv_bytes_per_token_per_layer
 
     @cached_property
     def row_data_bytes(self) -> int:
@@ -125,8 +148,11 @@ class KVLayout:
 
     def _row_description(self) -> str:
         if self.kind == "token_major":
-            return f"{self.rows_per_layer} x {self.num_layers} layers x {self.num_kv_heads} heads x {self.head_dim} dim x {self.itemsize} B"
-        return f"{self.num_kv_heads} heads x {self.head_dim} dim x {self.itemsize} B"
+            rows = f"{self.rows_per_layer} x {self.num_layers} layers x "
+        else:
+            rows = ""
+        scales = f" + {self.num_kv_heads} scales x {SCALE_BYTES} B" if self.scaled else ""
+        return f"{rows}({self.num_kv_heads} heads x {self.head_dim} dim x {self.itemsize} B{scales})"
 
     @cached_property
     def tokens_per_page(self) -> int:
@@ -200,6 +226,20 @@ class KVLayout:
             return strides, row * self.head_elems
         return strides, row * (self.page_size // self.itemsize)
 
+    def scale_view_geometry(self, layer: int, kv: int, max_tokens: int) -> tuple[tuple[int, int], int]:
+        """Strides (token, head) in float32 elements and the float32 offset of the scales of layer
+        ``layer``'s K (``kv=0``) or V (``kv=1``) within one slot (a quantized layout only)."""
+        if not self.scaled:
+            raise ConfigError(f"a {self.dtype} layout has no scales")
+        row = self._row_index(layer, kv)
+        strides = (self.token_stride_bytes // SCALE_BYTES, 1)
+        if self.kind == "token_major":
+            at = self.num_layers * self.rows_per_layer * self.head_elems * self.itemsize + row * self.scale_bytes_per_row
+        else:
+            tensor_bytes = self.logical_pages_for(max_tokens) * self.page_size
+            at = row * tensor_bytes + self.head_elems * self.itemsize
+        return strides, at // SCALE_BYTES
+
     def describe(self) -> dict:
         return {
             "kind": self.kind,
@@ -265,6 +305,8 @@ def unpadded_row_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
     """Bytes one token needs in one physical page of a ``kind`` layout (``latent``: one row per
     layer, not K and V)."""
     row = num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    if is_quantized(dtype):
+        row += num_kv_heads * SCALE_BYTES  # each head's row has its scale
     return row * (1 if latent else 2) * num_layers if kind == "token_major" else row
 
 

@@ -15,6 +15,7 @@ import torch
 
 from vmemkv.errors import MappingLimitError
 from vmemkv.memory.layout import KVLayout
+from vmemkv.memory.quantized_rows import SCALE_BYTES, SCALE_DTYPE
 from vmemkv.memory.slots import MapJob, SlotBinder, kept_pages
 from vmemkv.memory.vmm.base import VirtualMemoryBackend
 from vmemkv.memory.vmm.cpu_limits import count_range_mappings
@@ -43,6 +44,8 @@ class SlotMapper(SlotBinder):
         self._has_filler = backend.num_pages >= self._filler_base + self.slot_pages
         self._read_pins: dict[int, int] = {}  # slot -> leading logical pages a batched read needs
         self._views = [self._layer_views(layer) for layer in range(layout.num_layers)]
+        if layout.scaled:  # counted with the views (_reference_counts)
+            self._scale_views = [self._layer_scale_views(layer) for layer in range(layout.num_layers)]
         self._own_references = self._reference_counts()
 
     def _slot_already_mapping(self, first_block: int, default: int) -> int:
@@ -315,6 +318,23 @@ class SlotMapper(SlotBinder):
             strides, offset = layout.slot_view_geometry(layer, kv, self.max_tokens)
             views.append(self.backend.tensor(self.vrange, layout.dtype, shape,
                                              (slot_elems, *strides), offset * layout.itemsize))
+        return views[0], views[1]
+
+    def kv_scale_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A quantized layout's scales of layer ``layer``'s K and V rows over every slot,
+        ``[num_slots, max_tokens, kv_heads]`` float32 (a row's value is its bytes times its
+        scale); None when the layout stores plain values."""
+        return self._scale_views[layer] if self.layout.scaled else None
+
+    def _layer_scale_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        layout = self.layout
+        slot_floats = self.slot_pages * layout.page_size // SCALE_BYTES
+        shape = (self.num_slots, self.max_tokens, layout.num_kv_heads)
+        views = []
+        for kv in (0, 1):
+            strides, offset = layout.scale_view_geometry(layer, kv, self.max_tokens)
+            views.append(self.backend.tensor(self.vrange, SCALE_DTYPE, shape, (slot_floats, *strides),
+                                             offset * SCALE_BYTES))
         return views[0], views[1]
 
     def close(self) -> None:

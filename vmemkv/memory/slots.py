@@ -210,6 +210,10 @@ class SlotBinder:
         raise ConfigError("kv_backend='paged' (a block-table cache) has no slot views; use "
                           "block_views() with the requests' block tables, or kv_backend='vmem'")
 
+    def kv_scale_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        raise ConfigError("kv_backend='paged' (a block-table cache) has no slot views; use "
+                          "kv_backend='vmem' with a quantized kv_cache_dtype")
+
     def block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V over the whole pool as vLLM-style block tensors
         ``[num_blocks, tokens_per_page, kv_heads, dim]`` (the backend's pool window)."""
@@ -229,7 +233,8 @@ class SlotBinder:
     def _reference_counts(self) -> list[int]:
         """References to each view tensor and to each distinct storage under them (tensors and
         arrays made from a view hold its storage, not the view)."""
-        views = [t for pair in self._block_views + getattr(self, "_views", []) for t in pair]
+        views = [t for pair in self._block_views + getattr(self, "_views", []) + getattr(self, "_scale_views", [])
+                 for t in pair]
         storages = {}
         for view in views:
             storage = view.untyped_storage()

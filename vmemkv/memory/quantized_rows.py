@@ -1,0 +1,60 @@
+"""Quantized KV rows: ``kv_cache_dtype`` "int8" or "fp8" (vLLM's ``--kv-cache-dtype``).
+
+Each K (or V) row of one token and one KV head, ``head_dim`` values, is stored in one byte a value
+with one float32 scale, symmetric: ``value ~= stored * scale``, ``scale = max|row| / QMAX``
+(per token and head, as vLLM's int8 KV; fp8 is e4m3, whose largest value is 448). The scales sit
+in the same token row as the values (``KVLayout``: after the row's values), so every copy of a
+page (copy-on-write, swap, the host tier, a prefix hit) carries them; no other table exists.
+
+A row's scale is fixed when the row is written, so reading never re-quantizes: attention either
+reads the bytes and scales where they lie (the native CPU decode routine, the Triton kernel) or
+dequantizes the rows it reads (``dequantize``) for SDPA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vmemkv.errors import ConfigError
+
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+SCALE_DTYPE = torch.float32
+SCALE_BYTES = 4
+
+
+def storage_dtype(model_dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
+    """The dtype a cache of ``kv_cache_dtype`` stores its values in (``auto``: the model's)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype is {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+    return model_dtype if kv_cache_dtype == "auto" else STORAGE[kv_cache_dtype]
+
+
+def is_quantized(dtype: torch.dtype) -> bool:
+    """Whether rows of ``dtype`` carry a scale each (int8 and fp8 storage)."""
+    return dtype in QMAX
+
+
+def quantize(rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` ``[..., D]`` as ``(values [..., D] in dtype, scales [...] float32)``: one scale per
+    row, the row's largest magnitude over ``QMAX`` (1 for an all-zero row)."""
+    wide = rows.float()
+    scale = wide.abs().amax(dim=-1) / QMAX[dtype]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scaled = wide / scale[..., None]
+    if dtype == torch.int8:
+        return scaled.round_().clamp_(-127, 127).to(torch.int8), scale
+    return scaled.clamp_(-448.0, 448.0).to(dtype), scale
+
+
+def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``values`` ``[..., D]`` with their ``scales`` ``[...]`` back in ``dtype`` (a new tensor)."""
+    return (values.float() * scales[..., None]).to(dtype)
+
+
+def write_rows(values: torch.Tensor, scales: torch.Tensor, index: tuple, rows: torch.Tensor) -> None:
+    """Quantize ``rows`` and store them at ``values[index]`` and their scales at ``scales[index]``."""
+    quantized, scale = quantize(rows, values.dtype)
+    values[index] = quantized
+    scales[index] = scale
