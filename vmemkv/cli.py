@@ -29,6 +29,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "host_cache_bytes": 0,
     "kv_cold_tier": "off",
     "kv_cold_cache_bytes": 0,
+    "kv_cache_dtype": "auto",
     "kv_backend": "vmem",
     "attention": "auto",
     "policy": "lpm",
@@ -108,6 +109,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "dropping them; a request with kv_exact never reuses them")
     group.add_argument("--kv-cold-cache-bytes", type=int, default=None,
                        help="host memory for the compressed pages of --kv-cold-tier, in bytes")
+    group.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8"],
+                       help="how K/V are stored: auto (the model's dtype), or int8 / fp8 (e4m3) with a "
+                            "float32 scale per token and head: half of bfloat16's bytes, lossy")
     group.add_argument("--state-cache-interval", type=int, default=None,
                        help="models with recurrent state layers: tokens between saved states for "
                             "prefix hits, a multiple of --tokens-per-page (default: 4 pages; 0: off)")
@@ -178,6 +182,7 @@ def engine_config_from_args(args: argparse.Namespace):
         "host_cache_bytes": args.host_cache_bytes,
         "kv_cold_tier": args.kv_cold_tier,
         "kv_cold_cache_bytes": args.kv_cold_cache_bytes,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "state_cache_interval": args.state_cache_interval,
         "seed": args.seed,
         "kv_backend": args.kv_backend,

@@ -1,6 +1,10 @@
 """vmem addressing: each sequence's K/V is its slot view narrowed to its length, a plain strided
 tensor, so SDPA reads it with no block table and no copy. Decoding sequences in consecutive slots
-are read together: their K (or V) is one strided view ``[hi - lo, longest, kv_heads, dim]``."""
+are read together: their K (or V) is one strided view ``[hi - lo, longest, kv_heads, dim]``.
+
+A quantized cache (int8 / fp8 rows with a float32 scale each, ``memory/quantized_rows.py``) is
+written quantized; the decode kernels read its bytes and scales in place, and SDPA gets the rows
+it reads dequantized into the query's dtype (a step's rows, never the whole cache)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import torch
 from vmemkv.attention.metadata import StepMetadata
 from vmemkv.attention.packed import PackedAttention, SequenceSpan
 from vmemkv.attention.slot_batch import DecodeBatch, slot_runs, worth_batching
+from vmemkv.memory.quantized_rows import dequantize, write_rows
 
 
 class SlotReads(Protocol):
@@ -26,12 +31,16 @@ class SlotReads(Protocol):
 class ContiguousAttention(PackedAttention):
     """``kv_views(layer)`` gives that layer's ``[slot, token, kv_head, dim]`` K and V views.
     ``reads``: when given (CPU SDPA), decoding sequences in consecutive slots are attended in one
-    call per run; it makes every position such a call reads mapped (``make_readable``)."""
+    call per run; it makes every position such a call reads mapped (``make_readable``).
+    ``kv_scale_views(layer)``: a quantized cache's scales of that layer (``KVCacheManager.kv_scale_views``)."""
 
     def __init__(self, spans: list[SequenceSpan],
                  kv_views: Callable[[int], tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-                 decode_kernel: bool = False, reads: SlotReads | None = None, prefix_block_tokens: int = 0):
+                 decode_kernel: bool = False, reads: SlotReads | None = None, prefix_block_tokens: int = 0,
+                 kv_scale_views: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None):
         self.kv_views = kv_views
+        self.kv_scale_views = kv_scale_views
+        self.decode_writes_rows = kv_scale_views is None  # quantized rows are written by write()
         self.reads = reads if torch.device(device).type == "cpu" else None
         super().__init__(spans, device, decode_kernel, prefix_block_tokens)
 
@@ -70,8 +79,24 @@ class ContiguousAttention(PackedAttention):
 
     def write(self, layer, key, value):
         k_cache, v_cache = self.kv_views(layer)
-        k_cache[self.write_slots, self.write_positions] = key.to(k_cache.dtype)
-        v_cache[self.write_slots, self.write_positions] = value.to(v_cache.dtype)
+        at = (self.write_slots, self.write_positions)
+        if self.kv_scale_views is not None:
+            k_scales, v_scales = self.kv_scale_views(layer)
+            write_rows(k_cache, k_scales, at, key)
+            write_rows(v_cache, v_scales, at, value)
+            return
+        k_cache[at] = key.to(k_cache.dtype)
+        v_cache[at] = value.to(v_cache.dtype)
+
+    def _rows(self, layer, outer, tokens, dtype):
+        """K and V at ``[outer, tokens]`` of the layer's views: as they lie, or dequantized into
+        ``dtype`` (new tensors)."""
+        k_cache, v_cache = self.kv_views(layer)
+        if self.kv_scale_views is None:
+            return k_cache[outer, tokens], v_cache[outer, tokens]
+        k_scales, v_scales = self.kv_scale_views(layer)
+        return (dequantize(k_cache[outer, tokens], k_scales[outer, tokens], dtype),
+                dequantize(v_cache[outer, tokens], v_scales[outer, tokens], dtype))
 
     def cache_views(self, layer):
         return self.kv_views(layer)
@@ -79,26 +104,25 @@ class ContiguousAttention(PackedAttention):
     def prefill_index(self, members):
         return [self.spans[i].slot for i in members], 0
 
-    def read(self, layer, index, start=0):
-        k_cache, v_cache = self.kv_views(layer)
+    def read(self, layer, index, start=0, dtype=None):
         span = self.spans[index]
-        return k_cache[span.slot, start:span.length], v_cache[span.slot, start:span.length]
+        return self._rows(layer, span.slot, slice(start, span.length), dtype)
 
-    def batch_kv(self, layer, batch, start=0):
-        k_cache, v_cache = self.kv_views(layer)
+    def batch_kv(self, layer, batch, start=0, dtype=None):
         end = batch.lo + len(batch.members)
-        return k_cache[batch.lo:end, start:batch.read_len], v_cache[batch.lo:end, start:batch.read_len]
+        return self._rows(layer, slice(batch.lo, end), slice(start, batch.read_len), dtype)
 
     def decode(self, layer, q, scale, **variant):
         k_cache, v_cache = self.kv_views(layer)
+        scales = None if self.kv_scale_views is None else self.kv_scale_views(layer)
         if self.device.type == "cpu":  # the native routine (cpu_decode); Triton on CUDA
             from vmemkv.attention.cpu_decode import decode_attention_contiguous_cpu
 
             return decode_attention_contiguous_cpu(q, k_cache, v_cache, self.decode_slots, self.decode_lens, scale,
                                                    max_seq_len=self.decode_max_len,
                                                    shared_prefix=self.shared_prefix(variant["window"]),
-                                                   calls=self.layer_calls, **variant)
+                                                   calls=self.layer_calls, kv_scales=scales, **variant)
         from vmemkv.attention.triton_decode import decode_attention_contiguous
 
         return decode_attention_contiguous(q, k_cache, v_cache, self.decode_slots, self.decode_lens,
-                                           scale, max_seq_len=self.decode_max_len, **variant)
+                                           scale, max_seq_len=self.decode_max_len, kv_scales=scales, **variant)

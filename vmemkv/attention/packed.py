@@ -59,6 +59,8 @@ class PackedAttention:
     the decode kernel is the CPU's), decoding sequences that hold the same leading blocks read
     them once per group (``shared_prefix``)."""
 
+    decode_writes_rows = True  # the native decode call may write the step's new rows itself
+
     def __init__(self, spans: list[SequenceSpan], device: torch.device, decode_kernel: bool = False,
                  prefix_block_tokens: int = 0):
         self.spans = spans
@@ -154,7 +156,7 @@ class PackedAttention:
         _, num_heads, num_tokens, head_dim = query.shape
         scale = scaling if scaling is not None else head_dim ** -0.5
         new_kv = key[0].transpose(0, 1), value[0].transpose(0, 1)
-        if self._decodes_are_all and self.device.type == "cpu" and not chunk:
+        if self._decodes_are_all and self.device.type == "cpu" and not chunk and self.decode_writes_rows:
             # the native routine writes each sequence's new token itself, then attends: one call
             output = query.new_empty((1, num_tokens, num_heads, head_dim))
             self.decode(layer, query[0].transpose(0, 1), scale, out=output[0], new_kv=new_kv, window=window,
@@ -182,7 +184,7 @@ class PackedAttention:
         one_by_one = self.sdpa_spans
         if self._one_batch_is_all and (read := self.batches[0].window(window)) is not None:
             # the common decode step: one batch whose rows are the packed rows, in order
-            output = attend(query, *self.batch_kv(layer, self.batches[0], read[0]), read[1],
+            output = attend(query, *self.batch_kv(layer, self.batches[0], read[0], query.dtype), read[1],
                             self.batches[0], scale, None, softcap, sinks)
             self.seconds += time.perf_counter() - start
             return output
@@ -193,7 +195,7 @@ class PackedAttention:
                 if read is None:  # windows start apart: no read behind any member's window
                     one_by_one = one_by_one + batch.members
                     continue
-                attend(query, *self.batch_kv(layer, batch, read[0]), read[1], batch, scale, output,
+                attend(query, *self.batch_kv(layer, batch, read[0], query.dtype), read[1], batch, scale, output,
                        softcap, sinks)
         if one_by_one and self._native_prefill(query, layer, window, softcap, sinks):
             # every other sequence in one native call that reads the cache in place (cpu_prefill)
@@ -220,7 +222,7 @@ class PackedAttention:
         span = self.spans[index]
         q = query[:, :, span.query_start: span.query_start + span.num_queries]
         first = chunk_start(span.num_cached, chunk) if chunk else window_start(span.num_cached, window)
-        k, v = self.read(layer, index, first)  # [length - first, Hk, D] each
+        k, v = self.read(layer, index, first, q.dtype)  # [length - first, Hk, D] each
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
@@ -269,16 +271,20 @@ class PackedAttention:
         """Decoding spans this addressing reads together (called once per step; none here)."""
         return []
 
-    def batch_kv(self, layer: int, batch: DecodeBatch, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch's keys and values at positions ``start .. read_len``, ``[B, read_len - start, Hk, D]``."""
+    def batch_kv(self, layer: int, batch: DecodeBatch, start: int = 0,
+                 dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch's keys and values at positions ``start .. read_len``, ``[B, read_len - start, Hk, D]``
+        (a quantized cache's dequantized into ``dtype``)."""
         raise NotImplementedError
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store ``key``/``value`` ``[T, Hk, D]`` (the packed batch's new tokens)."""
         raise NotImplementedError
 
-    def read(self, layer: int, index: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequence ``index``'s keys and values from position ``start``, ``[length - start, Hk, D]``."""
+    def read(self, layer: int, index: int, start: int = 0,
+             dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence ``index``'s keys and values from position ``start``, ``[length - start, Hk, D]``
+        (a quantized cache's dequantized into ``dtype``)."""
         raise NotImplementedError
 
     def decode(self, layer: int, q: torch.Tensor, scale: float, **variant) -> torch.Tensor:

@@ -71,7 +71,7 @@ class BlockTableAttention(PackedAttention):
         self._batch_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
         return [batch]
 
-    def batch_kv(self, layer, batch, start=0):
+    def batch_kv(self, layer, batch, start=0, dtype=None):  # the cache's dtype: never quantized here
         began = time.perf_counter()
         k_blocks, v_blocks = self.block_views(layer)
         k = gather_padded(k_blocks, self._batch_table, batch.read_len, start)
@@ -93,7 +93,7 @@ class BlockTableAttention(PackedAttention):
         width = max(map(len, tables))
         return [list(table) + [0] * (width - len(table)) for table in tables], size
 
-    def read(self, layer, index, start=0):
+    def read(self, layer, index, start=0, dtype=None):
         began = time.perf_counter()
         k_blocks, v_blocks = self.block_views(layer)
         first = start // self.tokens_per_page  # blocks wholly behind the window are not gathered

@@ -59,7 +59,7 @@ class KVCacheViews:
         # kv_views once per layer per step
         self.layer_group, self.kv_views = queries.layer_group, queries.kv_views
         self.block_views, self.batched_reads = queries.block_views, queries.batched_reads
-        self.state_views = queries.state_views
+        self.state_views, self.kv_scale_views = queries.state_views, queries.kv_scale_views
 
     config = property(lambda self: self._manager.config)
     layout = property(lambda self: self._manager.layout)

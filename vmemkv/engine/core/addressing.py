@@ -72,9 +72,10 @@ class SlotAddressing(Addressing):
         else:
             decode_kernel, reads = choice.decode_kernel, views.batched_reads()
             block_tokens = views.tokens_per_page if self.share_prefixes else 0
+            scales = views.kv_scale_views if views.layout.scaled else None  # quantized rows
             self.attention = lambda spans: ContiguousAttention(
                 spans, views.kv_views, device, decode_kernel, reads=reads,  # batched reads (CPU)
-                prefix_block_tokens=block_tokens)
+                prefix_block_tokens=block_tokens, kv_scale_views=scales)
 
         if any(group.holds_state for group in views.layout_groups):  # the mixers read the states
             self.attention = _with_states(self.attention, views.state_views)
@@ -190,8 +191,17 @@ def _attention_choice(attention: str, kv_backend: str, manager: KVViews, device,
                               "the absorbed form by torch operations, not that kernel; use "
                               "attention='auto'")
         return AttentionChoice("sdpa", why_not_flash="MLA latent rows: the absorbed-form attention")
+    if layout.scaled and (kv_backend == "paged" or attention == "flash"):
+        raise ConfigError(f"kv_cache_dtype {manager.config.kv_cache_dtype!r} with "
+                          f"{'kv_backend=paged' if kv_backend == 'paged' else 'attention=flash'}: quantized "
+                          "rows are read by the native CPU routine, the Triton kernel or SDPA over slots; "
+                          "use kv_backend='vmem' with attention 'auto', 'native', 'triton' or 'sdpa'")
+    dtype = layout.dtype
+    if layout.scaled:  # the kernels compute in the model's dtype; FlashAttention-2 reads no bytes
+        dtype = manager.config.dtype
+        attention = "triton" if attention == "auto" and device.type == "cuda" else attention
     views = [] if kv_backend == "paged" else [manager.kv_views(layer) for layer in kv_layers(manager)]
-    return choose_attention(attention, device, kv_backend, layout.dtype, num_query_heads, layout.num_kv_heads,
+    return choose_attention(attention, device, kv_backend, dtype, num_query_heads, layout.num_kv_heads,
                             layout.head_dim, manager.tokens_per_page, views[0] if views else None, views[1:])
 
 

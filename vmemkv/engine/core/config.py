@@ -17,6 +17,7 @@ import torch
 
 from vmemkv.cache.config import CacheConfig
 from vmemkv.errors import ConfigError
+from vmemkv.memory.quantized_rows import KV_CACHE_DTYPES
 from vmemkv.engine.models.hf_support import cache_config_for, model_length_limit, uniform_chunk
 from vmemkv.engine.models.dtype_choice import auto_dtype
 from vmemkv.engine.core.policies import POLICIES, policy_names
@@ -31,7 +32,7 @@ DEFAULT_MAX_MODEL_LEN = 1024
 # EngineConfig fields passed to CacheConfig as they are.
 CACHE_FIELDS = ("max_num_seqs", "max_model_len", "num_blocks", "device", "tokens_per_page",
                 "enable_prefix_caching", "swap_space_bytes", "host_cache_bytes", "layout",
-                "kv_backend", "kv_pool", "kv_pool_bytes", "state_cache_interval")
+                "kv_backend", "kv_pool", "kv_pool_bytes", "state_cache_interval", "kv_cache_dtype")
 # EngineConfig fields passed to CacheConfig under its names.
 RENAMED_CACHE_FIELDS = {"kv_cold_tier": "cold_tier", "kv_cold_cache_bytes": "cold_cache_bytes"}
 
@@ -66,6 +67,11 @@ class EngineConfig:
     # decompresses them; a request with SamplingParams(kv_exact=True) never reuses them. "off".
     kv_cold_tier: str = CacheConfig.cold_tier
     kv_cold_cache_bytes: int = CacheConfig.cold_cache_bytes
+    # How K/V are stored (vLLM's --kv-cache-dtype): "auto" in the model's dtype; "int8" or "fp8"
+    # (e4m3): one byte a value and a float32 scale per token and head (memory/quantized_rows.py),
+    # half of bfloat16's bytes, lossy. Read by the native CPU decode routine, the Triton decode
+    # kernel, and SDPA over the step's rows dequantized; kv_backend "vmem", no FlashAttention.
+    kv_cache_dtype: str = CacheConfig.kv_cache_dtype
     seed: int = 0
     # The scheduling policy, a name in POLICIES (engine/core/policies.py): "fcfs", "priority" (the
     # only one under which a request may set its priority) or "lpm": longest cached prefix first
@@ -165,6 +171,13 @@ class EngineConfig:
             raise ConfigError(f"tensor_parallel_size must be at least 1 and tensor_parallel_timeout "
                               f"positive; got {self.tensor_parallel_size}, {self.tensor_parallel_timeout}")
         check_threads(self.threads)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and (self.kv_backend == "paged" or self.attention == "flash"):
+            raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} with "
+                              f"{'kv_backend=paged' if self.kv_backend == 'paged' else 'attention=flash'}: "
+                              "quantized rows are read over slots by the native CPU routine, the Triton "
+                              "kernel or SDPA; use kv_backend='vmem' and attention 'auto'")
         if self.kv_cold_tier != "off" and self.tensor_parallel_size > 1:
             raise ConfigError(f"kv_cold_tier {self.kv_cold_tier!r} with tensor_parallel_size "
                               f"{self.tensor_parallel_size}: the cold tier runs on one rank only so far; "

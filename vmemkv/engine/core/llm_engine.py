@@ -373,8 +373,9 @@ class LLMEngine:
         timing = self.kv_metrics.snapshot()
         timing["manager_operations"] = timing.pop("operations")
         return {**self.scheduler.kv_stats(), **timing, "preemptions": self.scheduler.num_preemptions,
-                # what one token holds per layer: K and V, or an MLA model's latent row
+                # what one token holds per layer: K and V, or an MLA model's latent row (scales included)
                 "kv_bytes_per_token_per_layer": self.addressing.views.layout.kv_bytes_per_token_per_layer,
+                "kv_cache_dtype": self.config.kv_cache_dtype,
                 "num_steps": self.num_steps, "tokens_computed": self.tokens_computed,
                 "attention_seconds": self.attention_seconds,
                 "attention_copy_seconds": self.attention_copy_seconds,
