@@ -207,16 +207,24 @@ def prefix_keys(token_ids, salt: int = 0) -> list[int]:
 
 def kv_patterns(manager: KVCacheManager, keys: list[int]):
     """``(layer, kv, int32 array [len(keys), heads, dim])`` for every layer's K and V (a latent
-    layout's one row per layer: ``kv`` 0, its K view)."""
+    layout's one row per layer: ``kv`` 0, its K view). A quantized layout's rows are bytes, read
+    as int32 four at a time (``[len(keys), heads, dim / 4]``), and its scales get patterns too:
+    ``kv`` 2 and 3 are K's and V's, ``[len(keys), heads]``."""
     layout = manager.layout
-    heads, dim = layout.num_kv_heads, layout.head_dim
-    assert heads * dim <= 256 and layout.num_layers <= 4 and layout.itemsize == 4, (
-        "the pattern needs 4-byte elements, at most 256 a row and 4 layers")
-    row = np.arange(heads * dim, dtype=np.int32).reshape(1, heads, dim)
-    base = (np.asarray(keys, dtype=np.int32) << 11).reshape(-1, 1, 1) | row
+    heads, words = layout.num_kv_heads, layout.head_dim * layout.itemsize // 4
+    assert heads * words <= (128 if layout.scaled else 256) and layout.num_layers <= 4, (
+        "the pattern needs at most 256 words a row (128 with scales) and 4 layers")
+    row = np.arange(heads * words, dtype=np.int32).reshape(1, heads, words)
+    keys = np.asarray(keys, dtype=np.int32) << 11
+    base = keys.reshape(-1, 1, 1) | row
     for layer in range(layout.num_layers):
         for kv in range(layout.rows_per_layer):
             yield layer, kv, base | np.int32((2 * layer + kv) << 8)
+    if layout.scaled:  # scale words: 128 + the head, apart from every value word
+        scales = keys.reshape(-1, 1) | (128 + np.arange(heads, dtype=np.int32)).reshape(1, heads)
+        for layer in range(layout.num_layers):
+            for kv in range(layout.rows_per_layer):
+                yield layer, 2 + kv, scales | np.int32((2 * layer + kv) << 8)
 
 
 _slot_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # manager -> slot views
@@ -224,12 +232,12 @@ _block_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # manager
 
 
 def slot_rows(manager: KVCacheManager, layer: int, kv: int, slot: int) -> np.ndarray:
-    """The slot's positions of one layer's K or V as an int32 numpy view (no copy); touch only
-    mapped positions."""
+    """The slot's positions of one layer's K or V (``kv`` 2, 3: their scales) as an int32 numpy view
+    (no copy); touch only mapped positions."""
     views = _slot_views.get(manager)
     if views is None:  # numpy views over every slot, made once: creating them touches nothing
         views = _slot_views[manager] = [
-            [manager.kv_views(layer)[kv].view(torch.int32).numpy() for kv in (0, 1)]
+            [t.view(torch.int32).numpy() for t in (*manager.kv_views(layer), *(manager.kv_scale_views(layer) or ()))]
             for layer in range(manager.layout.num_layers)]
     return views[layer][kv][slot]
 
@@ -263,6 +271,9 @@ class GroupView:
 
     def kv_views(self, layer: int):
         return self.group.kv_views(layer)
+
+    def kv_scale_views(self, layer: int):
+        return self.group.kv_scale_views(layer)
 
     def block_views(self, layer: int):
         return self.group.block_views(layer)

@@ -33,6 +33,11 @@ blocks). Each memory has its own backend under the mapping budget, the state gro
 count each refusal by its kind (``last_refusal``: no free slot, out of blocks; out of swap space;
 the mapping budget): each state walk must meet every kind (out of swap space: one of the four).
 
+The quantized machines run it on int8 rows (token-major) and fp8 rows (per-layer)
+(``CacheConfig.kv_cache_dtype``): each row's float32 scale sits in the page beside the values, and
+the K/V patterns cover the scales too, so every copy (fork, copy-on-write, swap, prefix hit) must
+carry them.
+
 Both layouts, 2 x 100 runs of up to 80 steps (>= 10,000 steps in all, ~2-3 ms each here). A longer
 run is one command away: ``VMEMKV_MACHINE_RUNS=1000 python -m pytest -q
 tests/test_manager_state_machine.py`` (2 x 1000 runs, > 100,000 steps).
@@ -84,10 +89,13 @@ def prefix_mark(token_ids: list[int]) -> int:
 
 
 def make_config(layout: str, sliding_window: int | None = None,
-                attention_chunk_size: int | None = None, latent: bool = False) -> CacheConfig:
-    # 1 layer x 2 heads x 128 dim x fp32 (or one latent row of 256): 4 tokens a block in both layouts
+                attention_chunk_size: int | None = None, latent: bool = False,
+                kv_cache_dtype: str = "auto") -> CacheConfig:
+    # 1 layer x 2 heads x 128 dim x fp32 (or one latent row of 256): 4 tokens a block in both layouts;
+    # quantized (a byte a value and a scale a row: 528 B a token), rows padded to the same 4 tokens a page
     shape = dict(num_kv_heads=1, head_dim=256, latent=True) if latent else dict(num_kv_heads=2, head_dim=128)
-    config = CacheConfig(num_layers=1, **shape, dtype=torch.float32,
+    padding = {} if kv_cache_dtype == "auto" else dict(kv_cache_dtype=kv_cache_dtype, max_padding=3.0)
+    config = CacheConfig(num_layers=1, **shape, **padding, dtype=torch.float32,
                          tokens_per_page=TOKENS_PER_PAGE, num_blocks=12, max_num_seqs=4,
                          max_model_len=MAX_LEN, layout=layout,
                          hash_seed=b"state-machine", sliding_window=sliding_window,
@@ -101,6 +109,7 @@ class ManagerMachine(RuleBasedStateMachine):
     attention_chunk_size: int | None = None
     latent = False  # MLA: one latent row per token per layer
     state: str | None = None  # a layout of STATE_LAYOUTS: layers of recurrent state (their own group)
+    kv_cache_dtype = "auto"  # "int8" / "fp8": quantized rows, their scales in the pages (patterns too)
     steps = 0  # rules run, over all examples of this class
     examples = 0
     totals: Counter  # what the runs exercised, set per subclass
@@ -109,7 +118,8 @@ class ManagerMachine(RuleBasedStateMachine):
         super().__init__()
         type(self).examples += 1
         type(self).steps -= 1  # the invariant also runs once before the first rule
-        config = make_config(self.layout, self.sliding_window, self.attention_chunk_size, self.latent)
+        config = make_config(self.layout, self.sliding_window, self.attention_chunk_size, self.latent,
+                             self.kv_cache_dtype)
         self.backends: list[CpuBackend] = []  # one a memory, each under the mapping budget
         if self.state:
             layer_windows, self.state_layers = STATE_LAYOUTS[self.state]
@@ -548,6 +558,18 @@ class PerLayerLatentMachine(ManagerMachine):
     totals = Counter()
 
 
+class TokenMajorInt8Machine(ManagerMachine):
+    layout = "token_major"
+    kv_cache_dtype = "int8"
+    totals = Counter()
+
+
+class PerLayerFp8Machine(ManagerMachine):
+    layout = "per_layer"
+    kv_cache_dtype = "fp8"
+    totals = Counter()
+
+
 class TokenMajorStateMachine(ManagerMachine):
     layout = "token_major"
     state = "beside"
@@ -586,6 +608,10 @@ TestTokenMajorLatent = TokenMajorLatentMachine.TestCase
 TestTokenMajorLatent.settings = SETTINGS
 TestPerLayerLatent = PerLayerLatentMachine.TestCase
 TestPerLayerLatent.settings = SETTINGS
+TestTokenMajorInt8 = TokenMajorInt8Machine.TestCase
+TestTokenMajorInt8.settings = SETTINGS
+TestPerLayerFp8 = PerLayerFp8Machine.TestCase
+TestPerLayerFp8.settings = SETTINGS
 TestTokenMajorState = TokenMajorStateMachine.TestCase
 TestTokenMajorState.settings = SETTINGS
 TestPerLayerState = PerLayerStateMachine.TestCase
@@ -639,6 +665,18 @@ def test_the_latent_machines_shared_swapped_and_hit():
     print(f"latent state machines: {dict(totals)}")
     for key in ("prefix_hit_tokens", "forks", "preemptions_swap", "swap_in_bytes", "refusals"):
         assert totals[key] > 0, f"the latent walks never exercised {key}"
+
+
+def test_the_quantized_machines_shared_swapped_and_hit():
+    """Runs last: the quantized walks (int8 and fp8 rows, their scales in the pages) met prefix
+    hits, forks, copy-on-write copies, swaps and refusals, every copy checked to carry the
+    scales with the values."""
+    totals = TokenMajorInt8Machine.totals + PerLayerFp8Machine.totals
+    if not TokenMajorInt8Machine.steps or not PerLayerFp8Machine.steps:
+        pytest.skip("the quantized state machines did not run in this pytest run (selected out)")
+    print(f"quantized state machines: {dict(totals)}")
+    for key in ("prefix_hit_tokens", "forks", "blocks_copied", "preemptions_swap", "swap_in_bytes", "refusals"):
+        assert totals[key] > 0, f"the quantized walks never exercised {key}"
 
 
 STATE_MACHINES = [TokenMajorStateMachine, PerLayerStateMachine, BothGroupsStateMachine, NoMemoryStateMachine]

@@ -1,0 +1,231 @@
+"""Quantized live KV (``kv_cache_dtype`` "int8" / "fp8"): the row format, the layout's bytes, the
+native decode routine against its float reference, a step's attention against SDPA over the
+dequantized rows, the engine end to end, and the refusals. The state machine walks quantized
+pages (scales carried by every copy) in test_manager_state_machine.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vmemkv import CacheConfig, ConfigError, KVCacheManager
+from vmemkv.attention.cpu_decode import _extension, decode_attention_contiguous_cpu, unavailable
+from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
+from vmemkv.engine.core.addressing import slot_attention
+from vmemkv.engine.core.llm_engine import run_to_completion
+from vmemkv.memory.quantized_rows import QMAX, dequantize, quantize
+
+from conftest import assert_no_leaks, check_and_close, tiny_config
+
+FORMATS = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+native = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")
+
+
+# --- the row format --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", FORMATS.values(), ids=FORMATS.keys())
+def test_a_row_comes_back_within_its_format_error(dtype):
+    rows = torch.randn(64, 4, 96) * torch.logspace(-3, 3, 64)[:, None, None]
+    rows[0, 0] = 0  # an all-zero row: scale 1, values 0
+    values, scales = quantize(rows, dtype)
+    assert values.dtype == dtype and scales.shape == rows.shape[:-1] and scales.dtype == torch.float32
+    back = dequantize(values, scales, torch.float32)
+    amax = rows.abs().amax(-1, keepdim=True)
+    error = (back - rows).abs()
+    if dtype == torch.int8:  # rounding to the nearest of 255 levels: half a step
+        assert (error <= amax / 127 / 2 * 1.0001 + 1e-12).all()
+    else:  # e4m3: 3 mantissa bits, half an ulp of 2^-3 relative; subnormals below 2^-6 x scale
+        assert (error <= torch.maximum(rows.abs() * 2 ** -4, amax / 448 * 2 ** -9) * 1.0001 + 1e-12).all()
+    assert torch.equal(back[0, 0], torch.zeros(96))
+    assert (values.float().abs().amax(-1) == QMAX[dtype])[1:].all()  # the largest value hits the edge
+
+
+# --- the layout -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_quantized_bytes_per_token_are_about_half_of_bfloat16(kv_cache_dtype):
+    """SmolLM2-135M's shape (30 layers, 3 KV heads of 64): 768 B a token and layer in bfloat16,
+    384 of values and 24 of scales quantized."""
+    shape = dict(num_layers=30, num_kv_heads=3, head_dim=64, num_blocks=4, max_num_seqs=1, max_model_len=64)
+    bf16 = CacheConfig(**shape, dtype=torch.bfloat16).make_layout()
+    quantized = CacheConfig(**shape, dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype).make_layout()
+    assert bf16.kv_bytes_per_token_per_layer == 768
+    assert quantized.kv_bytes_per_token_per_layer == 2 * 3 * 64 + 2 * 3 * 4
+    assert quantized.row_data_bytes == 30 * 408 and quantized.scaled and not bf16.scaled
+
+
+@pytest.mark.parametrize("layout", ["token_major", "per_layer"])
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_values_and_scales_of_every_row_live_apart(layout, kv_cache_dtype):
+    """Every layer's K and V values and scales written through the views read back after all were
+    written: no view overlaps another (nor the padding's bytes another row's)."""
+    manager = KVCacheManager(tiny_config(kv_cache_dtype=kv_cache_dtype, dtype=torch.float32, layout=layout))
+    manager.admit("a", list(range(10)))
+    manager.allocate("a", 10)
+    slot = manager.slot_of("a")
+    rows = {}
+    for layer in range(2):
+        for kv, (values, scales) in enumerate(zip(manager.kv_views(layer), manager.kv_scale_views(layer))):
+            rows[layer, kv] = quantize(torch.randn(10, 2, 64) * (1 + layer + 2 * kv), values.dtype)
+            values[slot, :10], scales[slot, :10] = rows[layer, kv]
+    for layer in range(2):
+        for kv, (values, scales) in enumerate(zip(manager.kv_views(layer), manager.kv_scale_views(layer))):
+            assert torch.equal(values[slot, :10].view(torch.uint8), rows[layer, kv][0].view(torch.uint8))
+            assert torch.equal(scales[slot, :10], rows[layer, kv][1])
+        del values, scales
+    manager.free("a")
+    check_and_close([manager])
+
+
+def test_a_plain_layout_has_no_scale_views():
+    manager = KVCacheManager(tiny_config())
+    assert manager.kv_scale_views(0) is None and not manager.layout.scaled
+    check_and_close([manager])
+
+
+# --- the native decode routine ------------------------------------------------------------------------
+
+@native
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "narrow"])
+@pytest.mark.parametrize("head_dim", [64, 128, 24])
+@pytest.mark.parametrize("dtype", FORMATS.values(), ids=FORMATS.keys())
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_reads_quantized_rows_as_their_float_reference(grouped, head_dim, dtype, q_dtype):
+    """The routine on int8 / fp8 rows and their scales gives what it gives on the same rows
+    dequantized to float32: splits, a window and shared prefixes too. Both kernels: the grouped
+    one (AVX-512, bytes widened in registers, scales on scores and weights) and the narrow one."""
+    if grouped and not _extension().grouped_heads():
+        pytest.skip("the grouped kernel needs AVX-512, which this CPU lacks")
+    before = _extension().grouped_heads(grouped)
+    try:
+        generator = torch.Generator().manual_seed(head_dim)
+        k = torch.randn(5, 700, 2, head_dim, generator=generator)
+        v = torch.randn(5, 700, 2, head_dim, generator=generator)
+        (kq, ks), (vq, vs) = quantize(k, dtype), quantize(v, dtype)
+        kd, vd = dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32)
+        q = torch.randn(3, 6, head_dim, generator=generator).to(q_dtype)
+        slots, lens = torch.tensor([4, 0, 2]), torch.tensor([700, 33, 300], dtype=torch.int32)
+        for options in (dict(num_splits=1), dict(num_splits=3), dict(window=100)):
+            expected = decode_attention_contiguous_cpu(q.float(), kd, vd, slots, lens, 0.125, **options)
+            got = decode_attention_contiguous_cpu(q, kq, vq, slots, lens, 0.125, kv_scales=(ks, vs), **options)
+            torch.testing.assert_close(got.float(), expected.to(q_dtype).float(), atol=2e-3 if q_dtype
+                                       == torch.bfloat16 else 2e-6, rtol=0)
+        # slots 0 and 1 share their first 256 rows: read once for both
+        kq[1, :256], ks[1, :256], vq[1, :256], vs[1, :256] = kq[0, :256], ks[0, :256], vq[0, :256], vs[0, :256]
+        kd, vd = dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32)
+        slots, lens = torch.tensor([0, 1]), torch.tensor([600, 400], dtype=torch.int32)
+        shared = (torch.tensor([0, 0], dtype=torch.int32), torch.tensor([256, 256], dtype=torch.int32))
+        expected = decode_attention_contiguous_cpu(q[:2].float(), kd, vd, slots, lens, 0.125)
+        got = decode_attention_contiguous_cpu(q[:2], kq, vq, slots, lens, 0.125, kv_scales=(ks, vs),
+                                              shared_prefix=shared)
+        torch.testing.assert_close(got.float(), expected.to(q_dtype).float(),
+                                   atol=2e-3 if q_dtype == torch.bfloat16 else 2e-6, rtol=0)
+    finally:
+        _extension().grouped_heads(before)
+
+
+@native
+def test_native_decode_refuses_what_quantized_rows_cannot_take():
+    k = torch.zeros(2, 8, 1, 64, dtype=torch.int8)
+    scales = torch.ones(2, 8, 1)
+    q, lens, slots = torch.zeros(1, 2, 64), torch.tensor([4], dtype=torch.int32), torch.tensor([0])
+    with pytest.raises(ValueError, match="new_kv with quantized rows"):
+        decode_attention_contiguous_cpu(q, k, k, slots, lens, 1.0, kv_scales=(scales, scales),
+                                        new_kv=(torch.zeros(1, 1, 64), torch.zeros(1, 1, 64)))
+    with pytest.raises(ValueError, match="scales of k_cache must be float32"):
+        decode_attention_contiguous_cpu(q, k, k, slots, lens, 1.0, kv_scales=(scales[:, :4], scales))
+    with pytest.raises(ValueError, match="must share a dtype"):  # int8 rows without their scales
+        decode_attention_contiguous_cpu(q, k, k, slots, lens, 1.0)
+
+
+# --- a step's attention over a manager's quantized slots ---------------------------------------------------
+
+@pytest.mark.parametrize("attention", ["native", "sdpa"])
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_a_step_attends_the_rows_it_wrote_quantized(attention, kv_cache_dtype):
+    """``slot_attention`` over a quantized manager: a prompt chunk (SDPA over its dequantized rows)
+    and then a decode step (the native routine, or SDPA) give SDPA's attention over the
+    dequantized K/V: what was written is what is read, scales and all."""
+    from vmemkv.attention import SequenceSpan
+
+    if attention == "native" and unavailable():
+        pytest.skip(unavailable())
+    manager = KVCacheManager(tiny_config(kv_cache_dtype=kv_cache_dtype, dtype=torch.float32, max_model_len=40))
+    make_step = slot_attention(manager, num_query_heads=4, attention=attention)
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, heads, 13, 64, generator=generator) for heads in (4, 2, 2))
+    manager.admit("a", list(range(13)))
+    manager.allocate("a", 13)
+    slot = manager.slot_of("a")
+    dtype = FORMATS[kv_cache_dtype]
+
+    def reference(count):  # SDPA over K/V as quantized and dequantized, the last `count` queries
+        kd = dequantize(*quantize(k, dtype), torch.float32)
+        vd = dequantize(*quantize(v, dtype), torch.float32)
+        full = F.scaled_dot_product_attention(q, kd, vd, is_causal=True, enable_gqa=True)
+        return full[:, :, -count:].transpose(1, 2)
+
+    prefill = make_step([SequenceSpan(slot, 0, 12, 0)])(0, q[:, :, :12], k[:, :, :12], v[:, :, :12], None)
+    torch.testing.assert_close(prefill, reference(13)[:, :12], atol=1e-5, rtol=0)
+    manager.commit("a", 12)
+    decode = make_step([SequenceSpan(slot, 0, 1, 12)])(0, q[:, :, 12:], k[:, :, 12:], v[:, :, 12:], None)
+    torch.testing.assert_close(decode, reference(1), atol=1e-5, rtol=0)
+    del make_step
+    manager.free("a")
+    check_and_close([manager])
+
+
+# --- the engine ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_the_engine_runs_on_quantized_kv_and_reports_its_bytes(kv_cache_dtype):
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_num_seqs=4, max_model_len=128,
+                                    kv_cache_dtype=kv_cache_dtype, swap_space_bytes=16 << 20))
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(20 + 9 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    final = run_to_completion(engine, [(str(i), p, params) for i, p in enumerate(prompts)])
+    assert all(len(final[str(i)].outputs[0].token_ids) == 12 for i in range(4))
+    stats = engine.stats()
+    layout = engine.manager.layout
+    assert stats["kv_cache_dtype"] == kv_cache_dtype
+    assert stats["kv_bytes_per_token_per_layer"] == 2 * layout.num_kv_heads * (layout.head_dim + 4)
+    assert_no_leaks(engine.manager)
+
+
+@pytest.mark.slow
+def test_the_real_model_reads_the_same_int8_rows_with_both_kernels(real_engine_model):
+    """SmolLM2-135M with int8 KV: the native decode routine and SDPA over the dequantized rows
+    read the same bytes, so greedy tokens agree; and most answers match the exact float32 run."""
+    from test_real_model import make_engine, run
+
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 563, 13773, 25, 2707, 28, 12, 1239],
+               [1, 7151, 2122, 253, 655, 28, 281, 253, 2491, 1647, 2664], [1, 378, 1115, 4062, 282]]
+    tokens = {}
+    for name, options in {"exact": {}, "native": dict(kv_cache_dtype="int8", attention="native"),
+                          "sdpa": dict(kv_cache_dtype="int8", attention="sdpa")}.items():
+        engine = make_engine(real_engine_model, dtype="float32", **options)
+        tokens[name] = run(engine, prompts)
+        assert_no_leaks(engine.manager)
+    assert tokens["native"] == tokens["sdpa"]
+    assert sum(a == b for a, b in zip(tokens["native"], tokens["exact"])) >= 2
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(kv_cache_dtype="int4"), "kv_cache_dtype must be"),
+    (dict(kv_cache_dtype="int8", kv_backend="paged"), "kv_backend=paged"),
+    (dict(kv_cache_dtype="fp8", attention="flash", device="cuda"), "attention=flash"),
+])
+def test_the_engine_refuses_what_quantized_kv_does_not_cover(options, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(model="tiny-llama", **options)
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(kv_cache_dtype="int4"), "kv_cache_dtype"),
+    (dict(kv_cache_dtype="int8", cold_tier="int8", cold_cache_bytes=1 << 20), "the cold tier"),
+    (dict(kv_cache_dtype="fp8", latent=True, num_kv_heads=1), "latent rows"),
+])
+def test_the_manager_refuses_what_quantized_kv_does_not_cover(options, match):
+    with pytest.raises(ConfigError, match=match):
+        KVCacheManager(tiny_config(**options))
