@@ -695,13 +695,60 @@ static int64_t plan(Args *a, int threads, Work *work, int32_t *members, int64_t 
     return n;
 }
 
+/* A float as an fp8 e4m3 byte, |x| <= 448, rounded to nearest even (as torch converts). */
+static inline uint8_t float_to_fp8(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    const float mag = fabsf(x);
+    if (mag < 0x1p-6f) /* subnormal: a multiple of 2^-9 (8 of them is the smallest normal, 0x08) */
+        return sign | (uint8_t)nearbyintf(mag * 512.f);
+    uint32_t bits = u & 0x7fffffffu;
+    bits += 0x7ffffu + ((bits >> 20) & 1u); /* round the mantissa to 3 bits, ties to even */
+    return sign | (uint8_t)((((bits >> 23) - 127 + 7) << 3) | ((bits >> 20) & 7u));
+}
+
+/* One row of head_dim values (in the query's dtype) quantized as quantized_rows.quantize does:
+ * scale = max|x| / QMAX (1 for a zero row), bytes = x / scale rounded (int8: to nearest even,
+ * clamped to +-127; fp8: clamped to +-448, then rounded). */
+static void quantize_row(const char *src, int dtype, int kv_dtype, int64_t n, char *dst, float *scale_out,
+                         float *buf) {
+    const float *x = row_f32(src, dtype, n, buf);
+    float amax = 0.f;
+    for (int64_t i = 0; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float qmax = kv_dtype == DT_INT8 ? 127.f : 448.f, scale = amax / qmax > 0.f ? amax / qmax : 1.f;
+    for (int64_t i = 0; i < n; i++) {
+        const float q = x[i] / scale;
+        if (kv_dtype == DT_INT8)
+            ((int8_t *)dst)[i] = (int8_t)fminf(fmaxf(nearbyintf(q), -127.f), 127.f);
+        else
+            ((uint8_t *)dst)[i] = float_to_fp8(fminf(fmaxf(q, -448.f), 448.f));
+    }
+    *scale_out = scale;
+}
+
 /* Each sequence's newest token's K and V rows into its own rows at seq_lens[b] - 1: the step's
- * cache write, done here before any read rather than as two indexed copies a layer in torch. */
+ * cache write, done here before any read rather than as two indexed copies a layer in torch
+ * (quantized rows: quantized here, with their scales). */
 static void write_new_rows(const Args *a) {
     const int64_t es = (int64_t)elem_size(a->dtype), bytes = a->head_dim * es;
+    float buf[512];
     for (int64_t b = 0; b < a->batch; b++) {
         const int64_t t = a->seq_lens[b] - 1;
         if (t < 0) continue;
+        if (quantized(a->kv_dtype)) {
+            char *k = (char *)a->k + row_offset(a, b, t, a->k_so, a->k_st);
+            char *v = (char *)a->v + row_offset(a, b, t, a->v_so, a->v_st);
+            float *ks = (float *)a->k_scale + row_offset(a, b, t, a->ks_so, a->ks_st);
+            float *vs = (float *)a->v_scale + row_offset(a, b, t, a->vs_so, a->vs_st);
+            for (int64_t hk = 0; hk < a->num_kv_heads; hk++) {
+                quantize_row(a->new_k + (b * a->new_k_sb + hk * a->new_k_sh) * es, a->dtype, a->kv_dtype,
+                             a->head_dim, k + hk * a->k_sh, ks + hk * a->ks_sh, buf);
+                quantize_row(a->new_v + (b * a->new_v_sb + hk * a->new_v_sh) * es, a->dtype, a->kv_dtype,
+                             a->head_dim, v + hk * a->v_sh, vs + hk * a->vs_sh, buf);
+            }
+            continue;
+        }
         char *k = (char *)a->k + row_offset(a, b, t, a->k_so, a->k_st) * es;
         char *v = (char *)a->v + row_offset(a, b, t, a->v_so, a->v_st) * es;
         for (int64_t hk = 0; hk < a->num_kv_heads; hk++) {
@@ -774,9 +821,9 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (a.kv_dtype < DT_FLOAT32 || a.kv_dtype > DT_FP8 || (!quantized(a.kv_dtype) && a.kv_dtype != a.dtype) ||
-        (quantized(a.kv_dtype) && (!k_scale || !v_scale || new_k))) {
+        (quantized(a.kv_dtype) && (!k_scale || !v_scale || a.head_dim > 512))) {
         PyErr_Format(PyExc_ValueError, "kv dtype code %d: the query's (%d), or int8 (2) / fp8 (3) with both "
-                     "scale views and no new rows", a.kv_dtype, a.dtype);
+                     "scale views (and head_dim <= 512)", a.kv_dtype, a.dtype);
         return NULL;
     }
     a.k_scale = (const float *)(uintptr_t)k_scale;

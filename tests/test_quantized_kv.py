@@ -126,13 +126,35 @@ def test_native_decode_reads_quantized_rows_as_their_float_reference(grouped, he
 
 
 @native
+@pytest.mark.parametrize("dtype", FORMATS.values(), ids=FORMATS.keys())
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_quantizes_the_new_rows_as_torch_does(dtype, q_dtype):
+    """``new_kv`` into a quantized cache: the routine writes the very bytes and scales that
+    ``quantized_rows.quantize`` gives (ties, subnormals and a zero row included), then reads them."""
+    generator = torch.Generator().manual_seed(3)
+    k = torch.zeros(3, 16, 2, 64, dtype=dtype)
+    v = torch.zeros(3, 16, 2, 64, dtype=dtype)
+    scales = (torch.zeros(3, 16, 2), torch.zeros(3, 16, 2))
+    new = [torch.randn(3, 2, 64, generator=generator) * torch.logspace(-4, 4, 64) for _ in (0, 1)]
+    new[0][1, 0] = 0  # a zero row
+    new[1][2, 1] = 0
+    new[1][2, 1, :4] = torch.tensor([127.0, 0.5, -1.5, 2.5])  # scale 1: int8 ties, rounded to even
+    new = [t.to(q_dtype) for t in new]
+    q = torch.randn(3, 4, 64, generator=generator).to(q_dtype)
+    slots, lens = torch.tensor([2, 0, 1]), torch.tensor([5, 9, 16], dtype=torch.int32)
+    decode_attention_contiguous_cpu(q, k, v, slots, lens, 0.125, kv_scales=scales, new_kv=tuple(new))
+    for cache, cache_scales, rows in ((k, scales[0], new[0]), (v, scales[1], new[1])):
+        expected_values, expected_scales = quantize(rows, dtype)
+        at = (slots, lens.long() - 1)
+        assert torch.equal(cache[at].view(torch.uint8), expected_values.view(torch.uint8))
+        assert torch.equal(cache_scales[at], expected_scales)
+
+
+@native
 def test_native_decode_refuses_what_quantized_rows_cannot_take():
     k = torch.zeros(2, 8, 1, 64, dtype=torch.int8)
     scales = torch.ones(2, 8, 1)
     q, lens, slots = torch.zeros(1, 2, 64), torch.tensor([4], dtype=torch.int32), torch.tensor([0])
-    with pytest.raises(ValueError, match="new_kv with quantized rows"):
-        decode_attention_contiguous_cpu(q, k, k, slots, lens, 1.0, kv_scales=(scales, scales),
-                                        new_kv=(torch.zeros(1, 1, 64), torch.zeros(1, 1, 64)))
     with pytest.raises(ValueError, match="scales of k_cache must be float32"):
         decode_attention_contiguous_cpu(q, k, k, slots, lens, 1.0, kv_scales=(scales[:, :4], scales))
     with pytest.raises(ValueError, match="must share a dtype"):  # int8 rows without their scales

@@ -40,7 +40,6 @@ class ContiguousAttention(PackedAttention):
                  kv_scale_views: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None):
         self.kv_views = kv_views
         self.kv_scale_views = kv_scale_views
-        self.decode_writes_rows = kv_scale_views is None  # quantized rows are written by write()
         self.reads = reads if torch.device(device).type == "cpu" else None
         super().__init__(spans, device, decode_kernel, prefix_block_tokens)
 

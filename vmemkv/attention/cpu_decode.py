@@ -17,8 +17,8 @@ import functools
 
 import torch
 
-from vmemkv.attention.decode_checks import (check_block_tables, check_inputs, check_slot_ids, check_variant,
-                                           query_and_output)
+from vmemkv.attention.decode_checks import (QUANTIZED_DTYPES, check_block_tables, check_inputs, check_slot_ids,
+                                           check_variant, query_and_output)
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # of q and out
 KV_DTYPES = {**DTYPES, torch.int8: 2, torch.float8_e4m3fn: 3}  # of the cache (the last two with scales)
@@ -70,15 +70,16 @@ def _check_shared_prefix(shared_prefix, batch: int, window: int | None):
     return _as_int32(leaders), _as_int32(lengths)
 
 
-def _check_new_kv(new_kv, batch: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The new rows ``[B, Hk, D]`` in the cache's dtype with a contiguous last dim."""
+def _check_new_kv(new_kv, batch: int, k: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The new rows ``[B, Hk, D]`` in the cache's dtype (a quantized cache: q's, quantized by the
+    routine) with a contiguous last dim."""
     if new_kv is None:
         return None
     shape, rows = (batch, k.shape[2], k.shape[3]), []
     for t in new_kv:
         if t.shape != shape or t.device.type != "cpu":
             raise ValueError(f"new_kv must be two CPU {list(shape)} tensors, got {tuple(t.shape)} on {t.device}")
-        t = t.to(k.dtype)
+        t = t.to(q.dtype if k.dtype in QUANTIZED_DTYPES else k.dtype)
         rows.append(t if t.stride(2) == 1 else t.contiguous())
     return rows[0], rows[1]
 
@@ -101,7 +102,8 @@ class LayerCalls:
         call that converts a tensor (a copy's address changes per call) or has per-layer sinks."""
         if sinks is not None or check_bounds or q.stride(2) != 1:
             return None
-        if new_kv is not None and any(t.dtype != k.dtype or t.stride(2) != 1 for t in new_kv):
+        if new_kv is not None and any(t.dtype != (q.dtype if k.dtype in QUANTIZED_DTYPES else k.dtype)
+                                      or t.stride(2) != 1 for t in new_kv):
             return None
         return (q.device, q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.shape, v.stride(), v.dtype,
                 None if out is None else (out.shape, out.stride(), out.dtype),
@@ -139,7 +141,7 @@ def _run(q, k, v, index, index_stride_b, seq_lens, scale, block_size, out, windo
          kv_scales=None):
     check_variant(q, window, softcap, sinks)
     shared_prefix = _check_shared_prefix(shared_prefix, q.shape[0], window)
-    new_kv = _check_new_kv(new_kv, q.shape[0], k)
+    new_kv = _check_new_kv(new_kv, q.shape[0], k, q)
     if q.device.type != "cpu":
         raise ValueError(f"the native decode attention runs on the CPU, q is on {q.device}")
     if reason := unavailable(q.dtype):
@@ -185,8 +187,8 @@ def decode_attention_contiguous_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_ca
                                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``q`` ``[B, Hq, D]``; ``k_cache``/``v_cache`` strided ``[num_slots, max_tokens, Hk, D]`` views
     (last dim contiguous), in q's dtype, or int8 / float8_e4m3fn with ``kv_scales`` (their float32
-    scales ``[num_slots, max_tokens, Hk]``: a row's value is its bytes times its scale; no
-    ``new_kv`` then); sequence ``b`` attends to ``k_cache[slot_ids[b], :seq_lens[b]]`` (its last
+    scales ``[num_slots, max_tokens, Hk]``: a row's value is its bytes times its scale; ``new_kv``
+    rows are then given in q's dtype and quantized as ``quantized_rows.quantize`` does); sequence ``b`` attends to ``k_cache[slot_ids[b], :seq_lens[b]]`` (its last
     ``window`` keys with a window). Returns ``[B, Hq, D]`` in q's dtype (into ``out`` when given).
 
     The routine trusts its indices, as the engine's are right by construction: ``check_bounds=True``
@@ -204,8 +206,6 @@ def decode_attention_contiguous_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_ca
     write and its attention in one call).
 
     ``calls``: a step's ``LayerCalls``, for calls that repeat one geometry layer after layer."""
-    if kv_scales is not None and new_kv is not None:
-        raise ValueError("new_kv with quantized rows: quantize and write them first (quantized_rows.write_rows)")
     geometry = None if calls is None else LayerCalls.geometry(
         q, k_cache, v_cache, out, new_kv, slot_ids, seq_lens, scale, window, softcap, sinks, check_bounds,
         num_threads, num_splits, max_seq_len, shared_prefix, kv_scales)

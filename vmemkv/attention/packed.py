@@ -59,8 +59,6 @@ class PackedAttention:
     the decode kernel is the CPU's), decoding sequences that hold the same leading blocks read
     them once per group (``shared_prefix``)."""
 
-    decode_writes_rows = True  # the native decode call may write the step's new rows itself
-
     def __init__(self, spans: list[SequenceSpan], device: torch.device, decode_kernel: bool = False,
                  prefix_block_tokens: int = 0):
         self.spans = spans
@@ -156,7 +154,7 @@ class PackedAttention:
         _, num_heads, num_tokens, head_dim = query.shape
         scale = scaling if scaling is not None else head_dim ** -0.5
         new_kv = key[0].transpose(0, 1), value[0].transpose(0, 1)
-        if self._decodes_are_all and self.device.type == "cpu" and not chunk and self.decode_writes_rows:
+        if self._decodes_are_all and self.device.type == "cpu" and not chunk:
             # the native routine writes each sequence's new token itself, then attends: one call
             output = query.new_empty((1, num_tokens, num_heads, head_dim))
             self.decode(layer, query[0].transpose(0, 1), scale, out=output[0], new_kv=new_kv, window=window,

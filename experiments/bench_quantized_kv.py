@@ -1,0 +1,126 @@
+"""Long-context decode with quantized live KV (``kv_cache_dtype`` int8 / fp8) against the model's
+own bfloat16 KV: where reading the KV outweighs reading the weights, half the bytes a token.
+
+Per KV dtype, one engine (SmolLM2-135M-Instruct in bfloat16, ``--requests`` requests of
+``--prompt-tokens`` seeded random token ids each, no shared prefix) computes the prompts at
+``--prefill-threads`` threads, then decodes ``--rounds`` rounds of ``--steps`` steps at each
+thread count of ``--threads`` in turn (the thread counts alternate, so drift of the shared host
+hits both alike). Reported per dtype and thread count: the decode step's median milliseconds,
+its attention's share (the engine's attention timer), the KV bytes a token holds per layer and
+in all, and the step time relative to bfloat16 KV's.
+
+    python experiments/bench_quantized_kv.py                         # readable table
+    python experiments/bench_quantized_kv.py --out experiments/results   # quantized_kv_decode_cpu.md/.json
+    python experiments/bench_quantized_kv.py --quick                 # smoke run, tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
+from machine import cpu_flags_note, cpu_model, write_results  # experiments/machine.py
+
+KV_DTYPES = ("auto", "int8", "fp8")
+
+
+def decode_times(kv_cache_dtype: str, args) -> dict:
+    engine = LLMEngine(EngineConfig(
+        model=args.model, dtype=args.dtype, device="cpu", threads=args.prefill_threads,
+        kv_cache_dtype=kv_cache_dtype, max_num_seqs=args.requests,
+        max_model_len=args.prompt_tokens + args.rounds * args.steps * len(args.threads) + 8,
+        enable_prefix_caching=False))
+    rng = random.Random(args.seed)
+    vocab = engine.tokenizer.vocab_size if engine.tokenizer is not None else 250
+    tokens = args.rounds * args.steps * len(args.threads)
+    params = SamplingParams(max_tokens=tokens + 1, temperature=0, ignore_eos=True)
+    for index in range(args.requests):
+        engine.add_request(f"r{index}", [rng.randrange(10, vocab) for _ in range(args.prompt_tokens)], params)
+    start, started = time.perf_counter(), set()
+    while len(started) < args.requests:  # every prompt computed: each has its first token
+        started.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
+    prefill_seconds = time.perf_counter() - start
+    steps: dict[int, list[float]] = {t: [] for t in args.threads}
+    attention: dict[int, list[float]] = {t: [] for t in args.threads}
+    for _ in range(args.rounds):
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            for _ in range(args.steps):
+                before = engine.attention_seconds
+                began = time.perf_counter()
+                engine.step()
+                steps[threads].append(time.perf_counter() - began)
+                attention[threads].append(engine.attention_seconds - before)
+    layout = engine.manager.layout
+    result = {
+        "kv_cache_dtype": kv_cache_dtype, "kv_dtype": str(layout.dtype).removeprefix("torch."),
+        "kv_bytes_per_token_per_layer": layout.kv_bytes_per_token_per_layer,
+        "kv_bytes_per_token": layout.token_bytes, "prefill_seconds": prefill_seconds,
+        "step_ms": {t: statistics.median(v) * 1e3 for t, v in steps.items()},
+        "attention_ms": {t: statistics.median(v) * 1e3 for t, v in attention.items()},
+    }
+    engine.close()
+    return result
+
+
+def markdown(results: dict) -> str:
+    args = results["args"]
+    lines = [f"`{results['command']}` — {results['cpu']}{results['flags']}; {args['requests']} requests of "
+             f"{args['prompt_tokens']:,} prompt tokens, {args['model']} in {args['dtype']}; decode step median "
+             f"over {args['rounds']} x {args['steps']} steps per thread count (thread counts alternating), "
+             f"load before {results['load_before']:.2f}", "",
+             "| KV dtype | B/token/layer | threads | step ms | attention ms | step vs bf16 KV |",
+             "|---|---|---|---|---|---|"]
+    rows = results["rows"]
+    base = next(r for r in rows if r["kv_cache_dtype"] == "auto")
+    for row in rows:
+        name = "auto (" + row["kv_dtype"] + ")" if row["kv_cache_dtype"] == "auto" else row["kv_cache_dtype"]
+        for threads in args["threads"]:
+            step = row["step_ms"][threads]
+            lines.append(f"| {name} | {row['kv_bytes_per_token_per_layer']:,} | {threads} | {step:.1f} | "
+                         f"{row['attention_ms'][threads]:.1f} | {base['step_ms'][threads] / step:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=7500)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--prefill-threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--kv-dtypes", nargs="+", default=list(KV_DTYPES), choices=KV_DTYPES)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="tiny-llama, short prompts: a smoke run")
+    parser.add_argument("--out", type=Path, help="write quantized_kv_decode_cpu.md and .json here")
+    parser.add_argument("--stem", default="quantized_kv_decode_cpu")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.dtype, args.prompt_tokens, args.rounds, args.steps = "tiny-llama", "float32", 300, 1, 3
+    results = {
+        "command": "python experiments/bench_quantized_kv.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": datetime.date.today().isoformat(), "cpu": cpu_model(), "flags": cpu_flags_note(),
+        "load_before": os.getloadavg()[0], "args": {**vars(args), "out": str(args.out)},
+        "rows": [decode_times(kv, args) for kv in args.kv_dtypes],
+    }
+    table = markdown(results)
+    print(table)
+    if args.out:
+        write_results(args.out, args.stem, results, table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
