@@ -74,7 +74,7 @@ def decode_times(kv_cache_dtype: str, args) -> dict:
 
 def markdown(results: dict) -> str:
     args = results["args"]
-    lines = [f"`{results['command']}` — {results['cpu']}{results['flags']}; {args['requests']} requests of "
+    lines = [f"`{results['command']}` — {results['cpu']} ({results['flags']}); {args['requests']} requests of "
              f"{args['prompt_tokens']:,} prompt tokens, {args['model']} in {args['dtype']}; decode step median "
              f"over {args['rounds']} x {args['steps']} steps per thread count (thread counts alternating), "
              f"load before {results['load_before']:.2f}", "",

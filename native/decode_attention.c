@@ -49,6 +49,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -276,8 +277,18 @@ static inline __attribute__((always_inline)) void store16(float *p, v16f v) { me
 
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef int8_t v16c __attribute__((vector_size(16)));
-typedef uint8_t v16b __attribute__((vector_size(16)));
+
+/* 16 int8 values as floats, and 16 bytes zero-extended to 32-bit lanes: one instruction each (and a
+ * conversion), where GCC compiles a vector conversion of bytes into scalar code. Not always_inline:
+ * the grouped kernels, compiled for AVX-512, inline them; the narrow clones never reach them (they
+ * read widened tile buffers). */
+__attribute__((target("avx512f"))) static inline v16f int8_to_float16(const int8_t *p) {
+    return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+__attribute__((target("avx512f"))) static inline v16u uint8_widened(const uint8_t *p) {
+    return (v16u)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
 
 /* 16 values of a K or V row from element i, of row type `bf` (a DT_ code): float32 loaded, bfloat16
  * widened in registers (its bits are a float's upper half: a zero-extend and a shift), where
@@ -285,16 +296,10 @@ typedef uint8_t v16b __attribute__((vector_size(16)));
  * fp8 e4m3 rebuilt as a float's bits (fp8_to_float), unscaled (the caller applies the scale). */
 static inline __attribute__((always_inline)) v16f load16_row(const void *row, int64_t i, const int bf) {
     if (bf == DT_FLOAT32) return load16((const float *)row + i);
-    if (bf == DT_INT8) {
-        v16c c;
-        memcpy(&c, (const int8_t *)row + i, sizeof c);
-        return __builtin_convertvector(c, v16f);
-    }
+    if (bf == DT_INT8) return int8_to_float16((const int8_t *)row + i);
     v16f f;
     if (bf == DT_FP8) {
-        v16b c;
-        memcpy(&c, (const uint8_t *)row + i, sizeof c);
-        const v16u x = __builtin_convertvector(c, v16u);
+        const v16u x = uint8_widened((const uint8_t *)row + i);
         const v16u bits = ((x & 0x80) << 24) | ((x & 0x7f) << 20);
         memcpy(&f, &bits, sizeof f);
         return f * 0x1p120f;
@@ -454,7 +459,7 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
     const int64_t kes = (int64_t)elem_size(bf); /* bf: the cache's row type (a DT_ code) */
     float *q = scratch, *acc = q + QH * D, *sc = acc + QH * D, *mx = sc + QH * TILE, *sum = mx + QH;
     float *ktile = sum + QH, *vtile = ktile + TILE * Hk * D; /* rows widened (narrow path) */
-    float *kscale = vtile + TILE * Hk * D, *vscale = kscale + TILE * Hk; /* [TILE, Hk] */
+    float *kscale = vtile + TILE * Hk * D, *vscale = kscale + TILE * Hk; /* [Hk, TILE] */
     const void *krow[TILE], *vrow[TILE];                     /* the tile's rows */
     const char *pf_k[TILE], *pf_v[TILE];                     /* rows PREFETCH tokens ahead */
 
@@ -468,7 +473,9 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             sum[qh] = 0.f;
         }
     /* the bytes from a token's first kv head to the end of its last: prefetched as one range */
-    const int64_t k_span = ((Hk - 1) * a->k_sh + D) * kes, v_span = ((Hk - 1) * a->v_sh + D) * kes;
+    /* (quantized: and the scales, which follow the last head's values) */
+    const int64_t scales = quantized(bf) ? Hk * 4 : 0;
+    const int64_t k_span = ((Hk - 1) * a->k_sh + D) * kes + scales, v_span = ((Hk - 1) * a->v_sh + D) * kes + scales;
     const int64_t span = k_span > v_span ? k_span : v_span;
     /* The grouped kernels read rows where they lie (widened in registers); the narrow ones read
      * float32, other rows widened (and scaled) into the tile buffers first. */
@@ -488,8 +495,8 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
                 const float *ks = a->k_scale + row_offset(a, b, t0 + j, a->ks_so, a->ks_st);
                 const float *vs = a->v_scale + row_offset(a, b, t0 + j, a->vs_so, a->vs_st);
                 for (int64_t hk = 0; hk < Hk; hk++) {
-                    kscale[j * Hk + hk] = ks[hk * a->ks_sh];
-                    vscale[j * Hk + hk] = vs[hk * a->vs_sh];
+                    kscale[hk * TILE + j] = ks[hk * a->ks_sh];
+                    vscale[hk * TILE + j] = vs[hk * a->vs_sh];
                 }
             }
             if (in_place) {
@@ -502,8 +509,8 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             float *kw = ktile + j * Hk * D, *vw = vtile + j * Hk * D;
             for (int64_t hk = 0; hk < Hk; hk++) {
                 const int q8 = quantized(bf);
-                kv_row_f32(k + hk * a->k_sh * kes, bf, D, q8 ? kscale[j * Hk + hk] : 1.f, kw + hk * D);
-                kv_row_f32(v + hk * a->v_sh * kes, bf, D, q8 ? vscale[j * Hk + hk] : 1.f, vw + hk * D);
+                kv_row_f32(k + hk * a->k_sh * kes, bf, D, q8 ? kscale[hk * TILE + j] : 1.f, kw + hk * D);
+                kv_row_f32(v + hk * a->v_sh * kes, bf, D, q8 ? vscale[hk * TILE + j] : 1.f, vw + hk * D);
             }
             krow[j] = kw;
             vrow[j] = vw;
@@ -525,7 +532,7 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             float *row = sc + qh * TILE, m = mx[qh];
             const int64_t hk = (qh % Hq) / G;
             if (scaled)
-                for (int64_t j = 0; j < n; j++) row[j] *= kscale[j * Hk + hk];
+                for (int64_t j = 0; j < n; j++) row[j] *= kscale[hk * TILE + j];
             if (a->softcap > 0.f)
                 for (int64_t j = 0; j < n; j++) row[j] = a->softcap * tanhf(row[j] / a->softcap);
 #pragma omp simd reduction(max : m)
@@ -541,7 +548,7 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             sum[qh] = sum[qh] * alpha + total;
             mx[qh] = m;
             if (scaled) /* the weights of the V rows' bytes: each row's value is its bytes x scale */
-                for (int64_t j = 0; j < n; j++) row[j] *= vscale[j * Hk + hk];
+                for (int64_t j = 0; j < n; j++) row[j] *= vscale[hk * TILE + j];
         }
         for (int64_t hk = 0; hk < Hk; hk++)
             for (int64_t m = 0; m < M; m++) {

@@ -22,9 +22,10 @@ block-table baseline reads: identical bytes, different addressing.
 
 A quantized layout (``dtype`` int8 or float8_e4m3fn: ``kv_cache_dtype`` "int8" / "fp8",
 ``quantized_rows.py``) stores each row of ``head_dim`` values in one byte a value and one float32
-scale per row: a token-major token row is ``[layer][k|v][kv_head][dim]`` values then
-``[layer][k|v][kv_head]`` scales; a per-layer tensor's row ``[kv_head][dim]`` then ``[kv_head]``.
-The scales are in the page, so every copy of a page carries them. ``scale_view_geometry`` addresses
+scale per row, each layer's K (or V) values ``[kv_head][dim]`` followed by their scales
+``[kv_head]``: a token-major token row is ``[layer][k|v]`` of those, a per-layer tensor's row one.
+The scales sit in the page, so every copy of a page carries them, and beside the values they scale,
+so a read of a token's row for one layer fetches its scales in the same cache lines. ``scale_view_geometry`` addresses
 them as float32 views ``[token, kv_head]``.
 
 A token's row may be padded (``token_stride_bytes`` > the bytes it needs) so that a page of few
@@ -116,10 +117,15 @@ class KVLayout:
         return self.num_kv_heads * SCALE_BYTES if self.scaled else 0
 
     @cached_property
+    def row_block_bytes(self) -> int:
+        """One layer's K (or V, or latent) of one token: its values and, quantized, their scales."""
+        return self.head_elems * self.itemsize + self.scale_bytes_per_row
+
+    @cached_property
     def kv_bytes_per_token_per_layer(self) -> int:
         """What one token holds for one layer: its K and V, or an MLA model's latent row (with
         their scales when quantized)."""
-        return self.rows_per_layer * (self.head_elems * self.itemsize + self.scale_bytes_per_row)
+        return self.rows_per_layer * self.row_block_bytes
 
     @cached_property
     def token_bytes(self) -> int:
@@ -211,7 +217,7 @@ class KVLayout:
         row = self._row_index(layer, kv)
         strides = (self.token_stride, self.head_dim, 1)  # the stride steps over any padding
         if self.kind == "token_major":
-            offset = row * self.head_elems
+            offset = row * self.row_block_bytes // self.itemsize
         else:
             tensor_elems = self.logical_pages_for(max_tokens) * self.page_size // self.itemsize
             offset = row * tensor_elems
@@ -223,7 +229,7 @@ class KVLayout:
         row = self._row_index(layer, kv)
         strides = (self.block_bytes // self.itemsize, self.token_stride, self.head_dim, 1)
         if self.kind == "token_major":
-            return strides, row * self.head_elems
+            return strides, row * self.row_block_bytes // self.itemsize
         return strides, row * (self.page_size // self.itemsize)
 
     def scale_view_geometry(self, layer: int, kv: int, max_tokens: int) -> tuple[tuple[int, int], int]:
@@ -234,7 +240,7 @@ class KVLayout:
         row = self._row_index(layer, kv)
         strides = (self.token_stride_bytes // SCALE_BYTES, 1)
         if self.kind == "token_major":
-            at = self.num_layers * self.rows_per_layer * self.head_elems * self.itemsize + row * self.scale_bytes_per_row
+            at = row * self.row_block_bytes + self.head_elems * self.itemsize
         else:
             tensor_bytes = self.logical_pages_for(max_tokens) * self.page_size
             at = row * tensor_bytes + self.head_elems * self.itemsize

@@ -1,0 +1,125 @@
+"""How far quantized live KV (``kv_cache_dtype`` int8 / fp8) moves the model, on real chat prompts.
+
+Two measurements per format, on ``--prompts`` real ``chat-real`` prompts (a system prompt and one
+user question in SmolLM2's chat template), ``--new-tokens`` greedy tokens each:
+
+* agreement, from vmemkv's engine itself (its kernels reading the quantized rows): how many greedy
+  answers are identical to the engine's exact run (``kv_cache_dtype="auto"``), and where the
+  others first differ;
+* the mean KL divergence of the next-token distributions from the exact ones, from Hugging Face
+  ``generate``'s model with every K/V row stored as the format stores it (quantized and
+  dequantized per token and head as ``memory/quantized_rows.py`` does, the token's own row
+  included), the exact run's tokens fed to both so the positions line up.
+
+No timing: the numbers are the model's.
+
+    python experiments/report_live_kv_quality.py                              # table
+    python experiments/report_live_kv_quality.py --out experiments/results    # live_kv_quality.md/.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from vmemkv.ab.chat_text import load_chat_prompts, render_chat
+from vmemkv.engine import LLM, SamplingParams
+from vmemkv.engine.models.hub import ensure_real_model
+from vmemkv.memory.quantized_rows import STORAGE, dequantize, quantize
+from machine import write_results  # experiments/machine.py
+
+FORMATS = ("int8", "fp8")
+
+
+class StoredAsCache(DynamicCache):
+    """A DynamicCache that keeps every new K/V row as ``dtype`` rows with their scales would give
+    it back (``None``: exactly)."""
+
+    def __init__(self, dtype: torch.dtype | None):
+        super().__init__()
+        self.storage = dtype
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.storage is not None:
+            key_states = dequantize(*quantize(key_states, self.storage), key_states.dtype)
+            value_states = dequantize(*quantize(value_states, self.storage), value_states.dtype)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def logprobs(model, prompt: list[int], tokens: list[int], storage: torch.dtype | None) -> torch.Tensor:
+    """Log-probabilities at every generated position, ``tokens`` fed after ``prompt``."""
+    cache = StoredAsCache(storage)
+    out = []
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[0, -1:]
+        for token in tokens:
+            out.append(torch.log_softmax(logits.float(), dim=-1))
+            logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0]
+    return torch.cat(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    path = ensure_real_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assistants = load_chat_prompts()["assistants"]
+    prompts = []
+    for index in range(args.prompts):
+        assistant = assistants[index % len(assistants)]
+        question = assistant["questions"][index // len(assistants) % len(assistant["questions"])]
+        prompts.append(render_chat(tokenizer, assistant["system"], question))
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    answers = {}
+    for kv in ("auto", *FORMATS):
+        llm = LLM(str(path), dtype=args.dtype, kv_cache_dtype=kv, max_num_seqs=args.prompts,
+                  max_model_len=max(map(len, prompts)) + args.new_tokens + 16, threads=args.threads)
+        answers[kv] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+        llm.engine.close()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    exact = [logprobs(model, prompt, tokens, None) for prompt, tokens in zip(prompts, answers["auto"])]
+    rows = []
+    for fmt in FORMATS:
+        kls = [torch.nn.functional.kl_div(logprobs(model, prompt, tokens, STORAGE[fmt]), reference,
+                                          log_target=True, reduction="none").sum(-1).mean().item()
+               for prompt, tokens, reference in zip(prompts, answers["auto"], exact)]
+        firsts = sorted(next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+                        for got, want in zip(answers[fmt], answers["auto"]) if got != want)
+        rows.append({"format": fmt, "mean_kl": sum(kls) / len(kls), "max_kl": max(kls),
+                     "identical": len(prompts) - len(firsts), "first_difference": firsts})
+        print(f"{fmt}: KL {rows[-1]['mean_kl']:.5f}, identical {rows[-1]['identical']}/{len(prompts)}",
+              file=sys.stderr)
+    results = {"command": "python experiments/report_live_kv_quality.py " + " ".join(sys.argv[1:]),
+               "date": datetime.date.today().isoformat(), "model": args.model, "dtype": args.dtype,
+               "prompts": len(prompts), "new_tokens": args.new_tokens,
+               "prompt_tokens": [len(p) for p in prompts], "rows": rows}
+    lines = ["# Quantized live KV's effect on the model", "",
+             f"`{results['command']}` ({results['date']}; {args.model} in {args.dtype}; {len(prompts)} chat-real "
+             f"prompts of {min(results['prompt_tokens'])}-{max(results['prompt_tokens'])} tokens, "
+             f"{args.new_tokens} greedy tokens; answers from vmemkv's engine, KL from the HF model with "
+             "its K/V rows stored in the format).", "",
+             "| kv_cache_dtype | mean KL (nats / token) | worst prompt's mean KL | greedy answers identical | first difference at |",
+             "|---|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['format']} | {r['mean_kl']:.5f} | {r['max_kl']:.5f} | {r['identical']} / {len(prompts)} | "
+                     f"{', '.join(map(str, r['first_difference'])) or '-'} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        write_results(args.out, "live_kv_quality", results, text)
+
+
+if __name__ == "__main__":
+    main()
