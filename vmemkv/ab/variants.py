@@ -1,5 +1,5 @@
 """The A/B's variants: what each one sets in the engine (KV backend, layout, release behind a
-sliding window, the prefix cache's lossy cold tier), everything else being the same for all of
+sliding window, the prefix cache's lossy cold tier, quantized live KV), everything else being the same for all of
 them."""
 
 from __future__ import annotations
@@ -17,17 +17,20 @@ class Variant:
     description: str
     release: bool = True  # blocks behind a sliding window go back to the pool (else: every block kept)
     cold_tier: str = "off"  # the prefix cache's lossy cold tier ("int8", "int4"): its tokens may differ
+    kv_cache_dtype: str = "auto"  # quantized live KV ("int8", "fp8"): its tokens may differ
 
     @property
     def lossy(self) -> bool:
-        return self.cold_tier != "off"
+        return self.cold_tier != "off" or self.kv_cache_dtype != "auto"
 
     def engine_fields(self, cold_cache_bytes: int = 0) -> dict:
         """Its EngineConfig fields; ``cold_cache_bytes``: a lossy variant's cold tier."""
         fields = {"kv_backend": self.kv_backend, "layout": self.layout,
                   "release_behind_window": self.release}
-        if self.lossy:
+        if self.cold_tier != "off":
             fields.update(kv_cold_tier=self.cold_tier, kv_cold_cache_bytes=cold_cache_bytes)
+        if self.kv_cache_dtype != "auto":
+            fields.update(kv_cache_dtype=self.kv_cache_dtype)
         return fields
 
 
@@ -62,6 +65,12 @@ VARIANTS: dict[str, Variant] = {
     "vmem-cold-int4": Variant("vmem-cold-int4", "vmem", "token_major",
                               "vmem with the prefix cache's lossy cold tier in int4 (--cold-cache-bytes)",
                               cold_tier="int4"),
+    # Quantized live KV (memory/quantized_rows.py): half the bytes a token; tokens counted, not required equal.
+    "vmem-int8": Variant("vmem-int8", "vmem", "token_major",
+                         "vmem with int8 K/V rows and a float32 scale per token and head", kv_cache_dtype="int8"),
+    "vmem-fp8": Variant("vmem-fp8", "vmem", "token_major",
+                        "vmem with fp8 (e4m3) K/V rows and a float32 scale per token and head",
+                        kv_cache_dtype="fp8"),
 }
 REFERENCE_VARIANT = "vmem"  # token ids of the other variants are compared with this one's
 DEFAULT_VARIANTS = ("vmem", "paged", "vmem-per-layer", "paged-per-layer")
