@@ -25,10 +25,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from vmemkv.ab.chat_text import load_chat_prompts, render_chat
+from vmemkv.ab.chat_text import render_chat
 from vmemkv.cache.block_codec import BlockCodec
 from vmemkv.engine.models.hub import ensure_real_model
 from machine import write_results  # experiments/machine.py
+from quality import chat_questions, format_row, mean_kl, quality_table  # experiments/quality.py
 
 FORMATS = ("int8", "int4")
 PAGE = 16  # tokens per page: the prefix a hit reuses is whole pages
@@ -87,46 +88,33 @@ def main() -> None:
     path = ensure_real_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
-    assistants = load_chat_prompts()["assistants"]
     prompts = []
-    for index in range(args.prompts):
-        assistant = assistants[index % len(assistants)]
-        question = assistant["questions"][index // len(assistants) % len(assistant["questions"])]
-        prompt = render_chat(tokenizer, assistant["system"], question)
-        system = render_chat(tokenizer, assistant["system"], "")
+    for system_prompt, question in chat_questions(args.prompts):
+        prompt = render_chat(tokenizer, system_prompt, question)
+        system = render_chat(tokenizer, system_prompt, "")
         shared = next((i for i, (a, b) in enumerate(zip(prompt, system)) if a != b), len(system))
         prompts.append((prompt, shared // PAGE * PAGE))  # the system prompt's whole pages
     rows = []
     references = [run(model, prompt, prefix, args.new_tokens, None, None) for prompt, prefix in prompts]
     for fmt in FORMATS:
-        kls, identical, firsts = [], 0, []
+        kls, answers = [], []
         for (prompt, prefix), (tokens, exact) in zip(prompts, references):
             _, lossy = run(model, prompt, prefix, args.new_tokens, fmt, tokens)  # the reference's tokens
-            kls.append(torch.nn.functional.kl_div(lossy, exact, log_target=True, reduction="none")
-                       .sum(-1).mean().item())
-            free, _ = run(model, prompt, prefix, args.new_tokens, fmt, None)
-            if free == tokens:
-                identical += 1
-            else:
-                firsts.append(next(i for i, (a, b) in enumerate(zip(free, tokens)) if a != b))
-        rows.append({"format": fmt, "mean_kl": sum(kls) / len(kls), "max_kl": max(kls),
-                     "identical": identical, "first_difference": sorted(firsts)})
-        print(f"{fmt}: KL {rows[-1]['mean_kl']:.5f}, identical {identical}/{len(prompts)}", file=sys.stderr)
+            kls.append(mean_kl(lossy, exact))
+            answers.append(run(model, prompt, prefix, args.new_tokens, fmt, None)[0])
+        rows.append(format_row(fmt, kls, answers, [tokens for tokens, _ in references]))
+        print(f"{fmt}: KL {rows[-1]['mean_kl']:.5f}, identical {rows[-1]['identical']}/{len(prompts)}",
+              file=sys.stderr)
     results = {"command": "python experiments/report_cold_quality.py " + " ".join(sys.argv[1:]),
                "date": datetime.date.today().isoformat(), "model": args.model, "dtype": args.dtype,
                "prompts": len(prompts), "new_tokens": args.new_tokens,
                "prefix_tokens": [prefix for _, prefix in prompts], "rows": rows}
-    lines = ["# A lossy prefix hit's effect on the model (the cold tier's formats)", "",
-             f"`{results['command']}` ({results['date']}; {args.model} in {args.dtype}; {len(prompts)} chat-real "
-             f"prompts, the system prompt's whole pages ({min(results['prefix_tokens'])}-"
-             f"{max(results['prefix_tokens'])} tokens) through the codec, then the rest of the prompt and "
-             f"{args.new_tokens} greedy tokens).", "",
-             "| format | mean KL (nats / token) | worst prompt's mean KL | greedy answers identical | first difference at |",
-             "|---|---:|---:|---:|---|"]
-    for r in rows:
-        lines.append(f"| {r['format']} | {r['mean_kl']:.5f} | {r['max_kl']:.5f} | {r['identical']} / {len(prompts)} | "
-                     f"{', '.join(map(str, r['first_difference'])) or '-'} |")
-    text = "\n".join(lines) + "\n"
+    text = quality_table(
+        "A lossy prefix hit's effect on the model (the cold tier's formats)",
+        f"`{results['command']}` ({results['date']}; {args.model} in {args.dtype}; {len(prompts)} chat-real "
+        f"prompts, the system prompt's whole pages ({min(results['prefix_tokens'])}-"
+        f"{max(results['prefix_tokens'])} tokens) through the codec, then the rest of the prompt and "
+        f"{args.new_tokens} greedy tokens).", "format", rows, len(prompts))
     print(text)
     if args.out:
         write_results(args.out, "cold_quality", results, text)

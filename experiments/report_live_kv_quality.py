@@ -27,11 +27,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from vmemkv.ab.chat_text import load_chat_prompts, render_chat
+from vmemkv.ab.chat_text import render_chat
 from vmemkv.engine import LLM, SamplingParams
 from vmemkv.engine.models.hub import ensure_real_model
 from vmemkv.memory.quantized_rows import STORAGE, dequantize, quantize
 from machine import write_results  # experiments/machine.py
+from quality import chat_questions, format_row, mean_kl, quality_table  # experiments/quality.py
 
 FORMATS = ("int8", "fp8")
 
@@ -75,12 +76,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = ensure_real_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    assistants = load_chat_prompts()["assistants"]
-    prompts = []
-    for index in range(args.prompts):
-        assistant = assistants[index % len(assistants)]
-        question = assistant["questions"][index // len(assistants) % len(assistant["questions"])]
-        prompts.append(render_chat(tokenizer, assistant["system"], question))
+    prompts = [render_chat(tokenizer, system, question) for system, question in chat_questions(args.prompts)]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     answers = {}
     for kv in ("auto", *FORMATS):
@@ -92,30 +88,21 @@ def main() -> None:
     exact = [logprobs(model, prompt, tokens, None) for prompt, tokens in zip(prompts, answers["auto"])]
     rows = []
     for fmt in FORMATS:
-        kls = [torch.nn.functional.kl_div(logprobs(model, prompt, tokens, STORAGE[fmt]), reference,
-                                          log_target=True, reduction="none").sum(-1).mean().item()
+        kls = [mean_kl(logprobs(model, prompt, tokens, STORAGE[fmt]), reference)
                for prompt, tokens, reference in zip(prompts, answers["auto"], exact)]
-        firsts = sorted(next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-                        for got, want in zip(answers[fmt], answers["auto"]) if got != want)
-        rows.append({"format": fmt, "mean_kl": sum(kls) / len(kls), "max_kl": max(kls),
-                     "identical": len(prompts) - len(firsts), "first_difference": firsts})
+        rows.append(format_row(fmt, kls, answers[fmt], answers["auto"]))
         print(f"{fmt}: KL {rows[-1]['mean_kl']:.5f}, identical {rows[-1]['identical']}/{len(prompts)}",
               file=sys.stderr)
     results = {"command": "python experiments/report_live_kv_quality.py " + " ".join(sys.argv[1:]),
                "date": datetime.date.today().isoformat(), "model": args.model, "dtype": args.dtype,
                "prompts": len(prompts), "new_tokens": args.new_tokens,
                "prompt_tokens": [len(p) for p in prompts], "rows": rows}
-    lines = ["# Quantized live KV's effect on the model", "",
-             f"`{results['command']}` ({results['date']}; {args.model} in {args.dtype}; {len(prompts)} chat-real "
-             f"prompts of {min(results['prompt_tokens'])}-{max(results['prompt_tokens'])} tokens, "
-             f"{args.new_tokens} greedy tokens; answers from vmemkv's engine, KL from the HF model with "
-             "its K/V rows stored in the format).", "",
-             "| kv_cache_dtype | mean KL (nats / token) | worst prompt's mean KL | greedy answers identical | first difference at |",
-             "|---|---:|---:|---:|---|"]
-    for r in rows:
-        lines.append(f"| {r['format']} | {r['mean_kl']:.5f} | {r['max_kl']:.5f} | {r['identical']} / {len(prompts)} | "
-                     f"{', '.join(map(str, r['first_difference'])) or '-'} |")
-    text = "\n".join(lines) + "\n"
+    text = quality_table(
+        "Quantized live KV's effect on the model",
+        f"`{results['command']}` ({results['date']}; {args.model} in {args.dtype}; {len(prompts)} chat-real "
+        f"prompts of {min(results['prompt_tokens'])}-{max(results['prompt_tokens'])} tokens, "
+        f"{args.new_tokens} greedy tokens; answers from vmemkv's engine, KL from the HF model with "
+        "its K/V rows stored in the format).", "kv_cache_dtype", rows, len(prompts))
     print(text)
     if args.out:
         write_results(args.out, "live_kv_quality", results, text)
