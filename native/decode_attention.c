@@ -32,10 +32,10 @@
  * (the step's cache write, in the same call).
  *
  * Quantized K/V (kv_dtype int8 or fp8 e4m3, vmemkv/memory/quantized_rows.py): one byte a value and a
- * float32 scale per row (token, kv head), the scales in views of their own (k_scale/v_scale, float32
- * element strides). The grouped kernels widen the bytes in registers and apply the scales to the
- * tile's scores (q . k = scale_k * (q . bytes)) and to the softmax weights (p * scale_v) instead
- * of to each value; the narrow ones widen and scale each row into the tile buffers.
+ * float32 scale per `group` values of a row (token, kv head), the scales in views of their own
+ * (k_scale/v_scale, float32 element strides, a row's groups contiguous). The grouped kernels widen
+ * the bytes in registers and multiply each 16 of them by their group's scale there; the narrow ones
+ * widen and scale each row into the tile buffers.
  *
  * Types: float32 and bfloat16 Q/out, K/V in those or quantized, float32 arithmetic. The grouped (AVX-512) kernels read
  * bf16 rows where they lie and widen them in registers (SmolLM2-135M's shape, 4 sequences of 2,000
@@ -83,8 +83,9 @@ typedef struct {
     int64_t window; /* 0: none */
     int dtype, num_splits;
     int kv_dtype;                       /* the cache's: dtype, or DT_INT8 / DT_FP8 with scales */
-    const float *k_scale, *v_scale;     /* [outer, token, Hk] float32 views, or NULL */
+    const float *k_scale, *v_scale;     /* [outer, token, Hk, D / group] float32 views, or NULL */
     int64_t ks_so, ks_st, ks_sh, vs_so, vs_st, vs_sh; /* their strides, in floats */
+    int64_t group;                                    /* values one scale covers */
     const int32_t *prefix_leaders, *prefix_lens; /* [B] each, or NULL: see "Shared prefixes" above */
     int64_t num_parts;                            /* partial results a sequence combines: 1 = none */
     float *partial;                               /* [B, Hq, num_parts, D] and [B, Hq, num_parts] */
@@ -122,14 +123,17 @@ static inline __attribute__((always_inline)) const float *row_f32(const char *p,
     return buf;
 }
 
-/* A cache row as float32 into buf: row_f32, or quantized bytes times the row's scale. */
-static inline __attribute__((always_inline)) void kv_row_f32(const char *p, int dtype, int64_t n, float scale,
-                                                            float *buf) {
+/* A cache row as float32 into buf: row_f32, or quantized bytes times their group's scale
+ * (scales[i / group]). */
+static inline __attribute__((always_inline)) void kv_row_f32(const char *p, int dtype, int64_t n,
+                                                            const float *scales, int64_t group, float *buf) {
     if (dtype == DT_INT8) {
+        for (int64_t g = 0; g < n; g += group)
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) buf[i] = (float)((const int8_t *)p)[i] * scale;
+            for (int64_t i = g; i < g + group; i++) buf[i] = (float)((const int8_t *)p)[i] * scales[g / group];
     } else if (dtype == DT_FP8) {
-        for (int64_t i = 0; i < n; i++) buf[i] = fp8_to_float(((const uint8_t *)p)[i]) * scale;
+        for (int64_t g = 0; g < n; g += group)
+            for (int64_t i = g; i < g + group; i++) buf[i] = fp8_to_float(((const uint8_t *)p)[i]) * scales[g / group];
     } else {
         const float *row = row_f32(p, dtype, n, buf);
         if (row != buf) memcpy(buf, row, (size_t)n * 4);
@@ -338,6 +342,19 @@ static inline __attribute__((always_inline)) float hsum16(v16f v) {
  * row is loaded into registers once for all of them (their accumulators then fill the registers). */
 #define HEADS_AT_ONCE 3
 
+/* A quantized tile's scales for the grouped kernels: token j's are at rows[j] (head 0's first),
+ * the head being read's from rows[j][off], one per `group` values. */
+typedef struct {
+    const float *rows[TILE];
+    int64_t off, group;
+} TileScales;
+
+/* Per 16-value vector i of the 64 values from column c: the index of its group's scale. */
+static inline __attribute__((always_inline)) void scale_index(const TileScales *sc, int64_t c, int64_t nv,
+                                                             int64_t *at) {
+    for (int64_t i = 0; i < nv; i++) at[i] = sc->off + (c + 16 * i) / sc->group;
+}
+
 /* out[g * TILE + j] = q[g] . rows[j][off : off + D] for G query heads (q[g] = q + g * D) and the
  * tile's n tokens, D a multiple of 16 (other head sizes take one head at a time): the queries held in registers 64 elements at a time, four
  * tokens' products at a time (four chains of dependent adds keep the FMA units busy). */
@@ -345,9 +362,11 @@ static inline __attribute__((always_inline)) void scores_heads(const float *rest
                                                                const void *const *rows, int64_t off, int64_t n,
                                                                const int64_t D, float *restrict out,
                                                                const char *const *pf_k, const char *const *pf_v,
-                                                               int64_t pf_bytes, const int bf) {
+                                                               int64_t pf_bytes, const int bf, const TileScales *sc) {
     for (int64_t c = 0; c < D; c += 64) {
         const int64_t nv = (D - c < 64 ? D - c : 64) / 16;
+        int64_t at[4];
+        if (quantized(bf)) scale_index(sc, c, nv, at);
         v16f qv[HEADS_AT_ONCE][4];
         for (int g = 0; g < G; g++)
             for (int64_t i = 0; i < nv; i++) qv[g][i] = load16(q + g * D + c + 16 * i);
@@ -360,7 +379,8 @@ static inline __attribute__((always_inline)) void scores_heads(const float *rest
                 for (int t = 0; t < 4; t++) s[g][t] = (v16f){0};
             for (int64_t i = 0; i < nv; i++)
                 for (int t = 0; t < 4; t++) {
-                    const v16f k = load16_row(rows[j + t], off + c + 16 * i, bf);
+                    v16f k = load16_row(rows[j + t], off + c + 16 * i, bf);
+                    if (quantized(bf)) k *= sc->rows[j + t][at[i]];
                     for (int g = 0; g < G; g++) s[g][t] += qv[g][i] * k;
                 }
             for (int g = 0; g < G; g++) {
@@ -373,7 +393,11 @@ static inline __attribute__((always_inline)) void scores_heads(const float *rest
             if (pf_k) prefetch_tokens(pf_k, pf_v, j, j + 1, pf_bytes);
             for (int g = 0; g < G; g++) {
                 v16f s = (v16f){0};
-                for (int64_t i = 0; i < nv; i++) s += qv[g][i] * load16_row(rows[j], off + c + 16 * i, bf);
+                for (int64_t i = 0; i < nv; i++) {
+                    v16f k = load16_row(rows[j], off + c + 16 * i, bf);
+                    if (quantized(bf)) k *= sc->rows[j][at[i]];
+                    s += qv[g][i] * k;
+                }
                 out[g * TILE + j] = (c ? out[g * TILE + j] : 0.f) + hsum16(s);
             }
         }
@@ -386,15 +410,19 @@ static inline __attribute__((always_inline)) void scores_heads(const float *rest
 static inline __attribute__((always_inline)) void accumulate_heads(float *restrict acc, const int G,
                                                                    const float *restrict p,
                                                                    const void *const *rows, int64_t off,
-                                                                   int64_t n, const int64_t D, const int bf) {
+                                                                   int64_t n, const int64_t D, const int bf,
+                                                                   const TileScales *sc) {
     for (int64_t c = 0; c < D; c += 64) {
         const int64_t nv = (D - c < 64 ? D - c : 64) / 16;
+        int64_t at[4];
+        if (quantized(bf)) scale_index(sc, c, nv, at);
         v16f av[HEADS_AT_ONCE][4];
         for (int g = 0; g < G; g++)
             for (int64_t i = 0; i < nv; i++) av[g][i] = load16(acc + g * D + c + 16 * i);
         for (int64_t j = 0; j < n; j++)
             for (int64_t i = 0; i < nv; i++) {
-                const v16f v = load16_row(rows[j], off + c + 16 * i, bf);
+                v16f v = load16_row(rows[j], off + c + 16 * i, bf);
+                if (quantized(bf)) v *= sc->rows[j][at[i]];
                 for (int g = 0; g < G; g++) av[g][i] += p[g * TILE + j] * v;
             }
         for (int g = 0; g < G; g++)
@@ -407,16 +435,16 @@ static inline __attribute__((always_inline)) void group_scores(const float *rest
                                                               const void *const *rows, int64_t off, int64_t n,
                                                               const int64_t D, float *restrict out,
                                                               const char *const *pf_k, const char *const *pf_v,
-                                                              int64_t pf_bytes, const int bf) {
+                                                              int64_t pf_bytes, const int bf, const TileScales *sc) {
     for (int64_t g0 = 0; g0 < G; g0 += HEADS_AT_ONCE) {
         const float *qg = q + g0 * D;
         float *og = out + g0 * TILE;
         if (G - g0 >= 3)
-            scores_heads(qg, 3, rows, off, n, D, og, pf_k, pf_v, pf_bytes, bf);
+            scores_heads(qg, 3, rows, off, n, D, og, pf_k, pf_v, pf_bytes, bf, sc);
         else if (G - g0 == 2)
-            scores_heads(qg, 2, rows, off, n, D, og, pf_k, pf_v, pf_bytes, bf);
+            scores_heads(qg, 2, rows, off, n, D, og, pf_k, pf_v, pf_bytes, bf, sc);
         else
-            scores_heads(qg, 1, rows, off, n, D, og, pf_k, pf_v, pf_bytes, bf);
+            scores_heads(qg, 1, rows, off, n, D, og, pf_k, pf_v, pf_bytes, bf, sc);
         pf_k = pf_v = NULL;
     }
 }
@@ -426,16 +454,17 @@ static inline __attribute__((always_inline)) void group_scores(const float *rest
 static inline __attribute__((always_inline)) void group_accumulate(float *restrict acc, int64_t G,
                                                                   const float *restrict p,
                                                                   const void *const *rows, int64_t off,
-                                                                  int64_t n, const int64_t D, const int bf) {
+                                                                  int64_t n, const int64_t D, const int bf,
+                                                                  const TileScales *sc) {
     for (int64_t g0 = 0; g0 < G; g0 += HEADS_AT_ONCE) {
         float *ag = acc + g0 * D;
         const float *pg = p + g0 * TILE;
         if (G - g0 >= 3)
-            accumulate_heads(ag, 3, pg, rows, off, n, D, bf);
+            accumulate_heads(ag, 3, pg, rows, off, n, D, bf, sc);
         else if (G - g0 == 2)
-            accumulate_heads(ag, 2, pg, rows, off, n, D, bf);
+            accumulate_heads(ag, 2, pg, rows, off, n, D, bf, sc);
         else
-            accumulate_heads(ag, 1, pg, rows, off, n, D, bf);
+            accumulate_heads(ag, 1, pg, rows, off, n, D, bf, sc);
     }
 }
 
@@ -447,10 +476,8 @@ static inline __attribute__((always_inline)) void group_accumulate(float *restri
  * kv head's rows are read from memory once and then from L1 by all members' heads of its group
  * (K rows read through pointers gathered once); the online softmax; then the weighted V rows,
  * accumulated in registers, in the same order.
- * Quantized rows: the scores of a tile times each row's K scale, and the softmax weights (after their
- * sum) times each row's V scale, before the V rows are accumulated (grouped kernels).
  * scratch: M*Hq*D (q) + M*Hq*D (acc) + M*Hq*TILE (scores) + 2*M*Hq (max, sum) + 2*TILE*Hk*D (widened
- * rows) + 2*TILE*Hk (the tile's scales). */
+ * rows). */
 static inline __attribute__((always_inline)) void process_item_d(const Args *a, const Work *w, float *scratch,
                                                                 const int64_t D, const int wide, const int bf) {
     const int64_t Hq = a->num_q_heads, Hk = a->num_kv_heads, G = Hq / Hk, M = w->num_members;
@@ -459,7 +486,7 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
     const int64_t kes = (int64_t)elem_size(bf); /* bf: the cache's row type (a DT_ code) */
     float *q = scratch, *acc = q + QH * D, *sc = acc + QH * D, *mx = sc + QH * TILE, *sum = mx + QH;
     float *ktile = sum + QH, *vtile = ktile + TILE * Hk * D; /* rows widened (narrow path) */
-    float *kscale = vtile + TILE * Hk * D, *vscale = kscale + TILE * Hk; /* [Hk, TILE] */
+    TileScales ks = {.group = a->group}, vs = {.group = a->group}; /* quantized rows' scales */
     const void *krow[TILE], *vrow[TILE];                     /* the tile's rows */
     const char *pf_k[TILE], *pf_v[TILE];                     /* rows PREFETCH tokens ahead */
 
@@ -474,13 +501,12 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
         }
     /* the bytes from a token's first kv head to the end of its last: prefetched as one range */
     /* (quantized: and the scales, which follow the last head's values) */
-    const int64_t scales = quantized(bf) ? Hk * 4 : 0;
+    const int64_t scales = quantized(bf) ? Hk * (D / a->group) * 4 : 0;
     const int64_t k_span = ((Hk - 1) * a->k_sh + D) * kes + scales, v_span = ((Hk - 1) * a->v_sh + D) * kes + scales;
     const int64_t span = k_span > v_span ? k_span : v_span;
     /* The grouped kernels read rows where they lie (widened in registers); the narrow ones read
      * float32, other rows widened (and scaled) into the tile buffers first. */
     const int grouped = wide && D % 16 == 0, in_place = bf == DT_FLOAT32 || grouped;
-    const int scaled = quantized(bf) && in_place; /* scales applied to scores and weights */
     /* head strides of the rows the tile kernels read: the cache's, or the widened tile's */
     const int64_t k_head = in_place ? a->k_sh : D, v_head = in_place ? a->v_sh : D;
     for (int64_t t0 = lo; t0 < hi; t0 += TILE) {
@@ -492,12 +518,8 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             const char *k = a->k + row_offset(a, b, t0 + j, a->k_so, a->k_st) * kes;
             const char *v = a->v + row_offset(a, b, t0 + j, a->v_so, a->v_st) * kes;
             if (quantized(bf)) {
-                const float *ks = a->k_scale + row_offset(a, b, t0 + j, a->ks_so, a->ks_st);
-                const float *vs = a->v_scale + row_offset(a, b, t0 + j, a->vs_so, a->vs_st);
-                for (int64_t hk = 0; hk < Hk; hk++) {
-                    kscale[hk * TILE + j] = ks[hk * a->ks_sh];
-                    vscale[hk * TILE + j] = vs[hk * a->vs_sh];
-                }
+                ks.rows[j] = a->k_scale + row_offset(a, b, t0 + j, a->ks_so, a->ks_st);
+                vs.rows[j] = a->v_scale + row_offset(a, b, t0 + j, a->vs_so, a->vs_st);
             }
             if (in_place) {
                 krow[j] = k;
@@ -509,8 +531,8 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             float *kw = ktile + j * Hk * D, *vw = vtile + j * Hk * D;
             for (int64_t hk = 0; hk < Hk; hk++) {
                 const int q8 = quantized(bf);
-                kv_row_f32(k + hk * a->k_sh * kes, bf, D, q8 ? kscale[hk * TILE + j] : 1.f, kw + hk * D);
-                kv_row_f32(v + hk * a->v_sh * kes, bf, D, q8 ? vscale[hk * TILE + j] : 1.f, vw + hk * D);
+                kv_row_f32(k + hk * a->k_sh * kes, bf, D, q8 ? ks.rows[j] + hk * a->ks_sh : NULL, a->group, kw + hk * D);
+                kv_row_f32(v + hk * a->v_sh * kes, bf, D, q8 ? vs.rows[j] + hk * a->vs_sh : NULL, a->group, vw + hk * D);
             }
             krow[j] = kw;
             vrow[j] = vw;
@@ -520,8 +542,9 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             for (int64_t m = 0; m < M; m++) {
                 const int64_t first = m * Hq + hk * G; /* the group's first query head */
                 if (grouped) {
+                    ks.off = hk * a->ks_sh;
                     group_scores(q + first * D, G, krow, hk * k_head, n, D, sc + first * TILE,
-                                 prefetching && first == 0 ? pf_k : NULL, pf_v, span, bf);
+                                 prefetching && first == 0 ? pf_k : NULL, pf_v, span, bf, &ks);
                     continue;
                 }
                 for (int64_t qh = first; qh < first + G; qh++)
@@ -530,9 +553,6 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             }
         for (int64_t qh = 0; qh < QH; qh++) {
             float *row = sc + qh * TILE, m = mx[qh];
-            const int64_t hk = (qh % Hq) / G;
-            if (scaled)
-                for (int64_t j = 0; j < n; j++) row[j] *= kscale[hk * TILE + j];
             if (a->softcap > 0.f)
                 for (int64_t j = 0; j < n; j++) row[j] = a->softcap * tanhf(row[j] / a->softcap);
 #pragma omp simd reduction(max : m)
@@ -547,14 +567,13 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
                 for (int64_t i = 0; i < D; i++) acc[qh * D + i] *= alpha;
             sum[qh] = sum[qh] * alpha + total;
             mx[qh] = m;
-            if (scaled) /* the weights of the V rows' bytes: each row's value is its bytes x scale */
-                for (int64_t j = 0; j < n; j++) row[j] *= vscale[hk * TILE + j];
         }
         for (int64_t hk = 0; hk < Hk; hk++)
             for (int64_t m = 0; m < M; m++) {
                 const int64_t first = m * Hq + hk * G;
                 if (grouped) {
-                    group_accumulate(acc + first * D, G, sc + first * TILE, vrow, hk * v_head, n, D, bf);
+                    vs.off = hk * a->vs_sh;
+                    group_accumulate(acc + first * D, G, sc + first * TILE, vrow, hk * v_head, n, D, bf, &vs);
                     continue;
                 }
                 for (int64_t qh = first; qh < first + G; qh++)
@@ -715,8 +734,8 @@ static inline uint8_t float_to_fp8(float x) {
     return sign | (uint8_t)((((bits >> 23) - 127 + 7) << 3) | ((bits >> 20) & 7u));
 }
 
-/* One row of head_dim values (in the query's dtype) quantized as quantized_rows.quantize does:
- * scale = max|x| / QMAX (1 for a zero row), bytes = x / scale rounded (int8: to nearest even,
+/* One group of n values (in the query's dtype) quantized as quantized_rows.quantize does:
+ * scale = max|x| / QMAX (1 for a zero group), bytes = x / scale rounded (int8: to nearest even,
  * clamped to +-127; fp8: clamped to +-448, then rounded). */
 static void quantize_row(const char *src, int dtype, int kv_dtype, int64_t n, char *dst, float *scale_out,
                          float *buf) {
@@ -748,12 +767,14 @@ static void write_new_rows(const Args *a) {
             char *v = (char *)a->v + row_offset(a, b, t, a->v_so, a->v_st);
             float *ks = (float *)a->k_scale + row_offset(a, b, t, a->ks_so, a->ks_st);
             float *vs = (float *)a->v_scale + row_offset(a, b, t, a->vs_so, a->vs_st);
-            for (int64_t hk = 0; hk < a->num_kv_heads; hk++) {
-                quantize_row(a->new_k + (b * a->new_k_sb + hk * a->new_k_sh) * es, a->dtype, a->kv_dtype,
-                             a->head_dim, k + hk * a->k_sh, ks + hk * a->ks_sh, buf);
-                quantize_row(a->new_v + (b * a->new_v_sb + hk * a->new_v_sh) * es, a->dtype, a->kv_dtype,
-                             a->head_dim, v + hk * a->v_sh, vs + hk * a->vs_sh, buf);
-            }
+            for (int64_t hk = 0; hk < a->num_kv_heads; hk++)
+                for (int64_t g = 0; g * a->group < a->head_dim; g++) {
+                    const int64_t at = g * a->group;
+                    quantize_row(a->new_k + (b * a->new_k_sb + hk * a->new_k_sh + at) * es, a->dtype, a->kv_dtype,
+                                 a->group, k + hk * a->k_sh + at, ks + hk * a->ks_sh + g, buf);
+                    quantize_row(a->new_v + (b * a->new_v_sb + hk * a->new_v_sh + at) * es, a->dtype, a->kv_dtype,
+                                 a->group, v + hk * a->v_sh + at, vs + hk * a->vs_sh + g, buf);
+                }
             continue;
         }
         char *k = (char *)a->k + row_offset(a, b, t, a->k_so, a->k_st) * es;
@@ -774,7 +795,7 @@ static int run(Args *a, int num_threads) {
     if (!failed) items = plan(a, num_threads, work, members, &largest);
     const int64_t parts = a->num_parts;
     const size_t scratch_floats = (size_t)(largest * (2 * Hq * D + Hq * TILE + 2 * Hq) +
-                                           2 * TILE * a->num_kv_heads * (D + 1));
+                                           2 * TILE * a->num_kv_heads * D);
     if (!failed && parts > 1) {
         a->partial = malloc(sizeof(float) * (size_t)(B * Hq * parts * D));
         a->lse = malloc(sizeof(float) * (size_t)(B * Hq * parts));
@@ -813,14 +834,14 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     double scale, softcap;
     int num_threads;
     a.kv_dtype = -1;
-    if (!PyArg_ParseTuple(args, "KKKKKKKKK" "LLLLLLLLLLLLLLLL" "dLdiii" "|KKLLLL" "iKKLLLLLL", &q, &out, &k, &v,
+    if (!PyArg_ParseTuple(args, "KKKKKKKKK" "LLLLLLLLLLLLLLLL" "dLdiii" "|KKLLLL" "iKKLLLLLLL", &q, &out, &k, &v,
                           &index, &seq_lens, &sinks, &prefix_leaders, &prefix_lens,
                           &a.index_stride_b, &a.batch, &a.num_q_heads, &a.num_kv_heads, &a.head_dim,
                           &a.block_size, &a.q_sb, &a.q_sh, &a.out_sb, &a.out_sh, &a.k_so, &a.k_st, &a.k_sh,
                           &a.v_so, &a.v_st, &a.v_sh, &scale, &a.window, &softcap, &a.dtype, &a.num_splits,
                           &num_threads, &new_k, &new_v, &a.new_k_sb, &a.new_k_sh, &a.new_v_sb, &a.new_v_sh,
                           &a.kv_dtype, &k_scale, &v_scale, &a.ks_so, &a.ks_st, &a.ks_sh, &a.vs_so, &a.vs_st,
-                          &a.vs_sh))
+                          &a.vs_sh, &a.group))
         return NULL;
     if (a.kv_dtype < 0) a.kv_dtype = a.dtype; /* not given: the cache is in q's dtype */
     if (a.dtype != DT_FLOAT32 && a.dtype != DT_BFLOAT16) {
@@ -828,9 +849,10 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (a.kv_dtype < DT_FLOAT32 || a.kv_dtype > DT_FP8 || (!quantized(a.kv_dtype) && a.kv_dtype != a.dtype) ||
-        (quantized(a.kv_dtype) && (!k_scale || !v_scale || a.head_dim > 512))) {
+        (quantized(a.kv_dtype) && (!k_scale || !v_scale || a.head_dim > 512 || a.group < 1 ||
+                                   a.head_dim % a.group))) {
         PyErr_Format(PyExc_ValueError, "kv dtype code %d: the query's (%d), or int8 (2) / fp8 (3) with both "
-                     "scale views (and head_dim <= 512)", a.kv_dtype, a.dtype);
+                     "scale views, head_dim <= 512 and a group dividing it", a.kv_dtype, a.dtype);
         return NULL;
     }
     a.k_scale = (const float *)(uintptr_t)k_scale;
@@ -877,7 +899,7 @@ PyDoc_STRVAR(decode_doc,
              "decode(q, out, k, v, index, seq_lens, sinks, prefix_leaders, prefix_lens, index_stride_b, batch, num_q_heads, num_kv_heads,\n"
              "       head_dim, block_size, q_sb, q_sh, out_sb, out_sh, k_so, k_st, k_sh, v_so, v_st, v_sh,\n"
              "       scale, window, softcap, dtype, num_splits, num_threads[, new_k, new_v, new_k_sb, new_k_sh,\n"
-             "       new_v_sb, new_v_sh[, kv_dtype, k_scale, v_scale, ks_so, ks_st, ks_sh, vs_so, vs_st, vs_sh]])\n\n"
+             "       new_v_sb, new_v_sh[, kv_dtype, k_scale, v_scale, ks_so, ks_st, ks_sh, vs_so, vs_st, vs_sh, group]])\n\n"
              "Raw data pointers and element strides; checked by vmemkv.attention.cpu_decode, not here.");
 
 static PyObject *grouped_heads(PyObject *self, PyObject *args) {

@@ -209,7 +209,7 @@ def kv_patterns(manager: KVCacheManager, keys: list[int]):
     """``(layer, kv, int32 array [len(keys), heads, dim])`` for every layer's K and V (a latent
     layout's one row per layer: ``kv`` 0, its K view). A quantized layout's rows are bytes, read
     as int32 four at a time (``[len(keys), heads, dim / 4]``), and its scales get patterns too:
-    ``kv`` 2 and 3 are K's and V's, ``[len(keys), heads]``."""
+    ``kv`` 2 and 3 are K's and V's, ``[len(keys), heads, groups]``."""
     layout = manager.layout
     heads, words = layout.num_kv_heads, layout.head_dim * layout.itemsize // 4
     assert heads * words <= (128 if layout.scaled else 256) and layout.num_layers <= 4, (
@@ -220,8 +220,10 @@ def kv_patterns(manager: KVCacheManager, keys: list[int]):
     for layer in range(layout.num_layers):
         for kv in range(layout.rows_per_layer):
             yield layer, kv, base | np.int32((2 * layer + kv) << 8)
-    if layout.scaled:  # scale words: 128 + the head, apart from every value word
-        scales = keys.reshape(-1, 1) | (128 + np.arange(heads, dtype=np.int32)).reshape(1, heads)
+    if layout.scaled:  # scale words: 128 + (head, group), apart from every value word
+        groups = layout.scale_groups
+        assert heads * groups <= 128, "the pattern needs at most 128 scales a row"
+        scales = keys.reshape(-1, 1, 1) | (128 + np.arange(heads * groups, dtype=np.int32)).reshape(1, heads, groups)
         for layer in range(layout.num_layers):
             for kv in range(layout.rows_per_layer):
                 yield layer, 2 + kv, scales | np.int32((2 * layer + kv) << 8)

@@ -14,7 +14,7 @@ from vmemkv.attention.cpu_decode import _extension, decode_attention_contiguous_
 from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
 from vmemkv.engine.core.addressing import slot_attention
 from vmemkv.engine.core.llm_engine import run_to_completion
-from vmemkv.memory.quantized_rows import QMAX, dequantize, quantize
+from vmemkv.memory.quantized_rows import QMAX, dequantize, groups_per_row, quantize
 
 from conftest import assert_no_leaks, check_and_close, tiny_config
 
@@ -29,16 +29,17 @@ def test_a_row_comes_back_within_its_format_error(dtype):
     rows = torch.randn(64, 4, 96) * torch.logspace(-3, 3, 64)[:, None, None]
     rows[0, 0] = 0  # an all-zero row: scale 1, values 0
     values, scales = quantize(rows, dtype)
-    assert values.dtype == dtype and scales.shape == rows.shape[:-1] and scales.dtype == torch.float32
+    assert values.dtype == dtype and scales.shape == (64, 4, 3) and scales.dtype == torch.float32
     back = dequantize(values, scales, torch.float32)
-    amax = rows.abs().amax(-1, keepdim=True)
+    amax = rows.unflatten(-1, (3, 32)).abs().amax(-1, keepdim=True).repeat_interleave(32, -2).flatten(-2)
     error = (back - rows).abs()
     if dtype == torch.int8:  # rounding to the nearest of 255 levels: half a step
         assert (error <= amax / 127 / 2 * 1.0001 + 1e-12).all()
     else:  # e4m3: 3 mantissa bits, half an ulp of 2^-3 relative; subnormals below 2^-6 x scale
         assert (error <= torch.maximum(rows.abs() * 2 ** -4, amax / 448 * 2 ** -9) * 1.0001 + 1e-12).all()
     assert torch.equal(back[0, 0], torch.zeros(96))
-    assert (values.float().abs().amax(-1) == QMAX[dtype])[1:].all()  # the largest value hits the edge
+    edges = values.float().unflatten(-1, (3, 32)).abs().amax(-1)
+    assert (edges == QMAX[dtype])[1:].all()  # each group's largest value hits the edge
 
 
 # --- the layout -------------------------------------------------------------------------------------
@@ -46,13 +47,14 @@ def test_a_row_comes_back_within_its_format_error(dtype):
 @pytest.mark.parametrize("kv_cache_dtype", FORMATS)
 def test_quantized_bytes_per_token_are_about_half_of_bfloat16(kv_cache_dtype):
     """SmolLM2-135M's shape (30 layers, 3 KV heads of 64): 768 B a token and layer in bfloat16,
-    384 of values and 24 of scales quantized."""
+    384 of values and 48 of scales (one per 32 values) quantized."""
     shape = dict(num_layers=30, num_kv_heads=3, head_dim=64, num_blocks=4, max_num_seqs=1, max_model_len=64)
     bf16 = CacheConfig(**shape, dtype=torch.bfloat16).make_layout()
     quantized = CacheConfig(**shape, dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype).make_layout()
     assert bf16.kv_bytes_per_token_per_layer == 768
-    assert quantized.kv_bytes_per_token_per_layer == 2 * 3 * 64 + 2 * 3 * 4
-    assert quantized.row_data_bytes == 30 * 408 and quantized.scaled and not bf16.scaled
+    assert quantized.kv_bytes_per_token_per_layer == 2 * 3 * 64 + 2 * 3 * 2 * 4
+    assert quantized.row_data_bytes == 30 * 432 and quantized.scaled and not bf16.scaled
+    assert groups_per_row(64) == 2 and groups_per_row(24) == 1  # a row not of 32s: one scale
 
 
 @pytest.mark.parametrize("layout", ["token_major", "per_layer"])
@@ -134,7 +136,7 @@ def test_native_decode_quantizes_the_new_rows_as_torch_does(dtype, q_dtype):
     generator = torch.Generator().manual_seed(3)
     k = torch.zeros(3, 16, 2, 64, dtype=dtype)
     v = torch.zeros(3, 16, 2, 64, dtype=dtype)
-    scales = (torch.zeros(3, 16, 2), torch.zeros(3, 16, 2))
+    scales = (torch.zeros(3, 16, 2, 2), torch.zeros(3, 16, 2, 2))
     new = [torch.randn(3, 2, 64, generator=generator) * torch.logspace(-4, 4, 64) for _ in (0, 1)]
     new[0][1, 0] = 0  # a zero row
     new[1][2, 1] = 0
@@ -153,7 +155,7 @@ def test_native_decode_quantizes_the_new_rows_as_torch_does(dtype, q_dtype):
 @native
 def test_native_decode_refuses_what_quantized_rows_cannot_take():
     k = torch.zeros(2, 8, 1, 64, dtype=torch.int8)
-    scales = torch.ones(2, 8, 1)
+    scales = torch.ones(2, 8, 1, 2)
     q, lens, slots = torch.zeros(1, 2, 64), torch.tensor([4], dtype=torch.int32), torch.tensor([0])
     with pytest.raises(ValueError, match="scales of k_cache must be float32"):
         decode_attention_contiguous_cpu(q, k, k, slots, lens, 1.0, kv_scales=(scales[:, :4], scales))
@@ -211,7 +213,8 @@ def test_the_engine_runs_on_quantized_kv_and_reports_its_bytes(kv_cache_dtype):
     stats = engine.stats()
     layout = engine.manager.layout
     assert stats["kv_cache_dtype"] == kv_cache_dtype
-    assert stats["kv_bytes_per_token_per_layer"] == 2 * layout.num_kv_heads * (layout.head_dim + 4)
+    assert stats["kv_bytes_per_token_per_layer"] == 2 * layout.num_kv_heads * (
+        layout.head_dim + 4 * groups_per_row(layout.head_dim))
     assert_no_leaks(engine.manager)
 
 

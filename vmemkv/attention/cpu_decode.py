@@ -167,8 +167,9 @@ def _run(q, k, v, index, index_stride_b, seq_lens, scale, block_size, out, windo
         float(scale), window or 0, float(softcap or 0.0), DTYPES[q.dtype], max(1, int(num_splits)), threads,
         *((new_kv[0].data_ptr(), new_kv[1].data_ptr(), new_kv[0].stride(0), new_kv[0].stride(1),
            new_kv[1].stride(0), new_kv[1].stride(1)) if new_kv else (0, 0, 0, 0, 0, 0)),
-        KV_DTYPES[k.dtype], *((kv_scales[0].data_ptr(), kv_scales[1].data_ptr(), *kv_scales[0].stride(),
-                               *kv_scales[1].stride()) if kv_scales else (0,) * 8)]
+        KV_DTYPES[k.dtype], *((kv_scales[0].data_ptr(), kv_scales[1].data_ptr(), *kv_scales[0].stride()[:3],
+                               *kv_scales[1].stride()[:3], head_dim // kv_scales[0].shape[3])
+                              if kv_scales else (0,) * 9)]
     _extension().decode(*arguments)
     if geometry is not None:  # keep the converted indices alive with the pointers into them
         calls.remember(geometry, arguments, (index, seq_lens, shared_prefix))
@@ -187,7 +188,7 @@ def decode_attention_contiguous_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_ca
                                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``q`` ``[B, Hq, D]``; ``k_cache``/``v_cache`` strided ``[num_slots, max_tokens, Hk, D]`` views
     (last dim contiguous), in q's dtype, or int8 / float8_e4m3fn with ``kv_scales`` (their float32
-    scales ``[num_slots, max_tokens, Hk]``: a row's value is its bytes times its scale; ``new_kv``
+    scales ``[num_slots, max_tokens, Hk, groups]``: a value is its byte times its group's scale; ``new_kv``
     rows are then given in q's dtype and quantized as ``quantized_rows.quantize`` does); sequence ``b`` attends to ``k_cache[slot_ids[b], :seq_lens[b]]`` (its last
     ``window`` keys with a window). Returns ``[B, Hq, D]`` in q's dtype (into ``out`` when given).
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)  # with a float32 scale a row
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)  # with float32 scales (memory/quantized_rows.py)
 MAX_HEAD_DIM = 256
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
                   names: tuple[str, str], out: torch.Tensor | None,
                   kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """``kv_scales``: the float32 scales ``[outer, tokens, kv_heads]`` of quantized (int8 / fp8)
+    """``kv_scales``: the float32 scales ``[outer, tokens, kv_heads, groups]`` of quantized (int8 / fp8)
     ``k`` and ``v`` (``memory/quantized_rows.py``); None when they hold q's dtype."""
     k_name, v_name = names
     if kv_scales is not None:
@@ -62,10 +62,14 @@ def check_scales(k: torch.Tensor, v: torch.Tensor, kv_scales, names: tuple[str, 
     if k.dtype not in QUANTIZED_DTYPES or v.dtype != k.dtype:
         raise ValueError(f"kv_scales go with int8 or float8_e4m3fn {names[0]} and {names[1]}, got "
                          f"{k.dtype} and {v.dtype}")
+    groups = kv_scales[0].shape[-1] if kv_scales[0].dim() == 4 else 0
     for name, scales in zip(names, kv_scales):
-        if scales.dtype != torch.float32 or scales.shape != k.shape[:3] or scales.device != k.device:
-            raise ValueError(f"the scales of {name} must be float32 {tuple(k.shape[:3])} on {k.device} "
-                             f"(one a row), got {scales.dtype} {tuple(scales.shape)} on {scales.device}")
+        if (scales.dtype != torch.float32 or scales.shape != (*k.shape[:3], groups) or not groups
+                or k.shape[3] % groups or scales.stride(3) != 1 or scales.device != k.device):
+            raise ValueError(f"the scales of {name} must be float32 [{', '.join(map(str, k.shape[:3]))}, groups] "
+                             f"on {k.device}, the groups of a row contiguous and dividing its {k.shape[3]} "
+                             f"values, got {scales.dtype} {tuple(scales.shape)} strides {scales.stride()} "
+                             f"on {scales.device}")
 
 
 def check_variant(q: torch.Tensor, window: int | None, softcap: float | None,

@@ -787,9 +787,10 @@ class KVCacheManager:
 
     def kv_scale_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """With ``kv_cache_dtype`` "int8" or "fp8": the float32 scales of layer ``layer``'s K and V
-        rows over every slot, ``[num_slots, max_model_len, kv_heads]``, in the same pages as the
-        values (``kv_views`` then holds int8 / float8_e4m3fn bytes; value = byte x scale,
-        ``memory/quantized_rows.py``). None when K/V are stored in the model's dtype."""
+        rows over every slot, ``[num_slots, max_model_len, kv_heads, groups]`` (one per 32 values of a
+        row), in the same pages as the values (``kv_views`` then holds int8 / float8_e4m3fn bytes;
+        value = byte x its group's scale, ``memory/quantized_rows.py``). None when K/V are stored in
+        the model's dtype."""
         return self.queries.kv_scale_views(layer)
 
     def state_views(self, layer: int) -> list[torch.Tensor]:

@@ -21,12 +21,12 @@ difference. The same layout addresses the backend's pool window as a block table
 block-table baseline reads: identical bytes, different addressing.
 
 A quantized layout (``dtype`` int8 or float8_e4m3fn: ``kv_cache_dtype`` "int8" / "fp8",
-``quantized_rows.py``) stores each row of ``head_dim`` values in one byte a value and one float32
-scale per row, each layer's K (or V) values ``[kv_head][dim]`` followed by their scales
-``[kv_head]``: a token-major token row is ``[layer][k|v]`` of those, a per-layer tensor's row one.
+``quantized_rows.py``) stores each row of ``head_dim`` values in one byte a value and a float32
+scale per group of 32 of them, each layer's K (or V) values ``[kv_head][dim]`` followed by their
+scales ``[kv_head][group]``: a token-major token row is ``[layer][k|v]`` of those, a per-layer tensor's row one.
 The scales sit in the page, so every copy of a page carries them, and beside the values they scale,
 so a read of a token's row for one layer fetches its scales in the same cache lines. ``scale_view_geometry`` addresses
-them as float32 views ``[token, kv_head]``.
+them as float32 views ``[token, kv_head, group]``.
 
 A token's row may be padded (``token_stride_bytes`` > the bytes it needs) so that a page of few
 tokens is a whole number of 2 MiB CUDA granules; ``choose_page`` picks the stride and the page.
@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from vmemkv.errors import ConfigError
-from vmemkv.memory.quantized_rows import SCALE_BYTES, is_quantized
+from vmemkv.memory.quantized_rows import SCALE_BYTES, groups_per_row, is_quantized
 
 LayoutKind = Literal["token_major", "per_layer"]
 
@@ -114,7 +114,12 @@ class KVLayout:
     @cached_property
     def scale_bytes_per_row(self) -> int:
         """The scales of one K (or V) row of every head: 0 unless quantized."""
-        return self.num_kv_heads * SCALE_BYTES if self.scaled else 0
+        return self.num_kv_heads * self.scale_groups * SCALE_BYTES if self.scaled else 0
+
+    @cached_property
+    def scale_groups(self) -> int:
+        """Scales per head's row (quantized layouts: ``quantized_rows.groups_per_row``)."""
+        return groups_per_row(self.head_dim)
 
     @cached_property
     def row_block_bytes(self) -> int:
@@ -157,7 +162,7 @@ class KVLayout:
             rows = f"{self.rows_per_layer} x {self.num_layers} layers x "
         else:
             rows = ""
-        scales = f" + {self.num_kv_heads} scales x {SCALE_BYTES} B" if self.scaled else ""
+        scales = f" + {self.num_kv_heads} x {self.scale_groups} scales x {SCALE_BYTES} B" if self.scaled else ""
         return f"{rows}({self.num_kv_heads} heads x {self.head_dim} dim x {self.itemsize} B{scales})"
 
     @cached_property
@@ -232,13 +237,13 @@ class KVLayout:
             return strides, row * self.row_block_bytes // self.itemsize
         return strides, row * (self.page_size // self.itemsize)
 
-    def scale_view_geometry(self, layer: int, kv: int, max_tokens: int) -> tuple[tuple[int, int], int]:
-        """Strides (token, head) in float32 elements and the float32 offset of the scales of layer
+    def scale_view_geometry(self, layer: int, kv: int, max_tokens: int) -> tuple[tuple[int, int, int], int]:
+        """Strides (token, head, group) in float32 elements and the float32 offset of the scales of layer
         ``layer``'s K (``kv=0``) or V (``kv=1``) within one slot (a quantized layout only)."""
         if not self.scaled:
             raise ConfigError(f"a {self.dtype} layout has no scales")
         row = self._row_index(layer, kv)
-        strides = (self.token_stride_bytes // SCALE_BYTES, 1)
+        strides = (self.token_stride_bytes // SCALE_BYTES, self.scale_groups, 1)
         if self.kind == "token_major":
             at = row * self.row_block_bytes + self.head_elems * self.itemsize
         else:
@@ -312,7 +317,7 @@ def unpadded_row_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
     layer, not K and V)."""
     row = num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
     if is_quantized(dtype):
-        row += num_kv_heads * SCALE_BYTES  # each head's row has its scale
+        row += num_kv_heads * groups_per_row(head_dim) * SCALE_BYTES  # each head's row has its scales
     return row * (1 if latent else 2) * num_layers if kind == "token_major" else row
 
 

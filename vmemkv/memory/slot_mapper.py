@@ -322,14 +322,14 @@ class SlotMapper(SlotBinder):
 
     def kv_scale_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A quantized layout's scales of layer ``layer``'s K and V rows over every slot,
-        ``[num_slots, max_tokens, kv_heads]`` float32 (a row's value is its bytes times its
+        ``[num_slots, max_tokens, kv_heads, groups]`` float32 (a value is its byte times its group's
         scale); None when the layout stores plain values."""
         return self._scale_views[layer] if self.layout.scaled else None
 
     def _layer_scale_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         layout = self.layout
         slot_floats = self.slot_pages * layout.page_size // SCALE_BYTES
-        shape = (self.num_slots, self.max_tokens, layout.num_kv_heads)
+        shape = (self.num_slots, self.max_tokens, layout.num_kv_heads, layout.scale_groups)
         views = []
         for kv in (0, 1):
             strides, offset = layout.scale_view_geometry(layer, kv, self.max_tokens)
