@@ -67,9 +67,9 @@ VARIANTS: dict[str, Variant] = {
                               cold_tier="int4"),
     # Quantized live KV (memory/quantized_rows.py): half the bytes a token; tokens counted, not required equal.
     "vmem-int8": Variant("vmem-int8", "vmem", "token_major",
-                         "vmem with int8 K/V rows and a float32 scale per token and head", kv_cache_dtype="int8"),
+                         "vmem with int8 K/V rows and a float32 scale per 32 values", kv_cache_dtype="int8"),
     "vmem-fp8": Variant("vmem-fp8", "vmem", "token_major",
-                        "vmem with fp8 (e4m3) K/V rows and a float32 scale per token and head",
+                        "vmem with fp8 (e4m3) K/V rows and a float32 scale per 32 values",
                         kv_cache_dtype="fp8"),
 }
 REFERENCE_VARIANT = "vmem"  # token ids of the other variants are compared with this one's

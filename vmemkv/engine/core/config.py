@@ -68,9 +68,10 @@ class EngineConfig:
     kv_cold_tier: str = CacheConfig.cold_tier
     kv_cold_cache_bytes: int = CacheConfig.cold_cache_bytes
     # How K/V are stored (vLLM's --kv-cache-dtype): "auto" in the model's dtype; "int8" or "fp8"
-    # (e4m3): one byte a value and a float32 scale per token and head (memory/quantized_rows.py),
-    # half of bfloat16's bytes, lossy. Read by the native CPU decode routine, and by SDPA over the
-    # step's rows dequantized (on CUDA); kv_backend "vmem", no FlashAttention or Triton yet.
+    # (e4m3): one byte a value and a float32 scale per 32 values (memory/quantized_rows.py),
+    # 0.56x of bfloat16's bytes at head_dim 64, lossy. Read by the native CPU decode routine, and
+    # by SDPA over the step's rows dequantized (on CUDA); kv_backend "vmem", no FlashAttention or
+    # Triton yet.
     kv_cache_dtype: str = CacheConfig.kv_cache_dtype
     seed: int = 0
     # The scheduling policy, a name in POLICIES (engine/core/policies.py): "fcfs", "priority" (the
