@@ -188,9 +188,10 @@ def decode_attention_contiguous_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_ca
                                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``q`` ``[B, Hq, D]``; ``k_cache``/``v_cache`` strided ``[num_slots, max_tokens, Hk, D]`` views
     (last dim contiguous), in q's dtype, or int8 / float8_e4m3fn with ``kv_scales`` (their float32
-    scales ``[num_slots, max_tokens, Hk, groups]``: a value is its byte times its group's scale; ``new_kv``
-    rows are then given in q's dtype and quantized as ``quantized_rows.quantize`` does); sequence ``b`` attends to ``k_cache[slot_ids[b], :seq_lens[b]]`` (its last
-    ``window`` keys with a window). Returns ``[B, Hq, D]`` in q's dtype (into ``out`` when given).
+    scales ``[num_slots, max_tokens, Hk, groups]``: a value is its byte times its group's scale;
+    ``new_kv`` rows are then given in q's dtype and quantized as ``quantized_rows.quantize`` does);
+    sequence ``b`` attends to ``k_cache[slot_ids[b], :seq_lens[b]]`` (its last ``window`` keys with
+    a window). Returns ``[B, Hq, D]`` in q's dtype (into ``out`` when given).
 
     The routine trusts its indices, as the engine's are right by construction: ``check_bounds=True``
     checks slot ids and lengths first and raises ``ValueError`` (a wrong one would read outside

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import torch
 
+from vmemkv.memory.quantized_rows import QMAX
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)  # with float32 scales (memory/quantized_rows.py)
+QUANTIZED_DTYPES = tuple(QMAX)  # int8 and float8_e4m3fn, with float32 scales
 MAX_HEAD_DIM = 256
 
 

@@ -23,10 +23,10 @@ block-table baseline reads: identical bytes, different addressing.
 A quantized layout (``dtype`` int8 or float8_e4m3fn: ``kv_cache_dtype`` "int8" / "fp8",
 ``quantized_rows.py``) stores each row of ``head_dim`` values in one byte a value and a float32
 scale per group of 32 of them, each layer's K (or V) values ``[kv_head][dim]`` followed by their
-scales ``[kv_head][group]``: a token-major token row is ``[layer][k|v]`` of those, a per-layer tensor's row one.
-The scales sit in the page, so every copy of a page carries them, and beside the values they scale,
-so a read of a token's row for one layer fetches its scales in the same cache lines. ``scale_view_geometry`` addresses
-them as float32 views ``[token, kv_head, group]``.
+scales ``[kv_head][group]``: a token-major token row is ``[layer][k|v]`` of those, a per-layer
+tensor's row one. The scales sit in the page, so every copy of a page carries them, and beside the
+values they scale, so a read of one layer's rows of a token fetches its scales in the same cache
+lines. ``scale_view_geometry`` addresses them as float32 views ``[token, kv_head, group]``.
 
 A token's row may be padded (``token_stride_bytes`` > the bytes it needs) so that a page of few
 tokens is a whole number of 2 MiB CUDA granules; ``choose_page`` picks the stride and the page.
@@ -245,11 +245,10 @@ class KVLayout:
         row = self._row_index(layer, kv)
         strides = (self.token_stride_bytes // SCALE_BYTES, self.scale_groups, 1)
         if self.kind == "token_major":
-            at = row * self.row_block_bytes + self.head_elems * self.itemsize
-        else:
-            tensor_bytes = self.logical_pages_for(max_tokens) * self.page_size
-            at = row * tensor_bytes + self.head_elems * self.itemsize
-        return strides, at // SCALE_BYTES
+            row_start = row * self.row_block_bytes
+        else:  # the row's own tensor
+            row_start = row * self.logical_pages_for(max_tokens) * self.page_size
+        return strides, (row_start + self.head_elems * self.itemsize) // SCALE_BYTES  # after its values
 
     def describe(self) -> dict:
         return {
