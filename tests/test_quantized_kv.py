@@ -202,9 +202,13 @@ def test_a_step_attends_the_rows_it_wrote_quantized(attention, kv_cache_dtype):
 
 # --- the engine ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
-def test_the_engine_runs_on_quantized_kv_and_reports_its_bytes(kv_cache_dtype):
-    engine = LLMEngine(EngineConfig(model="tiny-llama", max_num_seqs=4, max_model_len=128,
+@pytest.mark.parametrize("kv_cache_dtype,model", [("int8", "tiny-llama"), ("fp8", "tiny-llama"),
+                                                  ("int8", "tiny-mistral"), ("int8", "tiny-gemma2"),
+                                                  ("fp8", "tiny-qwen3-next"), ("int8", "tiny-falcon-h1")])
+def test_the_engine_runs_on_quantized_kv_and_reports_its_bytes(kv_cache_dtype, model):
+    """Full attention, a sliding window (released behind it), local and global layer groups, and
+    recurrent state beside quantized attention layers (the state keeps its own dtypes)."""
+    engine = LLMEngine(EngineConfig(model=model, max_num_seqs=4, max_model_len=128,
                                     kv_cache_dtype=kv_cache_dtype, swap_space_bytes=16 << 20))
     prompts = [[(7 * i + j) % 250 + 1 for j in range(20 + 9 * i)] for i in range(4)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -675,6 +675,7 @@ class RecurrentStateGroup(KVCacheGroup):
             config, num_layers=1, num_kv_heads=1, head_dim=page_size, dtype=torch.uint8, latent=True,
             page_size=page_size, max_model_len=pages, num_blocks=blocks, sliding_window=None,
             attention_chunk_size=None, host_cache_bytes=0, kv_pool=None,
+            kv_cache_dtype="auto",  # the parts' own dtypes, however the attention layers store K/V
             swap_space_bytes=slot_blocks * page_size if config.swap_space_bytes else 0)
 
     @staticmethod
