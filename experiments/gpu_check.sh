@@ -66,7 +66,8 @@ declare -A LIMIT=(
   [flash_gpu]=35        # 25 s: 18 cases of FlashAttention-2 (torch's own, no compiling) against
                         #   float64 SDPA and the Triton kernel (about 8 first compilations, 1-2 s
                         #   each), and 2 engine runs of tiny-llama
-  [triton_gpu]=30       # 20 s: 6 cases, about 8 compilations of the decode and combine kernels
+  [triton_gpu]=30       # 24 s: 8 cases, about 10 compilations of the decode and combine kernels
+                        #   (2 of them over int8 / fp8 rows with scales, kv_cache_dtype)
   [engine_gpu]=50       # 45 s: 21 tests, ~22 engine runs against HF generate: test_window_release_gpu six of
                         #   ~600 decode steps (tiny models: 3-5 ms a step, launch-bound), the rest
                         #   ~45-160 steps each, plus the Triton kernel's window/soft-cap variants;
@@ -77,7 +78,7 @@ declare -A LIMIT=(
   [bench_kernels]=13    # 10 s: 12 shapes x 2 kernels by do_bench, buffers up to 8 GiB, 2 compilations
 )
 declare -A GPU_ESTIMATE=(
-  [install]=8 [environment]=6 [vmm_cuda]=10 [flash_gpu]=25 [triton_gpu]=20 [engine_gpu]=45
+  [install]=8 [environment]=6 [vmm_cuda]=10 [flash_gpu]=25 [triton_gpu]=24 [engine_gpu]=45
   [ab_quick]=15 [bench_mapping]=4 [bench_kernels]=10
 )
 # Each pytest step's arguments. Every GPU test is selected by one of them (tests/test_first_contact.py

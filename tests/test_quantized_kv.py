@@ -244,7 +244,6 @@ def test_the_real_model_reads_the_same_int8_rows_with_both_kernels(real_engine_m
     (dict(kv_cache_dtype="int4"), "kv_cache_dtype must be"),
     (dict(kv_cache_dtype="int8", kv_backend="paged"), "kv_backend=paged"),
     (dict(kv_cache_dtype="fp8", attention="flash", device="cuda"), "attention=flash"),
-    (dict(kv_cache_dtype="int8", attention="triton", device="cuda"), "attention=triton"),
 ])
 def test_the_engine_refuses_what_quantized_kv_does_not_cover(options, match):
     with pytest.raises(ConfigError, match=match):

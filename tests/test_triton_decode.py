@@ -31,6 +31,7 @@ from vmemkv.attention.triton_decode import (
     decode_attention_paged,
     triton_interprets,
 )
+from vmemkv.memory.quantized_rows import dequantize, quantize
 from decode_cases import (NAN, assert_matches, interleaved_slots, make_case, reference, shuffled_blocks,
                           variant_case)
 
@@ -211,6 +212,31 @@ def test_check_bounds_refuses_lengths_slots_and_blocks_out_of_range():
                                check_bounds=True, window=9)
 
 
+def quantized_case(dtype, q_dtype, num_slots, max_tokens, kv_heads, head_dim, device, seed):
+    """Slots of quantized rows (``quantized_rows``) with their scales, and the same rows dequantized
+    to float32: the float reference a quantized read must match."""
+    generator = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(num_slots, max_tokens, kv_heads, head_dim, generator=generator) for _ in (0, 1))
+    (kq, ks), (vq, vs) = quantize(k, dtype), quantize(v, dtype)
+    floats = dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32)
+    to = dict(device=device)
+    return ((kq.to(**to), vq.to(**to)), (ks.to(**to), vs.to(**to)), tuple(t.to(**to) for t in floats),
+            torch.randn(3, 4 * kv_heads, head_dim, generator=generator).to(q_dtype).to(**to))
+
+
+@cpu_case
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("head_dim, num_splits", [(64, 1), (64, 2), (24, 1)])
+def test_quantized_rows_read_as_their_float_reference(dtype, head_dim, num_splits):
+    """int8 / fp8 rows with a scale per 32 values (one per row at head_dim 24): the kernel's read
+    equals its read of the same rows dequantized to float32."""
+    (kq, vq), scales, (kd, vd), q = quantized_case(dtype, torch.float32, 3, 80, 2, head_dim, "cpu", 1)
+    slots, lens = torch.tensor([2, 0, 1]), torch.tensor([77, 40, 1], dtype=torch.int32)
+    expected = decode_attention_contiguous(q, kd, vd, slots, lens, 0.125, num_splits=num_splits)
+    got = decode_attention_contiguous(q, kq, vq, slots, lens, 0.125, kv_scales=scales, num_splits=num_splits)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
 @pytest.mark.skipif(INTERPRETS, reason="the CPU cases run in this process")
 @pytest.mark.skipif(HAS_CUDA and not os.environ.get("VMEMKV_TEST_INTERPRETER"),
                     reason="GPU present: the CPU interpreter cases are left to CPU machines "
@@ -262,6 +288,20 @@ def test_gpu_both_kernels_match_reference(dtype, group, head_dim, num_splits):
     assert_matches(vmem, expected, dtype)
     assert_matches(paged, expected, dtype)
     torch.testing.assert_close(vmem, paged, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_quantized_rows_read_as_their_float_reference(dtype):
+    """Compiled: bf16 queries over int8 / fp8 rows and their scales (4,000 tokens a slot, split-K)
+    against the same rows dequantized, read by the bf16 kernel."""
+    (kq, vq), scales, (kd, vd), q = quantized_case(dtype, torch.bfloat16, 4, 4000, 8, 128, "cuda", 7)
+    slots = torch.tensor([3, 0, 2], device="cuda")
+    lens = torch.tensor([3999, 517, 1], dtype=torch.int32, device="cuda")
+    expected = decode_attention_contiguous(q, kd.bfloat16(), vd.bfloat16(), slots, lens, 128 ** -0.5)
+    got = decode_attention_contiguous(q, kq, vq, slots, lens, 128 ** -0.5, kv_scales=scales)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=0)
 
 
 @pytest.mark.gpu

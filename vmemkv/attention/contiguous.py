@@ -3,9 +3,9 @@ tensor, so SDPA reads it with no block table and no copy. Decoding sequences in 
 are read together: their K (or V) is one strided view ``[hi - lo, longest, kv_heads, dim]``.
 
 A quantized cache (int8 / fp8 rows with a float32 scale each, ``memory/quantized_rows.py``) is
-written quantized; the native CPU decode routine reads its bytes and scales in place, and SDPA
-gets the rows it reads dequantized into the query's dtype (a step's rows, never the whole cache).
-The Triton kernel does not read them yet (the engine picks SDPA on CUDA)."""
+written quantized; the decode kernels (the native CPU routine, Triton on CUDA) read its bytes and
+scales in place, and SDPA gets the rows it reads dequantized into the query's dtype (a step's rows,
+never the whole cache)."""
 
 from __future__ import annotations
 
@@ -125,4 +125,4 @@ class ContiguousAttention(PackedAttention):
         from vmemkv.attention.triton_decode import decode_attention_contiguous
 
         return decode_attention_contiguous(q, k_cache, v_cache, self.decode_slots, self.decode_lens,
-                                           scale, max_seq_len=self.decode_max_len, **variant)
+                                           scale, max_seq_len=self.decode_max_len, kv_scales=scales, **variant)

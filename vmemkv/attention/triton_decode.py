@@ -15,6 +15,10 @@ it is read), soft-capping (``c * tanh(s / c)``, tanh by ``exp`` for the interpre
 sink logits (in the softmax denominator: the decode kernel's, or the combine kernel's with split-K).
 Argument checks live in ``decode_checks``.
 
+A quantized cache (int8 / fp8 rows with a float32 scale per group of a row's values,
+``memory/quantized_rows.py``, ``QUANTIZED``): each tile's bytes are loaded with their groups'
+scales and multiplied in registers into the query's dtype before the dots.
+
 The kernel reads only positions ``t < seq_lens[b]`` (clamped to what the view can address): every
 K/V load and every block-table load is masked, so an unmapped page past a sequence's end is never
 touched. Offsets are computed in int64, since slot and block strides of the token-major layout
@@ -69,6 +73,9 @@ def _decode_kernel(
     stride_qb, stride_qh,
     stride_k_outer, stride_k_token, stride_k_head,  # outer: slot stride or block stride
     stride_v_outer, stride_v_token, stride_v_head,
+    KScale, VScale,  # [outer, tokens, Hk, groups] float32 scales (QUANTIZED)
+    stride_ks_outer, stride_ks_token, stride_ks_head,
+    stride_vs_outer, stride_vs_token, stride_vs_head,
     stride_ob, stride_oh,
     stride_index_b,
     stride_pb, stride_ph, stride_ps,  # partial out [B, Hq, splits, D]
@@ -85,6 +92,9 @@ def _decode_kernel(
     IEEE: tl.constexpr,  # fp32 inputs: full-precision dots instead of tf32
     SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    QUANTIZED: tl.constexpr,  # K/V bytes with scales
+    FP8: tl.constexpr,  # the bytes are fp8 e4m3, passed as uint8 (QUANTIZED)
+    SCALE_GROUP: tl.constexpr,  # values one scale covers (QUANTIZED)
 ):
     batch = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -110,11 +120,15 @@ def _decode_kernel(
     if PAGED:
         k_base = K + kv_head * stride_k_head
         v_base = V + kv_head * stride_v_head
+        ks_base = KScale + kv_head * stride_ks_head
+        vs_base = VScale + kv_head * stride_vs_head
         table = Index + batch.to(tl.int64) * stride_index_b
     else:
         slot = tl.load(Index + batch).to(tl.int64)
         k_base = K + slot * stride_k_outer + kv_head * stride_k_head
         v_base = V + slot * stride_v_outer + kv_head * stride_v_head
+        ks_base = KScale + slot * stride_ks_outer + kv_head * stride_ks_head
+        vs_base = VScale + slot * stride_vs_outer + kv_head * stride_vs_head
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -128,12 +142,28 @@ def _decode_kernel(
             within = (tokens % BLOCK_SIZE).to(tl.int64)
             k_rows = block * stride_k_outer + within * stride_k_token
             v_rows = block * stride_v_outer + within * stride_v_token
+            ks_rows = block * stride_ks_outer + within * stride_ks_token
+            vs_rows = block * stride_vs_outer + within * stride_vs_token
         else:
             k_rows = tokens.to(tl.int64) * stride_k_token
             v_rows = tokens.to(tl.int64) * stride_v_token
+            ks_rows = tokens.to(tl.int64) * stride_ks_token
+            vs_rows = tokens.to(tl.int64) * stride_vs_token
         kv_mask = token_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_base + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_base + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0)
+        v = tl.load(v_base + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0)
+        if QUANTIZED:  # bytes times their groups' scales, in the query's dtype
+            if FP8:  # e4m3 bits into a float's (bias 127, not 7) times 2^120: no fp8 type, which the
+                # interpreter cannot cast (inline: a helper would need jitting of its own)
+                k = (((k.to(tl.int32) & 0x80) << 24) | ((k.to(tl.int32) & 0x7F) << 20)).to(
+                    tl.float32, bitcast=True) * 1.329227995784916e36
+                v = (((v.to(tl.int32) & 0x80) << 24) | ((v.to(tl.int32) & 0x7F) << 20)).to(
+                    tl.float32, bitcast=True) * 1.329227995784916e36
+            groups = dims[None, :] // SCALE_GROUP
+            k_scale = tl.load(ks_base + ks_rows[:, None] + groups, mask=kv_mask, other=0.0)
+            v_scale = tl.load(vs_base + vs_rows[:, None] + groups, mask=kv_mask, other=0.0)
+            k = (k.to(tl.float32) * k_scale).to(Q.dtype.element_ty)
+            v = (v.to(tl.float32) * v_scale).to(Q.dtype.element_ty)
 
         if IEEE:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -259,7 +289,8 @@ def _next_pow2(n: int) -> int:
 
 def _launch(q, k, v, index, stride_index_b, seq_lens, scale, capacity, outer_strides, *, paged: bool,
             block_size: int, out, num_splits, max_seq_len, block_n, num_warps, num_stages,
-            window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None):
+            window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
+            kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_q_heads // num_kv_heads
@@ -292,6 +323,12 @@ def _launch(q, k, v, index, stride_index_b, seq_lens, scale, capacity, outer_str
     else:
         partial = lse = out  # unused
     scale_log2 = float(scale) * math.log2(math.e)
+    k_scale, v_scale = kv_scales if kv_scales is not None else (q, q)  # unread without QUANTIZED
+    fp8 = k.dtype == torch.float8_e4m3fn
+    if fp8:  # read as bytes, widened by bit operations in the kernel
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
+    ks_strides = k_scale.stride()[:3] if kv_scales is not None else (0, 0, 0)
+    vs_strides = v_scale.stride()[:3] if kv_scales is not None else (0, 0, 0)
     decode[(batch, num_kv_heads, num_splits)](
         q, k, v, out, partial, lse, index, seq_lens, sinks if sinks is not None else seq_lens, scale_log2,
         window or 0, float(scale) / softcap if softcap else 0.0,
@@ -299,6 +336,7 @@ def _launch(q, k, v, index, stride_index_b, seq_lens, scale, capacity, outer_str
         q.stride(0), q.stride(1),
         outer_strides[0], k.stride(1), k.stride(2),
         outer_strides[1], v.stride(1), v.stride(2),
+        k_scale, v_scale, *ks_strides, *vs_strides,
         out.stride(0), out.stride(1),
         stride_index_b,
         partial.stride(0) if split else 0, partial.stride(1) if split else 0, partial.stride(2) if split else 0,
@@ -306,7 +344,8 @@ def _launch(q, k, v, index, stride_index_b, seq_lens, scale, capacity, outer_str
         num_splits,
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         PAGED=paged, BLOCK_SIZE=block_size, SPLIT=split, IEEE=q.dtype == torch.float32,
-        SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None,
+        SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None, QUANTIZED=kv_scales is not None,
+        SCALE_GROUP=head_dim // kv_scales[0].shape[3] if kv_scales is not None else 1, FP8=fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:
@@ -328,12 +367,13 @@ def decode_attention_contiguous(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 max_seq_len: int | None = None, check_bounds: bool = False,
                                 block_n: int | None = None, num_warps: int = 4,
                                 num_stages: int = 2, window: int | None = None,
-                                softcap: float | None = None,
-                                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                                softcap: float | None = None, sinks: torch.Tensor | None = None,
+                                kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Decode attention over virtually contiguous (vmem) K/V.
 
     ``q`` ``[B, Hq, D]``; ``k_cache``/``v_cache`` strided ``[num_slots, max_tokens, Hk, D]`` views
-    (last dim contiguous); sequence ``b`` attends to ``k_cache[slot_ids[b], :seq_lens[b]]``.
+    (last dim contiguous), in q's dtype, or int8 / float8_e4m3fn with ``kv_scales``, their float32
+    scales ``[num_slots, max_tokens, Hk, groups]`` (``memory/quantized_rows.py``); sequence ``b`` attends to ``k_cache[slot_ids[b], :seq_lens[b]]``.
     Returns ``[B, Hq, D]`` in q's dtype (into ``out`` when given).
 
     ``num_splits`` fixes the split-K factor (default: from the batch, heads and ``max_seq_len``,
@@ -343,14 +383,14 @@ def decode_attention_contiguous(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     ``window``: attend the last ``window`` keys only (read from there); ``softcap``: logit
     soft-capping; ``sinks``: ``[Hq]`` sink logits (see ``variants``).
     """
-    check_inputs(q, k_cache, v_cache, seq_lens, ("k_cache", "v_cache"), out)
+    check_inputs(q, k_cache, v_cache, seq_lens, ("k_cache", "v_cache"), out, kv_scales)
     check_slot_ids(slot_ids, q, seq_lens, k_cache, check_bounds)
     max_tokens = k_cache.shape[1]
     return _launch(q, k_cache, v_cache, slot_ids, 0, seq_lens, scale, max_tokens,
                    (k_cache.stride(0), v_cache.stride(0)), paged=False, block_size=1, out=out,
                    num_splits=num_splits, max_seq_len=max_seq_len, block_n=block_n,
                    num_warps=num_warps, num_stages=num_stages, window=window, softcap=softcap,
-                   sinks=sinks)
+                   sinks=sinks, kv_scales=kv_scales)
 
 
 def decode_attention_paged(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,

@@ -194,16 +194,12 @@ def _attention_choice(attention: str, kv_backend: str, manager: KVViews, device,
     if layout.scaled and (kv_backend == "paged" or attention == "flash"):
         raise ConfigError(f"kv_cache_dtype {manager.config.kv_cache_dtype!r} with "
                           f"{'kv_backend=paged' if kv_backend == 'paged' else 'attention=flash'}: quantized "
-                          "rows are read over slots by the native CPU routine or SDPA; "
-                          "use kv_backend='vmem' with attention 'auto', 'native' or 'sdpa'")
+                          "rows are read over slots by the native CPU routine, the Triton kernel or SDPA; "
+                          "use kv_backend='vmem' with attention 'auto', 'native', 'triton' or 'sdpa'")
     dtype = layout.dtype
-    if layout.scaled:  # the kernels compute in the model's dtype; on CUDA only SDPA reads bytes (dequantized)
+    if layout.scaled:  # the kernels compute in the model's dtype; FlashAttention-2 reads no bytes
         dtype = manager.config.dtype
-        if device.type == "cuda":
-            if attention not in ("auto", "sdpa"):
-                raise ConfigError(f"kv_cache_dtype {manager.config.kv_cache_dtype!r} on CUDA: the {attention} "
-                                  "kernel does not read quantized rows yet; use attention='auto' (SDPA)")
-            attention = "sdpa"
+        attention = "triton" if attention == "auto" and device.type == "cuda" else attention
     views = [] if kv_backend == "paged" else [manager.kv_views(layer) for layer in kv_layers(manager)]
     return choose_attention(attention, device, kv_backend, dtype, num_query_heads, layout.num_kv_heads,
                             layout.head_dim, manager.tokens_per_page, views[0] if views else None, views[1:])

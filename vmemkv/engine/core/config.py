@@ -69,9 +69,9 @@ class EngineConfig:
     kv_cold_cache_bytes: int = CacheConfig.cold_cache_bytes
     # How K/V are stored (vLLM's --kv-cache-dtype): "auto" in the model's dtype; "int8" or "fp8"
     # (e4m3): one byte a value and a float32 scale per 32 values (memory/quantized_rows.py),
-    # 0.56x of bfloat16's bytes at head_dim 64, lossy. Read by the native CPU decode routine, and
-    # by SDPA over the step's rows dequantized (on CUDA); kv_backend "vmem", no FlashAttention or
-    # Triton yet.
+    # 0.56x of bfloat16's bytes at head_dim 64, lossy. Read by the native CPU decode routine and
+    # the Triton decode kernel, and by SDPA over the step's rows dequantized; kv_backend "vmem",
+    # no FlashAttention.
     kv_cache_dtype: str = CacheConfig.kv_cache_dtype
     seed: int = 0
     # The scheduling policy, a name in POLICIES (engine/core/policies.py): "fcfs", "priority" (the
@@ -174,11 +174,11 @@ class EngineConfig:
         check_threads(self.threads)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype != "auto" and (self.kv_backend == "paged" or self.attention in ("flash", "triton")):
+        if self.kv_cache_dtype != "auto" and (self.kv_backend == "paged" or self.attention == "flash"):
             raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} with "
                               f"{'kv_backend=paged' if self.kv_backend == 'paged' else 'attention=' + self.attention}: "
-                              "quantized rows are read over slots by the native CPU routine or SDPA; "
-                              "use kv_backend='vmem' and attention 'auto'")
+                              "quantized rows are read over slots by the native CPU routine, the Triton "
+                              "kernel or SDPA; use kv_backend='vmem' and attention 'auto'")
         if self.kv_cold_tier != "off" and self.tensor_parallel_size > 1:
             raise ConfigError(f"kv_cold_tier {self.kv_cold_tier!r} with tensor_parallel_size "
                               f"{self.tensor_parallel_size}: the cold tier runs on one rank only so far; "
