@@ -34,15 +34,16 @@ KV_DTYPES = ("auto", "int8", "fp8")
 
 
 def decode_times(kv_cache_dtype: str, args) -> dict:
+    # The first prompts decode while the later ones are computed in chunks: room for those tokens
+    # too (the check below says if a measured step decoded fewer than all requests).
+    headroom = args.rounds * args.steps * len(args.threads) + 512
     engine = LLMEngine(EngineConfig(
         model=args.model, dtype=args.dtype, device="cpu", threads=args.prefill_threads,
         kv_cache_dtype=kv_cache_dtype, max_num_seqs=args.requests,
-        max_model_len=args.prompt_tokens + args.rounds * args.steps * len(args.threads) + 8,
-        enable_prefix_caching=False))
+        max_model_len=args.prompt_tokens + headroom, enable_prefix_caching=False))
     rng = random.Random(args.seed)
     vocab = engine.tokenizer.vocab_size if engine.tokenizer is not None else 250
-    tokens = args.rounds * args.steps * len(args.threads)
-    params = SamplingParams(max_tokens=tokens + 1, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=headroom, temperature=0, ignore_eos=True)
     for index in range(args.requests):
         engine.add_request(f"r{index}", [rng.randrange(10, vocab) for _ in range(args.prompt_tokens)], params)
     start, started = time.perf_counter(), set()
@@ -57,8 +58,12 @@ def decode_times(kv_cache_dtype: str, args) -> dict:
             for _ in range(args.steps):
                 before = engine.attention_seconds
                 began = time.perf_counter()
-                engine.step()
+                outputs = engine.step()
                 steps[threads].append(time.perf_counter() - began)
+                if len(outputs) != args.requests:
+                    raise RuntimeError(f"a measured step decoded {len(outputs)} of {args.requests} requests: "
+                                       f"{[(o.request_id, len(o.outputs[0].token_ids)) for o in outputs]}, "
+                                       f"{ {k: engine.stats()[k] for k in ('running', 'waiting', 'preemptions')} }")
                 attention[threads].append(engine.attention_seconds - before)
     layout = engine.manager.layout
     result = {
