@@ -345,7 +345,7 @@ static inline __attribute__((always_inline)) float hsum16(v16f v) {
 /* A quantized tile's scales for the grouped kernels: token j's are at rows[j] (head 0's first),
  * the head being read's from rows[j][off], one per `group` values. */
 typedef struct {
-    const float *rows[TILE];
+    const float *const *rows; /* [TILE] */
     int64_t off, group;
 } TileScales;
 
@@ -468,6 +468,112 @@ static inline __attribute__((always_inline)) void group_accumulate(float *restri
     }
 }
 
+static int int8_dot_products; /* AVX-512 VNNI: set at import */
+
+/* A query head as int16 pairs for int8_scores: one scale for the head (its largest value maps to
+ * 32767, finer than the bfloat16 a model's query comes in), and per 64 values (a block of 16
+ * dwords, 4 bytes each) and per k < 4, two vectors whose 128-bit lane L holds, four times, the
+ * pair of values dword 4L + k's bytes 0 and 2 (lo) and 1 and 3 (hi) meet. q is replaced by the
+ * values the pairs stand for, so tokens the float kernel reads (a tile's last n % 16) see the same
+ * query. Returns the scale. */
+static inline __attribute__((always_inline)) float int16_query(float *restrict q, int64_t D, int32_t *restrict out) {
+    float largest = 0.f;
+    for (int64_t i = 0; i < D; i++) largest = fabsf(q[i]) > largest ? fabsf(q[i]) : largest;
+    const float scale = largest / 32767.f, inverse = largest > 0.f ? 32767.f / largest : 0.f;
+    for (int64_t i = 0; i < D; i++) q[i] = (float)lrintf(q[i] * inverse);
+    for (int64_t c = 0; c < D; c += 64)
+        for (int64_t k = 0; k < 4; k++)
+            for (int64_t L = 0; L < 4; L++) {
+                const float *d = q + c + 4 * (4 * L + k);
+                const int32_t lo = (int32_t)((uint32_t)(uint16_t)(int16_t)d[0] | (uint32_t)(uint16_t)(int16_t)d[2] << 16);
+                const int32_t hi = (int32_t)((uint32_t)(uint16_t)(int16_t)d[1] | (uint32_t)(uint16_t)(int16_t)d[3] << 16);
+                int32_t *v = out + (c / 64 * 4 + k) * 32 + 4 * L;
+                for (int e = 0; e < 4; e++) v[e] = lo, v[16 + e] = hi;
+            }
+    for (int64_t i = 0; i < D; i++) q[i] *= scale;
+    return scale;
+}
+
+/* out[g * TILE + j] = q[g] . rows[j][off : off + D] for G query heads over int8 rows whose scales
+ * are one per 32 values, n a multiple of 16, D of 64: integer dot products (vpdpwssd, 32 products
+ * an instruction) where the float kernel widens, scales and multiplies 16 values at a time. Four
+ * tokens' 64-byte blocks are transposed within 128-bit lanes (two unpack stages), so lane (L, i) of
+ * a vector holds token i's dword 4L + k: a query pair broadcast per 128-bit lane (int16_query)
+ * meets it, and each token's 16 partial sums a lane land in 4 lanes, reduced across lanes once per
+ * 16 tokens instead of once a token and head. qv: the G heads' int16_query vectors (2 D int32s a
+ * head), qscale their scales. */
+static inline __attribute__((always_inline, target("arch=x86-64-v4,avx512vnni"))) void int8_scores_heads(
+        const int32_t *qv, const float *qscale, const int G, const void *const *rows, int64_t off, int64_t n,
+        const int64_t D, const TileScales *sc, float *restrict out, const char *const *pf_k,
+        const char *const *pf_v, int64_t pf_bytes) {
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        if (pf_k) prefetch_tokens(pf_k, pf_v, j0, j0 + 16, pf_bytes);
+        __m512 score[HEADS_AT_ONCE];
+        for (int g = 0; g < G; g++) score[g] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D; c += 64) {
+            __m512i acc[HEADS_AT_ONCE][4];
+            for (int four = 0; four < 4; four++) {
+                const int8_t *const *r = (const int8_t *const *)rows + j0 + 4 * four;
+                const __m512i a = _mm512_loadu_si512(r[0] + off + c), b = _mm512_loadu_si512(r[1] + off + c);
+                const __m512i x = _mm512_loadu_si512(r[2] + off + c), y = _mm512_loadu_si512(r[3] + off + c);
+                const __m512i ab0 = _mm512_unpacklo_epi32(a, b), ab1 = _mm512_unpackhi_epi32(a, b);
+                const __m512i xy0 = _mm512_unpacklo_epi32(x, y), xy1 = _mm512_unpackhi_epi32(x, y);
+                const __m512i u[4] = {_mm512_unpacklo_epi64(ab0, xy0), _mm512_unpackhi_epi64(ab0, xy0),
+                                      _mm512_unpacklo_epi64(ab1, xy1), _mm512_unpackhi_epi64(ab1, xy1)};
+                for (int g = 0; g < G; g++) acc[g][four] = _mm512_setzero_si512();
+                for (int k = 0; k < 4; k++) {
+                    /* bytes 0 and 2 of each dword, and 1 and 3, sign-extended to int16 pairs */
+                    const __m512i lo = _mm512_srai_epi16(_mm512_slli_epi16(u[k], 8), 8);
+                    const __m512i hi = _mm512_srai_epi16(u[k], 8);
+                    for (int g = 0; g < G; g++) {
+                        const int32_t *qk = qv + g * 2 * D + (c / 64 * 4 + k) * 32;
+                        acc[g][four] = _mm512_dpwssd_epi32(acc[g][four], lo, _mm512_loadu_si512(qk));
+                        acc[g][four] = _mm512_dpwssd_epi32(acc[g][four], hi, _mm512_loadu_si512(qk + 16));
+                    }
+                }
+            }
+            float s0[16], s1[16]; /* the 16 tokens' scales of values [c, c + 32) and [c + 32, c + 64) */
+            for (int t = 0; t < 16; t++) {
+                const float *s = sc->rows[j0 + t] + sc->off + c / 32;
+                s0[t] = s[0];
+                s1[t] = s[1];
+            }
+            const __m512 scale0 = _mm512_loadu_ps(s0), scale1 = _mm512_loadu_ps(s1);
+            for (int g = 0; g < G; g++) {
+                /* lanes L 0-1 hold values [c, c + 32), 2-3 the rest: per token, the two halves' sums */
+                const __m512i *v = acc[g];
+                const __m512i ab = _mm512_add_epi32(_mm512_shuffle_i32x4(v[0], v[1], 0x88),
+                                                    _mm512_shuffle_i32x4(v[0], v[1], 0xdd));
+                const __m512i xy = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2], v[3], 0x88),
+                                                    _mm512_shuffle_i32x4(v[2], v[3], 0xdd));
+                const __m512 first = _mm512_cvtepi32_ps(_mm512_shuffle_i32x4(ab, xy, 0x88));
+                const __m512 second = _mm512_cvtepi32_ps(_mm512_shuffle_i32x4(ab, xy, 0xdd));
+                score[g] = _mm512_fmadd_ps(first, scale0, _mm512_fmadd_ps(second, scale1, score[g]));
+            }
+        }
+        for (int g = 0; g < G; g++)
+            _mm512_storeu_ps(out + g * TILE + j0, _mm512_mul_ps(score[g], _mm512_set1_ps(qscale[g])));
+    }
+}
+
+/* int8_scores_heads for G consecutive query heads, HEADS_AT_ONCE at a time (each count a constant,
+ * so the accumulators stay in registers). */
+__attribute__((target("arch=x86-64-v4,avx512vnni"))) static void int8_scores(
+        const int32_t *qv, const float *qscale, int64_t G, const void *const *rows, int64_t off, int64_t n,
+        const int64_t D, const TileScales *sc, float *restrict out, const char *const *pf_k,
+        const char *const *pf_v, int64_t pf_bytes) {
+    for (int64_t g0 = 0; g0 < G; g0 += HEADS_AT_ONCE) {
+        const int32_t *qg = qv + g0 * 2 * D;
+        if (G - g0 >= 3)
+            int8_scores_heads(qg, qscale + g0, 3, rows, off, n, D, sc, out + g0 * TILE, pf_k, pf_v, pf_bytes);
+        else if (G - g0 == 2)
+            int8_scores_heads(qg, qscale + g0, 2, rows, off, n, D, sc, out + g0 * TILE, pf_k, pf_v, pf_bytes);
+        else
+            int8_scores_heads(qg, qscale + g0, 1, rows, off, n, D, sc, out + g0 * TILE, pf_k, pf_v, pf_bytes);
+        pf_k = pf_v = NULL;
+    }
+}
+
 /* One work item: every member's query heads' softmax over keys [lo, hi) of sequence rows_of. A
  * token's K (and V) rows of all kv heads are read together, the next tokens' prefetched: in the
  * token-major layout one layer's rows of consecutive tokens lie a whole model's token stride apart
@@ -477,7 +583,7 @@ static inline __attribute__((always_inline)) void group_accumulate(float *restri
  * (K rows read through pointers gathered once); the online softmax; then the weighted V rows,
  * accumulated in registers, in the same order.
  * scratch: M*Hq*D (q) + M*Hq*D (acc) + M*Hq*TILE (scores) + 2*M*Hq (max, sum) + 2*TILE*Hk*D (widened
- * rows). */
+ * rows) + M*Hq*(2*D + 1) (int16_query's vectors and scales). */
 static inline __attribute__((always_inline)) void process_item_d(const Args *a, const Work *w, float *scratch,
                                                                 const int64_t D, const int wide, const int bf) {
     const int64_t Hq = a->num_q_heads, Hk = a->num_kv_heads, G = Hq / Hk, M = w->num_members;
@@ -486,7 +592,10 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
     const int64_t kes = (int64_t)elem_size(bf); /* bf: the cache's row type (a DT_ code) */
     float *q = scratch, *acc = q + QH * D, *sc = acc + QH * D, *mx = sc + QH * TILE, *sum = mx + QH;
     float *ktile = sum + QH, *vtile = ktile + TILE * Hk * D; /* rows widened (narrow path) */
-    TileScales ks = {.group = a->group}, vs = {.group = a->group}; /* quantized rows' scales */
+    int32_t *qv = (int32_t *)(vtile + TILE * Hk * D);        /* int16_query's vectors, 2 D a head */
+    float *qscale = (float *)(qv + QH * 2 * D);
+    const float *kscales[TILE], *vscales[TILE];
+    TileScales ks = {kscales, 0, a->group}, vs = {vscales, 0, a->group}; /* quantized rows' scales */
     const void *krow[TILE], *vrow[TILE];                     /* the tile's rows */
     const char *pf_k[TILE], *pf_v[TILE];                     /* rows PREFETCH tokens ahead */
 
@@ -507,6 +616,10 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
     /* The grouped kernels read rows where they lie (widened in registers); the narrow ones read
      * float32, other rows widened (and scaled) into the tile buffers first. */
     const int grouped = wide && D % 16 == 0, in_place = bf == DT_FLOAT32 || grouped;
+    /* int8 rows, 32 values a scale: scores of 16 tokens at a time from integer dot products */
+    const int dot_products = grouped && bf == DT_INT8 && D % 64 == 0 && a->group == 32 && int8_dot_products;
+    if (dot_products)
+        for (int64_t qh = 0; qh < QH; qh++) qscale[qh] = int16_query(q + qh * D, D, qv + qh * 2 * D);
     /* head strides of the rows the tile kernels read: the cache's, or the widened tile's */
     const int64_t k_head = in_place ? a->k_sh : D, v_head = in_place ? a->v_sh : D;
     for (int64_t t0 = lo; t0 < hi; t0 += TILE) {
@@ -518,8 +631,8 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             const char *k = a->k + row_offset(a, b, t0 + j, a->k_so, a->k_st) * kes;
             const char *v = a->v + row_offset(a, b, t0 + j, a->v_so, a->v_st) * kes;
             if (quantized(bf)) {
-                ks.rows[j] = a->k_scale + row_offset(a, b, t0 + j, a->ks_so, a->ks_st);
-                vs.rows[j] = a->v_scale + row_offset(a, b, t0 + j, a->vs_so, a->vs_st);
+                kscales[j] = a->k_scale + row_offset(a, b, t0 + j, a->ks_so, a->ks_st);
+                vscales[j] = a->v_scale + row_offset(a, b, t0 + j, a->vs_so, a->vs_st);
             }
             if (in_place) {
                 krow[j] = k;
@@ -543,8 +656,15 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
                 const int64_t first = m * Hq + hk * G; /* the group's first query head */
                 if (grouped) {
                     ks.off = hk * a->ks_sh;
-                    group_scores(q + first * D, G, krow, hk * k_head, n, D, sc + first * TILE,
-                                 prefetching && first == 0 ? pf_k : NULL, pf_v, span, bf, &ks);
+                    const char *const *pk = prefetching && first == 0 ? pf_k : NULL;
+                    const int64_t done = dot_products ? n / 16 * 16 : 0; /* the rest: the float kernel */
+                    if (done)
+                        int8_scores(qv + first * 2 * D, qscale + first, G, krow, hk * k_head, done, D, &ks,
+                                    sc + first * TILE, pk, pf_v, span);
+                    TileScales rest = ks;
+                    rest.rows += done;
+                    group_scores(q + first * D, G, krow + done, hk * k_head, n - done, D, sc + first * TILE + done,
+                                 pk ? pk + done : NULL, pf_v + done, span, bf, &rest);
                     continue;
                 }
                 for (int64_t qh = first; qh < first + G; qh++)
@@ -794,7 +914,7 @@ static int run(Args *a, int num_threads) {
     int64_t items = 0, largest = 1;
     if (!failed) items = plan(a, num_threads, work, members, &largest);
     const int64_t parts = a->num_parts;
-    const size_t scratch_floats = (size_t)(largest * (2 * Hq * D + Hq * TILE + 2 * Hq) +
+    const size_t scratch_floats = (size_t)(largest * (4 * Hq * D + Hq * TILE + 3 * Hq) +
                                            2 * TILE * a->num_kv_heads * D);
     if (!failed && parts > 1) {
         a->partial = malloc(sizeof(float) * (size_t)(B * Hq * parts * D));
@@ -914,12 +1034,28 @@ static PyObject *grouped_heads(PyObject *self, PyObject *args) {
     return PyBool_FromLong(before);
 }
 
+static PyObject *integer_dot_products(PyObject *self, PyObject *args) {
+    int flag = -1;
+    if (!PyArg_ParseTuple(args, "|p", &flag)) return NULL;
+    const int before = int8_dot_products;
+    if (flag == 1 && !(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni"))) {
+        PyErr_SetString(PyExc_ValueError, "integer dot products need AVX-512 VNNI, which this CPU lacks");
+        return NULL;
+    }
+    if (flag >= 0) int8_dot_products = flag;
+    return PyBool_FromLong(before);
+}
+
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS, decode_doc},
     {"grouped_heads", grouped_heads, METH_VARARGS,
      "grouped_heads([flag]): whether a kv head's query heads are read together on 16-float vectors\n"
      "(AVX-512; else one head at a time on 8-float ones); with flag, set it (for tests of the other\n"
      "path); returns the value before."},
+    {"integer_dot_products", integer_dot_products, METH_VARARGS,
+     "integer_dot_products([flag]): whether the grouped kernel scores int8 rows (64-value blocks) with\n"
+     "AVX-512 VNNI dot products of the query rounded to int16; with flag, set it (for tests of the\n"
+     "other path); returns the value before."},
     {"has_openmp", has_openmp, METH_NOARGS, "Whether this build runs work items on OpenMP threads."},
     {NULL, NULL, 0, NULL},
 };
@@ -930,5 +1066,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_decode_attention",
 PyMODINIT_FUNC PyInit__decode_attention(void) {
     __builtin_cpu_init();
     wide_registers = __builtin_cpu_supports("avx512f");
+    int8_dot_products = wide_registers && __builtin_cpu_supports("avx512vnni");
     return PyModule_Create(&module);
 }

@@ -89,6 +89,16 @@ def test_a_plain_layout_has_no_scale_views():
 
 # --- the native decode routine ------------------------------------------------------------------------
 
+def int16_query(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """The query as the integer dot products read it: ``q * scale`` rounded to steps of its head's
+    largest value / 32767 (ties to even), then unscaled (``scale`` a power of two: exact)."""
+    scaled = q.float() * scale
+    largest = scaled.abs().amax(-1, keepdim=True)
+    # a float32 division, as C's (a number over a tensor is a reciprocal times the number in torch)
+    inverse = torch.where(largest > 0, torch.full_like(largest, 32767.0) / largest, torch.zeros_like(largest))
+    return torch.round(scaled * inverse) * (largest / 32767) / scale
+
+
 @native
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "narrow"])
 @pytest.mark.parametrize("head_dim", [64, 128, 24])
@@ -97,35 +107,45 @@ def test_a_plain_layout_has_no_scale_views():
 def test_native_decode_reads_quantized_rows_as_their_float_reference(grouped, head_dim, dtype, q_dtype):
     """The routine on int8 / fp8 rows and their scales gives what it gives on the same rows
     dequantized to float32: splits, a window and shared prefixes too. Both kernels: the grouped
-    one (AVX-512, bytes widened in registers, scales on scores and weights) and the narrow one."""
+    one (AVX-512, bytes widened in registers, scales on scores and weights) and the narrow one;
+    on int8 rows of 64-value blocks the grouped one's integer dot products too (VNNI), whose
+    reference reads the query rounded to int16 as they do."""
     if grouped and not _extension().grouped_heads():
         pytest.skip("the grouped kernel needs AVX-512, which this CPU lacks")
-    before = _extension().grouped_heads(grouped)
+    dot_products = [False]
+    if grouped and dtype == torch.int8 and head_dim % 64 == 0:
+        if not _extension().integer_dot_products():
+            pytest.skip("the grouped kernel's int8 scores need AVX-512 VNNI, which this CPU lacks")
+        dot_products.append(True)
+    grouped_before, dots_before = _extension().grouped_heads(grouped), _extension().integer_dot_products()
+    atol = 2e-3 if q_dtype == torch.bfloat16 else 2e-6
     try:
-        generator = torch.Generator().manual_seed(head_dim)
-        k = torch.randn(5, 700, 2, head_dim, generator=generator)
-        v = torch.randn(5, 700, 2, head_dim, generator=generator)
-        (kq, ks), (vq, vs) = quantize(k, dtype), quantize(v, dtype)
-        kd, vd = dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32)
-        q = torch.randn(3, 6, head_dim, generator=generator).to(q_dtype)
-        slots, lens = torch.tensor([4, 0, 2]), torch.tensor([700, 33, 300], dtype=torch.int32)
-        for options in (dict(num_splits=1), dict(num_splits=3), dict(window=100)):
-            expected = decode_attention_contiguous_cpu(q.float(), kd, vd, slots, lens, 0.125, **options)
-            got = decode_attention_contiguous_cpu(q, kq, vq, slots, lens, 0.125, kv_scales=(ks, vs), **options)
-            torch.testing.assert_close(got.float(), expected.to(q_dtype).float(), atol=2e-3 if q_dtype
-                                       == torch.bfloat16 else 2e-6, rtol=0)
-        # slots 0 and 1 share their first 256 rows: read once for both
-        kq[1, :256], ks[1, :256], vq[1, :256], vs[1, :256] = kq[0, :256], ks[0, :256], vq[0, :256], vs[0, :256]
-        kd, vd = dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32)
-        slots, lens = torch.tensor([0, 1]), torch.tensor([600, 400], dtype=torch.int32)
-        shared = (torch.tensor([0, 0], dtype=torch.int32), torch.tensor([256, 256], dtype=torch.int32))
-        expected = decode_attention_contiguous_cpu(q[:2].float(), kd, vd, slots, lens, 0.125)
-        got = decode_attention_contiguous_cpu(q[:2], kq, vq, slots, lens, 0.125, kv_scales=(ks, vs),
-                                              shared_prefix=shared)
-        torch.testing.assert_close(got.float(), expected.to(q_dtype).float(),
-                                   atol=2e-3 if q_dtype == torch.bfloat16 else 2e-6, rtol=0)
+        for dots in dot_products:
+            _extension().integer_dot_products(dots)
+            reference_query = (lambda q: int16_query(q, 0.125)) if dots else (lambda q: q.float())
+            generator = torch.Generator().manual_seed(head_dim)
+            k = torch.randn(5, 700, 2, head_dim, generator=generator)
+            v = torch.randn(5, 700, 2, head_dim, generator=generator)
+            (kq, ks), (vq, vs) = quantize(k, dtype), quantize(v, dtype)
+            kd, vd = dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32)
+            q = torch.randn(3, 6, head_dim, generator=generator).to(q_dtype)
+            slots, lens = torch.tensor([4, 0, 2]), torch.tensor([700, 33, 300], dtype=torch.int32)
+            for options in (dict(num_splits=1), dict(num_splits=3), dict(window=100)):
+                expected = decode_attention_contiguous_cpu(reference_query(q), kd, vd, slots, lens, 0.125, **options)
+                got = decode_attention_contiguous_cpu(q, kq, vq, slots, lens, 0.125, kv_scales=(ks, vs), **options)
+                torch.testing.assert_close(got.float(), expected.to(q_dtype).float(), atol=atol, rtol=0)
+            # slots 0 and 1 share their first 256 rows: read once for both
+            kq[1, :256], ks[1, :256], vq[1, :256], vs[1, :256] = kq[0, :256], ks[0, :256], vq[0, :256], vs[0, :256]
+            kd, vd = dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32)
+            slots, lens = torch.tensor([0, 1]), torch.tensor([600, 400], dtype=torch.int32)
+            shared = (torch.tensor([0, 0], dtype=torch.int32), torch.tensor([256, 256], dtype=torch.int32))
+            expected = decode_attention_contiguous_cpu(reference_query(q[:2]), kd, vd, slots, lens, 0.125)
+            got = decode_attention_contiguous_cpu(q[:2], kq, vq, slots, lens, 0.125, kv_scales=(ks, vs),
+                                                  shared_prefix=shared)
+            torch.testing.assert_close(got.float(), expected.to(q_dtype).float(), atol=atol, rtol=0)
     finally:
-        _extension().grouped_heads(before)
+        _extension().grouped_heads(grouped_before)
+        _extension().integer_dot_products(dots_before)
 
 
 @native
@@ -185,17 +205,19 @@ def test_a_step_attends_the_rows_it_wrote_quantized(attention, kv_cache_dtype):
     slot = manager.slot_of("a")
     dtype = FORMATS[kv_cache_dtype]
 
-    def reference(count):  # SDPA over K/V as quantized and dequantized, the last `count` queries
+    def reference(count, query=q):  # SDPA over K/V as quantized and dequantized, the last `count` queries
         kd = dequantize(*quantize(k, dtype), torch.float32)
         vd = dequantize(*quantize(v, dtype), torch.float32)
-        full = F.scaled_dot_product_attention(q, kd, vd, is_causal=True, enable_gqa=True)
+        full = F.scaled_dot_product_attention(query, kd, vd, is_causal=True, enable_gqa=True)
         return full[:, :, -count:].transpose(1, 2)
 
     prefill = make_step([SequenceSpan(slot, 0, 12, 0)])(0, q[:, :, :12], k[:, :, :12], v[:, :, :12], None)
     torch.testing.assert_close(prefill, reference(13)[:, :12], atol=1e-5, rtol=0)
     manager.commit("a", 12)
     decode = make_step([SequenceSpan(slot, 0, 1, 12)])(0, q[:, :, 12:], k[:, :, 12:], v[:, :, 12:], None)
-    torch.testing.assert_close(decode, reference(1), atol=1e-5, rtol=0)
+    dot_products = attention == "native" and dtype == torch.int8 and _extension().integer_dot_products()
+    query = int16_query(q, 64 ** -0.5) if dot_products else q  # the native int8 scores' query
+    torch.testing.assert_close(decode, reference(1, query), atol=1e-5, rtol=0)
     del make_step
     manager.free("a")
     check_and_close([manager])
