@@ -16,7 +16,7 @@ setup(
         Extension(
             "vmemkv._decode_attention",
             sources=["native/decode_attention.c"],
-            depends=["native/bf16.h", "native/exp_nonpositive.h"],
+            depends=["native/bf16.h", "native/exp_nonpositive.h", "native/fp8.h"],
             # no errno or traps from float math: its loops vectorize (compare-selects, tanhf);
             # OpenMP: work items on threads, simd reductions; -Wno-psabi: the 8-float vector
             # helpers are always inlined, so no call passes one across the ABI
@@ -28,7 +28,7 @@ setup(
         Extension(
             "vmemkv._prefill_attention",
             sources=["native/prefill_attention.c"],
-            depends=["native/bf16.h", "native/exp_nonpositive.h"],
+            depends=["native/bf16.h", "native/exp_nonpositive.h", "native/fp8.h"],
             # as the decode attention: vectorized float math, OpenMP, inlined vector helpers
             extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
                                 "-Wno-psabi"],

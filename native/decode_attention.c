@@ -57,6 +57,7 @@
 
 #include "bf16.h"
 #include "exp_nonpositive.h"
+#include "fp8.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -103,15 +104,6 @@ typedef struct {
 static inline size_t elem_size(int dtype) { return dtype == DT_FLOAT32 ? 4 : dtype == DT_BFLOAT16 ? 2 : 1; }
 
 static inline int quantized(int dtype) { return dtype >= DT_INT8; }
-
-/* An fp8 e4m3 byte's value: its exponent and mantissa bits placed in a float32's (exponent bias
- * 127 instead of 7, subnormals to subnormals) and scaled by 2^120. */
-static inline float fp8_to_float(uint8_t x) {
-    const uint32_t bits = ((uint32_t)(x & 0x80) << 24) | ((uint32_t)(x & 0x7f) << 20);
-    float f;
-    memcpy(&f, &bits, 4);
-    return f * 0x1p120f;
-}
 
 /* A row of head_dim values as float32: the row itself (float32) or widened into buf (bf16). */
 static inline __attribute__((always_inline)) const float *row_f32(const char *p, int dtype, int64_t n,

@@ -40,6 +40,7 @@
 
 #include "bf16.h"
 #include "exp_nonpositive.h"
+#include "fp8.h"
 
 #define ROWS 96 /* query rows of a work item (G heads x tokens): six 16-float vectors */
 #define VECS (ROWS / 16)
@@ -63,8 +64,14 @@ typedef struct {
     int64_t index_stride_b, batch, num_q_heads, num_kv_heads, head_dim, block_size;
     int64_t q_st, q_sh, out_st, out_sh, k_so, k_st, k_sh, v_so, v_st, v_sh; /* element strides */
     float scale;
-    int bf; /* 1: q, k, v and out are bfloat16 */
+    int bf;      /* 1: q and out are bfloat16 (and k, v unless quantized) */
+    int kv_type; /* KV_AS_Q, or KV_INT8 / KV_FP8: one byte a value, a float32 scale per `group` */
+    const float *k_scale, *v_scale;                   /* [outer, tokens, Hk, D / group], or NULL */
+    int64_t ks_so, ks_st, ks_sh, vs_so, vs_st, vs_sh; /* their strides, in floats */
+    int64_t group;
 } Args;
+
+enum { KV_AS_Q = 0, KV_INT8 = 2, KV_FP8 = 3 }; /* the decode routine's codes for the quantized ones */
 
 typedef struct {
     int64_t seq, head, first, count; /* kv head; query tokens [first, first + count) of the sequence */
@@ -73,6 +80,14 @@ typedef struct {
 /* Element d of a row as float32: bf selects the row's type (a constant where inlined). */
 static inline __attribute__((always_inline)) float elem(const void *row, int64_t d, const int bf) {
     return bf ? bf16_to_float(((const uint16_t *)row)[d]) : ((const float *)row)[d];
+}
+
+/* Element d of a K or V row, unscaled: of q's type (bf), or a quantized byte (kt, a constant where
+ * inlined); the caller multiplies a quantized one by its group's scale. */
+static inline __attribute__((always_inline)) float kv_elem(const void *row, int64_t d, const int bf, const int kt) {
+    if (kt == KV_INT8) return (float)((const int8_t *)row)[d];
+    if (kt == KV_FP8) return fp8_to_float(((const uint8_t *)row)[d]);
+    return elem(row, d, bf);
 }
 
 /* Sequence b's token t of base (element strides so, st; es bytes an element). */
@@ -84,36 +99,46 @@ static inline const char *row_at(const Args *a, const char *base, int64_t b, int
 }
 
 /* scores[j][r] = sum_d keys[j][d] qt[d][r] for KEY_TILE keys; keys past n are the last one again
- * (their scores are masked) */
-static inline __attribute__((always_inline)) void key_tile_scores(const void *const *keys, const float *restrict qt,
-                                                                  int64_t D, float *restrict scores, const int bf) {
+ * (their scores are masked). Quantized keys (kt): each value times its group's scale, scales[j][d /
+ * group], as quantized_rows.dequantize gives it. */
+static inline __attribute__((always_inline)) void key_tile_scores(const void *const *keys, const float *const *scales,
+                                                                  int64_t group, const float *restrict qt, int64_t D,
+                                                                  float *restrict scores, const int bf, const int kt) {
     v16f acc[KEY_TILE][VECS];
     for (int i = 0; i < KEY_TILE; i++)
         for (int c = 0; c < VECS; c++) acc[i][c] = (v16f){0};
-    for (int64_t d = 0; d < D; d++) {
-        v16f qv[VECS];
-        for (int c = 0; c < VECS; c++) qv[c] = load16(qt + d * ROWS + 16 * c);
-        for (int i = 0; i < KEY_TILE; i++) {
-            const float kd = elem(keys[i], d, bf);
-            for (int c = 0; c < VECS; c++) acc[i][c] += kd * qv[c];
+    for (int64_t g0 = 0; g0 < D; g0 += group) {
+        float ks[KEY_TILE];
+        for (int i = 0; i < KEY_TILE; i++) ks[i] = kt != KV_AS_Q ? scales[i][g0 / group] : 1.f;
+        for (int64_t d = g0; d < g0 + group; d++) {
+            v16f qv[VECS];
+            for (int c = 0; c < VECS; c++) qv[c] = load16(qt + d * ROWS + 16 * c);
+            for (int i = 0; i < KEY_TILE; i++) {
+                const float kd = kt != KV_AS_Q ? kv_elem(keys[i], d, bf, kt) * ks[i] : elem(keys[i], d, bf);
+                for (int c = 0; c < VECS; c++) acc[i][c] += kd * qv[c];
+            }
         }
     }
     for (int i = 0; i < KEY_TILE; i++)
         for (int c = 0; c < VECS; c++) store16(scores + i * ROWS + 16 * c, acc[i][c]);
 }
 
-/* ot[d][r] += sum_j values[j][d] p[j][r] for dims [d0, d0 + DIM_TILE) over n keys */
-static inline __attribute__((always_inline)) void dim_tile_update(const void *const *values, const float *restrict p,
-                                                                  int64_t n, int64_t d0, float *restrict ot,
-                                                                  const int bf) {
+/* ot[d][r] += sum_j values[j][d] p[j][r] for dims [d0, d0 + DIM_TILE) over n keys (one scale group:
+ * group is a multiple of DIM_TILE) */
+static inline __attribute__((always_inline)) void dim_tile_update(const void *const *values, const float *const *scales,
+                                                                  int64_t group, const float *restrict p, int64_t n,
+                                                                  int64_t d0, float *restrict ot, const int bf,
+                                                                  const int kt) {
     v16f acc[DIM_TILE][VECS];
+    const int64_t at = d0 / group; /* the dims' scale */
     for (int i = 0; i < DIM_TILE; i++)
         for (int c = 0; c < VECS; c++) acc[i][c] = load16(ot + (d0 + i) * ROWS + 16 * c);
     for (int64_t j = 0; j < n; j++) {
         v16f pv[VECS];
         for (int c = 0; c < VECS; c++) pv[c] = load16(p + j * ROWS + 16 * c);
+        const float vs = kt != KV_AS_Q ? scales[j][at] : 1.f;
         for (int i = 0; i < DIM_TILE; i++) {
-            const float vd = elem(values[j], d0 + i, bf);
+            const float vd = kt != KV_AS_Q ? kv_elem(values[j], d0 + i, bf, kt) * vs : elem(values[j], d0 + i, bf);
             for (int c = 0; c < VECS; c++) acc[i][c] += vd * pv[c];
         }
     }
@@ -123,8 +148,8 @@ static inline __attribute__((always_inline)) void dim_tile_update(const void *co
 
 /* scratch: qt [D][ROWS], ot [D][ROWS], scores [KEYS][ROWS], then max, sum, pos [ROWS] each */
 static inline __attribute__((always_inline)) void process_item_typed(const Args *a, const Work *w, float *scratch,
-                                                                    const int bf) {
-    const int64_t es = bf ? 2 : 4, D = a->head_dim, G = a->num_q_heads / a->num_kv_heads, n = w->count, rows = G * n;
+                                                                    const int bf, const int kt) {
+    const int64_t es = bf ? 2 : 4, kes = kt != KV_AS_Q ? 1 : es, D = a->head_dim, G = a->num_q_heads / a->num_kv_heads, n = w->count, rows = G * n;
     const int64_t cached = a->num_cached[w->seq], start = a->query_start[w->seq];
     float *qt = scratch, *ot = qt + D * ROWS, *scores = ot + D * ROWS, *row_max = scores + KEYS * ROWS;
     float *row_sum = row_max + ROWS, *pos = row_sum + ROWS; /* positions as floats: exact below 2^24 */
@@ -141,14 +166,22 @@ static inline __attribute__((always_inline)) void process_item_typed(const Args 
     const int64_t end = cached + w->first + n; /* keys [0, end): up to the item's last query */
     const int64_t lowest = cached + w->first;  /* keys up to here are seen by every row */
     const void *keys[KEYS], *values[KEYS];
+    const float *k_scales[KEYS], *v_scales[KEYS]; /* quantized rows' */
+    const int64_t group = kt != KV_AS_Q ? a->group : D;
     for (int64_t kb = 0; kb < end; kb += KEYS) {
         const int64_t nk = end - kb < KEYS ? end - kb : KEYS;
         for (int64_t j = 0; j < nk; j++) {
-            keys[j] = row_at(a, a->k, w->seq, kb + j, a->k_so, a->k_st, es) + w->head * a->k_sh * es;
-            values[j] = row_at(a, a->v, w->seq, kb + j, a->v_so, a->v_st, es) + w->head * a->v_sh * es;
+            keys[j] = row_at(a, a->k, w->seq, kb + j, a->k_so, a->k_st, kes) + w->head * a->k_sh * kes;
+            values[j] = row_at(a, a->v, w->seq, kb + j, a->v_so, a->v_st, kes) + w->head * a->v_sh * kes;
+            if (kt == KV_AS_Q) continue;
+            k_scales[j] = (const float *)row_at(a, (const char *)a->k_scale, w->seq, kb + j, a->ks_so, a->ks_st, 4) +
+                          w->head * a->ks_sh;
+            v_scales[j] = (const float *)row_at(a, (const char *)a->v_scale, w->seq, kb + j, a->vs_so, a->vs_st, 4) +
+                          w->head * a->vs_sh;
         }
-        for (int64_t j = nk; j < KEYS; j++) keys[j] = keys[nk - 1];
-        for (int64_t j = 0; j < nk; j += KEY_TILE) key_tile_scores(keys + j, qt, D, scores + j * ROWS, bf);
+        for (int64_t j = nk; j < KEYS; j++) keys[j] = keys[nk - 1], k_scales[j] = k_scales[nk - 1];
+        for (int64_t j = 0; j < nk; j += KEY_TILE)
+            key_tile_scores(keys + j, k_scales + j, group, qt, D, scores + j * ROWS, bf, kt);
         /* scale, mask keys after a row's position, and the running maxima */
         const int masked = kb + nk - 1 > lowest;
         const v16f minus_inf = (v16f){0} - INFINITY;
@@ -181,7 +214,7 @@ static inline __attribute__((always_inline)) void process_item_typed(const Args 
         if (kb > 0)
             for (int64_t d = 0; d < D; d++)
                 for (int c = 0; c < VECS; c++) store16(ot + d * ROWS + 16 * c, load16(ot + d * ROWS + 16 * c) * alpha[c]);
-        for (int64_t d0 = 0; d0 < D; d0 += DIM_TILE) dim_tile_update(values, scores, nk, d0, ot, bf);
+        for (int64_t d0 = 0; d0 < D; d0 += DIM_TILE) dim_tile_update(values, v_scales, group, scores, nk, d0, ot, bf, kt);
     }
     for (int64_t r = 0; r < rows; r++) {
         const int64_t g = r / n, i = r % n;
@@ -197,12 +230,21 @@ static inline __attribute__((always_inline)) void process_item_typed(const Args 
     }
 }
 
-/* process_item_typed with the row type as a constant: float32 loads stay plain loads */
+/* process_item_typed with the row types as constants: float32 loads stay plain loads */
+static inline __attribute__((always_inline)) void process_item_kv(const Args *a, const Work *w, float *scratch,
+                                                                 const int bf) {
+    switch (a->kv_type) {
+    case KV_INT8: process_item_typed(a, w, scratch, bf, KV_INT8); break;
+    case KV_FP8: process_item_typed(a, w, scratch, bf, KV_FP8); break;
+    default: process_item_typed(a, w, scratch, bf, KV_AS_Q);
+    }
+}
+
 __attribute__((target("arch=x86-64-v4"))) static void process_item(const Args *a, const Work *w, float *scratch) {
     if (a->bf)
-        process_item_typed(a, w, scratch, 1);
+        process_item_kv(a, w, scratch, 1);
     else
-        process_item_typed(a, w, scratch, 0);
+        process_item_kv(a, w, scratch, 0);
 }
 
 static int run(const Args *a, int num_threads) {
@@ -240,14 +282,16 @@ static int run(const Args *a, int num_threads) {
 static int wide_vectors_here; /* AVX-512: set at import */
 
 static PyObject *prefill(PyObject *self, PyObject *args) {
-    unsigned long long q, out, k, v, index, query_start, num_queries, num_cached;
+    unsigned long long q, out, k, v, index, query_start, num_queries, num_cached, k_scale = 0, v_scale = 0;
     Args a = {0};
     double scale;
     int num_threads;
-    if (!PyArg_ParseTuple(args, "KKKKKKKK" "LLLLLL" "LLLLLLLLLL" "dip", &q, &out, &k, &v, &index, &query_start,
-                          &num_queries, &num_cached, &a.index_stride_b, &a.batch, &a.num_q_heads,
+    if (!PyArg_ParseTuple(args, "KKKKKKKK" "LLLLLL" "LLLLLLLLLL" "dip" "|iKKLLLLLLL", &q, &out, &k, &v, &index,
+                          &query_start, &num_queries, &num_cached, &a.index_stride_b, &a.batch, &a.num_q_heads,
                           &a.num_kv_heads, &a.head_dim, &a.block_size, &a.q_st, &a.q_sh, &a.out_st, &a.out_sh,
-                          &a.k_so, &a.k_st, &a.k_sh, &a.v_so, &a.v_st, &a.v_sh, &scale, &num_threads, &a.bf))
+                          &a.k_so, &a.k_st, &a.k_sh, &a.v_so, &a.v_st, &a.v_sh, &scale, &num_threads, &a.bf,
+                          &a.kv_type, &k_scale, &v_scale, &a.ks_so, &a.ks_st, &a.ks_sh, &a.vs_so, &a.vs_st,
+                          &a.vs_sh, &a.group))
         return NULL;
     if (a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads || a.num_q_heads / a.num_kv_heads > ROWS ||
         a.head_dim <= 0 || a.head_dim % DIM_TILE || a.batch < 0 || a.block_size < 0) {
@@ -255,6 +299,14 @@ static PyObject *prefill(PyObject *self, PyObject *args) {
                      "head; head_dim a multiple of %d; block_size >= 0", ROWS, DIM_TILE);
         return NULL;
     }
+    if (a.kv_type != KV_AS_Q && ((a.kv_type != KV_INT8 && a.kv_type != KV_FP8) || !k_scale || !v_scale ||
+                                 a.group <= 0 || a.group % DIM_TILE || a.head_dim % a.group)) {
+        PyErr_Format(PyExc_ValueError, "quantized K/V: kv_type %d or %d with both scale views and a group that "
+                     "divides head_dim and is a multiple of %d", KV_INT8, KV_FP8, DIM_TILE);
+        return NULL;
+    }
+    a.k_scale = (const float *)(uintptr_t)k_scale;
+    a.v_scale = (const float *)(uintptr_t)v_scale;
     if (!wide_vectors_here) {
         PyErr_SetString(PyExc_ValueError, "the native prefill attention needs AVX-512, which this CPU lacks");
         return NULL;
@@ -277,9 +329,10 @@ static PyObject *prefill(PyObject *self, PyObject *args) {
 PyDoc_STRVAR(prefill_doc,
              "prefill(q, out, k, v, index, query_start, num_queries, num_cached, index_stride_b, batch,\n"
              "        num_q_heads, num_kv_heads, head_dim, block_size, q_st, q_sh, out_st, out_sh,\n"
-             "        k_so, k_st, k_sh, v_so, v_st, v_sh, scale, num_threads, bfloat16)\n\n"
-             "Raw data pointers (float32 data, or bfloat16 where bfloat16 is true; int32 indices)\n"
-             "and element strides; checked by\n"
+             "        k_so, k_st, k_sh, v_so, v_st, v_sh, scale, num_threads, bfloat16[, kv_type, k_scale,\n"
+             "        v_scale, ks_so, ks_st, ks_sh, vs_so, vs_st, vs_sh, group])\n\n"
+             "Raw data pointers (float32 data, or bfloat16 where bfloat16 is true; K/V int8 or fp8 e4m3\n"
+             "with float32 scale views for kv_type 2 or 3; int32 indices) and element strides; checked by\n"
              "vmemkv.attention.cpu_prefill, not here.");
 
 static PyObject *wide_vectors(PyObject *self, PyObject *unused) { return PyBool_FromLong(wide_vectors_here); }

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 from vmemkv import CacheConfig, ConfigError, KVCacheManager
 from vmemkv.attention.cpu_decode import _extension, decode_attention_contiguous_cpu, unavailable
+from vmemkv.attention.cpu_prefill import PrefillSpans, prefill_attention_cpu
+from vmemkv.attention.cpu_prefill import unavailable as prefill_unavailable
 from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
 from vmemkv.engine.core.addressing import slot_attention
 from vmemkv.engine.core.llm_engine import run_to_completion
@@ -184,13 +186,41 @@ def test_native_decode_refuses_what_quantized_rows_cannot_take():
         decode_attention_contiguous_cpu(q, k, k, slots, lens, 1.0)
 
 
+prefill_native = pytest.mark.skipif(bool(prefill_unavailable()), reason=prefill_unavailable() or "")
+
+
+@prefill_native
+@pytest.mark.parametrize("head_dim", [64, 24])
+@pytest.mark.parametrize("dtype", FORMATS.values(), ids=FORMATS.keys())
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_native_prefill_reads_quantized_rows_as_their_float_reference(head_dim, dtype, q_dtype):
+    """The prefill routine on int8 / fp8 rows and their scales (32 values a scale; a whole row at
+    head_dim 24) gives what it gives on the same rows dequantized to float32, bit for bit: each
+    value is its byte times its scale, as ``dequantize`` makes it. A chunk after cached tokens and
+    a whole prompt, in one call."""
+    generator = torch.Generator().manual_seed(head_dim)
+    k = torch.randn(3, 300, 2, head_dim, generator=generator)
+    v = torch.randn(3, 300, 2, head_dim, generator=generator)
+    (kq, ks), (vq, vs) = quantize(k, dtype), quantize(v, dtype)
+    kd, vd = dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32)
+    q = torch.randn(50, 6, head_dim, generator=generator).to(q_dtype)
+    spans = PrefillSpans([0, 20], [20, 30], [100, 0], [2, 0])
+    expected = prefill_attention_cpu(q.float(), kd, vd, spans, 0.125, torch.zeros(q.shape))
+    got = prefill_attention_cpu(q, kq, vq, spans, 0.125, torch.zeros_like(q), kv_scales=(ks, vs))
+    assert torch.equal(got, expected.to(q_dtype))
+    with pytest.raises(ValueError, match="kv_scales must be two"):
+        prefill_attention_cpu(q, kq, vq, spans, 0.125, torch.zeros_like(q), kv_scales=(ks[:, :, :1], vs))
+    with pytest.raises(ValueError, match="kv_scales go with int8"):  # rows of q's dtype have no scales
+        prefill_attention_cpu(q.float(), kd, vd, spans, 0.125, torch.zeros(q.shape), kv_scales=(ks, vs))
+
+
 # --- a step's attention over a manager's quantized slots ---------------------------------------------------
 
 @pytest.mark.parametrize("attention", ["native", "sdpa"])
 @pytest.mark.parametrize("kv_cache_dtype", FORMATS)
 def test_a_step_attends_the_rows_it_wrote_quantized(attention, kv_cache_dtype):
-    """``slot_attention`` over a quantized manager: a prompt chunk (SDPA over its dequantized rows)
-    and then a decode step (the native routine, or SDPA) give SDPA's attention over the
+    """``slot_attention`` over a quantized manager: a prompt chunk (the native prefill routine
+    reading the bytes, or SDPA over its dequantized rows) and then a decode step (the native routine, or SDPA) give SDPA's attention over the
     dequantized K/V: what was written is what is read, scales and all."""
     from vmemkv.attention import SequenceSpan
 

@@ -101,6 +101,9 @@ class ContiguousAttention(PackedAttention):
     def cache_views(self, layer):
         return self.kv_views(layer)
 
+    def cache_scale_views(self, layer):
+        return None if self.kv_scale_views is None else self.kv_scale_views(layer)
+
     def prefill_index(self, members):
         return [self.spans[i].slot for i in members], 0
 

@@ -1,6 +1,6 @@
 """Causal attention of a step's prompt chunks on the CPU, reading the cache in place: the native
 routine of ``native/prefill_attention.c`` (the ``vmemkv._prefill_attention`` extension), float32 or
-bfloat16.
+bfloat16, over K/V rows of that type or quantized (int8 / fp8 with their scales).
 
 SDPA attends one sequence per call, over a strided view of its keys: at a 2,048-token chunk of
 SmolLM2-135M (8 prompts of 256 tokens) 15-19 ms a layer at one thread, a fifth of the step. The
@@ -17,6 +17,7 @@ import torch
 
 MAX_GROUP = 96  # query heads per KV head the routine takes (its work item's rows)
 DTYPES = (torch.float32, torch.bfloat16)
+QUANTIZED_KV = {torch.int8: 2, torch.float8_e4m3fn: 3}  # K/V with scales: the routine's codes
 
 
 @functools.cache
@@ -65,23 +66,39 @@ class PrefillSpans:
 
 
 def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: PrefillSpans,
-                          scale: float, out: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
+                          scale: float, out: torch.Tensor, num_threads: int | None = None,
+                          kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``q`` ``[T, Hq, D]`` (the packed rows), ``out`` the same shape, written at the spans' rows
     only; ``k``/``v`` ``[outer, tokens, Hk, D]``: slot views (``spans.block_size`` 0, ``outer``
     the slot) or block tensors (``outer`` the block). Sequence ``b``'s query ``i`` (row
     ``query_start[b] + i``, position ``num_cached[b] + i``) attends its keys ``0 ..`` its position.
     Every last dim contiguous, all float32 or all bfloat16, on the CPU; the K/V of the new tokens
-    already written."""
+    already written. Or K/V int8 / float8_e4m3fn with ``kv_scales``, their float32 scales
+    ``[outer, tokens, Hk, groups]`` (``memory/quantized_rows.py``), read as bytes where they lie."""
     if reason := unavailable(q.dtype, q.shape[1], k.shape[2], q.shape[2]):
         raise ValueError(reason)
-    tensors = {"q": q, "k": k, "v": v, "out": out}
-    for name, t in tensors.items():
-        if t.dtype != q.dtype or t.device.type != "cpu" or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be {q.dtype} (as q) on the CPU with a contiguous last dim, got {t.dtype} "
+    kv_dtype = k.dtype if kv_scales is not None else q.dtype
+    if kv_scales is not None and kv_dtype not in QUANTIZED_KV:
+        raise ValueError(f"kv_scales go with int8 or float8_e4m3fn K/V, not {kv_dtype}")
+    tensors = {"q": (q, q.dtype), "k": (k, kv_dtype), "v": (v, kv_dtype), "out": (out, q.dtype)}
+    if kv_scales is not None:
+        tensors.update({"k scales": (kv_scales[0], torch.float32), "v scales": (kv_scales[1], torch.float32)})
+    for name, (t, dtype) in tensors.items():
+        if t.dtype != dtype or t.device.type != "cpu" or t.stride(-1) != 1:
+            as_q = " (as q)" if dtype == q.dtype and name != "q" else ""
+            raise ValueError(f"{name} must be {dtype}{as_q} on the CPU with a contiguous last dim, got {t.dtype} "
                              f"on {t.device}, strides {t.stride()}")
     if q.dim() != 3 or out.shape != q.shape or k.dim() != 4 or v.shape != k.shape or k.shape[3] != q.shape[2]:
         raise ValueError(f"shapes: q and out [T, Hq, D], k and v [outer, tokens, Hk, D]; got {tuple(q.shape)}, "
                          f"{tuple(out.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    groups = 0
+    if kv_scales is not None:
+        groups = kv_scales[0].shape[3]
+        if any(t.shape[:3] != k.shape[:3] for t in kv_scales) or kv_scales[1].shape != kv_scales[0].shape \
+                or q.shape[2] % groups or (q.shape[2] // groups) % 4:
+            raise ValueError(f"kv_scales must be two [outer, tokens, Hk, groups] tensors over k's first three dims, "
+                             f"groups dividing head_dim into multiples of 4; got {tuple(kv_scales[0].shape)} and "
+                             f"{tuple(kv_scales[1].shape)} for k {tuple(k.shape)}")
     if spans.num_rows > q.shape[0] or (spans.block_size == 0 and spans.longest > k.shape[1]):
         raise ValueError(f"the spans need {spans.num_rows} rows and {spans.longest} keys; q has {q.shape[0]} rows, "
                          f"the cache {k.shape[1]} tokens a slot")
@@ -92,5 +109,7 @@ def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spa
         len(spans.query_start), q.shape[1], k.shape[2], q.shape[2], spans.block_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), float(scale), num_threads or torch.get_num_threads(),
-        q.dtype == torch.bfloat16)
+        q.dtype == torch.bfloat16,
+        *((QUANTIZED_KV[kv_dtype], kv_scales[0].data_ptr(), kv_scales[1].data_ptr(), *kv_scales[0].stride()[:3],
+           *kv_scales[1].stride()[:3], q.shape[2] // groups) if kv_scales is not None else ()))
     return out

@@ -199,7 +199,8 @@ class PackedAttention:
             # every other sequence in one native call that reads the cache in place (cpu_prefill)
             output = query.new_empty((1, num_tokens, num_heads, head_dim)) if output is None else output
             prefill_attention_cpu(query[0].transpose(0, 1), *self.cache_views(layer),
-                                  self._prefill_spans(one_by_one), scale, output[0])
+                                  self._prefill_spans(one_by_one), scale, output[0],
+                                  kv_scales=self.cache_scale_views(layer))
             one_by_one = []
         attended = [self._attend_span(layer, index, query, scale, window, softcap, sinks)
                     for index in one_by_one]
@@ -237,14 +238,15 @@ class PackedAttention:
     def _native_prefill(self, query: torch.Tensor, layer: int, window: int | None, softcap: float | None,
                         sinks: torch.Tensor | None) -> bool:
         """Whether this layer's SDPA sequences go to the native prefill routine: on the CPU with
-        the native decode routine, plain causal attention (no window, cap or sinks), float32 rows
-        with a contiguous last dim."""
+        the native decode routine, plain causal attention (no window, cap or sinks), rows of the
+        query's dtype (or quantized, with their scales) with a contiguous last dim."""
         if not (self.decodes_natively_on_cpu and not window and softcap is None and sinks is None
                 and query.stride(3) == 1):
             return False
         k = self.cache_views(layer)[0]
-        return query.dtype == k.dtype and not prefill_unavailable(k.dtype, query.shape[1], k.shape[2],
-                                                                  query.shape[3])
+        quantized = self.cache_scale_views(layer) is not None
+        return (query.dtype == k.dtype or quantized) and not prefill_unavailable(query.dtype, query.shape[1],
+                                                                                 k.shape[2], query.shape[3])
 
     def _prefill_spans(self, members: list[int]) -> PrefillSpans:
         """The routine's arrays for ``members`` (span indices), made once a step."""
@@ -264,6 +266,11 @@ class PackedAttention:
     def cache_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V cache as ``[outer, tokens, Hk, D]``: slot views or block tensors."""
         raise NotImplementedError
+
+    def cache_scale_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A quantized cache's scales beside ``cache_views``, ``[outer, tokens, Hk, groups]``
+        float32; None for a plain cache."""
+        return None
 
     def plan_batches(self) -> list[DecodeBatch]:
         """Decoding spans this addressing reads together (called once per step; none here)."""
