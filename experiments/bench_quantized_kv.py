@@ -5,9 +5,9 @@ Per KV dtype, one engine (SmolLM2-135M-Instruct in bfloat16, ``--requests`` requ
 ``--prompt-tokens`` seeded random token ids each, no shared prefix) computes the prompts at
 ``--prefill-threads`` threads, then decodes ``--rounds`` rounds of ``--steps`` steps at each
 thread count of ``--threads`` in turn (the thread counts alternate, so drift of the shared host
-hits both alike). Reported per dtype and thread count: the decode step's median milliseconds,
-its attention's share (the engine's attention timer), the KV bytes a token holds per layer and
-in all, and the step time relative to bfloat16 KV's.
+hits both alike). Reported per dtype: the KV bytes a token holds per layer and in all, and the
+seconds the prompts took; per dtype and thread count: the decode step's median milliseconds, its
+attention's share (the engine's attention timer), and the step time relative to bfloat16 KV's.
 
     python experiments/bench_quantized_kv.py                         # readable table
     python experiments/bench_quantized_kv.py --out experiments/results   # quantized_kv_decode_cpu.md/.json
@@ -83,15 +83,16 @@ def markdown(results: dict) -> str:
              f"{args['prompt_tokens']:,} prompt tokens, {args['model']} in {args['dtype']}; decode step median "
              f"over {args['rounds']} x {args['steps']} steps per thread count (thread counts alternating), "
              f"load before {results['load_before']:.2f}", "",
-             "| KV dtype | B/token/layer | threads | step ms | attention ms | step vs bf16 KV |",
-             "|---|---|---|---|---|---|"]
+             "| KV dtype | B/token/layer | prompts s | threads | step ms | attention ms | step vs bf16 KV |",
+             "|---|---|---|---|---|---|---|"]
     rows = results["rows"]
     base = next(r for r in rows if r["kv_cache_dtype"] == "auto")
     for row in rows:
         name = "auto (" + row["kv_dtype"] + ")" if row["kv_cache_dtype"] == "auto" else row["kv_cache_dtype"]
         for threads in args["threads"]:
             step = row["step_ms"][threads]
-            lines.append(f"| {name} | {row['kv_bytes_per_token_per_layer']:,} | {threads} | {step:.1f} | "
+            lines.append(f"| {name} | {row['kv_bytes_per_token_per_layer']:,} | {row['prefill_seconds']:.1f} | "
+                         f"{threads} | {step:.1f} | "
                          f"{row['attention_ms'][threads]:.1f} | {base['step_ms'][threads] / step:.2f}x |")
     return "\n".join(lines) + "\n"
 

@@ -35,7 +35,10 @@
  * float32 scale per `group` values of a row (token, kv head), the scales in views of their own
  * (k_scale/v_scale, float32 element strides, a row's groups contiguous). The grouped kernels widen
  * the bytes in registers and multiply each 16 of them by their group's scale there; the narrow ones
- * widen and scale each row into the tile buffers.
+ * widen and scale each row into the tile buffers. With AVX-512 VNNI, int8 K rows of 64-value
+ * blocks are scored with integer dot products instead (int8_scores): the query rounded to int16,
+ * one scale a head (finer than the bfloat16 a model's query arrives in), 32 products an
+ * instruction; a tile's last n % 16 tokens, and the weighted V rows, stay in float arithmetic.
  *
  * Types: float32 and bfloat16 Q/out, K/V in those or quantized, float32 arithmetic. The grouped (AVX-512) kernels read
  * bf16 rows where they lie and widen them in registers (SmolLM2-135M's shape, 4 sequences of 2,000

@@ -23,6 +23,9 @@
  *
  * bfloat16 rows are read where they lie, each value widened as it is broadcast (exact: a bf16 is a
  * float's upper half), and the output rounded to bfloat16 once, as torch rounds an op's result.
+ * Quantized K/V (kv_type int8 or fp8 e4m3, vmemkv/memory/quantized_rows.py) likewise: each byte
+ * widened and multiplied by its group's scale as it is broadcast, the value dequantize gives, so the
+ * result is the float32 routine's over the dequantized rows, bit for bit.
  *
  * Sums run in another order than SDPA's: results equal it up to float rounding. Compiled for
  * AVX-512 only (x86-64-v4: its 32 registers hold a key tile's 24 accumulators of 16 floats); the

@@ -2,7 +2,7 @@
 Hugging Face ``generate`` under prefix hits, forks (n > 1) and preemption by swap and by recompute,
 with every rank's page-mapping state compared every step; a windowed model (tiny-mistral) and a
 hybrid one (tiny Gemma-2: local and global layers in two layout groups on every rank) with blocks
-released behind the window; a diverged rank and a killed worker stop the engine with a clear
+released behind the window; int8 KV; a diverged rank and a killed worker stop the engine with a clear
 error. Workers read the slot runs rank 0 read in one call, in one call too. The recorder and its replay (two groups in one log) are checked without processes.
 
 The tests that start worker processes (``spawns``: the engines each started once for its class;
@@ -191,6 +191,31 @@ class TestHybridEngine:
                 engine.step()
         with pytest.raises(TensorParallelError):  # and it stays stopped
             engine.step()
+
+
+@pytest.mark.spawns
+def test_quantized_kv_on_two_ranks_matches_one_rank():
+    """int8 KV (``kv_cache_dtype``): a rank quantizes its own heads' rows, one scale per token,
+    head and 32 values, the scales one rank would compute, so two ranks give one rank's tokens,
+    under prefix hits and forks; the scales live in the rows every rank maps (the page-mapping
+    state compared every step)."""
+    system = prompts(1, lengths=(140,), offset=5)[0]  # two full pages of 64 int8 rows
+    batch = [system + tail for tail in prompts(3, lengths=(3, 11, 7))]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, n=2)
+    tokens = []
+    for options in (TP, {}):
+        engine = make_engine(kv_cache_dtype="int8", **options)
+        try:
+            outputs = run(engine, batch[:1], params) + run(engine, batch[1:], params)
+            pages = 140 // engine.manager.tokens_per_page  # the system prompt's full pages hit
+            assert pages and all(output.num_cached_tokens == pages * engine.manager.tokens_per_page
+                                 for output in outputs[1:])
+            if options:
+                assert_every_forward_checked(engine)
+            tokens.append([[c.token_ids for c in o.outputs] for o in outputs])
+        finally:
+            engine.close()
+    assert tokens[0] == tokens[1]
 
 
 @pytest.mark.spawns
