@@ -43,8 +43,8 @@ def report_main(stem: str, description: str, report: Callable[[], dict], markdow
 
 
 def cpu_flags_note() -> str:
-    """The CPU flags that decide the speed of float32 and bfloat16 here, those present."""
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    """The CPU flags that decide the speed of float32, bfloat16 and int8 here, those present."""
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
