@@ -465,6 +465,11 @@ static inline __attribute__((always_inline)) void group_accumulate(float *restri
 
 static int int8_dot_products; /* AVX-512 VNNI: set at import */
 
+/* Two whole numbers of int16's range as a dword's low and high int16. */
+static inline int32_t int16_pair(float low, float high) {
+    return (int32_t)((uint32_t)(uint16_t)(int16_t)low | (uint32_t)(uint16_t)(int16_t)high << 16);
+}
+
 /* A query head as int16 pairs for int8_scores: one scale for the head (its largest value maps to
  * 32767, finer than the bfloat16 a model's query comes in), and per 64 values (a block of 16
  * dwords, 4 bytes each) and per k < 4, two vectors whose 128-bit lane L holds, four times, the
@@ -480,8 +485,7 @@ static inline __attribute__((always_inline)) float int16_query(float *restrict q
         for (int64_t k = 0; k < 4; k++)
             for (int64_t L = 0; L < 4; L++) {
                 const float *d = q + c + 4 * (4 * L + k);
-                const int32_t lo = (int32_t)((uint32_t)(uint16_t)(int16_t)d[0] | (uint32_t)(uint16_t)(int16_t)d[2] << 16);
-                const int32_t hi = (int32_t)((uint32_t)(uint16_t)(int16_t)d[1] | (uint32_t)(uint16_t)(int16_t)d[3] << 16);
+                const int32_t lo = int16_pair(d[0], d[2]), hi = int16_pair(d[1], d[3]);
                 int32_t *v = out + (c / 64 * 4 + k) * 32 + 4 * L;
                 for (int e = 0; e < 4; e++) v[e] = lo, v[16 + e] = hi;
             }

@@ -91,6 +91,13 @@ def test_a_plain_layout_has_no_scale_views():
 
 # --- the native decode routine ------------------------------------------------------------------------
 
+def random_rows(shape, dtype, generator):
+    """Random K and V of ``shape`` quantized to ``dtype``: their bytes and scales, and the float32
+    values those stand for."""
+    (kq, ks), (vq, vs) = (quantize(torch.randn(shape, generator=generator), dtype) for _ in range(2))
+    return kq, ks, vq, vs, dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32)
+
+
 def int16_query(q: torch.Tensor, scale: float) -> torch.Tensor:
     """The query as the integer dot products read it: ``q * scale`` rounded to steps of its head's
     largest value / 32767 (ties to even), then unscaled (``scale`` a power of two: exact)."""
@@ -126,10 +133,7 @@ def test_native_decode_reads_quantized_rows_as_their_float_reference(grouped, he
             _extension().integer_dot_products(dots)
             reference_query = (lambda q: int16_query(q, 0.125)) if dots else (lambda q: q.float())
             generator = torch.Generator().manual_seed(head_dim)
-            k = torch.randn(5, 700, 2, head_dim, generator=generator)
-            v = torch.randn(5, 700, 2, head_dim, generator=generator)
-            (kq, ks), (vq, vs) = quantize(k, dtype), quantize(v, dtype)
-            kd, vd = dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32)
+            kq, ks, vq, vs, kd, vd = random_rows((5, 700, 2, head_dim), dtype, generator)
             q = torch.randn(3, 6, head_dim, generator=generator).to(q_dtype)
             slots, lens = torch.tensor([4, 0, 2]), torch.tensor([700, 33, 300], dtype=torch.int32)
             for options in (dict(num_splits=1), dict(num_splits=3), dict(window=100)):
@@ -199,10 +203,7 @@ def test_native_prefill_reads_quantized_rows_as_their_float_reference(head_dim, 
     value is its byte times its scale, as ``dequantize`` makes it. A chunk after cached tokens and
     a whole prompt, in one call."""
     generator = torch.Generator().manual_seed(head_dim)
-    k = torch.randn(3, 300, 2, head_dim, generator=generator)
-    v = torch.randn(3, 300, 2, head_dim, generator=generator)
-    (kq, ks), (vq, vs) = quantize(k, dtype), quantize(v, dtype)
-    kd, vd = dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32)
+    kq, ks, vq, vs, kd, vd = random_rows((3, 300, 2, head_dim), dtype, generator)
     q = torch.randn(50, 6, head_dim, generator=generator).to(q_dtype)
     spans = PrefillSpans([0, 20], [20, 30], [100, 0], [2, 0])
     expected = prefill_attention_cpu(q.float(), kd, vd, spans, 0.125, torch.zeros(q.shape))
