@@ -25,12 +25,12 @@ def mean_kl(logprobs: torch.Tensor, reference: torch.Tensor) -> float:
     return torch.nn.functional.kl_div(logprobs, reference, log_target=True, reduction="none").sum(-1).mean().item()
 
 
-def format_row(name: str, kls: list[float], answers: list[list[int]], exact: list[list[int]]) -> dict:
-    """A format's numbers: its prompts' mean KL (mean and worst), how many greedy answers equal the
-    exact ones, and where the others first differ."""
+def format_row(name: str, kls: list[float] | None, answers: list[list[int]], exact: list[list[int]]) -> dict:
+    """A format's numbers: its prompts' mean KL (mean and worst; None when not measured), how many
+    greedy answers equal the exact ones, and where the others first differ."""
     firsts = sorted(next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
                     for got, want in zip(answers, exact) if got != want)
-    return {"format": name, "mean_kl": sum(kls) / len(kls), "max_kl": max(kls),
+    return {"format": name, "mean_kl": sum(kls) / len(kls) if kls else None, "max_kl": max(kls) if kls else None,
             "identical": len(exact) - len(firsts), "first_difference": firsts}
 
 
@@ -41,6 +41,7 @@ def quality_table(title: str, what: str, column: str, rows: list[dict], prompts:
              f"| {column} | mean KL (nats / token) | worst prompt's mean KL | greedy answers identical | first difference at |",
              "|---|---:|---:|---:|---|"]
     for r in rows:
-        lines.append(f"| {r['format']} | {r['mean_kl']:.5f} | {r['max_kl']:.5f} | {r['identical']} / {prompts} | "
+        kl = ("-", "-") if r["mean_kl"] is None else (f"{r['mean_kl']:.5f}", f"{r['max_kl']:.5f}")
+        lines.append(f"| {r['format']} | {kl[0]} | {kl[1]} | {r['identical']} / {prompts} | "
                      f"{', '.join(map(str, r['first_difference'])) or '-'} |")
     return "\n".join(lines) + "\n"

@@ -11,17 +11,26 @@ user question in SmolLM2's chat template), ``--new-tokens`` greedy tokens each:
   dequantized per token and head as ``memory/quantized_rows.py`` does, the token's own row
   included), the exact run's tokens fed to both so the positions line up.
 
+With ``--vllm-python`` (vLLM's venv, as bench_vs_vllm.py makes it), the same prompts through vLLM's
+CPU build too, ``kv_cache_dtype="fp8"`` against its own exact run (``experiments/vllm_greedy.py``):
+agreement only, as vLLM returns a few top log-probabilities, not the distribution.
+
 No timing: the numbers are the model's.
 
     python experiments/report_live_kv_quality.py                              # table
     python experiments/report_live_kv_quality.py --out experiments/results    # live_kv_quality.md/.json
+    python experiments/report_live_kv_quality.py --vllm-python /work/vllm_venv/bin/python
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -64,6 +73,21 @@ def logprobs(model, prompt: list[int], tokens: list[int], storage: torch.dtype |
     return torch.cat(out)
 
 
+def vllm_answers(python: Path, model: Path, dtype: str, prompts: list[list[int]], new_tokens: int, threads: int,
+                 kv_cache_dtype: str) -> list[list[int]]:
+    """vLLM's greedy answers, from experiments/vllm_greedy.py run by vLLM's Python."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, result = Path(tmp, "spec.json"), Path(tmp, "answers.json")
+        spec.write_text(json.dumps({"model": str(model), "dtype": dtype, "kv_cache_dtype": kv_cache_dtype,
+                                    "prompts": prompts, "max_tokens": new_tokens,
+                                    "max_model_len": max(map(len, prompts)) + new_tokens + 16}))
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else f"0-{threads - 1}",
+                   VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
+        subprocess.run([str(python), str(Path(__file__).with_name("vllm_greedy.py")), str(spec), str(result)],
+                       env=env, cwd=tmp, check=True)
+        return json.loads(result.read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -72,6 +96,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--vllm-python", type=Path, help="vLLM's venv Python: its fp8 KV's agreement too")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = ensure_real_model(args.model)
@@ -93,6 +118,11 @@ def main() -> None:
         rows.append(format_row(fmt, kls, answers[fmt], answers["auto"]))
         print(f"{fmt}: KL {rows[-1]['mean_kl']:.5f}, identical {rows[-1]['identical']}/{len(prompts)}",
               file=sys.stderr)
+    if args.vllm_python:
+        vllm = {kv: vllm_answers(args.vllm_python, path, args.dtype, prompts, args.new_tokens, args.threads, kv)
+                for kv in ("auto", "fp8")}
+        rows.append(format_row("vLLM fp8 (against vLLM's own exact run)", None, vllm["fp8"], vllm["auto"]))
+        rows.append(format_row("vLLM's exact run (against vmemkv's)", None, vllm["auto"], answers["auto"]))
     results = {"command": "python experiments/report_live_kv_quality.py " + " ".join(sys.argv[1:]),
                "date": datetime.date.today().isoformat(), "model": args.model, "dtype": args.dtype,
                "prompts": len(prompts), "new_tokens": args.new_tokens,
