@@ -16,55 +16,24 @@ MAPPER = Extension(
     libraries=["dl"],
 )
 
+def cpu_kernel(name: str, *flags: str, headers: tuple[str, ...] = ("bf16.h",)) -> Extension:
+    """native/<name>.c as the optional extension vmemkv._<name>: -O3, OpenMP, and ``flags``."""
+    return Extension(f"vmemkv._{name}", sources=[f"native/{name}.c"], depends=[f"native/{h}" for h in headers],
+                     extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", *flags], extra_link_args=["-fopenmp"],
+                     optional=True)
+
+
+ATTENTION_HEADERS = ("bf16.h", "exp_nonpositive.h", "fp8.h")
 CPU_KERNELS = [
-    Extension(
-        "vmemkv._decode_attention",
-        sources=["native/decode_attention.c"],
-        depends=["native/bf16.h", "native/exp_nonpositive.h", "native/fp8.h"],
-        # no errno or traps from float math: its loops vectorize (compare-selects, tanhf);
-        # OpenMP: work items on threads, simd reductions; -Wno-psabi: the 8-float vector
-        # helpers are always inlined, so no call passes one across the ABI
-        extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
-                            "-Wno-psabi"],
-        extra_link_args=["-fopenmp"],
-        optional=True,
-    ),
-    Extension(
-        "vmemkv._prefill_attention",
-        sources=["native/prefill_attention.c"],
-        depends=["native/bf16.h", "native/exp_nonpositive.h", "native/fp8.h"],
-        # as the decode attention: vectorized float math, OpenMP, inlined vector helpers
-        extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
-                            "-Wno-psabi"],
-        extra_link_args=["-fopenmp"],
-        optional=True,
-    ),
-    Extension(
-        "vmemkv._rms_norm",
-        sources=["native/rms_norm.c"],
-        depends=["native/bf16.h"],
-        extra_compile_args=["-O3", "-std=gnu11", "-fopenmp"],
-        extra_link_args=["-fopenmp"],
-        optional=True,
-    ),
-    Extension(
-        "vmemkv._rotary",
-        sources=["native/rotary.c"],
-        depends=["native/bf16.h"],
-        # no fused multiply-adds: each product rounds as transformers' tensor ops round it
-        extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-ffp-contract=off"],
-        extra_link_args=["-fopenmp"],
-        optional=True,
-    ),
-    Extension(
-        "vmemkv._panel_linear",
-        sources=["native/panel_linear.c"],
-        depends=["native/bf16.h"],
-        # -Wno-psabi: the 16-float vector helpers are always inlined, no call passes one
-        extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-Wno-psabi"],
-        extra_link_args=["-fopenmp"],
-        optional=True,
-    ),
+    # no errno or traps from float math: its loops vectorize (compare-selects, tanhf); OpenMP: work
+    # items on threads, simd reductions; -Wno-psabi: the vector helpers are always inlined, so no
+    # call passes one across the ABI (the prefill attention and the linear layers' too)
+    cpu_kernel("decode_attention", "-fno-math-errno", "-fno-trapping-math", "-Wno-psabi", headers=ATTENTION_HEADERS),
+    cpu_kernel("prefill_attention", "-fno-math-errno", "-fno-trapping-math", "-Wno-psabi", headers=ATTENTION_HEADERS),
+    cpu_kernel("rms_norm"),
+    # no fused multiply-adds: each product rounds as transformers' tensor ops round it
+    cpu_kernel("rotary", "-ffp-contract=off"),
+    cpu_kernel("panel_linear", "-Wno-psabi"),
 ]
 
 setup(
