@@ -152,7 +152,8 @@ static inline __attribute__((always_inline)) void dim_tile_update(const void *co
 /* scratch: qt [D][ROWS], ot [D][ROWS], scores [KEYS][ROWS], then max, sum, pos [ROWS] each */
 static inline __attribute__((always_inline)) void process_item_typed(const Args *a, const Work *w, float *scratch,
                                                                     const int bf, const int kt) {
-    const int64_t es = bf ? 2 : 4, kes = kt != KV_AS_Q ? 1 : es, D = a->head_dim, G = a->num_q_heads / a->num_kv_heads, n = w->count, rows = G * n;
+    const int64_t es = bf ? 2 : 4, kes = kt != KV_AS_Q ? 1 : es; /* bytes a q / a K or V element */
+    const int64_t D = a->head_dim, G = a->num_q_heads / a->num_kv_heads, n = w->count, rows = G * n;
     const int64_t cached = a->num_cached[w->seq], start = a->query_start[w->seq];
     float *qt = scratch, *ot = qt + D * ROWS, *scores = ot + D * ROWS, *row_max = scores + KEYS * ROWS;
     float *row_sum = row_max + ROWS, *pos = row_sum + ROWS; /* positions as floats: exact below 2^24 */
@@ -169,7 +170,7 @@ static inline __attribute__((always_inline)) void process_item_typed(const Args 
     const int64_t end = cached + w->first + n; /* keys [0, end): up to the item's last query */
     const int64_t lowest = cached + w->first;  /* keys up to here are seen by every row */
     const void *keys[KEYS], *values[KEYS];
-    const float *k_scales[KEYS], *v_scales[KEYS]; /* quantized rows' */
+    const float *k_scales[KEYS] = {0}, *v_scales[KEYS] = {0}; /* quantized rows' */
     const int64_t group = kt != KV_AS_Q ? a->group : D;
     for (int64_t kb = 0; kb < end; kb += KEYS) {
         const int64_t nk = end - kb < KEYS ? end - kb : KEYS;
