@@ -285,24 +285,23 @@ __attribute__((target("avx512f"))) static inline v16f int8_to_float16(const int8
     return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 
-__attribute__((target("avx512f"))) static inline v16u uint8_widened(const uint8_t *p) {
-    return (v16u)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+/* 16 fp8 e4m3 bytes as floats times 2^-120: sign-extended, the exponent and mantissa bits moved to
+ * a float's (bias 127 instead of 7, subnormals to subnormals) and the sign's copies masked off. */
+__attribute__((target("avx512f"))) static inline v16f fp8_to_float16_unscaled(const uint8_t *p) {
+    const __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+    return (v16f)_mm512_and_si512(_mm512_slli_epi32(x, 20), _mm512_set1_epi32((int)0x87f00000u));
 }
 
 /* 16 values of a K or V row from element i, of row type `bf` (a DT_ code): float32 loaded, bfloat16
  * widened in registers (its bits are a float's upper half: a zero-extend and a shift), where
  * widening a tile into a buffer first cost a store and a load more of every value; int8 converted;
- * fp8 e4m3 rebuilt as a float's bits (fp8_to_float), unscaled (the caller applies the scale). */
+ * fp8 e4m3 rebuilt as a float's bits times 2^-120. Quantized rows come unscaled: the caller applies
+ * the scale, which for fp8 carries the 2^120 (TileScales). */
 static inline __attribute__((always_inline)) v16f load16_row(const void *row, int64_t i, const int bf) {
     if (bf == DT_FLOAT32) return load16((const float *)row + i);
     if (bf == DT_INT8) return int8_to_float16((const int8_t *)row + i);
+    if (bf == DT_FP8) return fp8_to_float16_unscaled((const uint8_t *)row + i);
     v16f f;
-    if (bf == DT_FP8) {
-        const v16u x = uint8_widened((const uint8_t *)row + i);
-        const v16u bits = ((x & 0x80) << 24) | ((x & 0x7f) << 20);
-        memcpy(&f, &bits, sizeof f);
-        return f * 0x1p120f;
-    }
     v16h h;
     memcpy(&h, (const uint16_t *)row + i, sizeof h);
     const v16u wide = __builtin_convertvector(h, v16u) << 16;
@@ -337,17 +336,20 @@ static inline __attribute__((always_inline)) float hsum16(v16f v) {
  * row is loaded into registers once for all of them (their accumulators then fill the registers). */
 #define HEADS_AT_ONCE 3
 
-/* A quantized tile's scales for the grouped kernels: token j's are at rows[j] (head 0's first),
- * the head being read's from rows[j][off], one per `group` values. */
+/* A quantized tile's scales for the grouped kernels, gathered per tile: a row of TILE floats per
+ * (kv head, group of `group` values), token j's scale at [j] (so 16 tokens' are one vector), times
+ * 2^120 for fp8 (the factor its widened bytes lack). The head being read's first row is `off`;
+ * weights: HEADS_AT_ONCE rows per group, the softmax weights times the V scales (accumulate_heads). */
 typedef struct {
-    const float *const *rows; /* [TILE] */
+    const float *t;
     int64_t off, group;
+    float *weights;
 } TileScales;
 
-/* Per 16-value vector i of the 64 values from column c: the index of its group's scale. */
+/* Per 16-value vector i of the 64 values from column c: the row of its group's scales. */
 static inline __attribute__((always_inline)) void scale_index(const TileScales *sc, int64_t c, int64_t nv,
                                                              int64_t *at) {
-    for (int64_t i = 0; i < nv; i++) at[i] = sc->off + (c + 16 * i) / sc->group;
+    for (int64_t i = 0; i < nv; i++) at[i] = (sc->off + (c + 16 * i) / sc->group) * TILE;
 }
 
 /* out[g * TILE + j] = q[g] . rows[j][off : off + D] for G query heads (q[g] = q + g * D) and the
@@ -375,7 +377,7 @@ static inline __attribute__((always_inline)) void scores_heads(const float *rest
             for (int64_t i = 0; i < nv; i++)
                 for (int t = 0; t < 4; t++) {
                     v16f k = load16_row(rows[j + t], off + c + 16 * i, bf);
-                    if (quantized(bf)) k *= sc->rows[j + t][at[i]];
+                    if (quantized(bf)) k *= sc->t[at[i] + j + t];
                     for (int g = 0; g < G; g++) s[g][t] += qv[g][i] * k;
                 }
             for (int g = 0; g < G; g++) {
@@ -390,7 +392,7 @@ static inline __attribute__((always_inline)) void scores_heads(const float *rest
                 v16f s = (v16f){0};
                 for (int64_t i = 0; i < nv; i++) {
                     v16f k = load16_row(rows[j], off + c + 16 * i, bf);
-                    if (quantized(bf)) k *= sc->rows[j][at[i]];
+                    if (quantized(bf)) k *= sc->t[at[i] + j];
                     s += qv[g][i] * k;
                 }
                 out[g * TILE + j] = (c ? out[g * TILE + j] : 0.f) + hsum16(s);
@@ -401,24 +403,41 @@ static inline __attribute__((always_inline)) void scores_heads(const float *rest
 }
 
 /* acc[g][0:D] += sum_j p[g * TILE + j] * rows[j][off : off + D] for G query heads (acc[g] = acc + g * D),
- * D a multiple of 16, 64 elements of each accumulator in registers at a time. */
+ * D a multiple of 16, 64 elements of each accumulator in registers at a time. Quantized rows: each
+ * head's weights times the tile's scales of each group first (sc->weights), so a V row's values
+ * are widened and never scaled. */
 static inline __attribute__((always_inline)) void accumulate_heads(float *restrict acc, const int G,
                                                                    const float *restrict p,
                                                                    const void *const *rows, int64_t off,
                                                                    int64_t n, const int64_t D, const int bf,
                                                                    const TileScales *sc) {
+    const float *w[HEADS_AT_ONCE] = {p, p + TILE, p + 2 * TILE}; /* head g's weights of token j: w[g][j] */
+    int64_t stride = 0;                                           /* ... of the group's: w[g][gr * stride + j] */
+    if (quantized(bf)) {
+        const int64_t groups = D / sc->group;
+        for (int g = 0; g < G; g++) {
+            float *wg = sc->weights + g * groups * TILE;
+            for (int64_t gr = 0; gr < groups; gr++) {
+                const float *s = sc->t + (sc->off + gr) * TILE;
+#pragma omp simd
+                for (int64_t j = 0; j < n; j++) wg[gr * TILE + j] = p[g * TILE + j] * s[j];
+            }
+            w[g] = wg;
+        }
+        stride = TILE;
+    }
     for (int64_t c = 0; c < D; c += 64) {
         const int64_t nv = (D - c < 64 ? D - c : 64) / 16;
-        int64_t at[4];
-        if (quantized(bf)) scale_index(sc, c, nv, at);
+        int64_t at[4] = {0, 0, 0, 0}; /* the weights' offset of vector i's group */
+        if (quantized(bf))
+            for (int64_t i = 0; i < nv; i++) at[i] = (c + 16 * i) / sc->group * stride;
         v16f av[HEADS_AT_ONCE][4];
         for (int g = 0; g < G; g++)
             for (int64_t i = 0; i < nv; i++) av[g][i] = load16(acc + g * D + c + 16 * i);
         for (int64_t j = 0; j < n; j++)
             for (int64_t i = 0; i < nv; i++) {
-                v16f v = load16_row(rows[j], off + c + 16 * i, bf);
-                if (quantized(bf)) v *= sc->rows[j][at[i]];
-                for (int g = 0; g < G; g++) av[g][i] += p[g * TILE + j] * v;
+                const v16f v = load16_row(rows[j], off + c + 16 * i, bf);
+                for (int g = 0; g < G; g++) av[g][i] += w[g][at[i] + j] * v;
             }
         for (int g = 0; g < G; g++)
             for (int64_t i = 0; i < nv; i++) store16(acc + g * D + c + 16 * i, av[g][i]);
@@ -531,13 +550,9 @@ static inline __attribute__((always_inline, target("arch=x86-64-v4,avx512vnni"))
                     }
                 }
             }
-            float s0[16], s1[16]; /* the 16 tokens' scales of values [c, c + 32) and [c + 32, c + 64) */
-            for (int t = 0; t < 16; t++) {
-                const float *s = sc->rows[j0 + t] + sc->off + c / 32;
-                s0[t] = s[0];
-                s1[t] = s[1];
-            }
-            const __m512 scale0 = _mm512_loadu_ps(s0), scale1 = _mm512_loadu_ps(s1);
+            /* the 16 tokens' scales of values [c, c + 32) and [c + 32, c + 64) */
+            const float *s = sc->t + (sc->off + c / 32) * TILE + j0;
+            const __m512 scale0 = _mm512_loadu_ps(s), scale1 = _mm512_loadu_ps(s + TILE);
             for (int g = 0; g < G; g++) {
                 /* lanes L 0-1 hold values [c, c + 32), 2-3 the rest: per token, the two halves' sums */
                 const __m512i *v = acc[g];
@@ -582,7 +597,8 @@ __attribute__((target("arch=x86-64-v4,avx512vnni"))) static void int8_scores(
  * (K rows read through pointers gathered once); the online softmax; then the weighted V rows,
  * accumulated in registers, in the same order.
  * scratch: M*Hq*D (q) + M*Hq*D (acc) + M*Hq*TILE (scores) + 2*M*Hq (max, sum) + 2*TILE*Hk*D (widened
- * rows) + M*Hq*(2*D + 1) (int16_query's vectors and scales). */
+ * rows) + M*Hq*(2*D + 1) (int16_query's vectors and scales) + (2*Hk + HEADS_AT_ONCE)*groups*TILE
+ * (quantized rows: the tile's K and V scales, and weights times V scales; groups = D / group). */
 static inline __attribute__((always_inline)) void process_item_d(const Args *a, const Work *w, float *scratch,
                                                                 const int64_t D, const int wide, const int bf) {
     const int64_t Hq = a->num_q_heads, Hk = a->num_kv_heads, G = Hq / Hk, M = w->num_members;
@@ -593,8 +609,11 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
     float *ktile = sum + QH, *vtile = ktile + TILE * Hk * D; /* rows widened (narrow path) */
     int32_t *qv = (int32_t *)(vtile + TILE * Hk * D);        /* int16_query's vectors, 2 D a head */
     float *qscale = (float *)(qv + QH * 2 * D);
-    const float *kscales[TILE], *vscales[TILE];
-    TileScales ks = {kscales, 0, a->group}, vs = {vscales, 0, a->group}; /* quantized rows' scales */
+    const int64_t groups = quantized(bf) ? D / a->group : 0; /* scales a quantized row carries */
+    float *kst = qscale + QH, *vst = kst + Hk * groups * TILE, *weights = vst + Hk * groups * TILE;
+    const float *kscales[TILE], *vscales[TILE]; /* quantized rows' scales where they lie (narrow path) */
+    TileScales ks = {kst, 0, a->group, NULL}, vs = {vst, 0, a->group, weights}; /* ... and gathered */
+    const float unit = bf == DT_FP8 ? 0x1p120f : 1.f; /* what a widened byte lacks (load16_row) */
     const void *krow[TILE], *vrow[TILE];                     /* the tile's rows */
     const char *pf_k[TILE], *pf_v[TILE];                     /* rows PREFETCH tokens ahead */
 
@@ -609,7 +628,7 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
         }
     /* the bytes from a token's first kv head to the end of its last: prefetched as one range */
     /* (quantized: and the scales, which follow the last head's values) */
-    const int64_t scales = quantized(bf) ? Hk * (D / a->group) * 4 : 0;
+    const int64_t scales = Hk * groups * 4;
     const int64_t k_span = ((Hk - 1) * a->k_sh + D) * kes + scales, v_span = ((Hk - 1) * a->v_sh + D) * kes + scales;
     const int64_t span = k_span > v_span ? k_span : v_span;
     /* The grouped kernels read rows where they lie (widened in registers); the narrow ones read
@@ -632,6 +651,12 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             if (quantized(bf)) {
                 kscales[j] = a->k_scale + row_offset(a, b, t0 + j, a->ks_so, a->ks_st);
                 vscales[j] = a->v_scale + row_offset(a, b, t0 + j, a->vs_so, a->vs_st);
+                if (grouped)
+                    for (int64_t hk = 0; hk < Hk; hk++)
+                        for (int64_t gr = 0; gr < groups; gr++) {
+                            kst[(hk * groups + gr) * TILE + j] = kscales[j][hk * a->ks_sh + gr] * unit;
+                            vst[(hk * groups + gr) * TILE + j] = vscales[j][hk * a->vs_sh + gr] * unit;
+                        }
             }
             if (in_place) {
                 krow[j] = k;
@@ -643,8 +668,8 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             float *kw = ktile + j * Hk * D, *vw = vtile + j * Hk * D;
             for (int64_t hk = 0; hk < Hk; hk++) {
                 const int q8 = quantized(bf);
-                kv_row_f32(k + hk * a->k_sh * kes, bf, D, q8 ? ks.rows[j] + hk * a->ks_sh : NULL, a->group, kw + hk * D);
-                kv_row_f32(v + hk * a->v_sh * kes, bf, D, q8 ? vs.rows[j] + hk * a->vs_sh : NULL, a->group, vw + hk * D);
+                kv_row_f32(k + hk * a->k_sh * kes, bf, D, q8 ? kscales[j] + hk * a->ks_sh : NULL, a->group, kw + hk * D);
+                kv_row_f32(v + hk * a->v_sh * kes, bf, D, q8 ? vscales[j] + hk * a->vs_sh : NULL, a->group, vw + hk * D);
             }
             krow[j] = kw;
             vrow[j] = vw;
@@ -654,14 +679,14 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             for (int64_t m = 0; m < M; m++) {
                 const int64_t first = m * Hq + hk * G; /* the group's first query head */
                 if (grouped) {
-                    ks.off = hk * a->ks_sh;
+                    ks.off = hk * groups;
                     const char *const *pk = prefetching && first == 0 ? pf_k : NULL;
                     const int64_t done = dot_products ? n / 16 * 16 : 0; /* the rest: the float kernel */
                     if (done)
                         int8_scores(qv + first * 2 * D, qscale + first, G, krow, hk * k_head, done, D, &ks,
                                     sc + first * TILE, pk, pf_v, span);
                     TileScales rest = ks;
-                    rest.rows += done;
+                    rest.t += done;
                     group_scores(q + first * D, G, krow + done, hk * k_head, n - done, D, sc + first * TILE + done,
                                  pk ? pk + done : NULL, pf_v + done, span, bf, &rest);
                     continue;
@@ -691,7 +716,7 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             for (int64_t m = 0; m < M; m++) {
                 const int64_t first = m * Hq + hk * G;
                 if (grouped) {
-                    vs.off = hk * a->vs_sh;
+                    vs.off = hk * groups;
                     group_accumulate(acc + first * D, G, sc + first * TILE, vrow, hk * v_head, n, D, bf, &vs);
                     continue;
                 }
@@ -912,9 +937,10 @@ static int run(Args *a, int num_threads) {
     int failed = !work || !members;
     int64_t items = 0, largest = 1;
     if (!failed) items = plan(a, num_threads, work, members, &largest);
-    const int64_t parts = a->num_parts;
+    const int64_t parts = a->num_parts, groups = quantized(a->kv_dtype) ? D / a->group : 0;
     const size_t scratch_floats = (size_t)(largest * (4 * Hq * D + Hq * TILE + 3 * Hq) +
-                                           2 * TILE * a->num_kv_heads * D);
+                                           2 * TILE * a->num_kv_heads * D +
+                                           (2 * a->num_kv_heads + HEADS_AT_ONCE) * groups * TILE);
     if (!failed && parts > 1) {
         a->partial = malloc(sizeof(float) * (size_t)(B * Hq * parts * D));
         a->lse = malloc(sizeof(float) * (size_t)(B * Hq * parts));
