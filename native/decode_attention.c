@@ -174,8 +174,11 @@ static void write_out(const Args *a, int64_t b, int64_t h, const float *acc) {
 
 static inline float sink_of(const Args *a, int64_t h) { return ((const float *)a->sinks)[h]; }
 
+/* Every cache line of the `bytes` bytes from p: a row need not start on a line (a quantized
+ * layer's values and scales are 216 bytes at SmolLM2's shape), and its last line holds scales. */
 static inline __attribute__((always_inline)) void prefetch_row(const char *p, int64_t bytes) {
-    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at, 0, 2);
+    const uintptr_t first = (uintptr_t)p & ~(uintptr_t)63, last = ((uintptr_t)p + (uintptr_t)bytes - 1) & ~(uintptr_t)63;
+    for (uintptr_t at = first; at <= last; at += 64) __builtin_prefetch((const char *)at, 0, 2);
 }
 
 /* Tokens [from, to)'s K and V rows (pf_k[u], pf_v[u]: rows PREFETCH tokens ahead), `bytes` each. */
@@ -296,7 +299,7 @@ __attribute__((target("avx512f"))) static inline v16f fp8_to_float16_unscaled(co
  * widened in registers (its bits are a float's upper half: a zero-extend and a shift), where
  * widening a tile into a buffer first cost a store and a load more of every value; int8 converted;
  * fp8 e4m3 rebuilt as a float's bits times 2^-120. Quantized rows come unscaled: the caller applies
- * the scale, which for fp8 carries the 2^120 (TileScales). */
+ * their scales, and for fp8 the 2^120 (scores_heads; TileVScales). */
 static inline __attribute__((always_inline)) v16f load16_row(const void *row, int64_t i, const int bf) {
     if (bf == DT_FLOAT32) return load16((const float *)row + i);
     if (bf == DT_INT8) return int8_to_float16((const int8_t *)row + i);
@@ -336,21 +339,29 @@ static inline __attribute__((always_inline)) float hsum16(v16f v) {
  * row is loaded into registers once for all of them (their accumulators then fill the registers). */
 #define HEADS_AT_ONCE 3
 
-/* A quantized tile's scales for the grouped kernels, gathered per tile: a row of TILE floats per
- * (kv head, group of `group` values), token j's scale at [j] (so 16 tokens' are one vector), times
- * 2^120 for fp8 (the factor its widened bytes lack). The head being read's first row is `off`;
- * weights: HEADS_AT_ONCE rows per group, the softmax weights times the V scales (accumulate_heads). */
+/* A quantized tile's K scales for the grouped kernels, read where they lie (prefetched with the
+ * rows): token j's are at rows[j] (head 0's first), the head being read's from rows[j][off], one
+ * per `group` values. */
+typedef struct {
+    const float *const *rows; /* [TILE] */
+    int64_t off, group;
+} TileScales;
+
+/* Per 16-value vector i of the 64 values from column c: the index of its group's scale. */
+static inline __attribute__((always_inline)) void scale_index(const TileScales *sc, int64_t c, int64_t nv,
+                                                             int64_t *at) {
+    for (int64_t i = 0; i < nv; i++) at[i] = sc->off + (c + 16 * i) / sc->group;
+}
+
+/* A quantized tile's V scales for the grouped kernels, gathered once its rows are in cache (after
+ * its scores): a row of TILE floats per (kv head, group of `group` values), token j's at [j], times
+ * 2^120 for fp8 (what its widened bytes lack); the head being read's first row is `off`. weights:
+ * room for HEADS_AT_ONCE heads' softmax weights times these, a row per group (accumulate_heads). */
 typedef struct {
     const float *t;
     int64_t off, group;
     float *weights;
-} TileScales;
-
-/* Per 16-value vector i of the 64 values from column c: the row of its group's scales. */
-static inline __attribute__((always_inline)) void scale_index(const TileScales *sc, int64_t c, int64_t nv,
-                                                             int64_t *at) {
-    for (int64_t i = 0; i < nv; i++) at[i] = (sc->off + (c + 16 * i) / sc->group) * TILE;
-}
+} TileVScales;
 
 /* out[g * TILE + j] = q[g] . rows[j][off : off + D] for G query heads (q[g] = q + g * D) and the
  * tile's n tokens, D a multiple of 16 (other head sizes take one head at a time): the queries held in registers 64 elements at a time, four
@@ -377,7 +388,8 @@ static inline __attribute__((always_inline)) void scores_heads(const float *rest
             for (int64_t i = 0; i < nv; i++)
                 for (int t = 0; t < 4; t++) {
                     v16f k = load16_row(rows[j + t], off + c + 16 * i, bf);
-                    if (quantized(bf)) k *= sc->t[at[i] + j + t];
+                    if (bf == DT_FP8) k *= 0x1p120f; /* before the scale: no subnormal products */
+                    if (quantized(bf)) k *= sc->rows[j + t][at[i]];
                     for (int g = 0; g < G; g++) s[g][t] += qv[g][i] * k;
                 }
             for (int g = 0; g < G; g++) {
@@ -392,7 +404,8 @@ static inline __attribute__((always_inline)) void scores_heads(const float *rest
                 v16f s = (v16f){0};
                 for (int64_t i = 0; i < nv; i++) {
                     v16f k = load16_row(rows[j], off + c + 16 * i, bf);
-                    if (quantized(bf)) k *= sc->t[at[i] + j];
+                    if (bf == DT_FP8) k *= 0x1p120f;
+                    if (quantized(bf)) k *= sc->rows[j][at[i]];
                     s += qv[g][i] * k;
                 }
                 out[g * TILE + j] = (c ? out[g * TILE + j] : 0.f) + hsum16(s);
@@ -410,7 +423,7 @@ static inline __attribute__((always_inline)) void accumulate_heads(float *restri
                                                                    const float *restrict p,
                                                                    const void *const *rows, int64_t off,
                                                                    int64_t n, const int64_t D, const int bf,
-                                                                   const TileScales *sc) {
+                                                                   const TileVScales *sc) {
     const float *w[HEADS_AT_ONCE] = {p, p + TILE, p + 2 * TILE}; /* head g's weights of token j: w[g][j] */
     int64_t stride = 0;                                           /* ... of the group's: w[g][gr * stride + j] */
     if (quantized(bf)) {
@@ -469,7 +482,7 @@ static inline __attribute__((always_inline)) void group_accumulate(float *restri
                                                                   const float *restrict p,
                                                                   const void *const *rows, int64_t off,
                                                                   int64_t n, const int64_t D, const int bf,
-                                                                  const TileScales *sc) {
+                                                                  const TileVScales *sc) {
     for (int64_t g0 = 0; g0 < G; g0 += HEADS_AT_ONCE) {
         float *ag = acc + g0 * D;
         const float *pg = p + g0 * TILE;
@@ -550,9 +563,13 @@ static inline __attribute__((always_inline, target("arch=x86-64-v4,avx512vnni"))
                     }
                 }
             }
-            /* the 16 tokens' scales of values [c, c + 32) and [c + 32, c + 64) */
-            const float *s = sc->t + (sc->off + c / 32) * TILE + j0;
-            const __m512 scale0 = _mm512_loadu_ps(s), scale1 = _mm512_loadu_ps(s + TILE);
+            float s0[16], s1[16]; /* the 16 tokens' scales of values [c, c + 32) and [c + 32, c + 64) */
+            for (int t = 0; t < 16; t++) {
+                const float *s = sc->rows[j0 + t] + sc->off + c / 32;
+                s0[t] = s[0];
+                s1[t] = s[1];
+            }
+            const __m512 scale0 = _mm512_loadu_ps(s0), scale1 = _mm512_loadu_ps(s1);
             for (int g = 0; g < G; g++) {
                 /* lanes L 0-1 hold values [c, c + 32), 2-3 the rest: per token, the two halves' sums */
                 const __m512i *v = acc[g];
@@ -597,8 +614,8 @@ __attribute__((target("arch=x86-64-v4,avx512vnni"))) static void int8_scores(
  * (K rows read through pointers gathered once); the online softmax; then the weighted V rows,
  * accumulated in registers, in the same order.
  * scratch: M*Hq*D (q) + M*Hq*D (acc) + M*Hq*TILE (scores) + 2*M*Hq (max, sum) + 2*TILE*Hk*D (widened
- * rows) + M*Hq*(2*D + 1) (int16_query's vectors and scales) + (2*Hk + HEADS_AT_ONCE)*groups*TILE
- * (quantized rows: the tile's K and V scales, and weights times V scales; groups = D / group). */
+ * rows) + M*Hq*(2*D + 1) (int16_query's vectors and scales) + (Hk + HEADS_AT_ONCE)*groups*TILE
+ * (quantized rows: the tile's V scales, and weights times them; groups = D / group). */
 static inline __attribute__((always_inline)) void process_item_d(const Args *a, const Work *w, float *scratch,
                                                                 const int64_t D, const int wide, const int bf) {
     const int64_t Hq = a->num_q_heads, Hk = a->num_kv_heads, G = Hq / Hk, M = w->num_members;
@@ -610,9 +627,10 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
     int32_t *qv = (int32_t *)(vtile + TILE * Hk * D);        /* int16_query's vectors, 2 D a head */
     float *qscale = (float *)(qv + QH * 2 * D);
     const int64_t groups = quantized(bf) ? D / a->group : 0; /* scales a quantized row carries */
-    float *kst = qscale + QH, *vst = kst + Hk * groups * TILE, *weights = vst + Hk * groups * TILE;
-    const float *kscales[TILE], *vscales[TILE]; /* quantized rows' scales where they lie (narrow path) */
-    TileScales ks = {kst, 0, a->group, NULL}, vs = {vst, 0, a->group, weights}; /* ... and gathered */
+    float *vst = qscale + QH, *weights = vst + Hk * groups * TILE;
+    const float *kscales[TILE], *vscales[TILE];     /* quantized rows' scales where they lie */
+    TileScales ks = {kscales, 0, a->group};         /* ... for the grouped scores */
+    TileVScales vs = {vst, 0, a->group, weights};   /* ... gathered for the grouped weighted rows */
     const float unit = bf == DT_FP8 ? 0x1p120f : 1.f; /* what a widened byte lacks (load16_row) */
     const void *krow[TILE], *vrow[TILE];                     /* the tile's rows */
     const char *pf_k[TILE], *pf_v[TILE];                     /* rows PREFETCH tokens ahead */
@@ -651,12 +669,6 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             if (quantized(bf)) {
                 kscales[j] = a->k_scale + row_offset(a, b, t0 + j, a->ks_so, a->ks_st);
                 vscales[j] = a->v_scale + row_offset(a, b, t0 + j, a->vs_so, a->vs_st);
-                if (grouped)
-                    for (int64_t hk = 0; hk < Hk; hk++)
-                        for (int64_t gr = 0; gr < groups; gr++) {
-                            kst[(hk * groups + gr) * TILE + j] = kscales[j][hk * a->ks_sh + gr] * unit;
-                            vst[(hk * groups + gr) * TILE + j] = vscales[j][hk * a->vs_sh + gr] * unit;
-                        }
             }
             if (in_place) {
                 krow[j] = k;
@@ -679,14 +691,14 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             for (int64_t m = 0; m < M; m++) {
                 const int64_t first = m * Hq + hk * G; /* the group's first query head */
                 if (grouped) {
-                    ks.off = hk * groups;
+                    ks.off = hk * a->ks_sh;
                     const char *const *pk = prefetching && first == 0 ? pf_k : NULL;
                     const int64_t done = dot_products ? n / 16 * 16 : 0; /* the rest: the float kernel */
                     if (done)
                         int8_scores(qv + first * 2 * D, qscale + first, G, krow, hk * k_head, done, D, &ks,
                                     sc + first * TILE, pk, pf_v, span);
                     TileScales rest = ks;
-                    rest.t += done;
+                    rest.rows += done;
                     group_scores(q + first * D, G, krow + done, hk * k_head, n - done, D, sc + first * TILE + done,
                                  pk ? pk + done : NULL, pf_v + done, span, bf, &rest);
                     continue;
@@ -712,6 +724,11 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             sum[qh] = sum[qh] * alpha + total;
             mx[qh] = m;
         }
+        if (quantized(bf) && grouped) /* the V scales, in cache now */
+            for (int64_t j = 0; j < n; j++)
+                for (int64_t hk = 0; hk < Hk; hk++)
+                    for (int64_t gr = 0; gr < groups; gr++)
+                        vst[(hk * groups + gr) * TILE + j] = vscales[j][hk * a->vs_sh + gr] * unit;
         for (int64_t hk = 0; hk < Hk; hk++)
             for (int64_t m = 0; m < M; m++) {
                 const int64_t first = m * Hq + hk * G;
@@ -940,7 +957,7 @@ static int run(Args *a, int num_threads) {
     const int64_t parts = a->num_parts, groups = quantized(a->kv_dtype) ? D / a->group : 0;
     const size_t scratch_floats = (size_t)(largest * (4 * Hq * D + Hq * TILE + 3 * Hq) +
                                            2 * TILE * a->num_kv_heads * D +
-                                           (2 * a->num_kv_heads + HEADS_AT_ONCE) * groups * TILE);
+                                           (a->num_kv_heads + HEADS_AT_ONCE) * groups * TILE);
     if (!failed && parts > 1) {
         a->partial = malloc(sizeof(float) * (size_t)(B * Hq * parts * D));
         a->lse = malloc(sizeof(float) * (size_t)(B * Hq * parts));

@@ -110,7 +110,7 @@ def int16_query(q: torch.Tensor, scale: float) -> torch.Tensor:
 
 @native
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "narrow"])
-@pytest.mark.parametrize("head_dim", [64, 128, 24])
+@pytest.mark.parametrize("head_dim", [64, 128, 48, 24])
 @pytest.mark.parametrize("dtype", FORMATS.values(), ids=FORMATS.keys())
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 def test_native_decode_reads_quantized_rows_as_their_float_reference(grouped, head_dim, dtype, q_dtype):
