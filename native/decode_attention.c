@@ -35,10 +35,13 @@
  * float32 scale per `group` values of a row (token, kv head), the scales in views of their own
  * (k_scale/v_scale, float32 element strides, a row's groups contiguous). The grouped kernels widen
  * the bytes in registers and multiply each 16 of them by their group's scale there; the narrow ones
- * widen and scale each row into the tile buffers. With AVX-512 VNNI, int8 K rows of 64-value
- * blocks are scored with integer dot products instead (int8_scores): the query rounded to int16,
- * one scale a head (finer than the bfloat16 a model's query arrives in), 32 products an
- * instruction; a tile's last n % 16 tokens, and the weighted V rows, stay in float arithmetic.
+ * widen and scale each row into the tile buffers. K rows of 64-value blocks are scored with dot
+ * products of pairs instead (dot_scores), 32 products an instruction: int8 with AVX-512 VNNI, the
+ * query rounded to int16, one scale a head (finer than the bfloat16 a model's query arrives in);
+ * fp8 under a bfloat16 query with AVX-512 BF16, the bytes as bfloat16 (exact, but for e4m3
+ * subnormals, read as zero). A tile's last n % 16 tokens, and the weighted V rows, stay in float
+ * arithmetic. (One build serves both: each row type's code holds only its own extension's
+ * instructions, so int8 runs where VNNI comes without BF16.)
  *
  * Types: float32 and bfloat16 Q/out, K/V in those or quantized, float32 arithmetic. The grouped (AVX-512) kernels read
  * bf16 rows where they lie and widen them in registers (SmolLM2-135M's shape, 4 sequences of 2,000
@@ -353,15 +356,6 @@ static inline __attribute__((always_inline)) void scale_index(const TileScales *
     for (int64_t i = 0; i < nv; i++) at[i] = sc->off + (c + 16 * i) / sc->group;
 }
 
-/* A quantized tile's V scales for the grouped kernels, gathered once its rows are in cache (after
- * its scores): a row of TILE floats per (kv head, group of `group` values), token j's at [j], times
- * 2^120 for fp8 (what its widened bytes lack); the head being read's first row is `off`. weights:
- * room for HEADS_AT_ONCE heads' softmax weights times these, a row per group (accumulate_heads). */
-typedef struct {
-    const float *t;
-    int64_t off, group;
-    float *weights;
-} TileVScales;
 
 /* out[g * TILE + j] = q[g] . rows[j][off : off + D] for G query heads (q[g] = q + g * D) and the
  * tile's n tokens, D a multiple of 16 (other head sizes take one head at a time): the queries held in registers 64 elements at a time, four
@@ -416,41 +410,25 @@ static inline __attribute__((always_inline)) void scores_heads(const float *rest
 }
 
 /* acc[g][0:D] += sum_j p[g * TILE + j] * rows[j][off : off + D] for G query heads (acc[g] = acc + g * D),
- * D a multiple of 16, 64 elements of each accumulator in registers at a time. Quantized rows: each
- * head's weights times the tile's scales of each group first (sc->weights), so a V row's values
- * are widened and never scaled. */
+ * D a multiple of 16, 64 elements of each accumulator in registers at a time. */
 static inline __attribute__((always_inline)) void accumulate_heads(float *restrict acc, const int G,
                                                                    const float *restrict p,
                                                                    const void *const *rows, int64_t off,
                                                                    int64_t n, const int64_t D, const int bf,
-                                                                   const TileVScales *sc) {
-    const float *w[HEADS_AT_ONCE] = {p, p + TILE, p + 2 * TILE}; /* head g's weights of token j: w[g][j] */
-    int64_t stride = 0;                                           /* ... of the group's: w[g][gr * stride + j] */
-    if (quantized(bf)) {
-        const int64_t groups = D / sc->group;
-        for (int g = 0; g < G; g++) {
-            float *wg = sc->weights + g * groups * TILE;
-            for (int64_t gr = 0; gr < groups; gr++) {
-                const float *s = sc->t + (sc->off + gr) * TILE;
-#pragma omp simd
-                for (int64_t j = 0; j < n; j++) wg[gr * TILE + j] = p[g * TILE + j] * s[j];
-            }
-            w[g] = wg;
-        }
-        stride = TILE;
-    }
+                                                                   const TileScales *sc) {
     for (int64_t c = 0; c < D; c += 64) {
         const int64_t nv = (D - c < 64 ? D - c : 64) / 16;
-        int64_t at[4] = {0, 0, 0, 0}; /* the weights' offset of vector i's group */
-        if (quantized(bf))
-            for (int64_t i = 0; i < nv; i++) at[i] = (c + 16 * i) / sc->group * stride;
+        int64_t at[4];
+        if (quantized(bf)) scale_index(sc, c, nv, at);
         v16f av[HEADS_AT_ONCE][4];
         for (int g = 0; g < G; g++)
             for (int64_t i = 0; i < nv; i++) av[g][i] = load16(acc + g * D + c + 16 * i);
         for (int64_t j = 0; j < n; j++)
             for (int64_t i = 0; i < nv; i++) {
-                const v16f v = load16_row(rows[j], off + c + 16 * i, bf);
-                for (int g = 0; g < G; g++) av[g][i] += w[g][at[i] + j] * v;
+                v16f v = load16_row(rows[j], off + c + 16 * i, bf);
+                if (bf == DT_FP8) v *= 0x1p120f; /* before the scale: no subnormal products */
+                if (quantized(bf)) v *= sc->rows[j][at[i]];
+                for (int g = 0; g < G; g++) av[g][i] += p[g * TILE + j] * v;
             }
         for (int g = 0; g < G; g++)
             for (int64_t i = 0; i < nv; i++) store16(acc + g * D + c + 16 * i, av[g][i]);
@@ -482,7 +460,7 @@ static inline __attribute__((always_inline)) void group_accumulate(float *restri
                                                                   const float *restrict p,
                                                                   const void *const *rows, int64_t off,
                                                                   int64_t n, const int64_t D, const int bf,
-                                                                  const TileVScales *sc) {
+                                                                  const TileScales *sc) {
     for (int64_t g0 = 0; g0 < G; g0 += HEADS_AT_ONCE) {
         float *ag = acc + g0 * D;
         const float *pg = p + g0 * TILE;
@@ -496,53 +474,82 @@ static inline __attribute__((always_inline)) void group_accumulate(float *restri
 }
 
 static int int8_dot_products; /* AVX-512 VNNI: set at import */
+static int fp8_dot_products;  /* AVX-512 BF16: set at import */
 
 /* Two whole numbers of int16's range as a dword's low and high int16. */
 static inline int32_t int16_pair(float low, float high) {
     return (int32_t)((uint32_t)(uint16_t)(int16_t)low | (uint32_t)(uint16_t)(int16_t)high << 16);
 }
 
-/* A query head as int16 pairs for int8_scores: one scale for the head (its largest value maps to
- * 32767, finer than the bfloat16 a model's query comes in), and per 64 values (a block of 16
- * dwords, 4 bytes each) and per k < 4, two vectors whose 128-bit lane L holds, four times, the
- * pair of values dword 4L + k's bytes 0 and 2 (lo) and 1 and 3 (hi) meet. q is replaced by the
- * values the pairs stand for, so tokens the float kernel reads (a tile's last n % 16) see the same
- * query. Returns the scale. */
+/* Two bfloat16 values (exact: taken from a bfloat16 query) as a dword's low and high half. */
+static inline int32_t bf16_pair(float low, float high) {
+    return (int32_t)((uint32_t)float_to_bf16(low) | (uint32_t)float_to_bf16(high) << 16);
+}
+
+/* A query head's values q as pairs for dot_scores: per 64 values (a block of 16 dwords, 4 bytes
+ * each) and per k < 4, two vectors whose 128-bit lane L holds, four times, the pair of values
+ * dword 4L + k's bytes 0 and 2 (lo) and 1 and 3 (hi) meet; int16 pairs of whole numbers for int8
+ * rows, bfloat16 pairs for fp8 rows. */
+static inline __attribute__((always_inline)) void query_pairs(const float *restrict q, int64_t D,
+                                                             int32_t *restrict out, const int bf) {
+    for (int64_t c = 0; c < D; c += 64)
+        for (int64_t k = 0; k < 4; k++)
+            for (int64_t L = 0; L < 4; L++) {
+                const float *d = q + c + 4 * (4 * L + k);
+                const int32_t lo = bf == DT_INT8 ? int16_pair(d[0], d[2]) : bf16_pair(d[0], d[2]);
+                const int32_t hi = bf == DT_INT8 ? int16_pair(d[1], d[3]) : bf16_pair(d[1], d[3]);
+                int32_t *v = out + (c / 64 * 4 + k) * 32 + 4 * L;
+                for (int e = 0; e < 4; e++) v[e] = lo, v[16 + e] = hi;
+            }
+}
+
+/* A query head as int16 pairs for the int8 dot products: one scale for the head (its largest value
+ * maps to 32767, finer than the bfloat16 a model's query comes in). q is replaced by the values
+ * the pairs stand for, so tokens the float kernel reads (a tile's last n % 16) see the same query.
+ * Returns the scale. */
 static inline __attribute__((always_inline)) float int16_query(float *restrict q, int64_t D, int32_t *restrict out) {
     float largest = 0.f;
     for (int64_t i = 0; i < D; i++) largest = fabsf(q[i]) > largest ? fabsf(q[i]) : largest;
     const float scale = largest / 32767.f, inverse = largest > 0.f ? 32767.f / largest : 0.f;
     for (int64_t i = 0; i < D; i++) q[i] = (float)lrintf(q[i] * inverse);
-    for (int64_t c = 0; c < D; c += 64)
-        for (int64_t k = 0; k < 4; k++)
-            for (int64_t L = 0; L < 4; L++) {
-                const float *d = q + c + 4 * (4 * L + k);
-                const int32_t lo = int16_pair(d[0], d[2]), hi = int16_pair(d[1], d[3]);
-                int32_t *v = out + (c / 64 * 4 + k) * 32 + 4 * L;
-                for (int e = 0; e < 4; e++) v[e] = lo, v[16 + e] = hi;
-            }
+    query_pairs(q, D, out, DT_INT8);
     for (int64_t i = 0; i < D; i++) q[i] *= scale;
     return scale;
 }
 
-/* out[g * TILE + j] = q[g] . rows[j][off : off + D] for G query heads over int8 rows whose scales
- * are one per 32 values, n a multiple of 16, D of 64: integer dot products (vpdpwssd, 32 products
- * an instruction) where the float kernel widens, scales and multiplies 16 values at a time. Four
- * tokens' 64-byte blocks are transposed within 128-bit lanes (two unpack stages), so lane (L, i) of
- * a vector holds token i's dword 4L + k: a query pair broadcast per 128-bit lane (int16_query)
- * meets it, and each token's 16 partial sums a lane land in 4 lanes, reduced across lanes once per
- * 16 tokens instead of once a token and head. qv: the G heads' int16_query vectors (2 D int32s a
- * head), qscale their scales. */
-static inline __attribute__((always_inline, target("arch=x86-64-v4,avx512vnni"))) void int8_scores_heads(
+/* A bfloat16 query head (its values, widened: qf) as bfloat16 pairs for the fp8 dot products,
+ * times 2^100 (exact), so that its products with fp8 values read as bfloat16 times 2^-120 stay far
+ * from float32's subnormals. Returns what scores are multiplied by after: scale times 2^20. */
+static inline __attribute__((always_inline)) float bf16_query(const float *restrict qf, int64_t D, float scale,
+                                                             float *restrict buf, int32_t *restrict out) {
+    for (int64_t i = 0; i < D; i++) buf[i] = qf[i] * 0x1p100f;
+    query_pairs(buf, D, out, DT_FP8);
+    return scale * 0x1p20f;
+}
+
+/* out[g * TILE + j] = q[g] . rows[j][off : off + D] for G query heads over int8 or fp8 rows whose
+ * scales are one per 32 values, n a multiple of 16, D of 64: dot products of pairs, 32 products an
+ * instruction, where the float kernel widens, scales and multiplies 16 values at a time. int8:
+ * vpdpwssd on the bytes as int16 against the query rounded to int16; fp8: vdpbf16ps on the bytes
+ * as bfloat16 (a shift and a mask: the e4m3 value times 2^-120; a subnormal e4m3 value, below
+ * 2^-6 of the format's unit (1/28,672 of its group's largest), is then a bfloat16 subnormal, which
+ * the instruction reads as zero) against the bfloat16 query. Four tokens' 64-byte blocks are
+ * transposed within 128-bit lanes (two unpack stages), so lane (L, i) of a vector holds token
+ * i's dword 4L + k: a query pair broadcast per 128-bit lane (query_pairs) meets it, and each
+ * token's 16 partial sums a lane land in 4 lanes, reduced across lanes once per 16 tokens instead
+ * of once a token and head. qv: the G heads' query pairs (2 D int32s a head), qscale what their
+ * scores are multiplied by. */
+static inline __attribute__((always_inline, target("arch=x86-64-v4,avx512vnni,avx512bf16"))) void dot_scores_heads(
         const int32_t *qv, const float *qscale, const int G, const void *const *rows, int64_t off, int64_t n,
         const int64_t D, const TileScales *sc, float *restrict out, const char *const *pf_k,
-        const char *const *pf_v, int64_t pf_bytes) {
+        const char *const *pf_v, int64_t pf_bytes, const int bf) {
+    const __m512i fp8_bits = _mm512_set1_epi16((short)0x87f0); /* sign, exponent, mantissa */
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
         if (pf_k) prefetch_tokens(pf_k, pf_v, j0, j0 + 16, pf_bytes);
         __m512 score[HEADS_AT_ONCE];
         for (int g = 0; g < G; g++) score[g] = _mm512_setzero_ps();
         for (int64_t c = 0; c < D; c += 64) {
-            __m512i acc[HEADS_AT_ONCE][4];
+            __m512i acc[HEADS_AT_ONCE][4]; /* int32 sums (int8) or float32 bits (fp8) */
             for (int four = 0; four < 4; four++) {
                 const int8_t *const *r = (const int8_t *const *)rows + j0 + 4 * four;
                 const __m512i a = _mm512_loadu_si512(r[0] + off + c), b = _mm512_loadu_si512(r[1] + off + c);
@@ -553,13 +560,27 @@ static inline __attribute__((always_inline, target("arch=x86-64-v4,avx512vnni"))
                                       _mm512_unpacklo_epi64(ab1, xy1), _mm512_unpackhi_epi64(ab1, xy1)};
                 for (int g = 0; g < G; g++) acc[g][four] = _mm512_setzero_si512();
                 for (int k = 0; k < 4; k++) {
-                    /* bytes 0 and 2 of each dword, and 1 and 3, sign-extended to int16 pairs */
-                    const __m512i lo = _mm512_srai_epi16(_mm512_slli_epi16(u[k], 8), 8);
-                    const __m512i hi = _mm512_srai_epi16(u[k], 8);
+                    /* bytes 0 and 2 of each dword, and 1 and 3, as pairs of int16 or of bfloat16 */
+                    __m512i lo, hi;
+                    if (bf == DT_INT8) {
+                        lo = _mm512_srai_epi16(_mm512_slli_epi16(u[k], 8), 8);
+                        hi = _mm512_srai_epi16(u[k], 8);
+                    } else {
+                        lo = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(u[k], 8), 4), fp8_bits);
+                        hi = _mm512_and_si512(_mm512_srai_epi16(u[k], 4), fp8_bits);
+                    }
                     for (int g = 0; g < G; g++) {
                         const int32_t *qk = qv + g * 2 * D + (c / 64 * 4 + k) * 32;
-                        acc[g][four] = _mm512_dpwssd_epi32(acc[g][four], lo, _mm512_loadu_si512(qk));
-                        acc[g][four] = _mm512_dpwssd_epi32(acc[g][four], hi, _mm512_loadu_si512(qk + 16));
+                        const __m512i qlo = _mm512_loadu_si512(qk), qhi = _mm512_loadu_si512(qk + 16);
+                        if (bf == DT_INT8) {
+                            acc[g][four] = _mm512_dpwssd_epi32(acc[g][four], lo, qlo);
+                            acc[g][four] = _mm512_dpwssd_epi32(acc[g][four], hi, qhi);
+                        } else {
+                            __m512 f = _mm512_castsi512_ps(acc[g][four]);
+                            f = _mm512_dpbf16_ps(f, (__m512bh)lo, (__m512bh)qlo);
+                            f = _mm512_dpbf16_ps(f, (__m512bh)hi, (__m512bh)qhi);
+                            acc[g][four] = _mm512_castps_si512(f);
+                        }
                     }
                 }
             }
@@ -573,12 +594,23 @@ static inline __attribute__((always_inline, target("arch=x86-64-v4,avx512vnni"))
             for (int g = 0; g < G; g++) {
                 /* lanes L 0-1 hold values [c, c + 32), 2-3 the rest: per token, the two halves' sums */
                 const __m512i *v = acc[g];
-                const __m512i ab = _mm512_add_epi32(_mm512_shuffle_i32x4(v[0], v[1], 0x88),
-                                                    _mm512_shuffle_i32x4(v[0], v[1], 0xdd));
-                const __m512i xy = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2], v[3], 0x88),
-                                                    _mm512_shuffle_i32x4(v[2], v[3], 0xdd));
-                const __m512 first = _mm512_cvtepi32_ps(_mm512_shuffle_i32x4(ab, xy, 0x88));
-                const __m512 second = _mm512_cvtepi32_ps(_mm512_shuffle_i32x4(ab, xy, 0xdd));
+                __m512 first, second;
+                if (bf == DT_INT8) {
+                    const __m512i ab = _mm512_add_epi32(_mm512_shuffle_i32x4(v[0], v[1], 0x88),
+                                                        _mm512_shuffle_i32x4(v[0], v[1], 0xdd));
+                    const __m512i xy = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2], v[3], 0x88),
+                                                        _mm512_shuffle_i32x4(v[2], v[3], 0xdd));
+                    first = _mm512_cvtepi32_ps(_mm512_shuffle_i32x4(ab, xy, 0x88));
+                    second = _mm512_cvtepi32_ps(_mm512_shuffle_i32x4(ab, xy, 0xdd));
+                } else {
+                    const __m512 *f = (const __m512 *)v;
+                    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(f[0], f[1], 0x88),
+                                                    _mm512_shuffle_f32x4(f[0], f[1], 0xdd));
+                    const __m512 xy = _mm512_add_ps(_mm512_shuffle_f32x4(f[2], f[3], 0x88),
+                                                    _mm512_shuffle_f32x4(f[2], f[3], 0xdd));
+                    first = _mm512_shuffle_f32x4(ab, xy, 0x88);
+                    second = _mm512_shuffle_f32x4(ab, xy, 0xdd);
+                }
                 score[g] = _mm512_fmadd_ps(first, scale0, _mm512_fmadd_ps(second, scale1, score[g]));
             }
         }
@@ -587,22 +619,33 @@ static inline __attribute__((always_inline, target("arch=x86-64-v4,avx512vnni"))
     }
 }
 
-/* int8_scores_heads for G consecutive query heads, HEADS_AT_ONCE at a time (each count a constant,
+/* dot_scores_heads for G consecutive query heads, HEADS_AT_ONCE at a time (each count a constant,
  * so the accumulators stay in registers). */
-__attribute__((target("arch=x86-64-v4,avx512vnni"))) static void int8_scores(
+static inline __attribute__((always_inline, target("arch=x86-64-v4,avx512vnni,avx512bf16"))) void dot_scores_of(
         const int32_t *qv, const float *qscale, int64_t G, const void *const *rows, int64_t off, int64_t n,
         const int64_t D, const TileScales *sc, float *restrict out, const char *const *pf_k,
-        const char *const *pf_v, int64_t pf_bytes) {
+        const char *const *pf_v, int64_t pf_bytes, const int bf) {
     for (int64_t g0 = 0; g0 < G; g0 += HEADS_AT_ONCE) {
         const int32_t *qg = qv + g0 * 2 * D;
         if (G - g0 >= 3)
-            int8_scores_heads(qg, qscale + g0, 3, rows, off, n, D, sc, out + g0 * TILE, pf_k, pf_v, pf_bytes);
+            dot_scores_heads(qg, qscale + g0, 3, rows, off, n, D, sc, out + g0 * TILE, pf_k, pf_v, pf_bytes, bf);
         else if (G - g0 == 2)
-            int8_scores_heads(qg, qscale + g0, 2, rows, off, n, D, sc, out + g0 * TILE, pf_k, pf_v, pf_bytes);
+            dot_scores_heads(qg, qscale + g0, 2, rows, off, n, D, sc, out + g0 * TILE, pf_k, pf_v, pf_bytes, bf);
         else
-            int8_scores_heads(qg, qscale + g0, 1, rows, off, n, D, sc, out + g0 * TILE, pf_k, pf_v, pf_bytes);
+            dot_scores_heads(qg, qscale + g0, 1, rows, off, n, D, sc, out + g0 * TILE, pf_k, pf_v, pf_bytes, bf);
         pf_k = pf_v = NULL;
     }
+}
+
+/* ... with the row type as a constant. */
+__attribute__((target("arch=x86-64-v4,avx512vnni,avx512bf16"))) static void dot_scores(
+        const int32_t *qv, const float *qscale, int64_t G, const void *const *rows, int64_t off, int64_t n,
+        const int64_t D, const TileScales *sc, float *restrict out, const char *const *pf_k,
+        const char *const *pf_v, int64_t pf_bytes, const int bf) {
+    if (bf == DT_INT8)
+        dot_scores_of(qv, qscale, G, rows, off, n, D, sc, out, pf_k, pf_v, pf_bytes, DT_INT8);
+    else
+        dot_scores_of(qv, qscale, G, rows, off, n, D, sc, out, pf_k, pf_v, pf_bytes, DT_FP8);
 }
 
 /* One work item: every member's query heads' softmax over keys [lo, hi) of sequence rows_of. A
@@ -614,8 +657,7 @@ __attribute__((target("arch=x86-64-v4,avx512vnni"))) static void int8_scores(
  * (K rows read through pointers gathered once); the online softmax; then the weighted V rows,
  * accumulated in registers, in the same order.
  * scratch: M*Hq*D (q) + M*Hq*D (acc) + M*Hq*TILE (scores) + 2*M*Hq (max, sum) + 2*TILE*Hk*D (widened
- * rows) + M*Hq*(2*D + 1) (int16_query's vectors and scales) + (Hk + HEADS_AT_ONCE)*groups*TILE
- * (quantized rows: the tile's V scales, and weights times them; groups = D / group). */
+ * rows) + M*Hq*(2*D + 1) (query pairs and their scales). */
 static inline __attribute__((always_inline)) void process_item_d(const Args *a, const Work *w, float *scratch,
                                                                 const int64_t D, const int wide, const int bf) {
     const int64_t Hq = a->num_q_heads, Hk = a->num_kv_heads, G = Hq / Hk, M = w->num_members;
@@ -624,22 +666,29 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
     const int64_t kes = (int64_t)elem_size(bf); /* bf: the cache's row type (a DT_ code) */
     float *q = scratch, *acc = q + QH * D, *sc = acc + QH * D, *mx = sc + QH * TILE, *sum = mx + QH;
     float *ktile = sum + QH, *vtile = ktile + TILE * Hk * D; /* rows widened (narrow path) */
-    int32_t *qv = (int32_t *)(vtile + TILE * Hk * D);        /* int16_query's vectors, 2 D a head */
+    int32_t *qv = (int32_t *)(vtile + TILE * Hk * D);        /* query pairs, 2 D a head (dot_scores) */
     float *qscale = (float *)(qv + QH * 2 * D);
     const int64_t groups = quantized(bf) ? D / a->group : 0; /* scales a quantized row carries */
-    float *vst = qscale + QH, *weights = vst + Hk * groups * TILE;
-    const float *kscales[TILE], *vscales[TILE];     /* quantized rows' scales where they lie */
-    TileScales ks = {kscales, 0, a->group};         /* ... for the grouped scores */
-    TileVScales vs = {vst, 0, a->group, weights};   /* ... gathered for the grouped weighted rows */
-    const float unit = bf == DT_FP8 ? 0x1p120f : 1.f; /* what a widened byte lacks (load16_row) */
+    const float *kscales[TILE], *vscales[TILE];
+    TileScales ks = {kscales, 0, a->group}, vs = {vscales, 0, a->group}; /* quantized rows' scales */
     const void *krow[TILE], *vrow[TILE];                     /* the tile's rows */
     const char *pf_k[TILE], *pf_v[TILE];                     /* rows PREFETCH tokens ahead */
 
+    /* The grouped kernels read rows where they lie (widened in registers); the narrow ones read
+     * float32, other rows widened (and scaled) into the tile buffers first. */
+    const int grouped = wide && D % 16 == 0, in_place = bf == DT_FLOAT32 || grouped;
+    /* int8 rows, or fp8 rows with a bfloat16 query, 32 values a scale: scores of 16 tokens at a
+     * time from dot products of pairs (dot_scores) */
+    const int dot_products = grouped && D % 64 == 0 && a->group == 32 &&
+                             ((bf == DT_INT8 && int8_dot_products) ||
+                              (bf == DT_FP8 && a->dtype == DT_BFLOAT16 && fp8_dot_products));
     for (int64_t m = 0; m < M; m++)
         for (int64_t h = 0; h < Hq; h++) {
             const int64_t qh = m * Hq + h, member = w->members[m];
             const float *qf = row_f32(a->q + (member * a->q_sb + h * a->q_sh) * es, a->dtype, D, ktile);
             for (int64_t i = 0; i < D; i++) q[qh * D + i] = qf[i] * a->scale;
+            if (dot_products && bf == DT_INT8) qscale[qh] = int16_query(q + qh * D, D, qv + qh * 2 * D);
+            if (dot_products && bf == DT_FP8) qscale[qh] = bf16_query(qf, D, a->scale, vtile, qv + qh * 2 * D);
             memset(acc + qh * D, 0, (size_t)D * 4);
             mx[qh] = -INFINITY;
             sum[qh] = 0.f;
@@ -649,13 +698,6 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
     const int64_t scales = Hk * groups * 4;
     const int64_t k_span = ((Hk - 1) * a->k_sh + D) * kes + scales, v_span = ((Hk - 1) * a->v_sh + D) * kes + scales;
     const int64_t span = k_span > v_span ? k_span : v_span;
-    /* The grouped kernels read rows where they lie (widened in registers); the narrow ones read
-     * float32, other rows widened (and scaled) into the tile buffers first. */
-    const int grouped = wide && D % 16 == 0, in_place = bf == DT_FLOAT32 || grouped;
-    /* int8 rows, 32 values a scale: scores of 16 tokens at a time from integer dot products */
-    const int dot_products = grouped && bf == DT_INT8 && D % 64 == 0 && a->group == 32 && int8_dot_products;
-    if (dot_products)
-        for (int64_t qh = 0; qh < QH; qh++) qscale[qh] = int16_query(q + qh * D, D, qv + qh * 2 * D);
     /* head strides of the rows the tile kernels read: the cache's, or the widened tile's */
     const int64_t k_head = in_place ? a->k_sh : D, v_head = in_place ? a->v_sh : D;
     for (int64_t t0 = lo; t0 < hi; t0 += TILE) {
@@ -695,8 +737,8 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
                     const char *const *pk = prefetching && first == 0 ? pf_k : NULL;
                     const int64_t done = dot_products ? n / 16 * 16 : 0; /* the rest: the float kernel */
                     if (done)
-                        int8_scores(qv + first * 2 * D, qscale + first, G, krow, hk * k_head, done, D, &ks,
-                                    sc + first * TILE, pk, pf_v, span);
+                        dot_scores(qv + first * 2 * D, qscale + first, G, krow, hk * k_head, done, D, &ks,
+                                   sc + first * TILE, pk, pf_v, span, bf);
                     TileScales rest = ks;
                     rest.rows += done;
                     group_scores(q + first * D, G, krow + done, hk * k_head, n - done, D, sc + first * TILE + done,
@@ -724,16 +766,11 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
             sum[qh] = sum[qh] * alpha + total;
             mx[qh] = m;
         }
-        if (quantized(bf) && grouped) /* the V scales, in cache now */
-            for (int64_t j = 0; j < n; j++)
-                for (int64_t hk = 0; hk < Hk; hk++)
-                    for (int64_t gr = 0; gr < groups; gr++)
-                        vst[(hk * groups + gr) * TILE + j] = vscales[j][hk * a->vs_sh + gr] * unit;
         for (int64_t hk = 0; hk < Hk; hk++)
             for (int64_t m = 0; m < M; m++) {
                 const int64_t first = m * Hq + hk * G;
                 if (grouped) {
-                    vs.off = hk * groups;
+                    vs.off = hk * a->vs_sh;
                     group_accumulate(acc + first * D, G, sc + first * TILE, vrow, hk * v_head, n, D, bf, &vs);
                     continue;
                 }
@@ -954,10 +991,9 @@ static int run(Args *a, int num_threads) {
     int failed = !work || !members;
     int64_t items = 0, largest = 1;
     if (!failed) items = plan(a, num_threads, work, members, &largest);
-    const int64_t parts = a->num_parts, groups = quantized(a->kv_dtype) ? D / a->group : 0;
+    const int64_t parts = a->num_parts;
     const size_t scratch_floats = (size_t)(largest * (4 * Hq * D + Hq * TILE + 3 * Hq) +
-                                           2 * TILE * a->num_kv_heads * D +
-                                           (a->num_kv_heads + HEADS_AT_ONCE) * groups * TILE);
+                                           2 * TILE * a->num_kv_heads * D);
     if (!failed && parts > 1) {
         a->partial = malloc(sizeof(float) * (size_t)(B * Hq * parts * D));
         a->lse = malloc(sizeof(float) * (size_t)(B * Hq * parts));
@@ -1088,6 +1124,18 @@ static PyObject *integer_dot_products(PyObject *self, PyObject *args) {
     return PyBool_FromLong(before);
 }
 
+static PyObject *fp8_bf16_dot_products(PyObject *self, PyObject *args) {
+    int flag = -1;
+    if (!PyArg_ParseTuple(args, "|p", &flag)) return NULL;
+    const int before = fp8_dot_products;
+    if (flag == 1 && !(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"))) {
+        PyErr_SetString(PyExc_ValueError, "bfloat16 dot products need AVX-512 BF16, which this CPU lacks");
+        return NULL;
+    }
+    if (flag >= 0) fp8_dot_products = flag;
+    return PyBool_FromLong(before);
+}
+
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS, decode_doc},
     {"grouped_heads", grouped_heads, METH_VARARGS,
@@ -1098,6 +1146,10 @@ static PyMethodDef methods[] = {
      "integer_dot_products([flag]): whether the grouped kernel scores int8 rows (64-value blocks) with\n"
      "AVX-512 VNNI dot products of the query rounded to int16; with flag, set it (for tests of the\n"
      "other path); returns the value before."},
+    {"bf16_dot_products", fp8_bf16_dot_products, METH_VARARGS,
+     "bf16_dot_products([flag]): whether the grouped kernel scores fp8 rows (64-value blocks) read by a\n"
+     "bfloat16 query with AVX-512 BF16 dot products; with flag, set it (for tests of the other path);\n"
+     "returns the value before."},
     {"has_openmp", has_openmp, METH_NOARGS, "Whether this build runs work items on OpenMP threads."},
     {NULL, NULL, 0, NULL},
 };
@@ -1109,5 +1161,6 @@ PyMODINIT_FUNC PyInit__decode_attention(void) {
     __builtin_cpu_init();
     wide_registers = __builtin_cpu_supports("avx512f");
     int8_dot_products = wide_registers && __builtin_cpu_supports("avx512vnni");
+    fp8_dot_products = wide_registers && __builtin_cpu_supports("avx512bf16");
     return PyModule_Create(&module);
 }

@@ -117,21 +117,24 @@ def test_native_decode_reads_quantized_rows_as_their_float_reference(grouped, he
     """The routine on int8 / fp8 rows and their scales gives what it gives on the same rows
     dequantized to float32: splits, a window and shared prefixes too. Both kernels: the grouped
     one (AVX-512, bytes widened in registers, scales on scores and weights) and the narrow one;
-    on int8 rows of 64-value blocks the grouped one's integer dot products too (VNNI), whose
-    reference reads the query rounded to int16 as they do."""
-    if grouped and not _extension().grouped_heads():
+    on rows of 64-value blocks the grouped one's dot products too: int8 (VNNI), whose reference
+    reads the query rounded to int16 as they do, and fp8 under a bfloat16 query (AVX-512 BF16)."""
+    extension = _extension()
+    if grouped and not extension.grouped_heads():
         pytest.skip("the grouped kernel needs AVX-512, which this CPU lacks")
+    switch = extension.integer_dot_products if dtype == torch.int8 else extension.bf16_dot_products
     dot_products = [False]
-    if grouped and dtype == torch.int8 and head_dim % 64 == 0:
-        if not _extension().integer_dot_products():
-            pytest.skip("the grouped kernel's int8 scores need AVX-512 VNNI, which this CPU lacks")
+    if grouped and head_dim % 64 == 0 and (dtype == torch.int8 or q_dtype == torch.bfloat16):
+        if not switch():
+            pytest.skip("the grouped kernel's dot products need AVX-512 VNNI / BF16, which this CPU lacks")
         dot_products.append(True)
-    grouped_before, dots_before = _extension().grouped_heads(grouped), _extension().integer_dot_products()
+    grouped_before, dots_before = extension.grouped_heads(grouped), switch()
     atol = 2e-3 if q_dtype == torch.bfloat16 else 2e-6
     try:
         for dots in dot_products:
-            _extension().integer_dot_products(dots)
-            reference_query = (lambda q: int16_query(q, 0.125)) if dots else (lambda q: q.float())
+            switch(dots)
+            int16 = dots and dtype == torch.int8
+            reference_query = (lambda q: int16_query(q, 0.125)) if int16 else (lambda q: q.float())
             generator = torch.Generator().manual_seed(head_dim)
             kq, ks, vq, vs, kd, vd = random_rows((5, 700, 2, head_dim), dtype, generator)
             q = torch.randn(3, 6, head_dim, generator=generator).to(q_dtype)
@@ -150,8 +153,8 @@ def test_native_decode_reads_quantized_rows_as_their_float_reference(grouped, he
                                                   shared_prefix=shared)
             torch.testing.assert_close(got.float(), expected.to(q_dtype).float(), atol=atol, rtol=0)
     finally:
-        _extension().grouped_heads(grouped_before)
-        _extension().integer_dot_products(dots_before)
+        extension.grouped_heads(grouped_before)
+        switch(dots_before)
 
 
 @native
