@@ -291,22 +291,25 @@ __attribute__((target("avx512f"))) static inline v16f int8_to_float16(const int8
     return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 
-/* 16 fp8 e4m3 bytes as floats times 2^-120: sign-extended, the exponent and mantissa bits moved to
- * a float's (bias 127 instead of 7, subnormals to subnormals) and the sign's copies masked off. */
-__attribute__((target("avx512f"))) static inline v16f fp8_to_float16_unscaled(const uint8_t *p) {
-    const __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
-    return (v16f)_mm512_and_si512(_mm512_slli_epi32(x, 20), _mm512_set1_epi32((int)0x87f00000u));
+/* 16 fp8 e4m3 bytes as floats over 256, exactly: sign-extended to 16 bits, the exponent and
+ * mantissa bits moved to a half's (exponent bias 15 instead of 7, subnormals to subnormals) and the
+ * sign's extra copy masked off, then widened by vcvtph2ps; the shift and mask on 256-bit vectors,
+ * half the work of 512-bit ones. */
+__attribute__((target("avx512f"))) static inline v16f fp8_to_float16_over256(const uint8_t *p) {
+    const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i half = _mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16((short)0xbf80));
+    return (v16f)_mm512_cvtph_ps(half);
 }
 
 /* 16 values of a K or V row from element i, of row type `bf` (a DT_ code): float32 loaded, bfloat16
  * widened in registers (its bits are a float's upper half: a zero-extend and a shift), where
  * widening a tile into a buffer first cost a store and a load more of every value; int8 converted;
- * fp8 e4m3 rebuilt as a float's bits times 2^-120. Quantized rows come unscaled: the caller applies
- * their scales, and for fp8 the 2^120 (scores_heads; TileVScales). */
+ * fp8 e4m3 over 256 (fp8_to_float16_over256). Quantized rows come unscaled: the caller applies
+ * their scales, and for fp8 the 256 (process_item_d: on the query and on the output). */
 static inline __attribute__((always_inline)) v16f load16_row(const void *row, int64_t i, const int bf) {
     if (bf == DT_FLOAT32) return load16((const float *)row + i);
     if (bf == DT_INT8) return int8_to_float16((const int8_t *)row + i);
-    if (bf == DT_FP8) return fp8_to_float16_unscaled((const uint8_t *)row + i);
+    if (bf == DT_FP8) return fp8_to_float16_over256((const uint8_t *)row + i);
     v16f f;
     v16h h;
     memcpy(&h, (const uint16_t *)row + i, sizeof h);
@@ -382,7 +385,6 @@ static inline __attribute__((always_inline)) void scores_heads(const float *rest
             for (int64_t i = 0; i < nv; i++)
                 for (int t = 0; t < 4; t++) {
                     v16f k = load16_row(rows[j + t], off + c + 16 * i, bf);
-                    if (bf == DT_FP8) k *= 0x1p120f; /* before the scale: no subnormal products */
                     if (quantized(bf)) k *= sc->rows[j + t][at[i]];
                     for (int g = 0; g < G; g++) s[g][t] += qv[g][i] * k;
                 }
@@ -398,7 +400,6 @@ static inline __attribute__((always_inline)) void scores_heads(const float *rest
                 v16f s = (v16f){0};
                 for (int64_t i = 0; i < nv; i++) {
                     v16f k = load16_row(rows[j], off + c + 16 * i, bf);
-                    if (bf == DT_FP8) k *= 0x1p120f;
                     if (quantized(bf)) k *= sc->rows[j][at[i]];
                     s += qv[g][i] * k;
                 }
@@ -426,7 +427,6 @@ static inline __attribute__((always_inline)) void accumulate_heads(float *restri
         for (int64_t j = 0; j < n; j++)
             for (int64_t i = 0; i < nv; i++) {
                 v16f v = load16_row(rows[j], off + c + 16 * i, bf);
-                if (bf == DT_FP8) v *= 0x1p120f; /* before the scale: no subnormal products */
                 if (quantized(bf)) v *= sc->rows[j][at[i]];
                 for (int g = 0; g < G; g++) av[g][i] += p[g * TILE + j] * v;
             }
@@ -682,11 +682,14 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
     const int dot_products = grouped && D % 64 == 0 && a->group == 32 &&
                              ((bf == DT_INT8 && int8_dot_products) ||
                               (bf == DT_FP8 && a->dtype == DT_BFLOAT16 && fp8_dot_products));
+    /* The grouped kernels read fp8 values over 256 (load16_row): the query times 256 gives the
+     * scores, the output times 256 the weighted rows (powers of two: exact). */
+    const float fp8_unit = bf == DT_FP8 && grouped ? 256.f : 1.f;
     for (int64_t m = 0; m < M; m++)
         for (int64_t h = 0; h < Hq; h++) {
             const int64_t qh = m * Hq + h, member = w->members[m];
             const float *qf = row_f32(a->q + (member * a->q_sb + h * a->q_sh) * es, a->dtype, D, ktile);
-            for (int64_t i = 0; i < D; i++) q[qh * D + i] = qf[i] * a->scale;
+            for (int64_t i = 0; i < D; i++) q[qh * D + i] = qf[i] * a->scale * fp8_unit;
             if (dot_products && bf == DT_INT8) qscale[qh] = int16_query(q + qh * D, D, qv + qh * 2 * D);
             if (dot_products && bf == DT_FP8) qscale[qh] = bf16_query(qf, D, a->scale, vtile, qv + qh * 2 * D);
             memset(acc + qh * D, 0, (size_t)D * 4);
@@ -784,14 +787,14 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
         if (w->part >= 0) { /* partial output, normalized, and its log-sum-exp: combined below */
             int64_t at = (member * Hq + h) * a->num_parts + w->part;
             float inv = sum[qh] > 0.f ? 1.f / sum[qh] : 0.f;
-            for (int64_t i = 0; i < D; i++) a->partial[at * D + i] = o[i] * inv;
+            for (int64_t i = 0; i < D; i++) a->partial[at * D + i] = o[i] * fp8_unit * inv;
             a->lse[at] = sum[qh] > 0.f ? mx[qh] + logf(sum[qh]) : -INFINITY;
             continue;
         }
         float total = sum[qh];
         if (a->sinks) total += expf(sink_of(a, h) - mx[qh]); /* exp(-inf) when nothing was read */
         float inv = total > 0.f && sum[qh] > 0.f ? 1.f / total : 0.f;
-        for (int64_t i = 0; i < D; i++) o[i] *= inv;
+        for (int64_t i = 0; i < D; i++) o[i] *= fp8_unit * inv;
         write_out(a, member, h, o);
     }
 }
