@@ -3,11 +3,12 @@ own bfloat16 KV: where reading the KV outweighs reading the weights, half the by
 
 Per KV dtype, one engine (SmolLM2-135M-Instruct in bfloat16, ``--requests`` requests of
 ``--prompt-tokens`` seeded random token ids each, no shared prefix) computes the prompts at
-``--prefill-threads`` threads, then decodes ``--rounds`` rounds of ``--steps`` steps at each
-thread count of ``--threads`` in turn (the thread counts alternate, so drift of the shared host
-hits both alike). Reported per dtype: the KV bytes a token holds per layer and in all, and the
-seconds the prompts took; per dtype and thread count: the decode step's median milliseconds, its
-attention's share (the engine's attention timer), and the step time relative to bfloat16 KV's.
+``--prefill-threads`` threads; then ``--rounds`` rounds decode ``--steps`` steps at each thread
+count of ``--threads`` on each engine in turn (all engines alive, their order rotating each round,
+so drift of the shared host hits every dtype and thread count alike). Reported per dtype: the KV
+bytes a token holds per layer and in all, and the seconds the prompts took; per dtype and thread
+count: the decode step's median milliseconds, its attention's share (the engine's attention
+timer), and the step time relative to bfloat16 KV's.
 
     python experiments/bench_quantized_kv.py                         # readable table
     python experiments/bench_quantized_kv.py --out experiments/results   # quantized_kv_decode_cpu.md/.json
@@ -33,9 +34,10 @@ from machine import cpu_flags_note, cpu_model, write_results  # experiments/mach
 KV_DTYPES = ("auto", "int8", "fp8")
 
 
-def decode_times(kv_cache_dtype: str, args) -> dict:
+def start_engine(kv_cache_dtype: str, args) -> tuple[LLMEngine, float]:
+    """An engine on ``kv_cache_dtype`` with every prompt computed, and the seconds that took."""
     # The first prompts decode while the later ones are computed in chunks: room for those tokens
-    # too (the check below says if a measured step decoded fewer than all requests).
+    # too (measure() says if a measured step decoded fewer than all requests).
     headroom = args.rounds * args.steps * len(args.threads) + 512
     engine = LLMEngine(EngineConfig(
         model=args.model, dtype=args.dtype, device="cpu", threads=args.prefill_threads,
@@ -49,39 +51,56 @@ def decode_times(kv_cache_dtype: str, args) -> dict:
     start, started = time.perf_counter(), set()
     while len(started) < args.requests:  # every prompt computed: each has its first token
         started.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
-    prefill_seconds = time.perf_counter() - start
-    steps: dict[int, list[float]] = {t: [] for t in args.threads}
-    attention: dict[int, list[float]] = {t: [] for t in args.threads}
-    for _ in range(args.rounds):
+    return engine, time.perf_counter() - start
+
+
+def measure(engine: LLMEngine, threads: int, args, steps: list[float], attention: list[float]) -> None:
+    """``args.steps`` decode steps at ``threads`` threads: each step's seconds, and its attention's."""
+    torch.set_num_threads(threads)
+    for _ in range(args.steps):
+        before = engine.attention_seconds
+        began = time.perf_counter()
+        outputs = engine.step()
+        steps.append(time.perf_counter() - began)
+        if len(outputs) != args.requests:
+            raise RuntimeError(f"a measured step decoded {len(outputs)} of {args.requests} requests: "
+                               f"{[(o.request_id, len(o.outputs[0].token_ids)) for o in outputs]}, "
+                               f"{ {k: engine.stats()[k] for k in ('running', 'waiting', 'preemptions')} }")
+        attention.append(engine.attention_seconds - before)
+
+
+def decode_times(args) -> list[dict]:
+    """Per KV dtype, its row: every engine started first, then each round measures each thread
+    count on every engine in turn (the engines' order rotating), so drift of the shared host
+    hits every dtype alike."""
+    engines = {kv: start_engine(kv, args) for kv in args.kv_dtypes}
+    steps = {kv: {t: [] for t in args.threads} for kv in engines}
+    attention = {kv: {t: [] for t in args.threads} for kv in engines}
+    order = list(engines)
+    for round_ in range(args.rounds):
         for threads in args.threads:
-            torch.set_num_threads(threads)
-            for _ in range(args.steps):
-                before = engine.attention_seconds
-                began = time.perf_counter()
-                outputs = engine.step()
-                steps[threads].append(time.perf_counter() - began)
-                if len(outputs) != args.requests:
-                    raise RuntimeError(f"a measured step decoded {len(outputs)} of {args.requests} requests: "
-                                       f"{[(o.request_id, len(o.outputs[0].token_ids)) for o in outputs]}, "
-                                       f"{ {k: engine.stats()[k] for k in ('running', 'waiting', 'preemptions')} }")
-                attention[threads].append(engine.attention_seconds - before)
-    layout = engine.manager.layout
-    result = {
-        "kv_cache_dtype": kv_cache_dtype, "kv_dtype": str(layout.dtype).removeprefix("torch."),
-        "kv_bytes_per_token_per_layer": layout.kv_bytes_per_token_per_layer,
-        "kv_bytes_per_token": layout.token_bytes, "prefill_seconds": prefill_seconds,
-        "step_ms": {t: statistics.median(v) * 1e3 for t, v in steps.items()},
-        "attention_ms": {t: statistics.median(v) * 1e3 for t, v in attention.items()},
-    }
-    engine.close()
-    return result
+            for kv in order[round_ % len(order):] + order[:round_ % len(order)]:
+                measure(engines[kv][0], threads, args, steps[kv][threads], attention[kv][threads])
+    rows = []
+    for kv, (engine, prefill_seconds) in engines.items():
+        layout = engine.manager.layout
+        rows.append({
+            "kv_cache_dtype": kv, "kv_dtype": str(layout.dtype).removeprefix("torch."),
+            "kv_bytes_per_token_per_layer": layout.kv_bytes_per_token_per_layer,
+            "kv_bytes_per_token": layout.token_bytes, "prefill_seconds": prefill_seconds,
+            "step_ms": {t: statistics.median(v) * 1e3 for t, v in steps[kv].items()},
+            "attention_ms": {t: statistics.median(v) * 1e3 for t, v in attention[kv].items()},
+        })
+        engine.close()
+    return rows
 
 
 def markdown(results: dict) -> str:
     args = results["args"]
     lines = [f"`{results['command']}` — {results['cpu']} ({results['flags']}); {args['requests']} requests of "
              f"{args['prompt_tokens']:,} prompt tokens, {args['model']} in {args['dtype']}; decode step median "
-             f"over {args['rounds']} x {args['steps']} steps per thread count (thread counts alternating), "
+             f"over {args['rounds']} x {args['steps']} steps per thread count (thread counts and KV dtypes "
+             f"taking turns), "
              f"load before {results['load_before']:.2f}", "",
              "| KV dtype | B/token/layer | prompts s | threads | step ms | attention ms | step vs bf16 KV |",
              "|---|---|---|---|---|---|---|"]
@@ -119,7 +138,7 @@ def main(argv=None) -> int:
         "command": "python experiments/bench_quantized_kv.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.date.today().isoformat(), "cpu": cpu_model(), "flags": cpu_flags_note(),
         "load_before": os.getloadavg()[0], "args": {**vars(args), "out": str(args.out)},
-        "rows": [decode_times(kv, args) for kv in args.kv_dtypes],
+        "rows": decode_times(args),
     }
     table = markdown(results)
     print(table)
