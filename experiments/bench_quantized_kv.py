@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=7500)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--prefill-threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--kv-dtypes", nargs="+", default=list(KV_DTYPES), choices=KV_DTYPES)
     parser.add_argument("--seed", type=int, default=0)
