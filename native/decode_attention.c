@@ -1103,40 +1103,35 @@ PyDoc_STRVAR(decode_doc,
              "       new_v_sb, new_v_sh[, kv_dtype, k_scale, v_scale, ks_so, ks_st, ks_sh, vs_so, vs_st, vs_sh, group]])\n\n"
              "Raw data pointers and element strides; checked by vmemkv.attention.cpu_decode, not here.");
 
-static PyObject *grouped_heads(PyObject *self, PyObject *args) {
+/* A kernel switch's value, set to the optional flag in args first (refused with `missing` where
+ * the CPU lacks what the path needs); returns the value before. */
+static PyObject *kernel_switch(PyObject *args, int *value, int supported, const char *missing) {
     int flag = -1;
     if (!PyArg_ParseTuple(args, "|p", &flag)) return NULL;
-    const int before = wide_registers;
-    if (flag == 1 && !__builtin_cpu_supports("avx512f")) {
-        PyErr_SetString(PyExc_ValueError, "grouped heads need AVX-512, which this CPU lacks");
+    const int before = *value;
+    if (flag == 1 && !supported) {
+        PyErr_SetString(PyExc_ValueError, missing);
         return NULL;
     }
-    if (flag >= 0) wide_registers = flag;
+    if (flag >= 0) *value = flag;
     return PyBool_FromLong(before);
+}
+
+static PyObject *grouped_heads(PyObject *self, PyObject *args) {
+    return kernel_switch(args, &wide_registers, __builtin_cpu_supports("avx512f"),
+                         "grouped heads need AVX-512, which this CPU lacks");
 }
 
 static PyObject *integer_dot_products(PyObject *self, PyObject *args) {
-    int flag = -1;
-    if (!PyArg_ParseTuple(args, "|p", &flag)) return NULL;
-    const int before = int8_dot_products;
-    if (flag == 1 && !(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni"))) {
-        PyErr_SetString(PyExc_ValueError, "integer dot products need AVX-512 VNNI, which this CPU lacks");
-        return NULL;
-    }
-    if (flag >= 0) int8_dot_products = flag;
-    return PyBool_FromLong(before);
+    return kernel_switch(args, &int8_dot_products,
+                         __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni"),
+                         "integer dot products need AVX-512 VNNI, which this CPU lacks");
 }
 
-static PyObject *fp8_bf16_dot_products(PyObject *self, PyObject *args) {
-    int flag = -1;
-    if (!PyArg_ParseTuple(args, "|p", &flag)) return NULL;
-    const int before = fp8_dot_products;
-    if (flag == 1 && !(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"))) {
-        PyErr_SetString(PyExc_ValueError, "bfloat16 dot products need AVX-512 BF16, which this CPU lacks");
-        return NULL;
-    }
-    if (flag >= 0) fp8_dot_products = flag;
-    return PyBool_FromLong(before);
+static PyObject *bf16_dot_products(PyObject *self, PyObject *args) {
+    return kernel_switch(args, &fp8_dot_products,
+                         __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"),
+                         "bfloat16 dot products need AVX-512 BF16, which this CPU lacks");
 }
 
 static PyMethodDef methods[] = {
@@ -1149,7 +1144,7 @@ static PyMethodDef methods[] = {
      "integer_dot_products([flag]): whether the grouped kernel scores int8 rows (64-value blocks) with\n"
      "AVX-512 VNNI dot products of the query rounded to int16; with flag, set it (for tests of the\n"
      "other path); returns the value before."},
-    {"bf16_dot_products", fp8_bf16_dot_products, METH_VARARGS,
+    {"bf16_dot_products", bf16_dot_products, METH_VARARGS,
      "bf16_dot_products([flag]): whether the grouped kernel scores fp8 rows (64-value blocks) read by a\n"
      "bfloat16 query with AVX-512 BF16 dot products; with flag, set it (for tests of the other path);\n"
      "returns the value before."},
