@@ -648,6 +648,88 @@ __attribute__((target("arch=x86-64-v4,avx512vnni,avx512bf16"))) static void dot_
         dot_scores_of(qv, qscale, G, rows, off, n, D, sc, out, pf_k, pf_v, pf_bytes, DT_FP8);
 }
 
+/* acc[g] += sum_j p[g * TILE + j] * rows[j][off : off + D] for G query heads over fp8 rows whose
+ * scales are one per 32 values, D a multiple of 64: the weighted rows summed in bfloat16 pairs of
+ * tokens (vdpbf16ps, 32 products an instruction), as FlashAttention weighs V rows in the model's
+ * dtype on GPUs, where the float kernel widens, scales and multiplies 16 values at a time. Two
+ * tokens' 64-byte blocks are interleaved byte by byte (within 128-bit lanes) and sign-extended, so
+ * each dword holds one value of both as bfloat16 times 2^-120 (a shift and a mask; an e4m3
+ * subnormal reads as zero); the weights, p times the token's group scale times 2^100, rounded to
+ * bfloat16 (8 bits: the approximation this path makes), meet them as broadcast pairs. acc holds
+ * the sums times 2^-20, each 64-value block in the lane order of the interleave (pair_order). */
+static inline __attribute__((always_inline, target("arch=x86-64-v4,avx512vnni,avx512bf16"))) void
+fp8_pairs_heads(float *restrict acc, const int G, const float *restrict p, const void *const *rows, int64_t off,
+                int64_t n, const int64_t D, const TileScales *sc) {
+    const __m512i bits = _mm512_set1_epi16((short)0x87f0);
+    for (int64_t c = 0; c < D; c += 64) {
+        __m512 av[HEADS_AT_ONCE][4];
+        for (int g = 0; g < G; g++)
+            for (int v = 0; v < 4; v++) av[g][v] = _mm512_loadu_ps(acc + g * D + c + 16 * v);
+        for (int64_t j0 = 0; j0 < n; j0 += 32) {
+            const int64_t m = n - j0 < 32 ? n - j0 : 32;
+            float s[2][32]; /* the block's tokens' scales of values [c, c + 32) and [c + 32, c + 64) */
+            for (int64_t t = 0; t < 32; t++) {
+                const float *row = t < m ? sc->rows[j0 + t] + sc->off + c / 32 : NULL;
+                s[0][t] = row ? row[0] * 0x1p100f : 0.f;
+                s[1][t] = row ? row[1] * 0x1p100f : 0.f;
+            }
+            const __mmask16 low = m >= 16 ? 0xffff : (__mmask16)((1u << m) - 1);
+            const __mmask16 high = m >= 32 ? 0xffff : m <= 16 ? 0 : (__mmask16)((1u << (m - 16)) - 1);
+            int32_t w[HEADS_AT_ONCE][2][16]; /* per head and group: token pairs' weights as bfloat16 pairs */
+            for (int g = 0; g < G; g++)
+                for (int gr = 0; gr < 2; gr++) {
+                    const float *pg = p + g * TILE + j0;
+                    const __m512 first = _mm512_maskz_mul_ps(low, _mm512_maskz_loadu_ps(low, pg), _mm512_loadu_ps(s[gr]));
+                    const __m512 second = _mm512_maskz_mul_ps(high, _mm512_maskz_loadu_ps(high, pg + 16),
+                                                              _mm512_loadu_ps(s[gr] + 16));
+                    _mm512_storeu_si512(w[g][gr], (__m512i)_mm512_cvtne2ps_pbh(second, first));
+                }
+            for (int64_t i = 0; 2 * i < m; i++) {
+                const int8_t *ra = (const int8_t *)rows[j0 + 2 * i] + off + c;
+                const int8_t *rb = 2 * i + 1 < m ? (const int8_t *)rows[j0 + 2 * i + 1] + off + c : ra;
+                const __m512i a = _mm512_loadu_si512(ra), b = _mm512_loadu_si512(rb);
+                const __m512i lo = _mm512_unpacklo_epi8(a, b), hi = _mm512_unpackhi_epi8(a, b);
+                const __m256i half[4] = {_mm512_castsi512_si256(lo), _mm512_extracti64x4_epi64(lo, 1),
+                                         _mm512_castsi512_si256(hi), _mm512_extracti64x4_epi64(hi, 1)};
+                for (int v = 0; v < 4; v++) {
+                    const __m512i pair = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(half[v]), 4), bits);
+                    for (int g = 0; g < G; g++)
+                        av[g][v] = _mm512_dpbf16_ps(av[g][v], (__m512bh)pair,
+                                                    (__m512bh)_mm512_set1_epi32(w[g][v & 1][i]));
+                }
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int v = 0; v < 4; v++) _mm512_storeu_ps(acc + g * D + c + 16 * v, av[g][v]);
+    }
+}
+
+/* fp8_pairs_heads for G consecutive query heads, HEADS_AT_ONCE at a time. */
+__attribute__((target("arch=x86-64-v4,avx512vnni,avx512bf16"))) static void fp8_pairs(
+        float *restrict acc, int64_t G, const float *restrict p, const void *const *rows, int64_t off, int64_t n,
+        const int64_t D, const TileScales *sc) {
+    for (int64_t g0 = 0; g0 < G; g0 += HEADS_AT_ONCE) {
+        float *ag = acc + g0 * D;
+        const float *pg = p + g0 * TILE;
+        if (G - g0 >= 3)
+            fp8_pairs_heads(ag, 3, pg, rows, off, n, D, sc);
+        else if (G - g0 == 2)
+            fp8_pairs_heads(ag, 2, pg, rows, off, n, D, sc);
+        else
+            fp8_pairs_heads(ag, 1, pg, rows, off, n, D, sc);
+    }
+}
+
+/* acc's values in fp8_pairs_heads's order put back in place (D a multiple of 64, tmp D floats):
+ * per 64-value block, vector v's lane k holds value {0, 32, 8, 40}[v] + k + (k < 8 ? 0 : 8). */
+static void pair_order_undone(float *restrict acc, int64_t D, float *restrict tmp) {
+    static const int base[4] = {0, 32, 8, 40};
+    for (int64_t c = 0; c < D; c += 64)
+        for (int v = 0; v < 4; v++)
+            for (int k = 0; k < 16; k++) tmp[c + base[v] + k + (k < 8 ? 0 : 8)] = acc[c + 16 * v + k];
+    memcpy(acc, tmp, (size_t)D * 4);
+}
+
 /* One work item: every member's query heads' softmax over keys [lo, hi) of sequence rows_of. A
  * token's K (and V) rows of all kv heads are read together, the next tokens' prefetched: in the
  * token-major layout one layer's rows of consecutive tokens lie a whole model's token stride apart
@@ -685,6 +767,10 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
     /* The grouped kernels read fp8 values over 256 (load16_row): the query times 256 gives the
      * scores, the output times 256 the weighted rows (powers of two: exact). */
     const float fp8_unit = bf == DT_FP8 && grouped ? 256.f : 1.f;
+    /* fp8 rows under a bfloat16 query: the V rows weighted in bfloat16 pairs (fp8_pairs), the
+     * sums then 2^-20 of the values, in pair order */
+    const int pairs = dot_products && bf == DT_FP8;
+    const float out_unit = pairs ? 0x1p20f : fp8_unit;
     for (int64_t m = 0; m < M; m++)
         for (int64_t h = 0; h < Hq; h++) {
             const int64_t qh = m * Hq + h, member = w->members[m];
@@ -774,7 +860,10 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
                 const int64_t first = m * Hq + hk * G;
                 if (grouped) {
                     vs.off = hk * a->vs_sh;
-                    group_accumulate(acc + first * D, G, sc + first * TILE, vrow, hk * v_head, n, D, bf, &vs);
+                    if (pairs)
+                        fp8_pairs(acc + first * D, G, sc + first * TILE, vrow, hk * v_head, n, D, &vs);
+                    else
+                        group_accumulate(acc + first * D, G, sc + first * TILE, vrow, hk * v_head, n, D, bf, &vs);
                     continue;
                 }
                 for (int64_t qh = first; qh < first + G; qh++)
@@ -784,17 +873,18 @@ static inline __attribute__((always_inline)) void process_item_d(const Args *a, 
     for (int64_t qh = 0; qh < QH; qh++) {
         const int64_t member = w->members[qh / Hq], h = qh % Hq;
         float *o = acc + qh * D;
+        if (pairs) pair_order_undone(o, D, ktile);
         if (w->part >= 0) { /* partial output, normalized, and its log-sum-exp: combined below */
             int64_t at = (member * Hq + h) * a->num_parts + w->part;
             float inv = sum[qh] > 0.f ? 1.f / sum[qh] : 0.f;
-            for (int64_t i = 0; i < D; i++) a->partial[at * D + i] = o[i] * fp8_unit * inv;
+            for (int64_t i = 0; i < D; i++) a->partial[at * D + i] = o[i] * out_unit * inv;
             a->lse[at] = sum[qh] > 0.f ? mx[qh] + logf(sum[qh]) : -INFINITY;
             continue;
         }
         float total = sum[qh];
         if (a->sinks) total += expf(sink_of(a, h) - mx[qh]); /* exp(-inf) when nothing was read */
         float inv = total > 0.f && sum[qh] > 0.f ? 1.f / total : 0.f;
-        for (int64_t i = 0; i < D; i++) o[i] *= fp8_unit * inv;
+        for (int64_t i = 0; i < D; i++) o[i] *= out_unit * inv;
         write_out(a, member, h, o);
     }
 }
