@@ -39,9 +39,12 @@
  * products of pairs instead (dot_scores), 32 products an instruction: int8 with AVX-512 VNNI, the
  * query rounded to int16, one scale a head (finer than the bfloat16 a model's query arrives in);
  * fp8 under a bfloat16 query with AVX-512 BF16, the bytes as bfloat16 (exact, but for e4m3
- * subnormals, read as zero). A tile's last n % 16 tokens, and the weighted V rows, stay in float
- * arithmetic. (One build serves both: each row type's code holds only its own extension's
- * instructions, so int8 runs where VNNI comes without BF16.)
+ * subnormals, read as zero). A tile's last n % 16 tokens stay in float arithmetic. Under a
+ * bfloat16 query, fp8 V rows are weighted in bfloat16 pairs of tokens too (fp8_pairs: the weights
+ * rounded to bfloat16, as FlashAttention's are); int8 V rows stay in float arithmetic (the same
+ * pairs, the bytes converted through float32, measured slower). (One build serves both: each row
+ * type's code holds only its own extension's instructions, so int8 runs where VNNI comes without
+ * BF16.)
  *
  * Types: float32 and bfloat16 Q/out, K/V in those or quantized, float32 arithmetic. The grouped (AVX-512) kernels read
  * bf16 rows where they lie and widen them in registers (SmolLM2-135M's shape, 4 sequences of 2,000
@@ -345,7 +348,7 @@ static inline __attribute__((always_inline)) float hsum16(v16f v) {
  * row is loaded into registers once for all of them (their accumulators then fill the registers). */
 #define HEADS_AT_ONCE 3
 
-/* A quantized tile's K scales for the grouped kernels, read where they lie (prefetched with the
+/* A quantized tile's scales for the grouped kernels, read where they lie (prefetched with the
  * rows): token j's are at rows[j] (head 0's first), the head being read's from rows[j][off], one
  * per `group` values. */
 typedef struct {
@@ -358,7 +361,6 @@ static inline __attribute__((always_inline)) void scale_index(const TileScales *
                                                              int64_t *at) {
     for (int64_t i = 0; i < nv; i++) at[i] = sc->off + (c + 16 * i) / sc->group;
 }
-
 
 /* out[g * TILE + j] = q[g] . rows[j][off : off + D] for G query heads (q[g] = q + g * D) and the
  * tile's n tokens, D a multiple of 16 (other head sizes take one head at a time): the queries held in registers 64 elements at a time, four
@@ -656,7 +658,7 @@ __attribute__((target("arch=x86-64-v4,avx512vnni,avx512bf16"))) static void dot_
  * each dword holds one value of both as bfloat16 times 2^-120 (a shift and a mask; an e4m3
  * subnormal reads as zero); the weights, p times the token's group scale times 2^100, rounded to
  * bfloat16 (8 bits: the approximation this path makes), meet them as broadcast pairs. acc holds
- * the sums times 2^-20, each 64-value block in the lane order of the interleave (pair_order). */
+ * the sums times 2^-20, each 64-value block in the lane order of the interleave (pair_order_undone). */
 static inline __attribute__((always_inline, target("arch=x86-64-v4,avx512vnni,avx512bf16"))) void
 fp8_pairs_heads(float *restrict acc, const int G, const float *restrict p, const void *const *rows, int64_t off,
                 int64_t n, const int64_t D, const TileScales *sc) {
@@ -1235,9 +1237,9 @@ static PyMethodDef methods[] = {
      "AVX-512 VNNI dot products of the query rounded to int16; with flag, set it (for tests of the\n"
      "other path); returns the value before."},
     {"bf16_dot_products", bf16_dot_products, METH_VARARGS,
-     "bf16_dot_products([flag]): whether the grouped kernel scores fp8 rows (64-value blocks) read by a\n"
-     "bfloat16 query with AVX-512 BF16 dot products; with flag, set it (for tests of the other path);\n"
-     "returns the value before."},
+     "bf16_dot_products([flag]): whether the grouped kernel reads fp8 rows (64-value blocks) under a\n"
+     "bfloat16 query with AVX-512 BF16 dot products (keys' scores, and V rows weighted in bfloat16);\n"
+     "with flag, set it (for tests of the other path); returns the value before."},
     {"has_openmp", has_openmp, METH_NOARGS, "Whether this build runs work items on OpenMP threads."},
     {NULL, NULL, 0, NULL},
 };
