@@ -1,9 +1,10 @@
 """The native decode routine alone over bfloat16, int8 and fp8 rows, laid out as the engine lays them.
 
 Per KV dtype, one buffer ``[B, T, layers, k|v, row]`` where a row is a layer's K (or V) values of
-every kv head and, quantized, their float32 scales right after them (the token-major layout of
-``memory/layout.py``: a token's layers one after another, so a layer's rows of consecutive tokens
-lie a whole token apart, and a quantized row of 216 bytes rarely starts on a cache line). Random
+every kv head and, quantized, their float32 scales right after them, padded as the layout pads
+them (the token-major layout of ``memory/layout.py``: a token's layers one after another, so a
+layer's rows of consecutive tokens lie a whole token apart; a quantized row of 216 bytes is padded
+to 224, so a layer's K and V fill whole cache lines; ``--unpadded`` leaves them at 216). Random
 rows (``quantized_rows.quantize`` for int8 / fp8), a bfloat16 query, SmolLM2-135M's heads (9 query,
 3 kv, head_dim 64). Timed per dtype, one torch thread:
 
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 
 from vmemkv.attention.cpu_decode import decode_attention_contiguous_cpu
+from vmemkv.memory.layout import padded_row_bytes
 from vmemkv.memory.quantized_rows import groups_per_row, quantize
 from machine import cpu_flags_note, cpu_model, write_results  # experiments/machine.py
 
@@ -39,12 +41,14 @@ DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn
 Q_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
 
-def cache_layers(dtype: torch.dtype, batch: int, tokens: int, layers: int, generator) -> list[tuple]:
+def cache_layers(dtype: torch.dtype, batch: int, tokens: int, layers: int, generator,
+                 padded: bool = True) -> list[tuple]:
     """Per layer, (k, v, scales or None): views into one token-major buffer, rows filled at random."""
     groups = groups_per_row(HEAD_DIM)
     values = KV_HEADS * HEAD_DIM * dtype.itemsize
     row = values + (KV_HEADS * groups * 4 if dtype != torch.bfloat16 else 0)
-    buffer = torch.zeros(batch, tokens, layers, 2, row, dtype=torch.uint8)
+    buffer = torch.zeros(batch, tokens, layers, 2, padded_row_bytes(row, dtype) if padded else row,
+                         dtype=torch.uint8)
     out = []
     for layer in range(layers):
         views = []
@@ -56,7 +60,7 @@ def cache_layers(dtype: torch.dtype, batch: int, tokens: int, layers: int, gener
                 views.append((value_view, None))
                 continue
             quantized, scales = quantize(rows, dtype)
-            scale_view = buffer[:, :, layer, kv, values:].view(torch.float32).unflatten(-1, (KV_HEADS, groups))
+            scale_view = buffer[:, :, layer, kv, values:row].view(torch.float32).unflatten(-1, (KV_HEADS, groups))
             value_view.copy_(quantized)
             scale_view.copy_(scales)
             views.append((value_view, scale_view))
@@ -82,16 +86,21 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--unpadded", action="store_true",
+                        help="also time the quantized rows unpadded (216 bytes, as before the layout padded them)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    kinds = {name: (DTYPES[name], True) for name in args.dtypes}
+    if args.unpadded:
+        kinds.update({f"{name} unpadded": (DTYPES[name], False) for name in args.dtypes if name != "bf16"})
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(args.batch, Q_HEADS, HEAD_DIM, generator=generator).bfloat16()
     runs = {}
-    for name in args.dtypes:
-        runs[(name, "memory")] = (cache_layers(DTYPES[name], args.batch, args.tokens, args.layers, generator),
+    for name, (dtype, padded) in kinds.items():
+        runs[(name, "memory")] = (cache_layers(dtype, args.batch, args.tokens, args.layers, generator, padded),
                                   torch.full((args.batch,), args.tokens, dtype=torch.int32))
-        runs[(name, "cache")] = (cache_layers(DTYPES[name], args.batch, args.cache_tokens, 1, generator),
+        runs[(name, "cache")] = (cache_layers(dtype, args.batch, args.cache_tokens, 1, generator, padded),
                                  torch.full((args.batch,), args.cache_tokens, dtype=torch.int32))
     times = {key: [] for key in runs}
     for repeat in range(args.repeats + 1):  # the first repeat warms up and is dropped
@@ -105,7 +114,7 @@ def main(argv=None) -> int:
              f"{args.cache_tokens:,} (cache), SmolLM2-135M's heads", "",
              "| KV rows | from memory, ms | vs bf16 | from cache, ms | vs bf16 |", "|---|---:|---:|---:|---:|"]
     medians = {key: statistics.median(v) for key, v in times.items()}
-    for name in args.dtypes:
+    for name in kinds:
         base = {where: medians.get(("bf16", where)) for where in ("memory", "cache")}
         cells = []
         for where in ("memory", "cache"):

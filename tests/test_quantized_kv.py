@@ -50,13 +50,15 @@ def test_a_row_comes_back_within_its_format_error(dtype):
 @pytest.mark.parametrize("kv_cache_dtype", FORMATS)
 def test_quantized_bytes_per_token_are_about_half_of_bfloat16(kv_cache_dtype):
     """SmolLM2-135M's shape (30 layers, 3 KV heads of 64): 768 B a token and layer in bfloat16,
-    384 of values and 48 of scales (one per 32 values) quantized."""
+    384 of values and 48 of scales (one per 32 values) quantized, each row of 216 padded to 224 (a
+    layer's K and V then fill 7 whole cache lines)."""
     shape = dict(num_layers=30, num_kv_heads=3, head_dim=64, num_blocks=4, max_num_seqs=1, max_model_len=64)
     bf16 = CacheConfig(**shape, dtype=torch.bfloat16).make_layout()
     quantized = CacheConfig(**shape, dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype).make_layout()
     assert bf16.kv_bytes_per_token_per_layer == 768
-    assert quantized.kv_bytes_per_token_per_layer == 2 * 3 * 64 + 2 * 3 * 2 * 4
-    assert quantized.row_data_bytes == 30 * 432 and quantized.scaled and not bf16.scaled
+    assert quantized.row_block_bytes == 3 * 64 + 3 * 2 * 4 and quantized.row_stride_bytes == 224
+    assert quantized.kv_bytes_per_token_per_layer == 2 * 224
+    assert quantized.row_data_bytes == 30 * 448 and quantized.scaled and not bf16.scaled
     assert groups_per_row(64) == 2 and groups_per_row(24) == 1  # a row not of 32s: one scale
 
 
@@ -278,8 +280,8 @@ def test_the_engine_runs_on_quantized_kv_and_reports_its_bytes(kv_cache_dtype, m
     stats = engine.stats()
     layout = engine.manager.layout
     assert stats["kv_cache_dtype"] == kv_cache_dtype
-    assert stats["kv_bytes_per_token_per_layer"] == 2 * layout.num_kv_heads * (
-        layout.head_dim + 4 * groups_per_row(layout.head_dim))
+    row = layout.num_kv_heads * (layout.head_dim + 4 * groups_per_row(layout.head_dim))
+    assert stats["kv_bytes_per_token_per_layer"] == 2 * (-(-row // 32) * 32)  # rows padded to 32 B
     assert_no_leaks(engine.manager)
 
 

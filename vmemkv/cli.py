@@ -111,7 +111,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="host memory for the compressed pages of --kv-cold-tier, in bytes")
     group.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8"],
                        help="how K/V are stored: auto (the model's dtype), or int8 / fp8 (e4m3) with a "
-                            "float32 scale per 32 values: 0.56x of bfloat16's bytes, lossy")
+                            "float32 scale per 32 values: 0.56-0.58x of bfloat16's bytes, lossy")
     group.add_argument("--state-cache-interval", type=int, default=None,
                        help="models with recurrent state layers: tokens between saved states for "
                             "prefix hits, a multiple of --tokens-per-page (default: 4 pages; 0: off)")

@@ -50,7 +50,7 @@ class CacheConfig:
     latent: bool = False
     # How K/V values are stored (vLLM's kv_cache_dtype): "auto" in ``dtype``; "int8" or "fp8"
     # (e4m3) one byte a value with a float32 scale per 32 values beside them in the page
-    # (memory/quantized_rows.py): 0.56x of bfloat16's bytes at head_dim 64 (0.28x of float32's), lossy.
+    # (memory/quantized_rows.py): 0.56-0.58x of bfloat16's bytes at head_dim 64 (rows padded to 32 B), lossy.
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     hash_algorithm: str = "sha256"

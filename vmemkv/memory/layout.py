@@ -26,7 +26,9 @@ scale per group of 32 of them, each layer's K (or V) values ``[kv_head][dim]`` f
 scales ``[kv_head][group]``: a token-major token row is ``[layer][k|v]`` of those, a per-layer
 tensor's row one. The scales sit in the page, so every copy of a page carries them, and beside the
 values they scale, so a read of one layer's rows of a token fetches its scales in the same cache
-lines. ``scale_view_geometry`` addresses them as float32 views ``[token, kv_head, group]``.
+lines. A quantized row is padded to a multiple of 32 bytes (216 -> 224 at SmolLM2's shape), so a
+layer's K and V rows fill whole cache lines. ``scale_view_geometry`` addresses the scales as float32
+views ``[token, kv_head, group]``.
 
 A token's row may be padded (``token_stride_bytes`` > the bytes it needs) so that a page of few
 tokens is a whole number of 2 MiB CUDA granules; ``choose_page`` picks the stride and the page.
@@ -49,6 +51,11 @@ LayoutKind = Literal["token_major", "per_layer"]
 
 MAX_TOKENS_PER_PAGE = 512  # past this a page is too coarse for prefix caching and fragmentation
 STRIDE_ALIGNMENT = 16  # a padded row starts on a 16-byte boundary (kernels load 16-byte vectors)
+# A quantized row (values and scales: 216 B at SmolLM2's shape) is padded to a multiple of this, so
+# a layer's K and V rows fill whole 64-byte cache lines in a token-major row: no line is then shared
+# with the next layer's rows, which fetched it from memory a second time (native int8 decode from
+# memory, 4 x 7,500 tokens: 49.5 -> 45.2 ms, for 448 bytes a token and layer instead of 432).
+QUANTIZED_ROW_ALIGNMENT = 32
 
 
 @dataclass(frozen=True)
@@ -127,10 +134,16 @@ class KVLayout:
         return self.head_elems * self.itemsize + self.scale_bytes_per_row
 
     @cached_property
+    def row_stride_bytes(self) -> int:
+        """One row with its padding (quantized rows: to ``QUANTIZED_ROW_ALIGNMENT``): a token-major
+        token row is its rows back to back, this far apart."""
+        return padded_row_bytes(self.row_block_bytes, self.dtype)
+
+    @cached_property
     def kv_bytes_per_token_per_layer(self) -> int:
         """What one token holds for one layer: its K and V, or an MLA model's latent row (with
-        their scales when quantized)."""
-        return self.rows_per_layer * self.row_block_bytes
+        their scales and the rows' padding when quantized)."""
+        return self.rows_per_layer * self.row_stride_bytes
 
     @cached_property
     def token_bytes(self) -> int:
@@ -222,7 +235,7 @@ class KVLayout:
         row = self._row_index(layer, kv)
         strides = (self.token_stride, self.head_dim, 1)  # the stride steps over any padding
         if self.kind == "token_major":
-            offset = row * self.row_block_bytes // self.itemsize
+            offset = row * self.row_stride_bytes // self.itemsize
         else:
             tensor_elems = self.logical_pages_for(max_tokens) * self.page_size // self.itemsize
             offset = row * tensor_elems
@@ -234,7 +247,7 @@ class KVLayout:
         row = self._row_index(layer, kv)
         strides = (self.block_bytes // self.itemsize, self.token_stride, self.head_dim, 1)
         if self.kind == "token_major":
-            return strides, row * self.row_block_bytes // self.itemsize
+            return strides, row * self.row_stride_bytes // self.itemsize
         return strides, row * (self.page_size // self.itemsize)
 
     def scale_view_geometry(self, layer: int, kv: int, max_tokens: int) -> tuple[tuple[int, int, int], int]:
@@ -245,7 +258,7 @@ class KVLayout:
         row = self._row_index(layer, kv)
         strides = (self.token_stride_bytes // SCALE_BYTES, self.scale_groups, 1)
         if self.kind == "token_major":
-            row_start = row * self.row_block_bytes
+            row_start = row * self.row_stride_bytes
         else:  # the row's own tensor
             row_start = row * self.logical_pages_for(max_tokens) * self.page_size
         return strides, (row_start + self.head_elems * self.itemsize) // SCALE_BYTES  # after its values
@@ -317,7 +330,15 @@ def unpadded_row_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
     row = num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
     if is_quantized(dtype):
         row += num_kv_heads * groups_per_row(head_dim) * SCALE_BYTES  # each head's row has its scales
+    row = padded_row_bytes(row, dtype)
     return row * (1 if latent else 2) * num_layers if kind == "token_major" else row
+
+
+def padded_row_bytes(row: int, dtype: torch.dtype) -> int:
+    """A row of ``row`` bytes with its padding: quantized rows to ``QUANTIZED_ROW_ALIGNMENT``."""
+    if not is_quantized(dtype):
+        return row
+    return -(-row // QUANTIZED_ROW_ALIGNMENT) * QUANTIZED_ROW_ALIGNMENT
 
 
 def default_page_size(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

@@ -69,7 +69,7 @@ class EngineConfig:
     kv_cold_cache_bytes: int = CacheConfig.cold_cache_bytes
     # How K/V are stored (vLLM's --kv-cache-dtype): "auto" in the model's dtype; "int8" or "fp8"
     # (e4m3): one byte a value and a float32 scale per 32 values (memory/quantized_rows.py),
-    # 0.56x of bfloat16's bytes at head_dim 64, lossy. Read by the native CPU decode routine and
+    # 0.56-0.58x of bfloat16's bytes at head_dim 64, lossy. Read by the native CPU decode routine and
     # the Triton decode kernel, and by SDPA over the step's rows dequantized; kv_backend "vmem",
     # no FlashAttention.
     kv_cache_dtype: str = CacheConfig.kv_cache_dtype
