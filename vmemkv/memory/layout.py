@@ -53,8 +53,9 @@ MAX_TOKENS_PER_PAGE = 512  # past this a page is too coarse for prefix caching a
 STRIDE_ALIGNMENT = 16  # a padded row starts on a 16-byte boundary (kernels load 16-byte vectors)
 # A quantized row (values and scales: 216 B at SmolLM2's shape) is padded to a multiple of this, so
 # a layer's K and V rows fill whole 64-byte cache lines in a token-major row: no line is then shared
-# with the next layer's rows, which fetched it from memory a second time (native int8 decode from
-# memory, 4 x 7,500 tokens: 49.5 -> 45.2 ms, for 448 bytes a token and layer instead of 432).
+# with the next layer's rows (each layer's decode fetched it again), and a head's values split fewer
+# loads across lines (native int8 decode from memory, 4 x 7,500 tokens: 52.6 -> 46.3 ms, for 448
+# bytes a token and layer instead of 432; docs/benchmarks.md).
 QUANTIZED_ROW_ALIGNMENT = 32
 
 
