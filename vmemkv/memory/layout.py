@@ -327,7 +327,8 @@ def choose_page(row_bytes: int, granularity: int, min_tokens: int = 16, max_padd
 def unpadded_row_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                        kind: LayoutKind = "token_major", latent: bool = False) -> int:
     """Bytes one token needs in one physical page of a ``kind`` layout (``latent``: one row per
-    layer, not K and V)."""
+    layer, not K and V): its rows as ``padded_row_bytes`` pads them, without the token stride's
+    padding (``choose_page``)."""
     row = num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
     if is_quantized(dtype):
         row += num_kv_heads * groups_per_row(head_dim) * SCALE_BYTES  # each head's row has its scales
