@@ -59,15 +59,16 @@ STEP_NAMES=(install environment vmm_cuda flash_gpu triton_gpu engine_gpu ab_quic
 # A pytest step's fixed cost there: starting Python, importing torch, transformers and triton, and
 # collecting (5-7 s on the image's 16 cores), then creating a CUDA context (1-3 s).
 declare -A LIMIT=(
-  [install]=20          # 8 s: pip's editable install, the page mapper compiled (1 s here)
+  [install]=15          # 8 s: pip's editable install, the page mapper compiled (1 s here)
   [environment]=12      # 6 s: nvidia-smi, importing torch and vmemkv, one CUDA context
   [vmm_cuda]=20         # 10 s: 52 tests, 32 of them CPU-side against the real cuda-bindings (1 s
                         #   here); the other 20 create, map and copy a few 2 MiB pages, ms each
   [flash_gpu]=35        # 25 s: 18 cases of FlashAttention-2 (torch's own, no compiling) against
                         #   float64 SDPA and the Triton kernel (about 8 first compilations, 1-2 s
                         #   each), and 2 engine runs of tiny-llama
-  [triton_gpu]=30       # 24 s: 8 cases, about 10 compilations of the decode and combine kernels
-                        #   (2 of them over int8 / fp8 rows with scales, kv_cache_dtype)
+  [triton_gpu]=35       # 24 s: 8 cases, about 12 compilations of the decode and combine kernels
+                        #   (4 of them over int8 / fp8 rows with scales, kv_cache_dtype: over slots
+                        #   and block tables; the estimate from before the block-table pair)
   [engine_gpu]=50       # 45 s: 21 tests, ~22 engine runs against HF generate: test_window_release_gpu six of
                         #   ~600 decode steps (tiny models: 3-5 ms a step, launch-bound), the rest
                         #   ~45-160 steps each, plus the Triton kernel's window/soft-cap variants;

@@ -285,6 +285,20 @@ def test_the_cold_tier_variants_turn_evictions_into_lossy_hits_and_count_their_a
         assert cells[variant] in ("yes", f"{identical}/{total} lossy")
 
 
+def test_the_quantized_variants_run_over_slots_and_over_block_tables(capsys):
+    """vmem-int8 and paged-int8: the same int8 rows addressed both ways, so the same answers
+    (counted against vmem's, lossy) and the same bytes a token."""
+    status = main(["--quick", "--json", "--no-progress", "--no-plots", "--variants", "vmem,vmem-int8,paged-int8",
+                   "--workloads", "chat", "--out", ""])
+    result = json.loads(capsys.readouterr().out)
+    assert status == 0 and result["failures"] == []
+    runs = result["results"]["chat"]
+    medians = {v: {k: s["median"] for k, s in data["metrics"].items()} for v, data in runs.items()}
+    assert runs["paged-int8"]["requests_identical"] == runs["vmem-int8"]["requests_identical"]
+    assert medians["paged-int8"]["kv_bytes_per_token_per_layer"] == medians["vmem-int8"]["kv_bytes_per_token_per_layer"]
+    assert medians["vmem-int8"]["kv_bytes_per_token_per_layer"] < medians["vmem"]["kv_bytes_per_token_per_layer"]
+
+
 def test_bad_host_tier_and_rank_counts_are_refused(capsys):
     assert main(["--quick", "--host-cache-bytes", "-1"]) == 2
     assert main(["--quick", "--tensor-parallel-size", "0"]) == 2

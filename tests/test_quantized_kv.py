@@ -85,9 +85,34 @@ def test_values_and_scales_of_every_row_live_apart(layout, kv_cache_dtype):
     check_and_close([manager])
 
 
+@pytest.mark.parametrize("layout", ["token_major", "per_layer"])
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_block_tensors_address_the_bytes_and_scales_the_slots_do(layout, kv_cache_dtype):
+    """Values and scales written through the slot views read back through the block tensors
+    (``block_views``, ``block_scale_views``) at each token's block and offset: two mappings of one
+    set of bytes, for the block-table baseline."""
+    manager = KVCacheManager(tiny_config(kv_cache_dtype=kv_cache_dtype, dtype=torch.float32, layout=layout))
+    manager.admit("a", list(range(11)))
+    manager.allocate("a", 10)  # 21 positions, over two pages of 16 tokens
+    slot, table, size = manager.slot_of("a"), manager.block_table("a"), manager.tokens_per_page
+    blocks, offsets = [table[t // size] for t in range(21)], [t % size for t in range(21)]
+    for layer in range(2):
+        slot_rows = zip(manager.kv_views(layer), manager.kv_scale_views(layer))
+        block_rows = zip(manager.block_views(layer), manager.block_scale_views(layer))
+        for kv, ((values, scales), (value_blocks, scale_blocks)) in enumerate(zip(slot_rows, block_rows)):
+            values[slot, :21], scales[slot, :21] = quantize(torch.randn(21, 2, 64) * (1 + layer + 2 * kv),
+                                                            values.dtype)
+            assert torch.equal(value_blocks[blocks, offsets].view(torch.uint8), values[slot, :21].view(torch.uint8))
+            assert torch.equal(scale_blocks[blocks, offsets], scales[slot, :21])
+        del values, scales, value_blocks, scale_blocks, slot_rows, block_rows
+    manager.free("a")
+    check_and_close([manager])
+
+
 def test_a_plain_layout_has_no_scale_views():
     manager = KVCacheManager(tiny_config())
-    assert manager.kv_scale_views(0) is None and not manager.layout.scaled
+    assert manager.kv_scale_views(0) is None and manager.block_scale_views(0) is None
+    assert not manager.layout.scaled
     check_and_close([manager])
 
 
@@ -285,6 +310,31 @@ def test_the_engine_runs_on_quantized_kv_and_reports_its_bytes(kv_cache_dtype, m
     assert_no_leaks(engine.manager)
 
 
+@pytest.mark.parametrize("attention", ["native", "sdpa"])
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_block_tables_read_the_quantized_rows_slots_read(kv_cache_dtype, attention):
+    """kv_backend='paged' over int8 / fp8 rows: written and read through block tables (the native
+    routines read bytes and scales where they lie; SDPA the rows gathered and dequantized), the
+    greedy tokens are vmem's, with a shared prefix cached and a pool small enough that requests are
+    swapped out and back in."""
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(20 + 9 * i)] for i in range(3)]
+    prompts.append(prompts[2][:24] + [5, 6, 7])  # a cached prefix: blocks shared, scales and all
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    tokens = {}
+    for backend in ("vmem", "paged"):
+        engine = LLMEngine(EngineConfig(model="tiny-llama", max_num_seqs=4, max_model_len=128, attention=attention,
+                                        kv_cache_dtype=kv_cache_dtype, kv_backend=backend, num_blocks=9,
+                                        swap_space_bytes=16 << 20))
+        final = run_to_completion(engine, [(str(i), p, params) for i, p in enumerate(prompts)])
+        tokens[backend] = [final[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+        stats = engine.stats()
+        assert stats["kv_cache_dtype"] == kv_cache_dtype
+        assert stats["preemptions_swap"] > 0 and stats["prefix_hit_tokens"] > 0  # swapped out and in, a hit
+        assert_no_leaks(engine.manager)
+    assert tokens["paged"] == tokens["vmem"]
+    assert all(len(t) == 12 for t in tokens["vmem"])
+
+
 @pytest.mark.slow
 def test_the_real_model_reads_the_same_int8_rows_with_both_kernels(real_engine_model):
     """SmolLM2-135M with int8 KV: the native decode routine and SDPA over the dequantized rows
@@ -305,7 +355,6 @@ def test_the_real_model_reads_the_same_int8_rows_with_both_kernels(real_engine_m
 
 @pytest.mark.parametrize("options,match", [
     (dict(kv_cache_dtype="int4"), "kv_cache_dtype must be"),
-    (dict(kv_cache_dtype="int8", kv_backend="paged"), "kv_backend=paged"),
     (dict(kv_cache_dtype="fp8", attention="flash", device="cuda"), "attention=flash"),
 ])
 def test_the_engine_refuses_what_quantized_kv_does_not_cover(options, match):

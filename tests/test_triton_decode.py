@@ -237,6 +237,31 @@ def test_quantized_rows_read_as_their_float_reference(dtype, head_dim, num_split
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 
+def blocks_of(slots: torch.Tensor, size: int):
+    """``[num_slots, T, ...]`` slots cut into blocks of ``size`` tokens, the blocks shuffled: the
+    block tensor and each slot's block table."""
+    num_slots, tokens = slots.shape[:2]
+    per_slot = tokens // size
+    order = torch.randperm(num_slots * per_slot, generator=torch.Generator().manual_seed(3))
+    blocks = torch.empty_like(slots.reshape(num_slots * per_slot, size, *slots.shape[2:]))
+    blocks[order] = slots.reshape(num_slots * per_slot, size, *slots.shape[2:])
+    return blocks, order.view(num_slots, per_slot).to(torch.int32)
+
+
+@cpu_case
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_quantized_blocks_read_as_the_same_slots(dtype):
+    """int8 / fp8 rows and their scales cut into shuffled blocks of 16 tokens: the block-table
+    read equals the slot read of the same rows."""
+    (kq, vq), (ks, vs), _, q = quantized_case(dtype, torch.float32, 3, 80, 2, 64, "cpu", 2)
+    slots, lens = torch.tensor([2, 0, 1]), torch.tensor([77, 40, 1], dtype=torch.int32)
+    (k_blocks, tables), (v_blocks, _) = blocks_of(kq, 16), blocks_of(vq, 16)
+    (ks_blocks, _), (vs_blocks, _) = blocks_of(ks, 16), blocks_of(vs, 16)
+    expected = decode_attention_contiguous(q, kq, vq, slots, lens, 0.125, kv_scales=(ks, vs))
+    got = decode_attention_paged(q, k_blocks, v_blocks, tables[slots], lens, 0.125, kv_scales=(ks_blocks, vs_blocks))
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
 @pytest.mark.skipif(INTERPRETS, reason="the CPU cases run in this process")
 @pytest.mark.skipif(HAS_CUDA and not os.environ.get("VMEMKV_TEST_INTERPRETER"),
                     reason="GPU present: the CPU interpreter cases are left to CPU machines "
@@ -302,6 +327,11 @@ def test_gpu_quantized_rows_read_as_their_float_reference(dtype):
     expected = decode_attention_contiguous(q, kd.bfloat16(), vd.bfloat16(), slots, lens, 128 ** -0.5)
     got = decode_attention_contiguous(q, kq, vq, slots, lens, 128 ** -0.5, kv_scales=scales)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=0)
+    (k_blocks, tables), (v_blocks, _) = blocks_of(kq.cpu(), 16), blocks_of(vq.cpu(), 16)
+    (ks_blocks, _), (vs_blocks, _) = blocks_of(scales[0].cpu(), 16), blocks_of(scales[1].cpu(), 16)
+    paged = decode_attention_paged(q, k_blocks.cuda(), v_blocks.cuda(), tables.cuda()[slots], lens, 128 ** -0.5,
+                                   kv_scales=(ks_blocks.cuda(), vs_blocks.cuda()))
+    torch.testing.assert_close(paged, got, atol=1e-6, rtol=0)  # through block tables: the same read
 
 
 @pytest.mark.gpu

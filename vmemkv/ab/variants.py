@@ -71,6 +71,13 @@ VARIANTS: dict[str, Variant] = {
     "vmem-fp8": Variant("vmem-fp8", "vmem", "token_major",
                         "vmem with fp8 (e4m3) K/V rows and a float32 scale per 32 values",
                         kv_cache_dtype="fp8"),
+    # ... and the same rows through block tables: the A/B of addressing at the quantized dtype
+    "paged-int8": Variant("paged-int8", "paged", "token_major",
+                          f"block tables over int8 K/V rows and their scales ({PAGED_READS})",
+                          kv_cache_dtype="int8"),
+    "paged-fp8": Variant("paged-fp8", "paged", "token_major",
+                         f"block tables over fp8 (e4m3) K/V rows and their scales ({PAGED_READS})",
+                         kv_cache_dtype="fp8"),
 }
 REFERENCE_VARIANT = "vmem"  # token ids of the other variants are compared with this one's
 DEFAULT_VARIANTS = ("vmem", "paged", "vmem-per-layer", "paged-per-layer")

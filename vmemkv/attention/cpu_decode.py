@@ -228,19 +228,23 @@ def decode_attention_paged_cpu(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks
                                num_splits: int | None = None, max_seq_len: int | None = None,
                                shared_prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
                                new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                               calls: LayerCalls | None = None) -> torch.Tensor:
+                               calls: LayerCalls | None = None,
+                               kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Block tables: ``k_blocks``/``v_blocks`` strided ``[num_blocks, block_size, Hk, D]``,
     ``block_tables`` ``[B, max_blocks]``; token ``t`` of sequence ``b`` is
     ``k_blocks[block_tables[b, t // block_size], t % block_size]``; entries behind a window or past
-    a length are never read. Other arguments as ``decode_attention_contiguous_cpu``."""
+    a length are never read. Quantized blocks come with ``kv_scales`` ``[num_blocks, block_size, Hk,
+    groups]``. Other arguments as ``decode_attention_contiguous_cpu``."""
     geometry = None if calls is None else LayerCalls.geometry(
         q, k_blocks, v_blocks, out, new_kv, block_tables, seq_lens, scale, window, softcap, sinks, check_bounds,
-        num_threads, num_splits, max_seq_len, shared_prefix)
-    if geometry is not None and (done := calls.run(geometry, q, k_blocks, v_blocks, out, new_kv)) is not None:
+        num_threads, num_splits, max_seq_len, shared_prefix, kv_scales)
+    if geometry is not None and (done := calls.run(geometry, q, k_blocks, v_blocks, out, new_kv,
+                                                   kv_scales)) is not None:
         return done
-    check_inputs(q, k_blocks, v_blocks, seq_lens, ("k_blocks", "v_blocks"), out)
+    check_inputs(q, k_blocks, v_blocks, seq_lens, ("k_blocks", "v_blocks"), out, kv_scales)
     block_tables = check_block_tables(block_tables, q, seq_lens, k_blocks, window, check_bounds)
     block_size = k_blocks.shape[1]
     tables = _as_int32(block_tables)
     return _run(q, k_blocks, v_blocks, tables, tables.stride(0), seq_lens, scale, block_size, out, window,
-                softcap, sinks, num_threads, num_splits, max_seq_len, shared_prefix, new_kv, calls, geometry)
+                softcap, sinks, num_threads, num_splits, max_seq_len, shared_prefix, new_kv, calls, geometry,
+                kv_scales)

@@ -4,7 +4,12 @@
 sequence, so reading gathers the sequence's blocks (a copy) — the honest CPU baseline. At its best
 on CPU: decoding sequences are gathered into one padded tensor and attended in one call when that
 is cheaper than a gather and a call per sequence (``worth_batching``); ``copy_seconds`` counts the
-gathers."""
+gathers.
+
+A quantized cache (int8 / fp8 rows with float32 scales beside them, ``memory/quantized_rows.py``) is
+written quantized into the blocks; the decode kernels read its bytes and scales through the
+tables, and what SDPA reads is gathered and dequantized into the query's dtype, as
+``ContiguousAttention`` does over slots."""
 
 from __future__ import annotations
 
@@ -17,11 +22,14 @@ import torch
 from vmemkv.attention.metadata import StepMetadata
 from vmemkv.attention.packed import PackedAttention, SequenceSpan
 from vmemkv.attention.slot_batch import DecodeBatch, gather_padded, worth_batching
+from vmemkv.memory.quantized_rows import dequantize, write_rows
 
 
 class BlockTableAttention(PackedAttention):
     """``block_views(layer)`` gives that layer's K and V block tensors. ``share_prefixes``:
-    decoding sequences holding the same leading blocks read them once (``shared_prefix``)."""
+    decoding sequences holding the same leading blocks read them once (``shared_prefix``).
+    ``block_scale_views(layer)``: a quantized cache's scales of that layer as block tensors
+    (``KVCacheManager.block_scale_views``)."""
 
     # Stage the block ids per-sequence SDPA reads (``read``) with the step's upload; a subclass
     # whose kernel reads the tables itself turns this off, and ``read`` uploads them if asked.
@@ -30,8 +38,10 @@ class BlockTableAttention(PackedAttention):
     def __init__(self, spans: list[SequenceSpan],
                  block_views: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
                  tokens_per_page: int, device: torch.device, decode_kernel: bool = False,
-                 share_prefixes: bool = False):
+                 share_prefixes: bool = False,
+                 block_scale_views: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None):
         self.block_views = block_views
+        self.block_scale_views = block_scale_views
         self.tokens_per_page = tokens_per_page
         super().__init__(spans, device, decode_kernel, tokens_per_page if share_prefixes else 0)
 
@@ -71,21 +81,43 @@ class BlockTableAttention(PackedAttention):
         self._batch_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
         return [batch]
 
-    def batch_kv(self, layer, batch, start=0, dtype=None):  # the cache's dtype: never quantized here
+    def batch_kv(self, layer, batch, start=0, dtype=None):
         began = time.perf_counter()
-        k_blocks, v_blocks = self.block_views(layer)
-        k = gather_padded(k_blocks, self._batch_table, batch.read_len, start)
-        v = gather_padded(v_blocks, self._batch_table, batch.read_len, start)
+        k, v = (self._dequantized([gather_padded(blocks, self._batch_table, batch.read_len, start)
+                                          for blocks in views], dtype)
+                for views in self._views_and_scales(layer))
         self.copy_seconds += time.perf_counter() - began
         return k, v
 
     def write(self, layer, key, value):
         k_blocks, v_blocks = self.block_views(layer)
-        k_blocks[self.write_blocks, self.write_offsets] = key.to(k_blocks.dtype)
-        v_blocks[self.write_blocks, self.write_offsets] = value.to(v_blocks.dtype)
+        at = (self.write_blocks, self.write_offsets)
+        if self.block_scale_views is not None:
+            k_scales, v_scales = self.block_scale_views(layer)
+            write_rows(k_blocks, k_scales, at, key)
+            write_rows(v_blocks, v_scales, at, value)
+            return
+        k_blocks[at] = key.to(k_blocks.dtype)
+        v_blocks[at] = value.to(v_blocks.dtype)
+
+    def _views_and_scales(self, layer):
+        """(K blocks, their scales) and (V blocks, theirs): the scales only of a quantized cache."""
+        k_blocks, v_blocks = self.block_views(layer)
+        if self.block_scale_views is None:
+            return (k_blocks,), (v_blocks,)
+        k_scales, v_scales = self.block_scale_views(layer)
+        return (k_blocks, k_scales), (v_blocks, v_scales)
+
+    @staticmethod
+    def _dequantized(rows_and_scales, dtype):
+        """Gathered rows as they lie, or (with their gathered scales) dequantized into ``dtype``."""
+        return rows_and_scales[0] if len(rows_and_scales) == 1 else dequantize(*rows_and_scales, dtype)
 
     def cache_views(self, layer):
         return self.block_views(layer)
+
+    def cache_scale_views(self, layer):
+        return None if self.block_scale_views is None else self.block_scale_views(layer)
 
     def prefill_index(self, members):
         size = self.tokens_per_page
@@ -95,13 +127,12 @@ class BlockTableAttention(PackedAttention):
 
     def read(self, layer, index, start=0, dtype=None):
         began = time.perf_counter()
-        k_blocks, v_blocks = self.block_views(layer)
         first = start // self.tokens_per_page  # blocks wholly behind the window are not gathered
         blocks = self._read_block_ids()[self._table_starts[index] + first: self._table_starts[index + 1]]
         offset = first * self.tokens_per_page  # the first gathered row's position
         rows = slice(start - offset, self.spans[index].length - offset)
-        k = k_blocks.index_select(0, blocks).flatten(0, 1)[rows]
-        v = v_blocks.index_select(0, blocks).flatten(0, 1)[rows]
+        k, v = (self._dequantized([t.index_select(0, blocks).flatten(0, 1)[rows] for t in views], dtype)
+                for views in self._views_and_scales(layer))
         self.copy_seconds += time.perf_counter() - began
         return k, v
 
@@ -117,14 +148,15 @@ class BlockTableAttention(PackedAttention):
 
     def decode(self, layer, q, scale, **variant):
         k_blocks, v_blocks = self.block_views(layer)
+        scales = self.cache_scale_views(layer)
         if self.device.type == "cpu":  # the native routine (cpu_decode); Triton on CUDA
             from vmemkv.attention.cpu_decode import decode_attention_paged_cpu
 
             return decode_attention_paged_cpu(q, k_blocks, v_blocks, self.decode_tables, self.decode_lens, scale,
                                               max_seq_len=self.decode_max_len,
                                               shared_prefix=self.shared_prefix(variant["window"]),
-                                              calls=self.layer_calls, **variant)
+                                              calls=self.layer_calls, kv_scales=scales, **variant)
         from vmemkv.attention.triton_decode import decode_attention_paged
 
         return decode_attention_paged(q, k_blocks, v_blocks, self.decode_tables, self.decode_lens,
-                                      scale, max_seq_len=self.decode_max_len, **variant)
+                                      scale, max_seq_len=self.decode_max_len, kv_scales=scales, **variant)

@@ -400,17 +400,19 @@ def decode_attention_paged(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
                            block_n: int | None = None, num_warps: int = 4,
                            num_stages: int = 2, window: int | None = None,
                            softcap: float | None = None,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None,
+                           kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Decode attention over a block-table (paged) KV cache.
 
     ``k_blocks``/``v_blocks`` strided ``[num_blocks, block_size, Hk, D]`` views (last dim
-    contiguous); ``block_tables`` ``[B, max_blocks]`` int32 (int64 accepted); token ``t`` of
-    sequence ``b`` is ``k_blocks[block_tables[b, t // block_size], t % block_size]``. Entries past
-    a sequence's length are never read. Other arguments as in ``decode_attention_contiguous``;
-    ``check_bounds=True`` also checks the entries each sequence reads (from its window start)
-    against ``num_blocks``.
+    contiguous), in q's dtype, or int8 / float8_e4m3fn with ``kv_scales`` ``[num_blocks,
+    block_size, Hk, groups]`` float32; ``block_tables`` ``[B, max_blocks]`` int32 (int64
+    accepted); token ``t`` of sequence ``b`` is ``k_blocks[block_tables[b, t // block_size], t %
+    block_size]``. Entries past a sequence's length are never read. Other arguments as in
+    ``decode_attention_contiguous``; ``check_bounds=True`` also checks the entries each sequence
+    reads (from its window start) against ``num_blocks``.
     """
-    check_inputs(q, k_blocks, v_blocks, seq_lens, ("k_blocks", "v_blocks"), out)
+    check_inputs(q, k_blocks, v_blocks, seq_lens, ("k_blocks", "v_blocks"), out, kv_scales)
     block_tables = check_block_tables(block_tables, q, seq_lens, k_blocks, window, check_bounds)
     block_size = k_blocks.shape[1]
     capacity = block_tables.shape[1] * block_size
@@ -418,4 +420,4 @@ def decode_attention_paged(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
                    (k_blocks.stride(0), v_blocks.stride(0)), paged=True, block_size=block_size, out=out,
                    num_splits=num_splits, max_seq_len=max_seq_len, block_n=block_n,
                    num_warps=num_warps, num_stages=num_stages, window=window, softcap=softcap,
-                   sinks=sinks)
+                   sinks=sinks, kv_scales=kv_scales)

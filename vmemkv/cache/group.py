@@ -478,6 +478,9 @@ class KVCacheGroup:
     def block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.slots.block_views(layer)
 
+    def block_scale_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.slots.block_scale_views(layer)
+
     def state_views(self, layer: int) -> list[torch.Tensor]:
         raise ConfigError(f"layer {self.layers[layer]} holds {self.spec.describe()}, not a "
                           "recurrent state; read it with kv_views")
@@ -707,7 +710,7 @@ class RecurrentStateGroup(KVCacheGroup):
         raise ConfigError(f"layer {self.layers[layer]} holds {self.spec.describe()}, no K/V; "
                           "read it with state_views")
 
-    block_views = kv_scale_views = kv_views
+    block_views = kv_scale_views = block_scale_views = kv_views
 
     def blocks_for_tokens(self, num_tokens: int, chunk_tokens: int | None = None) -> int:
         return self.state_blocks

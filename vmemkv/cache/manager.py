@@ -806,6 +806,12 @@ class KVCacheManager:
         backends)."""
         return self.queries.block_views(layer)
 
+    def block_scale_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """With ``kv_cache_dtype`` "int8" or "fp8": the float32 scales of layer ``layer``'s K and V
+        rows as block tensors ``[num_blocks, tokens_per_page, kv_heads, groups]``, beside
+        ``block_views`` (both backends); None when K/V are stored in the model's dtype."""
+        return self.queries.block_scale_views(layer)
+
     def request(self, request_id: str) -> KVRequest:
         """The admitted (running or swapped) request of this id: the caller's KVRequest, or the
         one ``admit`` made for an id."""

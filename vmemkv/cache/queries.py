@@ -60,6 +60,7 @@ class KVCacheViews:
         self.layer_group, self.kv_views = queries.layer_group, queries.kv_views
         self.block_views, self.batched_reads = queries.block_views, queries.batched_reads
         self.state_views, self.kv_scale_views = queries.state_views, queries.kv_scale_views
+        self.block_scale_views = queries.block_scale_views
 
     config = property(lambda self: self._manager.config)
     layout = property(lambda self: self._manager.layout)
@@ -264,6 +265,11 @@ class CacheQueries:
         self.registry.check_open()
         group, index = self.coordinator.where(check.layer_index(layer, self.config.num_layers))
         return group.block_views(index)
+
+    def block_scale_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        self.registry.check_open()
+        group, index = self.coordinator.where(check.layer_index(layer, self.config.num_layers))
+        return group.block_scale_views(index)
 
     def request(self, request_id: str) -> KVRequest:
         return self.registry.known(check.request_id(request_id))

@@ -254,15 +254,30 @@ class KVLayout:
     def scale_view_geometry(self, layer: int, kv: int, max_tokens: int) -> tuple[tuple[int, int, int], int]:
         """Strides (token, head, group) in float32 elements and the float32 offset of the scales of layer
         ``layer``'s K (``kv=0``) or V (``kv=1``) within one slot (a quantized layout only)."""
-        if not self.scaled:
-            raise ConfigError(f"a {self.dtype} layout has no scales")
-        row = self._row_index(layer, kv)
+        row = self._scaled_row_index(layer, kv)
         strides = (self.token_stride_bytes // SCALE_BYTES, self.scale_groups, 1)
         if self.kind == "token_major":
             row_start = row * self.row_stride_bytes
         else:  # the row's own tensor
             row_start = row * self.logical_pages_for(max_tokens) * self.page_size
-        return strides, (row_start + self.head_elems * self.itemsize) // SCALE_BYTES  # after its values
+        return strides, self._scales_of_row(row_start)
+
+    def block_scale_view_geometry(self, layer: int, kv: int) -> tuple[tuple[int, int, int, int], int]:
+        """Strides (block, token, head, group) and float32 offset of the scales of a layer's K or V
+        in the pool window, beside ``block_view_geometry``'s rows (a quantized layout only)."""
+        row = self._scaled_row_index(layer, kv)
+        strides = (self.block_bytes // SCALE_BYTES, self.token_stride_bytes // SCALE_BYTES, self.scale_groups, 1)
+        row_start = row * (self.row_stride_bytes if self.kind == "token_major" else self.page_size)
+        return strides, self._scales_of_row(row_start)
+
+    def _scaled_row_index(self, layer: int, kv: int) -> int:
+        if not self.scaled:
+            raise ConfigError(f"a {self.dtype} layout has no scales")
+        return self._row_index(layer, kv)
+
+    def _scales_of_row(self, row_start: int) -> int:
+        """The float32 offset of the scales of the row starting at byte ``row_start``: after its values."""
+        return (row_start + self.head_elems * self.itemsize) // SCALE_BYTES
 
     def describe(self) -> dict:
         return {

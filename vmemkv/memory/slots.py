@@ -28,6 +28,7 @@ import torch
 
 from vmemkv.errors import ConfigError, VmemkvError
 from vmemkv.memory.layout import KVLayout
+from vmemkv.memory.quantized_rows import SCALE_DTYPE
 from vmemkv.memory.vmm.base import VirtualMemoryBackend
 
 
@@ -102,6 +103,8 @@ class SlotBinder:
         self._readable = [0] * num_slots
         self.stats = SlotStats()
         self._block_views = [self._layer_block_views(layer) for layer in range(layout.num_layers)]
+        self._block_scale_views = ([self._layer_block_scale_views(layer) for layer in range(layout.num_layers)]
+                                   if layout.scaled else [])
         self._own_references = self._reference_counts()
 
     # --- binding ------------------------------------------------------------------------------
@@ -212,7 +215,7 @@ class SlotBinder:
 
     def kv_scale_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         raise ConfigError("kv_backend='paged' (a block-table cache) has no slot views; use "
-                          "kv_backend='vmem' with a quantized kv_cache_dtype")
+                          "block_scale_views() with the requests' block tables, or kv_backend='vmem'")
 
     def block_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V over the whole pool as vLLM-style block tensors
@@ -230,11 +233,27 @@ class SlotBinder:
             views.append(window.as_strided(shape, strides, offset))
         return views[0], views[1]
 
+    def block_scale_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A quantized layout's scales of layer ``layer``'s K and V rows as block tensors
+        ``[num_blocks, tokens_per_page, kv_heads, groups]`` float32, beside ``block_views``; None
+        when the layout stores plain values."""
+        return self._block_scale_views[layer] if self.layout.scaled else None
+
+    def _layer_block_scale_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        layout = self.layout
+        window = self.backend.pool_window().view(-1).view(SCALE_DTYPE)
+        shape = (self.num_blocks, layout.tokens_per_page, layout.num_kv_heads, layout.scale_groups)
+        views = []
+        for kv in (0, 1):
+            strides, offset = layout.block_scale_view_geometry(layer, kv)
+            views.append(window.as_strided(shape, strides, offset))
+        return views[0], views[1]
+
     def _reference_counts(self) -> list[int]:
         """References to each view tensor and to each distinct storage under them (tensors and
         arrays made from a view hold its storage, not the view)."""
-        views = [t for pair in self._block_views + getattr(self, "_views", []) + getattr(self, "_scale_views", [])
-                 for t in pair]
+        views = [t for pair in self._block_views + self._block_scale_views + getattr(self, "_views", [])
+                 + getattr(self, "_scale_views", []) for t in pair]
         storages = {}
         for view in views:
             storage = view.untyped_storage()

@@ -132,8 +132,9 @@ class BlockTableAddressing(Addressing):
                 spans, views.block_views, tokens_per_page, device, kernel)
         else:
             decode_kernel = choice.decode_kernel
+            scales = views.block_scale_views if views.layout.scaled else None  # quantized rows
             self.attention = lambda spans: BlockTableAttention(
-                spans, views.block_views, tokens_per_page, device, decode_kernel, share)
+                spans, views.block_views, tokens_per_page, device, decode_kernel, share, scales)
 
     def span(self, kv: KVRequest, begin: int, count: int, computed: int) -> SequenceSpan:
         return SequenceSpan(kv.slot, begin, count, computed, kv.block_table)
@@ -191,11 +192,10 @@ def _attention_choice(attention: str, kv_backend: str, manager: KVViews, device,
                               "the absorbed form by torch operations, not that kernel; use "
                               "attention='auto'")
         return AttentionChoice("sdpa", why_not_flash="MLA latent rows: the absorbed-form attention")
-    if layout.scaled and (kv_backend == "paged" or attention == "flash"):
-        raise ConfigError(f"kv_cache_dtype {manager.config.kv_cache_dtype!r} with "
-                          f"{'kv_backend=paged' if kv_backend == 'paged' else 'attention=flash'}: quantized "
-                          "rows are read over slots by the native CPU routine, the Triton kernel or SDPA; "
-                          "use kv_backend='vmem' with attention 'auto', 'native', 'triton' or 'sdpa'")
+    if layout.scaled and attention == "flash":
+        raise ConfigError(f"kv_cache_dtype {manager.config.kv_cache_dtype!r} with attention=flash: quantized "
+                          "rows are read by the native CPU routine, the Triton kernel or SDPA; use "
+                          "attention 'auto', 'native', 'triton' or 'sdpa'")
     dtype = layout.dtype
     if layout.scaled:  # the kernels compute in the model's dtype; FlashAttention-2 reads no bytes
         dtype = manager.config.dtype

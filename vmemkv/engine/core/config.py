@@ -174,11 +174,10 @@ class EngineConfig:
         check_threads(self.threads)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype != "auto" and (self.kv_backend == "paged" or self.attention == "flash"):
-            raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} with "
-                              f"{'kv_backend=paged' if self.kv_backend == 'paged' else 'attention=' + self.attention}: "
-                              "quantized rows are read over slots by the native CPU routine, the Triton "
-                              "kernel or SDPA; use kv_backend='vmem' and attention 'auto'")
+        if self.kv_cache_dtype != "auto" and self.attention == "flash":
+            raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} with attention=flash: quantized rows are "
+                              "read by the native CPU routine, the Triton kernel or SDPA (FlashAttention-2 "
+                              "reads no bytes); use attention 'auto'")
         if self.kv_cold_tier != "off" and self.tensor_parallel_size > 1:
             raise ConfigError(f"kv_cold_tier {self.kv_cold_tier!r} with tensor_parallel_size "
                               f"{self.tensor_parallel_size}: the cold tier runs on one rank only so far; "

@@ -78,7 +78,7 @@ class _ReplayedReads:
         # the rest of KVViews: the manager's own
         self.config, self.layout, self.tokens_per_page = manager.config, manager.layout, manager.tokens_per_page
         self.layer_group, self.kv_views, self.block_views = manager.layer_group, manager.kv_views, manager.block_views
-        self.kv_scale_views = manager.kv_scale_views
+        self.kv_scale_views, self.block_scale_views = manager.kv_scale_views, manager.block_scale_views
 
     @property
     def layout_groups(self):
