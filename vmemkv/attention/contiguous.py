@@ -16,7 +16,7 @@ import torch
 from vmemkv.attention.metadata import StepMetadata
 from vmemkv.attention.packed import PackedAttention, SequenceSpan
 from vmemkv.attention.slot_batch import DecodeBatch, slot_runs, worth_batching
-from vmemkv.memory.quantized_rows import dequantize, write_rows
+from vmemkv.memory.quantized_rows import dequantize, write_kv
 
 
 class SlotReads(Protocol):
@@ -78,15 +78,8 @@ class ContiguousAttention(PackedAttention):
                 self.reads.release_reads()  # the last read of this step is done
 
     def write(self, layer, key, value):
-        k_cache, v_cache = self.kv_views(layer)
-        at = (self.write_slots, self.write_positions)
-        if self.kv_scale_views is not None:
-            k_scales, v_scales = self.kv_scale_views(layer)
-            write_rows(k_cache, k_scales, at, key)
-            write_rows(v_cache, v_scales, at, value)
-            return
-        k_cache[at] = key.to(k_cache.dtype)
-        v_cache[at] = value.to(v_cache.dtype)
+        write_kv(*self.kv_views(layer), self.cache_scale_views(layer), (self.write_slots, self.write_positions),
+                 key, value)
 
     def _rows(self, layer, outer, tokens, dtype):
         """K and V at ``[outer, tokens]`` of the layer's views: as they lie, or dequantized into

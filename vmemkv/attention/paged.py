@@ -22,7 +22,7 @@ import torch
 from vmemkv.attention.metadata import StepMetadata
 from vmemkv.attention.packed import PackedAttention, SequenceSpan
 from vmemkv.attention.slot_batch import DecodeBatch, gather_padded, worth_batching
-from vmemkv.memory.quantized_rows import dequantize, write_rows
+from vmemkv.memory.quantized_rows import dequantize, write_kv
 
 
 class BlockTableAttention(PackedAttention):
@@ -90,15 +90,8 @@ class BlockTableAttention(PackedAttention):
         return k, v
 
     def write(self, layer, key, value):
-        k_blocks, v_blocks = self.block_views(layer)
-        at = (self.write_blocks, self.write_offsets)
-        if self.block_scale_views is not None:
-            k_scales, v_scales = self.block_scale_views(layer)
-            write_rows(k_blocks, k_scales, at, key)
-            write_rows(v_blocks, v_scales, at, value)
-            return
-        k_blocks[at] = key.to(k_blocks.dtype)
-        v_blocks[at] = value.to(v_blocks.dtype)
+        write_kv(*self.block_views(layer), self.cache_scale_views(layer), (self.write_blocks, self.write_offsets),
+                 key, value)
 
     def _views_and_scales(self, layer):
         """(K blocks, their scales) and (V blocks, theirs): the scales only of a quantized cache."""

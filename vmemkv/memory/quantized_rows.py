@@ -77,3 +77,15 @@ def write_rows(values: torch.Tensor, scales: torch.Tensor, index: tuple, rows: t
     quantized, scale = quantize(rows, values.dtype)
     values[index] = quantized
     scales[index] = scale
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
+             index: tuple, key: torch.Tensor, value: torch.Tensor) -> None:
+    """``key`` and ``value`` stored at ``index`` of a layer's K and V (slot views or block tensors):
+    quantized with their scales where the cache has ``scales``, else in the cache's dtype."""
+    if scales is not None:
+        write_rows(k_cache, scales[0], index, key)
+        write_rows(v_cache, scales[1], index, value)
+        return
+    k_cache[index] = key.to(k_cache.dtype)
+    v_cache[index] = value.to(v_cache.dtype)
