@@ -70,8 +70,8 @@ class EngineConfig:
     # How K/V are stored (vLLM's --kv-cache-dtype): "auto" in the model's dtype; "int8" or "fp8"
     # (e4m3): one byte a value and a float32 scale per 32 values (memory/quantized_rows.py),
     # 0.56-0.58x of bfloat16's bytes at head_dim 64, lossy. Read by the native CPU decode routine and
-    # the Triton decode kernel, and by SDPA over the step's rows dequantized; kv_backend "vmem",
-    # no FlashAttention.
+    # the Triton decode kernel, and by SDPA over the step's rows dequantized; over slots (kv_backend
+    # "vmem") or block tables ("paged"); no FlashAttention.
     kv_cache_dtype: str = CacheConfig.kv_cache_dtype
     seed: int = 0
     # The scheduling policy, a name in POLICIES (engine/core/policies.py): "fcfs", "priority" (the
