@@ -297,6 +297,9 @@ def test_the_quantized_variants_run_over_slots_and_over_block_tables(capsys):
     assert runs["paged-int8"]["requests_identical"] == runs["vmem-int8"]["requests_identical"]
     assert medians["paged-int8"]["kv_bytes_per_token_per_layer"] == medians["vmem-int8"]["kv_bytes_per_token_per_layer"]
     assert medians["vmem-int8"]["kv_bytes_per_token_per_layer"] < medians["vmem"]["kv_bytes_per_token_per_layer"]
+    from vmemkv.ab.report import summary_bullets
+
+    assert any(line.startswith("Throughput over int8 rows") for line in summary_bullets(result))
 
 
 def test_bad_host_tier_and_rank_counts_are_refused(capsys):

@@ -268,6 +268,11 @@ def summary_bullets(result: dict) -> list[str]:
         parts.append(_throughput_verdict(
             result, "vmem-per-layer", "paged-per-layer",
             lead="Throughput in the per-layer layout (the same bytes, other addressing)"))
+    for kv_dtype in ("int8", "fp8"):  # quantized live KV over slots and over block tables
+        if f"vmem-{kv_dtype}" in variants and f"paged-{kv_dtype}" in variants:
+            parts.append(_throughput_verdict(
+                result, f"vmem-{kv_dtype}", f"paged-{kv_dtype}",
+                lead=f"Throughput over {kv_dtype} rows (the same bytes and scales, other addressing)"))
     parts += _release_against_keep(result)
     failures = result.get("failures") or []
     lossy = [v for v in variants if v in VARIANTS and VARIANTS[v].lossy]
