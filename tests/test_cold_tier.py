@@ -14,8 +14,9 @@ import torch
 
 from conftest import check_and_close, manager_state, prefix_keys, tiny_config
 from vmemkv import BlockStored, CacheKeys, ConfigError, InvalidInputError, KVCacheManager, KVEventBuffer, KVRequest
-from vmemkv.cache.block_codec import BlockCodec
+from vmemkv.cache.block_codec import BlockCodec, QuantizedBlockCodec
 from vmemkv.cache.events import MEDIUM_COLD, MEDIUM_DEVICE_LOSSY, is_lossy_key, lossy_key
+from vmemkv.memory.quantized_rows import dequantize, quantize
 
 TOKENS_PER_PAGE = 4
 SHAPE = dict(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32, tokens_per_page=TOKENS_PER_PAGE)
@@ -57,6 +58,55 @@ def test_a_codec_refuses_what_it_cannot_compress():
         BlockCodec("fp8", torch.float16, 4096, 64, 64)
     with pytest.raises(ConfigError, match="floating-point"):
         BlockCodec("int8", torch.int32, 4096, 64, 64)
+
+
+@pytest.mark.parametrize("layout", ["token_major", "per_layer"])
+@pytest.mark.parametrize("kv_cache_dtype,fmt", [("int8", "int8"), ("int8", "int4"), ("fp8", "int8"), ("fp8", "int4")])
+def test_a_quantized_block_comes_back_as_its_rows_quantized_again(kv_cache_dtype, fmt, layout):
+    """Blocks of quantized live KV (int8 / fp8 bytes, their scales beside them): the codec reads
+    every layer's K and V rows where the layout puts them, compresses their values, and writes a
+    decompressed block back as rows of the live format (padding zero). int8 rows under the int8
+    cold format come back byte for byte; the others within the two quantizations' steps."""
+    m = KVCacheManager(tiny_config(kv_cache_dtype=kv_cache_dtype, dtype=torch.float32, layout=layout,
+                                   max_model_len=128))
+    tokens = 128 if m.tokens_per_page > 32 else 2 * m.tokens_per_page  # whole blocks (two token-major ones)
+    m.admit("a", list(range(tokens)))
+    slot, written = m.slot_of("a"), {}
+    torch.manual_seed(1)
+    for layer in range(2):
+        for kv, (values, scales) in enumerate(zip(m.kv_views(layer), m.kv_scale_views(layer))):
+            rows = torch.randn(tokens, 2, 64) * torch.logspace(-2, 1, 64)
+            values[slot, :tokens], scales[slot, :tokens] = quantize(rows, values.dtype)
+            written[layer, kv] = dequantize(values[slot, :tokens], scales[slot, :tokens], torch.float32)
+        del values, scales
+    layout_of, blocks = m.layout, m.block_table("a")
+    n = len(blocks)
+    window = m.memories[0].backend.pool_window().view(-1, layout_of.block_bytes)
+    codec = QuantizedBlockCodec(fmt, layout_of)
+    packed = codec.compress(window[blocks])
+    assert packed.nbytes == n * codec.compressed_bytes < n * layout_of.block_bytes
+    back = codec.decompress(packed)
+    assert back.shape == (n, layout_of.block_bytes)
+    covered = torch.zeros_like(back)
+    for row, ((values, scales), (old_values, old_scales)) in enumerate(zip(codec._row_views(back),
+                                                                          codec._row_views(window[blocks]))):
+        layer, kv = codec.rows[row]
+        got = dequantize(values, scales, torch.float32).reshape(tokens, 2, 64)
+        if (kv_cache_dtype, fmt) == ("int8", "int8"):
+            assert torch.equal(values.view(torch.uint8), old_values.view(torch.uint8))
+            assert torch.equal(scales, old_scales)
+        cold_step = written[layer, kv].unflatten(-1, (2, 32)).abs().amax(-1, keepdim=True) / (127 if fmt == "int8" else 7)
+        live_step = scales.reshape(tokens, 2, 2, 1)  # the live format's step (fp8: a value's own rounding, below)
+        bound = cold_step / 2 + (live_step / 2 if kv_cache_dtype == "int8" else written[layer, kv].unflatten(
+            -1, (2, 32)).abs() * 2 ** -3 + cold_step)
+        assert ((got - written[layer, kv]).abs().unflatten(-1, (2, 32)) <= bound + 1e-6).all()
+        for view, of in ((values.view(torch.uint8), covered), (scales, covered.view(torch.int32))):
+            of.as_strided(view.shape, view.stride(), view.storage_offset()).fill_(-1)  # what the rows cover
+        del values, scales, old_values, old_scales
+    assert not back[covered == 0].any()  # padding between and after the rows: zero
+    del window
+    m.free("a")
+    check_and_close([m])
 
 
 # --- a manager with a cold tier -------------------------------------------------------------------

@@ -51,6 +51,22 @@ def test_a_shared_prompt_comes_back_from_the_cold_tier_and_an_exact_request_reco
         assert engine.manager.num_blocks_in_use == 0
 
 
+@pytest.mark.parametrize("kv_cache_dtype,fmt", [("int8", "int8"), ("int8", "int4"), ("fp8", "int4")])
+def test_quantized_live_kv_goes_cold_and_comes_back_in_its_own_format(kv_cache_dtype, fmt):
+    """int8 / fp8 live KV under the cold tier: the shared prompt's blocks are compressed from
+    their rows and come back as rows of the live format (a hit on all 64 tokens); an exact
+    request recomputes them."""
+    cold = dict(kv_cold_tier=fmt, kv_cold_cache_bytes=16 << 20, kv_cache_dtype=kv_cache_dtype)
+    for kv_exact in (False, True):
+        engine, _, tokens = chat(kv_exact, **cold)
+        stats = engine.stats()
+        assert stats["kv_cache_dtype"] == kv_cache_dtype and len(tokens) == NEW_TOKENS
+        assert stats["prefix_hit_tokens_cold"] == (0 if kv_exact else 64)
+        assert stats["cold_demotions"] >= 4
+        engine.manager.check()
+        assert engine.manager.num_blocks_in_use == 0
+
+
 def test_the_cold_tier_options_reach_the_cache_and_bad_ones_are_refused():
     from vmemkv.cli import build_parser, engine_config_from_args
 

@@ -364,7 +364,6 @@ def test_the_engine_refuses_what_quantized_kv_does_not_cover(options, match):
 
 @pytest.mark.parametrize("options,match", [
     (dict(kv_cache_dtype="int4"), "kv_cache_dtype"),
-    (dict(kv_cache_dtype="int8", cold_tier="int8", cold_cache_bytes=1 << 20), "the cold tier"),
     (dict(kv_cache_dtype="fp8", latent=True, num_kv_heads=1), "latent rows"),
 ])
 def test_the_manager_refuses_what_quantized_kv_does_not_cover(options, match):

@@ -18,7 +18,7 @@ import torch
 
 from vmemkv.cache.allocation import RELEASED
 from vmemkv.cache.config import CacheConfig, CacheStats
-from vmemkv.cache.block_codec import BlockCodec
+from vmemkv.cache.block_codec import BlockCodec, QuantizedBlockCodec
 from vmemkv.cache.cold_tier import ColdEntry, ColdTier
 from vmemkv.cache.host_tier import HostEntry, HostTier
 from vmemkv.cache.events import KVEventSink, exact_key, is_lossy_key, lossy_sink
@@ -77,8 +77,9 @@ class KVMemory:
         codec = cold_blocks = None
         if config.cold_tier != "off":
             layout = self.layout
-            codec = BlockCodec(config.cold_tier, layout.dtype, layout.block_bytes, layout.head_dim,
-                               layout.token_stride_bytes // layout.itemsize)
+            codec = (QuantizedBlockCodec(config.cold_tier, layout) if layout.scaled else
+                     BlockCodec(config.cold_tier, layout.dtype, layout.block_bytes, layout.head_dim,
+                                layout.token_stride_bytes // layout.itemsize))
             cold_blocks = config.cold_cache_bytes // codec.compressed_bytes
         # lossy blocks (decompressed from the cold tier) are told under their media (lossy_sink)
         self.pool = BlockPool(config.num_blocks, lossy_sink(events) if codec else events,
