@@ -21,6 +21,10 @@ identical, and for the others the first position where they differ.
     python experiments/bench_cold_tier.py                                  # readable table
     python experiments/bench_cold_tier.py --quick                          # smoke run, tiny model
     python experiments/bench_cold_tier.py --out experiments/results        # cold_tier_cpu.md/.json
+    python experiments/bench_cold_tier.py --kv-cache-dtype int8 --dtype bfloat16 --variants exact,cold-int8,cold-int4
+
+``--kv-cache-dtype`` int8 / fp8: every variant keeps its live KV quantized (the cold tier then
+compresses the rows' values, ``block_codec.QuantizedBlockCodec``).
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ def engine_for(variant: str, args) -> LLMEngine:
                "cold-int4": {"kv_cold_tier": "int4", "kv_cold_cache_bytes": tier}}[variant]
     return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device="cpu", threads=args.threads,
                                   max_num_seqs=args.concurrency, max_model_len=args.max_model_len,
-                                  num_blocks=args.num_blocks, **options))
+                                  num_blocks=args.num_blocks, kv_cache_dtype=args.kv_cache_dtype, **options))
 
 
 def run(variant: str, args) -> dict:
@@ -93,7 +97,7 @@ def run(variant: str, args) -> dict:
         "prompt_tokens_computed": queried - stats["prefix_hit_tokens"],
         "hit_tokens": {tier: stats[f"prefix_hit_tokens_{tier}"] for tier in ("device", "host", "cold")},
         "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
-        "block_bytes": engine.manager.block_bytes, "head_dim": engine.manager.layout.head_dim,
+        "block_bytes": engine.manager.block_bytes, "layout": engine.manager.layout,
         "lower_tier_blocks": engine.manager.host_tier.capacity + engine.manager.cold_tier.capacity,
         "answers": answers,
     }
@@ -101,16 +105,23 @@ def run(variant: str, args) -> dict:
     return result
 
 
-def codec_speed(engine_block_bytes: int, dtype: torch.dtype, head_dim: int, repeats: int = 5) -> dict:
+def codec_speed(layout, repeats: int = 5) -> dict:
     """Milliseconds to compress and to decompress one of the model's blocks (16 at a time, in
-    torch ops at this process's threads), per format."""
-    from vmemkv.cache.block_codec import BlockCodec
+    torch ops at this process's threads), per format; quantized live KV through its own codec."""
+    from vmemkv.cache.block_codec import BlockCodec, QuantizedBlockCodec
 
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    blocks = torch.randn(16, engine_block_bytes // itemsize).to(dtype).view(torch.uint8)
+    if layout.scaled:  # random bytes, and scales that are plain floats
+        blocks = torch.randint(-100, 100, (16, layout.block_bytes), dtype=torch.int8).view(torch.uint8)
+        make = lambda fmt: QuantizedBlockCodec(fmt, layout)  # noqa: E731
+        for values, scales in make("int8")._row_views(blocks):
+            scales.uniform_(0.01, 0.1)
+    else:
+        blocks = torch.randn(16, layout.block_bytes // layout.itemsize).to(layout.dtype).view(torch.uint8)
+        make = lambda fmt: BlockCodec(fmt, layout.dtype, layout.block_bytes, layout.head_dim,  # noqa: E731
+                                      layout.head_dim)
     out = {}
     for fmt in ("int8", "int4"):
-        codec = BlockCodec(fmt, dtype, engine_block_bytes, head_dim, head_dim)
+        codec = make(fmt)
         packed = codec.compress(blocks)  # warm
         start = time.perf_counter()
         for _ in range(repeats):
@@ -142,7 +153,9 @@ def markdown(results: dict) -> str:
     a = results["args"]
     lines = ["# The cold tier on a multi-tenant shared-prefix workload", "",
              f"`{results['command']}` ({results['date']}, {results['cpu']} ({results['cpu_flags']}), "
-             f"{a['threads']} thread(s); {a['model']} in {a['dtype']}; {a['tenants']} tenants (the four "
+             f"{a['threads']} thread(s); {a['model']} in {a['dtype']}"
+             f"{'' if a.get('kv_cache_dtype', 'auto') == 'auto' else ', live KV in ' + a['kv_cache_dtype']}; "
+             f"{a['tenants']} tenants (the four "
              f"chat-real assistants, each under cache salts of its own), {a['requests']} requests in waves "
              f"of {a['concurrency']}, {a['answer_tokens']} greedy tokens each; device pool "
              f"{a['num_blocks']} blocks of {results['rows'][0]['block_bytes']:,} B; lower tier "
@@ -183,6 +196,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--tier-mib", type=int, default=32)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                        help="how every variant stores its live KV")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny-llama, a few requests: a smoke run")
     parser.add_argument("--out", type=Path)
@@ -201,7 +216,10 @@ def main() -> None:
     agreement(rows)
     for row in rows:  # counted: the answers themselves stay out of the results file
         del row["answers"]
-    results = {"codec_ms": codec_speed(rows[0]["block_bytes"], getattr(torch, args.dtype), rows[0]["head_dim"]),
+    layout = rows[0]["layout"]
+    for row in rows:
+        del row["layout"]
+    results = {"codec_ms": codec_speed(layout),
                "command": "python experiments/bench_cold_tier.py " + " ".join(sys.argv[1:]),
                "date": datetime.date.today().isoformat(), "cpu": cpu_model(), "cpu_flags": cpu_flags_note(),
                "args": {k: v for k, v in vars(args).items() if k != "out"} | {"out": None},
