@@ -16,7 +16,7 @@ from conftest import check_and_close, manager_state, prefix_keys, tiny_config
 from vmemkv import BlockStored, CacheKeys, ConfigError, InvalidInputError, KVCacheManager, KVEventBuffer, KVRequest
 from vmemkv.cache.block_codec import BlockCodec, QuantizedBlockCodec
 from vmemkv.cache.events import MEDIUM_COLD, MEDIUM_DEVICE_LOSSY, is_lossy_key, lossy_key
-from vmemkv.memory.quantized_rows import dequantize, quantize
+from vmemkv.memory.quantized_rows import dequantize, quantize, write_rows
 
 TOKENS_PER_PAGE = 4
 SHAPE = dict(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32, tokens_per_page=TOKENS_PER_PAGE)
@@ -116,23 +116,38 @@ def float_kv(token_ids: list[int], dim: int) -> torch.Tensor:
     return torch.sin(keys * 0.37 + torch.arange(dim, dtype=torch.float64) * 0.11).float() * 4
 
 
+def kv_rows(m, layer: int):
+    """The layer's K and V as (values, scales or None): a quantized manager's rows and their scales."""
+    scales = m.kv_scale_views(layer) or (None, None)
+    return list(zip(m.kv_views(layer), scales))
+
+
 def write(m, request_id: str, start: int, end: int) -> None:
-    """Write positions [start, end) of every layer's K and V (as a forward pass would)."""
+    """Write positions [start, end) of every layer's K and V (as a forward pass would; quantized
+    rows with their scales in a quantized manager)."""
     tokens, slot = m.token_ids(request_id)[:end], m.slot_of(request_id)
     for layer in range(SHAPE["num_layers"]):
-        for index, view in enumerate(m.kv_views(layer)):
-            rows = float_kv(tokens, 2 * 64 * (layer + 1) + index)[start:, -2 * 64:]
-            view[slot, start:end] = rows.view(end - start, 2, 64)
+        for index, (view, scales) in enumerate(kv_rows(m, layer)):
+            rows = float_kv(tokens, 2 * 64 * (layer + 1) + index)[start:, -2 * 64:].view(end - start, 2, 64)
+            if scales is None:
+                view[slot, start:end] = rows
+            else:
+                write_rows(view, scales, (slot, slice(start, end)), rows)
 
 
 def kv_error(m, request_id: str) -> float:
-    """The largest difference between the request's computed K/V and what ``write`` writes."""
+    """The largest difference between the request's computed K/V and what ``write`` writes (in a
+    quantized manager: its rows dequantized against what ``write`` stores, dequantized)."""
     length, slot = m.num_computed_tokens(request_id), m.slot_of(request_id)
     tokens, worst = m.token_ids(request_id)[:length], 0.0
     for layer in range(SHAPE["num_layers"]):
-        for index, view in enumerate(m.kv_views(layer)):
+        for index, (view, scales) in enumerate(kv_rows(m, layer)):
             expected = float_kv(tokens, 2 * 64 * (layer + 1) + index)[:, -2 * 64:].view(length, 2, 64)
-            worst = max(worst, (view[slot, :length] - expected).abs().max().item())
+            got = view[slot, :length]
+            if scales is not None:
+                got = dequantize(got, scales[slot, :length], torch.float32)
+                expected = dequantize(*quantize(expected, view.dtype), torch.float32)
+            worst = max(worst, (got - expected).abs().max().item())
     return worst
 
 

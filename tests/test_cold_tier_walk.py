@@ -26,14 +26,16 @@ INT8_BOUND = 4 / 254 + 1e-6  # half a step of int8 over values of magnitude <= 4
 
 class ColdTierMachine(RuleBasedStateMachine):
     host_blocks = 0
+    cold_format, bound, quantized = "int8", INT8_BOUND, {}
 
     def __init__(self):
         super().__init__()
-        codec = BlockCodec("int8", SHAPE["dtype"], BLOCK_BYTES, 64, 256)
+        # (a quantized block's codec keeps as many values: the same compressed bytes)
+        codec = BlockCodec(self.cold_format, SHAPE["dtype"], BLOCK_BYTES, 64, 256)
         config = tiny_config(**{**SHAPE, "num_blocks": 6, "max_model_len": 24, "max_num_seqs": 3,
-                                "cold_tier": "int8", "cold_cache_bytes": 8 * codec.compressed_bytes,
+                                "cold_tier": self.cold_format, "cold_cache_bytes": 8 * codec.compressed_bytes,
                                 "host_cache_bytes": self.host_blocks * BLOCK_BYTES,
-                                "swap_space_bytes": 3 * BLOCK_BYTES})
+                                "swap_space_bytes": 3 * BLOCK_BYTES, **self.quantized})
         self.events = KVEventBuffer()
         self.m = KVCacheManager(config, events=self.events)
         self.media: dict[str, set[bytes]] = {}  # each medium's hashes, rebuilt from the events
@@ -87,7 +89,7 @@ class ColdTierMachine(RuleBasedStateMachine):
         write(self.m, request.request_id, cached, self.m.num_tokens(request))
         self.m.commit(request)
         error = kv_error(self.m, request.request_id)
-        assert error == 0 if exact else error <= INT8_BOUND
+        assert error == 0 if exact else error <= self.bound
         self.m.free(request)
 
     @precondition(lambda self: self.growable())
@@ -163,7 +165,7 @@ class ColdTierMachine(RuleBasedStateMachine):
                 assert request.allocation.lossy_from is None
                 assert kv_error(self.m, name) == 0, name
             else:
-                assert kv_error(self.m, name) <= INT8_BOUND, name
+                assert kv_error(self.m, name) <= self.bound, name
 
     @invariant()
     def events_rebuild_each_tier(self):
@@ -186,9 +188,19 @@ class ColdBelowHostMachine(ColdTierMachine):
     host_blocks = 2  # the full host tier spills to the cold tier
 
 
+class ColdOverInt8Machine(ColdTierMachine):
+    """int8 live KV (rows and scales in the pages) under an int4 cold tier: a tolerant request's
+    rows within int4's half step of what was written plus int8's twice (the live rows quantized
+    again after decompressing, against the exact rows' own rounding)."""
+    cold_format, bound = "int4", 4 / 14 + 2 * 4 / 254 + 1e-6
+    quantized = {"kv_cache_dtype": "int8", "max_padding": 3.0}  # padded rows: pages of 4 tokens as above
+
+
 SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 TestColdTierWalk = ColdTierMachine.TestCase
 TestColdTierWalk.settings = SETTINGS
 TestColdBelowHostWalk = ColdBelowHostMachine.TestCase
 TestColdBelowHostWalk.settings = SETTINGS
+TestColdOverInt8Walk = ColdOverInt8Machine.TestCase
+TestColdOverInt8Walk.settings = SETTINGS
