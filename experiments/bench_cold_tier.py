@@ -113,7 +113,7 @@ def codec_speed(layout, repeats: int = 5) -> dict:
     if layout.scaled:  # random bytes, and scales that are plain floats
         blocks = torch.randint(-100, 100, (16, layout.block_bytes), dtype=torch.int8).view(torch.uint8)
         make = lambda fmt: QuantizedBlockCodec(fmt, layout)  # noqa: E731
-        for values, scales in make("int8")._row_views(blocks):
+        for values, scales in make("int8").row_views(blocks):
             scales.uniform_(0.01, 0.1)
     else:
         blocks = torch.randn(16, layout.block_bytes // layout.itemsize).to(layout.dtype).view(torch.uint8)

@@ -88,8 +88,8 @@ def test_a_quantized_block_comes_back_as_its_rows_quantized_again(kv_cache_dtype
     back = codec.decompress(packed)
     assert back.shape == (n, layout_of.block_bytes)
     covered = torch.zeros_like(back)
-    for row, ((values, scales), (old_values, old_scales)) in enumerate(zip(codec._row_views(back),
-                                                                          codec._row_views(window[blocks]))):
+    for row, ((values, scales), (old_values, old_scales)) in enumerate(zip(codec.row_views(back),
+                                                                          codec.row_views(window[blocks]))):
         layer, kv = codec.rows[row]
         got = dequantize(values, scales, torch.float32).reshape(tokens, 2, 64)
         if (kv_cache_dtype, fmt) == ("int8", "int8"):

@@ -134,7 +134,7 @@ class QuantizedBlockCodec(BlockCodec):
         self.block_bytes = layout.block_bytes
 
     def compress(self, blocks: torch.Tensor) -> CompressedBlocks:
-        rows = [dequantize(values, scales, torch.float32) for values, scales in self._row_views(blocks)]
+        rows = [dequantize(values, scales, torch.float32) for values, scales in self.row_views(blocks)]
         return self._pack(torch.stack(rows, dim=1).reshape(len(blocks), -1))
 
     def decompress(self, packed: CompressedBlocks) -> torch.Tensor:
@@ -142,11 +142,11 @@ class QuantizedBlockCodec(BlockCodec):
         floats = self._unpack(packed).reshape(n, len(self.rows), layout.tokens_per_page, layout.num_kv_heads,
                                               layout.head_dim)
         blocks = torch.zeros(n, self.block_bytes, dtype=torch.uint8, device=packed.values.device)
-        for row, (values, scales) in enumerate(self._row_views(blocks)):
+        for row, (values, scales) in enumerate(self.row_views(blocks)):
             values[...], scales[...] = quantize(floats[:, row], values.dtype)
         return blocks
 
-    def _row_views(self, blocks: torch.Tensor):
+    def row_views(self, blocks: torch.Tensor):
         """Per row (layer, K or V) of ``blocks`` (``[n, block_bytes]`` uint8, contiguous): its
         values ``[n, tokens, kv_heads, head_dim]`` and scales ``[n, tokens, kv_heads, groups]``,
         views into ``blocks`` where the layout puts them."""
