@@ -60,22 +60,25 @@ def test_a_codec_refuses_what_it_cannot_compress():
         BlockCodec("int8", torch.int32, 4096, 64, 64)
 
 
-@pytest.mark.parametrize("layout", ["token_major", "per_layer"])
+@pytest.mark.parametrize("layout", ["token_major", "per_layer", "latent"])
 @pytest.mark.parametrize("kv_cache_dtype,fmt", [("int8", "int8"), ("int8", "int4"), ("fp8", "int8"), ("fp8", "int4")])
 def test_a_quantized_block_comes_back_as_its_rows_quantized_again(kv_cache_dtype, fmt, layout):
     """Blocks of quantized live KV (int8 / fp8 bytes, their scales beside them): the codec reads
-    every layer's K and V rows where the layout puts them, compresses their values, and writes a
-    decompressed block back as rows of the live format (padding zero). int8 rows under the int8
-    cold format come back byte for byte; the others within the two quantizations' steps."""
-    m = KVCacheManager(tiny_config(kv_cache_dtype=kv_cache_dtype, dtype=torch.float32, layout=layout,
-                                   max_model_len=128))
+    every layer's K and V rows (an MLA layout's one latent row) where the layout puts them,
+    compresses their values, and writes a decompressed block back as rows of the live format
+    (padding zero). int8 rows under the int8 cold format come back byte for byte; the others within
+    the two quantizations' steps."""
+    shape = dict(layout="token_major", latent=True, num_kv_heads=1) if layout == "latent" else dict(layout=layout)
+    m = KVCacheManager(tiny_config(kv_cache_dtype=kv_cache_dtype, dtype=torch.float32, max_model_len=128, **shape))
     tokens = 128 if m.tokens_per_page > 32 else 2 * m.tokens_per_page  # whole blocks (two token-major ones)
+    heads, kinds = m.layout.num_kv_heads, (0,) if layout == "latent" else (0, 1)  # latent: K and V one row
     m.admit("a", list(range(tokens)))
     slot, written = m.slot_of("a"), {}
     torch.manual_seed(1)
     for layer in range(2):
-        for kv, (values, scales) in enumerate(zip(m.kv_views(layer), m.kv_scale_views(layer))):
-            rows = torch.randn(tokens, 2, 64) * torch.logspace(-2, 1, 64)
+        for kv in kinds:
+            values, scales = m.kv_views(layer)[kv], m.kv_scale_views(layer)[kv]
+            rows = torch.randn(tokens, heads, 64) * torch.logspace(-2, 1, 64)
             values[slot, :tokens], scales[slot, :tokens] = quantize(rows, values.dtype)
             written[layer, kv] = dequantize(values[slot, :tokens], scales[slot, :tokens], torch.float32)
         del values, scales
@@ -91,12 +94,12 @@ def test_a_quantized_block_comes_back_as_its_rows_quantized_again(kv_cache_dtype
     for row, ((values, scales), (old_values, old_scales)) in enumerate(zip(codec.row_views(back),
                                                                           codec.row_views(window[blocks]))):
         layer, kv = codec.rows[row]
-        got = dequantize(values, scales, torch.float32).reshape(tokens, 2, 64)
+        got = dequantize(values, scales, torch.float32).reshape(tokens, heads, 64)
         if (kv_cache_dtype, fmt) == ("int8", "int8"):
             assert torch.equal(values.view(torch.uint8), old_values.view(torch.uint8))
             assert torch.equal(scales, old_scales)
         cold_step = written[layer, kv].unflatten(-1, (2, 32)).abs().amax(-1, keepdim=True) / (127 if fmt == "int8" else 7)
-        live_step = scales.reshape(tokens, 2, 2, 1)  # the live format's step (fp8: a value's own rounding, below)
+        live_step = scales.reshape(tokens, heads, 2, 1)  # the live format's step (fp8: a value's own rounding, below)
         bound = cold_step / 2 + (live_step / 2 if kv_cache_dtype == "int8" else written[layer, kv].unflatten(
             -1, (2, 32)).abs() * 2 ** -3 + cold_step)
         assert ((got - written[layer, kv]).abs().unflatten(-1, (2, 32)) <= bound + 1e-6).all()

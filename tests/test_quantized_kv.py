@@ -292,10 +292,12 @@ def test_a_step_attends_the_rows_it_wrote_quantized(attention, kv_cache_dtype):
 @pytest.mark.parametrize("kv_cache_dtype,model", [
     ("int8", "tiny-llama"), ("fp8", "tiny-llama"), ("int8", "tiny-mistral"), ("int8", "tiny-gemma2"),
     pytest.param("fp8", "tiny-qwen3-next", marks=STATE_MIXERS_ROUTED),  # skipped where transformers'
-    pytest.param("int8", "tiny-falcon-h1", marks=FALCON_H1)])  # mixers take their state otherwise
+    pytest.param("int8", "tiny-falcon-h1", marks=FALCON_H1),  # mixers take their state otherwise
+    ("int8", "tiny-deepseek-v3"), ("fp8", "tiny-minicpm3")])
 def test_the_engine_runs_on_quantized_kv_and_reports_its_bytes(kv_cache_dtype, model):
-    """Full attention, a sliding window (released behind it), local and global layer groups, and
-    recurrent state beside quantized attention layers (the state keeps its own dtypes)."""
+    """Full attention, a sliding window (released behind it), local and global layer groups,
+    recurrent state beside quantized attention layers (the state keeps its own dtypes), and MLA's
+    latent rows (one a token and layer)."""
     engine = LLMEngine(EngineConfig(model=model, max_num_seqs=4, max_model_len=128,
                                     kv_cache_dtype=kv_cache_dtype, swap_space_bytes=16 << 20))
     prompts = [[(7 * i + j) % 250 + 1 for j in range(20 + 9 * i)] for i in range(4)]
@@ -306,8 +308,38 @@ def test_the_engine_runs_on_quantized_kv_and_reports_its_bytes(kv_cache_dtype, m
     layout = engine.manager.layout
     assert stats["kv_cache_dtype"] == kv_cache_dtype
     row = layout.num_kv_heads * (layout.head_dim + 4 * groups_per_row(layout.head_dim))
-    assert stats["kv_bytes_per_token_per_layer"] == 2 * (-(-row // 32) * 32)  # rows padded to 32 B
+    assert stats["kv_bytes_per_token_per_layer"] == layout.rows_per_layer * (-(-row // 32) * 32)  # padded to 32 B
     assert_no_leaks(engine.manager)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_latent_rows_are_written_quantized_and_attended_as_their_float_reference(kv_cache_dtype):
+    """MLA's latent rows (one a token and layer) in int8 / fp8 with their scales: a prompt chunk
+    and a decode step attend what they wrote, the rows dequantized, as ``attend_latent`` does over
+    the same rows quantized and dequantized by hand."""
+    from vmemkv.attention import SequenceSpan
+    from vmemkv.attention.latent import LatentAttention, attend_latent
+    from vmemkv.attention.variants import causal_window_mask
+
+    manager = KVCacheManager(tiny_config(kv_cache_dtype=kv_cache_dtype, dtype=torch.float32, latent=True,
+                                         num_kv_heads=1, max_model_len=40))
+    manager.admit("a", list(range(12)))
+    manager.allocate("a", 1)
+    slot, generator = manager.slot_of("a"), torch.Generator().manual_seed(5)
+    latent = torch.randn(1, 1, 13, 64, generator=generator) * torch.logspace(-1, 1, 64)
+    query = torch.randn(1, 4, 13, 64, generator=generator)
+    stored = dequantize(*quantize(latent[0, 0], FORMATS[kv_cache_dtype]), torch.float32)  # [13, 64]
+    views = manager.views()
+    for span, tokens in ((SequenceSpan(slot, 0, 12, 0), slice(0, 12)), (SequenceSpan(slot, 0, 1, 12), slice(12, 13))):
+        attention = LatentAttention([span], views.kv_views, "cpu", views.kv_scale_views)
+        got = attention(0, query[:, :, tokens], latent[:, :, tokens], 0.125, 48)
+        mask = causal_window_mask(span.num_cached, span.num_queries, 0, None, "cpu") if span.num_queries > 1 else None
+        expected = attend_latent(query[0, :, tokens], stored[:tokens.stop], 0.125, 48, mask).transpose(0, 1)
+        torch.testing.assert_close(got[0], expected, atol=1e-6, rtol=0)
+    assert manager.kv_scale_views(0)[0].shape[-1] == groups_per_row(64)
+    del views, attention
+    manager.free("a")
+    check_and_close([manager])
 
 
 @pytest.mark.parametrize("attention", ["native", "sdpa"])
@@ -364,7 +396,6 @@ def test_the_engine_refuses_what_quantized_kv_does_not_cover(options, match):
 
 @pytest.mark.parametrize("options,match", [
     (dict(kv_cache_dtype="int4"), "kv_cache_dtype"),
-    (dict(kv_cache_dtype="fp8", latent=True, num_kv_heads=1), "latent rows"),
 ])
 def test_the_manager_refuses_what_quantized_kv_does_not_cover(options, match):
     with pytest.raises(ConfigError, match=match):

@@ -257,9 +257,6 @@ def config(cfg):
                           f"{cfg.cold_cache_bytes} and enable_prefix_caching {cfg.enable_prefix_caching}; "
                           "the cold tier keeps prefix-cache blocks: give it cold_cache_bytes > 0 "
                           "with prefix caching on, or set cold_tier='off'")
-    if cfg.kv_cache_dtype != "auto" and cfg.latent:
-        raise ConfigError(f"CacheConfig.kv_cache_dtype {cfg.kv_cache_dtype!r} with an MLA model's latent rows: "
-                          "quantized KV stores K/V rows, so far; use kv_cache_dtype='auto'")
     if cfg.cold_tier == "off" and cfg.cold_cache_bytes:
         raise ConfigError(f"CacheConfig.cold_cache_bytes is {cfg.cold_cache_bytes} with cold_tier "
                           "'off'; choose cold_tier 'int8' or 'int4', or leave cold_cache_bytes 0")

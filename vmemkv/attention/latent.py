@@ -10,7 +10,9 @@ caller projects back through ``W_UV``. Nothing is decompressed, prefill or decod
 
 A request's rows of one layer are one strided view of its slot (``[token][layer][row]``), read in
 place with no block table; each request attends its own rows ``0 .. position`` (causal within a
-packed ragged step).
+packed ragged step). Quantized rows (``kv_cache_dtype`` int8 / fp8: the row's bytes with a float32
+scale per group beside them, ``memory/quantized_rows.py``) are written quantized and read
+dequantized into float32, a request's rows at a time.
 """
 
 from __future__ import annotations
@@ -23,15 +25,19 @@ import torch
 from vmemkv.attention.metadata import StepMetadata
 from vmemkv.attention.packed import PackedAttention, SequenceSpan
 from vmemkv.attention.variants import causal_window_mask
+from vmemkv.memory.quantized_rows import dequantize, write_rows
 
 
 class LatentAttention:
     """The step's attention for a latent layout: ``kv_views(layer)`` gives that layer's latent
-    view ``[slot, token, 1, latent_dim]`` (both views of a latent layout are that one)."""
+    view ``[slot, token, 1, latent_dim]`` (both views of a latent layout are that one);
+    ``kv_scale_views(layer)`` a quantized layout's scales beside it."""
 
     def __init__(self, spans: list[SequenceSpan], kv_views: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                 device: torch.device):
+                 device: torch.device,
+                 kv_scale_views: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None):
         self.spans, self.kv_views, self.device = spans, kv_views, torch.device(device)
+        self.kv_scale_views = kv_scale_views
         self.seconds = 0.0
         self.copy_seconds = 0.0  # nothing is gathered: rows are read in place
         self._staged: StepMetadata | None = StepMetadata()
@@ -58,11 +64,18 @@ class LatentAttention:
             self.upload()
         began = time.perf_counter()
         cache = self.kv_views(layer)[0]
-        cache[self.write_slots, self.write_positions] = latent[0].transpose(0, 1).to(cache.dtype)
+        scales = None if self.kv_scale_views is None else self.kv_scale_views(layer)[0]
+        at = (self.write_slots, self.write_positions)
+        if scales is None:
+            cache[at] = latent[0].transpose(0, 1).to(cache.dtype)
+        else:
+            write_rows(cache, scales, at, latent[0].transpose(0, 1))
         _, num_heads, num_tokens, _ = query.shape
         out = query.new_empty(1, num_tokens, num_heads, value_dim)
         for span in self.spans:
             rows = cache[span.slot, :span.length, 0]  # [L, D], in place
+            if scales is not None:
+                rows = dequantize(rows, scales[span.slot, :span.length, 0], torch.float32)
             queries = slice(span.query_start, span.query_start + span.num_queries)
             mask = (causal_window_mask(span.num_cached, span.num_queries, 0, None, self.device)
                     if span.num_queries > 1 else None)

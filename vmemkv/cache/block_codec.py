@@ -128,7 +128,8 @@ class QuantizedBlockCodec(BlockCodec):
     def __init__(self, fmt: str, layout: "KVLayout"):
         head_elems = layout.num_kv_heads * layout.head_dim
         self.layout = layout
-        self.rows = [(layer, kv) for layer in range(layout.num_layers) for kv in (0, 1)]
+        kinds = (0,) if layout.latent else (0, 1)  # an MLA layout's one latent row a layer, else K and V
+        self.rows = [(layer, kv) for layer in range(layout.num_layers) for kv in kinds]
         values_bytes = len(self.rows) * layout.tokens_per_page * head_elems  # one byte a value
         super().__init__(fmt, torch.float32, values_bytes * 4, layout.head_dim, head_elems)
         self.block_bytes = layout.block_bytes

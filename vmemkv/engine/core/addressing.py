@@ -56,7 +56,8 @@ class SlotAddressing(Addressing):
         # the spans carry block tables for that, which a hybrid's layout groups do not share
         super().__init__(views, device, choice, share_prefixes and len(views.layout_groups) == 1)
         if views.layout.latent:  # MLA: latent rows, attended in the absorbed form on any device
-            self.attention = lambda spans: LatentAttention(spans, views.kv_views, device)
+            scales = views.kv_scale_views if views.layout.scaled else None  # quantized rows
+            self.attention = lambda spans: LatentAttention(spans, views.kv_views, device, scales)
         elif choice.kind == "flash":
             kernel, geometry = choice.kernel, layer_geometries(views)
             distinct = sorted(set(filter(None, geometry)))
