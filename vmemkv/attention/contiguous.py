@@ -16,7 +16,7 @@ import torch
 from vmemkv.attention.metadata import StepMetadata
 from vmemkv.attention.packed import PackedAttention, SequenceSpan
 from vmemkv.attention.slot_batch import DecodeBatch, slot_runs, worth_batching
-from vmemkv.memory.quantized_rows import dequantize, write_kv
+from vmemkv.memory.quantized_rows import write_kv
 
 
 class SlotReads(Protocol):
@@ -81,16 +81,6 @@ class ContiguousAttention(PackedAttention):
         write_kv(*self.kv_views(layer), self.cache_scale_views(layer), (self.write_slots, self.write_positions),
                  key, value)
 
-    def _rows(self, layer, outer, tokens, dtype):
-        """K and V at ``[outer, tokens]`` of the layer's views: as they lie, or dequantized into
-        ``dtype`` (new tensors)."""
-        k_cache, v_cache = self.kv_views(layer)
-        if self.kv_scale_views is None:
-            return k_cache[outer, tokens], v_cache[outer, tokens]
-        k_scales, v_scales = self.kv_scale_views(layer)
-        return (dequantize(k_cache[outer, tokens], k_scales[outer, tokens], dtype),
-                dequantize(v_cache[outer, tokens], v_scales[outer, tokens], dtype))
-
     def cache_views(self, layer):
         return self.kv_views(layer)
 
@@ -102,11 +92,11 @@ class ContiguousAttention(PackedAttention):
 
     def read(self, layer, index, start=0, dtype=None):
         span = self.spans[index]
-        return self._rows(layer, span.slot, slice(start, span.length), dtype)
+        return self.cache_rows(layer, lambda t: t[span.slot, start:span.length], dtype)
 
     def batch_kv(self, layer, batch, start=0, dtype=None):
         end = batch.lo + len(batch.members)
-        return self._rows(layer, slice(batch.lo, end), slice(start, batch.read_len), dtype)
+        return self.cache_rows(layer, lambda t: t[batch.lo:end, start:batch.read_len], dtype)
 
     def decode(self, layer, q, scale, **variant):
         k_cache, v_cache = self.kv_views(layer)

@@ -65,11 +65,7 @@ class LatentAttention:
         began = time.perf_counter()
         cache = self.kv_views(layer)[0]
         scales = None if self.kv_scale_views is None else self.kv_scale_views(layer)[0]
-        at = (self.write_slots, self.write_positions)
-        if scales is None:
-            cache[at] = latent[0].transpose(0, 1).to(cache.dtype)
-        else:
-            write_rows(cache, scales, at, latent[0].transpose(0, 1))
+        write_rows(cache, scales, (self.write_slots, self.write_positions), latent[0].transpose(0, 1))
         _, num_heads, num_tokens, _ = query.shape
         out = query.new_empty(1, num_tokens, num_heads, value_dim)
         for span in self.spans:

@@ -29,6 +29,7 @@ from vmemkv.attention.shared_prefix import shared_prefixes
 from vmemkv.attention.slot_batch import DecodeBatch, attend
 from vmemkv.attention.variants import (causal_chunk_mask, causal_window_mask, chunk_start, explicit_attention,
                                        needs_explicit, window_start)
+from vmemkv.memory.quantized_rows import dequantize
 
 
 class SequenceSpan(NamedTuple):
@@ -271,6 +272,16 @@ class PackedAttention:
         """A quantized cache's scales beside ``cache_views``, ``[outer, tokens, Hk, groups]``
         float32; None for a plain cache."""
         return None
+
+    def cache_rows(self, layer: int, select, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``select(t)`` of the layer's K and V cache (an index or a gather): as they lie, or, of a
+        quantized cache, with ``select`` of their scales, dequantized into ``dtype`` (new tensors)."""
+        k_cache, v_cache = self.cache_views(layer)
+        scales = self.cache_scale_views(layer)
+        if scales is None:
+            return select(k_cache), select(v_cache)
+        return (dequantize(select(k_cache), select(scales[0]), dtype),
+                dequantize(select(v_cache), select(scales[1]), dtype))
 
     def plan_batches(self) -> list[DecodeBatch]:
         """Decoding spans this addressing reads together (called once per step; none here)."""

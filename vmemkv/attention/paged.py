@@ -22,7 +22,7 @@ import torch
 from vmemkv.attention.metadata import StepMetadata
 from vmemkv.attention.packed import PackedAttention, SequenceSpan
 from vmemkv.attention.slot_batch import DecodeBatch, gather_padded, worth_batching
-from vmemkv.memory.quantized_rows import dequantize, write_kv
+from vmemkv.memory.quantized_rows import write_kv
 
 
 class BlockTableAttention(PackedAttention):
@@ -83,28 +83,13 @@ class BlockTableAttention(PackedAttention):
 
     def batch_kv(self, layer, batch, start=0, dtype=None):
         began = time.perf_counter()
-        k, v = (self._dequantized([gather_padded(blocks, self._batch_table, batch.read_len, start)
-                                          for blocks in views], dtype)
-                for views in self._views_and_scales(layer))
+        k, v = self.cache_rows(layer, lambda t: gather_padded(t, self._batch_table, batch.read_len, start), dtype)
         self.copy_seconds += time.perf_counter() - began
         return k, v
 
     def write(self, layer, key, value):
         write_kv(*self.block_views(layer), self.cache_scale_views(layer), (self.write_blocks, self.write_offsets),
                  key, value)
-
-    def _views_and_scales(self, layer):
-        """(K blocks, their scales) and (V blocks, theirs): the scales only of a quantized cache."""
-        k_blocks, v_blocks = self.block_views(layer)
-        if self.block_scale_views is None:
-            return (k_blocks,), (v_blocks,)
-        k_scales, v_scales = self.block_scale_views(layer)
-        return (k_blocks, k_scales), (v_blocks, v_scales)
-
-    @staticmethod
-    def _dequantized(rows_and_scales, dtype):
-        """Gathered rows as they lie, or (with their gathered scales) dequantized into ``dtype``."""
-        return rows_and_scales[0] if len(rows_and_scales) == 1 else dequantize(*rows_and_scales, dtype)
 
     def cache_views(self, layer):
         return self.block_views(layer)
@@ -124,8 +109,7 @@ class BlockTableAttention(PackedAttention):
         blocks = self._read_block_ids()[self._table_starts[index] + first: self._table_starts[index + 1]]
         offset = first * self.tokens_per_page  # the first gathered row's position
         rows = slice(start - offset, self.spans[index].length - offset)
-        k, v = (self._dequantized([t.index_select(0, blocks).flatten(0, 1)[rows] for t in views], dtype)
-                for views in self._views_and_scales(layer))
+        k, v = self.cache_rows(layer, lambda t: t.index_select(0, blocks).flatten(0, 1)[rows], dtype)
         self.copy_seconds += time.perf_counter() - began
         return k, v
 

@@ -72,8 +72,12 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     return (wide * scales[..., None]).flatten(-2).to(dtype)
 
 
-def write_rows(values: torch.Tensor, scales: torch.Tensor, index: tuple, rows: torch.Tensor) -> None:
-    """Quantize ``rows`` and store them at ``values[index]`` and their scales at ``scales[index]``."""
+def write_rows(values: torch.Tensor, scales: torch.Tensor | None, index: tuple, rows: torch.Tensor) -> None:
+    """Quantize ``rows`` and store them at ``values[index]`` and their scales at ``scales[index]``;
+    with no ``scales`` (a plain cache), store them in ``values``' dtype."""
+    if scales is None:
+        values[index] = rows.to(values.dtype)
+        return
     quantized, scale = quantize(rows, values.dtype)
     values[index] = quantized
     scales[index] = scale
@@ -81,11 +85,8 @@ def write_rows(values: torch.Tensor, scales: torch.Tensor, index: tuple, rows: t
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
              index: tuple, key: torch.Tensor, value: torch.Tensor) -> None:
-    """``key`` and ``value`` stored at ``index`` of a layer's K and V (slot views or block tensors):
-    quantized with their scales where the cache has ``scales``, else in the cache's dtype."""
-    if scales is not None:
-        write_rows(k_cache, scales[0], index, key)
-        write_rows(v_cache, scales[1], index, value)
-        return
-    k_cache[index] = key.to(k_cache.dtype)
-    v_cache[index] = value.to(v_cache.dtype)
+    """``key`` and ``value`` stored at ``index`` of a layer's K and V (slot views or block tensors),
+    as ``write_rows`` stores them."""
+    k_scales, v_scales = scales if scales is not None else (None, None)
+    write_rows(k_cache, k_scales, index, key)
+    write_rows(v_cache, v_scales, index, value)
