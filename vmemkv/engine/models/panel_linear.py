@@ -98,11 +98,11 @@ def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out
             or x.device.type != "cpu"):
         raise ValueError(f"input {x.dtype} [..., {x.shape[-1]}] on {x.device} for a {panels.dtype} CPU weight of "
                          f"{in_features} inputs")
-    rows = x.reshape(-1, in_features).contiguous()
+    rows = x if x.is_contiguous() else x.contiguous()  # [..., K] as rows of K, without a reshape op
     if in_features != width:  # an odd K: the last pair's zero
         rows = torch.nn.functional.pad(rows, (0, 1))
-    out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
+    out = x.new_empty((*x.shape[:-1], out_features))
     run = _extension().linear_bf16 if pairs else _extension().linear
-    run(rows.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), rows.shape[0],
-        out_features, panels.shape[1], torch.get_num_threads())
-    return out.reshape(*x.shape[:-1], out_features)
+    run(rows.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+        rows.numel() // rows.shape[-1], out_features, panels.shape[1], torch.get_num_threads())
+    return out
