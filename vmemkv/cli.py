@@ -129,6 +129,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="CPU: run the linear layers with F.linear instead of on packed weights (the "
                             "native panel kernel in float32, else oneDNN; packed by default for a "
                             "model loaded by name)")
+    group.add_argument("--no-direct-forward", action="store_true",
+                       help="run a Llama-code model through transformers' forward instead of direct "
+                            "calls of its modules (the same logits, more Python a step)")
     group.add_argument("--policy", default=None, choices=list(POLICIES),
                        help="admission order: lpm (the default: longest cached prefix first, a request "
                             "passed over N steps goes next), priority (lower value first; the only "
@@ -192,6 +195,7 @@ def engine_config_from_args(args: argparse.Namespace):
         "lpm_window": args.lpm_window,
         "attention": args.attention,
         "packed_linears": False if args.no_packed_linears else None,
+        "direct_forward": False if args.no_direct_forward else None,
         "lookahead_tokens": args.lookahead_tokens,
         "release_behind_window": False if args.keep_blocks_behind_window else None,
         "kv_events_endpoint": getattr(args, "kv_events_endpoint", None),  # serve only

@@ -151,7 +151,8 @@ class LLMEngine:
         self.vocab_size = manager.config.vocab_size  # prompts are checked against it
         self.kv_event_publisher = (KVEventPublisher(config.kv_events_endpoint)
                                    if config.kv_events_endpoint else None)
-        model_runner = ModelRunner(model) if tp is None else tp.model_runner(model)
+        model_runner = ModelRunner(model, config.direct_forward) if tp is None else tp.model_runner(model)
+        self.direct_forward = model_runner.direct_forward  # "on: ..." or "off: why"
         # The KV addressing (slots or block tables) and its attention, chosen once.
         self.addressing = choose_addressing(config, manager.views(), model_runner.device,
                                             text_config(model.config).num_attention_heads)

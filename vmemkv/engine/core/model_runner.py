@@ -18,6 +18,7 @@ import torch
 from transformers import AttentionInterface
 
 from vmemkv.errors import UnsupportedModelError
+from vmemkv.engine.models.direct_forward import DirectLlama, why_not_direct
 from vmemkv.engine.models.hf_support import layer_chunks
 
 ATTENTION_NAME = "vmemkv"
@@ -45,7 +46,11 @@ AttentionInterface.register(ATTENTION_NAME, _attention)
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module):
+    """``direct``: run a model whose code is Llama's by direct calls of its modules
+    (``direct_forward.py``; build this runner after every module swap); ``direct_forward`` says
+    whether it does, or why not."""
+
+    def __init__(self, model: torch.nn.Module, direct: bool = True):
         self.model = model
         self.device = next(model.parameters()).device
         model.set_attn_implementation(ATTENTION_NAME)  # LLMEngine ran check_attention_supported
@@ -53,6 +58,10 @@ class ModelRunner:
         # the engine does not build, so the attention is told each layer's chunk.
         chunks = layer_chunks(model.config)
         self._extra = {CHUNKS_KWARG: chunks} if chunks else {}
+        why = ("turned off" if not direct else "chunked layers (the attention is told each one's chunk)"
+               if chunks else why_not_direct(model))
+        self.direct = None if why else DirectLlama(model)
+        self.direct_forward = f"off: {why}" if why else f"on: Llama's code, {len(self.direct.layers)} layers"
 
     @torch.inference_mode()
     def forward(self, input_ids: list[int], positions: list[int], attention,
@@ -68,6 +77,8 @@ class ModelRunner:
         ids = inputs["input_ids"].view(1, -1)
         pos = inputs["positions"].view(1, -1)
         keep = 0 if logit_rows is None else inputs["logit_rows"]  # 0: all rows, no gather
+        if self.direct is not None:
+            return self.direct(ids, pos, attention, keep)[0].float()
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep,
                          **{BATCH_KWARG: attention}, **self._extra)
         return out.logits[0].float()

@@ -1,0 +1,153 @@
+"""A Llama model's forward over the engine's packed batch as direct calls of its own modules.
+
+A decode step of SmolLM2-135M (4 requests, bfloat16, two threads) spends about 4 of its 19 ms in
+the Python around the modules rather than in them: ``nn.Module.__call__`` for some 400 modules,
+transformers' decorators (keyword deprecation, output capture, config defaults, gradient
+checkpointing), the hub-kernel routing of each attention's rotary (a ``ContextVar`` set and reset
+a call) and the keyword dicts handed down every layer. None of it does anything for the engine's
+call: no cache object, no mask, nothing captured, no hooks.
+
+``DirectLlama`` runs the same modules' ``forward`` in the same order on the same tensors, so its
+logits equal the model's bit for bit. It is a copy of transformers' Llama code, so it runs only
+where that code is what the model runs: the bodies of the model's causal-LM, model, decoder-layer,
+attention and MLP ``forward`` must be the statements this copy was written from (``FINGERPRINTS``,
+transformers 5.25; a modular copy in another model's file counts; any change, and the model runs
+as it is). Off where any module has hooks (tensor parallelism sums each rank's partial outputs in
+forward hooks) and for Llama-4's chunked layers (the attention is told each layer's chunk).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import textwrap
+from typing import Callable
+
+import torch
+from torch import nn
+
+from vmemkv.engine.models.native_rotary import kernel_funcs
+
+# Per part, a hash of its forward's statements as transformers 5.25 writes them (``fingerprint``).
+FINGERPRINTS = {
+    "causal LM": "430740197e726db0",
+    "model": "95e7334e9315c56e",
+    "decoder layer": "f4b11537d1b238be",
+    "attention": "4ea400976585b2ba",
+    "MLP": "6e11a1937897f101",
+}
+
+
+def fingerprint(function: Callable) -> str:
+    """A hash of ``function``'s statements as parsed (its docstring left out): the same for the same
+    code whatever the Python version, the file it is in, or the decorators around it."""
+    source = textwrap.dedent(inspect.getsource(inspect.unwrap(function)))
+    body = ast.parse(source).body[0].body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    return hashlib.sha256("\n".join(ast.dump(node) for node in body).encode()).hexdigest()[:16]
+
+
+def _parts(model: nn.Module) -> dict[str, Callable] | str:
+    """The class ``forward`` of each part ``FINGERPRINTS`` names, or why the model has no such parts."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers) or not hasattr(model, "lm_head"):
+        return "not a Llama-style causal LM (model.model.layers, lm_head)"
+    layer = layers[0]
+    attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attention is None or mlp is None:
+        return "its layers have no self_attn and mlp"
+    parts = {"causal LM": model, "model": base, "decoder layer": layer, "attention": attention, "MLP": mlp}
+    if any(type(module) is not type(getattr(other, name)) for other in layers
+           for name, module in (("self_attn", attention), ("mlp", mlp))) or \
+            any(type(other) is not type(layer) for other in layers):
+        return "its layers are not all of one kind"
+    return {part: type(module).forward for part, module in parts.items()}
+
+
+def why_not_direct(model: nn.Module) -> str:
+    """"" when ``DirectLlama`` computes what ``model`` computes, else why not."""
+    parts = _parts(model)
+    if isinstance(parts, str):
+        return parts
+    for part, forward in parts.items():
+        try:
+            same = fingerprint(forward) == FINGERPRINTS[part]
+        except (OSError, TypeError, SyntaxError, IndexError, AttributeError):  # no source to read
+            same = False
+        if not same:
+            return f"its {part}'s forward is not the Llama code this path copies (transformers 5.25)"
+    hooked = [name or "the model" for name, module in model.named_modules()
+              if module._forward_hooks or module._forward_pre_hooks]
+    if hooked:
+        return f"{hooked[0]} has forward hooks, which direct calls would skip"
+    if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+        return "global module hooks are registered, which direct calls would skip"
+    return ""
+
+
+def _rotary(attention: nn.Module) -> Callable:
+    """What the attention's ``apply_rotary_pos_emb(...)`` calls: transformers routes the module-level
+    function to the instance's private wrapper (``kernel_funcs``; vmemkv's ``NativeRotary`` where
+    swapped) while its forward runs, else it is the function itself."""
+    function = inspect.unwrap(type(attention).forward).__globals__["apply_rotary_pos_emb"]
+    name = getattr(function, "__name__", None) or getattr(function, "kernel_layer_name", None)
+    return kernel_funcs(attention).get(name, function)
+
+
+def _call(module) -> Callable:
+    """A module's ``forward`` (what calling it runs, without hooks), or a plain function itself."""
+    return module.forward if isinstance(module, nn.Module) else module
+
+
+class _Layer:
+    """One decoder layer's calls: the attention and MLP bodies of transformers' Llama inlined."""
+
+    def __init__(self, layer: nn.Module):
+        attention, mlp = layer.self_attn, layer.mlp
+        self.index, self.head_dim, self.scaling = attention.layer_idx, attention.head_dim, attention.scaling
+        self.input_norm, self.post_norm = _call(layer.input_layernorm), _call(layer.post_attention_layernorm)
+        self.q, self.k, self.v, self.o = (_call(getattr(attention, name))
+                                          for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        self.rotary = _rotary(attention)
+        self.gate, self.up, self.down = (_call(getattr(mlp, name)) for name in ("gate_proj", "up_proj", "down_proj"))
+        self.act = _call(mlp.act_fn)
+
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention) -> torch.Tensor:
+        residual = hidden
+        hidden = self.input_norm(hidden)
+        input_shape = hidden.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query = self.q(hidden).view(hidden_shape).transpose(1, 2)
+        key = self.k(hidden).view(hidden_shape).transpose(1, 2)
+        value = self.v(hidden).view(hidden_shape).transpose(1, 2)
+        query, key = self.rotary(query, key, cos, sin)
+        # what model_runner._attention passes for a Llama layer: no window, soft-cap, sinks or chunk
+        output = attention(self.index, query, key, value, self.scaling)
+        hidden = residual + self.o(output.reshape(*input_shape, -1).contiguous())
+        residual = hidden
+        hidden = self.post_norm(hidden)
+        return residual + self.down(self.act(self.gate(hidden)) * self.up(hidden))
+
+
+class DirectLlama:
+    """``model(input_ids=..., position_ids=..., logits_to_keep=...).logits`` for a model
+    ``why_not_direct`` accepts, with the engine's attention object: its modules captured once (build
+    it after every module swap: packing, native norms and rotaries)."""
+
+    def __init__(self, model: nn.Module):
+        base = model.model
+        self.embed, self.rotary_emb, self.norm = _call(base.embed_tokens), _call(base.rotary_emb), _call(base.norm)
+        self.layers = [_Layer(layer) for layer in base.layers[: base.config.num_hidden_layers]]
+        self.lm_head = _call(model.lm_head)
+        self.keep = inspect.unwrap(type(model).forward).__globals__["slice_logits_to_keep"]
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention,
+                 logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(input_ids)
+        cos, sin = self.rotary_emb(hidden, position_ids=position_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, attention)
+        return self.lm_head(self.keep(self.norm(hidden), logits_to_keep))
