@@ -51,20 +51,18 @@ def fingerprint(function: Callable) -> str:
 
 def _parts(model: nn.Module) -> dict[str, Callable] | str:
     """The class ``forward`` of each part ``FINGERPRINTS`` names, or why the model has no such parts."""
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
+    layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers) or not hasattr(model, "lm_head"):
         return "not a Llama-style causal LM (model.model.layers, lm_head)"
-    layer = layers[0]
-    attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if attention is None or mlp is None:
-        return "its layers have no self_attn and mlp"
-    parts = {"causal LM": model, "model": base, "decoder layer": layer, "attention": attention, "MLP": mlp}
-    if any(type(module) is not type(getattr(other, name)) for other in layers
-           for name, module in (("self_attn", attention), ("mlp", mlp))) or \
-            any(type(other) is not type(layer) for other in layers):
+    kinds = {(type(layer), type(getattr(layer, "self_attn", None)), type(getattr(layer, "mlp", None)))
+             for layer in layers}
+    if len(kinds) != 1:
         return "its layers are not all of one kind"
-    return {part: type(module).forward for part, module in parts.items()}
+    layer, attention, mlp = next(iter(kinds))
+    if type(None) in (attention, mlp):
+        return "its layers have no self_attn and mlp"
+    return {"causal LM": type(model).forward, "model": type(model.model).forward, "decoder layer": layer.forward,
+            "attention": attention.forward, "MLP": mlp.forward}
 
 
 def why_not_direct(model: nn.Module) -> str:
