@@ -16,18 +16,16 @@ greedy tokens (checked: the run stops if they differ).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
-from machine import cpu_flags_note, cpu_model, write_results  # experiments/machine.py
+from machine import add_decode_bench_arguments, finish_bench  # experiments/machine.py
 
 SETTINGS = {"direct calls": True, "transformers forward": False}
 
@@ -99,33 +97,14 @@ def markdown(results: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--requests", type=int, default=4)
-    parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="tiny-llama, few steps: a smoke run")
-    parser.add_argument("--out", type=Path, help="write direct_forward_cpu.md and .json here")
-    parser.add_argument("--stem", default="direct_forward_cpu")
+    add_decode_bench_arguments(parser, "direct_forward_cpu", prompt_tokens=64, rounds=8, steps=20)
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.dtype, args.rounds, args.steps = "tiny-llama", "float32", 2, 3
     load_before = os.getloadavg()[0]
     rows, said = step_times(args)
-    results = {
-        "command": "python experiments/bench_direct_forward.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": datetime.date.today().isoformat(), "cpu": cpu_model(), "flags": cpu_flags_note(),
-        "load_before": load_before, "args": {**vars(args), "out": str(args.out)}, "said": said, "rows": rows,
-    }
-    table = markdown(results)
-    print(table)
-    if args.out:
-        write_results(args.out, args.stem, results, table)
-    return 0
-
+    return finish_bench("bench_direct_forward.py", argv, args,
+                        {"load_before": load_before, "said": said, "rows": rows}, markdown)
 
 if __name__ == "__main__":
     sys.exit(main())

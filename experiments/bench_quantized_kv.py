@@ -18,18 +18,16 @@ timer), and the step time relative to bfloat16 KV's.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from vmemkv.engine import EngineConfig, LLMEngine, SamplingParams
-from machine import cpu_flags_note, cpu_model, write_results  # experiments/machine.py
+from machine import add_decode_bench_arguments, finish_bench  # experiments/machine.py
 
 KV_DTYPES = ("auto", "int8", "fp8")
 
@@ -118,34 +116,15 @@ def markdown(results: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--requests", type=int, default=4)
-    parser.add_argument("--prompt-tokens", type=int, default=7500)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    add_decode_bench_arguments(parser, "quantized_kv_decode_cpu", prompt_tokens=7500, rounds=6, steps=8)
     parser.add_argument("--prefill-threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--kv-dtypes", nargs="+", default=list(KV_DTYPES), choices=KV_DTYPES)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="tiny-llama, short prompts: a smoke run")
-    parser.add_argument("--out", type=Path, help="write quantized_kv_decode_cpu.md and .json here")
-    parser.add_argument("--stem", default="quantized_kv_decode_cpu")
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.dtype, args.prompt_tokens, args.rounds, args.steps = "tiny-llama", "float32", 300, 1, 3
-    results = {
-        "command": "python experiments/bench_quantized_kv.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": datetime.date.today().isoformat(), "cpu": cpu_model(), "flags": cpu_flags_note(),
-        "load_before": os.getloadavg()[0], "args": {**vars(args), "out": str(args.out)},
-        "rows": decode_times(args),
-    }
-    table = markdown(results)
-    print(table)
-    if args.out:
-        write_results(args.out, args.stem, results, table)
-    return 0
-
+    load_before = os.getloadavg()[0]
+    return finish_bench("bench_quantized_kv.py", argv, args, {"load_before": load_before, "rows": decode_times(args)},
+                        markdown)
 
 if __name__ == "__main__":
     sys.exit(main())

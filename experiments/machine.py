@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import platform
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -39,6 +41,41 @@ def report_main(stem: str, description: str, report: Callable[[], dict], markdow
     if args.out:
         write_results(args.out, stem, result, markdown(result))
     print(json.dumps(result) if args.json else markdown(result), end="\n" if args.json else "")
+    return 0
+
+
+def add_decode_bench_arguments(parser: argparse.ArgumentParser, stem: str, prompt_tokens: int, rounds: int,
+                               steps: int) -> None:
+    """The options of a benchmark that decodes on engines taking turns (bench_quantized_kv.py,
+    bench_direct_forward.py): the model and its dtype, the requests and their prompts' length and
+    seed, the thread counts, the rounds and steps measured, ``--quick`` and where the results go."""
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=prompt_tokens)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="tiny-llama, short prompts, few steps: a smoke run")
+    parser.add_argument("--out", type=Path, help=f"write {stem}.md and .json here")
+    parser.add_argument("--stem", default=stem)
+
+
+def finish_bench(script: str, argv, args: argparse.Namespace, measured: dict,
+                 markdown: Callable[[dict], str]) -> int:
+    """A benchmark's results: the command that ran it, the date and CPU, ``args``, and what it
+    ``measured``; prints their table (``markdown``) and, with ``args.out``, writes both files there
+    (``write_results``, as ``args.stem``)."""
+    results = {
+        "command": f"python experiments/{script} " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": datetime.date.today().isoformat(), "cpu": cpu_model(), "flags": cpu_flags_note(),
+        "args": {**vars(args), "out": str(args.out)}, **measured,
+    }
+    table = markdown(results)
+    print(table)
+    if args.out:
+        write_results(args.out, args.stem, results, table)
     return 0
 
 

@@ -130,7 +130,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "native panel kernel in float32, else oneDNN; packed by default for a "
                             "model loaded by name)")
     group.add_argument("--no-direct-forward", action="store_true",
-                       help="run a Llama-code model through transformers' forward instead of direct "
+                       help="run a Llama, Qwen2/3 or Mistral model through transformers' forward instead of direct "
                             "calls of its modules (the same logits, more Python a step)")
     group.add_argument("--policy", default=None, choices=list(POLICIES),
                        help="admission order: lpm (the default: longest cached prefix first, a request "

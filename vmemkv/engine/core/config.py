@@ -110,9 +110,9 @@ class EngineConfig:
     # faster alone at a few rows, but no faster end to end (a 32-sequence decode: 6 % slower, median)
     # (docs/engine.md#linear-layers-on-the-cpu).
     fused_projections: bool = False
-    # A model whose code is Llama's (its causal LM, model, layer, attention and MLP forwards as
-    # transformers 5.25 writes them) runs by direct calls of its modules, without transformers'
-    # wrappers: the same logits, ~4 ms less Python a decode step of SmolLM2-135M
+    # A model whose code is Llama's, Qwen2/3's or Mistral's (its causal LM, model, layer, attention
+    # and MLP forwards as transformers 5.25 writes them) runs by direct calls of its modules, without
+    # transformers' wrappers: the same logits, 2-3 ms less Python a decode step of SmolLM2-135M
     # (engine/models/direct_forward.py; off where a module has hooks). False: the model's forward.
     direct_forward: bool = True
     # Sliding windows: give back the blocks behind each layer's window while a request runs (one

@@ -18,7 +18,7 @@ import torch
 from transformers import AttentionInterface
 
 from vmemkv.errors import UnsupportedModelError
-from vmemkv.engine.models.direct_forward import DirectLlama, why_not_direct
+from vmemkv.engine.models.direct_forward import DirectForward, direct_code
 from vmemkv.engine.models.hf_support import layer_chunks
 
 ATTENTION_NAME = "vmemkv"
@@ -46,9 +46,9 @@ AttentionInterface.register(ATTENTION_NAME, _attention)
 
 
 class ModelRunner:
-    """``direct``: run a model whose code is Llama's by direct calls of its modules
-    (``direct_forward.py``; build this runner after every module swap); ``direct_forward`` says
-    whether it does, or why not."""
+    """``direct``: run a model whose code is Llama's, Qwen2/3's or Mistral's by direct calls of its
+    modules (``direct_forward.py``; build this runner after every module swap); ``direct_forward``
+    says whether it does, or why not."""
 
     def __init__(self, model: torch.nn.Module, direct: bool = True):
         self.model = model
@@ -58,10 +58,11 @@ class ModelRunner:
         # the engine does not build, so the attention is told each layer's chunk.
         chunks = layer_chunks(model.config)
         self._extra = {CHUNKS_KWARG: chunks} if chunks else {}
-        why = ("turned off" if not direct else "chunked layers (the attention is told each one's chunk)"
-               if chunks else why_not_direct(model))
-        self.direct = None if why else DirectLlama(model)
-        self.direct_forward = f"off: {why}" if why else f"on: Llama's code, {len(self.direct.layers)} layers"
+        code = ("turned off" if not direct else "chunked layers (the attention is told each one's chunk)"
+                if chunks else direct_code(model))
+        self.direct = None if isinstance(code, str) else DirectForward(model, code)
+        self.direct_forward = (f"off: {code}" if self.direct is None
+                               else f"on: {code.family}'s code, {len(self.direct.layers)} layers")
 
     @torch.inference_mode()
     def forward(self, input_ids: list[int], positions: list[int], attention,

@@ -1,24 +1,27 @@
-"""A Llama model's forward over the engine's packed batch as direct calls of its own modules.
+"""A Llama-family model's forward over the engine's packed batch as direct calls of its own modules.
 
-A decode step of SmolLM2-135M (4 requests, bfloat16, two threads) spends about 4 of its 19 ms in
-the Python around the modules rather than in them: ``nn.Module.__call__`` for some 400 modules,
+A decode step of SmolLM2-135M (4 requests, bfloat16, two threads) spends 2-3 of its ~19 ms in the
+Python around the modules rather than in them: ``nn.Module.__call__`` for some 400 modules,
 transformers' decorators (keyword deprecation, output capture, config defaults, gradient
 checkpointing), the hub-kernel routing of each attention's rotary (a ``ContextVar`` set and reset
 a call) and the keyword dicts handed down every layer. None of it does anything for the engine's
 call: no cache object, no mask, nothing captured, no hooks.
 
-``DirectLlama`` runs the same modules' ``forward`` in the same order on the same tensors, so its
-logits equal the model's bit for bit. It is a copy of transformers' Llama code, so it runs only
-where that code is what the model runs: the bodies of the model's causal-LM, model, decoder-layer,
-attention and MLP ``forward`` must be the statements this copy was written from (``FINGERPRINTS``,
-transformers 5.25; a modular copy in another model's file counts; any change, and the model runs
-as it is). Off where any module has hooks (tensor parallelism sums each rank's partial outputs in
-forward hooks) and for Llama-4's chunked layers (the attention is told each layer's chunk).
+``DirectForward`` runs the same modules' ``forward`` in the same order on the same tensors, so its
+logits equal the model's bit for bit. It is a copy of transformers' code, so it runs only where
+that code is what the model runs: the bodies of the model's causal-LM, model, decoder-layer,
+attention and MLP ``forward`` must be statements this copy was written from (their fingerprints
+below, transformers 5.25; a modular copy in another model's file counts; any change, and the
+model runs as it is): Llama's (SmolLM2, Helium), and Qwen2's, Qwen3's and Mistral's, whose
+attentions pass a sliding window (Qwen3's also norms its queries and keys). Off where any module
+has hooks (tensor parallelism sums each rank's partial outputs in forward hooks) and for Llama-4's
+chunked layers (the attention is told each layer's chunk).
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
 import inspect
 import textwrap
@@ -29,13 +32,29 @@ from torch import nn
 
 from vmemkv.engine.models.native_rotary import kernel_funcs
 
-# Per part, a hash of its forward's statements as transformers 5.25 writes them (``fingerprint``).
-FINGERPRINTS = {
-    "causal LM": "430740197e726db0",
-    "model": "95e7334e9315c56e",
-    "decoder layer": "f4b11537d1b238be",
-    "attention": "4ea400976585b2ba",
-    "MLP": "6e11a1937897f101",
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCode:
+    """What an attention ``forward`` this copy follows does beyond Llama's."""
+
+    family: str
+    qk_norm: bool  # q_norm / k_norm on each head's query and key before the rotary (Qwen3)
+    window: Callable[[nn.Module], int | None]  # the sliding window it passes the attention function
+
+
+# Per part, the fingerprints (``fingerprint``) of the forward bodies this copy follows, as
+# transformers 5.25 writes them. One causal LM, decoder layer and MLP body serve all four families;
+# the model bodies differ only in the masks they build, which the engine's attention does not read.
+CAUSAL_LMS = {"430740197e726db0"}
+MODELS = {"95e7334e9315c56e", "7d4b29e95fb97081", "04b89716d82b04c5"}  # Llama, Qwen2 and Qwen3, Mistral
+DECODER_LAYERS = {"f4b11537d1b238be"}
+MLPS = {"6e11a1937897f101"}
+ATTENTIONS = {
+    "4ea400976585b2ba": AttentionCode("Llama", False, lambda attention: None),
+    "e5a2cc2e7af2b2c7": AttentionCode("Qwen2", False, lambda attention: attention.sliding_window),
+    "1413374cc0ce6a81": AttentionCode("Qwen3", True, lambda attention: attention.sliding_window),
+    "8b8339dd641bd6e5": AttentionCode("Mistral", False,
+                                      lambda attention: getattr(attention.config, "sliding_window", None)),
 }
 
 
@@ -50,7 +69,8 @@ def fingerprint(function: Callable) -> str:
 
 
 def _parts(model: nn.Module) -> dict[str, Callable] | str:
-    """The class ``forward`` of each part ``FINGERPRINTS`` names, or why the model has no such parts."""
+    """The class ``forward`` of each part (causal LM, model, decoder layer, attention, MLP), or why the
+    model has no such parts."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers) or not hasattr(model, "lm_head"):
         return "not a Llama-style causal LM (model.model.layers, lm_head)"
@@ -65,25 +85,34 @@ def _parts(model: nn.Module) -> dict[str, Callable] | str:
             "attention": attention.forward, "MLP": mlp.forward}
 
 
-def why_not_direct(model: nn.Module) -> str:
-    """"" when ``DirectLlama`` computes what ``model`` computes, else why not."""
+def direct_code(model: nn.Module) -> AttentionCode | str:
+    """The attention code of a model ``DirectForward`` computes exactly, else why it does not."""
     parts = _parts(model)
     if isinstance(parts, str):
         return parts
+    known = {"causal LM": CAUSAL_LMS, "model": MODELS, "decoder layer": DECODER_LAYERS, "attention": ATTENTIONS,
+             "MLP": MLPS}
+    prints = {}
     for part, forward in parts.items():
         try:
-            same = fingerprint(forward) == FINGERPRINTS[part]
-        except (OSError, TypeError, SyntaxError, IndexError, AttributeError):  # no source to read
-            same = False
-        if not same:
-            return f"its {part}'s forward is not the Llama code this path copies (transformers 5.25)"
+            prints[part] = fingerprint(forward)
+        except (OSError, TypeError, SyntaxError, IndexError):  # no source to read
+            prints[part] = None
+        if prints[part] not in known[part]:
+            return f"its {part}'s forward is not code this path copies (Llama, Qwen2/3, Mistral in transformers 5.25)"
     hooked = [name or "the model" for name, module in model.named_modules()
               if module._forward_hooks or module._forward_pre_hooks]
     if hooked:
         return f"{hooked[0]} has forward hooks, which direct calls would skip"
     if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
         return "global module hooks are registered, which direct calls would skip"
-    return ""
+    return ATTENTIONS[prints["attention"]]
+
+
+def why_not_direct(model: nn.Module) -> str:
+    """"" when ``DirectForward`` computes what ``model`` computes, else why not."""
+    code = direct_code(model)
+    return code if isinstance(code, str) else ""
 
 
 def _rotary(attention: nn.Module) -> Callable:
@@ -101,14 +130,16 @@ def _call(module) -> Callable:
 
 
 class _Layer:
-    """One decoder layer's calls: the attention and MLP bodies of transformers' Llama inlined."""
+    """One decoder layer's calls: the decoder-layer, attention and MLP bodies inlined."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, code: AttentionCode):
         attention, mlp = layer.self_attn, layer.mlp
         self.index, self.head_dim, self.scaling = attention.layer_idx, attention.head_dim, attention.scaling
+        self.window = code.window(attention)
         self.input_norm, self.post_norm = _call(layer.input_layernorm), _call(layer.post_attention_layernorm)
         self.q, self.k, self.v, self.o = (_call(getattr(attention, name))
                                           for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        self.q_norm, self.k_norm = (_call(attention.q_norm), _call(attention.k_norm)) if code.qk_norm else (None, None)
         self.rotary = _rotary(attention)
         self.gate, self.up, self.down = (_call(getattr(mlp, name)) for name in ("gate_proj", "up_proj", "down_proj"))
         self.act = _call(mlp.act_fn)
@@ -118,27 +149,30 @@ class _Layer:
         hidden = self.input_norm(hidden)
         input_shape = hidden.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query = self.q(hidden).view(hidden_shape).transpose(1, 2)
-        key = self.k(hidden).view(hidden_shape).transpose(1, 2)
+        query, key = self.q(hidden).view(hidden_shape), self.k(hidden).view(hidden_shape)
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)
         value = self.v(hidden).view(hidden_shape).transpose(1, 2)
         query, key = self.rotary(query, key, cos, sin)
-        # what model_runner._attention passes for a Llama layer: no window, soft-cap, sinks or chunk
-        output = attention(self.index, query, key, value, self.scaling)
+        # what model_runner._attention passes these layers: their window; no soft-cap, sinks or chunk
+        output = attention(self.index, query, key, value, self.scaling, window=self.window)
         hidden = residual + self.o(output.reshape(*input_shape, -1).contiguous())
         residual = hidden
         hidden = self.post_norm(hidden)
         return residual + self.down(self.act(self.gate(hidden)) * self.up(hidden))
 
 
-class DirectLlama:
-    """``model(input_ids=..., position_ids=..., logits_to_keep=...).logits`` for a model
-    ``why_not_direct`` accepts, with the engine's attention object: its modules captured once (build
+class DirectForward:
+    """``model(input_ids=..., position_ids=..., logits_to_keep=...).logits`` for a model whose
+    ``direct_code`` is ``code``, with the engine's attention object: its modules captured once (build
     it after every module swap: packing, native norms and rotaries)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, code: AttentionCode):
         base = model.model
+        self.family = code.family
         self.embed, self.rotary_emb, self.norm = _call(base.embed_tokens), _call(base.rotary_emb), _call(base.norm)
-        self.layers = [_Layer(layer) for layer in base.layers[: base.config.num_hidden_layers]]
+        self.layers = [_Layer(layer, code) for layer in base.layers[: base.config.num_hidden_layers]]
         self.lm_head = _call(model.lm_head)
         self.keep = inspect.unwrap(type(model).forward).__globals__["slice_logits_to_keep"]
 
