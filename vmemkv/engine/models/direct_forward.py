@@ -43,29 +43,41 @@ class AttentionCode:
 
 
 # Per part, the fingerprints (``fingerprint``) of the forward bodies this copy follows, as
-# transformers 5.25 writes them. One causal LM, decoder layer and MLP body serve all four families;
-# the model bodies differ only in the masks they build, which the engine's attention does not read.
-CAUSAL_LMS = {"430740197e726db0"}
-MODELS = {"95e7334e9315c56e", "7d4b29e95fb97081", "04b89716d82b04c5"}  # Llama, Qwen2 and Qwen3, Mistral
-DECODER_LAYERS = {"f4b11537d1b238be"}
-MLPS = {"6e11a1937897f101"}
+# transformers 5.25 writes them (the same on Python 3.10-3.13). One causal LM, decoder layer and
+# MLP body serve all four families; the model bodies differ only in the masks they build, which
+# the engine's attention does not read.
+CAUSAL_LMS = {"28beac74e63845e4"}
+MODELS = {"c420fd66a28c7081", "ce66e0218dc7adbe", "83f46b8e1dc01c30"}  # Llama, Qwen2 and Qwen3, Mistral
+DECODER_LAYERS = {"90bbd346dc9f66e3"}
+MLPS = {"2b121b3b8f52cfef"}
 ATTENTIONS = {
-    "4ea400976585b2ba": AttentionCode("Llama", False, lambda attention: None),
-    "e5a2cc2e7af2b2c7": AttentionCode("Qwen2", False, lambda attention: attention.sliding_window),
-    "1413374cc0ce6a81": AttentionCode("Qwen3", True, lambda attention: attention.sliding_window),
-    "8b8339dd641bd6e5": AttentionCode("Mistral", False,
+    "589e2f3afd8e67dc": AttentionCode("Llama", False, lambda attention: None),
+    "a7b7642abadcc99f": AttentionCode("Qwen2", False, lambda attention: attention.sliding_window),
+    "0cd530063f807b66": AttentionCode("Qwen3", True, lambda attention: attention.sliding_window),
+    "bdfd743a3d27c57b": AttentionCode("Mistral", False,
                                       lambda attention: getattr(attention.config, "sliding_window", None)),
 }
 
 
 def fingerprint(function: Callable) -> str:
     """A hash of ``function``'s statements as parsed (its docstring left out): the same for the same
-    code whatever the Python version, the file it is in, or the decorators around it."""
+    code whatever the file it is in, the decorators around it or the Python version (fields a newer
+    ``ast`` adds empty, and positions, do not count)."""
     source = textwrap.dedent(inspect.getsource(inspect.unwrap(function)))
     body = ast.parse(source).body[0].body
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]  # the docstring
-    return hashlib.sha256("\n".join(ast.dump(node) for node in body).encode()).hexdigest()[:16]
+    return hashlib.sha256(repr(_tree(body)).encode()).hexdigest()[:16]
+
+
+def _tree(node):
+    """A node as nested tuples of its class name and its non-empty fields."""
+    if isinstance(node, list):
+        return tuple(_tree(item) for item in node)
+    if isinstance(node, ast.AST):
+        return type(node).__name__, tuple((name, _tree(value)) for name, value in ast.iter_fields(node)
+                                          if value is not None and value != [])
+    return repr(node)
 
 
 def _parts(model: nn.Module) -> dict[str, Callable] | str:
