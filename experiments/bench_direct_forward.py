@@ -106,5 +106,6 @@ def main(argv=None) -> int:
     return finish_bench("bench_direct_forward.py", argv, args,
                         {"load_before": load_before, "said": said, "rows": rows}, markdown)
 
+
 if __name__ == "__main__":
     sys.exit(main())

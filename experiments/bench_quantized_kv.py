@@ -126,5 +126,6 @@ def main(argv=None) -> int:
     return finish_bench("bench_quantized_kv.py", argv, args, {"load_before": load_before, "rows": decode_times(args)},
                         markdown)
 
+
 if __name__ == "__main__":
     sys.exit(main())
