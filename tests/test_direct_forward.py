@@ -69,7 +69,8 @@ FAMILIES = {"tiny-llama": "Llama", "tiny-qwen2": "Qwen2", "tiny-mistral": "Mistr
 def test_direct_calls_give_the_models_logits_bit_for_bit(name, dtype, prepared, keep):
     model = build_tiny(name, dtype)
     if prepared:  # as the engine prepares a model it loaded on the CPU
-        assert pack_linears(model) and swap_rms_norms(model) and swap_rotaries(model)
+        assert pack_linears(model) and swap_rms_norms(model)
+        swap_rotaries(model)  # where transformers has the per-instance hook (5.25; not 5.17)
     assert direct_code(model).family == FAMILIES[name]
     keep = torch.tensor([3, 7, 12]) if keep == "rows" else keep
     (want, own_calls), (got, direct_calls) = run_both(model, 13, keep)
@@ -110,7 +111,7 @@ def test_an_engine_decodes_the_same_tokens_with_and_without_direct_calls(name):
 def test_the_model_runs_as_it_is_where_direct_calls_could_differ():
     # another family's code (Gemma-2 soft-caps its logits, norms four times a layer, ...)
     assert why_not_direct(build_tiny("tiny-gemma2")) == ("its causal LM's forward is not code this path copies "
-                                                         "(Llama, Qwen2/3, Mistral in transformers 5.25)")
+                                                         "(Llama, Qwen2/3, Mistral in transformers 5.17 or 5.25)")
     # not a decoder-only causal LM of that shape
     assert why_not_direct(torch.nn.Linear(2, 2)).startswith("not a Llama-style causal LM")
     # a hook direct calls would skip (tensor parallelism sums partial outputs in forward hooks)

@@ -111,7 +111,7 @@ class EngineConfig:
     # (docs/engine.md#linear-layers-on-the-cpu).
     fused_projections: bool = False
     # A model whose code is Llama's, Qwen2/3's or Mistral's (its causal LM, model, layer, attention
-    # and MLP forwards as transformers 5.25 writes them) runs by direct calls of its modules, without
+    # and MLP forwards as transformers 5.17 / 5.25 write them) runs by direct calls of its modules, without
     # transformers' wrappers: the same logits, 2-3 ms less Python a decode step of SmolLM2-135M
     # (engine/models/direct_forward.py; off where a module has hooks). False: the model's forward.
     direct_forward: bool = True

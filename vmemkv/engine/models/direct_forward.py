@@ -11,8 +11,8 @@ call: no cache object, no mask, nothing captured, no hooks.
 logits equal the model's bit for bit. It is a copy of transformers' code, so it runs only where
 that code is what the model runs: the bodies of the model's causal-LM, model, decoder-layer,
 attention and MLP ``forward`` must be statements this copy was written from (their fingerprints
-below, transformers 5.25; a modular copy in another model's file counts; any change, and the
-model runs as it is): Llama's (SmolLM2, Helium), and Qwen2's, Qwen3's and Mistral's, whose
+below, transformers 5.17 and 5.25; a modular copy in another model's file counts; any change, and
+the model runs as it is): Llama's (SmolLM2, Helium), and Qwen2's, Qwen3's and Mistral's, whose
 attentions pass a sliding window (Qwen3's also norms its queries and keys). Off where any module
 has hooks (tensor parallelism sums each rank's partial outputs in forward hooks) and for Llama-4's
 chunked layers (the attention is told each layer's chunk).
@@ -42,21 +42,24 @@ class AttentionCode:
     window: Callable[[nn.Module], int | None]  # the sliding window it passes the attention function
 
 
+LLAMA = AttentionCode("Llama", False, lambda attention: None)
+QWEN2 = AttentionCode("Qwen2", False, lambda attention: attention.sliding_window)
+QWEN3 = AttentionCode("Qwen3", True, lambda attention: attention.sliding_window)
+MISTRAL = AttentionCode("Mistral", False, lambda attention: getattr(attention.config, "sliding_window", None))
+
 # Per part, the fingerprints (``fingerprint``) of the forward bodies this copy follows, as
-# transformers 5.25 writes them (the same on Python 3.10-3.13). One causal LM, decoder layer and
-# MLP body serve all four families; the model bodies differ only in the masks they build, which
-# the engine's attention does not read.
-CAUSAL_LMS = {"28beac74e63845e4"}
-MODELS = {"c420fd66a28c7081", "ce66e0218dc7adbe", "83f46b8e1dc01c30"}  # Llama, Qwen2 and Qwen3, Mistral
-DECODER_LAYERS = {"90bbd346dc9f66e3"}
+# transformers 5.25 and 5.17 (the GPU image's) write them, each the same on Python 3.10-3.13.
+# 5.17's differ in names only (``past_key_values`` for ``cache``, whose branch the engine's call
+# skips) and in slicing the logits' rows inline (``DirectForward`` slices as both do). One causal
+# LM, decoder layer and MLP body serve all four families; the model bodies differ only in the
+# masks they build, which the engine's attention does not read.
+CAUSAL_LMS = {"28beac74e63845e4", "48b0973c969c5ae2"}
+MODELS = {"c420fd66a28c7081", "ce66e0218dc7adbe", "83f46b8e1dc01c30",  # Llama, Qwen2 and Qwen3, Mistral
+          "1f1b3fa4cff36bc4", "2b95658a553d4f71", "b2f7b4843861e54b"}  # the same in 5.17
+DECODER_LAYERS = {"90bbd346dc9f66e3", "d9b336e9c69c9c55"}
 MLPS = {"2b121b3b8f52cfef"}
-ATTENTIONS = {
-    "589e2f3afd8e67dc": AttentionCode("Llama", False, lambda attention: None),
-    "a7b7642abadcc99f": AttentionCode("Qwen2", False, lambda attention: attention.sliding_window),
-    "0cd530063f807b66": AttentionCode("Qwen3", True, lambda attention: attention.sliding_window),
-    "bdfd743a3d27c57b": AttentionCode("Mistral", False,
-                                      lambda attention: getattr(attention.config, "sliding_window", None)),
-}
+ATTENTIONS = {"589e2f3afd8e67dc": LLAMA, "a7b7642abadcc99f": QWEN2, "0cd530063f807b66": QWEN3, "bdfd743a3d27c57b": MISTRAL,
+              "8e192cb40b1991f8": LLAMA, "5138e9e226da3d34": QWEN2, "9bd44098ae520199": QWEN3, "b26c400e5575b621": MISTRAL}
 
 
 def fingerprint(function: Callable) -> str:
@@ -111,7 +114,8 @@ def direct_code(model: nn.Module) -> AttentionCode | str:
         except (OSError, TypeError, SyntaxError, IndexError):  # no source to read
             prints[part] = None
         if prints[part] not in known[part]:
-            return f"its {part}'s forward is not code this path copies (Llama, Qwen2/3, Mistral in transformers 5.25)"
+            return (f"its {part}'s forward is not code this path copies (Llama, Qwen2/3, Mistral in "
+                    "transformers 5.17 or 5.25)")
     hooked = [name or "the model" for name, module in model.named_modules()
               if module._forward_hooks or module._forward_pre_hooks]
     if hooked:
@@ -186,7 +190,6 @@ class DirectForward:
         self.embed, self.rotary_emb, self.norm = _call(base.embed_tokens), _call(base.rotary_emb), _call(base.norm)
         self.layers = [_Layer(layer, code) for layer in base.layers[: base.config.num_hidden_layers]]
         self.lm_head = _call(model.lm_head)
-        self.keep = inspect.unwrap(type(model).forward).__globals__["slice_logits_to_keep"]
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention,
                  logits_to_keep: int | torch.Tensor) -> torch.Tensor:
@@ -194,4 +197,7 @@ class DirectForward:
         cos, sin = self.rotary_emb(hidden, position_ids=position_ids)
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, attention)
-        return self.lm_head(self.keep(self.norm(hidden), logits_to_keep))
+        hidden = self.norm(hidden)
+        # the rows the causal LM keeps: the last ``logits_to_keep`` (0: all), or those a 1-D tensor names
+        rows = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return self.lm_head(hidden[:, rows, :])
